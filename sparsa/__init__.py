@@ -1,0 +1,11 @@
+"""sparsa: composable, fast sparsity for PyTorch.
+
+Layouts (storage formats), sparsifiers (which values survive) and operator implementations are
+independent; a dispatcher picks an implementation for each op and falls back to dense.
+"""
+from . import layouts  # noqa: F401
+from .tensor import SparseTensor, to_sparse, to_dense  # noqa: F401
+from . import ops  # noqa: F401
+from .ops import fallback_counts, reset_fallback_counts, SparseFallbackWarning, implements  # noqa: F401
+
+__version__ = "0.1.0"

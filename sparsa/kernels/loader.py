@@ -1,0 +1,122 @@
+"""JIT build and load of sparsa's native (C++/AVX2/OpenMP) kernel libraries.
+
+Kernels are plain C++ (no torch headers, so a build takes seconds) exposing ``extern "C"`` functions
+that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja; it holds a
+file lock so two processes building at once are safe) into a cache directory keyed by the source
+hash, then opened with :mod:`ctypes`. Python wrappers register them as ``torch.library`` custom ops.
+
+- ``SPARSA_NO_NATIVE=1`` forces the pure-PyTorch fallbacks.
+- ``SPARSA_CACHE_DIR`` overrides the cache (default ``~/.cache/sparsa/kernels``).
+- If the build fails (no compiler, no ninja) the fallback runs and a warning says so once.
+
+Example::
+
+    >>> from sparsa.kernels import loader
+    >>> lib = loader.load("spmm")          # doctest: +SKIP
+    >>> lib is None or hasattr(lib, "sparsa_version")  # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+__all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info"]
+
+CSRC = Path(__file__).parent / "csrc"
+_LIBS: Dict[str, Optional[ctypes.CDLL]] = {}
+_INFO: Dict[str, dict] = {}
+_LOCK = threading.Lock()
+_WARNED: set = set()
+
+CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=fast",
+          "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]
+
+
+def native_enabled() -> bool:
+    """False when ``SPARSA_NO_NATIVE`` is set to a true value."""
+    return os.environ.get("SPARSA_NO_NATIVE", "").lower() not in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("SPARSA_CACHE_DIR")
+    base = Path(d) if d else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sparsa" / "kernels"
+    base.mkdir(parents=True, exist_ok=True)
+    return base
+
+
+def build_info() -> Dict[str, dict]:
+    """Per library: build seconds (0 if cached), path, or the error that forced the fallback."""
+    return dict(_INFO)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.CDLL]:
+    """Build (if needed) and open the native library ``name``; None means "use the fallback".
+
+    ``sources`` are file names under ``csrc/`` (default ``[name + ".cpp"]``); headers in ``csrc/``
+    are part of the hash.
+    """
+    if not native_enabled():
+        return None
+    with _LOCK:
+        if name in _LIBS:
+            return _LIBS[name]
+        lib = None
+        try:
+            lib = _build(name, list(sources or [f"{name}.cpp"]))
+        except Exception as e:  # pragma: no cover - depends on the machine
+            _INFO[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            _warn_once(name, f"sparsa: could not build native kernels {name!r} ({type(e).__name__}); "
+                             "using the pure-PyTorch fallback (slower). Install a C++ compiler and "
+                             "`pip install ninja` to enable them.")
+        _LIBS[name] = lib
+        return lib
+
+
+def _build(name: str, sources: Sequence[str]) -> ctypes.CDLL:
+    paths = [CSRC / s for s in sources]
+    h = hashlib.sha256()
+    for p in sorted(paths) + sorted(CSRC.glob("*.h")):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest = h.hexdigest()[:16]
+    out_dir = cache_dir() / f"{name}_{digest}"
+    so = out_dir / f"sparsa_{name}.so"
+    if so.exists():
+        _INFO[name] = {"seconds": 0.0, "path": str(so), "cached": True}
+        return ctypes.CDLL(str(so))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+    t0 = time.perf_counter()
+    _warn_once(name + ":build", f"sparsa: building native kernels {name!r} (first use; cached afterwards)...")
+    cpp_extension.load(
+        name=f"sparsa_{name}",
+        sources=[str(p) for p in paths],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        build_directory=str(out_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    dt = time.perf_counter() - t0
+    _INFO[name] = {"seconds": round(dt, 2), "path": str(so), "cached": False}
+    return ctypes.CDLL(str(so))
+
+
+def ptr(t) -> ctypes.c_void_p:
+    """Raw data pointer of a tensor for a ctypes call."""
+    return ctypes.c_void_p(t.data_ptr())

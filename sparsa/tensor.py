@@ -1,0 +1,228 @@
+"""The :class:`SparseTensor` subclass: a tensor whose storage is a sparsa layout.
+
+It behaves like a tensor of its logical shape (``shape``, ``dtype``, ``device``, ``requires_grad``,
+printing, ``copy.deepcopy``, ``nn.Parameter``). High-level ops (``F.linear``, ``matmul``, ``add``...)
+go through sparsa's dispatcher (``__torch_function__``); any other op reaches ``__torch_dispatch__``,
+where structural ops (detach, clone, to) keep the layout, in-place updates (optimizer steps) refill
+the stored pattern, and everything else runs densely (counted, see :func:`sparsa.fallback_counts`).
+
+Example::
+
+    >>> import torch, sparsa
+    >>> w = sparsa.to_sparse(torch.randn(4, 8), sparsa.layouts.NM, n=2, m=4)
+    >>> w.shape, w.layout_name, round(w.density, 2)
+    (torch.Size([4, 8]), 'nm', 0.5)
+    >>> y = torch.nn.functional.linear(torch.randn(3, 8), w)   # dispatched to the N:M implementation
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Type, Union
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .layouts.base import Layout, get_layout
+
+__all__ = ["SparseTensor", "to_sparse", "to_dense"]
+
+
+class SparseTensor(Tensor):
+    """A tensor stored in a sparsa :class:`~sparsa.layouts.base.Layout`.
+
+    Build one with :func:`sparsa.to_sparse` (differentiable w.r.t. the dense input) or directly
+    from a layout instance: ``SparseTensor(layout, requires_grad=False)``.
+
+    Attributes:
+        inline_sparsifier: optional sparsifier re-applied after every in-place update
+            (e.g. an optimizer step); by default the stored pattern is kept exactly.
+    """
+
+    _layout: Layout
+    inline_sparsifier: Any
+
+    @staticmethod
+    def __new__(cls, layout: Layout, requires_grad: bool = False):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
+                            "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor")
+        t = Tensor._make_wrapper_subclass(cls, layout.shape, dtype=layout.dtype, device=layout.device,
+                                          requires_grad=requires_grad)
+        t._layout = layout
+        t.inline_sparsifier = None
+        return t
+
+    def __init__(self, layout: Layout, requires_grad: bool = False):  # noqa: D401 - see __new__
+        pass
+
+    # ---------------------------------------------------------------- inspection
+    @property
+    def sparse_layout(self) -> Layout:
+        """The layout instance holding the data."""
+        return self._layout
+
+    @property
+    def layout_name(self) -> str:
+        return type(self._layout).name
+
+    @property
+    def nnz(self) -> int:
+        return self._layout.nnz
+
+    @property
+    def density(self) -> float:
+        return self._layout.density
+
+    @property
+    def sparsity(self) -> float:
+        return self._layout.sparsity
+
+    @property
+    def nbytes_sparse(self) -> int:
+        """Bytes of the stored components (``Tensor.nbytes`` stays the dense size)."""
+        return self._layout.nbytes
+
+    def pattern(self) -> Tensor:
+        """Boolean mask of the stored positions."""
+        return self._layout.mask()
+
+    def to_dense(self, dtype: Optional[torch.dtype] = None, *, masked_grad: Optional[bool] = None) -> Tensor:
+        """Differentiable conversion to a plain tensor."""
+        out = _ToDense.apply(self)
+        return out if dtype is None else out.to(dtype)
+
+    def to_layout(self, layout: Union[str, Type[Layout]], **params: Any) -> "SparseTensor":
+        """Convert to another layout (through the conversion graph); keeps ``requires_grad``."""
+        from .layouts.base import convert
+        dst = get_layout(layout) if isinstance(layout, str) else layout
+        out = SparseTensor(convert(self._layout, dst, **params), requires_grad=self.requires_grad)
+        out.inline_sparsifier = self.inline_sparsifier
+        return out
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        lay = self._layout
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        params = "".join(f", {k}={v}" for k, v in lay.params().items())
+        return (f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
+                f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})")
+
+    # ---------------------------------------------------------------- copy / compile support
+    def __deepcopy__(self, memo: dict) -> "SparseTensor":
+        if id(self) in memo:
+            return memo[id(self)]
+        lay = self._layout.map_tensors(lambda t: t.detach().clone())
+        out = SparseTensor(lay, requires_grad=self.requires_grad)
+        out.inline_sparsifier = copy.deepcopy(self.inline_sparsifier, memo)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, proto: int):
+        # plain pickling (torch.save / multiprocessing) rebuilds from components
+        lay = self._layout
+        comps = {k: v.detach() for k, v in lay.components().items()}
+        return (_rebuild, (type(lay).name, comps, tuple(lay.shape), lay.params(), self.requires_grad))
+
+    def __tensor_flatten__(self):
+        comps = self._layout.components()
+        names = list(comps)
+        ctx = (type(self._layout), tuple(self._layout.shape), self._layout.params(), tuple(names))
+        return [f"_c_{n}" for n in names], ctx
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        cls, shape, params, names = ctx
+        comps = {n: inner[f"_c_{n}"] for n in names}
+        return SparseTensor(cls.from_components(comps, shape, **params))
+
+    def __getattr__(self, name: str):
+        if name.startswith("_c_"):
+            return self._layout.components()[name[3:]]
+        raise AttributeError(name)
+
+    # ---------------------------------------------------------------- dispatch
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .ops import dispatch as _d
+        kwargs = kwargs or {}
+        op = _d.OP_TABLE.get(func)
+        if op is not None:
+            return _d.dispatch(op, func, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .ops import aten_fallback
+        return aten_fallback.handle(func, args, kwargs or {})
+
+
+def _rebuild(name, comps, shape, params, requires_grad):
+    lay = get_layout(name).from_components(comps, shape, **params)
+    return SparseTensor(lay, requires_grad=requires_grad)
+
+
+class _ToDense(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sp: SparseTensor) -> Tensor:  # type: ignore[override]
+        return sp._layout.to_dense()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        return g
+
+
+class _FromDense(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dense: Tensor, layout: Layout) -> SparseTensor:  # type: ignore[override]
+        ctx.layout = layout
+        return SparseTensor(layout)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        if isinstance(g, SparseTensor):
+            g = g._layout.to_dense()
+        return g * ctx.layout.mask().to(g.dtype), None
+
+
+def to_sparse(dense: Tensor, layout: Union[str, Type[Layout]] = "masked", *, mask: Optional[Tensor] = None,
+              sparsifier: Any = None, requires_grad: Optional[bool] = None, **params: Any) -> SparseTensor:
+    """Store ``dense`` in ``layout`` (a class or registered name).
+
+    ``mask`` (bool, same shape) or ``sparsifier`` (a :class:`sparsa.sparsifiers.Sparsifier`) choose the
+    kept positions; otherwise the layout keeps the nonzeros (structured layouts keep the largest
+    magnitudes that fit). The result is differentiable w.r.t. ``dense`` (gradient restricted to the kept
+    pattern). ``params`` go to the layout (e.g. ``n=2, m=4``).
+
+    >>> import torch, sparsa
+    >>> s = sparsa.to_sparse(torch.tensor([[0.0, 1.0], [2.0, 0.0]]), "csr")
+    >>> s.nnz
+    2
+    """
+    from .layouts.base import check_float
+    if isinstance(dense, SparseTensor):
+        dense = dense.to_dense()
+    check_float(dense, "dense")
+    cls = get_layout(layout) if isinstance(layout, str) else layout
+    if mask is None and sparsifier is not None:
+        mask = sparsifier.mask(dense.detach())
+    lay = cls.from_dense(dense.detach(), mask=mask, **params)
+    if dense.requires_grad and torch.is_grad_enabled():
+        out = _FromDense.apply(dense, lay)
+    else:
+        out = SparseTensor(lay, requires_grad=bool(requires_grad))
+    if requires_grad is not None and out.is_leaf:
+        out.requires_grad_(requires_grad)
+    return out
+
+
+def to_dense(t: Tensor) -> Tensor:
+    """A plain tensor for any tensor (identity for dense ones); differentiable."""
+    return t.to_dense() if isinstance(t, SparseTensor) else t
+
+
+def unwrap_dense(x: Any) -> Any:
+    """Tree-map helper: SparseTensor -> its dense tensor (not differentiable; for aten level)."""
+    return tree_map(lambda a: a._layout.to_dense() if isinstance(a, SparseTensor) else a, x)
