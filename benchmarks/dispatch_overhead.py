@@ -1,0 +1,86 @@
+"""Dispatch overhead: extra time of F.linear on a SparseTensor over calling the implementation directly.
+
+Tiny shapes (so the kernel itself costs ~1-2 us) make the Python dispatch cost visible. Reports the
+median over repetitions of the per-call difference, for inference (no grad) and training (grad
+recorded: includes autograd.Function bookkeeping). Writes benchmarks/results/dispatch_overhead.json.
+
+    python benchmarks/dispatch_overhead.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import sparsa
+from sparsa.layouts import Dense, Masked
+from sparsa.ops import registry
+from sparsa.ops.dispatch import _Ctx
+
+OUT = Path(__file__).parent / "results" / "dispatch_overhead.json"
+
+
+def _per_call(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    reps, n = (7, 2000) if args.quick else (21, 5000)
+    impl = registry.lookup("linear", (Dense, Masked, Dense))
+    if impl is None:
+        raise SystemExit("no linear implementation registered for Masked weights")
+    w = torch.randn(8, 8)
+    sp = sparsa.to_sparse(w, Masked, mask=w.abs() > 0.5)
+    x = torch.randn(4, 8)
+    lay = sp.sparse_layout
+    rows = []
+    for mode in ("inference", "training"):
+        xs = x.requires_grad_(mode == "training")
+        spw = torch.nn.Parameter(sp.detach()) if mode == "training" else sp
+        if mode == "training":
+            direct = lambda: impl.forward(_Ctx(), xs, lay, None)  # noqa: E731 - kernel alone
+        else:
+            direct = lambda: impl.forward(_Ctx(), xs, lay, None)  # noqa: E731
+        dispatched = lambda: F.linear(xs, spw)  # noqa: E731
+        ctx = torch.enable_grad() if mode == "training" else torch.no_grad()
+        with ctx:
+            for _ in range(3):
+                _per_call(direct, n // 4), _per_call(dispatched, n // 4)
+            diffs, d_times, s_times = [], [], []
+            for _ in range(reps):
+                a = _per_call(direct, n)
+                b = _per_call(dispatched, n)
+                diffs.append(b - a)
+                d_times.append(a)
+                s_times.append(b)
+        rows.append({
+            "mode": mode, "shape_x": list(x.shape), "shape_w": list(w.shape), "threads": 1,
+            "direct_us": round(statistics.median(d_times) * 1e6, 2),
+            "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
+            "overhead_us": round(statistics.median(diffs) * 1e6, 2),
+        })
+    res = {"benchmark": "dispatch_overhead", "target_us": 20.0, "torch": torch.__version__,
+           "python": platform.python_version(), "rows": rows,
+           "note": "overhead = median(dispatched - direct) per call; training includes autograd.Function."}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(res, indent=2))
+    for r in rows:
+        print(f"{r['mode']:>9}: direct {r['direct_us']:.1f} us, dispatched {r['dispatched_us']:.1f} us, "
+              f"overhead {r['overhead_us']:.1f} us (target < 20)")
+
+
+if __name__ == "__main__":
+    main()
