@@ -116,6 +116,8 @@ class SparseTensor(Tensor):
         out.inline_sparsifier = copy.deepcopy(self.inline_sparsifier, memo)
         if getattr(self, "_is_param", False):
             out._is_param = True
+        for hook in (getattr(self, "_post_accumulate_grad_hooks", None) or {}).values():  # e.g. grad layouts
+            out.register_post_accumulate_grad_hook(copy.deepcopy(hook, memo))
         memo[id(self)] = out
         return out
 
@@ -134,8 +136,10 @@ class SparseTensor(Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         cls, shape, params, names = ctx
+        from .layouts.base import unchecked
         comps = {n: inner[f"_c_{n}"] for n in names}
-        return SparseTensor(cls.from_components(comps, shape, **params))
+        with unchecked():
+            return SparseTensor(cls.from_components(comps, shape, **params))
 
     def __getattr__(self, name: str):
         if name.startswith("_c_"):

@@ -3,3 +3,11 @@ from .base import (Layout, register_layout, get_layout, registered_layouts, regi
                    convert, conversion_path)
 from .dense import Dense  # noqa: F401
 from .masked import Masked  # noqa: F401
+from .row_group import RowGroup, row_group_mask  # noqa: F401
+from .sliced_ell import SlicedELL  # noqa: F401
+from .coo import COO  # noqa: F401
+from .csr import CSR  # noqa: F401
+from .bsr import BSR  # noqa: F401
+from .nm import NM, nm_mask  # noqa: F401
+from .grouped_nm import GroupedNM, grouped_nm_mask  # noqa: F401
+from . import conversions  # noqa: F401

@@ -17,12 +17,16 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import heapq
 import math
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
+import torch._guards  # noqa: F401  (detect_fake_mode: skip validation while tracing)
 from torch import Tensor
 
 __all__ = [
@@ -173,12 +177,43 @@ def register_layout(cls: Type[Layout], replace: bool = False) -> Type[Layout]:
         raise TypeError(f"register_layout expects a Layout subclass, got {cls!r}")
     if not cls.name:
         raise ValueError(f"layout class {cls.__name__} must set a non-empty `name`")
+    _wrap_validate(cls)
     if cls.name in _LAYOUTS and _LAYOUTS[cls.name] is not cls and not replace:
         raise ValueError(
             f"a layout named {cls.name!r} is already registered ({_LAYOUTS[cls.name].__name__}); "
             "pass replace=True to replace it")
     _LAYOUTS[cls.name] = cls
     return cls
+
+
+_SKIP_VALIDATION: contextvars.ContextVar[bool] = contextvars.ContextVar("sparsa_skip_validation", default=False)
+
+
+def _wrap_validate(cls: type) -> None:
+    """Make ``cls.validate`` a no-op while tracing (fake tensors carry no data to check) and inside
+    :func:`unchecked` (rebuilding from already-validated components)."""
+    orig = cls.__dict__.get("validate")
+    if orig is None or getattr(orig, "_sparsa_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def validate(self: Layout) -> None:
+        if _SKIP_VALIDATION.get() or torch._guards.detect_fake_mode() is not None:
+            return
+        return orig(self)
+
+    validate._sparsa_wrapped = True  # type: ignore[attr-defined]
+    cls.validate = validate  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Skip layout validation inside the block (components known to be valid)."""
+    tok = _SKIP_VALIDATION.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_VALIDATION.reset(tok)
 
 
 def get_layout(name: str) -> Type[Layout]:
@@ -228,9 +263,6 @@ def _dijkstra(src: type, dst: type) -> Optional[Tuple[float, List[Callable]]]:
                 heapq.heappush(heap, (nc, counter, nxt, path + [fn]))
                 counter += 1
     return None
-
-
-import functools  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)

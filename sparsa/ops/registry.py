@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 from ..layouts.base import Layout
 from ..layouts.dense import Dense
 
-__all__ = ["Impl", "implements", "register_impl", "registered_impls", "OPS"]
+__all__ = ["Impl", "implements", "register_impl", "register_device_impl", "registered_impls", "OPS"]
 
 #: op name -> number of tensor arguments it dispatches on
 OPS: Dict[str, int] = {
@@ -103,14 +103,50 @@ def implements(op: str, layouts: Sequence[Optional[type]], *, replace: bool = Fa
     return deco
 
 
+_DEVICE_IMPLS: Dict[Tuple[str, Tuple[type, ...]], list] = {}
+
+
+def register_device_impl(op: str, layouts: Sequence[Optional[type]], forward: Callable,
+                         backward: Optional[Callable] = None, *, applies: Callable[..., bool],
+                         name: Optional[str] = None) -> Impl:
+    """Register an implementation preferred wherever ``applies(*args, **rest)`` is true (e.g. tensors on
+    a GPU). Elsewhere the plain implementation for the same layouts runs (this one if there is none, so
+    it must be correct on every device). Tried in registration order; the same name replaces itself."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; dispatchable ops: {sorted(OPS)}")
+    key = (op, _norm_layouts(op, layouts))
+    impl = Impl(op, key[1], forward, backward, name or getattr(forward, "__qualname__", str(forward)))
+    routes = _DEVICE_IMPLS.setdefault(key, [])
+    routes[:] = [r for r in routes if r[1].name != impl.name] + [(applies, impl)]
+    _VERSION[0] += 1
+    return impl
+
+
+def _routed(key: Tuple[str, Tuple[type, ...]], base: Optional[Impl]) -> Impl:
+    routes = tuple(_DEVICE_IMPLS[key])
+    last = base or routes[-1][1]
+
+    def forward(ctx: Any, *args: Any, **rest: Any) -> Any:
+        ctx.sparsa_impl = next((i for ok, i in routes if ok(*args, **rest)), last)
+        return ctx.sparsa_impl.forward(ctx, *args, **rest)
+
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return ctx.sparsa_impl.backward(ctx, *grads)
+
+    bwd = backward if last.has_backward and all(i.has_backward for _, i in routes) else None
+    return Impl(key[0], key[1], forward, bwd, " | ".join([i.name for _, i in routes] + [last.name]))
+
+
 def registered_impls(op: Optional[str] = None) -> Dict[Tuple[str, Tuple[str, ...]], str]:
     """Readable table of registered implementations: (op, layout names) -> implementation name."""
     return {(k[0], tuple(l.name for l in k[1])): v.name for k, v in _IMPLS.items() if op in (None, k[0])}
 
 
 def lookup(op: str, layouts: Tuple[type, ...]) -> Optional[Impl]:
-    return _IMPLS.get((op, layouts))
+    base = _IMPLS.get((op, layouts))
+    return _routed((op, layouts), base) if (op, layouts) in _DEVICE_IMPLS else base
 
 
 def impls_for(op: str) -> Iterable[Impl]:
-    return [v for k, v in _IMPLS.items() if k[0] == op]
+    keys = dict.fromkeys(k for k in [*_IMPLS, *_DEVICE_IMPLS] if k[0] == op)
+    return [lookup(*k) for k in keys]

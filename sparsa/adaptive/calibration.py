@@ -1,0 +1,170 @@
+"""Cost model calibrated on this machine: per layer shape, dense time and sparse time vs density.
+
+At a layer's first use the runtime times, on the layer's real activation, PyTorch's dense
+forward+backward and the sparse path at the activation's own density and at a sparser version of
+it (the same activation with its smallest values zeroed, so the zero pattern stays realistic). The
+sparse time is modelled as ``fixed + slope * density``; the predicted speedup at density ``d`` is
+``dense / (fixed + slope * d)``. Entries are cached in a JSON file keyed by shape, memory format and
+thread count (``<sparsa cache>/adaptive_calibration.json``); :meth:`Calibration.clear` or
+``enable(..., recalibrate=True)`` measures again.
+
+Example::
+
+    >>> from sparsa.adaptive.calibration import CostEntry
+    >>> e = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0)
+    >>> round(e.speedup(density=0.25), 2)
+    2.5
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels import loader
+from .conv import relu_conv2d
+from .linear import relu_linear
+
+__all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key"]
+
+
+@dataclass
+class CostEntry:
+    """Forward+backward milliseconds: dense, and sparse = ``fixed_ms + slope_ms * density``."""
+
+    dense_ms: float
+    fixed_ms: float
+    slope_ms: float
+
+    def sparse_ms(self, density: float) -> float:
+        return self.fixed_ms + self.slope_ms * float(density)
+
+    def speedup(self, density: float) -> float:
+        return self.dense_ms / max(1e-9, self.sparse_ms(density))
+
+
+def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool) -> str:
+    """Cache key of a layer: kind, shapes, conv arguments, memory format, threads, native or not."""
+    args = ",".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(conv_args.items()))
+    return (f"{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
+            f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}")
+
+
+def _time(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _thresholded(x: Tensor, density: float) -> Tensor:
+    """``x`` with its smallest positive values zeroed so that about ``density`` of it stays nonzero."""
+    flat = x.detach().reshape(-1)
+    sample = flat[torch.randint(0, flat.numel(), (min(flat.numel(), 200_000),))]
+    t = torch.quantile(sample.float(), 1.0 - density)
+    return torch.where(x > t, x, torch.zeros((), dtype=x.dtype))
+
+
+class Calibration:
+    """The per-machine cost table (JSON-cached); :meth:`entry` measures missing layers."""
+
+    def __init__(self, path: Optional[os.PathLike] = None, reps: int = 2):
+        self.path = Path(path) if path is not None else loader.cache_dir().parent / "adaptive_calibration.json"
+        self.reps = int(reps)
+        self._lock = threading.Lock()
+        self._table: Dict[str, CostEntry] = {}
+        if self.path.exists():
+            try:
+                raw = json.loads(self.path.read_text())
+                self._table = {k: CostEntry(**v) for k, v in raw.items()}
+            except (ValueError, TypeError):
+                self._table = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def get(self, key: str) -> Optional[CostEntry]:
+        return self._table.get(key)
+
+    def clear(self) -> None:
+        """Forget every entry (and the cache file): the next use measures again."""
+        with self._lock:
+            self._table.clear()
+            if self.path.exists():
+                self.path.unlink()
+
+    def save(self) -> None:
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({k: asdict(v) for k, v in self._table.items()}, indent=1))
+            os.replace(tmp, self.path)
+
+    def entry(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
+              slice: int) -> CostEntry:
+        """The cached entry for this layer, measuring it on ``x`` (its real input) if missing."""
+        cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        key = layer_key(kind, x.shape, weight.shape, conv_args, cl)
+        e = self._table.get(key)
+        if e is None:
+            e = self.measure(kind, x, weight, bias, conv_args, slice)
+            self._table[key] = e
+            self.save()
+        return e
+
+    def measure(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
+                slice: int) -> CostEntry:
+        """Time dense and sparse forward+backward on ``relu(x)`` and on a sparser copy of it."""
+        a = x.detach().relu()
+        w = weight.detach().clone().requires_grad_(True)
+        b = None if bias is None else bias.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            if kind == "conv2d":
+                y0 = F.conv2d(a, w, b, **conv_args)
+                dense = lambda xi: F.conv2d(xi, w, b, **conv_args)  # noqa: E731
+                sparse = lambda xi: relu_conv2d(xi, w, b, slice=slice, **conv_args)  # noqa: E731
+            else:
+                y0 = F.linear(a, w, b)
+                dense = lambda xi: F.linear(xi, w, b)  # noqa: E731
+                sparse = lambda xi: relu_linear(xi, w, b, slice=slice)  # noqa: E731
+            gy = torch.randn_like(y0)
+
+            def run(f, xi):
+                xi = xi.detach().requires_grad_(True)
+                f(xi).backward(gy)
+
+            dense_ms = _time(lambda: run(dense, a), self.reps)
+            d1 = float((a != 0).float().mean())
+            t1 = _time(lambda: run(sparse, a), self.reps)
+            d2 = d1 / 4
+            if d1 > 0.02:
+                a2 = _thresholded(a, d2)
+                d2 = float((a2 != 0).float().mean())
+                t2 = _time(lambda: run(sparse, a2), self.reps)
+            if d1 <= 0.02 or d1 - d2 < 0.01:
+                return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3))
+        slope = max(0.0, (t1 - t2) / (d1 - d2))
+        fixed = max(0.0, t1 - slope * d1)
+        return CostEntry(dense_ms, fixed, slope)
+
+
+_DEFAULT: Optional[Calibration] = None
+
+
+def default_calibration() -> Calibration:
+    """The process-wide calibration table backed by the cache file."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Calibration()
+    return _DEFAULT

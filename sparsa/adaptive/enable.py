@@ -1,0 +1,125 @@
+"""``enable(model)``: one call that makes a model's ReLU -> Conv2d/Linear pairs sparsity-adaptive.
+
+It replaces every ``nn.Conv2d`` / ``nn.Linear`` by an adaptive layer sharing the same parameters
+(optimizers keep working), adds forward hooks that tag ``nn.ReLU`` outputs and carry the tag through
+zero-preserving modules (max/avg pooling, dropout, flatten, identity), and returns a runtime handle
+with the per-layer report. A layer whose input is not a tagged ReLU output always runs dense, so the
+pairing is found at run time whatever the model's forward does (Sequential or hand-written, as in a
+ResNet block). ``runtime.disable()`` restores the original modules.
+
+Example::
+
+    >>> import torch, sparsa.adaptive as sa
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    >>> rt = sa.enable(net, policy=sa.Policy(force="sparse"))
+    >>> net(torch.randn(4, 8)).sum().backward()
+    >>> [(r["layer"], r["path"]) for r in rt.report()]
+    [('0', 'dense'), ('2', 'sparse')]
+    >>> rt.disable(); type(net[2]).__name__
+    'Linear'
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from torch import nn
+
+from .calibration import Calibration, default_calibration
+from .compaction import DEFAULT_SLICE
+from .modules import AdaptiveConv2d, AdaptiveLinear, LayerState, tag_nonnegative, is_tagged_nonnegative
+from .monitor import SparsityMonitor
+from .policy import Policy
+from .report import report as _report, format_report
+
+__all__ = ["enable", "AdaptiveRuntime", "ZERO_PRESERVING"]
+
+#: modules whose output is zero wherever all the inputs it reads are zero, and nonnegative for a
+#: nonnegative input: a ReLU tag survives them
+ZERO_PRESERVING: Tuple[type, ...] = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
+                                     nn.Dropout, nn.Flatten, nn.Identity)
+
+
+def _tag_hook(module, inputs, output):
+    tag_nonnegative(output)
+
+
+def _carry_hook(module, inputs, output):
+    if inputs and is_tagged_nonnegative(inputs[0]):
+        tag_nonnegative(output)
+
+
+class AdaptiveRuntime:
+    """Handle returned by :func:`enable`: the adaptive layers, the report, ``disable()``."""
+
+    def __init__(self, model: nn.Module, layers: Dict[str, LayerState], handles: list,
+                 replaced: List[Tuple[nn.Module, str, nn.Module, nn.Module]]):
+        self.model = model
+        self.layers = layers
+        self._handles = handles
+        self._replaced = replaced
+
+    def report(self) -> List[dict]:
+        """Per-layer rows: sparsity, chosen path, predicted speedup, measured forward time."""
+        return _report(self)
+
+    def format(self) -> str:
+        """The report as a text table."""
+        return format_report(self.report())
+
+    def set_policy(self, policy: Policy) -> None:
+        """Use ``policy`` from now on in every layer (the next refresh applies it)."""
+        for st in self.layers.values():
+            st.policy = policy
+            if policy.force is not None:
+                st.path = policy.force
+
+    def disable(self) -> None:
+        """Remove the hooks and put the original modules back."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for parent, attr, original, _ in self._replaced:
+            setattr(parent, attr, original)
+        self._replaced.clear()
+
+
+def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
+           calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
+           recalibrate: bool = False) -> AdaptiveRuntime:
+    """Make ``model`` sparsity-adaptive in place and return the runtime handle.
+
+    ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
+    ``calibration``: the cost table (default: the machine's cached one; ``recalibrate=True`` clears
+    it first); ``slice``: channels per K-slice of the sparse kernels; ``pixels``: monitor sample size.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(isinstance(m, (AdaptiveConv2d, AdaptiveLinear)) for m in model.modules()):
+        raise ValueError("model is already adaptive; call runtime.disable() before enabling again")
+    policy = policy if policy is not None else Policy()
+    calibration = calibration if calibration is not None else default_calibration()
+    if recalibrate:
+        calibration.clear()
+    handles, targets = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ReLU):
+            handles.append(mod.register_forward_hook(_tag_hook))
+        elif isinstance(mod, ZERO_PRESERVING):
+            handles.append(mod.register_forward_hook(_carry_hook))
+        for attr, child in mod.named_children():
+            if type(child) in (nn.Conv2d, nn.Linear):
+                targets.append((mod, attr, child, f"{name}.{attr}" if name else attr))
+    layers: Dict[str, LayerState] = {}
+    replaced = []
+    for parent, attr, child, full in targets:
+        kind = "conv2d" if isinstance(child, nn.Conv2d) else "linear"
+        st = LayerState(full, kind, SparsityMonitor(every, pixels, slice, seed=len(layers)), policy,
+                        calibration, int(slice))
+        cls = AdaptiveConv2d if kind == "conv2d" else AdaptiveLinear
+        new = cls.from_module(child, st)
+        if policy.force is not None:
+            st.path = policy.force
+        setattr(parent, attr, new)
+        replaced.append((parent, attr, child, new))
+        layers[full] = st
+    return AdaptiveRuntime(model, layers, handles, replaced)

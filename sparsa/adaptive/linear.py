@@ -1,0 +1,79 @@
+"""``relu_linear``: ``linear(relu(x), W, b)`` with all three training GEMMs exploiting relu(x)'s zeros.
+
+A Linear layer is the 1x1 convolution of a ``[P, K]`` matrix seen as one ``P x 1`` image with ``K``
+channels, so it runs the same kernels as :func:`~sparsa.adaptive.relu_conv2d`: forward and weight
+gradient from the compacted ``relu(x)``, input gradient only where ``relu(x) != 0``.
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.adaptive import relu_linear
+    >>> x = torch.randn(4, 32, requires_grad=True); w = torch.randn(16, 32)
+    >>> torch.allclose(relu_linear(x, w), x.relu() @ w.T, atol=1e-4)
+    True
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels import adaptive as _k
+from .compaction import DEFAULT_SLICE
+
+__all__ = ["relu_linear", "linear_supported"]
+
+
+def linear_supported(weight: Tensor) -> bool:
+    """Whether the native sparse path handles this Linear (else the layer stays dense)."""
+    return weight.dim() == 2 and weight.shape[0] % 8 == 0
+
+
+def _geo(P: int, K: int, O: int, slice: int):
+    return [1, K, P, 1, O, 1, 1, P, 1, 1, 1, 0, 0, 1, 1, slice]
+
+
+class _ReluLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2, weight, bias, slice, stats):
+        P, K = x2.shape
+        O = weight.shape[0]
+        geo = _geo(P, K, O, slice)
+        xv = x2.detach().t().unsqueeze(0).unsqueeze(-1)
+        cnt, idx, val = _k.compact(xv, slice)
+        wt = weight.detach().t().contiguous().view(1, 1, K, O)
+        y = _k.conv_fwd(cnt, idx, val, wt, None if bias is None else bias.detach(), geo, 2)
+        if stats is not None:
+            stats["nnz"] = cnt
+        ctx.geo = geo
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(cnt, idx, val, wt)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        cnt, idx, val, wt = ctx.saved_tensors
+        P, K, O = ctx.geo[2], ctx.geo[1], ctx.geo[4]
+        g = gy.contiguous().view(1, P, 1, O)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, True).permute(0, 2, 3, 1).reshape(P, K)
+        if ctx.needs_input_grad[1]:
+            dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).view(K, O).t()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = gy.sum(0)
+        return dx, dw, db, None, None
+
+
+def relu_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice: int = DEFAULT_SLICE,
+                stats: Optional[dict] = None) -> Tensor:
+    """``F.linear(relu(x), weight, bias)`` through the sparse kernels; ``x`` is ``[..., K]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [O, K], got shape {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}; "
+                         "pass matching shapes")
+    lead = x.shape[:-1]
+    y = _ReluLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, int(slice), stats)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,176 @@
+"""Adaptive layers: Conv2d / Linear that pick the dense or the sparse path per call.
+
+A layer takes the sparse path only when its input is *known* to be a ReLU output (tagged by the
+runtime's ReLU hook and unchanged since: the tag records the tensor's version counter), the shape is
+supported by the native kernels, and the policy says the sparse path pays at the monitored
+sparsity. Everything else runs PyTorch's own dense op, so results never depend on the path beyond
+float rounding. The layers share their parameters with the modules they replace.
+
+Example::
+
+    >>> import torch, sparsa.adaptive as sa
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+    ...                           torch.nn.Conv2d(16, 16, 3, padding=1))
+    >>> rt = sa.enable(net, policy=sa.Policy(force="sparse"))
+    >>> type(net[2]).__name__, net(torch.randn(2, 3, 8, 8)).shape
+    ('AdaptiveConv2d', torch.Size([2, 16, 8, 8]))
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .calibration import Calibration, CostEntry
+from .conv import conv_supported, relu_conv2d
+from .linear import linear_supported, relu_linear
+from .monitor import SparsityMonitor
+from .policy import Policy
+
+__all__ = ["AdaptiveConv2d", "AdaptiveLinear", "LayerState", "tag_nonnegative", "is_tagged_nonnegative"]
+
+_TAG = "_sparsa_relu_version"
+
+
+def tag_nonnegative(t: Tensor) -> None:
+    """Mark ``t`` as a ReLU output (valid until ``t`` is modified in place)."""
+    if isinstance(t, Tensor):
+        setattr(t, _TAG, t._version)
+
+
+def is_tagged_nonnegative(t: Tensor) -> bool:
+    """True when ``t`` was tagged by :func:`tag_nonnegative` and has not been modified since."""
+    v = getattr(t, _TAG, None)
+    return v is not None and v == t._version
+
+
+@dataclass
+class LayerState:
+    """What the runtime knows about one adaptive layer (read by the report)."""
+
+    name: str
+    kind: str
+    monitor: SparsityMonitor
+    policy: Policy
+    calibration: Calibration
+    slice: int
+    path: str = "dense"
+    supported: bool = True
+    speedup: Optional[float] = None
+    cost: Optional[CostEntry] = None
+    calls: int = 0
+    paired_calls: int = 0
+    sparse_calls: int = 0
+    fwd_ms: Dict[str, float] = field(default_factory=dict)
+    switches: int = 0
+
+
+def _paired(state: LayerState, x: Tensor) -> bool:
+    return (state.supported and x.dtype == torch.float32 and x.device.type == "cpu"
+            and is_tagged_nonnegative(x))
+
+
+def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict) -> None:
+    if state.policy.force is not None:
+        new = state.policy.force
+    else:
+        if state.cost is None:
+            state.cost = state.calibration.entry(state.kind, x, weight, bias, conv_args, state.slice)
+        density = 1.0 - (state.monitor.sparsity or 0.0)
+        state.speedup = state.cost.speedup(density)
+        new = state.policy.choose(state.path, state.speedup)
+    if new != state.path:
+        state.switches += 1
+        state.path = new
+
+
+def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
+    state.calls += 1
+    if not _paired(state, x):
+        return dense(x)
+    state.paired_calls += 1
+    mon = state.monitor
+    t0 = time.perf_counter()
+    if state.path == "sparse":
+        refresh = mon.tick()
+        stats: Optional[dict] = {} if refresh else None
+        y = sparse(x, stats)
+        if refresh:
+            mon.record_count(stats["nnz"], x.numel())
+            _decide(state, x, weight, bias, conv_args)
+        state.sparse_calls += 1
+        path = "sparse"
+    else:
+        if mon.observe(x):
+            _decide(state, x, weight, bias, conv_args)
+        if state.path == "sparse":  # switched on this call
+            y = sparse(x, None)
+            state.sparse_calls += 1
+            path = "sparse"
+        else:
+            y = dense(x)
+            path = "dense"
+    ms = (time.perf_counter() - t0) * 1e3
+    prev = state.fwd_ms.get(path)
+    state.fwd_ms[path] = ms if prev is None else 0.8 * prev + 0.2 * ms
+    return y
+
+
+class AdaptiveConv2d(nn.Conv2d):
+    """``nn.Conv2d`` whose forward and backward use the activation-sparse kernels when they pay."""
+
+    sparsa_state: LayerState
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d, state: LayerState) -> "AdaptiveConv2d":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in conv.__dict__.items()
+                             if k not in ("_parameters", "_buffers", "_modules")})
+        new._parameters = conv._parameters  # the very same Parameter objects
+        new._buffers = conv._buffers
+        new._modules = conv._modules
+        state.supported = conv_supported(conv.weight, conv.groups, conv.padding_mode, conv.padding)
+        new.sparsa_state = state
+        return new
+
+    def _conv_args(self) -> dict:
+        return dict(stride=self.stride, padding=self.padding, dilation=self.dilation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        args = self._conv_args()
+        return _run(self.sparsa_state, x,
+                    lambda t: self._conv_forward(t, self.weight, self.bias),
+                    lambda t, stats: relu_conv2d(t, self.weight, self.bias, slice=self.sparsa_state.slice,
+                                                 stats=stats, **args),
+                    self.weight, self.bias, args)
+
+
+class AdaptiveLinear(nn.Linear):
+    """``nn.Linear`` whose forward and backward use the activation-sparse kernels when they pay."""
+
+    sparsa_state: LayerState
+
+    @classmethod
+    def from_module(cls, lin: nn.Linear, state: LayerState) -> "AdaptiveLinear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.__dict__.update({k: v for k, v in lin.__dict__.items()
+                             if k not in ("_parameters", "_buffers", "_modules")})
+        new._parameters = lin._parameters
+        new._buffers = lin._buffers
+        new._modules = lin._modules
+        state.supported = linear_supported(lin.weight)
+        new.sparsa_state = state
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _run(self.sparsa_state, x,
+                    lambda t: F.linear(t, self.weight, self.bias),
+                    lambda t, stats: relu_linear(t, self.weight, self.bias, slice=self.sparsa_state.slice,
+                                                 stats=stats),
+                    self.weight, self.bias, {})

@@ -1,0 +1,127 @@
+"""Monitor: a cheap, periodically refreshed per-layer estimate of activation sparsity.
+
+Counting every zero of every activation every step ("full profiling") costs a pass over all
+activations. The monitor instead refreshes every ``every`` calls and then either
+
+- takes the exact count for free when the layer just ran the sparse path (the compaction's
+  per-(pixel, slice) counts are the measurement: counting fused into the ReLU + compaction), or
+- samples ``pixels`` random pixels (all their channels; at most ``elements`` values) of the activation: the element-wise zero
+  fraction and, at the kernels' granularity, the fraction of empty (pixel, channel-slice) lists.
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.adaptive import SparsityMonitor
+    >>> m = SparsityMonitor(every=1, pixels=64)
+    >>> x = torch.relu(torch.randn(4, 16, 8, 8))
+    >>> m.observe(x)
+    True
+    >>> abs(m.sparsity - 0.5) < 0.1
+    True
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .compaction import DEFAULT_SLICE
+
+__all__ = ["SparsityMonitor"]
+
+
+class SparsityMonitor:
+    """Per-layer sparsity estimate, refreshed every ``every`` calls from a sample or a fused count."""
+
+    def __init__(self, every: int = 10, pixels: int = 512, slice: int = DEFAULT_SLICE, seed: int = 0,
+                 elements: int = 16384):
+        if int(every) < 1:
+            raise ValueError(f"every must be a positive number of calls, got {every!r}; e.g. every=10")
+        if int(pixels) < 1:
+            raise ValueError(f"pixels must be a positive sample size, got {pixels!r}; e.g. pixels=512")
+        self.every = int(every)
+        self.pixels = int(pixels)
+        self.elements = int(elements)
+        self.slice = int(slice)
+        self.calls = 0
+        self.refreshes = 0
+        #: element-wise zero fraction (None until the first refresh)
+        self.sparsity: Optional[float] = None
+        #: fraction of (pixel, channel-slice) lists with no nonzero
+        self.empty_slices: Optional[float] = None
+        #: "sample" or "count": where the last estimate came from
+        self.source: Optional[str] = None
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._key = None
+        self._index = None
+
+    def due(self) -> bool:
+        """True when the next call refreshes the estimate."""
+        return self.calls % self.every == 0
+
+    def observe(self, x: Tensor) -> bool:
+        """Count one call; on refresh calls, sample ``x`` (``[N, C, H, W]`` or ``[..., K]``). Returns
+        True when the estimate was refreshed."""
+        refresh = self.tick()
+        if refresh:
+            self._sample(x.detach())
+        return refresh
+
+    def tick(self) -> bool:
+        """Count one call without sampling; True when this call is a refresh (the caller then
+        provides the measurement through :meth:`record_count` or :meth:`observe`'s sample)."""
+        refresh = self.due()
+        self.calls += 1
+        if refresh:
+            self.refreshes += 1
+        return refresh
+
+    def record_count(self, cnt: Tensor, numel: int) -> None:
+        """Set the estimate from an exact per-(pixel, slice) nonzero count (fused into compaction)."""
+        nnz = int(cnt.sum(dtype=torch.int64))
+        self.sparsity = 1.0 - nnz / max(1, numel)
+        self.empty_slices = float((cnt == 0).float().mean()) if cnt.numel() else 1.0
+        self.source = "count"
+
+    # ------------------------------------------------------------------ sampling
+    def _rows(self, x: Tensor) -> Tensor:
+        """A ``[m, C]`` sample: m random pixels (rows), every channel, gathered with one ``take``."""
+        x4 = x if x.dim() == 4 else x.reshape(-1, x.shape[-1]).t().unsqueeze(0).unsqueeze(-1)
+        N, C, H, W = x4.shape
+        P = N * H * W
+        key = (tuple(x4.shape), tuple(x4.stride()))
+        if self._key != key:
+            m = min(self.pixels, P, max(32, self.elements // max(1, C)))
+            q = torch.randperm(P, generator=self._gen)[:m]
+            sn, sc, sh, sw = x4.stride()
+            base = (q // (H * W)) * sn + ((q // W) % H) * sh + (q % W) * sw
+            self._index = (base.view(-1, 1) + torch.arange(C).view(1, -1) * sc).reshape(-1)
+            self._m = m
+            self._key = key
+        if x4.is_contiguous() or x4.is_contiguous(memory_format=torch.channels_last):
+            flat = x4.as_strided((x4.numel(),), (1,))  # dense storage: strided offsets are flat ones
+        else:
+            flat = x4.contiguous().view(-1)
+            sn, sc, sh, sw = x4.contiguous().stride()
+            self._key = None  # offsets above assumed the original strides; rebuild next time
+            return flat[self._rebuild(x4.shape, (sn, sc, sh, sw))].view(self._m, C)
+        return flat[self._index].view(self._m, C)
+
+    def _rebuild(self, shape, stride) -> Tensor:
+        N, C, H, W = shape
+        q = torch.randperm(N * H * W, generator=self._gen)[:self._m]
+        base = (q // (H * W)) * stride[0] + ((q // W) % H) * stride[2] + (q % W) * stride[3]
+        return (base.view(-1, 1) + torch.arange(C).view(1, -1) * stride[1]).reshape(-1)
+
+    def _sample(self, x: Tensor) -> None:
+        rows = self._rows(x)
+        m, C = rows.shape
+        nz = rows != 0
+        self.sparsity = 1.0 - int(torch.count_nonzero(nz)) / max(1, nz.numel())
+        S = -(-C // self.slice)
+        pad = S * self.slice - C
+        if pad:
+            nz = torch.nn.functional.pad(nz, (0, pad))
+        self.empty_slices = 1.0 - int(torch.count_nonzero(nz.view(m, S, self.slice).any(-1))) / max(1, m * S)
+        self.source = "sample"

@@ -1,0 +1,1 @@
+"""Small offline data sources for calibration and evaluation (``from sparsa.data.text import ...``)."""

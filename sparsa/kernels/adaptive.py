@@ -1,0 +1,275 @@
+"""Custom ops of the activation-sparse training runtime (``sparsa.adaptive``).
+
+Four ``torch.library`` custom ops (each with a fake implementation and a pure-PyTorch fallback that
+runs when the native library in ``csrc/adaptive_*.cpp`` cannot be built or ``SPARSA_NO_NATIVE=1``):
+
+- ``sparsa::adaptive_compact(x, slice)``: fused ReLU + compaction of ``x`` (logical NCHW, any
+  strides) into the *sliced padded CSR* operand ``(cnt, idx, val)``: for pixel ``q = (n*H+h)*W+w``
+  and channel slice ``s`` (``slice`` channels each), ``cnt[q*S+s]`` nonzeros whose ascending channel
+  indices and values sit at ``idx/val[q*C + s*slice : ... + cnt]``. Entries past a count are undefined.
+- ``sparsa::adaptive_conv_fwd``: ``y[N,Ho,Wo,O] = conv2d(relu(x), W) + b`` from the operand.
+- ``sparsa::adaptive_conv_wgrad``: ``dWt[KH,KW,C,O]`` from the same operand and ``dy`` (NHWC).
+- ``sparsa::adaptive_conv_igrad``: ``dx`` only where ``relu(x) != 0`` (zero elsewhere): exactly the
+  gradient of ``conv2d(relu(x), W)`` with respect to ``x``.
+
+``geo`` is ``[N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, slice]`` (see :func:`geometry`).
+Weights travel transposed, ``Wt = W.permute(2, 3, 1, 0)`` (``[KH, KW, C, O]``).
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.kernels import adaptive as K
+    >>> x = torch.randn(2, 8, 5, 5); w = torch.randn(16, 8, 3, 3)
+    >>> geo = K.geometry(x.shape, w.shape, stride=(1, 1), padding=(1, 1), dilation=(1, 1))
+    >>> cnt, idx, val = K.compact(x, 64)
+    >>> y = K.conv_fwd(cnt, idx, val, w.permute(2, 3, 1, 0).contiguous(), None, geo)
+    >>> ref = torch.nn.functional.conv2d(x.relu(), w, padding=1).permute(0, 2, 3, 1)
+    >>> torch.allclose(y, ref, atol=1e-4)
+    True
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import loader
+
+__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "geometry", "densify",
+           "native_library", "native_available"]
+
+_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp"]
+_PAD = 8  # tail room in idx/val (vector stores)
+
+
+def native_library() -> Optional[ctypes.CDLL]:
+    """The native kernel library, or None when the fallbacks must run."""
+    lib = loader.load("adaptive", _SOURCES)
+    if lib is not None and not getattr(lib, "_sparsa_typed", False):
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.sparsa_adaptive_compact_f32.argtypes = [vp] + [i64] * 9 + [vp, vp, vp, ci]
+        lib.sparsa_adaptive_compact_f32.restype = i64
+        lib.sparsa_adaptive_conv_fwd_f32.argtypes = [vp] * 7 + [ci]
+        lib.sparsa_adaptive_conv_fwd_f32.restype = ci
+        lib.sparsa_adaptive_conv_wgrad_f32.argtypes = [vp] * 6 + [ci]
+        lib.sparsa_adaptive_conv_wgrad_f32.restype = ci
+        lib.sparsa_adaptive_conv_igrad_f32.argtypes = [vp] * 7 + [ci]
+        lib.sparsa_adaptive_conv_igrad_f32.restype = ci
+        lib._sparsa_typed = True
+    return lib
+
+
+def native_available() -> bool:
+    """True when the native kernels are built and enabled."""
+    return native_library() is not None
+
+
+def geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
+             padding: Sequence[int], dilation: Sequence[int], slice: int = 64) -> List[int]:
+    """The ``geo`` list of the conv ops for an input ``[N, C, H, W]`` and a weight ``[O, C, KH, KW]``."""
+    N, C, H, W = (int(v) for v in x_shape)
+    O, Cw, KH, KW = (int(v) for v in w_shape)
+    if Cw != C:
+        raise ValueError(f"weight has {Cw} input channels but the input has {C}; pass matching shapes")
+    sh, sw = (int(v) for v in stride)
+    ph, pw = (int(v) for v in padding)
+    dh, dw = (int(v) for v in dilation)
+    Ho = (H + 2 * ph - dh * (KH - 1) - 1) // sh + 1
+    Wo = (W + 2 * pw - dw * (KW - 1) - 1) // sw + 1
+    return [N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, int(slice)]
+
+
+def _nthreads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _use_native(*ts: Optional[Tensor]) -> Optional[ctypes.CDLL]:
+    for t in ts:
+        if t is not None and (t.device.type != "cpu" or (t.is_floating_point() and t.dtype != torch.float32)):
+            return None
+    return native_library()
+
+
+# ------------------------------------------------------------------------------------------ compact
+def _compact_reference(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+    N, C, H, W = x.shape
+    S = -(-C // slice)
+    P = N * H * W
+    xh = x.permute(0, 2, 3, 1).reshape(P, C)
+    xp = xh.new_zeros(P, S * slice)
+    xp[:, :C] = xh
+    xp = xp.view(P, S, slice)
+    m = xp > 0
+    cnt = m.sum(-1, dtype=torch.int32).reshape(-1)
+    pos = torch.cumsum(m, -1, dtype=torch.int64) - 1
+    q, s, c = m.nonzero(as_tuple=True)
+    flat = q * C + s * slice + pos[q, s, c]
+    idx = torch.zeros(P * C + _PAD, dtype=torch.int32)
+    val = torch.zeros(P * C + _PAD, dtype=x.dtype)
+    idx[flat] = (s * slice + c).to(torch.int32)
+    val[flat] = xp[q, s, c]
+    return cnt, idx, val
+
+
+@torch.library.custom_op("sparsa::adaptive_compact", mutates_args=())
+def compact(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fused ReLU + compaction of ``x`` (logical ``[N, C, H, W]``) into ``(cnt, idx, val)``."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}; view a matrix as [1, K, P, 1]")
+    lib = _use_native(x)
+    if lib is None or x.dtype != torch.float32:
+        return _compact_reference(x, slice)
+    N, C, H, W = x.shape
+    S = -(-C // slice)
+    P = N * H * W
+    cnt = torch.empty(P * S, dtype=torch.int32)
+    idx = torch.empty(P * C + _PAD, dtype=torch.int32)
+    val = torch.empty(P * C + _PAD, dtype=torch.float32)
+    if P and C:
+        sn, sc, sh, sw = x.stride()
+        lib.sparsa_adaptive_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice,
+                                        cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
+    return cnt, idx, val
+
+
+@compact.register_fake
+def _(x, slice):
+    N, C, H, W = x.shape
+    S = -(-C // slice)
+    P = N * H * W
+    return (x.new_empty(P * S, dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
+            x.new_empty(P * C + _PAD))
+
+
+def densify(cnt: Tensor, idx: Tensor, val: Tensor, geo: Sequence[int]) -> Tensor:
+    """The dense NCHW (channels-last strided) activation an operand encodes (pure PyTorch)."""
+    N, C, H, W, CS = geo[0], geo[1], geo[2], geo[3], geo[15]
+    S = -(-C // CS)
+    P = N * H * W
+    c = cnt.reshape(P, S).long()
+    j = torch.arange(CS).view(1, 1, CS)
+    valid = j < c.unsqueeze(-1)
+    base = (torch.arange(P).view(P, 1, 1) * C + torch.arange(S).view(1, S, 1) * CS + j)
+    pos = base[valid]
+    rows = torch.arange(P).view(P, 1, 1).expand(P, S, CS)[valid]
+    out = torch.zeros(P, C, dtype=val.dtype)
+    out[rows, idx[pos].long()] = val[pos]
+    return out.view(N, H, W, C).permute(0, 3, 1, 2)
+
+
+def _nchw_weight(wt: Tensor) -> Tensor:
+    return wt.permute(3, 2, 0, 1)
+
+
+def _conv_args(geo: Sequence[int]):
+    return dict(stride=(geo[9], geo[10]), padding=(geo[11], geo[12]), dilation=(geo[13], geo[14]))
+
+
+# ------------------------------------------------------------------------------------------ forward
+@torch.library.custom_op("sparsa::adaptive_conv_fwd", mutates_args=())
+def conv_fwd(cnt: Tensor, idx: Tensor, val: Tensor, wt: Tensor, bias: Optional[Tensor],
+             geo: List[int], out_format: int = 0) -> Tensor:
+    """``conv2d(A, W) + bias`` for the compacted ``A``; the memory is NHWC in every ``out_format``:
+    0: ``[N, Ho, Wo, O]`` contiguous; 1: ``[N, O, Ho, Wo]`` channels-last; 2: ``[N*Ho*Wo, O]``."""
+    N, O, Ho, Wo = geo[0], geo[4], geo[7], geo[8]
+    lib = _use_native(val, wt, bias)
+    if lib is None or O % 8 or val.dtype != torch.float32:
+        a = densify(cnt, idx, val, geo)
+        y = F.conv2d(a, _nchw_weight(wt).to(a.dtype), bias, **_conv_args(geo))
+        return _fwd_out(y.permute(0, 2, 3, 1).contiguous(), out_format)
+    y = _fwd_empty(geo, out_format, torch.float32)
+    g = torch.tensor(geo, dtype=torch.int64)
+    wt = wt.contiguous()
+    b = None if bias is None else bias.contiguous()
+    rc = lib.sparsa_adaptive_conv_fwd_f32(g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
+                                          wt.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                                          _nthreads())
+    if rc:
+        raise ValueError(f"adaptive_conv_fwd: out_channels={O} must be a multiple of 8 for the native kernel")
+    return y
+
+
+@conv_fwd.register_fake
+def _(cnt, idx, val, wt, bias, geo, out_format=0):
+    return _fwd_empty(geo, out_format, val.dtype, like=val)
+
+
+def _fwd_empty(geo: Sequence[int], out_format: int, dtype: torch.dtype, like: Optional[Tensor] = None) -> Tensor:
+    N, O, Ho, Wo = geo[0], geo[4], geo[7], geo[8]
+    new = (lambda *s: like.new_empty(*s, dtype=dtype)) if like is not None else \
+        (lambda *s: torch.empty(*s, dtype=dtype))
+    if out_format == 0:
+        return new(N, Ho, Wo, O)
+    if out_format == 1:
+        return new(N, O, Ho, Wo).contiguous(memory_format=torch.channels_last)
+    if out_format == 2:
+        return new(N * Ho * Wo, O)
+    raise ValueError(f"out_format must be 0, 1 or 2, got {out_format!r}")
+
+
+def _fwd_out(y_nhwc: Tensor, out_format: int) -> Tensor:
+    out = _fwd_empty([y_nhwc.shape[0], 0, 0, 0, y_nhwc.shape[3], 0, 0, y_nhwc.shape[1], y_nhwc.shape[2]],
+                     out_format, y_nhwc.dtype)
+    if out_format == 1:
+        out.copy_(y_nhwc.permute(0, 3, 1, 2))
+    else:
+        out.copy_(y_nhwc.reshape(out.shape))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ weight grad
+@torch.library.custom_op("sparsa::adaptive_conv_wgrad", mutates_args=())
+def conv_wgrad(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, geo: List[int]) -> Tensor:
+    """``dWt[KH, KW, C, O]`` from the compacted ``A`` and ``dy[N, Ho, Wo, O]`` (NHWC)."""
+    C, O, KH, KW = geo[1], geo[4], geo[5], geo[6]
+    lib = _use_native(val, dy)
+    if lib is None or O % 8 or dy.dtype != torch.float32:
+        a = densify(cnt, idx, val, geo).to(dy.dtype)
+        dw = torch.nn.grad.conv2d_weight(a, (O, C, KH, KW), dy.permute(0, 3, 1, 2), **_conv_args(geo))
+        return dw.permute(2, 3, 1, 0).contiguous()
+    dwt = torch.empty(KH, KW, C, O, dtype=torch.float32)
+    g = torch.tensor(geo, dtype=torch.int64)
+    dy = dy.contiguous()
+    lib.sparsa_adaptive_conv_wgrad_f32(g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
+                                       dy.data_ptr(), dwt.data_ptr(), _nthreads())
+    return dwt
+
+
+@conv_wgrad.register_fake
+def _(cnt, idx, val, dy, geo):
+    return dy.new_empty(geo[5], geo[6], geo[1], geo[4])
+
+
+# ------------------------------------------------------------------------------------------ input grad
+@torch.library.custom_op("sparsa::adaptive_conv_igrad", mutates_args=())
+def conv_igrad(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int],
+               channels_last: bool) -> Tensor:
+    """``dx[N, C, H, W]``: ``conv2d`` input gradient, computed only where ``A != 0`` (zero elsewhere).
+
+    ``channels_last`` picks the memory format of the result.
+    """
+    N, C, H, W, O = geo[0], geo[1], geo[2], geo[3], geo[4]
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    lib = _use_native(val, dy, wt)
+    if lib is None or O % 8 or dy.dtype != torch.float32:
+        a = densify(cnt, idx, val, geo)
+        dx = torch.nn.grad.conv2d_input((N, C, H, W), _nchw_weight(wt).to(dy.dtype), dy.permute(0, 3, 1, 2),
+                                        **_conv_args(geo))
+        return (dx * (a != 0)).contiguous(memory_format=fmt)
+    dx = torch.empty(N, C, H, W, dtype=torch.float32, memory_format=fmt).zero_()
+    g = torch.tensor(geo, dtype=torch.int64)
+    s = torch.tensor(dx.stride(), dtype=torch.int64)
+    dy = dy.contiguous()
+    wt = wt.contiguous()
+    lib.sparsa_adaptive_conv_igrad_f32(g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), dy.data_ptr(),
+                                       wt.data_ptr(), dx.data_ptr(), s.data_ptr(), _nthreads())
+    return dx
+
+
+@conv_igrad.register_fake
+def _(cnt, idx, val, dy, wt, geo, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return dy.new_empty(geo[0], geo[1], geo[2], geo[3]).contiguous(memory_format=fmt)

@@ -1,0 +1,254 @@
+// Y[T, R] = X[T, K] * W^T + b with W stored in the RowGroup layout:
+//   columns[g][j]      int32, the k kept input columns shared by the G rows of group g (sorted)
+//   values[g][j][r]    float, W[g*G + r][columns[g][j]] (rows padded to a multiple of G with zeros)
+//
+// Register tile: NT tokens x G outputs; per kept column j: load G weights (G/8 ymm), broadcast
+// X[t][c] for each of the NT tokens and accumulate with FMAs. Groups are innermost so the NT rows of
+// X stay in L1; a chunk of groups (about L2-sized weights) is the outer loop so weights are reused
+// across token panels. OpenMP over (group chunk, token block).
+// With few tokens (GEMV) each tile keeps S independent partial sums to hide the FMA latency.
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef __AVX2__
+struct V8 {
+    using T = __m256;
+    static constexpr int W = 8;
+    static inline T zero() { return _mm256_setzero_ps(); }
+    static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline T bcast(const float* p) { return _mm256_broadcast_ss(p); }
+    static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+    static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
+    static inline void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+};
+struct V4 {
+    using T = __m128;
+    static constexpr int W = 4;
+    static inline T zero() { return _mm_setzero_ps(); }
+    static inline T load(const float* p) { return _mm_loadu_ps(p); }
+    static inline T bcast(const float* p) { return _mm_broadcast_ss(p); }
+    static inline T fma(T a, T b, T c) { return _mm_fmadd_ps(a, b, c); }
+    static inline T add(T a, T b) { return _mm_add_ps(a, b); }
+    static inline void store(float* p, T v) { _mm_storeu_ps(p, v); }
+};
+#else
+template <int WW>
+struct VS {  // portable scalar "vector" of WW lanes
+    struct T { float v[WW]; };
+    static constexpr int W = WW;
+    static inline T zero() { T r; for (int i = 0; i < WW; ++i) r.v[i] = 0.f; return r; }
+    static inline T load(const float* p) { T r; for (int i = 0; i < WW; ++i) r.v[i] = p[i]; return r; }
+    static inline T bcast(const float* p) { T r; for (int i = 0; i < WW; ++i) r.v[i] = *p; return r; }
+    static inline T fma(T a, T b, T c) { for (int i = 0; i < WW; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
+    static inline T add(T a, T b) { for (int i = 0; i < WW; ++i) a.v[i] += b.v[i]; return a; }
+    static inline void store(float* p, T v) { for (int i = 0; i < WW; ++i) p[i] = v.v[i]; }
+};
+using V8 = VS<8>;
+using V4 = VS<4>;
+#endif
+
+// number of independent partial sums so that at least 8 accumulators are in flight
+constexpr int splits(int nt, int nv) { return nt * nv >= 8 ? 1 : (8 + nt * nv - 1) / (nt * nv); }
+
+// One tile: NT token rows (x, stride ldx) times one group of G = V::W * NV outputs.
+template <class V, int NV, int NT>
+inline void tile(const float* __restrict x, int64_t ldx, const int32_t* __restrict cols,
+                 const float* __restrict vals, int64_t k, const float* __restrict bias,
+                 float* __restrict y, int64_t ldy, int nout, bool accumulate) {
+    constexpr int G = V::W * NV;
+    constexpr int S = splits(NT, NV);
+    typename V::T acc[S][NT][NV];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[s][t][v] = V::zero();
+    const float* xr[NT];
+#pragma GCC unroll 12
+    for (int t = 0; t < NT; ++t) {
+        const float* p = x + t * ldx;
+        // keep one base register per token row: saves an address add per broadcast
+        asm("" : "+r"(p));
+        xr[t] = p;
+    }
+    int64_t j = 0;
+#pragma GCC unroll 2
+    for (; j + S <= k; j += S) {
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) {
+            const int64_t c = cols[j + s];
+            const float* w = vals + (j + s) * G;
+            typename V::T wv[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) wv[v] = V::load(w + v * V::W);
+#pragma GCC unroll 12
+            for (int t = 0; t < NT; ++t) {
+                typename V::T xb = V::bcast(xr[t] + c);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; ++v) acc[s][t][v] = V::fma(xb, wv[v], acc[s][t][v]);
+            }
+        }
+    }
+    for (; j < k; ++j) {
+        const int64_t c = cols[j];
+        const float* w = vals + j * G;
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t) {
+            typename V::T xb = V::bcast(xr[t] + c);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = V::fma(xb, V::load(w + v * V::W), acc[0][t][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int s = 1; s < S; ++s)
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = V::add(acc[0][t][v], acc[s][t][v]);
+    if (accumulate) {  // add the partial sums of earlier column blocks, already in y
+        alignas(64) float tmp[G] = {};
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t) {
+            const float* src = y + t * ldy;
+            if (nout != G) {
+                std::memcpy(tmp, src, sizeof(float) * nout);
+                src = tmp;
+            }
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = V::add(acc[0][t][v], V::load(src + v * V::W));
+        }
+    }
+    if (bias) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+            typename V::T b = V::load(bias + v * V::W);
+#pragma GCC unroll 12
+            for (int t = 0; t < NT; ++t) acc[0][t][v] = V::add(acc[0][t][v], b);
+        }
+    }
+    if (nout == G) {
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) V::store(y + t * ldy + v * V::W, acc[0][t][v]);
+    } else {
+        alignas(64) float tmp[G];
+#pragma GCC unroll 12
+        for (int t = 0; t < NT; ++t) {
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) V::store(tmp + v * V::W, acc[0][t][v]);
+            std::memcpy(y + t * ldy, tmp, sizeof(float) * nout);
+        }
+    }
+}
+
+using TileFn = void (*)(const float*, int64_t, const int32_t*, const float*, int64_t, const float*, float*,
+                        int64_t, int, bool);
+
+template <class V, int NV, int NT>
+struct TileTable {
+    static void fill(TileFn* tab) {
+        tab[NT] = &tile<V, NV, NT>;
+        TileTable<V, NV, NT - 1>::fill(tab);
+    }
+};
+template <class V, int NV>
+struct TileTable<V, NV, 0> {
+    static void fill(TileFn*) {}
+};
+
+template <class V, int NV, int NTMAX>
+void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals, int64_t ng, int64_t k,
+         const float* bias, float* y, int64_t R, int nthreads) {
+    constexpr int G = V::W * NV;
+    TileFn tab[NTMAX + 1];
+    TileTable<V, NV, NTMAX>::fill(tab);
+    // group chunk: about 384 KiB of weights (L2), reused across the token panels of a task
+    const int64_t bytes_per_group = std::max<int64_t>(1, k * G * (int64_t)sizeof(float));
+    int64_t gchunk = std::max<int64_t>(1, (384 * 1024) / bytes_per_group);
+    const int64_t npan = (T + NTMAX - 1) / NTMAX;
+    if (nthreads > 1 && npan < 2 * nthreads) {  // few tokens: parallelism must come from groups
+        gchunk = std::min<int64_t>(gchunk, std::max<int64_t>(1, ng / (4 * nthreads)));
+    }
+    gchunk = std::min<int64_t>(gchunk, ng);
+    const int64_t nchunks = (ng + gchunk - 1) / gchunk;
+    int64_t nblocks = 1;  // token blocks
+    if (nthreads > 1 && nchunks < 4 * nthreads) nblocks = std::min<int64_t>(npan, (4 * nthreads + nchunks - 1) / nchunks);
+    const int64_t pan_per_block = (npan + nblocks - 1) / nblocks;
+    const int64_t ntasks = nchunks * nblocks;
+    // column blocks: the NTMAX rows of X touched by one block stay in L1 (about 24 KiB)
+    const int64_t KB = std::max<int64_t>(64, (24 * 1024) / (NTMAX * (int64_t)sizeof(float)));
+    const int64_t nkb = K > (3 * KB) / 2 ? (K + KB - 1) / KB : 1;
+    std::vector<int64_t> starts((size_t)(ng * (nkb + 1)));
+    for (int64_t g = 0; g < ng; ++g) {
+        const int32_t* c = cols + g * k;
+        for (int64_t b = 0; b < nkb; ++b) starts[g * (nkb + 1) + b] = std::lower_bound(c, c + k, (int32_t)(b * KB)) - c;
+        starts[g * (nkb + 1) + nkb] = k;
+    }
+
+    auto task = [&](int64_t id) {
+        const int64_t ch = id / nblocks, bl = id % nblocks;
+        const int64_t g0 = ch * gchunk, g1 = std::min(ng, g0 + gchunk);
+        const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
+        for (int64_t p = p0; p < p1; ++p) {
+            const int64_t t0 = p * NTMAX;
+            const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
+            TileFn fn = tab[nt];
+            const float* xp = x + t0 * K;
+            float* yp = y + t0 * R;
+            for (int64_t b = 0; b < nkb; ++b) {
+                for (int64_t g = g0; g < g1; ++g) {
+                    const int nout = (int)std::min<int64_t>(G, R - g * G);
+                    const int64_t s0 = starts[g * (nkb + 1) + b], s1 = starts[g * (nkb + 1) + b + 1];
+                    fn(xp, K, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
+                       (bias && b == 0) ? bias + g * G : nullptr, yp + g * G, R, nout, b > 0);
+                }
+            }
+        }
+    };
+    if (nthreads <= 1 || ntasks == 1) {
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    } else {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sparsa_row_group_version() { return 1; }
+
+int sparsa_row_group_has_avx2() {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x: [T, K] contiguous; cols: [ng, k]; vals: [ng, k, G]; bias: [ng * G] or null; y: [T, R] contiguous.
+// Returns 0 on success, -1 for an unsupported group size.
+int sparsa_row_group_linear_f32(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
+                                int64_t ng, int64_t k, int64_t G, const float* bias, float* y, int64_t R,
+                                int nthreads) {
+    switch (G) {
+        case 4: run<V4, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
+        case 8: run<V8, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
+        case 16: run<V8, 2, 6>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
+        case 32: run<V8, 4, 3>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
+        default: return -1;
+    }
+}
+
+}  // extern "C"

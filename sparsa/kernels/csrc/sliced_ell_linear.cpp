@@ -1,0 +1,163 @@
+// Y[T, R] = X[T, K] * W^T + b with W stored in the SlicedELL layout (slices of 2 rows):
+//   slice s holds rows 2s and 2s+1, padded to a common length L_s; entries are interleaved
+//   (slot j of row 2s at slice_ptr[s] + 2j, of row 2s+1 at slice_ptr[s] + 2j + 1);
+//   padding entries have value 0 and a valid column.
+//
+// Tokens are vectorised: a panel of up to 32 tokens of X is transposed into xt[K][TB] (8x8 AVX
+// transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
+// processed together (2 x TB/8 accumulators) for instruction-level parallelism.
+// OpenMP over (token panel, row chunk).
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int TBMAX = 32;
+
+// xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB
+void transpose_panel(const float* __restrict x, int64_t K, int nt, int TB, float* __restrict xt) {
+    int64_t c = 0;
+#ifdef __AVX2__
+    if (TB % 8 == 0) {
+        for (; c + 8 <= K; c += 8) {
+            for (int i0 = 0; i0 < TB; i0 += 8) {
+                __m256 r[8];
+                if (i0 + 8 <= nt) {
+                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c);
+                } else {
+                    for (int i = 0; i < 8; ++i)
+                        r[i] = (i0 + i < nt) ? _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
+                }
+                __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+                __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+                __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+                __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+                __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+                __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+                __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+                __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                float* o = xt + c * TB + i0;
+                _mm256_storeu_ps(o + 0 * TB, _mm256_permute2f128_ps(u0, u4, 0x20));
+                _mm256_storeu_ps(o + 1 * TB, _mm256_permute2f128_ps(u1, u5, 0x20));
+                _mm256_storeu_ps(o + 2 * TB, _mm256_permute2f128_ps(u2, u6, 0x20));
+                _mm256_storeu_ps(o + 3 * TB, _mm256_permute2f128_ps(u3, u7, 0x20));
+                _mm256_storeu_ps(o + 4 * TB, _mm256_permute2f128_ps(u0, u4, 0x31));
+                _mm256_storeu_ps(o + 5 * TB, _mm256_permute2f128_ps(u1, u5, 0x31));
+                _mm256_storeu_ps(o + 6 * TB, _mm256_permute2f128_ps(u2, u6, 0x31));
+                _mm256_storeu_ps(o + 7 * TB, _mm256_permute2f128_ps(u3, u7, 0x31));
+            }
+        }
+    }
+#endif
+    for (; c < K; ++c)
+        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
+}
+
+// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt).
+template <int NV>
+void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
+                const float* __restrict vals, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
+                float* __restrict y) {
+    constexpr int TB = 8 * NV;
+    alignas(64) float out[2][TB];
+    for (int64_t s = s0; s < s1; ++s) {
+        const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+        const int32_t* c = cols + p0;
+        const float* w = vals + p0;
+#ifdef __AVX2__
+        __m256 a0[NV], a1[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int64_t j = 0; j < L; ++j) {
+            const float* x0 = xt + (int64_t)c[2 * j] * TB;
+            const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
+            const __m256 w0 = _mm256_broadcast_ss(w + 2 * j), w1 = _mm256_broadcast_ss(w + 2 * j + 1);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) {
+                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + 8 * v), a0[v]);
+                a1[v] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + 8 * v), a1[v]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+            _mm256_store_ps(out[0] + 8 * v, a0[v]);
+            _mm256_store_ps(out[1] + 8 * v, a1[v]);
+        }
+#else
+        for (int i = 0; i < TB; ++i) out[0][i] = out[1][i] = 0.f;
+        for (int64_t j = 0; j < L; ++j) {
+            const float* x0 = xt + (int64_t)c[2 * j] * TB;
+            const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
+            for (int i = 0; i < TB; ++i) {
+                out[0][i] += w[2 * j] * x0[i];
+                out[1][i] += w[2 * j + 1] * x1[i];
+            }
+        }
+#endif
+        const int64_t r = 2 * s;
+        if (r + 1 < R) {
+            const float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f;
+            for (int i = 0; i < nt; ++i) {
+                y[i * R + r] = out[0][i] + b0;
+                y[i * R + r + 1] = out[1][i] + b1;
+            }
+        } else {
+            const float b0 = bias ? bias[r] : 0.f;
+            for (int i = 0; i < nt; ++i) y[i * R + r] = out[0][i] + b0;
+        }
+    }
+}
+
+using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
+                         const float*, float*);
+
+}  // namespace
+
+extern "C" {
+
+int sparsa_sliced_ell_version() { return 1; }
+
+// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R].
+int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols,
+                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads) {
+    const int64_t ns = (R + 1) / 2;
+    const int64_t npan = (T + TBMAX - 1) / TBMAX;
+    int64_t nrc = 1;  // row chunks per panel
+    if (nthreads > 1 && npan < 4 * nthreads) nrc = std::min<int64_t>(ns, (4 * nthreads + npan - 1) / npan);
+    nrc = std::max<int64_t>(1, nrc);
+    const int64_t per_chunk = (ns + nrc - 1) / nrc;
+    const int64_t ntasks = npan * nrc;
+    static const PanelFn fns[5] = {nullptr, &panel_rows<1>, &panel_rows<2>, &panel_rows<3>, &panel_rows<4>};
+
+    auto task = [&](int64_t id, std::vector<float>& xt) {
+        const int64_t p = id / nrc, rc = id % nrc;
+        const int64_t t0 = p * TBMAX;
+        const int nt = (int)std::min<int64_t>(TBMAX, T - t0);
+        const int nv = (nt + 7) / 8, TB = 8 * nv;
+        xt.resize((size_t)(K * TB));
+        transpose_panel(x + t0 * K, K, nt, TB, xt.data());
+        const int64_t s0 = rc * per_chunk, s1 = std::min(ns, s0 + per_chunk);
+        if (s0 < s1) fns[nv](xt.data(), nt, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R);
+    };
+    if (nthreads <= 1 || ntasks == 1) {
+        std::vector<float> xt;
+        for (int64_t id = 0; id < ntasks; ++id) task(id, xt);
+    } else {
+#pragma omp parallel num_threads(nthreads)
+        {
+            std::vector<float> xt;
+#pragma omp for schedule(static)
+            for (int64_t id = 0; id < ntasks; ++id) task(id, xt);
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

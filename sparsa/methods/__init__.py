@@ -1,0 +1,25 @@
+"""Pruning and sparse-training methods, each built on sparsa's layouts and sparsifiers.
+
+* schedules: :func:`one_shot`, :class:`GradualPruning` with :class:`~sparsa.sparsifiers.CubicSchedule`
+  (Zhu & Gupta) or :class:`IterativeSchedule` (prune and fine-tune);
+* dynamic sparse training: :class:`RigL`, :class:`SET`;
+* :class:`MovementPruning`;
+* post-training with calibration data: :func:`wanda` / :class:`Wanda`, :func:`sparsegpt`;
+* recovery fine-tuning: :func:`distill`.
+
+See ``docs/methods.md`` for each method's size against a public reference implementation.
+"""
+from .pattern import set_pattern, reset_optimizer_state, RowGroupSparsifier, named_pattern  # noqa: F401
+from .gradual import GradualPruning, IterativeSchedule, one_shot  # noqa: F401
+from .rigl import DynamicSparsity, RigL, SET  # noqa: F401
+from .movement import MovementPruning  # noqa: F401
+from .calibration import InputStats, collect_input_stats, forward_groups  # noqa: F401
+from .wanda import Wanda, wanda  # noqa: F401
+from .sparsegpt import sparsegpt, sparsegpt_weight  # noqa: F401
+from .distill import distill, distillation_loss  # noqa: F401
+from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
+
+__all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
+           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "MovementPruning", "InputStats",
+           "collect_input_stats", "forward_groups", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
+           "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync"]

@@ -1,0 +1,87 @@
+"""Pruning schedules as a training callback: gradual magnitude pruning with the cubic schedule
+(Zhu & Gupta, 2017), iterative prune-and-fine-tune, and one-shot pruning.
+
+All three are one mechanism: a :class:`~sparsa.sparsifiers.Schedule` gives the target sparsity at
+each step; whenever it changes, :class:`GradualPruning` re-ranks every sparse parameter with its
+sparsifier and stores the new pattern in the parameter's layout (:func:`set_pattern`). Between
+changes the pattern is kept by the optimizer steps themselves (sparsa refills it).
+
+>>> import torch, torch.nn as nn, sparsa
+>>> from sparsa.sparsifiers import CubicSchedule, KeepAll
+>>> model = sparsa.sparsify(nn.Linear(32, 16), sparsa.Rule(sparsifier=KeepAll()))
+>>> pruner = GradualPruning([model.weight], CubicSchedule(0.0, 0.9, start_step=0, end_step=100, every=10))
+>>> for step in range(101):
+...     _ = pruner.step(step)    # once per training step, after optimizer.step()
+>>> round(model.weight.sparsity, 2)
+0.9
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from torch import Tensor, nn
+
+from ..layouts.base import check_fraction
+from ..nn import Rule, sparsify
+from ..sparsifiers import Magnitude
+from ..sparsifiers.base import Sparsifier
+from ..sparsifiers.schedules import Schedule, _check_step
+from .pattern import _iter_sparse, set_pattern
+
+__all__ = ["GradualPruning", "IterativeSchedule", "one_shot"]
+
+
+class GradualPruning:
+    """Training callback: prune ``params`` to ``schedule(step)`` with ``sparsifier`` (default: magnitude
+    per tensor). Already-pruned weights are zero, so magnitude ranking never brings them back."""
+
+    def __init__(self, params: Iterable[Tensor], schedule: Schedule, sparsifier: Optional[Sparsifier] = None):
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a sparsa Schedule (e.g. CubicSchedule), got {type(schedule).__name__}")
+        self.params = _iter_sparse(params)
+        self.schedule = schedule
+        self.sparsifier = sparsifier if sparsifier is not None else Magnitude(0.0)
+        self.applied: Optional[float] = None
+
+    def step(self, step: int) -> bool:
+        """Apply the target of ``step`` if it changed; returns whether the patterns were updated."""
+        target = self.schedule(step)
+        if target == self.applied:
+            return False
+        rule = self.sparsifier.with_sparsity(target)
+        for p in self.params:
+            set_pattern(p, rule.mask(p.sparse_layout.to_dense()))
+        self.applied = target
+        return True
+
+
+class IterativeSchedule(Schedule):
+    """Iterative prune-and-fine-tune (Han et al., 2015): ``rounds`` pruning events ``every`` steps apart
+    from ``start_step``; each removes the same fraction of the remaining weights, ending at ``final``.
+
+    >>> s = IterativeSchedule(0.75, rounds=2, every=10)
+    >>> s(0), s(9), s(10), s(100)
+    (0.5, 0.5, 0.75, 0.75)
+    """
+
+    def __init__(self, final: float, rounds: int, every: int, start_step: int = 0):
+        self.final = check_fraction(final, "final")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds <= 0:
+            raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.rounds, self.every, self.start_step = rounds, every, _check_step(start_step, "start_step")
+
+    def sparsity_at(self, step: int) -> float:
+        step = _check_step(step)
+        if step < self.start_step:
+            return 0.0
+        done = min(self.rounds, (step - self.start_step) // self.every + 1)
+        return 1.0 - (1.0 - self.final) ** (done / self.rounds)
+
+
+def one_shot(model: nn.Module, sparsifier: Sparsifier, layout: str = "masked", **rule: object) -> nn.Module:
+    """One-shot pruning: every ``nn.Linear`` (or what ``rule`` selects, e.g. ``module_types=``, ``names=``)
+    stored in ``layout`` with ``sparsifier``'s pattern. The same as :func:`sparsa.sparsify` with one rule."""
+    rule.setdefault("module_types", nn.Linear)
+    return sparsify(model, Rule(sparsifier=sparsifier, layout=layout, **rule))

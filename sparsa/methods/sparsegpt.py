@@ -1,0 +1,89 @@
+"""SparseGPT (Frantar & Alistarh, 2023): one-shot pruning that updates the remaining weights to
+compensate, using the layer-wise Hessian ``H = X^T X`` of calibration inputs (optimal brain surgeon
+with lazy block updates).
+
+Columns are processed left to right. Each time a new selection window starts, the *pattern*
+sparsifier chooses on the OBS saliency ``|w| / [H^-1]_jj`` (so any sparsa pattern works:
+unstructured, N:M -- chosen every ``m`` columns as in the paper --, row groups); each pruned weight's
+error is then spread over the not-yet-processed columns of its row. Layers are pruned in forward
+order, each calibrated on the outputs of the already-pruned layers before it (``sequential=True``,
+as in the paper; layers reading the same input, such as query/key/value, share one pass, and each
+pass stops right after the layers it calibrates).
+
+>>> import torch, torch.nn as nn
+>>> from sparsa.sparsifiers import Magnitude
+>>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+>>> model = sparsegpt(model, [torch.randn(64, 8)], Magnitude(0.5, per="row"))
+>>> model[0].weight.layout_name, model[0].weight.density
+('masked', 0.5)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..sparsifiers.base import Sparsifier
+from ..tensor import to_dense, to_sparse
+from .calibration import collect_input_stats, forward_groups
+
+__all__ = ["sparsegpt_weight", "sparsegpt"]
+
+
+def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, block: int = 128,
+                     damp: float = 0.01) -> Tuple[Tensor, Tensor]:
+    """Prune a 2-D ``weight`` (out, in) given ``hessian`` (in, in); returns ``(new_weight, mask)``.
+
+    The pattern is chosen every ``sparsifier.m`` columns for N:M sparsifiers, else once per ``block``
+    columns. ``damp`` is added to the diagonal as a fraction of its mean.
+    """
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight must be 2-D (out, in) and hessian (in, in); got {tuple(weight.shape)} and "
+                         f"{tuple(hessian.shape)}")
+    W = to_dense(weight).detach().float().clone()
+    H = hessian.detach().double().clone()
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H.diagonal().add_(damp * H.diagonal().mean())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
+    every = getattr(sparsifier, "m", None) or block
+    K = W.shape[1]
+    keep = torch.ones_like(W, dtype=torch.bool)
+    for b0 in range(0, K, block):
+        b1 = min(b0 + block, K)
+        W1, Hinv1 = W[:, b0:b1].clone(), Hinv[b0:b1, b0:b1]
+        Err = torch.zeros_like(W1)
+        d = Hinv1.diagonal()
+        for i in range(b1 - b0):
+            if i % every == 0:
+                j = min(i + every, b1 - b0)
+                keep[:, b0 + i:b0 + j] = sparsifier.mask((W1[:, i:j].abs() / d[i:j]).float())
+            q = W1[:, i] * keep[:, b0 + i]
+            Err[:, i] = (W1[:, i] - q) / d[i]
+            W1[:, i:].addr_(Err[:, i], Hinv1[i, i:], alpha=-1.0)
+            W1[:, i] = q
+        W[:, b0:b1] = W1
+        W[:, b1:].addmm_(Err, Hinv[b0:b1, b1:], alpha=-1.0)
+    return (W * keep).to(weight.dtype), keep
+
+
+def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
+              names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+              sequential: bool = True, block: int = 128, damp: float = 0.01) -> nn.Module:
+    """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with SparseGPT
+    calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
+    ``SparseTensor`` parameters in ``layout``."""
+    batches = list(batches)
+    groups = forward_groups(model, batches[0], forward, names)
+    mods = dict(model.named_modules())
+    todo = groups if sequential else [[n for g in groups for n in g]]
+    for group in todo:
+        stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)
+        for n in group:
+            m = mods[n]
+            w, keep = sparsegpt_weight(m.weight, stats[n].hessian / stats[n].count, sparsifier, block, damp)
+            sp = to_sparse(w, layout, mask=keep, **sparsifier.layout_params())
+            m.weight = nn.Parameter(sp, requires_grad=m.weight.requires_grad)
+    return model

@@ -1,0 +1,56 @@
+"""Wanda (Sun et al., 2023): prune by ``|W_ij| * ||X_j||_2``, the weight times the L2 norm of its
+input feature on calibration data; no weight update.
+
+In sparsa Wanda is a sparsifier *wrapper*: :class:`Wanda` scales the weight by the input norms and
+lets any pattern sparsifier choose on the scaled tensor. Per-row magnitude gives the paper's
+unstructured rule (compare within an output row), ``NM(2, 4)`` its N:M variant, and the row-group
+sparsifier the fast CPU layout, all from one line.
+
+>>> import torch, torch.nn as nn
+>>> from sparsa.sparsifiers import NM
+>>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+>>> model = wanda(model, [torch.randn(32, 8)], NM(2, 4), layout="nm")
+>>> model[0].weight.layout_name, model[2].weight.density
+('nm', 0.5)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from torch import Tensor, nn
+
+from ..nn import Rule, sparsify
+from ..sparsifiers.base import Sparsifier
+from .calibration import collect_input_stats
+
+__all__ = ["Wanda", "wanda"]
+
+
+class Wanda(Sparsifier):
+    """``base`` applied to ``|W| * input_norm`` (``input_norm``: one value per input feature)."""
+
+    name = "wanda"
+
+    def __init__(self, base: Sparsifier, input_norm: Tensor):
+        if not isinstance(base, Sparsifier):
+            raise TypeError(f"base must be a sparsa Sparsifier (e.g. Magnitude(0.5, per='row')), got {base!r}")
+        self.base, self.input_norm = base, input_norm
+
+    def _mask(self, dense: Tensor) -> Tensor:
+        return self.base.mask(dense.abs() * self.input_norm.to(dense))
+
+    def layout_params(self):
+        return self.base.layout_params()
+
+    def _repr_args(self):
+        return {"base": self.base}
+
+
+def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
+          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None) -> nn.Module:
+    """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with Wanda on
+    top of ``sparsifier``, stored in ``layout``. All layers are calibrated in one pass over ``batches``
+    (each fed as ``forward(model, batch)``, default ``model(batch)``)."""
+    stats = collect_input_stats(model, batches, forward, names)
+    rules = [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n) for n, s in stats.items()]
+    return sparsify(model, rules)

