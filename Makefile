@@ -18,7 +18,7 @@ $(STAMP): $(VPY) pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m sparsa.demo
+	$(VENV)/bin/sparsa demo
 
 test: $(STAMP)
 	$(VPY) -m pytest tests

@@ -1,0 +1,77 @@
+"""Side-by-side timing for benchmarks: warm up, alternate baseline and candidate, take medians.
+
+Alternating the two calls in one process means both see the same machine state (clock, cache,
+other load), so their *ratio* is much steadier than two separately measured times.
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.timing import compare
+    >>> a, b = torch.randn(256, 256), torch.randn(256, 256)
+    >>> c = compare(lambda: a @ b, lambda: a @ b, reps=5)
+    >>> c.ratio > 0            # baseline time / candidate time (> 1: candidate is faster)
+    True
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, List
+
+__all__ = ["Comparison", "compare", "median_time"]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Median seconds per call of the baseline and the candidate, and their ratio."""
+
+    baseline_s: float
+    candidate_s: float
+
+    @property
+    def ratio(self) -> float:
+        """``baseline_s / candidate_s``: the candidate's speed-up (below 1 means slower)."""
+        return self.baseline_s / self.candidate_s if self.candidate_s > 0 else float("inf")
+
+
+def _calls_for(fn: Callable[[], object], min_seconds: float) -> int:
+    """How many back-to-back calls make one timed sample last at least ``min_seconds``."""
+    t0 = time.perf_counter()
+    fn()
+    dt = max(time.perf_counter() - t0, 1e-7)
+    return max(1, min(1000, int(min_seconds / dt) + 1))
+
+
+def _sample(fn: Callable[[], object], n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def median_time(fn: Callable[[], object], *, reps: int = 7, warmup: int = 2, min_seconds: float = 0.005) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` samples (each at least ``min_seconds`` long)."""
+    for _ in range(warmup):
+        fn()
+    n = _calls_for(fn, min_seconds)
+    return statistics.median(_sample(fn, n) for _ in range(reps))
+
+
+def compare(baseline: Callable[[], object], candidate: Callable[[], object], *, reps: int = 7, warmup: int = 2,
+            min_seconds: float = 0.005) -> Comparison:
+    """Time ``baseline`` and ``candidate`` alternately; medians over ``reps`` samples each.
+
+    Each sample runs a function enough times back to back to last ``min_seconds`` (so tiny calls
+    are not dominated by timer resolution). Lower ``reps`` for slow candidates.
+    """
+    for _ in range(warmup):
+        baseline()
+        candidate()
+    nb, nc = _calls_for(baseline, min_seconds), _calls_for(candidate, min_seconds)
+    tb: List[float] = []
+    tc: List[float] = []
+    for _ in range(max(1, reps)):
+        tb.append(_sample(baseline, nb))
+        tc.append(_sample(candidate, nc))
+    return Comparison(statistics.median(tb), statistics.median(tc))

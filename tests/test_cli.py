@@ -1,0 +1,98 @@
+"""The `sparsa` command: help, one-line errors with exit codes, prune -> inspect round trip."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsa import cli
+
+SUBCOMMANDS = ["demo", "prune", "inspect", "bench"]
+
+
+def _run(*args, timeout=600):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "sparsa.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("sub", [None] + SUBCOMMANDS)
+def test_help_describes_every_option(sub, capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(([sub] if sub else []) + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    target = parser if sub is None else parser._subparsers._group_actions[0].choices[sub]
+    for action in target._actions:
+        for opt in action.option_strings:
+            assert opt in out
+        if action.option_strings and action.help is not argparse_suppress():
+            assert action.help, f"option {action.option_strings} of {sub} has no help text"
+
+
+def argparse_suppress():
+    import argparse
+    return argparse.SUPPRESS
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["prune", "/definitely/not/here", "-o", "x"], "does not exist"),
+    (["prune", ".", "-o", "x", "--sparsity", "1.5"], "--sparsity"),
+    (["prune", ".", "-o", "x", "--method", "nope"], "--method"),
+    (["inspect", "/no/such/file.safetensors"], "no such file"),
+    (["bench", "nope"], "invalid choice"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, needle):
+    r = cli_main(args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def cli_main(args):
+    return _run(*args, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import BertConfig, BertModel
+
+    from sparsa.models.minilm import model_dir
+    d = tmp_path_factory.mktemp("tiny_bert")
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    BertModel(cfg).save_pretrained(str(d))
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy2(model_dir() / f, d / f)
+    return d
+
+
+def test_prune_then_inspect_then_reload(tiny_model_dir, tmp_path):
+    out = tmp_path / "pruned"
+    r = _run("prune", str(tiny_model_dir), "-o", str(out), "--method", "wanda", "--sparsity", "0.5",
+             "--calib", "16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "encoder.layer.0.attention.self.query.weight" in r.stdout and "masked" in r.stdout
+    r2 = _run("inspect", str(out))
+    assert r2.returncode == 0, r2.stderr
+    assert "50.0%" in r2.stdout and "file size" in r2.stdout
+    from sparsa.prune import load_pruned
+    m = load_pruned(str(out))
+    w = m.encoder.layer[0].attention.self.query.weight
+    assert w.layout_name == "masked" and abs(w.sparsity - 0.5) < 1e-6
+    # prune again (a pruned directory is a valid input) with N:M
+    r3 = _run("prune", str(out), "-o", str(tmp_path / "p2"), "--pattern", "2:4", "--sparsity", "0.5")
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    assert "nm" in r3.stdout
+
+
+def test_runtime_failure_is_one_line_exit_1(tmp_path):
+    bad = tmp_path / "m"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    r = _run("prune", str(bad), "-o", str(tmp_path / "o"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
