@@ -58,13 +58,17 @@ def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool)
             f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}")
 
 
-def _time(fn: Callable[[], None], reps: int) -> float:
+def _time(fn: Callable[[], None], reps: int, min_seconds: float = 0.005) -> float:
+    """Best-of-``reps + 1`` milliseconds per call; short calls are batched to ``min_seconds``."""
+    t0 = time.perf_counter()
     fn()  # warm-up
+    n = max(1, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(reps + 1):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n)
     return best * 1e3
 
 
