@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparsa
-from sparsa.methods import GradualPruning, RigL, distill, named_pattern, sparsegpt, wanda
+from sparsa.methods import GradualPruning, RigL, distill, erk_sparsities, named_pattern, sparsegpt, wanda
 from sparsa.sparsifiers import CubicSchedule, KeepAll, Random
 
 OUT = Path(__file__).parent / "results" / "quality.json"
@@ -147,7 +147,7 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
         _train(dense, xtr, ytr, epochs, 1e-3)
         dense_acc = _accuracy(dense, xte, yte)
         rows.append({"model": name, "method": "dense", "sparsity": 0.0, "accuracy": round(dense_acc, 4),
-                     "dense_accuracy": round(dense_acc, 4)})
+                     "dense_accuracy": round(dense_acc, 4), "epochs": epochs})
         rule = sparsa.Rule(sparsifier=KeepAll(), module_types=(nn.Linear, nn.Conv2d))
 
         # gradual magnitude pruning (cubic) from the trained dense model, then fine-tuning
@@ -156,22 +156,27 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
         pruner = GradualPruning(params, CubicSchedule(0.0, 0.9, start_step=0, end_step=int(0.6 * steps),
                                                       every=max(1, steps // 60)))
         _train(gmp, xtr, ytr, epochs, 5e-4, lambda s, o, w: w == "after_step" and pruner.step(s), seed=1)
-        rows.append(_digit_row(name, "gradual_magnitude", gmp, xte, yte, dense_acc))
+        rows.append({**_digit_row(name, "gradual_magnitude", gmp, xte, yte, dense_acc), "epochs": epochs})
 
-        # RigL at 90% from scratch (random initial pattern)
+        # RigL at 90% overall from scratch: random initial patterns, per-layer sparsity by ERK
         torch.manual_seed(0)
-        rl = sparsa.sparsify(build(), sparsa.Rule(sparsifier=Random(0.9, seed=0), module_types=(nn.Linear, nn.Conv2d)))
+        rl = build()
+        layers = [(n, m) for n, m in rl.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        per_layer = erk_sparsities([m.weight.shape for _, m in layers], 0.9)
+        sparsa.sparsify(rl, [sparsa.Rule(sparsifier=Random(s, seed=i), names=n) for i, ((n, _), s) in
+                             enumerate(zip(layers, per_layer))])
         params = [p for _, p in sparsa.nn.sparse_parameters(rl)]
         holder: Dict[str, Any] = {}
 
         def rigl_cb(s, o, when):
             if "rigl" not in holder:
-                holder["rigl"] = RigL(params, o, update_every=25, drop_fraction=0.3, end_step=int(0.75 * steps))
+                holder["rigl"] = RigL(params, o, update_every=25, drop_fraction=0.3, end_step=int(1.5 * steps))
             if when == "after_backward":
                 holder["rigl"].step(s)
 
-        _train(rl, xtr, ytr, epochs, 1e-3, rigl_cb)
-        rows.append(_digit_row(name, "rigl", rl, xte, yte, dense_acc))
+        _train(rl, xtr, ytr, 2 * epochs, 3e-3, rigl_cb)
+        rows.append({**_digit_row(name, "rigl", rl, xte, yte, dense_acc), "epochs": 2 * epochs,
+                     "per_layer_sparsity": [round(v, 3) for v in per_layer]})
         for r in rows[-3:]:
             print(json.dumps(r), flush=True)
     return rows

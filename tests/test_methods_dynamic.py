@@ -7,7 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import sparsa
-from sparsa.methods import SET, MovementPruning, RigL
+from sparsa.methods import SET, MovementPruning, RigL, erk_sparsities
 from sparsa.sparsifiers import CubicSchedule, KeepAll, Magnitude
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -114,3 +114,20 @@ def test_movement_needs_grad():
     model = sparsa.sparsify(nn.Linear(6, 4), sparsa.Rule(sparsifier=KeepAll()))
     with pytest.raises(ValueError, match="backward"):
         MovementPruning([model.weight], CubicSchedule(0.0, 0.5, 0, 4)).accumulate()
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1, max_size=5),
+       sparsity=st.floats(0.0, 0.95))
+def test_erk_keeps_overall_sparsity(shapes, sparsity):
+    got = erk_sparsities(shapes, sparsity)
+    sizes = [a * b for a, b in shapes]
+    assert all(0.0 <= s < 1.0 for s in got)
+    kept = sum((1 - s) * n for s, n in zip(got, sizes))
+    assert kept == pytest.approx((1 - sparsity) * sum(sizes), rel=1e-9, abs=1e-9)
+    # denser for layers with a larger (fan_in + fan_out) / size
+    ratio = [(a + b) / (a * b) for a, b in shapes]
+    for i in range(len(shapes)):
+        for j in range(len(shapes)):
+            if ratio[i] > ratio[j]:
+                assert got[i] <= got[j] + 1e-12

@@ -11,7 +11,7 @@ See ``docs/methods.md`` for each method's size against a public reference implem
 """
 from .pattern import set_pattern, reset_optimizer_state, RowGroupSparsifier, named_pattern  # noqa: F401
 from .gradual import GradualPruning, IterativeSchedule, one_shot  # noqa: F401
-from .rigl import DynamicSparsity, RigL, SET  # noqa: F401
+from .rigl import DynamicSparsity, RigL, SET, erk_sparsities  # noqa: F401
 from .movement import MovementPruning  # noqa: F401
 from .calibration import InputStats, collect_input_stats, forward_groups  # noqa: F401
 from .wanda import Wanda, wanda  # noqa: F401
@@ -20,6 +20,6 @@ from .distill import distill, distillation_loss  # noqa: F401
 from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
 
 __all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
-           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "MovementPruning", "InputStats",
+           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning", "InputStats",
            "collect_input_stats", "forward_groups", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
            "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync"]

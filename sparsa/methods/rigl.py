@@ -25,7 +25,7 @@ True
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -34,7 +34,27 @@ from ..layouts.base import check_fraction
 from ..tensor import SparseTensor
 from .pattern import _iter_sparse, reset_optimizer_state, set_pattern
 
-__all__ = ["DynamicSparsity", "RigL", "SET"]
+__all__ = ["DynamicSparsity", "RigL", "SET", "erk_sparsities"]
+
+
+def erk_sparsities(shapes: Sequence[Sequence[int]], sparsity: float) -> List[float]:
+    """Per-layer sparsities with overall ``sparsity`` by Erdos-Renyi-Kernel (RigL's default): a layer's
+    density is proportional to ``sum(shape) / prod(shape)`` (small layers stay denser), capped at dense.
+
+    >>> [round(s, 3) for s in erk_sparsities([(16, 1, 3, 3), (256, 512)], 0.9)]
+    [0.0, 0.901]
+    """
+    sizes = [math.prod(s) for s in shapes]
+    raw = [sum(s) / n for s, n in zip(shapes, sizes)]
+    dense: set = set()
+    while len(dense) < len(sizes):
+        budget = (1 - check_fraction(sparsity, "sparsity")) * sum(sizes) - sum(sizes[i] for i in dense)
+        eps = budget / sum(raw[i] * sizes[i] for i in range(len(sizes)) if i not in dense)
+        over = {i for i in range(len(sizes)) if i not in dense and eps * raw[i] >= 1}
+        if not over:
+            return [0.0 if i in dense else 1 - eps * raw[i] for i in range(len(sizes))]
+        dense |= over
+    return [0.0] * len(sizes)
 
 
 class DynamicSparsity:
@@ -76,7 +96,7 @@ class DynamicSparsity:
         mask = p.pattern()
         dense = p.sparse_layout.to_dense()
         k = int(frac * int(mask.sum()))
-        if k == 0:
+        if k == 0 or bool(mask.all()):  # a dense layer (e.g. from ERK) has nothing to swap with
             return
         flat = mask.flatten()
         drop_score = torch.where(flat, dense.abs().flatten(), torch.inf)

@@ -38,7 +38,11 @@ def dense_weight(w: Layout) -> Tensor:
 
 
 def _torch_sparse(w: Layout, transpose: bool):
-    """A cached torch.sparse form of ``w`` (or its transpose) when that is the route taken, else None."""
+    """A cached torch.sparse form of ``w`` (or its transpose) when that is the route taken, else None.
+
+    Under ``torch.compile`` the dense route is taken (torch.sparse tensors cannot be traced)."""
+    if torch.compiler.is_compiling():
+        return None
     if isinstance(w, CSR) and w.values.numel():
         return w.torch_csr_t() if transpose else w.torch_csr()
     if isinstance(w, COO) and len(w.shape) == 2 and w.values.numel():
@@ -73,7 +77,7 @@ def mm_w(x: Tensor, w: Layout) -> Tensor:
 
 def masked_mm(w: Layout, a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` (R, N) @ (N, K) kept only on the stored pattern of ``w``; a dense (R, K) tensor."""
-    if isinstance(w, CSR) and w.values.numel() and a.numel() and b.numel():
+    if isinstance(w, CSR) and w.values.numel() and a.numel() and b.numel() and not torch.compiler.is_compiling():
         return torch.sparse.sampled_addmm(w.torch_csr(), a, b, beta=0.0).to_dense()
     if isinstance(w, COO) and a.shape[1] and w.values.numel() * a.shape[1] <= (1 << 24):
         rows, cols = w.indices[0], w.indices[1]
