@@ -2,7 +2,7 @@
 
 Data: scikit-learn's digits (8x8 grey) upsampled to 32x32 and repeated over 3 channels, 10 classes.
 Dense baseline: PyTorch's own conv2d/linear forward+backward (oneDNN/MKL) at the same thread count,
-in the faster of NCHW / channels-last (measured); the adaptive model runs channels-last.
+in the faster of NCHW / channels-last (measured); the adaptive model runs in the same format.
 
     python benchmarks/adaptive_training.py --quick   # < 3 minutes
     python benchmarks/adaptive_training.py           # full (4 models, 100 steps)
@@ -122,7 +122,7 @@ def run_model(name, batch, steps, warm, reps_note, res):
     dense_fmt = min(fmt_t, key=fmt_t.get)
     dfmt = CL if dense_fmt == str(CL) else torch.contiguous_format
     dense = dense.to(memory_format=dfmt)
-    adaptive = adaptive.to(memory_format=CL)
+    adaptive = adaptive.to(memory_format=dfmt)  # same format as the dense baseline
     rt = sa.enable(adaptive, every=10)
     od = torch.optim.SGD(dense.parameters(), lr=0.01, momentum=0.9)
     oa = torch.optim.SGD(adaptive.parameters(), lr=0.01, momentum=0.9)
@@ -131,7 +131,7 @@ def run_model(name, batch, steps, warm, reps_note, res):
         t0 = time.perf_counter()
         ld.append(train_step(dense, od, x.contiguous(memory_format=dfmt), y))
         t1 = time.perf_counter()
-        la.append(train_step(adaptive, oa, x, y))
+        la.append(train_step(adaptive, oa, x.contiguous(memory_format=dfmt), y))
         t2 = time.perf_counter()
         if i >= warm:
             td.append(t1 - t0)
@@ -148,7 +148,7 @@ def run_model(name, batch, steps, warm, reps_note, res):
           f"{row['adaptive_step_ms']:.0f} ms, speedup {row['step_speedup_vs_dense']:.2f}x, loss "
           f"{row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f}", flush=True)
     print(rt.format(), flush=True)
-    return adaptive, rt, data[-1][0]
+    return adaptive, rt, data[-1][0].contiguous(memory_format=dfmt)
 
 
 def layer_rows(name, model, rt, x, reps, res):
@@ -172,8 +172,8 @@ def layer_rows(name, model, rt, x, reps, res):
 
 def compaction_rows(acts, res, limit):
     for lname, (mod, a) in list(acts.items())[:limit]:
-        if not isinstance(mod, sa.AdaptiveConv2d):
-            continue
+        if not isinstance(mod, sa.AdaptiveConv2d) or not mod.sparsa_state.paired_calls:
+            continue  # only layers fed by a ReLU
         geo = K.geometry(a.shape, mod.weight.shape, mod.stride, mod.padding, mod.dilation, 64)
         wt = mod.weight.detach().permute(2, 3, 1, 0).contiguous()
         cnt, idx, val = K.compact(a, 64)
@@ -200,7 +200,7 @@ def sweep(acts, names, sparsities, reps, res):
 def monitor_numbers(acts, every, res):
     """Monitor (sampled, refreshed every ``every`` steps) vs a full count_nonzero every step."""
     xs = [a for _, a in acts.values()]
-    mons = [sa.SparsityMonitor(every=1, pixels=512, seed=i) for i in range(len(xs))]
+    mons = [sa.SparsityMonitor(every=1, seed=i) for i in range(len(xs))]
     for m, a in zip(mons, xs):
         m.observe(a)  # build the sample indices once (as in training)
 

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels import adaptive as _k
 from .compaction import DEFAULT_SLICE
 
 __all__ = ["SparsityMonitor"]
@@ -108,6 +109,29 @@ class SparsityMonitor:
             return flat[self._rebuild(x4.shape, (sn, sc, sh, sw))].view(self._m, C)
         return flat[self._index].view(self._m, C)
 
+    def _sample_native(self, x: Tensor) -> bool:
+        """One native call over the sampled pixels (no intermediate tensors); False if unavailable."""
+        x4 = x if x.dim() == 4 else x.reshape(-1, x.shape[-1]).t().unsqueeze(0).unsqueeze(-1)
+        N, C, H, W = x4.shape
+        key = ("native", tuple(x4.shape), tuple(x4.stride()))
+        if self._key != key:
+            P = N * H * W
+            m = min(self.pixels, P, max(32, self.elements // max(1, C)))
+            q = torch.randperm(P, generator=self._gen)[:m]
+            sn, sc, sh, sw = x4.stride()
+            self._base = ((q // (H * W)) * sn + ((q // W) % H) * sh + (q % W) * sw).contiguous()
+            self._m = m
+        res = _k.sample_zeros(x4, self._base, self.slice)
+        if res is None:
+            return False
+        self._key = key
+        zeros, empty = res
+        S = -(-C // self.slice)
+        self.sparsity = zeros / max(1, self._m * C)
+        self.empty_slices = empty / max(1, self._m * S)
+        self.source = "sample"
+        return True
+
     def _rebuild(self, shape, stride) -> Tensor:
         N, C, H, W = shape
         q = torch.randperm(N * H * W, generator=self._gen)[:self._m]
@@ -115,6 +139,8 @@ class SparsityMonitor:
         return (base.view(-1, 1) + torch.arange(C).view(1, -1) * stride[1]).reshape(-1)
 
     def _sample(self, x: Tensor) -> None:
+        if self._sample_native(x):
+            return
         rows = self._rows(x)
         m, C = rows.shape
         nz = rows != 0

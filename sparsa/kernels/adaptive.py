@@ -38,7 +38,7 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "geometry", "densify",
+__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "geometry", "densify", "sample_zeros",
            "native_library", "native_available"]
 
 _SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp"]
@@ -58,8 +58,23 @@ def native_library() -> Optional[ctypes.CDLL]:
         lib.sparsa_adaptive_conv_wgrad_f32.restype = ci
         lib.sparsa_adaptive_conv_igrad_f32.argtypes = [vp] * 7 + [ci]
         lib.sparsa_adaptive_conv_igrad_f32.restype = ci
+        lib.sparsa_adaptive_sample_f32.argtypes = [vp, vp, i64, i64, i64, i64, vp]
+        lib.sparsa_adaptive_sample_f32.restype = None
         lib._sparsa_typed = True
     return lib
+
+
+def sample_zeros(x: Tensor, base: Tensor, slice: int) -> Optional[Tuple[int, int]]:
+    """Native monitor sample of a logical ``[N, C, H, W]`` float32 tensor: ``(zero elements, empty
+    (pixel, slice) lists)`` over the pixels whose channel-0 element offsets are ``base`` (int64).
+    None when the native library is unavailable (the caller then samples with PyTorch ops)."""
+    lib = _use_native(x)
+    if lib is None or x.dtype != torch.float32 or x.dim() != 4:
+        return None
+    out = torch.zeros(2, dtype=torch.int64)
+    lib.sparsa_adaptive_sample_f32(x.data_ptr(), base.data_ptr(), base.numel(), x.shape[1], x.stride(1),
+                                   int(slice), out.data_ptr())
+    return int(out[0]), int(out[1])
 
 
 def native_available() -> bool:

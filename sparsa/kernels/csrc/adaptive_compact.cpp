@@ -106,4 +106,23 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
     return total;
 }
 
+// Monitor sample: for m sampled pixels (element offsets base[i] of channel 0, channel stride sc),
+// count zero elements and empty channel slices. out[0] = zeros, out[1] = empty (pixel, slice) lists.
+void sparsa_adaptive_sample_f32(const float* x, const int64_t* base, int64_t m, int64_t C, int64_t sc,
+                                int64_t CS, int64_t* out) {
+    int64_t zeros = 0, empty = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        const float* p = x + base[i];
+        for (int64_t c0 = 0; c0 < C; c0 += CS) {
+            const int64_t c1 = (c0 + CS < C) ? c0 + CS : C;
+            int64_t z = 0;
+            for (int64_t c = c0; c < c1; ++c) z += (p[c * sc] == 0.f);
+            zeros += z;
+            empty += (z == c1 - c0);
+        }
+    }
+    out[0] = zeros;
+    out[1] = empty;
+}
+
 }  // extern "C"

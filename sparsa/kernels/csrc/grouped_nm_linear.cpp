@@ -1,0 +1,415 @@
+// Kernels for the grouped N:M layout (sparsa/layouts/grouped_nm.py), forward and backward.
+//
+// Both products are written as one generic "grouped ELL on token panels" operation:
+//
+//   out[row(g, i)][t] += sum_e vals[g][e][i] * in[idx[g][e]][t]      (g < G, e < L, i < n)
+//
+// A *group* g is a list of L entries (input row idx, n values) feeding n output rows. For the
+// forward pass, g = (row block b, pattern p): its n rows are b*m + pattern[p], its entries are the
+// C*g columns that use p (ordered by chunk). Reordering the layout pattern-major means only the n
+// rows of one pattern need accumulators, whatever m is. For grad_x = grad_y W, g = input column k
+// (n = 1), its entries the B*n (row, value) pairs of W's column k, ordered by row block.
+//
+// Tokens are vectorised: a panel of X is transposed to feature-major (`panel[k][t]`, S floats a
+// row) so one ymm holds 8 tokens of one input row; a group keeps NR x V accumulators in registers
+// (NR output rows x 8V tokens), loads the V token vectors of each entry once and FMAs them into the
+// NR rows with broadcast weights. Entries are ordered by input row, cut into *units* (a chunk of the
+// forward, a row block of the backward); a tile of units keeps the panel rows it reads in L2.
+// OpenMP over token panels (many tokens) or over blocks of groups that own disjoint output rows.
+//
+// grad_W on the pattern (a sampled dense-dense product): gv[g][e][i] = sum_t gy[t][row(g,i)] *
+// x[t][idx[g][e]], with X and grad_Y transposed to feature-major once; OpenMP over groups.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <omp.h>
+#include <immintrin.h>
+
+#ifndef __AVX2__
+#error "grouped_nm_linear.cpp needs AVX2/FMA (-mavx2 -mfma)"
+#endif
+
+namespace {
+
+constexpr int MAXNR = 4;
+
+// register blocking: V token vectors per output row, by the number of rows sharing an entry
+constexpr int vmax_for(int nr) { return nr <= 1 ? 12 : nr == 2 ? 4 : nr == 3 ? 3 : 2; }
+// independent partial sums, so that at least 8 FMA chains are in flight
+constexpr int splits_for(int nr, int v) { return nr * v >= 8 ? 1 : (8 + nr * v - 1) / (nr * v); }
+
+struct Buf {  // 64-byte aligned float buffer
+    float* p = nullptr;
+    size_t n = 0;
+    void ensure(size_t want) {
+        if (want <= n) return;
+        std::free(p);
+        n = want;
+        p = static_cast<float*>(std::aligned_alloc(64, ((want * sizeof(float) + 63) / 64) * 64));
+    }
+    ~Buf() { std::free(p); }
+};
+
+inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// dst[c*S + t] = src[t*ld + c] for t < nt, c < ncols; zero for nt <= t < width (width % 8 == 0)
+// and for ncols <= c < nrows.
+void pack_in(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+    for (int t0 = 0; t0 < width; t0 += 8) {
+        const int tn = std::max(0, std::min(8, nt - t0));
+        int64_t c = 0;
+        if (tn == 8) {
+            for (; c + 8 <= ncols; c += 8) {
+                __m256 r[8];
+                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (t0 + i) * ld + c);
+                transpose8(r);
+                for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c + j) * S + t0, r[j]);
+            }
+        }
+        for (; c < ncols; ++c) {
+            float* d = dst + c * S + t0;
+            int i = 0;
+            for (; i < tn; ++i) d[i] = src[(t0 + i) * ld + c];
+            for (; i < 8; ++i) d[i] = 0.f;
+        }
+        for (; c < nrows; ++c) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
+    }
+}
+
+// y[t*ldy + r] = src[r*S + t] (+ bias[r]) for r0 <= r < r1, t < nt.
+void unpack_out(const float* src, int64_t S, int64_t r0, int64_t r1, int nt, const float* bias, float* y, int64_t ldy) {
+    int t0 = 0;
+    for (; t0 + 8 <= nt; t0 += 8) {
+        int64_t r = r0;
+        for (; r + 8 <= r1; r += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(src + (r + i) * S + t0);
+            transpose8(v);
+            const __m256 b = bias ? _mm256_loadu_ps(bias + r) : _mm256_setzero_ps();
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + (t0 + j) * ldy + r, _mm256_add_ps(v[j], b));
+        }
+        for (; r < r1; ++r) {
+            const float b = bias ? bias[r] : 0.f;
+            for (int j = 0; j < 8; ++j) y[(t0 + j) * ldy + r] = src[r * S + t0 + j] + b;
+        }
+    }
+    for (; t0 < nt; ++t0)
+        for (int64_t r = r0; r < r1; ++r) y[t0 * ldy + r] = src[r * S + t0] + (bias ? bias[r] : 0.f);
+}
+
+// ------------------------------------------------------------------------------------ forward piece
+// NR output rows x V token vectors; `cnt` entries; values of entry e at vals[e*vstride + i].
+template <int NR, int V>
+void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+           int64_t vstride, int64_t cnt, float* const* outp) {
+    constexpr int SP = splits_for(NR, V);
+    __m256 acc[SP][NR][V];
+    for (int s = 0; s < SP; ++s)
+        for (int i = 0; i < NR; ++i)
+            for (int v = 0; v < V; ++v) acc[s][i][v] = _mm256_setzero_ps();
+    int64_t e = 0;
+    for (; e + SP <= cnt; e += SP) {
+#pragma GCC unroll 8
+        for (int s = 0; s < SP; ++s) {
+            const float* xp = panel + (int64_t)idx[e + s] * S;
+            const float* w = vals + (e + s) * vstride;
+            if constexpr (NR == 1) {
+                const __m256 wb = _mm256_broadcast_ss(w);
+#pragma GCC unroll 12
+                for (int v = 0; v < V; ++v) acc[s][0][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[s][0][v]);
+            } else {
+                __m256 xv[V];
+#pragma GCC unroll 12
+                for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(xp + 8 * v);
+#pragma GCC unroll 4
+                for (int i = 0; i < NR; ++i) {
+                    const __m256 wb = _mm256_broadcast_ss(w + i);
+#pragma GCC unroll 12
+                    for (int v = 0; v < V; ++v) acc[s][i][v] = _mm256_fmadd_ps(wb, xv[v], acc[s][i][v]);
+                }
+            }
+        }
+    }
+    for (; e < cnt; ++e) {
+        const float* xp = panel + (int64_t)idx[e] * S;
+        const float* w = vals + e * vstride;
+        for (int i = 0; i < NR; ++i) {
+            const __m256 wb = _mm256_broadcast_ss(w + i);
+            for (int v = 0; v < V; ++v) acc[0][i][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[0][i][v]);
+        }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int v = 0; v < V; ++v) {
+            __m256 a = acc[0][i][v];
+            for (int s = 1; s < SP; ++s) a = _mm256_add_ps(a, acc[s][i][v]);
+            float* o = outp[i] + 8 * v;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), a));
+        }
+}
+
+using PieceFn = void (*)(const float*, int64_t, const int32_t*, const float*, int64_t, int64_t, float* const*);
+
+template <int NR, int V>
+struct PieceTable {
+    static void fill(PieceFn* tab) {
+        tab[V] = &piece<NR, V>;
+        PieceTable<NR, V - 1>::fill(tab);
+    }
+};
+template <int NR>
+struct PieceTable<NR, 0> {
+    static void fill(PieceFn*) {}
+};
+
+struct Tables {
+    PieceFn f[MAXNR + 1][vmax_for(1) + 1] = {};
+    Tables() {
+        PieceTable<1, vmax_for(1)>::fill(f[1]);
+        PieceTable<2, vmax_for(2)>::fill(f[2]);
+        PieceTable<3, vmax_for(3)>::fill(f[3]);
+        PieceTable<4, vmax_for(4)>::fill(f[4]);
+    }
+};
+const Tables& tables() {
+    static const Tables t;
+    return t;
+}
+
+struct Problem {
+    const int32_t* idx;       // [G][L]
+    const float* vals;        // [G][L][n]
+    const int32_t* out_rows;  // [G][n]
+    int64_t G, n, L;
+    int64_t units, unit_entries, unit_span;
+    int64_t gpb, rpb;  // groups per block, output rows per block (blocks own disjoint rows)
+    int64_t in_pad, out_pad;
+};
+
+// out panel rows of the groups [g0, g1) += products, for V token vectors (panel row stride S)
+void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t upt, int64_t g0, int64_t g1,
+                float* opanel) {
+    const Tables& tab = tables();
+    float* outp[MAXNR];
+    for (int64_t u0 = 0; u0 < P.units; u0 += upt) {
+        const int64_t e0 = u0 * P.unit_entries, e1 = std::min(P.units, u0 + upt) * P.unit_entries;
+        for (int64_t g = g0; g < g1; ++g) {
+            for (int64_t i0 = 0; i0 < P.n; i0 += MAXNR) {
+                const int nr = (int)std::min<int64_t>(MAXNR, P.n - i0);
+                for (int i = 0; i < nr; ++i) outp[i] = opanel + (int64_t)P.out_rows[g * P.n + i0 + i] * S;
+                tab.f[nr][V](panel, S, P.idx + g * P.L + e0, P.vals + (g * P.L + e0) * P.n + i0, P.n, e1 - e0, outp);
+            }
+        }
+    }
+}
+
+int vmax_of(int64_t n) { return vmax_for((int)std::min<int64_t>(n, MAXNR)); }
+
+int64_t units_per_tile(const Problem& P, int64_t S, int64_t tile_bytes) {
+    const int64_t per_unit = std::max<int64_t>(1, P.unit_span * S * (int64_t)sizeof(float));
+    return std::max<int64_t>(1, std::min<int64_t>(P.units, tile_bytes / per_unit));
+}
+
+void spmm(const Problem& P, const float* x, int64_t T, int64_t K, int64_t ldx, const float* bias, float* y,
+          int64_t R, int nthreads, int64_t tile_bytes) {
+    const int VM = vmax_of(P.n);
+    const int64_t S = 8 * VM;  // panel row stride (floats) = tokens per panel
+    const int64_t upt = units_per_tile(P, S, tile_bytes);
+    const int64_t npan = (T + S - 1) / S;
+    if (nthreads <= 1 || npan >= 2 * nthreads) {
+        // one task per token panel; every thread owns its panels
+#pragma omp parallel num_threads(std::max(1, nthreads)) if (nthreads > 1)
+        {
+            Buf in, out;
+            in.ensure((size_t)(P.in_pad * S));
+            out.ensure((size_t)(P.out_pad * S));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t p = 0; p < npan; ++p) {
+                const int64_t t0 = p * S;
+                const int nt = (int)std::min<int64_t>(S, T - t0);
+                const int V = (nt + 7) / 8;
+                pack_in(x + t0 * ldx, ldx, nt, K, P.in_pad, in.p, S, 8 * V);
+                for (int64_t r = 0; r < P.out_pad; ++r) std::memset(out.p + r * S, 0, sizeof(float) * 8 * V);
+                run_groups(P, in.p, S, V, upt, 0, P.G, out.p);
+                unpack_out(out.p, S, 0, R, nt, bias, y + t0 * R, R);
+            }
+        }
+        return;
+    }
+    // few tokens: parallel over blocks of groups, one panel at a time
+    Buf in, out;
+    in.ensure((size_t)(P.in_pad * S));
+    out.ensure((size_t)(P.out_pad * S));
+    const int64_t nblk = P.G / P.gpb;
+    const int64_t ntask = std::min<int64_t>(nblk, 4 * nthreads);
+    for (int64_t p = 0; p < npan; ++p) {
+        const int64_t t0 = p * S;
+        const int nt = (int)std::min<int64_t>(S, T - t0);
+        const int V = (nt + 7) / 8;
+        pack_in(x + t0 * ldx, ldx, nt, K, P.in_pad, in.p, S, 8 * V);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntask; ++task) {
+            const int64_t b0 = nblk * task / ntask, b1 = nblk * (task + 1) / ntask;
+            const int64_t r0 = b0 * P.rpb, r1 = b1 * P.rpb;
+            for (int64_t r = r0; r < r1; ++r) std::memset(out.p + r * S, 0, sizeof(float) * 8 * V);
+            run_groups(P, in.p, S, V, upt, b0 * P.gpb, b1 * P.gpb, out.p);
+            unpack_out(out.p, S, r0, std::min(r1, R), nt, bias, y + t0 * R, R);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------- SDDMM
+constexpr int SD_V = 8;  // token vectors per panel (64 tokens)
+
+inline __m256 hsum8(const __m256 a[8]) {  // lane j = sum of a[j]
+    __m256 h0 = _mm256_hadd_ps(a[0], a[1]), h1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 h2 = _mm256_hadd_ps(a[4], a[5]), h3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 h01 = _mm256_hadd_ps(h0, h1), h23 = _mm256_hadd_ps(h2, h3);
+    // h01 = [a0L a1L a2L a3L | a0H a1H a2H a3H], h23 likewise for a4..a7
+    __m256 lo = _mm256_permute2f128_ps(h01, h23, 0x20), hi = _mm256_permute2f128_ps(h01, h23, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+// gv[e*vstride] += sum over V token vectors of gyrow . x[idx[e]] for e < cnt
+template <int V>
+void sddmm_row(const float* __restrict xT, int64_t sx, const float* __restrict grow, const int32_t* __restrict idx,
+               float* __restrict gv, int64_t vstride, int64_t cnt) {
+    __m256 g[V];
+    for (int v = 0; v < V; ++v) g[v] = _mm256_loadu_ps(grow + 8 * v);
+    int64_t e = 0;
+    for (; e + 8 <= cnt; e += 8) {
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+            const float* xp = xT + (int64_t)idx[e + q] * sx;
+            __m256 a = _mm256_mul_ps(g[0], _mm256_loadu_ps(xp));
+#pragma GCC unroll 8
+            for (int v = 1; v < V; ++v) a = _mm256_fmadd_ps(g[v], _mm256_loadu_ps(xp + 8 * v), a);
+            acc[q] = a;
+        }
+        const __m256 s = hsum8(acc);
+        if (vstride == 1) {
+            _mm256_storeu_ps(gv + e, _mm256_add_ps(_mm256_loadu_ps(gv + e), s));
+        } else {
+            alignas(32) float tmp[8];
+            _mm256_store_ps(tmp, s);
+            for (int q = 0; q < 8; ++q) gv[(e + q) * vstride] += tmp[q];
+        }
+    }
+    for (; e < cnt; ++e) {
+        const float* xp = xT + (int64_t)idx[e] * sx;
+        __m256 a = _mm256_setzero_ps();
+        for (int v = 0; v < V; ++v) a = _mm256_fmadd_ps(g[v], _mm256_loadu_ps(xp + 8 * v), a);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        h = _mm_hadd_ps(h, h);
+        h = _mm_hadd_ps(h, h);
+        gv[e * vstride] += _mm_cvtss_f32(h);
+    }
+}
+
+using SddFn = void (*)(const float*, int64_t, const float*, const int32_t*, float*, int64_t, int64_t);
+
+template <int V>
+struct SddTable {
+    static void fill(SddFn* tab) {
+        tab[V] = &sddmm_row<V>;
+        SddTable<V - 1>::fill(tab);
+    }
+};
+template <>
+struct SddTable<0> {
+    static void fill(SddFn*) {}
+};
+
+void sddmm(const Problem& P, const float* x, int64_t ldx, const float* gy, int64_t ldg, int64_t T, int64_t K,
+           int64_t R, float* gv, int nthreads, int64_t tile_bytes) {
+    SddFn tab[SD_V + 1] = {};
+    SddTable<SD_V>::fill(tab);
+    const int64_t Tp = (T + 7) / 8 * 8;
+    Buf xb, gb;
+    xb.ensure((size_t)(P.in_pad * Tp));
+    gb.ensure((size_t)(P.out_pad * Tp));
+    const int64_t TB = 64;
+    const int64_t nb = (Tp + TB - 1) / TB;
+    std::memset(gv, 0, sizeof(float) * P.G * P.L * P.n);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int64_t b = 0; b < nb; ++b) {
+        const int64_t t0 = b * TB;
+        const int w = (int)std::min<int64_t>(TB, Tp - t0);
+        const int nt = (int)std::max<int64_t>(0, std::min<int64_t>(w, T - t0));
+        pack_in(x + t0 * ldx, ldx, nt, K, P.in_pad, xb.p + t0, Tp, w);
+        pack_in(gy + t0 * ldg, ldg, nt, R, P.out_pad, gb.p + t0, Tp, w);
+    }
+    const int64_t S = 8 * SD_V;
+    const int64_t upt = units_per_tile(P, S, tile_bytes);
+    const int64_t ntask = std::min<int64_t>(P.G, 8 * std::max(1, nthreads));
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) if (nthreads > 1)
+    for (int64_t task = 0; task < ntask; ++task) {
+        const int64_t g0 = P.G * task / ntask, g1 = P.G * (task + 1) / ntask;
+        for (int64_t t0 = 0; t0 < Tp; t0 += S) {
+            const int V = (int)(std::min<int64_t>(S, Tp - t0) / 8);
+            for (int64_t u0 = 0; u0 < P.units; u0 += upt) {
+                const int64_t e0 = u0 * P.unit_entries, e1 = std::min(P.units, u0 + upt) * P.unit_entries;
+                for (int64_t g = g0; g < g1; ++g)
+                    for (int64_t i = 0; i < P.n; ++i)
+                        tab[V](xb.p + t0, Tp, gb.p + (int64_t)P.out_rows[g * P.n + i] * Tp + t0, P.idx + g * P.L + e0,
+                               gv + (g * P.L + e0) * P.n + i, P.n, e1 - e0);
+            }
+        }
+    }
+}
+
+bool valid(const Problem& P) {
+    return P.n >= 1 && P.G >= 0 && P.gpb >= 1 && P.rpb >= 1 && P.G % P.gpb == 0 && P.units >= 0 &&
+           P.L == P.units * P.unit_entries;
+}
+
+}  // namespace
+
+extern "C" {
+
+int sparsa_grouped_nm_version() { return 1; }
+
+// y[T, R] = grouped-ELL(x[T, K]) (+ bias). x rows have stride ldx (unit column stride), y is contiguous.
+// Returns 0 on success, -1 for inconsistent sizes.
+int sparsa_gnm_spmm_f32(const float* x, int64_t T, int64_t K, int64_t ldx, const int32_t* idx, const float* vals,
+                        const int32_t* out_rows, int64_t G, int64_t n, int64_t units, int64_t unit_entries,
+                        int64_t unit_span, int64_t gpb, int64_t rpb, int64_t in_pad, int64_t out_pad,
+                        const float* bias, float* y, int64_t R, int nthreads, int64_t tile_bytes) {
+    Problem P{idx, vals, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, gpb, rpb, in_pad, out_pad};
+    if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
+    if (T <= 0 || R <= 0) return 0;
+    spmm(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : (384 << 10));
+    return 0;
+}
+
+// gv[G, L, n] = sum_t gy[t, out_rows[g, i]] * x[t, idx[g, e]] (the forward problem's pattern).
+int sparsa_gnm_sddmm_f32(const float* x, int64_t ldx, const float* gy, int64_t ldg, int64_t T, int64_t K, int64_t R,
+                         const int32_t* idx, const int32_t* out_rows, int64_t G, int64_t n, int64_t units,
+                         int64_t unit_entries, int64_t unit_span, int64_t in_pad, int64_t out_pad, float* gv,
+                         int nthreads, int64_t tile_bytes) {
+    Problem P{idx, nullptr, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, 1, 1, in_pad, out_pad};
+    if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
+    sddmm(P, x, ldx, gy, ldg, T, K, R, gv, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : (384 << 10));
+    return 0;
+}
+
+}  // extern "C"

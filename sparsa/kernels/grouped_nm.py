@@ -1,0 +1,258 @@
+"""Native kernels for the grouped N:M layout: ``sparsa::grouped_nm_spmm`` and ``sparsa::grouped_nm_sddmm``.
+
+Both work on a *plan*: the layout's components reordered for the kernel (:func:`forward_plan`,
+:func:`input_grad_plan`). A plan is a list of groups; group ``g`` has ``L`` entries (an input index and
+``n`` values) feeding ``n`` output rows::
+
+    spmm:   y[t, out_rows[g, i]] += vals[g, e, i] * x[t, idx[g, e]]
+    sddmm:  gv[g, e, i] = sum_t gy[t, out_rows[g, i]] * x[t, idx[g, e]]
+
+The forward plan groups a row block's columns by keep-pattern (``g = (block, pattern)``), so
+``y = x @ W.T`` is an spmm and grad_W on the pattern an sddmm; the input-grad plan groups W's entries
+by column (``g = column``, ``n = 1``), so ``grad_x = grad_y @ W`` is an spmm too. The C++ kernel
+(``csrc/grouped_nm_linear.cpp``, AVX2/FMA + OpenMP, token-vectorised panels) runs for float32 CPU
+tensors; otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
+semantics runs (gather + einsum + index_add, in chunks of groups).
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.layouts import GroupedNM
+    >>> from sparsa.kernels.grouped_nm import forward_plan, spmm
+    >>> w = GroupedNM.from_dense(torch.randn(10, 30), n=1, m=4, g=2)
+    >>> plan = forward_plan(w.values, w.columns, w.n, w.m)
+    >>> x = torch.randn(5, 30)
+    >>> torch.allclose(spmm(x, plan, None, 10), x @ w.to_dense().T, atol=1e-5)
+    True
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import loader
+
+__all__ = ["Plan", "forward_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
+           "spmm_reference", "sddmm_reference", "native_library"]
+
+_SOURCES = ["grouped_nm_linear.cpp"]
+#: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
+TILE_BYTES = 0
+#: elements of the gathered (tokens, groups, entries) tensor per chunk in the reference
+_REF_CHUNK = 1 << 23
+
+
+def native_library() -> Optional[ctypes.CDLL]:
+    """The native kernel library, or None when the fallback must run."""
+    lib = loader.load("grouped_nm_linear", _SOURCES)
+    if lib is not None and not getattr(lib, "_sparsa_typed", False):
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        f = lib.sparsa_gnm_spmm_f32
+        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64]
+        f.restype = ci
+        f = lib.sparsa_gnm_sddmm_f32
+        f.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, i64, i64, vp, ci, i64]
+        f.restype = ci
+        lib._sparsa_typed = True
+    return lib
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Kernel-ordered components. Entries of a group are cut into ``units`` of ``unit_entries``
+    entries reading input indices in ``[u*unit_span, (u+1)*unit_span)``; every ``gpb`` consecutive
+    groups (a block) write the ``rpb`` output rows ``[blk*rpb, (blk+1)*rpb)`` and no others."""
+
+    idx: Tensor       # int32 (G, L)
+    vals: Tensor      # (G, L, n)
+    out_rows: Tensor  # int32 (G, n)
+    units: int
+    unit_entries: int
+    unit_span: int
+    gpb: int
+    rpb: int
+
+    @property
+    def in_pad(self) -> int:
+        return self.units * self.unit_span
+
+    @property
+    def out_pad(self) -> int:
+        return (self.idx.shape[0] // self.gpb) * self.rpb
+
+
+def _pattern_rows(n: int, m: int, nblocks: int, device) -> Tensor:
+    """int64 (B, P, n): the rows of every (block, pattern)."""
+    from ..layouts.grouped_nm import patterns
+    pat = patterns(n, m, device)
+    return (torch.arange(nblocks, device=device) * m).view(-1, 1, 1) + pat.unsqueeze(0)
+
+
+def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
+    """Plan for ``y = x @ W.T`` (and grad_W): one group per (row block, pattern)."""
+    B, C, P, g, nn = values.shape
+    vals = values.permute(0, 2, 1, 3, 4).reshape(B * P, C * g, nn).contiguous()
+    idx = columns.permute(0, 2, 1, 3).reshape(B * P, C * g).to(torch.int32).contiguous()
+    rows = _pattern_rows(n, m, B, values.device).reshape(B * P, n).to(torch.int32).contiguous()
+    return Plan(idx, vals, rows, C, g, P * g, P, m)
+
+
+def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
+    """Plan for ``grad_x = grad_y @ W``: one group per (padded) input column, its ``B*n`` entries
+    ordered by row."""
+    B, C, P, g, nn = values.shape
+    kp = C * P * g
+    rows = _pattern_rows(n, m, B, values.device).view(B, 1, P, 1, n).expand(B, C, P, g, n)
+    cols = columns.long().unsqueeze(-1).expand(B, C, P, g, n)
+    order = torch.argsort((cols * (B * m) + rows).reshape(-1))
+    idx = rows.reshape(-1)[order].view(kp, B * n).to(torch.int32).contiguous()
+    vals = values.reshape(-1)[order].view(kp, B * n, 1).contiguous()
+    out_rows = torch.arange(kp, dtype=torch.int32, device=values.device).view(kp, 1)
+    return Plan(idx, vals, out_rows, B, n, m, 1, 1)
+
+
+# ------------------------------------------------------------------------------------------ reference
+def _chunks(T: int, G: int, L: int):
+    step = max(1, _REF_CHUNK // max(1, T * L))
+    return range(0, G, step), step
+
+
+def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
+    """Pure-PyTorch semantics of :func:`spmm` (``x[..., K] -> y[..., out_features]``)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = torch.nn.functional.pad(x.reshape(-1, K), (0, plan.in_pad - K))
+    T = x2.shape[0]
+    G, L, n = plan.vals.shape
+    out = x2.new_zeros(T, plan.out_pad)
+    starts, step = _chunks(T, G, L)
+    for g0 in starts:
+        g1 = min(G, g0 + step)
+        xg = x2[:, plan.idx[g0:g1].reshape(-1).long()].view(T, g1 - g0, L)
+        z = torch.einsum("tgl,gln->tgn", xg, plan.vals[g0:g1].to(x2.dtype))
+        out.index_add_(1, plan.out_rows[g0:g1].reshape(-1).long(), z.reshape(T, -1))
+    y = out[:, :out_features]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, out_features)
+
+
+def sddmm_reference(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
+    """Pure-PyTorch semantics of :func:`sddmm`: ``(G, L, n)`` in the plan's order."""
+    K, R = x.shape[-1], gy.shape[-1]
+    x2 = torch.nn.functional.pad(x.reshape(-1, K), (0, plan.in_pad - K))
+    g2 = torch.nn.functional.pad(gy.reshape(-1, R).to(x2.dtype), (0, plan.out_pad - R))
+    T = x2.shape[0]
+    G, L = plan.idx.shape
+    n = plan.out_rows.shape[1]
+    out = x2.new_empty(G, L, n)
+    starts, step = _chunks(T, G, L)
+    for g0 in starts:
+        g1 = min(G, g0 + step)
+        xg = x2[:, plan.idx[g0:g1].reshape(-1).long()].view(T, g1 - g0, L)
+        gg = g2[:, plan.out_rows[g0:g1].reshape(-1).long()].view(T, g1 - g0, n)
+        out[g0:g1] = torch.einsum("tgl,tgn->gln", xg, gg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- native
+def _lib_for(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return None
+    return native_library()
+
+
+def _rows(x: Tensor) -> Tensor:
+    """2-D view with unit column stride (copy only when needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= x2.shape[1]) else x2.contiguous()
+
+
+def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor], out_features: int,
+               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int) -> Tensor:
+    plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb)
+    lib = _lib_for(x, vals, bias)
+    if lib is None:
+        return spmm_reference(x, plan, bias, out_features).contiguous()
+    K = x.shape[-1]
+    x2 = _rows(x)
+    T = x2.shape[0]
+    y = torch.empty(T, out_features, dtype=torch.float32)
+    G, L, n = vals.shape
+    b = None if bias is None else bias.contiguous()
+    rc = lib.sparsa_gnm_spmm_f32(
+        x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), vals.data_ptr(), out_rows.data_ptr(),
+        G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad,
+        None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES)
+    if rc != 0:
+        raise ValueError(f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
+                         f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "
+                         f"out_features={out_features}); build it with forward_plan/input_grad_plan")
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("sparsa::grouped_nm_spmm", mutates_args=())
+def grouped_nm_spmm(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor],
+                    out_features: int, units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int) -> Tensor:
+    """``y[..., out_features]`` of the plan (see the module docstring); the fields of :class:`Plan` unpacked."""
+    return _spmm_impl(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb)
+
+
+@grouped_nm_spmm.register_fake
+def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
+                unit_span: int, out_pad: int) -> Tensor:
+    G, L = idx.shape
+    n = out_rows.shape[1]
+    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, G, out_pad)
+    lib = _lib_for(x, gy)
+    if lib is None:
+        return sddmm_reference(x, gy, plan)
+    K, R = x.shape[-1], gy.shape[-1]
+    x2, g2 = _rows(x), _rows(gy)
+    T = x2.shape[0]
+    gv = torch.empty(G, L, n, dtype=torch.float32)
+    rc = lib.sparsa_gnm_sddmm_f32(
+        x2.data_ptr(), x2.stride(0) if T > 1 else K, g2.data_ptr(), g2.stride(0) if T > 1 else R, T, K, R,
+        idx.data_ptr(), out_rows.data_ptr(), G, n, units, unit_entries, unit_span, plan.in_pad,
+        out_pad, gv.data_ptr(), torch.get_num_threads(), TILE_BYTES)
+    if rc != 0:
+        raise ValueError(f"grouped_nm_sddmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
+                         f"in_features={K}, out_features={R}); build it with forward_plan")
+    return gv
+
+
+@torch.library.custom_op("sparsa::grouped_nm_sddmm", mutates_args=())
+def grouped_nm_sddmm(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
+                     unit_span: int, out_pad: int) -> Tensor:
+    """``gv[g, e, i] = sum_t gy[t, out_rows[g, i]] * x[t, idx[g, e]]`` (float, ``(G, L, n)``)."""
+    return _sddmm_impl(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad)
+
+
+@grouped_nm_sddmm.register_fake
+def _(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
+    return x.new_empty(idx.shape[0], idx.shape[1], out_rows.shape[1])
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def spmm(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
+    """Run the plan on ``x[..., K]`` (native when possible): ``y[..., out_features]``."""
+    args = (x, plan.idx, plan.vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries,
+            plan.unit_span, plan.gpb, plan.rpb)
+    return grouped_nm_spmm(*args) if _compiling() else _spmm_impl(*args)
+
+
+def sddmm(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
+    """Sampled ``gy.T @ x`` on the plan's entries: ``(G, L, n)`` in the plan's order."""
+    args = (x, gy, plan.idx, plan.out_rows, plan.units, plan.unit_entries, plan.unit_span, plan.out_pad)
+    return grouped_nm_sddmm(*args) if _compiling() else _sddmm_impl(*args)
