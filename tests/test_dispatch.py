@@ -149,3 +149,13 @@ def test_layout_registry_errors():
         sparsa.layouts.get_layout("nope")
     with pytest.raises(TypeError):
         register_layout(int)
+
+
+@pytest.mark.parametrize("layout, params", [("masked", {}), ("csr", {}), ("nm", {"n": 2, "m": 4}),
+                                            ("row_group", {"group": 8, "sparsity": 0.5})])
+def test_bad_operands_get_clear_errors(layout, params):
+    w = sparsa.to_sparse(torch.randn(16, 32), layout, **params)
+    with pytest.raises(ValueError, match="32"):
+        F.linear(torch.randn(3, 31), w)
+    with pytest.raises(TypeError, match="same dtype"):
+        F.linear(torch.randn(3, 32, dtype=torch.float64), w)

@@ -1,4 +1,8 @@
-"""Every ```python block in README.md and docs/*.md runs as written (blocks of one file share state)."""
+"""Every ```python block in README.md and docs/*.md runs as written (blocks of one file share state).
+
+Blocks fenced ```py are illustrations that need an environment a test cannot give (several processes,
+a GPU); they are not run, so use them sparingly.
+"""
 import os
 import re
 import subprocess

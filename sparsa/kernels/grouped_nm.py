@@ -211,7 +211,7 @@ def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int
                 unit_span: int, out_pad: int) -> Tensor:
     G, L = idx.shape
     n = out_rows.shape[1]
-    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, G, out_pad)
+    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, max(G, 1), out_pad)
     lib = _lib_for(x, gy)
     if lib is None:
         return sddmm_reference(x, gy, plan)

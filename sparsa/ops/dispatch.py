@@ -268,6 +268,8 @@ def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*_densify(args), **_densify(kwargs))
     targs, rest = norm
+    if call.name in _SAME_DTYPE:
+        _check_dtypes(call.name, targs)
     layouts = tuple(_layout_of(a) for a in targs)
     needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
     key = (call.name, layouts, needs_grad)
@@ -283,6 +285,20 @@ def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
     convs = plan.conversions
     uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
     return _wrap(plan.impl.forward(_Ctx(), *uargs, **rest))
+
+
+_SAME_DTYPE = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "conv2d"})
+_ARG_NAMES = {"linear": ("input", "weight", "bias"), "addmm": ("input", "mat1", "mat2"),
+              "conv2d": ("input", "weight", "bias")}
+
+
+def _check_dtypes(op: str, targs: List[Any]) -> None:
+    dts = [a.dtype for a in targs if isinstance(a, Tensor)]
+    if len(set(dts)) > 1:
+        names = _ARG_NAMES.get(op, ("input", "other"))
+        desc = ", ".join(f"{n}={a.dtype}" for n, a in zip(names, targs) if isinstance(a, Tensor))
+        raise TypeError(f"{op}: all tensor arguments must have the same dtype, got {desc}; convert one of them "
+                        f"(e.g. x.to(weight.dtype))")
 
 
 def _densify(x: Any) -> Any:
