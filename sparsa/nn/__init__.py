@@ -3,6 +3,7 @@ from .rule import Rule  # noqa: F401
 from .sparsify import sparsify, densify, sparse_parameters  # noqa: F401
 from .report import sparsity_report, format_report  # noqa: F401
 from .hooks import OutputSparsifier, GradLayout  # noqa: F401
+from .linears import sparsify_linears, default_sparsifier  # noqa: F401
 
 __all__ = ["Rule", "sparsify", "densify", "sparse_parameters", "sparsity_report", "format_report",
-           "OutputSparsifier", "GradLayout"]
+           "OutputSparsifier", "GradLayout", "sparsify_linears", "default_sparsifier"]
