@@ -25,3 +25,12 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Every benchmark (full runs; tens of minutes on 2 cores), then the markdown tables in docs/ and README.
+bench: $(STAMP)
+	$(VPY) benchmarks/dispatch_overhead.py
+	$(VPY) benchmarks/linear_kernels.py
+	$(VPY) benchmarks/bert_inference.py
+	$(VPY) benchmarks/adaptive_training.py
+	$(VPY) benchmarks/quality.py
+	$(VPY) benchmarks/tables.py
