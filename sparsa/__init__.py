@@ -10,5 +10,6 @@ from .ops import fallback_counts, reset_fallback_counts, SparseFallbackWarning, 
 from . import sparsifiers  # noqa: F401
 from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears  # noqa: F401
 from .io import save, load  # noqa: F401
+from . import methods  # noqa: F401
 
 __version__ = "0.1.0"

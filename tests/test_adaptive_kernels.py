@@ -117,3 +117,36 @@ def test_fake_impls_trace_shapes():
         assert tuple(y.shape) == (2, 3, 3, 24)
         assert tuple(K.conv_wgrad(cnt, idx, val, y, geo).shape) == (3, 3, 16, 24)
         assert tuple(K.conv_igrad(cnt, idx, val, y, torch.empty(3, 3, 16, 24), geo, True).shape) == (2, 16, 5, 5)
+
+
+s1_cases = st.tuples(
+    st.integers(1, 3), st.integers(1, 70), st.integers(1, 9), st.integers(1, 9),  # N C H W
+    st.sampled_from([8, 24, 72]), st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
+    st.integers(0, 2), st.sampled_from([1, 2]), st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
+    st.booleans(), st.sampled_from([8, 64]), st.integers(0, 99))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=s1_cases)
+def test_conv_bwd_stride1_matches_dense(backend, case):
+    # stride 1 runs the per-channel backward kernels (csrc/adaptive_bwd_s1.cpp) with a padded dY
+    N, C, H, W, O, (kh, kw), p, d, sp, cl, slc, seed = case
+    if H + 2 * p < d * (kh - 1) + 1 or W + 2 * p < d * (kw - 1) + 1:
+        return
+    x = _act(N, C, H, W, sp, cl, seed)
+    w = torch.randn(O, C, kh, kw, generator=torch.Generator().manual_seed(seed + 1))
+    geo = K.geometry(x.shape, w.shape, (1, 1), (p, p), (d, d), slc)
+    cnt, idx, val = K.compact(x, slc)
+    a = x.relu()
+    wt = w.permute(2, 3, 1, 0).contiguous()
+    ref = F.conv2d(a, w, stride=1, padding=p, dilation=d)
+    torch.testing.assert_close(K.conv_fwd(cnt, idx, val, wt, None, geo), ref.permute(0, 2, 3, 1),
+                               atol=1e-4, rtol=1e-4)
+    dyn = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
+    dy = dyn.permute(0, 2, 3, 1).contiguous()
+    dx, dwt = K.conv_bwd(cnt, idx, val, dy, wt, geo, cl)
+    rdw = torch.nn.grad.conv2d_weight(a, w.shape, dyn, stride=1, padding=p, dilation=d)
+    rdx = torch.nn.grad.conv2d_input(x.shape, w, dyn, stride=1, padding=p, dilation=d) * (x > 0)
+    torch.testing.assert_close(dwt, rdw.permute(2, 3, 1, 0), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)

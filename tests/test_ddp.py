@@ -38,9 +38,9 @@ def _data():
     return xs, ys
 
 
-def _train(model: nn.Module, params, xs, ys):
+def _train(model: nn.Module, inner: nn.Module, xs, ys):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    rigl = RigL(params, opt, update_every=3, drop_fraction=0.3, end_step=STEPS)
+    rigl = RigL(inner, opt, update_every=3, drop_fraction=0.3, end_step=STEPS)
     for step in range(STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(model(xs[step]), ys[step]).backward()
@@ -65,8 +65,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         xs, ys = _data()
         half = GLOBAL_BATCH // WORLD
         local = slice(rank * half, (rank + 1) * half)
-        sparse_params = [model[0].weight, model[2].weight]
-        _train(ddp, sparse_params, xs[:, local], ys[:, local])
+        _train(ddp, model, xs[:, local], ys[:, local])
         in_sync = patterns_in_sync(model)
         if rank == 0:
             torch.save({"state": _state(model), "in_sync": in_sync}, out_path)
@@ -84,7 +83,7 @@ def test_ddp_matches_single_process_with_rigl(tmp_path):
     ref = _model(seed=0)
     start = _state(ref)
     xs, ys = _data()
-    _train(ref, [ref[0].weight, ref[2].weight], xs, ys)
+    _train(ref, ref, xs, ys)
     want = _state(ref)
     changed = False
     for name, (values, mask) in want.items():

@@ -1,4 +1,5 @@
 """RigL, SET and movement pruning: constant sparsity, the right positions change, optimizer state reset."""
+import copy
 import warnings
 
 import pytest
@@ -24,20 +25,32 @@ def _backward(model, seed=1):
     model(x).pow(2).mean().backward()
 
 
-def test_rigl_drops_smallest_and_grows_largest_gradient():
-    model = _sparse_linear()
+@pytest.mark.parametrize("conv", [False, True])
+def test_rigl_drops_smallest_and_grows_largest_dense_gradient(conv):
+    torch.manual_seed(0)
+    dense_model = nn.Conv2d(2, 4, 3, padding=1) if conv else nn.Linear(16, 8)
+    x = torch.randn(6, 2, 5, 5) if conv else torch.randn(16, 16)
+    model = sparsa.sparsify(copy.deepcopy(dense_model), sparsa.Rule(sparsifier=Magnitude(0.75),
+                                                                    module_types=(nn.Linear, nn.Conv2d)))
     p = model.weight
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    _backward(model)
-    opt.step()  # create Adam state everywhere
+    rigl = RigL(model, opt, update_every=2, drop_fraction=0.25)
+    model(x).pow(2).mean().backward()
+    assert not rigl.step(1)  # arms the hooks for step 2
+    opt.step()
     opt.zero_grad()
-    _backward(model, seed=2)
-    old_mask, old_vals, grad = p.pattern().clone(), p.to_dense().detach().clone(), p.grad.clone()
-    rigl = RigL([p], opt, update_every=1, drop_fraction=0.25)
-    assert rigl.step(1)
+    model(x).pow(2).mean().backward()
+    old_mask, old_vals = p.pattern().clone(), p.to_dense().detach().clone()
+    # reference: the gradient of a dense layer holding the same values, at every position
+    with torch.no_grad():
+        dense_model.weight.copy_(old_vals)
+        dense_model.bias.copy_(model.bias)
+    dense_model(x).pow(2).mean().backward()
+    grad = dense_model.weight.grad
+    assert torch.any(grad[~old_mask] != 0)
+    assert rigl.step(2)
     new = p.pattern()
     k = int(0.25 * int(old_mask.sum()))
-    # reference computed densely
     drop_score = torch.where(old_mask, old_vals.abs(), torch.inf).flatten()
     kept = old_mask.flatten().clone()
     kept[drop_score.topk(k, largest=False).indices] = False
@@ -46,9 +59,10 @@ def test_rigl_drops_smallest_and_grows_largest_gradient():
     ref[grow_score.topk(k).indices] = True
     assert torch.equal(new.flatten(), ref)
     assert int(new.sum()) == int(old_mask.sum())  # constant sparsity
-    grown = new & ~kept.view_as(new)
-    assert torch.all(p.to_dense()[grown] == 0)  # regrown weights start at zero
-    torch.testing.assert_close(p.to_dense()[kept.view_as(new)], old_vals[kept.view_as(new)])
+    kept = kept.view_as(new)
+    grown = new & ~kept
+    assert grown.any() and torch.all(p.to_dense()[grown] == 0)  # regrown weights start at zero
+    torch.testing.assert_close(p.to_dense()[kept], old_vals[kept])
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.all(opt.state[p][name][grown] == 0)
 
@@ -61,7 +75,7 @@ def test_dynamic_sparsity_keeps_nnz_and_trains(out_f, in_f, sparsity, frac, seed
     p = model.weight
     nnz = p.nnz
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    dyn = cls([p], opt, update_every=2, drop_fraction=frac, end_step=10, seed=seed)
+    dyn = cls(model, opt, update_every=2, drop_fraction=frac, end_step=10, seed=seed)
     for step in range(1, 8):
         opt.zero_grad()
         _backward(model, seed + step)
@@ -89,7 +103,7 @@ def test_set_is_seeded_and_rigl_needs_grad():
     assert torch.equal(masks[0], masks[1])
     model = _sparse_linear()
     with pytest.raises(ValueError, match="backward"):
-        RigL([model.weight], update_every=1).step(1)
+        RigL(model, update_every=1).step(1)
 
 
 def test_movement_keeps_weights_moving_away_from_zero():

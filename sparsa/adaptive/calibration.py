@@ -5,7 +5,7 @@ forward+backward and the sparse path at the activation's own density and at a sp
 it (the same activation with its smallest values zeroed, so the zero pattern stays realistic). The
 sparse time is modelled as ``fixed + slope * density``; the predicted speedup at density ``d`` is
 ``dense / (fixed + slope * d)``. Entries are cached in a JSON file keyed by shape, memory format and
-thread count (``<sparsa cache>/adaptive_calibration.json``); :meth:`Calibration.clear` or
+thread count and kernel version (``<sparsa cache>/adaptive_calibration.json``); :meth:`Calibration.clear` or
 ``enable(..., recalibrate=True)`` measures again.
 
 Example::
@@ -33,7 +33,10 @@ from ..kernels import loader
 from .conv import relu_conv2d
 from .linear import relu_linear
 
-__all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key"]
+__all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
+
+#: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
+KERNEL_VERSION = 2
 
 
 @dataclass
@@ -55,7 +58,7 @@ def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool)
     """Cache key of a layer: kind, shapes, conv arguments, memory format, threads, native or not."""
     args = ",".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(conv_args.items()))
     return (f"{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
-            f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}")
+            f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}")
 
 
 def _time(fn: Callable[[], None], reps: int, min_seconds: float = 0.005) -> float:

@@ -65,9 +65,12 @@ class _ReluConv2d(torch.autograd.Function):
         cnt, idx, val, wt = ctx.saved_tensors
         g = gy.permute(0, 2, 3, 1).contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dx, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
+            dw = dwt.permute(3, 2, 0, 1)
+        elif ctx.needs_input_grad[0]:
             dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
-        if ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:
             dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum((0, 1, 2))

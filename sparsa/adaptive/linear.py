@@ -57,9 +57,12 @@ class _ReluLinear(torch.autograd.Function):
         P, K, O = ctx.geo[2], ctx.geo[1], ctx.geo[4]
         g = gy.contiguous().view(1, P, 1, O)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dxa, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, True)
+            dx, dw = dxa.permute(0, 2, 3, 1).reshape(P, K), dwt.view(K, O).t()
+        elif ctx.needs_input_grad[0]:
             dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, True).permute(0, 2, 3, 1).reshape(P, K)
-        if ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:
             dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).view(K, O).t()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = gy.sum(0)

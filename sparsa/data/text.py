@@ -13,6 +13,8 @@ import importlib
 import inspect
 import random
 import re
+import warnings
+from functools import lru_cache
 from typing import List, Tuple
 
 __all__ = ["MODULES", "stdlib_sentences", "calibration_and_evaluation"]
@@ -35,7 +37,9 @@ def _docstrings(module_name: str) -> List[str]:
         return []
     docs = [inspect.getdoc(mod) or ""]
     for name in sorted(vars(mod)):
-        obj = getattr(mod, name, None)
+        with warnings.catch_warnings():  # e.g. typing.io warns when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            obj = getattr(mod, name, None)
         if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
             continue
         docs.append(inspect.getdoc(obj) or "")
@@ -45,9 +49,14 @@ def _docstrings(module_name: str) -> List[str]:
     return docs
 
 
-def stdlib_sentences(min_chars: int = 40, max_chars: int = 300) -> List[str]:
+def stdlib_sentences(min_chars: int = 40, max_chars: int = 200) -> List[str]:
     """English sentences from stdlib docstrings: prose only (no code, no ``>>>``), de-duplicated, in a
     fixed order."""
+    return list(_sentences(min_chars, max_chars))
+
+
+@lru_cache(maxsize=4)
+def _sentences(min_chars: int, max_chars: int) -> tuple:
     seen, out = set(), []
     for mod in MODULES:
         for doc in _docstrings(mod):
@@ -59,7 +68,7 @@ def stdlib_sentences(min_chars: int = 40, max_chars: int = 300) -> List[str]:
                     if min_chars <= len(s) <= max_chars and letters > 0.85 * len(s) and s not in seen:
                         seen.add(s)
                         out.append(s)
-    return out
+    return tuple(out)
 
 
 def calibration_and_evaluation(n_calibration: int, n_evaluation: int, seed: int = 0) -> Tuple[List[str], List[str]]:

@@ -11,6 +11,8 @@ runs when the native library in ``csrc/adaptive_*.cpp`` cannot be built or ``SPA
 - ``sparsa::adaptive_conv_wgrad``: ``dWt[KH,KW,C,O]`` from the same operand and ``dy`` (NHWC).
 - ``sparsa::adaptive_conv_igrad``: ``dx`` only where ``relu(x) != 0`` (zero elsewhere): exactly the
   gradient of ``conv2d(relu(x), W)`` with respect to ``x``.
+- ``sparsa::adaptive_conv_bwd``: both gradients in one call (stride-1 convolutions share one
+  per-channel view of the operand, built once; see ``csrc/adaptive_bwd_s1.cpp``).
 
 ``geo`` is ``[N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, slice]`` (see :func:`geometry`).
 Weights travel transposed, ``Wt = W.permute(2, 3, 1, 0)`` (``[KH, KW, C, O]``).
@@ -38,10 +40,10 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "geometry", "densify", "sample_zeros",
+__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "conv_bwd", "geometry", "densify", "sample_zeros",
            "native_library", "native_available"]
 
-_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp"]
+_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp"]
 _PAD = 8  # tail room in idx/val (vector stores)
 
 
@@ -58,6 +60,8 @@ def native_library() -> Optional[ctypes.CDLL]:
         lib.sparsa_adaptive_conv_wgrad_f32.restype = ci
         lib.sparsa_adaptive_conv_igrad_f32.argtypes = [vp] * 7 + [ci]
         lib.sparsa_adaptive_conv_igrad_f32.restype = ci
+        lib.sparsa_adaptive_conv_bwd_s1_f32.argtypes = [vp] * 10 + [ci]
+        lib.sparsa_adaptive_conv_bwd_s1_f32.restype = ci
         lib.sparsa_adaptive_sample_f32.argtypes = [vp, vp, i64, i64, i64, i64, vp]
         lib.sparsa_adaptive_sample_f32.restype = None
         lib._sparsa_typed = True
@@ -246,6 +250,9 @@ def conv_wgrad(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, geo: List[int]
         dw = torch.nn.grad.conv2d_weight(a, (O, C, KH, KW), dy.permute(0, 3, 1, 2), **_conv_args(geo))
         return dw.permute(2, 3, 1, 0).contiguous()
     dwt = torch.empty(KH, KW, C, O, dtype=torch.float32)
+    if _stride1(geo):
+        _bwd_s1(lib, cnt, idx, val, dy, None, geo, dwt, None)
+        return dwt
     g = torch.tensor(geo, dtype=torch.int64)
     dy = dy.contiguous()
     lib.sparsa_adaptive_conv_wgrad_f32(g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
@@ -275,6 +282,9 @@ def conv_igrad(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, ge
                                         **_conv_args(geo))
         return (dx * (a != 0)).contiguous(memory_format=fmt)
     dx = torch.empty(N, C, H, W, dtype=torch.float32, memory_format=fmt).zero_()
+    if _stride1(geo):
+        _bwd_s1(lib, cnt, idx, val, dy, wt, geo, None, dx)
+        return dx
     g = torch.tensor(geo, dtype=torch.int64)
     s = torch.tensor(dx.stride(), dtype=torch.int64)
     dy = dy.contiguous()
@@ -288,3 +298,58 @@ def conv_igrad(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, ge
 def _(cnt, idx, val, dy, wt, geo, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return dy.new_empty(geo[0], geo[1], geo[2], geo[3]).contiguous(memory_format=fmt)
+
+
+# ------------------------------------------------------------------------------------------ both grads
+def _stride1(geo: Sequence[int]) -> bool:
+    return geo[9] == 1 and geo[10] == 1
+
+
+def _pad_dy(dy: Tensor, geo: Sequence[int]) -> Tuple[Tensor, Tensor]:
+    """``dy`` ([N, Ho, Wo, O]) zero-padded so that every offset of every input pixel reads a valid
+    pixel (stride 1), and ``pads = [pt, pl, Hp, Wp]``."""
+    N, H, W, O, KH, KW, Ho, Wo, ph, pw, dh, dw = (geo[0], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7],
+                                                  geo[8], geo[11], geo[12], geo[13], geo[14])
+    pt, pl = max(0, (KH - 1) * dh - ph), max(0, (KW - 1) * dw - pw)
+    Hp, Wp = pt + max(Ho, H + ph), pl + max(Wo, W + pw)
+    if pt == 0 and pl == 0 and Hp == Ho and Wp == Wo:
+        dyp = dy.contiguous()
+    else:
+        dyp = dy.new_zeros(N, Hp, Wp, O)
+        dyp[:, pt:pt + Ho, pl:pl + Wo].copy_(dy)
+    return dyp, torch.tensor([pt, pl, Hp, Wp], dtype=torch.int64)
+
+
+def _bwd_s1(lib, cnt, idx, val, dy, wt, geo, dwt: Optional[Tensor], dx: Optional[Tensor]) -> None:
+    dyp, pads = _pad_dy(dy, geo)
+    g = torch.tensor(geo, dtype=torch.int64)
+    s = torch.tensor(dx.stride() if dx is not None else (0, 0, 0, 0), dtype=torch.int64)
+    wt = wt.contiguous() if wt is not None else None
+    rc = lib.sparsa_adaptive_conv_bwd_s1_f32(
+        g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), dyp.data_ptr(), pads.data_ptr(),
+        None if wt is None else wt.data_ptr(), None if dwt is None else dwt.data_ptr(),
+        None if dx is None else dx.data_ptr(), s.data_ptr(), _nthreads())
+    if rc:
+        raise ValueError(f"adaptive_conv_bwd: geometry {list(geo)} needs stride 1 and out_channels % 8 == 0")
+
+
+@torch.library.custom_op("sparsa::adaptive_conv_bwd", mutates_args=())
+def conv_bwd(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int],
+             channels_last: bool) -> Tuple[Tensor, Tensor]:
+    """``(dx, dWt)``: :func:`conv_igrad` and :func:`conv_wgrad` in one call (stride 1 shares the work)."""
+    N, C, H, W, O, KH, KW = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6]
+    lib = _use_native(val, dy, wt)
+    if lib is None or O % 8 or dy.dtype != torch.float32 or not _stride1(geo):
+        return (conv_igrad(cnt, idx, val, dy, wt, geo, channels_last), conv_wgrad(cnt, idx, val, dy, geo))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    dx = torch.empty(N, C, H, W, dtype=torch.float32, memory_format=fmt).zero_()
+    dwt = torch.empty(KH, KW, C, O, dtype=torch.float32)
+    _bwd_s1(lib, cnt, idx, val, dy, wt, geo, dwt, dx)
+    return dx, dwt
+
+
+@conv_bwd.register_fake
+def _(cnt, idx, val, dy, wt, geo, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return (dy.new_empty(geo[0], geo[1], geo[2], geo[3]).contiguous(memory_format=fmt),
+            dy.new_empty(geo[5], geo[6], geo[1], geo[4]))

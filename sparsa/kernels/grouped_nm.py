@@ -36,12 +36,14 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["Plan", "forward_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
+__all__ = ["Plan", "forward_plan", "pattern_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
            "spmm_reference", "sddmm_reference", "native_library"]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
 #: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
 TILE_BYTES = 0
+#: token vectors (of 8) per panel in spmm (0: the kernel's default); for tuning
+VMAX = 0
 #: elements of the gathered (tokens, groups, entries) tensor per chunk in the reference
 _REF_CHUNK = 1 << 23
 
@@ -52,7 +54,8 @@ def native_library() -> Optional[ctypes.CDLL]:
     if lib is not None and not getattr(lib, "_sparsa_typed", False):
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         f = lib.sparsa_gnm_spmm_f32
-        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64]
+        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64, ci,
+                      ci]
         f.restype = ci
         f = lib.sparsa_gnm_sddmm_f32
         f.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, i64, i64, vp, ci, i64]
@@ -65,7 +68,9 @@ def native_library() -> Optional[ctypes.CDLL]:
 class Plan:
     """Kernel-ordered components. Entries of a group are cut into ``units`` of ``unit_entries``
     entries reading input indices in ``[u*unit_span, (u+1)*unit_span)``; every ``gpb`` consecutive
-    groups (a block) write the ``rpb`` output rows ``[blk*rpb, (blk+1)*rpb)`` and no others."""
+    groups (a block) write the ``rpb`` output rows ``[blk*rpb, (blk+1)*rpb)`` and no others. An
+    *interleaved* plan has one value per entry, entry ``e`` of group ``g`` feeding ``out_rows[g, e % Q]``
+    (``Q = out_rows.shape[1]``)."""
 
     idx: Tensor       # int32 (G, L)
     vals: Tensor      # (G, L, n)
@@ -75,6 +80,7 @@ class Plan:
     unit_span: int
     gpb: int
     rpb: int
+    interleaved: bool = False  # vals (G, L, 1): entry e feeds only out_rows[g, e % Q]
 
     @property
     def in_pad(self) -> int:
@@ -92,8 +98,33 @@ def _pattern_rows(n: int, m: int, nblocks: int, device) -> Tensor:
     return (torch.arange(nblocks, device=device) * m).view(-1, 1, 1) + pat.unsqueeze(0)
 
 
+
+
+def _interleave(P: int) -> int:
+    """Patterns per interleaved group: 2 when it divides ``P`` (best measured: 6 token vectors per row),
+    else 3 or 4, else 1."""
+    for q in (2, 3, 4):
+        if P % q == 0:
+            return q
+    return 1
+
+
 def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
-    """Plan for ``y = x @ W.T`` (and grad_W): one group per (row block, pattern)."""
+    """Plan for ``y = x @ W.T``. With ``n == 1`` one group per (row block, ``Q`` patterns), entries
+    interleaved over the ``Q`` rows; otherwise :func:`pattern_plan`."""
+    B, C, P, g, nn = values.shape
+    if n != 1:
+        return pattern_plan(values, columns, n, m)
+    q = _interleave(P)
+    s = P // q
+    vals = values.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q, 1).contiguous()
+    idx = columns.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q).to(torch.int32).contiguous()
+    rows = _pattern_rows(n, m, B, values.device).reshape(B * s, q).to(torch.int32).contiguous()
+    return Plan(idx, vals, rows, C, g * q, P * g, s, m, True)
+
+
+def pattern_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
+    """Plan with one group per (row block, pattern), for ``y = x @ W.T`` and grad_W (:func:`sddmm`)."""
     B, C, P, g, nn = values.shape
     vals = values.permute(0, 2, 1, 3, 4).reshape(B * P, C * g, nn).contiguous()
     idx = columns.permute(0, 2, 1, 3).reshape(B * P, C * g).to(torch.int32).contiguous()
@@ -101,18 +132,21 @@ def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
     return Plan(idx, vals, rows, C, g, P * g, P, m)
 
 
-def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
-    """Plan for ``grad_x = grad_y @ W``: one group per (padded) input column, its ``B*n`` entries
-    ordered by row."""
+def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2) -> Plan:
+    """Plan for ``grad_x = grad_y @ W``: one group per ``q`` (padded) input columns, each column's
+    ``B*n`` entries ordered by row, interleaved over the group's columns."""
     B, C, P, g, nn = values.shape
     kp = C * P * g
+    q = q if kp % q == 0 else 1
     rows = _pattern_rows(n, m, B, values.device).view(B, 1, P, 1, n).expand(B, C, P, g, n)
     cols = columns.long().unsqueeze(-1).expand(B, C, P, g, n)
-    order = torch.argsort((cols * (B * m) + rows).reshape(-1))
-    idx = rows.reshape(-1)[order].view(kp, B * n).to(torch.int32).contiguous()
-    vals = values.reshape(-1)[order].view(kp, B * n, 1).contiguous()
-    out_rows = torch.arange(kp, dtype=torch.int32, device=values.device).view(kp, 1)
-    return Plan(idx, vals, out_rows, B, n, m, 1, 1)
+    order = torch.argsort((cols * (B * m) + rows).reshape(-1))  # (column, row)
+    # (kp/q, q, B, n) -> (kp/q, B, n, q): entry (block, i, column-in-group)
+    order = order.view(kp // q, q, B, n).permute(0, 2, 3, 1).reshape(-1)
+    idx = rows.reshape(-1)[order].view(kp // q, B * n * q).to(torch.int32).contiguous()
+    vals = values.reshape(-1)[order].view(kp // q, B * n * q, 1).contiguous()
+    out_rows = torch.arange(kp, dtype=torch.int32, device=values.device).view(kp // q, q)
+    return Plan(idx, vals, out_rows, B, n * q, m, 1, q, True)
 
 
 # ------------------------------------------------------------------------------------------ reference
@@ -132,8 +166,13 @@ def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: 
     for g0 in starts:
         g1 = min(G, g0 + step)
         xg = x2[:, plan.idx[g0:g1].reshape(-1).long()].view(T, g1 - g0, L)
-        z = torch.einsum("tgl,gln->tgn", xg, plan.vals[g0:g1].to(x2.dtype))
-        out.index_add_(1, plan.out_rows[g0:g1].reshape(-1).long(), z.reshape(T, -1))
+        rows = plan.out_rows[g0:g1].long()
+        if plan.interleaved:
+            z = xg * plan.vals[g0:g1, :, 0].to(x2.dtype)
+            rows = rows[:, torch.arange(L, device=rows.device) % rows.shape[1]]
+        else:
+            z = torch.einsum("tgl,gln->tgn", xg, plan.vals[g0:g1].to(x2.dtype))
+        out.index_add_(1, rows.reshape(-1), z.reshape(T, -1))
     y = out[:, :out_features]
     if bias is not None:
         y = y + bias
@@ -141,7 +180,7 @@ def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: 
 
 
 def sddmm_reference(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
-    """Pure-PyTorch semantics of :func:`sddmm`: ``(G, L, n)`` in the plan's order."""
+    """Pure-PyTorch semantics of :func:`sddmm`: ``(G, L, n)`` in the plan's order (not interleaved)."""
     K, R = x.shape[-1], gy.shape[-1]
     x2 = torch.nn.functional.pad(x.reshape(-1, K), (0, plan.in_pad - K))
     g2 = torch.nn.functional.pad(gy.reshape(-1, R).to(x2.dtype), (0, plan.out_pad - R))
@@ -173,8 +212,8 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor], out_features: int,
-               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int) -> Tensor:
-    plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb)
+               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int, interleaved: bool) -> Tensor:
+    plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb, interleaved)
     lib = _lib_for(x, vals, bias)
     if lib is None:
         return spmm_reference(x, plan, bias, out_features).contiguous()
@@ -182,12 +221,14 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
     x2 = _rows(x)
     T = x2.shape[0]
     y = torch.empty(T, out_features, dtype=torch.float32)
-    G, L, n = vals.shape
+    G, L = idx.shape
+    n = out_rows.shape[1]
     b = None if bias is None else bias.contiguous()
     rc = lib.sparsa_gnm_spmm_f32(
         x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), vals.data_ptr(), out_rows.data_ptr(),
         G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad,
-        None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES)
+        None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX,
+        int(interleaved))
     if rc != 0:
         raise ValueError(f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
                          f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "
@@ -197,13 +238,15 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
 
 @torch.library.custom_op("sparsa::grouped_nm_spmm", mutates_args=())
 def grouped_nm_spmm(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor],
-                    out_features: int, units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int) -> Tensor:
+                    out_features: int, units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int,
+                    interleaved: bool) -> Tensor:
     """``y[..., out_features]`` of the plan (see the module docstring); the fields of :class:`Plan` unpacked."""
-    return _spmm_impl(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb)
+    return _spmm_impl(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb,
+                      interleaved)
 
 
 @grouped_nm_spmm.register_fake
-def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb):
+def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -248,11 +291,14 @@ def _compiling() -> bool:
 def spmm(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
     """Run the plan on ``x[..., K]`` (native when possible): ``y[..., out_features]``."""
     args = (x, plan.idx, plan.vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries,
-            plan.unit_span, plan.gpb, plan.rpb)
+            plan.unit_span, plan.gpb, plan.rpb, plan.interleaved)
     return grouped_nm_spmm(*args) if _compiling() else _spmm_impl(*args)
 
 
 def sddmm(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
-    """Sampled ``gy.T @ x`` on the plan's entries: ``(G, L, n)`` in the plan's order."""
+    """Sampled ``gy.T @ x`` on the plan's entries: ``(G, L, n)`` in the plan's order (a
+    :func:`pattern_plan`)."""
+    if plan.interleaved:
+        raise ValueError("sddmm: needs a pattern_plan (one group per row block and pattern), got an interleaved plan")
     args = (x, gy, plan.idx, plan.out_rows, plan.units, plan.unit_entries, plan.unit_span, plan.out_pad)
     return grouped_nm_sddmm(*args) if _compiling() else _sddmm_impl(*args)

@@ -37,27 +37,31 @@ def native_library() -> Optional[ctypes.CDLL]:
     if lib is not None and not getattr(lib, "_sparsa_typed", False):
         f = lib.sparsa_row_group_linear_f32
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, vp, vp, i64, ctypes.c_int]
+        f.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int]
         f.restype = ctypes.c_int
         lib._sparsa_typed = True
     return lib
 
 
 def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                               out_features: int) -> Tensor:
-    """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]``."""
+                               out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
+    """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` (slot ``s`` of the
+    groups is output ``row_perm[s]``; None: consecutive rows)."""
     ng, k, G = values.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     xg = x2[:, columns.reshape(-1).long()].view(-1, ng, k).transpose(0, 1)  # (ng, T, k)
-    y = torch.bmm(xg, values.to(x2.dtype)).transpose(0, 1).reshape(x2.shape[0], ng * G)[:, :out_features]
+    y = torch.bmm(xg, values.to(x2.dtype)).transpose(0, 1).reshape(x2.shape[0], ng * G)
+    if row_perm is not None:
+        y = y.new_empty(y.shape).index_copy_(1, row_perm.long(), y)
+    y = y[:, :out_features]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, out_features)
 
 
 def _native_forward(lib: ctypes.CDLL, x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                    out_features: int) -> Tensor:
+                    out_features: int, row_perm: Optional[Tensor]) -> Tensor:
     ng, k, G = values.shape
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
@@ -72,9 +76,11 @@ def _native_forward(lib: ctypes.CDLL, x: Tensor, columns: Tensor, values: Tensor
         b = bias.contiguous()
         if b.numel() != ng * G:
             b = torch.cat([b, b.new_zeros(ng * G - b.numel())])
+    perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
     rc = lib.sparsa_row_group_linear_f32(
         x2.data_ptr(), T, K, cols.data_ptr(), vals.data_ptr(), ng, k, G,
-        None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads())
+        None if b is None else b.data_ptr(), y.data_ptr(), out_features,
+        None if perm is None else perm.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"row_group_linear: unsupported group size {G}")
     return y.reshape(*x.shape[:-1], out_features)
@@ -89,22 +95,22 @@ def _use_native(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[c
 
 
 def row_group_linear_impl(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                          out_features: int) -> Tensor:
+                          out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
     """Eager implementation (what the custom op runs): native kernel for float32 CPU tensors when
     available, else the reference."""
     lib = _use_native(x, values, bias)
     if lib is None:
-        return row_group_linear_reference(x, columns, values, bias, out_features).contiguous()
-    return _native_forward(lib, x, columns, values, bias, out_features)
+        return row_group_linear_reference(x, columns, values, bias, out_features, row_perm).contiguous()
+    return _native_forward(lib, x, columns, values, bias, out_features, row_perm)
 
 
 @torch.library.custom_op("sparsa::row_group_linear", mutates_args=())
 def row_group_linear(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                     out_features: int) -> Tensor:
-    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by RowGroup ``columns``/``values``."""
-    return row_group_linear_impl(x, columns, values, bias, out_features)
+                     out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
+    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by RowGroup ``columns``/``values``/``row_perm``."""
+    return row_group_linear_impl(x, columns, values, bias, out_features, row_perm)
 
 
 @row_group_linear.register_fake
-def _(x, columns, values, bias, out_features):
+def _(x, columns, values, bias, out_features, row_perm=None):
     return x.new_empty(*x.shape[:-1], out_features)

@@ -7,15 +7,21 @@ largest (RigL). ``k`` is ``drop_fraction`` of the active weights, decayed with a
 reset, so they are not pushed by stale averages. The new pattern is written into the parameter's
 layout (:func:`~sparsa.methods.pattern.set_pattern`), which stays the same parameter object.
 
-Distributed: under ``torch.distributed`` the gradients RigL reads are already all-reduced by DDP,
-so every rank computes the same pattern; the pattern chosen on rank 0 is broadcast anyway
-(``sync=True``), which also covers SET's random choice and floating-point ties.
+RigL needs the *dense* gradient, also at inactive positions, but a sparse weight's ``.grad`` is
+restricted to its pattern. So ``RigL(model, ...)`` hooks the model's ``nn.Linear`` / ``nn.Conv2d``
+layers with sparse weights and, during the backward pass before each update step only, computes
+the dense weight gradient from the layer's input and output gradient (one extra GEMM per layer
+per update; nothing on other steps).
+
+Distributed: the dense gradients are all-reduced (averaged) before ranking, so every rank computes
+the same pattern; the pattern chosen on rank 0 is broadcast anyway (``sync=True``), which also
+covers SET's random choice and floating-point ties.
 
 >>> import torch, torch.nn as nn, sparsa
 >>> from sparsa.sparsifiers import Magnitude
 >>> model = sparsa.sparsify(nn.Linear(32, 16), Magnitude(0.9))
 >>> opt = torch.optim.Adam(model.parameters(), lr=1e-3)
->>> rigl = RigL([model.weight], opt, update_every=1, end_step=10)
+>>> rigl = RigL(model, opt, update_every=1, end_step=10)
 >>> model(torch.randn(8, 32)).pow(2).mean().backward()
 >>> rigl.step(1)   # after backward, before optimizer.step()
 True
@@ -25,10 +31,10 @@ True
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..layouts.base import check_fraction
 from ..tensor import SparseTensor
@@ -61,10 +67,13 @@ class DynamicSparsity:
     """Shared drop-and-grow loop; subclasses define :meth:`grow_score`. Call :meth:`step` once per
     training step between ``backward()`` and ``optimizer.step()``."""
 
-    def __init__(self, params: Iterable[Tensor], optimizer: Optional[torch.optim.Optimizer] = None, *,
-                 update_every: int = 100, drop_fraction: float = 0.3, end_step: Optional[int] = None,
-                 seed: int = 0, sync: bool = True):
-        self.params = _iter_sparse(params)
+    def __init__(self, model_or_params: Union[nn.Module, Iterable[Tensor]],
+                 optimizer: Optional[torch.optim.Optimizer] = None, *, update_every: int = 100,
+                 drop_fraction: float = 0.3, end_step: Optional[int] = None, seed: int = 0, sync: bool = True):
+        is_model = isinstance(model_or_params, nn.Module)
+        self.modules = [m for m in model_or_params.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+                        and isinstance(m.weight, SparseTensor)] if is_model else []
+        self.params = _iter_sparse([m.weight for m in self.modules] if is_model else model_or_params)
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every <= 0:
             raise ValueError(f"update_every must be a positive int, got {update_every!r}")
         self.optimizer, self.update_every = optimizer, update_every
@@ -82,11 +91,15 @@ class DynamicSparsity:
     def step(self, step: int) -> bool:
         """Update the patterns if ``step`` is an update step; returns whether it was."""
         frac = self.fraction_at(step)
+        self.due_next = (step + 1) % self.update_every == 0
         if step <= 0 or step % self.update_every or frac <= 0.0:
             return False
         for i, p in enumerate(self.params):
             self._update(i, p, frac, step)
         return True
+
+    #: whether the next backward precedes an update step (set by :meth:`step`)
+    due_next: bool = False
 
     def grow_score(self, index: int, param: SparseTensor, step: int) -> Tensor:
         """Score of every position for regrowth (higher grows first)."""
@@ -120,19 +133,53 @@ class DynamicSparsity:
 
 
 class RigL(DynamicSparsity):
-    """Regrow where the dense gradient magnitude is largest (needs ``param.grad`` with values at every
-    position: the masked layout's gradient is dense; a gradient restricted to the pattern cannot rank
-    inactive positions and raises)."""
+    """Regrow where the dense gradient magnitude is largest. Pass the model (recommended): the dense
+    gradient is then computed by hooks. Given bare parameters, ``param.grad`` is used and must be dense
+    at every position (true for layers that run through the dense fallback, not for sparse ``linear``)."""
+
+    def __init__(self, model_or_params, optimizer=None, **kwargs):
+        super().__init__(model_or_params, optimizer, **kwargs)
+        self.due_next = self.update_every == 1
+        self.dense_grads: Dict[int, Tensor] = {}
+        for m in self.modules:
+            m.register_forward_hook(self._capture)
+
+    def _capture(self, mod: nn.Module, args: tuple, out: Tensor) -> None:
+        if self.due_next and torch.is_grad_enabled() and out.requires_grad:
+            x = args[0].detach()
+            out.register_hook(lambda g: self._add(mod, _dense_weight_grad(mod, x, g)))
+
+    def _add(self, mod: nn.Module, g: Tensor) -> None:
+        key = id(mod.weight)
+        self.dense_grads[key] = self.dense_grads[key] + g if key in self.dense_grads else g
+
+    def step(self, step: int) -> bool:
+        done = super().step(step)
+        self.dense_grads.clear()
+        return done
 
     def grow_score(self, index: int, param: SparseTensor, step: int) -> Tensor:
-        g = param.grad
+        g = self.dense_grads.get(id(param))
         if g is None:
-            raise ValueError("RigL.step needs gradients: call it after loss.backward() and before "
-                             "optimizer.zero_grad()")
-        if isinstance(g, SparseTensor):
-            raise ValueError("RigL needs the dense gradient of every position, but this parameter's .grad is "
-                             f"stored sparsely ({g.layout_name}); drop the target='grad' rule for it")
+            g = param.grad
+            if g is None or self.modules:
+                raise ValueError("RigL.step needs the gradients of this step: call it after loss.backward(), "
+                                 "once every step (it arms the gradient hooks for the next update)")
+            g = g.sparse_layout.to_dense() if isinstance(g, SparseTensor) else g
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self.modules:
+            g = g.clone()
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
         return g.abs()
+
+
+def _dense_weight_grad(mod: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """dLoss/dW at every position of ``mod.weight`` from its input ``x`` and output gradient ``g``."""
+    if isinstance(mod, nn.Linear):
+        return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(g.dtype)
+    return torch.nn.grad.conv2d_weight(x.to(g.dtype), mod.weight.shape, g, mod.stride, mod.padding, mod.dilation,
+                                       mod.groups)
 
 
 class SET(DynamicSparsity):

