@@ -29,3 +29,19 @@ def test_doc_code_blocks_run(path, tmp_path):
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, f"code blocks of {path.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+
+
+BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("path", [p for p in DOCS if p.exists() and BASH.findall(p.read_text())], ids=lambda p: p.name)
+def test_doc_shell_blocks_run(path, tmp_path):
+    """```bash blocks run line by line in the test's virtual environment (`make` lines excluded:
+    they are the test and demo commands themselves)."""
+    lines = [l for b in BASH.findall(path.read_text()) for l in b.splitlines()
+             if l.strip() and not l.lstrip().startswith(("make ", "#"))]
+    venv_bin = os.path.dirname(sys.executable)
+    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONWARNINGS="ignore")
+    script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
+    r = subprocess.run(["bash", "-c", script], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, f"shell block of {path.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

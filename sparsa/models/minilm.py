@@ -3,12 +3,11 @@
 
 Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before ``transformers`` is imported and the
 model is read from the installed package. Sentence embeddings are the attention-masked mean of
-the last hidden states (the model's own pooling).
+the last hidden states (the model's own pooling). Example (tested in tests/test_methods_minilm.py)::
 
->>> from sparsa.models.minilm import load_minilm, embed   # doctest: +SKIP
->>> model, tokenizer = load_minilm()                       # doctest: +SKIP
->>> embed(model, tokenizer, ["A sentence.", "Another one."]).shape   # doctest: +SKIP
-torch.Size([2, 384])
+    from sparsa.models.minilm import load_minilm, embed
+    model, tokenizer = load_minilm()
+    embed(model, tokenizer, ["A sentence.", "Another one."]).shape   # torch.Size([2, 384])
 """
 from __future__ import annotations
 

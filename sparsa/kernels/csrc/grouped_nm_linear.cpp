@@ -13,8 +13,12 @@
 // Tokens are vectorised: a panel of X is transposed to feature-major (`panel[k][t]`, S floats a
 // row) so one ymm holds 8 tokens of one input row; a group keeps NR x V accumulators in registers
 // (NR output rows x 8V tokens), loads the V token vectors of each entry once and FMAs them into the
-// NR rows with broadcast weights. Entries are ordered by input row, cut into *units* (a chunk of the
-// forward, a row block of the backward); a tile of units keeps the panel rows it reads in L2.
+// NR rows with broadcast weights. With n = 1 every x vector feeds one FMA per row block, so the
+// forward and grad_x plans are *interleaved*: a group holds Q rows (Q patterns of a block, or Q
+// columns of W), entry e feeding row e % Q only, which keeps Q x V accumulators live across Q times
+// more entries. Entries are ordered by input row and cut into *units* (a chunk of the forward, a row
+// block of grad_x); all groups run over one tile of units before the next, so the panel rows of a
+// tile (about L1-sized) are reused by every row block while in cache.
 // OpenMP over token panels (many tokens) or over blocks of groups that own disjoint output rows.
 //
 // grad_W on the pattern (a sampled dense-dense product): gv[g][e][i] = sum_t gy[t][row(g,i)] *
