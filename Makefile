@@ -33,4 +33,5 @@ bench: $(STAMP)
 	$(VPY) benchmarks/bert_inference.py
 	$(VPY) benchmarks/adaptive_training.py
 	$(VPY) benchmarks/quality.py
+	$(VPY) benchmarks/plots.py
 	$(VPY) benchmarks/tables.py

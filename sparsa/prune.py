@@ -98,9 +98,11 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
             raise ValueError(f"--method {method} needs calibration text, but {src} has no tokenizer files; "
                              "use --method magnitude")
         _, batches = cal
-        fn = wanda if method == "wanda" else sparsegpt
-        with torch.no_grad() if method == "wanda" else torch.enable_grad():
-            fn(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b))
+        if method == "wanda":
+            wanda(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b))
+        else:
+            sparsegpt(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b),
+                      progress=progress)
     outp = Path(out)
     outp.mkdir(parents=True, exist_ok=True)
     shutil.copy2(srcp / "config.json", outp / "config.json")

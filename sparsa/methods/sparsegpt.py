@@ -71,14 +71,17 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
 
 def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
               names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-              sequential: bool = True, block: int = 128, damp: float = 0.01) -> nn.Module:
+              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with SparseGPT
     calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
-    ``SparseTensor`` parameters in ``layout``."""
+    ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar over layer groups."""
     batches = list(batches)
     groups = forward_groups(model, batches[0], forward, names)
     mods = dict(model.named_modules())
     todo = groups if sequential else [[n for g in groups for n in g]]
+    if progress:
+        from tqdm.auto import tqdm
+        todo = tqdm(todo, desc="SparseGPT (calibrate + prune)", unit="group")
     for group in todo:
         stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)
         for n in group:
