@@ -9,20 +9,25 @@ as tensors; it may return a tensor or a layout (wrapped into a :class:`~sparsa.S
 ``ctx.needs_input_grad``). An implementation without ``backward`` is only used when no gradient is
 required; otherwise the dispatcher looks further (conversion, then dense fallback).
 
-Example::
+Example (a relu for a layout of your own; built-in registrations are left alone)::
 
     >>> import torch, sparsa
-    >>> from sparsa.layouts import Dense, Masked
-    >>> @sparsa.ops.implements("relu", (Masked,), replace=True)
-    ... class MaskedRelu:
+    >>> from sparsa.layouts import Masked, register_layout
+    >>> @register_layout
+    ... class MyMasked(Masked):
+    ...     name = "doc_my_masked"
+    >>> @sparsa.ops.implements("relu", (MyMasked,), replace=True)
+    ... class MyMaskedRelu:
     ...     @staticmethod
     ...     def forward(ctx, x):
     ...         ctx.save_for_backward(x.values)
-    ...         return Masked(torch.relu(x.values), x.mask() & (x.values > 0), validate=False)
+    ...         return MyMasked(torch.relu(x.values), x.mask() & (x.values > 0), validate=False)
     ...     @staticmethod
     ...     def backward(ctx, g):
     ...         (v,) = ctx.saved_tensors
     ...         return g * (v > 0)
+    >>> torch.relu(sparsa.to_sparse(torch.tensor([-1.0, 2.0]), MyMasked)).layout_name
+    'doc_my_masked'
 """
 from __future__ import annotations
 
