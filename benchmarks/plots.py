@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, List
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results"))
 
 
 def _plt():

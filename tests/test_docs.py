@@ -41,7 +41,8 @@ def test_doc_shell_blocks_run(path, tmp_path):
     lines = [l for b in BASH.findall(path.read_text()) for l in b.splitlines()
              if l.strip() and not l.lstrip().startswith(("make ", "#"))]
     venv_bin = os.path.dirname(sys.executable)
-    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PATH=venv_bin + os.pathsep + os.environ.get("PATH", ""), PYTHONWARNINGS="ignore",
+               SPARSA_RESULTS_DIR=str(tmp_path))  # benchmark output goes here, not over the committed results
     script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
     r = subprocess.run(["bash", "-c", script], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, f"shell block of {path.name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
