@@ -52,10 +52,7 @@ def main() -> None:
     for mode in ("inference", "training"):
         xs = x.requires_grad_(mode == "training")
         spw = torch.nn.Parameter(sp.detach()) if mode == "training" else sp
-        if mode == "training":
-            direct = lambda: impl.forward(_Ctx(), xs, lay, None)  # noqa: E731 - kernel alone
-        else:
-            direct = lambda: impl.forward(_Ctx(), xs, lay, None)  # noqa: E731
+        direct = lambda: impl.forward(_Ctx(), xs, lay, None)  # noqa: E731 - the implementation alone
         dispatched = lambda: F.linear(xs, spw)  # noqa: E731
         ctx = torch.enable_grad() if mode == "training" else torch.no_grad()
         with ctx:

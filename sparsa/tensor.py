@@ -149,7 +149,7 @@ class SparseTensor(Tensor):
     # ---------------------------------------------------------------- dispatch
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .ops import dispatch as _d
+        _d = _DISPATCH[0] if _DISPATCH else _bind_dispatch()
         kwargs = kwargs or {}
         op = _d.OP_TABLE.get(func)
         if op is not None:
@@ -161,6 +161,15 @@ class SparseTensor(Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from .ops import aten_fallback
         return aten_fallback.handle(func, args, kwargs or {})
+
+
+_DISPATCH: list = []  # [sparsa.ops.dispatch], bound on first use (that module imports this one)
+
+
+def _bind_dispatch():
+    from .ops import dispatch
+    _DISPATCH.append(dispatch)
+    return dispatch
 
 
 def _rebuild(name, comps, shape, params, requires_grad):

@@ -120,6 +120,19 @@ def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -
     return y
 
 
+def _adopt(cls: type, module: nn.Module) -> nn.Module:
+    """A ``cls`` instance sharing ``module``'s attributes and its very same Parameter objects (so
+    optimizers, hooks and state dicts keep working)."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.__dict__.update({k: v for k, v in module.__dict__.items()
+                         if k not in ("_parameters", "_buffers", "_modules")})
+    new._parameters = module._parameters
+    new._buffers = module._buffers
+    new._modules = module._modules
+    return new
+
+
 class AdaptiveConv2d(nn.Conv2d):
     """``nn.Conv2d`` whose forward and backward use the activation-sparse kernels when they pay."""
 
@@ -127,13 +140,7 @@ class AdaptiveConv2d(nn.Conv2d):
 
     @classmethod
     def from_module(cls, conv: nn.Conv2d, state: LayerState) -> "AdaptiveConv2d":
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.__dict__.update({k: v for k, v in conv.__dict__.items()
-                             if k not in ("_parameters", "_buffers", "_modules")})
-        new._parameters = conv._parameters  # the very same Parameter objects
-        new._buffers = conv._buffers
-        new._modules = conv._modules
+        new = _adopt(cls, conv)
         state.supported = conv_supported(conv.weight, conv.groups, conv.padding_mode, conv.padding)
         new.sparsa_state = state
         return new
@@ -157,13 +164,7 @@ class AdaptiveLinear(nn.Linear):
 
     @classmethod
     def from_module(cls, lin: nn.Linear, state: LayerState) -> "AdaptiveLinear":
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.__dict__.update({k: v for k, v in lin.__dict__.items()
-                             if k not in ("_parameters", "_buffers", "_modules")})
-        new._parameters = lin._parameters
-        new._buffers = lin._buffers
-        new._modules = lin._modules
+        new = _adopt(cls, lin)
         state.supported = linear_supported(lin.weight)
         new.sparsa_state = state
         return new

@@ -14,6 +14,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..tensor import SparseTensor
+from . import dispatch as _d
 
 aten = torch.ops.aten
 
@@ -82,14 +83,12 @@ def handle(func, args, kwargs):
     name = schema.name.split("::")[-1]
     if schema.is_mutable and args and isinstance(args[0], SparseTensor):
         # in-place update of a sparse tensor: compute densely, keep (or re-derive) the pattern
-        from . import dispatch as _d
         target = args[0]
         base = target._layout.to_dense().clone()
         rest = _dense(args[1:])
         func(base, *rest, **_dense(kwargs))
         _d.record_fallback(f"aten.{name}", (target.layout_name,), warn=False)
         return _refill(target, base)
-    from . import dispatch as _d
     if name not in _QUIET:
         layouts = tuple(a.layout_name for a in args if isinstance(a, SparseTensor))
         _d.record_fallback(f"aten.{name}", layouts)

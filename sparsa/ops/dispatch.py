@@ -248,8 +248,7 @@ class _Run(torch.autograd.Function):
     @staticmethod
     def forward(ctx, impl, convs, rest, *targs):  # type: ignore[override]
         ctx.impl = impl
-        ctx.needs_input_grad_t = ctx.needs_input_grad[3:]
-        ctx.needs_input_grad = ctx.needs_input_grad_t  # what implementations read
+        ctx.needs_input_grad = ctx.needs_input_grad[3:]  # per tensor argument, what implementations read
         args = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
         return _wrap(impl.forward(ctx, *args, **rest))
 
