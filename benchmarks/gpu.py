@@ -82,8 +82,11 @@ class _Timer:
         return (time.perf_counter() - self.t) * 1e3
 
 
+_SECTION_END = [T0 + BUDGET_S]  # deadline of the section being measured (set in main)
+
+
 def _left() -> float:
-    return BUDGET_S - (time.time() - T0)
+    return _SECTION_END[0] - time.time()
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -326,6 +329,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
     p.add_argument("--out", default=str(OUT))
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help="seconds for the whole run, shared 45/30/25%% by the three sections (default %(default)s)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured, "
@@ -342,8 +347,11 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "note": "speedup = dense / sparse time (median, alternated, CUDA events); fp32 means TF32 on both"}
-    for key, fn in (("weight_sparse", bench_weight_sparse), ("act_sparse", bench_act_sparse),
-                    ("training_step", bench_training)):
+    end = T0
+    for key, fn, share in (("weight_sparse", bench_weight_sparse, 0.45), ("act_sparse", bench_act_sparse, 0.30),
+                           ("training_step", bench_training, 0.25)):
+        end += share * args.budget
+        _SECTION_END[0] = max(end, time.time() + 50)   # each section gets its share (and at least one case)
         print(f"[{key}] ({time.time() - T0:.0f} s elapsed)", flush=True)
         try:
             res[key] = fn(args.quick)
