@@ -11,7 +11,8 @@
 * ``digits``: scikit-learn digits, an MLP and a small CNN: dense vs gradual magnitude pruning
   (cubic schedule, from the trained dense model) to 90%, and RigL at 90% from scratch.
 
-Writes benchmarks/results/quality.json (``--quick``: fewer sentences/steps/patterns, < 5 minutes).
+Writes benchmarks/results/quality.json, or $SPARSA_RESULTS_DIR/quality.json when that is set
+(``--quick``: fewer sentences/steps/patterns, < 5 minutes).
 
     flock /tmp/sparsa-bench.lock python benchmarks/quality.py [--quick]
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import time
 import warnings
@@ -34,7 +36,8 @@ import sparsa
 from sparsa.methods import GradualPruning, RigL, distill, erk_sparsities, named_pattern, sparsegpt, wanda
 from sparsa.sparsifiers import CubicSchedule, KeepAll, Random
 
-OUT = Path(__file__).parent / "results" / "quality.json"
+# SPARSA_RESULTS_DIR redirects the output (so a timing run or a test keeps the committed results intact)
+OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results")) / "quality.json"
 
 
 # ----------------------------------------------------------------------------- MiniLM

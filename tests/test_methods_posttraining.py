@@ -153,3 +153,48 @@ def test_row_group_sparsifier_pattern():
     assert torch.all(m.view(2, 8, 12) == m.view(2, 8, 12)[:, :1])
     with pytest.raises(ValueError, match="pattern"):
         named_pattern("blocky")
+
+
+def test_calibration_edge_cases():
+    class Shared(nn.Module):     # one layer called twice on different inputs, one never called
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x)) + self.a(x + 1)
+
+    m, xs = Shared(), [torch.randn(3, 4), torch.randn(5, 4)]
+    assert forward_groups(m, xs[0]) == [["a"], ["b"]]
+    stats = collect_input_stats(m, xs)
+    assert sorted(stats) == ["a", "b"] and stats["a"].count == 16 and stats["b"].count == 8
+    with pytest.raises(ValueError, match="never called"):
+        collect_input_stats(m, xs, names=["a", "unused"])
+    # every hook is removed, also after an error and after stopping early
+    collect_input_stats(m, xs, names=["a"], stop_early=True)
+    assert all(not mod._forward_pre_hooks for mod in m.modules())
+    with pytest.raises(RuntimeError):
+        collect_input_stats(m, [torch.randn(3, 5)])
+    assert all(not mod._forward_pre_hooks for mod in m.modules())
+
+
+def test_sparsegpt_one_pass_and_sequential_agree_on_a_single_layer():
+    x = [_correlated_inputs(64)]
+    one = nn.Sequential(nn.Linear(16, 8))
+    seq = copy.deepcopy(one)
+    sparsegpt(one, x, Magnitude(0.5, per="row"), sequential=False)
+    sparsegpt(seq, x, Magnitude(0.5, per="row"))
+    torch.testing.assert_close(one[0].weight.to_dense(), seq[0].weight.to_dense())
+    with pytest.raises(ValueError, match="never called"):
+        sparsegpt(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)), x, Magnitude(0.5), names=["1"],
+                  forward=lambda m, b: m[0](b), sequential=False)
+
+
+def test_distillation_loss_checks_output_count():
+    from sparsa.methods import distillation_loss
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    assert float(distillation_loss(a, a)) == pytest.approx(0.0, abs=1e-6)
+    assert float(distillation_loss([a, b], [a, b])) == pytest.approx(0.0, abs=1e-6)
+    assert float(distillation_loss((a,), (b,))) > 0
+    with pytest.raises(ValueError, match="outputs"):
+        distillation_loss([a, b], [a])

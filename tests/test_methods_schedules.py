@@ -123,3 +123,24 @@ def test_one_shot_equals_magnitude_reference():
     ref = Magnitude(0.5, per="row").mask(w)
     assert torch.equal(model[0].weight.pattern(), ref)
     torch.testing.assert_close(model[0].weight.to_dense(), w * ref)
+
+
+def test_schedule_arguments_validated_with_clear_errors():
+    for kw, msg in ((dict(every=0), "every must be a positive int"), (dict(every=True), "every"),
+                    (dict(every=1.5), "every"), (dict(end_step=5), "end_step must be > start_step"),
+                    (dict(start_step=-1), "start_step must be a non-negative int"), (dict(final=1.5), "final")):
+        args = {**dict(initial=0.0, final=0.5, start_step=5, end_step=15, every=2), **kw}
+        with pytest.raises(ValueError, match=msg):
+            CubicSchedule(**args)
+    for kw in (dict(every=0), dict(every=2.0), dict(rounds=True), dict(start_step=-3)):
+        with pytest.raises(ValueError, match="must be a"):
+            IterativeSchedule(**{**dict(final=0.5, rounds=2, every=3), **kw})
+
+
+def test_cubic_schedule_piecewise_formula():
+    s = CubicSchedule(0.2, 0.8, start_step=3, end_step=23, every=4)
+    for t in range(0, 40):
+        last = 3 + max(t - 3, 0) // 4 * 4
+        want = 0.8 if t >= 23 else 0.2 + 0.6 * (1 - (1 - (last - 3) / 20) ** 3)
+        assert s(t) == pytest.approx(want, abs=1e-12)
+    assert s(0) == 0.2 and s(3) == 0.2 and s(23) == 0.8   # exact at both ends

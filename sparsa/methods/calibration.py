@@ -13,6 +13,7 @@ data is a list of ``batches``, each fed as ``forward(model, batch)`` (default ``
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -51,37 +52,30 @@ class _Stop(Exception):
 
 def _linears(model: nn.Module, names: Optional[Sequence[str]]) -> Dict[str, nn.Linear]:
     mods = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    if names is None:
-        return mods
-    missing = [n for n in names if n not in mods]
+    missing = [n for n in names or () if n not in mods]
     if missing:
         raise ValueError(f"names: {missing} are not nn.Linear modules of the model; available: {sorted(mods)[:20]}")
-    return {n: mods[n] for n in names}
+    return mods if names is None else {n: mods[n] for n in names}
 
 
 def _run(model: nn.Module, batches: Iterable[Any], forward: Optional[Forward], mods: Dict[str, nn.Module],
-         on_input: Callable[[str, Tensor], None], stop_early: bool) -> None:
-    forward = forward or (lambda m, b: m(b))
+         on_input: Callable[[str, Tensor], None], stop_early: bool = False) -> None:
+    """Feed ``batches`` under ``no_grad`` with ``on_input(name, x)`` called on each input of ``mods``."""
     seen: set = set()
 
-    def hook(name: str, args: tuple) -> None:
-        on_input(name, args[0])
+    def hook(name: str, x: Tensor) -> None:
+        on_input(name, x)
         seen.add(name)
         if stop_early and len(seen) == len(mods):
             raise _Stop
 
-    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: hook(n, args)) for n, m in mods.items()]
-    try:
-        with torch.no_grad():
-            for b in batches:
-                seen.clear()
-                try:
-                    forward(model, b)
-                except _Stop:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
+    with contextlib.ExitStack() as hooks, torch.no_grad():
+        for n, m in mods.items():
+            hooks.enter_context(m.register_forward_pre_hook(lambda _, args, n=n: hook(n, args[0])))
+        for b in batches:
+            seen.clear()
+            with contextlib.suppress(_Stop):
+                forward(model, b) if forward else model(b)
 
 
 def collect_input_stats(model: nn.Module, batches: Iterable[Any], forward: Optional[Forward] = None,
@@ -112,16 +106,15 @@ def forward_groups(model: nn.Module, batch: Any, forward: Optional[Forward] = No
     [['0'], ['2']]
     """
     groups: List[List[str]] = []
-    last: List[Any] = [None]
+    last: List[Any] = [None]     # the input of the last layer called for the first time
 
     def on_input(name: str, x: Tensor) -> None:
         if any(name in g for g in groups):
             return
-        if last[0] is x and groups:
-            groups[-1].append(name)
-        else:
-            groups.append([name])
+        if x is not last[0]:
+            groups.append([])
+        groups[-1].append(name)
         last[0] = x
 
-    _run(model, [batch], forward, _linears(model, names), on_input, stop_early=False)
+    _run(model, [batch], forward, _linears(model, names), on_input)
     return groups

@@ -36,11 +36,8 @@ def distillation_loss(student: Outputs, teacher: Outputs) -> Tensor:
     t_list = [teacher] if isinstance(teacher, Tensor) else list(teacher)
     if len(s_list) != len(t_list):
         raise ValueError(f"student returned {len(s_list)} outputs but teacher {len(t_list)}")
-    total = s_list[0].new_zeros(())
-    for s, t in zip(s_list, t_list):
-        total = total + (1 - F.cosine_similarity(s, t, dim=-1)).mean()
-        total = total + F.mse_loss(s, t) / t.pow(2).mean().clamp_min(1e-12)
-    return total
+    return sum((1 - F.cosine_similarity(s, t, dim=-1)).mean() + F.mse_loss(s, t) / t.pow(2).mean().clamp_min(1e-12)
+               for s, t in zip(s_list, t_list))
 
 
 def distill(student: nn.Module, teacher: nn.Module, batches: Iterable[Any], *,
@@ -56,15 +53,13 @@ def distill(student: nn.Module, teacher: nn.Module, batches: Iterable[Any], *,
     was_training = student.training
     student.train()
     losses: List[float] = []
-    batches = list(batches)
-    for _ in range(epochs):
-        for b in batches:
-            with torch.no_grad():
-                target = forward(teacher, b)
-            value = loss(forward(student, b), target)
-            opt.zero_grad(set_to_none=True)
-            value.backward()
-            opt.step()
-            losses.append(value.item())
+    for b in list(batches) * epochs:
+        with torch.no_grad():
+            target = forward(teacher, b)
+        value = loss(forward(student, b), target)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        opt.step()
+        losses.append(value.item())
     student.train(was_training)
     return losses

@@ -35,22 +35,21 @@ class GradualPruning:
     """Training callback: prune ``params`` to ``schedule(step)`` with ``sparsifier`` (default: magnitude
     per tensor). Already-pruned weights are zero, so magnitude ranking never brings them back."""
 
+    applied: Optional[float] = None     # the target sparsity last applied
+
     def __init__(self, params: Iterable[Tensor], schedule: Schedule, sparsifier: Optional[Sparsifier] = None):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a sparsa Schedule (e.g. CubicSchedule), got {type(schedule).__name__}")
-        self.params = _iter_sparse(params)
-        self.schedule = schedule
+        self.params, self.schedule = _iter_sparse(params), schedule
         self.sparsifier = sparsifier if sparsifier is not None else Magnitude(0.0)
-        self.applied: Optional[float] = None
 
     def step(self, step: int) -> bool:
         """Apply the target of ``step`` if it changed; returns whether the patterns were updated."""
         target = self.schedule(step)
         if target == self.applied:
             return False
-        rule = self.sparsifier.with_sparsity(target)
         for p in self.params:
-            set_pattern(p, rule.mask(p.sparse_layout.to_dense()))
+            set_pattern(p, self.sparsifier.with_sparsity(target).mask(p.sparse_layout.to_dense()))
         self.applied = target
         return True
 
@@ -66,11 +65,8 @@ class IterativeSchedule(Schedule):
 
     def __init__(self, final: float, rounds: int, every: int, start_step: int = 0):
         self.final = check_fraction(final, "final")
-        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds <= 0:
-            raise ValueError(f"rounds must be a positive int, got {rounds!r}")
-        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.rounds, self.every, self.start_step = rounds, every, _check_step(start_step, "start_step")
+        self.rounds = _check_step(rounds, "rounds", positive=True)
+        self.every, self.start_step = _check_step(every, "every", positive=True), _check_step(start_step, "start_step")
 
     def sparsity_at(self, step: int) -> float:
         step = _check_step(step)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..sparsifiers.base import n_removed, top_mask
 from ..sparsifiers.schedules import Schedule
-from ..tensor import SparseTensor
+from ..tensor import to_dense
 from .pattern import _iter_sparse, set_pattern
 
 __all__ = ["MovementPruning"]
@@ -34,23 +34,20 @@ __all__ = ["MovementPruning"]
 class MovementPruning:
     """Prune ``params`` to ``schedule(step)`` by accumulated movement score (per tensor)."""
 
+    applied: Optional[float] = None     # the target sparsity last applied
+
     def __init__(self, params: Iterable[Tensor], schedule: Schedule):
         if not isinstance(schedule, Schedule):
             raise TypeError(f"schedule must be a sparsa Schedule (e.g. CubicSchedule), got {type(schedule).__name__}")
-        self.params = _iter_sparse(params)
-        self.schedule = schedule
+        self.params, self.schedule = _iter_sparse(params), schedule
         self.scores: List[Tensor] = [torch.zeros(p.shape) for p in self.params]
-        self.applied: Optional[float] = None
 
     def accumulate(self) -> None:
         """Add ``-w * grad`` to every score (call after ``backward()``)."""
         for p, s in zip(self.params, self.scores):
-            g = p.grad
-            if g is None:
+            if p.grad is None:
                 raise ValueError("MovementPruning.accumulate needs gradients: call it after loss.backward()")
-            if isinstance(g, SparseTensor):
-                g = g.sparse_layout.to_dense()
-            s.sub_((p.sparse_layout.to_dense() * g).float())
+            s.sub_((p.sparse_layout.to_dense() * to_dense(p.grad)).float())
 
     def step(self, step: int) -> bool:
         """Apply the target of ``step`` if it changed; returns whether the patterns were updated."""
@@ -59,7 +56,6 @@ class MovementPruning:
             return False
         for p, s in zip(self.params, self.scores):
             s.masked_fill_(~p.pattern(), -torch.inf)
-            keep = s.numel() - n_removed(target, s.numel())
-            set_pattern(p, top_mask(s.reshape(1, -1), keep).view_as(s))
+            set_pattern(p, top_mask(s.reshape(1, -1), s.numel() - n_removed(target, s.numel())).view_as(s))
         self.applied = target
         return True

@@ -39,8 +39,7 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     columns. ``damp`` is added to the diagonal as a fraction of its mean.
     """
     if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"weight must be 2-D (out, in) and hessian (in, in); got {tuple(weight.shape)} and "
-                         f"{tuple(hessian.shape)}")
+        raise ValueError(f"weight must be 2-D (out, in) and hessian (in, in); got {weight.shape} and {hessian.shape}")
     W = to_dense(weight).detach().float().clone()
     H = hessian.detach().double().clone()
     dead = H.diagonal() == 0
@@ -49,22 +48,18 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     H.diagonal().add_(damp * H.diagonal().mean())
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()
     every = getattr(sparsifier, "m", None) or block
-    K = W.shape[1]
     keep = torch.ones_like(W, dtype=torch.bool)
-    for b0 in range(0, K, block):
-        b1 = min(b0 + block, K)
-        W1, Hinv1 = W[:, b0:b1].clone(), Hinv[b0:b1, b0:b1]
-        Err = torch.zeros_like(W1)
-        d = Hinv1.diagonal()
+    for b0 in range(0, W.shape[1], block):
+        b1 = min(b0 + block, W.shape[1])
+        W1, K1, Hinv1 = W[:, b0:b1], keep[:, b0:b1], Hinv[b0:b1, b0:b1]     # views: W1 and K1 are updated in place
+        Err, d = torch.zeros_like(W1), Hinv1.diagonal()
         for i in range(b1 - b0):
             if i % every == 0:
-                j = min(i + every, b1 - b0)
-                keep[:, b0 + i:b0 + j] = sparsifier.mask((W1[:, i:j].abs() / d[i:j]).float())
-            q = W1[:, i] * keep[:, b0 + i]
+                K1[:, i:i + every] = sparsifier.mask((W1[:, i:i + every].abs() / d[i:i + every]).float())
+            q = W1[:, i] * K1[:, i]
             Err[:, i] = (W1[:, i] - q) / d[i]
             W1[:, i:].addr_(Err[:, i], Hinv1[i, i:], alpha=-1.0)
             W1[:, i] = q
-        W[:, b0:b1] = W1
         W[:, b1:].addmm_(Err, Hinv[b0:b1, b1:], alpha=-1.0)
     return (W * keep).to(weight.dtype), keep
 
@@ -76,17 +71,15 @@ def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, 
     calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
     ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar over layer groups."""
     batches = list(batches)
-    groups = forward_groups(model, batches[0], forward, names)
-    mods = dict(model.named_modules())
-    todo = groups if sequential else [[n for g in groups for n in g]]
+    todo = forward_groups(model, batches[0], forward, names) if sequential else [names]
     if progress:
         from tqdm.auto import tqdm
         todo = tqdm(todo, desc="SparseGPT (calibrate + prune)", unit="group")
     for group in todo:
         stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)
-        for n in group:
-            m = mods[n]
-            w, keep = sparsegpt_weight(m.weight, stats[n].hessian / stats[n].count, sparsifier, block, damp)
-            sp = to_sparse(w, layout, mask=keep, **sparsifier.layout_params())
-            m.weight = nn.Parameter(sp, requires_grad=m.weight.requires_grad)
+        for n, s in stats.items():
+            m = model.get_submodule(n)
+            w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, sparsifier, block, damp)
+            m.weight = nn.Parameter(to_sparse(w, layout, mask=keep, **sparsifier.layout_params()),
+                                    requires_grad=m.weight.requires_grad)
     return model

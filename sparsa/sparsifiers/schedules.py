@@ -15,9 +15,9 @@ from .base import Sparsifier
 __all__ = ["Schedule", "ConstantSparsity", "CubicSchedule"]
 
 
-def _check_step(step: int, arg: str = "step") -> int:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"{arg} must be a non-negative int, got {step!r}")
+def _check_step(step: int, arg: str = "step", positive: bool = False) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < int(positive):
+        raise ValueError(f"{arg} must be a {'positive' if positive else 'non-negative'} int, got {step!r}")
     return step
 
 
@@ -58,25 +58,17 @@ class CubicSchedule(Schedule):
     """
 
     def __init__(self, initial: float, final: float, start_step: int, end_step: int, every: int = 1):
-        self.initial = check_fraction(initial, "initial")
-        self.final = check_fraction(final, "final")
-        self.start_step = _check_step(start_step, "start_step")
-        self.end_step = _check_step(end_step, "end_step")
+        self.initial, self.final = check_fraction(initial, "initial"), check_fraction(final, "final")
+        self.start_step, self.end_step = _check_step(start_step, "start_step"), _check_step(end_step, "end_step")
         if self.end_step <= self.start_step:
             raise ValueError(f"end_step must be > start_step, got start_step={start_step}, end_step={end_step}")
-        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.every = every
+        self.every = _check_step(every, "every", positive=True)
 
     def sparsity_at(self, step: int) -> float:
-        step = _check_step(step)
-        if step <= self.start_step:
-            return self.initial
-        if step >= self.end_step:
+        if _check_step(step) >= self.end_step:
             return self.final
-        t = self.start_step + ((step - self.start_step) // self.every) * self.every
-        frac = (t - self.start_step) / (self.end_step - self.start_step)
-        return self.initial + (self.final - self.initial) * (1.0 - (1.0 - frac) ** 3)
+        t = max(step - self.start_step, 0) // self.every * self.every     # steps since the start, at the last update
+        return self.initial + (self.final - self.initial) * (1.0 - (1.0 - t / (self.end_step - self.start_step)) ** 3)
 
     def is_update_step(self, step: int) -> bool:
         """Whether the target changes at ``step`` (a multiple of ``every`` after the start, up to the end)."""
