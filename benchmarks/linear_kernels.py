@@ -148,11 +148,27 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a subset that runs in under 2 minutes")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--shapes", help="filter: comma-separated OUTxIN shapes, e.g. 768x3072")
+    ap.add_argument("--tokens", help="filter: comma-separated token counts, e.g. 1024")
+    ap.add_argument("--sparsities", help="filter: comma-separated sparsities, e.g. 0.75,0.9")
+    ap.add_argument("--threads", help="filter: comma-separated thread counts, e.g. 1")
+    ap.add_argument("--layouts", help="filter: comma-separated sparsa layouts, e.g. row_group,grouped_nm "
+                                      "(torch_csr/torch_bsr baselines always run)")
     args = ap.parse_args(argv)
     if args.quick:
         grid = dict(shapes=[(768, 768)], tokens=[1024, 1], sparsities=[0.5, 0.875, 0.95], threads=[1], reps=3)
     else:
         grid = dict(shapes=SHAPES, tokens=TOKENS, sparsities=SPARSITIES, threads=THREADS, reps=5)
+    if args.shapes:
+        grid["shapes"] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if args.tokens:
+        grid["tokens"] = [int(v) for v in args.tokens.split(",")]
+    if args.sparsities:
+        grid["sparsities"] = [float(v) for v in args.sparsities.split(",")]
+    if args.threads:
+        grid["threads"] = [int(v) for v in args.threads.split(",")]
+    if args.layouts:
+        grid["layouts"] = args.layouts.split(",")
     t0 = time.perf_counter()
     rows = run(**grid)
     meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),

@@ -72,6 +72,31 @@ def test_forward_matches_dense(path, T, R, K, nm, g, bias, three_d, noncontig, t
     assert sparsa.fallback_counts() == {}
 
 
+@pytest.mark.parametrize("nm", [(1, 4), (1, 8), (1, 10), (1, 3)])
+@pytest.mark.parametrize("tile_bytes", [0, 24 << 10])
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_interleaved_plans_large_k_tiles(nm, tile_bytes, isa, monkeypatch):
+    # many units per group: the default tile of sparse interleaved plans spans more than an L1 tile;
+    # both builds of the interleaved pieces (AVX-512 when the CPU has it, else both runs take AVX2)
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    if isa == "avx2":
+        monkeypatch.setenv("SPARSA_NO_AVX512", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    monkeypatch.setattr(kern, "TILE_BYTES", tile_bytes)
+    gen = torch.Generator().manual_seed(nm[1])
+    n, m = nm
+    R, K = 3 * m + 1, 2000
+    w = GroupedNM.from_dense(torch.randn(R, K, generator=gen), n=n, m=m, g=4)
+    wd = w.to_dense()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for T in (5, 50, 101):
+            x, gy = torch.randn(T, K, generator=gen), torch.randn(T, R, generator=gen)
+            _close(kern.spmm(x, kern.forward_plan(w.values, w.columns, n, m), None, R), x @ wd.T)
+            _close(kern.spmm(gy, kern.input_grad_plan(w.values, w.columns, n, m), None, K), gy @ wd)
+
+
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("nm", [(1, 4), (1, 10), (2, 4), (5, 8)])
 @pytest.mark.parametrize("T", [1, 7, 8, 9, 33, 97, 130])

@@ -92,6 +92,30 @@ def test_large_in_features_and_threads(path, nthreads, kind, threads):
         _close(F.linear(x, w, b), F.linear(x, w.to_dense(), b))
 
 
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("group", GROUP_SIZES)
+@pytest.mark.parametrize("permute", [False, True])
+def test_row_group_native_isa_paths_large_k(isa, group, permute, threads, monkeypatch):
+    # both tile sets of the native kernel (AVX-512 when the CPU has it, else both runs take AVX2), several
+    # column blocks (K=2500), partial token panels and a partial last group, 1 and 2 threads
+    if isa == "avx2":
+        monkeypatch.setenv("SPARSA_NO_AVX512", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    assert rg_kernels.native_library() is not None
+    gen = torch.Generator().manual_seed(group + 7 * permute)
+    w = torch.randn(3 * group + 5, 2500, generator=gen)
+    rg = RowGroup.from_dense(w, group=group, sparsity=0.7, permute=permute)
+    b = torch.randn(w.shape[0], generator=gen)
+    for nthreads in (1, 2):
+        torch.set_num_threads(nthreads)
+        for T in (1, 9, 50):
+            x = torch.randn(T, 2500, generator=gen)
+            y = rg_kernels.row_group_linear_impl(x, rg.columns, rg.values, b, w.shape[0], rg.row_perm)
+            _close(y, F.linear(x, rg.to_dense(), b))
+
+
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 def test_empty_tokens(path):
     w = sparsa.to_sparse(torch.randn(8, 5), "row_group", sparsity=0.5, group=4)

@@ -10,7 +10,8 @@ Both work on a *plan*: the layout's components reordered for the kernel (:func:`
 The forward plan groups a row block's columns by keep-pattern (``g = (block, pattern)``), so
 ``y = x @ W.T`` is an spmm and grad_W on the pattern an sddmm; the input-grad plan groups W's entries
 by column (``g = column``, ``n = 1``), so ``grad_x = grad_y @ W`` is an spmm too. The C++ kernel
-(``csrc/grouped_nm_linear.cpp``, AVX2/FMA + OpenMP, token-vectorised panels) runs for float32 CPU
+(``csrc/grouped_nm_linear.cpp``, AVX2/FMA + OpenMP, token-vectorised panels; AVX-512 for the
+interleaved ``n = 1`` plans when the CPU has it, ``SPARSA_NO_AVX512=1`` to keep AVX2) runs for float32 CPU
 tensors; otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
 semantics runs (gather + einsum + index_add, in chunks of groups).
 

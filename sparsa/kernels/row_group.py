@@ -1,9 +1,10 @@
 """``sparsa::row_group_linear``: Y = X W^T + b with W in the RowGroup layout.
 
 A ``torch.library`` custom op (with a fake implementation, so it traces under ``torch.compile``)
-around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp``; when the kernel cannot
-be built, or ``SPARSA_NO_NATIVE=1``, the same op runs :func:`row_group_linear_reference` (gather +
-batched matmul).
+around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp`` (with AVX-512 tiles
+chosen at run time when the CPU has them; ``SPARSA_NO_AVX512=1`` keeps the AVX2 ones); when the
+kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs :func:`row_group_linear_reference`
+(gather + batched matmul).
 
 Example::
 

@@ -9,14 +9,24 @@
 // is stored to its output row (one scalar store per output, into y rows kept in L2). Costs 10-45% at
 // 90% sparsity with K=768 (measured), ~0-10% with K=3072; identity permutations take the plain path.
 //
-// Register tile: NT tokens x G outputs; per kept column j: load G weights (G/8 ymm), broadcast
-// X[t][c] for each of the NT tokens and accumulate with FMAs. Groups are innermost so the NT rows of
-// X stay in L1; a chunk of groups (about L2-sized weights) is the outer loop so weights are reused
-// across token panels. OpenMP over (group chunk, token block).
+// Register tile: NT tokens x G outputs; per kept column j: load G weights, broadcast X[t][c] for each
+// of the NT tokens and accumulate with FMAs. AVX2: G/8 ymm x 6 tokens (G=16). AVX-512 (chosen at run
+// time when the CPU has it; SPARSA_NO_AVX512=1 forces AVX2): G/16 zmm x 8 tokens, the broadcasts folded
+// into the FMAs as {1to16} memory operands, so a column costs one load plus NT FMAs.
+// Blocking (identity rows): column blocks of about 24 KiB of NT token rows are the outer loop; inside
+// one, a chunk of groups whose weights for that block fill about 384 KiB (L2) passes over every token
+// panel. Each panel's block of X rows is first copied to a small buffer (contiguous rows, strided so
+// they start in different L1 sets) that stays in L1 while all the chunk's groups gather from it, and
+// the next panel's rows are prefetched into L2 meanwhile. Sizing the chunk by the block's weights
+// (not a whole group's) keeps X reuse high for large K: with K=3072 the old panel-major order reloaded
+// the X panel from L3 every ~7 groups and ran ~35% slower per flop than K=768. Column blocks after the
+// first add to the partial sums already stored in y. OpenMP over (group chunk, token block).
 // With few tokens (GEMV) each tile keeps S independent partial sums to hide the FMA latency.
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <algorithm>
+#include <memory>
 #include <vector>
 #include <omp.h>
 #ifdef __AVX2__
@@ -173,6 +183,107 @@ struct TileTable<V, NV, 0> {
     static void fill(TileFn*) {}
 };
 
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_HAVE_AVX512_PATH 1
+// AVX-512 tiles (built with a target attribute, chosen at run time when the CPU has AVX-512F):
+// NT tokens x NV zmm of outputs; the X broadcasts fold into the FMAs ({1to16} memory operands).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
+template <int NV, int NT>
+void tile512(const float* __restrict x, int64_t ldx, const int32_t* __restrict cols,
+             const float* __restrict vals, int64_t k, const float* __restrict bias,
+             float* __restrict y, int64_t ldy, int nout, bool accumulate) {
+    constexpr int G = 16 * NV;
+    constexpr int S = splits(NT, NV);
+    __m512 acc[S][NT][NV];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[s][t][v] = _mm512_setzero_ps();
+    const float* xr[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) {
+        const float* p = x + t * ldx;
+        asm("" : "+r"(p));
+        xr[t] = p;
+    }
+    int64_t j = 0;
+#pragma GCC unroll 2
+    for (; j + S <= k; j += S) {
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) {
+            const int64_t c = cols[j + s];
+            const float* w = vals + (j + s) * G;
+            __m512 wv[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + v * 16);
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) {
+                const __m512 xb = _mm512_set1_ps(xr[t][c]);  // folds into the FMA as a {1to16} operand
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; ++v) acc[s][t][v] = _mm512_fmadd_ps(xb, wv[v], acc[s][t][v]);
+            }
+        }
+    }
+    for (; j < k; ++j) {
+        const int64_t c = cols[j];
+        const float* w = vals + j * G;
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+            const __m512 xb = _mm512_set1_ps(xr[t][c]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w + v * 16), acc[0][t][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int s = 1; s < S; ++s)
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = _mm512_add_ps(acc[0][t][v], acc[s][t][v]);
+    __mmask16 m[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+        const int n = std::min(16, std::max(0, nout - 16 * v));
+        m[v] = (__mmask16)((1u << n) - 1u);
+    }
+    if (accumulate) {
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                acc[0][t][v] = _mm512_add_ps(acc[0][t][v], _mm512_maskz_loadu_ps(m[v], y + t * ldy + v * 16));
+    }
+    if (bias) {
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+            const __m512 b = _mm512_loadu_ps(bias + v * 16);
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) acc[0][t][v] = _mm512_add_ps(acc[0][t][v], b);
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(y + t * ldy + v * 16, m[v], acc[0][t][v]);
+}
+#pragma GCC pop_options
+
+template <int NV, int NT>
+struct TileTable512 {
+    static void fill(TileFn* tab) {
+        tab[NT] = &tile512<NV, NT>;
+        TileTable512<NV, NT - 1>::fill(tab);
+    }
+};
+template <int NV>
+struct TileTable512<NV, 0> {
+    static void fill(TileFn*) {}
+};
+#endif
+
 // Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
 // of y: the token panels are taken in blocks whose y rows (about 512 KiB) stay in L2 while every
 // weight chunk passes over them (the chunk itself is reused across the block's panels).
@@ -235,53 +346,79 @@ void run_permuted(const TileFn* tab, const float* x, int64_t T, int64_t K, const
     }
 }
 
-template <class V, int NV, int NTMAX>
-void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals, int64_t ng, int64_t k,
-         const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
-    constexpr int G = V::W * NV;
-    TileFn tab[NTMAX + 1];
-    TileTable<V, NV, NTMAX>::fill(tab);
-    // group chunk: about 384 KiB of weights (L2), reused across the token panels of a task
-    const int64_t bytes_per_group = std::max<int64_t>(1, k * G * (int64_t)sizeof(float));
+template <int G, int NTMAX>
+void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals, int64_t ng,
+         int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
+    // column blocks: the NTMAX rows of X touched by one block stay in L1 (about 24 KiB)
+    const int64_t KB = std::max<int64_t>(64, (24 * 1024) / (NTMAX * (int64_t)sizeof(float)));
+    const int64_t nkb = K > (3 * KB) / 2 ? (K + KB - 1) / KB : 1;
+    // group chunk: about 384 KiB of one column block's weights (L2), reused across the token panels
+    const int64_t bytes_per_group = std::max<int64_t>(1, ((k + nkb - 1) / nkb) * G * (int64_t)sizeof(float));
     int64_t gchunk = std::max<int64_t>(1, (384 * 1024) / bytes_per_group);
     const int64_t npan = (T + NTMAX - 1) / NTMAX;
     if (nthreads > 1 && npan < 2 * nthreads) {  // few tokens: parallelism must come from groups
         gchunk = std::min<int64_t>(gchunk, std::max<int64_t>(1, ng / (4 * nthreads)));
     }
-    gchunk = std::min<int64_t>(gchunk, ng);
+    gchunk = std::max<int64_t>(1, std::min<int64_t>(gchunk, ng));
+    gchunk = std::max<int64_t>(1, (ng + (ng + gchunk - 1) / gchunk - 1) / ((ng + gchunk - 1) / gchunk));  // equal chunks
     const int64_t nchunks = (ng + gchunk - 1) / gchunk;
     int64_t nblocks = 1;  // token blocks
     if (nthreads > 1 && nchunks < 4 * nthreads) nblocks = std::min<int64_t>(npan, (4 * nthreads + nchunks - 1) / nchunks);
     const int64_t pan_per_block = (npan + nblocks - 1) / nblocks;
     const int64_t ntasks = nchunks * nblocks;
-    // column blocks: the NTMAX rows of X touched by one block stay in L1 (about 24 KiB)
-    const int64_t KB = std::max<int64_t>(64, (24 * 1024) / (NTMAX * (int64_t)sizeof(float)));
-    const int64_t nkb = K > (3 * KB) / 2 ? (K + KB - 1) / KB : 1;
     std::vector<int64_t> starts((size_t)(ng * (nkb + 1)));
     for (int64_t g = 0; g < ng; ++g) {
         const int32_t* c = cols + g * k;
         for (int64_t b = 0; b < nkb; ++b) starts[g * (nkb + 1) + b] = std::lower_bound(c, c + k, (int32_t)(b * KB)) - c;
         starts[g * (nkb + 1) + nkb] = k;
     }
-    if (perm) {
-        run_permuted<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads, gchunk, nkb, starts);
+    if (perm) {  // its panels take every column block in turn: the chunk holds whole groups (all k columns)
+        int64_t pchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, k * G * (int64_t)sizeof(float)));
+        if (nthreads > 1 && npan < 2 * nthreads) pchunk = std::min<int64_t>(pchunk, std::max<int64_t>(1, ng / (4 * nthreads)));
+        pchunk = std::max<int64_t>(1, std::min<int64_t>(pchunk, ng));
+        run_permuted<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads, pchunk, nkb, starts);
         return;
     }
+    const int64_t bw = nkb == 1 ? K : KB;                 // widest column block
+    const int64_t ldb = ((bw + 15) / 16) * 16 + 16;        // packed row stride: rows start in different L1 sets
     auto task = [&](int64_t id) {
         const int64_t ch = id / nblocks, bl = id % nblocks;
         const int64_t g0 = ch * gchunk, g1 = std::min(ng, g0 + gchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
-        for (int64_t p = p0; p < p1; ++p) {
-            const int64_t t0 = p * NTMAX;
-            const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
-            TileFn fn = tab[nt];
-            const float* xp = x + t0 * K;
-            float* yp = y + t0 * R;
-            for (int64_t b = 0; b < nkb; ++b) {
+        std::unique_ptr<float[]> xbuf;  // uninitialised; only panels of several tokens are packed
+        if (T >= (NTMAX + 1) / 2) xbuf.reset(new float[(size_t)(NTMAX * ldb)]);
+        for (int64_t b = 0; b < nkb; ++b) {
+            const int64_t kb0 = nkb == 1 ? 0 : b * KB, kb1 = nkb == 1 ? K : std::min(K, kb0 + KB);
+            for (int64_t p = p0; p < p1; ++p) {
+                const int64_t t0 = p * NTMAX;
+                const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
+                TileFn fn = tab[nt];
+                const float* xp = x + t0 * K;
+                int64_t ldx = K;
+                if (xbuf && 2 * nt >= NTMAX) {
+                    for (int t = 0; t < nt; ++t)
+                        std::memcpy(xbuf.get() + t * ldb, x + (t0 + t) * K + kb0, sizeof(float) * (kb1 - kb0));
+                    // the tiles index X by absolute column: shift the buffer's origin back by kb0 columns
+                    xp = reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(xbuf.get()) -
+                                                        (uintptr_t)kb0 * sizeof(float));
+                    ldx = ldb;
+                }
+                // prefetch the next panel's rows of this column block, spread over the group loop
+                const int64_t tn = t0 + NTMAX;
+                const int ntn = (int)std::max<int64_t>(0, std::min<int64_t>(NTMAX, T - tn));
+                const int64_t lpr = (kb1 - kb0 + 15) / 16;  // lines per row
+                const int64_t nlines = ntn * lpr, ngc = g1 - g0;
+                int64_t done = 0;
+                float* yp = y + t0 * R;
                 for (int64_t g = g0; g < g1; ++g) {
+                    const int64_t upto = nlines * (g - g0 + 1) / ngc;
+                    for (; done < upto; ++done) {
+                        const int64_t r = done / lpr, l = done % lpr;
+                        __builtin_prefetch(x + (tn + r) * K + kb0 + l * 16, 0, 2);
+                    }
                     const int nout = (int)std::min<int64_t>(G, R - g * G);
                     const int64_t s0 = starts[g * (nkb + 1) + b], s1 = starts[g * (nkb + 1) + b + 1];
-                    fn(xp, K, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
+                    fn(xp, ldx, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
                        (bias && b == 0) ? bias + g * G : nullptr, yp + g * G, R, nout, b > 0);
                 }
             }
@@ -290,9 +427,30 @@ void run(const float* x, int64_t T, int64_t K, const int32_t* cols, const float*
     if (nthreads <= 1 || ntasks == 1) {
         for (int64_t id = 0; id < ntasks; ++id) task(id);
     } else {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
         for (int64_t id = 0; id < ntasks; ++id) task(id);
     }
+}
+
+template <int G, int NTMAX>
+int dispatch(void (*fill)(TileFn*), const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
+             int64_t ng, int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
+    TileFn tab[NTMAX + 1];
+    fill(tab);
+    run<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+    return 0;
+}
+
+bool use_avx512() {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
+    if (!cpu) return false;
+    const char* off = getenv("SPARSA_NO_AVX512");  // read per call (cheap) so tests can cover both paths
+    return !(off && off[0] && !(off[0] == '0' && off[1] == 0));
+#else
+    return false;
+#endif
 }
 
 bool is_identity(const int32_t* perm, int64_t n) {
@@ -305,7 +463,10 @@ bool is_identity(const int32_t* perm, int64_t n) {
 
 extern "C" {
 
-int sparsa_row_group_version() { return 2; }
+int sparsa_row_group_version() { return 3; }
+
+// 1 when the AVX-512 tiles run on this CPU
+int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
 
 int sparsa_row_group_has_avx2() {
 #ifdef __AVX2__
@@ -322,11 +483,20 @@ int sparsa_row_group_linear_f32(const float* x, int64_t T, int64_t K, const int3
                                 int64_t ng, int64_t k, int64_t G, const float* bias, float* y, int64_t R,
                                 const int32_t* perm, int nthreads) {
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
+#ifdef SPARSA_HAVE_AVX512_PATH
+    if (use_avx512()) {
+        switch (G) {
+            case 16: return dispatch<16, 8>(TileTable512<1, 8>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+            case 32: return dispatch<32, 8>(TileTable512<2, 8>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+            default: break;
+        }
+    }
+#endif
     switch (G) {
-        case 4: run<V4, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
-        case 8: run<V8, 1, 12>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
-        case 16: run<V8, 2, 6>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
-        case 32: run<V8, 4, 3>(x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads); return 0;
+        case 4: return dispatch<4, 12>(TileTable<V4, 1, 12>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+        case 8: return dispatch<8, 12>(TileTable<V8, 1, 12>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+        case 16: return dispatch<16, 6>(TileTable<V8, 2, 6>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+        case 32: return dispatch<32, 3>(TileTable<V8, 4, 3>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
         default: return -1;
     }
 }
