@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--layout", default=None,
                     help="storage layout (default: the pattern's natural one: masked, nm or row_group)")
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
+    pr.add_argument("--only-if-faster", action="store_true",
+                    help="keep a layer's sparse layout only where it is measured faster than dense on this "
+                         "machine (at the current thread count); save the others dense (same values)")
+    pr.add_argument("--timing-tokens", type=_positive_int, default=None, metavar="N",
+                    help="input rows (tokens) to time each layer at with --only-if-faster (default 128)")
 
     i = sub.add_parser("inspect", help="per-layer layout, sparsity and bytes of a sparsa checkpoint",
                        description="Read a sparsa checkpoint (a .safetensors file or a directory written by "
@@ -131,9 +136,12 @@ def _cmd_prune(a: argparse.Namespace) -> int:
         named_pattern(a.pattern, a.sparsity)
     except ValueError as e:
         raise UsageError(f"--pattern: {e}") from None
+    if a.timing_tokens is not None and not a.only_if_faster:
+        raise UsageError("--timing-tokens only applies with --only-if-faster")
+    only_if_faster = (a.timing_tokens or True) if a.only_if_faster else False
     print(f"pruning {a.model} with {a.method} to {a.sparsity:.0%} ({a.pattern}) ...", flush=True)
     rows = prune_model_dir(a.model, a.out, method=a.method, sparsity=a.sparsity, pattern=a.pattern,
-                           layout=a.layout, calib=a.calib)
+                           layout=a.layout, calib=a.calib, only_if_faster=only_if_faster)
     print(format_report(rows))
     print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
     return 0

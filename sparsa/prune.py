@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -67,19 +67,24 @@ def _calibration(path: Path, n: int) -> Optional[Tuple[Any, List[Dict[str, torch
 
 def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: float = 0.5,
                     pattern: str = "unstructured", layout: Optional[str] = None, calib: int = 64,
-                    progress: bool = True) -> List[Dict[str, Any]]:
+                    progress: bool = True, only_if_faster: Union[bool, int] = False) -> List[Dict[str, Any]]:
     """Prune every Linear of the transformer blocks of the model in ``src`` and write ``out``.
 
-    Returns the per-layer report rows (see :func:`sparsa.sparsity_report`).
+    ``only_if_faster`` (``True`` or a token count, as in :func:`sparsa.sparsify_linears`): a pruned
+    layer whose sparse layout is not measured faster than dense on this machine is saved as a dense
+    weight (same values). Returns the per-layer report rows (see :func:`sparsa.sparsity_report`; the
+    pruned weights' rows also carry ``path`` and ``ratio_vs_dense``).
     """
     from . import Rule, save, sparsify, sparsity_report
     from .layouts.base import check_fraction, get_layout
     from .methods import sparsegpt, wanda
     from .methods.pattern import named_pattern
+    from .nn.linears import _tokens, annotate_paths, dense_where_slower
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     check_fraction(sparsity, "--sparsity")
+    tokens = _tokens(only_if_faster, "only_if_faster")
     sparsifier, default_layout = named_pattern(pattern, sparsity)
     layout = layout or default_layout
     get_layout(layout)  # clear error for an unknown layout name
@@ -103,6 +108,10 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
         else:
             sparsegpt(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b),
                       progress=progress)
+    if tokens:
+        chosen = dense_where_slower(model, tokens, names=names)
+    else:
+        chosen = {f"{n}.weight": {"path": "sparse", "ratio_vs_dense": None} for n in names}
     outp = Path(out)
     outp.mkdir(parents=True, exist_ok=True)
     shutil.copy2(srcp / "config.json", outp / "config.json")
@@ -110,4 +119,4 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
         if (srcp / f).is_file() and srcp.resolve() != outp.resolve():
             shutil.copy2(srcp / f, outp / f)
     save(model, str(outp / CHECKPOINT))
-    return sparsity_report(model)
+    return annotate_paths(sparsity_report(model), chosen)

@@ -96,3 +96,32 @@ def test_runtime_failure_is_one_line_exit_1(tmp_path):
     (bad / "config.json").write_text("{not json")
     r = _run("prune", str(bad), "-o", str(tmp_path / "o"))
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--timing-tokens", "0"], "--timing-tokens"),
+    (["--timing-tokens", "8"], "--timing-tokens only applies with --only-if-faster"),
+])
+def test_bad_only_if_faster_arguments(tiny_model_dir, tmp_path, args, needle):
+    r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *args])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("ratio, path", [(0.5, "dense"), (3.0, "sparse")])
+def test_prune_only_if_faster_follows_timing(tiny_model_dir, tmp_path, monkeypatch, capsys, ratio, path):
+    import sparsa.nn.linears as linears
+    calls = []
+    monkeypatch.setattr(linears, "speedup_vs_dense", lambda w, b, tokens: calls.append(tokens) or ratio)
+    out = tmp_path / "fast"
+    assert cli.main(["prune", str(tiny_model_dir), "-o", str(out), "--pattern", "row_group4", "--sparsity", "0.5",
+                     "--only-if-faster", "--timing-tokens", "8"]) == 0
+    text = capsys.readouterr().out
+    assert calls and set(calls) == {8}
+    assert ("sparse was 0.50x" in text) == (path == "dense")
+    from sparsa.prune import load_pruned
+    w = load_pruned(str(out)).encoder.layer[0].attention.self.query.weight
+    if path == "dense":
+        assert type(w) is torch.nn.Parameter and abs(float((w == 0).float().mean()) - 0.5) < 1e-6
+    else:
+        assert w.layout_name == "row_group" and abs(w.sparsity - 0.5) < 1e-6

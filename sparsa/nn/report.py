@@ -67,7 +67,9 @@ def _kib(n: Any) -> str:
 
 
 def format_report(rows: List[Dict[str, Any]]) -> str:
-    """A plain-text table of :func:`sparsity_report` rows with a total line (weights/buffers only)."""
+    """A plain-text table of :func:`sparsity_report` rows with a total line (weights/buffers only).
+
+    A row that ``only_if_faster`` turned dense (``path == "dense"``) shows the measured sparse speed-up."""
     head = ["name", "layout", "shape", "sparsity", "KiB", "dense KiB", "ratio"]
     body = []
     for r in rows:
@@ -75,6 +77,8 @@ def format_report(rows: List[Dict[str, Any]]) -> str:
         sp = "-" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%"
         ratio = "-" if not r["nbytes"] else f"{r['dense_nbytes'] / r['nbytes']:.2f}x"
         layout = r["layout"] + (f" (grad: {r['grad_layout']})" if r.get("grad_layout") else "")
+        if r.get("path") == "dense" and r.get("ratio_vs_dense") is not None:  # only_if_faster fell back
+            layout += f" (sparse was {r['ratio_vs_dense']:.2f}x)"
         body.append([r["name"], layout, shape, sp, _kib(r["nbytes"]), _kib(r["dense_nbytes"]), ratio])
     stored = [r for r in rows if r["target"] != "output"]
     tot, dtot = sum(r["nbytes"] for r in stored), sum(r["dense_nbytes"] for r in stored)
