@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sparsa.kernels import adaptive as K
+from sparsa.kernels import adaptive as K, loader
 
 BACKENDS = ["native", "fallback"]
 
@@ -150,3 +150,59 @@ def test_conv_bwd_stride1_matches_dense(backend, case):
     torch.testing.assert_close(dwt, rdw.permute(2, 3, 1, 0), atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
     assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+packed_cases = st.tuples(
+    st.integers(1, 3), st.integers(1, 70), st.integers(1, 9), st.integers(1, 9),  # N C H W
+    st.sampled_from([8, 24, 72, 128]), st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
+    st.integers(0, 2), st.sampled_from([1, 2]), st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
+    st.booleans(), st.booleans(), st.sampled_from([8, 128]), st.integers(0, 99))  # cl, weight cl, slice
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=packed_cases)
+def test_packed_weight_kernels_match_dense(case):
+    # the training-step path of relu_conv2d: weights packed once (any memory format), the forward
+    # from the pack, both stride-1 gradients with dY padding and the [O, C, KH, KW] layout in-kernel
+    N, C, H, W, O, (kh, kw), p, d, sp, cl, wcl, slc, seed = case
+    if H + 2 * p < d * (kh - 1) + 1 or W + 2 * p < d * (kw - 1) + 1:
+        return
+    if not loader.native_enabled():
+        pytest.skip("SPARSA_NO_NATIVE is set; the packed path is native-only")
+    assert K.native_available(), "native adaptive kernels failed to build"
+    x = _act(N, C, H, W, sp, cl, seed)
+    w = torch.randn(O, C, kh, kw, generator=torch.Generator().manual_seed(seed + 1))
+    if wcl:
+        w = w.contiguous(memory_format=torch.channels_last)
+    b = torch.randn(O)
+    geo = K.geometry(x.shape, w.shape, (1, 1), (p, p), (d, d), slc)
+    cnt, idx, val = K.compact(x, slc)
+    a = x.relu()
+    wf, wc = K.packed_weight(w)
+    assert K.packed_weight(w)[0] is wf  # cached while the weight is unchanged
+    ref = F.conv2d(a, w, b, stride=1, padding=p, dilation=d)
+    y = K.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    dyn = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
+    dy = dyn.permute(0, 2, 3, 1).contiguous()
+    rdw = torch.nn.grad.conv2d_weight(a, w.shape, dyn, stride=1, padding=p, dilation=d)
+    rdx = torch.nn.grad.conv2d_input(x.shape, w, dyn, stride=1, padding=p, dilation=d) * (x > 0)
+    for need_dx, need_dw in ((True, True), (True, False), (False, True)):
+        dx, dw = K.conv_bwd_packed(cnt, idx, val, dy, wc, geo, cl, need_dx, need_dw, w.stride())
+        if need_dx:
+            torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+            assert dx.is_contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+        else:
+            assert dx is None
+        if need_dw:
+            torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+            assert dw.stride() == w.stride()
+        else:
+            assert dw is None
+    with torch.no_grad():
+        w.mul_(2.0)  # a new version: re-packed
+    wf2, wc2 = K.packed_weight(w)
+    assert wf2 is not wf
+    torch.testing.assert_close(K.conv_fwd_packed(cnt, idx, val, wf2, None, geo, 0),
+                               F.conv2d(a, w, None, stride=1, padding=p, dilation=d).permute(0, 2, 3, 1),
+                               atol=1e-4, rtol=1e-4)

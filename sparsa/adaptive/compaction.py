@@ -30,7 +30,7 @@ from ..kernels import adaptive as _k
 __all__ = ["CompactActivation", "compact", "compact_matrix", "DEFAULT_SLICE"]
 
 #: channels per slice (the K-slice of the sparse GEMMs)
-DEFAULT_SLICE = 64
+DEFAULT_SLICE = 128
 
 
 @dataclass

@@ -49,29 +49,47 @@ class _ReluConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, geo, stats):
         cnt, idx, val = _k.compact(x.detach(), geo[15])
-        wt = weight.detach().permute(2, 3, 1, 0).contiguous()
-        y = _k.conv_fwd(cnt, idx, val, wt, None if bias is None else bias.detach(), geo, 1)
+        b = None if bias is None else bias.detach()
+        # native fast path: the weight packed once per parameter version (cached), dY padding and the
+        # weight gradient's [O, C, KH, KW] layout inside the stride-1 backward kernel
+        packed = _k.packed_supported(x, weight, bias) and geo[4] % 8 == 0
+        if packed:
+            wf, wc = _k.packed_weight(weight)
+            y = _k.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
+            wsave = wc if _k._stride1(geo) else weight.detach()
+        else:
+            wsave = weight.detach().permute(2, 3, 1, 0).contiguous()
+            y = _k.conv_fwd(cnt, idx, val, wsave, b, geo, 1)
         if stats is not None:
             stats["nnz"] = cnt
         ctx.geo = geo
         ctx.channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
             and not x.is_contiguous()
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(cnt, idx, val, wt)
+        ctx.packed = packed
+        ctx.w_stride = tuple(weight.stride())
+        ctx.save_for_backward(cnt, idx, val, wsave)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        cnt, idx, val, wt = ctx.saved_tensors
+        cnt, idx, val, w = ctx.saved_tensors
         g = gy.permute(0, 2, 3, 1).contiguous()
         dx = dw = db = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            dx, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
-            dw = dwt.permute(3, 2, 0, 1)
-        elif ctx.needs_input_grad[0]:
-            dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
-        elif ctx.needs_input_grad[1]:
-            dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.packed and _k._stride1(ctx.geo):
+            if need_dx or need_dw:
+                dx, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw,
+                                            ctx.w_stride)
+        else:
+            wt = w.permute(2, 3, 1, 0).contiguous() if ctx.packed else w
+            if need_dx and need_dw:
+                dx, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
+                dw = dwt.permute(3, 2, 0, 1)
+            elif need_dx:
+                dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
+            elif need_dw:
+                dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum((0, 1, 2))
         return dx, dw, db, None, None

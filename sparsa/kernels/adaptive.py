@@ -14,6 +14,11 @@ runs when the native library in ``csrc/adaptive_*.cpp`` cannot be built or ``SPA
 - ``sparsa::adaptive_conv_bwd``: both gradients in one call (stride-1 convolutions share one
   per-channel view of the operand, built once; see ``csrc/adaptive_bwd_s1.cpp``).
 
+The training step (``relu_conv2d``) uses three plain functions instead when the native library is
+available: :func:`packed_weight` (the weight packed once per parameter version for the forward and
+the input-gradient kernels), :func:`conv_fwd_packed` and :func:`conv_bwd_packed` (stride 1: pads dY
+and writes the weight gradient in ``[O, C, KH, KW]`` inside the kernel, per-thread scratch reused).
+
 ``geo`` is ``[N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, slice]`` (see :func:`geometry`).
 Weights travel transposed, ``Wt = W.permute(2, 3, 1, 0)`` (``[KH, KW, C, O]``).
 
@@ -32,7 +37,8 @@ Example::
 from __future__ import annotations
 
 import ctypes
-from typing import List, Optional, Sequence, Tuple
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +47,7 @@ from torch import Tensor
 from . import loader
 
 __all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "conv_bwd", "geometry", "densify", "sample_zeros",
-           "native_library", "native_available"]
+           "native_library", "native_available", "packed_weight", "conv_fwd_packed", "conv_bwd_packed"]
 
 _SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp"]
 _PAD = 8  # tail room in idx/val (vector stores)
@@ -62,6 +68,12 @@ def native_library() -> Optional[ctypes.CDLL]:
         lib.sparsa_adaptive_conv_igrad_f32.restype = ci
         lib.sparsa_adaptive_conv_bwd_s1_f32.argtypes = [vp] * 10 + [ci]
         lib.sparsa_adaptive_conv_bwd_s1_f32.restype = ci
+        lib.sparsa_adaptive_conv_fwd_packed_f32.argtypes = [vp] * 7 + [ci]
+        lib.sparsa_adaptive_conv_fwd_packed_f32.restype = ci
+        lib.sparsa_adaptive_pack_weight_f32.argtypes = [vp, vp] + [i64] * 4 + [vp, vp, ci]
+        lib.sparsa_adaptive_pack_weight_f32.restype = ci
+        lib.sparsa_adaptive_conv_bwd_s1_v2_f32.argtypes = [vp] * 10 + [ci]
+        lib.sparsa_adaptive_conv_bwd_s1_v2_f32.restype = ci
         lib.sparsa_adaptive_sample_f32.argtypes = [vp, vp, i64, i64, i64, i64, vp]
         lib.sparsa_adaptive_sample_f32.restype = None
         lib._sparsa_typed = True
@@ -353,3 +365,113 @@ def _(cnt, idx, val, dy, wt, geo, channels_last):
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     return (dy.new_empty(geo[0], geo[1], geo[2], geo[3]).contiguous(memory_format=fmt),
             dy.new_empty(geo[5], geo[6], geo[1], geo[4]))
+
+
+# ------------------------------------------------------------------------------------------ packed weights
+# The training step's native path (used by ``relu_conv2d``): the weight is packed once per parameter
+# version for both the forward and the input-gradient kernels (instead of transposed/re-packed by
+# every call), padding of dY and the weight gradient's layout happen inside the kernel. These are
+# plain functions (not custom ops): callers check :func:`packed_supported` first.
+
+# id(weight) -> (weakref to the weight, key, wf, wc); an entry goes away with its weight. (Not an
+# attribute on the Parameter: pickling a module would then carry the packs along.)
+_PACKS: Dict[int, tuple] = {}
+
+
+def packed_supported(*ts: Optional[Tensor]) -> bool:
+    """True when the packed native path can run on these tensors (float32 CPU, native library)."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in ts:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return False
+    return native_library() is not None
+
+
+def packed_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(wf, wc)``: ``weight`` ``[O, C, KH, KW]`` (any strides, ``O % 8 == 0``) packed for the forward
+    (``[O/OB, KH, KW, C, OB]``) and the input-gradient (``[C, KH, KW, O]``) kernels. Cached per tensor
+    (while it lives) and re-packed when it changes (its version counter or storage moves), i.e. once
+    per optimizer step."""
+    lib = native_library()
+    w = weight.detach()
+    key = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    wid = id(weight)
+    hit = _PACKS.get(wid)
+    if hit is not None and hit[0]() is weight and hit[1] == key:
+        return hit[2], hit[3]
+    O, C, KH, KW = w.shape
+    wf = torch.empty(O * C * KH * KW, dtype=torch.float32)
+    wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
+    ws = torch.tensor(w.stride(), dtype=torch.int64)
+    rc = lib.sparsa_adaptive_pack_weight_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW, wf.data_ptr(),
+                                             wc.data_ptr(), _nthreads())
+    if rc:
+        raise ValueError(f"packed_weight: out_channels={O} must be a multiple of 8")
+    def _drop(ref, wid=wid):
+        ent = _PACKS.get(wid)
+        if ent is not None and ent[0] is ref:
+            del _PACKS[wid]
+
+    _PACKS[wid] = (weakref.ref(weight, _drop), key, wf, wc)
+    return wf, wc
+
+
+def conv_fwd_packed(cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor],
+                    geo: List[int], out_format: int = 1) -> Tensor:
+    """:func:`conv_fwd` from the forward pack of :func:`packed_weight`."""
+    lib = native_library()
+    y = _fwd_empty(geo, out_format, torch.float32)
+    g = torch.tensor(geo, dtype=torch.int64)
+    b = None if bias is None else bias.detach().contiguous()
+    rc = lib.sparsa_adaptive_conv_fwd_packed_f32(g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
+                                                 wf.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                                                 _nthreads())
+    if rc:
+        raise ValueError(f"adaptive_conv_fwd: out_channels={geo[4]} must be a multiple of 8 for the native kernel")
+    return y
+
+
+def _dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True when ``stride`` lays ``shape`` out densely (a permutation of a contiguous layout)."""
+    if len(stride) != len(shape):
+        return False
+    expect = 1
+    for st, sz in sorted(zip(stride, shape)):
+        if sz != 1 and st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def conv_bwd_packed(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wc: Tensor, geo: List[int],
+                    channels_last: bool, need_dx: bool, need_dw: bool,
+                    dw_stride: Optional[Sequence[int]] = None) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(dx, dw)`` of a stride-1 conv: ``dx`` as :func:`conv_igrad`, ``dw`` directly in the
+    ``[O, C, KH, KW]`` layout (with the weight's strides ``dw_stride`` when given, so autograd keeps
+    it without a copy). ``dy`` is NHWC; ``wc`` the input-gradient pack of :func:`packed_weight`."""
+    N, C, H, W, O, KH, KW = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6]
+    if not _stride1(geo):
+        raise ValueError(f"conv_bwd_packed needs a stride-1 geometry, got {list(geo)}")
+    lib = native_library()
+    dx = dw = None
+    if need_dx:
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        dx = torch.empty(N, C, H, W, dtype=torch.float32, memory_format=fmt).zero_()
+    if need_dw:
+        dw = torch.empty_strided((O, C, KH, KW), tuple(dw_stride), dtype=torch.float32) \
+            if dw_stride is not None and _dense_strides((O, C, KH, KW), dw_stride) \
+            else torch.empty(O, C, KH, KW, dtype=torch.float32)
+    if dx is None and dw is None:
+        return dx, dw
+    dy = dy.contiguous()
+    g = torch.tensor(geo, dtype=torch.int64)
+    s = torch.tensor(dx.stride() if dx is not None else (0, 0, 0, 0), dtype=torch.int64)
+    ws = torch.tensor(dw.stride() if dw is not None else (0, 0, 0, 0), dtype=torch.int64)
+    rc = lib.sparsa_adaptive_conv_bwd_s1_v2_f32(
+        g.data_ptr(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), dy.data_ptr(), wc.data_ptr(),
+        None if dw is None else dw.data_ptr(), ws.data_ptr(), None if dx is None else dx.data_ptr(),
+        s.data_ptr(), _nthreads())
+    if rc:
+        raise ValueError(f"adaptive_conv_bwd: geometry {list(geo)} needs stride 1 and out_channels % 8 == 0")
+    return dx, dw

@@ -3,7 +3,7 @@
 //
 // Both gradients are driven by a per-channel ("CSC") view of the compacted activation A, built here
 // from the per-pixel operand of adaptive_compact.cpp in two O(nnz) passes. Pixels are grouped into
-// tiles of R input rows of one image; for every (tile, channel) the entries are the nonzeros of A:
+// tiles of R input rows (of all images in a row); for every (tile, channel) the entries are the nonzeros of A:
 // (padded-dY pixel index of the input pixel, element offset of the pixel in dA, value).
 //
 // dY arrives zero-padded (NHWC, [N, Hp, Wp, O], the real rows/columns at [pt, pt+Ho) x [pl, pl+Wo)),
@@ -15,6 +15,11 @@
 //   input   dA[q,c]        = sum_{kh,kw} dY[q shifted, :] . Wt[kh,kw,c,:], only for the nonzeros
 //           per (tile, c): E entries at a time, each Wt vector load is reused E times.
 //
+// The training-step entry (sparsa_adaptive_conv_bwd_s1_v2_f32) pads dY itself into per-thread
+// scratch, the weight gradient reading an output-block-major copy [O/OB][N*Hp*Wp][OB] (contiguous
+// per block: L1-friendly), takes the weights packed once per step ([C][KH][KW][O]) and writes the
+// weight gradient straight into nn.Conv2d's [O, C, KH, KW] layout (blocked AVX2 transpose).
+//
 // Geometry g[]: N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS (sh = sw = 1 here).
 // pads[]: pt, pl, Hp, Wp.
 #include <algorithm>
@@ -23,6 +28,8 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <vector>
+
+#include "adaptive_transpose.h"
 
 namespace {
 
@@ -35,7 +42,8 @@ struct Csc {
 };
 
 // Rows per tile (rows of all images in a row, n*H + h): about 256 input pixels, so the dY rows a
-// tile reads stay in L2 and each (tile, channel) column is long enough to amortise its dWt update.
+// tile reads stay in L2 and each (tile, channel) column is long enough to amortise its dWt update
+// (measured: 128 is ~5% faster for the weight gradient but 5-25% slower for the input gradient).
 inline int64_t tile_rows(int64_t H, int64_t W) {
     (void)H;
     return std::max<int64_t>(1, (256 + W - 1) / W);
@@ -96,33 +104,83 @@ void build_csc(const int64_t* g, const int32_t* cnt, const int32_t* idx, const f
 }
 
 // ---------------------------------------------------------------- weight gradient
+// Up to three groups of up to 4 accumulator vectors: group g reads dy at p + lo_g and adds into
+// dst + so_g. Accumulators are named (not arrays): with arrays of vectors GCC keeps them in registers
+// but also re-stores all of them to the stack on every iteration, which halved the kernel's speed.
+#define SPARSA_WG_FMA(R, P) R = _mm256_fmadd_ps(a, _mm256_loadu_ps(P), R)
+#define SPARSA_WG_OUT(R, D) _mm256_storeu_ps(D, first ? R : _mm256_add_ps(R, _mm256_loadu_ps(D)))
+template <int NA, int NB, int NC>
+inline void wg_col3(const float* dy, int64_t O, const int32_t* pos, const float* v, int64_t len, int64_t sh0,
+                    int64_t lo1, int64_t lo2, float* dst, int64_t so1, int64_t so2, bool first) {
+    static_assert(NA >= 1 && NA <= 4 && NB >= 0 && NB <= 4 && NC >= 0 && NC <= 4, "wg_col3: 1..4 vectors");
+    __m256 r00 = _mm256_setzero_ps(), r01 = r00, r02 = r00, r03 = r00, r10 = r00, r11 = r00, r12 = r00,
+           r13 = r00, r20 = r00, r21 = r00, r22 = r00, r23 = r00;
+    // three base pointers per entry, constant displacements (with the offsets folded into index
+    // registers GCC runs out of registers and reloads them from the stack every iteration)
+    const float* d0 = dy + sh0 * O;
+    const float* d1 = d0 + lo1;
+    const float* d2 = d0 + lo2;
+    for (int64_t e = 0; e < len; ++e) {
+        const __m256 a = _mm256_broadcast_ss(v + e);
+        const int64_t off = (int64_t)pos[e] * O;
+        const float* p = d0 + off;
+        SPARSA_WG_FMA(r00, p);
+        if (NA > 1) SPARSA_WG_FMA(r01, p + 8);
+        if (NA > 2) SPARSA_WG_FMA(r02, p + 16);
+        if (NA > 3) SPARSA_WG_FMA(r03, p + 24);
+        if (NB > 0) {
+            const float* p1 = d1 + off;
+            SPARSA_WG_FMA(r10, p1);
+            if (NB > 1) SPARSA_WG_FMA(r11, p1 + 8);
+            if (NB > 2) SPARSA_WG_FMA(r12, p1 + 16);
+            if (NB > 3) SPARSA_WG_FMA(r13, p1 + 24);
+        }
+        if (NC > 0) {
+            const float* p2 = d2 + off;
+            SPARSA_WG_FMA(r20, p2);
+            if (NC > 1) SPARSA_WG_FMA(r21, p2 + 8);
+            if (NC > 2) SPARSA_WG_FMA(r22, p2 + 16);
+            if (NC > 3) SPARSA_WG_FMA(r23, p2 + 24);
+        }
+    }
+    SPARSA_WG_OUT(r00, dst);
+    if (NA > 1) SPARSA_WG_OUT(r01, dst + 8);
+    if (NA > 2) SPARSA_WG_OUT(r02, dst + 16);
+    if (NA > 3) SPARSA_WG_OUT(r03, dst + 24);
+    if (NB > 0) SPARSA_WG_OUT(r10, dst + so1);
+    if (NB > 1) SPARSA_WG_OUT(r11, dst + so1 + 8);
+    if (NB > 2) SPARSA_WG_OUT(r12, dst + so1 + 16);
+    if (NB > 3) SPARSA_WG_OUT(r13, dst + so1 + 24);
+    if (NC > 0) SPARSA_WG_OUT(r20, dst + so2);
+    if (NC > 1) SPARSA_WG_OUT(r21, dst + so2 + 8);
+    if (NC > 2) SPARSA_WG_OUT(r22, dst + so2 + 16);
+    if (NC > 3) SPARSA_WG_OUT(r23, dst + so2 + 24);
+}
+#undef SPARSA_WG_FMA
+#undef SPARSA_WG_OUT
+
 // acc[k][v] = sum_e v[e] * dy[(pos[e] + sh0 + k*kws) * O + 8v]; then dst[k*dks + 8v] (+)= acc.
+// KWG = 3 (three kernel columns at once, NV <= 4) or 1 (NV <= 8).
 template <int NV, int KWG>
 inline void wg_col(const float* dy, int64_t O, const int32_t* pos, const float* v, int64_t len,
                    int64_t sh0, int64_t kws, float* dst, int64_t dks, bool first) {
-    __m256 acc[KWG][NV];
-    for (int k = 0; k < KWG; ++k)
-        for (int u = 0; u < NV; ++u) acc[k][u] = _mm256_setzero_ps();
-    for (int64_t e = 0; e < len; ++e) {
-        const __m256 a = _mm256_broadcast_ss(v + e);
-        const float* p = dy + (pos[e] + sh0) * O;
-        for (int k = 0; k < KWG; ++k)
-            for (int u = 0; u < NV; ++u)
-                acc[k][u] = _mm256_fmadd_ps(a, _mm256_loadu_ps(p + k * kws * O + 8 * u), acc[k][u]);
+    if constexpr (KWG == 3) {
+        static_assert(NV <= 4, "wg_col: NV <= 4 with three kernel columns");
+        wg_col3<NV, NV, NV>(dy, O, pos, v, len, sh0, kws * O, 2 * kws * O, dst, dks, 2 * dks, first);
+    } else {
+        static_assert(KWG == 1 && NV <= 8, "wg_col: KWG is 1 or 3");
+        constexpr int NA = NV < 4 ? NV : 4, NB = NV - NA;
+        wg_col3<NA, NB, 0>(dy, O, pos, v, len, sh0, 32, 0, dst, 32, 0, first);
     }
-    for (int k = 0; k < KWG; ++k)
-        for (int u = 0; u < NV; ++u) {
-            float* d = dst + k * dks + 8 * u;
-            _mm256_storeu_ps(d, first ? acc[k][u] : _mm256_add_ps(acc[k][u], _mm256_loadu_ps(d)));
-        }
 }
 
+// dyo: the dY columns of output block ob (row stride ldy: O in the plain padded layout, the block
+// width in the blocked one).
 template <int NV, int KWG>
-void wg_range(const int64_t* g, const Csc& cs, const float* dy, float* dwt, int64_t c0, int64_t c1,
-              int64_t ob, const int64_t* pads) {
+void wg_range(const int64_t* g, const Csc& cs, const float* dyo, int64_t ldy, float* dwt, int64_t c0,
+              int64_t c1, int64_t ob, const int64_t* pads) {
     const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6], dh = g[13], dw = g[14];
     const int64_t Wp = pads[3];
-    const float* dyo = dy + ob;
     for (int64_t t = 0; t < cs.T; ++t) {
         const bool first = t == 0;
         for (int64_t kh = 0; kh < KH; ++kh)
@@ -131,7 +189,7 @@ void wg_range(const int64_t* g, const Csc& cs, const float* dy, float* dwt, int6
                     const int64_t b = cs.start[t * C + c], len = cs.start[t * C + c + 1] - b;
                     if (!len && !first) continue;
                     float* dst = dwt + ((kh * KW + kw0) * C + c) * O + ob;
-                    wg_col<NV, KWG>(dyo, O, cs.pos.data() + b, cs.val.data() + b, len,
+                    wg_col<NV, KWG>(dyo, ldy, cs.pos.data() + b, cs.val.data() + b, len,
                                     -(kh * dh * Wp + kw0 * dw), -dw, dst, C * O, first);
                 }
     }
@@ -166,11 +224,12 @@ inline void ig_group(const float* dy, const float* wtc, int64_t O, int64_t KH, i
     for (int e = 0; e < E; ++e) da[dofs[e] + cstride] = hsum(acc[e]);
 }
 
+// Channels [c0, c1) of tile t.
 void ig_tile(const int64_t* g, const Csc& cs, const float* dy, const float* wt, float* da,
-             const int64_t* das, int64_t t, const int64_t* pads) {
+             const int64_t* das, int64_t t, int64_t c0, int64_t c1, const int64_t* pads) {
     const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6], dh = g[13], dw = g[14];
     const int64_t Wp = pads[3];
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = cs.start[t * C + c], end = cs.start[t * C + c + 1];
         const float* wtc = wt + c * KH * KW * O;
         const int64_t cst = c * das[1];
@@ -183,6 +242,88 @@ void ig_tile(const int64_t* g, const Csc& cs, const float* dy, const float* wt, 
         }
         for (; e < end; ++e)
             ig_group<1>(dy, wtc, O, KH, KW, C, dh, dw, Wp, cs.pos.data() + e, cs.dofs.data() + e, cst, da);
+    }
+}
+
+// Grow-only per-calling-thread scratch: re-used across calls, so the large temporaries (padded dY,
+// the per-channel view, the packed weights, dWt) do not page-fault on every training step.
+struct Scratch {
+    Csc cs;
+    std::vector<float> dyp, dyb, wc, dwt;
+};
+
+Scratch& scratch() {
+    thread_local Scratch s;
+    return s;
+}
+
+template <class T>
+T* grow(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
+inline int64_t wg_block(int64_t KW) { return KW % 3 == 0 ? 32 : 64; }
+
+// wc: packed weights [C][KH][KW][O] (needed when da is set). dyb (may be null): the padded dY in the
+// output-block-major layout [O / OB][N*Hp*Wp][OB] (OB = wg_block(KW), the last block may be
+// narrower) for the weight gradient: a block's rows are contiguous, so a tile of them stays in L1
+// (in the plain layout the OB-wide row pieces sit O*4 bytes apart and crowd a few L1 sets).
+void bwd_core(const int64_t* g, const int32_t* cnt, const int32_t* idx, const float* val, const float* dyp,
+              const float* dyb, const int64_t* pads, const float* wc, float* dwt, float* da, const int64_t* das,
+              int nthreads, Csc& cs) {
+    const int64_t NP = g[0] * pads[2] * pads[3];
+    const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6];
+    build_csc(g, cnt, idx, val, pads, da ? das : nullptr, nthreads, cs);
+    if (dwt) {
+        if (cs.T == 0) {
+            std::memset(dwt, 0, sizeof(float) * KH * KW * C * O);
+        } else {
+            // tasks: (channel chunk, output-channel block); each owns its slice of dWt
+            const bool k3 = KW % 3 == 0;
+            const int64_t OB = wg_block(KW);
+            const int64_t nob = (O + OB - 1) / OB;
+            const int64_t CC = std::max<int64_t>(1, std::min<int64_t>(16, C / (4 * nthreads)));
+            const int64_t ncc = (C + CC - 1) / CC;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+            for (int64_t task = 0; task < ncc * nob; ++task) {
+                const int64_t ci = task / nob, ob = (task % nob) * OB;
+                const int64_t c0 = ci * CC, c1 = std::min(C, c0 + CC);
+                const int64_t nv = std::min(OB, O - ob) / 8;
+                const float* dyo = dyb ? dyb + ob * NP : dyp + ob;
+                const int64_t ldy = dyb ? nv * 8 : O;
+                if (k3) {
+                    switch (nv) {
+                        case 4: wg_range<4, 3>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 3: wg_range<3, 3>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 2: wg_range<2, 3>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        default: wg_range<1, 3>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                    }
+                } else {
+                    switch (nv) {
+                        case 8: wg_range<8, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 7: wg_range<7, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 6: wg_range<6, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 5: wg_range<5, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 4: wg_range<4, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 3: wg_range<3, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        case 2: wg_range<2, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                        default: wg_range<1, 1>(g, cs, dyo, ldy, dwt, c0, c1, ob, pads); break;
+                    }
+                }
+            }
+        }
+    }
+    if (da) {
+        // tasks: (tile, chunk of channels), so that layers with few tiles (small images) use every
+        // thread; each task writes its own (pixel, channel) entries of dA
+        const int64_t CC = std::max<int64_t>(1, std::min<int64_t>(32, C * cs.T / (8 * nthreads)));
+        const int64_t ncc = (C + CC - 1) / CC;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t task = 0; task < cs.T * ncc; ++task) {
+            const int64_t t = task / ncc, c0 = (task % ncc) * CC;
+            ig_tile(g, cs, dyp, wc, da, das, t, c0, std::min(C, c0 + CC), pads);
+        }
     }
 }
 
@@ -199,56 +340,115 @@ int sparsa_adaptive_conv_bwd_s1_f32(const int64_t* g, const int32_t* cnt, const 
                                     int nthreads) {
     const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6];
     if (O % 8 || g[9] != 1 || g[10] != 1) return 1;
-    Csc cs;
-    build_csc(g, cnt, idx, val, pads, da ? das : nullptr, nthreads, cs);
-    if (dwt) {
-        if (cs.T == 0) {
-            std::memset(dwt, 0, sizeof(float) * KH * KW * C * O);
-        } else {
-            // tasks: (channel chunk, output-channel block); each owns its slice of dWt
-            const bool k3 = KW % 3 == 0;
-            const int64_t OB = k3 ? 32 : 64;
-            const int64_t nob = (O + OB - 1) / OB;
-            const int64_t CC = std::max<int64_t>(1, std::min<int64_t>(16, C / (4 * nthreads)));
-            const int64_t ncc = (C + CC - 1) / CC;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-            for (int64_t task = 0; task < ncc * nob; ++task) {
-                const int64_t ci = task / nob, ob = (task % nob) * OB;
-                const int64_t c0 = ci * CC, c1 = std::min(C, c0 + CC);
-                const int64_t nv = std::min(OB, O - ob) / 8;
-                if (k3) {
-                    switch (nv) {
-                        case 4: wg_range<4, 3>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 3: wg_range<3, 3>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 2: wg_range<2, 3>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        default: wg_range<1, 3>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                    }
-                } else {
-                    switch (nv) {
-                        case 8: wg_range<8, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 7: wg_range<7, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 6: wg_range<6, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 5: wg_range<5, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 4: wg_range<4, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 3: wg_range<3, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        case 2: wg_range<2, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                        default: wg_range<1, 1>(g, cs, dyp, dwt, c0, c1, ob, pads); break;
-                    }
-                }
-            }
-        }
-    }
+    Scratch& sc = scratch();
+    float* wc = nullptr;
     if (da) {
         // Wt repacked [C][KH][KW][O]: the rows of one channel are contiguous (in the [KH, KW, C, O]
         // layout they sit C*O*4 bytes apart and collide in the same L1 sets)
         const int64_t K2 = KH * KW;
-        std::vector<float> wc((size_t)C * K2 * O);
+        wc = grow(sc.wc, (size_t)C * K2 * O);
 #pragma omp parallel for num_threads(nthreads)
         for (int64_t c = 0; c < C; ++c)
             for (int64_t k = 0; k < K2; ++k)
-                std::memcpy(wc.data() + (c * K2 + k) * O, wt + (k * C + c) * O, sizeof(float) * O);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t t = 0; t < cs.T; ++t) ig_tile(g, cs, dyp, wc.data(), da, das, t, pads);
+                std::memcpy(wc + (c * K2 + k) * O, wt + (k * C + c) * O, sizeof(float) * O);
+    }
+    bwd_core(g, cnt, idx, val, dyp, nullptr, pads, wc, dwt, da, das, nthreads, sc.cs);
+    return 0;
+}
+
+// The training-step entry: dy is the plain NHWC output gradient [N, Ho, Wo, O] (padded here, into
+// scratch), wc the weights packed by sparsa_adaptive_pack_weight_f32 ([C][KH][KW][O]; needed when da
+// is set), dw (may be null) receives the weight gradient directly in nn.Conv2d's [O, C, KH, KW]
+// layout with element strides dws, da (may be null) as in sparsa_adaptive_conv_bwd_s1_f32.
+int sparsa_adaptive_conv_bwd_s1_v2_f32(const int64_t* g, const int32_t* cnt, const int32_t* idx,
+                                       const float* val, const float* dy, const float* wc, float* dw,
+                                       const int64_t* dws, float* da, const int64_t* das, int nthreads) {
+    const int64_t N = g[0], C = g[1], H = g[2], W = g[3], O = g[4], KH = g[5], KW = g[6], Ho = g[7],
+                  Wo = g[8], ph = g[11], pw = g[12], dh = g[13], dwl = g[14];
+    if (O % 8 || g[9] != 1 || g[10] != 1) return 1;
+    Scratch& sc = scratch();
+    const int64_t pt = std::max<int64_t>(0, (KH - 1) * dh - ph), pl = std::max<int64_t>(0, (KW - 1) * dwl - pw);
+    const int64_t Hp = pt + std::max(Ho, H + ph), Wp = pl + std::max(Wo, W + pw);
+    const int64_t pads[4] = {pt, pl, Hp, Wp};
+    const int64_t NP = N * Hp * Wp;
+    float* dyp = nullptr;
+    if (da) {
+        dyp = grow(sc.dyp, (size_t)NP * O);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t r = 0; r < N * Hp; ++r) {
+            const int64_t n = r / Hp, h = r % Hp - pt;
+            float* dst = dyp + r * Wp * O;
+            if (h < 0 || h >= Ho) {
+                std::memset(dst, 0, sizeof(float) * Wp * O);
+                continue;
+            }
+            std::memset(dst, 0, sizeof(float) * pl * O);
+            std::memcpy(dst + pl * O, dy + (n * Ho + h) * Wo * O, sizeof(float) * Wo * O);
+            std::memset(dst + (pl + Wo) * O, 0, sizeof(float) * (Wp - pl - Wo) * O);
+        }
+    }
+    float* dyb = nullptr;
+    if (dw) {
+        const int64_t OB = wg_block(KW), nob = (O + OB - 1) / OB;
+        dyb = grow(sc.dyb, (size_t)NP * O);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t t = 0; t < nob * N * Hp; ++t) {
+            const int64_t b = t / (N * Hp), r = t % (N * Hp), n = r / Hp, h = r % Hp - pt;
+            const int64_t ob = b * OB, wdt = std::min(OB, O - ob);
+            float* dst = dyb + ob * NP + r * Wp * wdt;
+            if (h < 0 || h >= Ho) {
+                std::memset(dst, 0, sizeof(float) * Wp * wdt);
+                continue;
+            }
+            std::memset(dst, 0, sizeof(float) * pl * wdt);
+            const float* src = dy + (n * Ho + h) * Wo * O + ob;
+            for (int64_t w = 0; w < Wo; ++w)
+                std::memcpy(dst + (pl + w) * wdt, src + w * O, sizeof(float) * wdt);
+            std::memset(dst + (pl + Wo) * wdt, 0, sizeof(float) * (Wp - pl - Wo) * wdt);
+        }
+    }
+    const int64_t K2 = KH * KW;
+    float* dwt = dw ? grow(sc.dwt, (size_t)K2 * C * O) : nullptr;
+    bwd_core(g, cnt, idx, val, dyp, dyb, pads, wc, dwt, da, das, nthreads, sc.cs);
+    if (dw) {
+        const bool oihw = dws[0] == C * K2 && dws[1] == K2 && dws[2] == KW && dws[3] == 1;
+        const bool ohwi = dws[0] == C * K2 && dws[1] == 1 && dws[2] == KW * C && dws[3] == C;
+        if (ohwi) {
+            sparsa_adaptive::transpose(dwt, K2 * C, O, dw, nthreads);
+            return 0;
+        }
+        if (oihw) {
+            float* a2 = grow(sc.wc, (size_t)K2 * C * O);  // rows reordered (kh, kw, c) -> (c, kh, kw)
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+            for (int64_t c = 0; c < C; ++c)
+                for (int64_t k = 0; k < K2; ++k)
+                    std::memcpy(a2 + (c * K2 + k) * O, dwt + (k * C + c) * O, sizeof(float) * O);
+            sparsa_adaptive::transpose(a2, C * K2, O, dw, nthreads);
+            return 0;
+        }
+        // blocked transpose [KH, KW, C, O] -> [O, C, KH, KW] (16 x 16 channel blocks via a buffer)
+        const int64_t BO = 16, BC = 16, nbo = (O + BO - 1) / BO, nbc = (C + BC - 1) / BC;
+#pragma omp parallel num_threads(nthreads)
+        {
+            std::vector<float> tmp((size_t)BO * BC * K2);
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < nbo * nbc; ++t) {
+                const int64_t o0 = (t / nbc) * BO, o1 = std::min(O, o0 + BO);
+                const int64_t c0 = (t % nbc) * BC, c1 = std::min(C, c0 + BC);
+                for (int64_t c = c0; c < c1; ++c)
+                    for (int64_t k = 0; k < K2; ++k) {
+                        const float* src = dwt + (k * C + c) * O;
+                        for (int64_t o = o0; o < o1; ++o) tmp[((o - o0) * BC + (c - c0)) * K2 + k] = src[o];
+                    }
+                for (int64_t o = o0; o < o1; ++o)
+                    for (int64_t c = c0; c < c1; ++c) {
+                        float* d = dw + o * dws[0] + c * dws[1];
+                        const float* sp = tmp.data() + ((o - o0) * BC + (c - c0)) * K2;
+                        for (int64_t kh = 0; kh < KH; ++kh)
+                            for (int64_t kw = 0; kw < KW; ++kw) d[kh * dws[2] + kw * dws[3]] = sp[kh * KW + kw];
+                    }
+            }
+        }
     }
     return 0;
 }

@@ -13,6 +13,9 @@
 #include <cstring>
 #include <immintrin.h>
 #include <omp.h>
+#include <vector>
+
+#include "adaptive_transpose.h"
 
 namespace {
 
@@ -31,7 +34,45 @@ struct PermTable {
 };
 const PermTable kPerm;
 
-alignas(32) const int32_t kLaneIdx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+// One row of W pixels whose channels are contiguous (pixel w at xr + w * sw): AVX2 left-pack of
+// 8 channels at a time. Returns the row's nonzero count.
+int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_t CS, int64_t S, int64_t q0,
+                       int32_t* cnt, int32_t* idx, float* val) {
+    const __m256 zero = _mm256_setzero_ps();
+    int64_t local = 0;
+    for (int64_t w = 0; w < W; ++w) {
+        const float* xp = xr + w * sw;
+        const int64_t q = q0 + w;
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t c0 = s * CS, c1 = (c0 + CS < C) ? c0 + CS : C;
+            int32_t* ip = idx + q * C + c0;
+            float* vp = val + q * C + c0;
+            int32_t k = 0;
+            int64_t c = c0;
+            for (; c + 8 <= c1; c += 8) {
+                __m256 v = _mm256_loadu_ps(xp + c);
+                int m = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ));
+                if (!m) continue;
+                __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPerm.perm[m]));
+                int pc = kPerm.pop[m];
+                // full (unmasked) stores: k <= c - c0 and c + 8 <= c1, so the 8 lanes stay inside
+                // this slice; lanes past the count are overwritten later or ignored (masked stores
+                // are microcoded and slow on some CPUs)
+                _mm256_storeu_ps(vp + k, _mm256_permutevar8x32_ps(v, p));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(ip + k),
+                                    _mm256_add_epi32(p, _mm256_set1_epi32((int32_t)c)));
+                k += pc;
+            }
+            for (; c < c1; ++c) {
+                float v = xp[c];
+                if (v > 0.f) { ip[k] = (int32_t)c; vp[k] = v; ++k; }
+            }
+            cnt[q * S + s] = k;
+            local += k;
+        }
+    }
+    return local;
+}
 
 }  // namespace
 
@@ -43,65 +84,51 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
     const int64_t S = (C + CS - 1) / CS;
     const int64_t rows = N * H;
     int64_t total = 0;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(nthreads) reduction(+ : total)
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t n = r / H, h = r % H;
-        const float* xr = x + n * sn + h * sh;
-        const int64_t q0 = r * W;
-        int64_t local = 0;
-        if (sc == 1) {
-            // channels contiguous: AVX2 left-pack of 8 channels at a time
-            const __m256 zero = _mm256_setzero_ps();
-            const __m256i lane = _mm256_load_si256(reinterpret_cast<const __m256i*>(kLaneIdx));
-            for (int64_t w = 0; w < W; ++w) {
-                const float* xp = xr + w * sw;
-                const int64_t q = q0 + w;
-                for (int64_t s = 0; s < S; ++s) {
-                    const int64_t c0 = s * CS, c1 = (c0 + CS < C) ? c0 + CS : C;
-                    int32_t* ip = idx + q * C + c0;
-                    float* vp = val + q * C + c0;
-                    int32_t k = 0;
-                    int64_t c = c0;
-                    for (; c + 8 <= c1; c += 8) {
-                        __m256 v = _mm256_loadu_ps(xp + c);
-                        int m = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ));
-                        if (!m) continue;
-                        __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPerm.perm[m]));
-                        int pc = kPerm.pop[m];
-                        __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(pc), lane);
-                        _mm256_maskstore_ps(vp + k, keep, _mm256_permutevar8x32_ps(v, p));
-                        _mm256_maskstore_epi32(ip + k, keep,
-                                               _mm256_add_epi32(p, _mm256_set1_epi32((int32_t)c)));
-                        k += pc;
-                    }
-                    for (; c < c1; ++c) {
-                        float v = xp[c];
-                        if (v > 0.f) { ip[k] = (int32_t)c; vp[k] = v; ++k; }
-                    }
-                    cnt[q * S + s] = k;
-                    local += k;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        std::vector<float> buf;  // NCHW rows: the row transposed to [W][C] (8x8 AVX2 tiles)
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t n = r / H, h = r % H;
+            const float* xr = x + n * sn + h * sh;
+            const int64_t q0 = r * W;
+            if (sc == 1) {
+                total += compact_row_cl(xr, sw, W, C, CS, S, q0, cnt, idx, val);
+            } else if (sw == 1) {
+                if ((int64_t)buf.size() < W * C) buf.resize(W * C);
+                float* t = buf.data();
+                int64_t c = 0;
+                for (; c + 8 <= C; c += 8) {
+                    int64_t w = 0;
+                    for (; w + 8 <= W; w += 8) sparsa_adaptive::tr8x8(xr + c * sc + w, sc, t + w * C + c, C);
+                    for (; w < W; ++w)
+                        for (int64_t i = 0; i < 8; ++i) t[w * C + c + i] = xr[(c + i) * sc + w];
                 }
-            }
-        } else {
-            // channel-strided (NCHW): sweep channels outer, pixels of the row inner
-            for (int64_t w = 0; w < W; ++w)
-                for (int64_t s = 0; s < S; ++s) cnt[(q0 + w) * S + s] = 0;
-            for (int64_t c = 0; c < C; ++c) {
-                const int64_t s = c / CS;
-                const float* xc = xr + c * sc;
-                for (int64_t w = 0; w < W; ++w) {
-                    float v = xc[w * sw];
-                    if (v > 0.f) {
-                        const int64_t q = q0 + w;
-                        int32_t k = cnt[q * S + s]++;
-                        idx[q * C + s * CS + k] = (int32_t)c;
-                        val[q * C + s * CS + k] = v;
-                        ++local;
+                for (; c < C; ++c)
+                    for (int64_t w = 0; w < W; ++w) t[w * C + c] = xr[c * sc + w];
+                total += compact_row_cl(t, C, W, C, CS, S, q0, cnt, idx, val);
+            } else {
+                // general strides: channels outer, pixels of the row inner
+                int64_t local = 0;
+                for (int64_t w = 0; w < W; ++w)
+                    for (int64_t s = 0; s < S; ++s) cnt[(q0 + w) * S + s] = 0;
+                for (int64_t c = 0; c < C; ++c) {
+                    const int64_t s = c / CS;
+                    const float* xc = xr + c * sc;
+                    for (int64_t w = 0; w < W; ++w) {
+                        float v = xc[w * sw];
+                        if (v > 0.f) {
+                            const int64_t q = q0 + w;
+                            int32_t k = cnt[q * S + s]++;
+                            idx[q * C + s * CS + k] = (int32_t)c;
+                            val[q * C + s * CS + k] = v;
+                            ++local;
+                        }
                     }
                 }
+                total += local;
             }
         }
-        total += local;
     }
     return total;
 }

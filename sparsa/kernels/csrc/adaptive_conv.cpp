@@ -18,6 +18,8 @@
 #include <omp.h>
 #include <vector>
 
+#include "adaptive_transpose.h"
+
 namespace {
 
 struct Geo {
@@ -213,37 +215,107 @@ inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, (32 + 
 
 extern "C" {
 
+// Forward from weights already packed by sparsa_adaptive_pack_weight_f32 (layout
+// [O / OB][KH][KW][C][OB], OB = pick_ob(O); for a single block this is Wt itself).
+int sparsa_adaptive_conv_fwd_packed_f32(const int64_t* g, const int32_t* cnt, const int32_t* idx,
+                                        const float* val, const float* wp, const float* bias, float* y,
+                                        int nthreads) {
+    const Geo G(g);
+    if (G.O % 8) return 1;
+    const int64_t OB = pick_ob(G.O), nob = (G.O + OB - 1) / OB;
+    const int64_t R = rows_per_task(G.Wo), nrb = (G.Ho + R - 1) / R;
+    const int64_t ntask = G.N * nrb * nob;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t t = 0; t < ntask; ++t) {
+        const int64_t obi = t % nob, rb = (t / nob) % nrb, n = t / (nob * nrb);
+        const int64_t ob = obi * OB, nv = OB / 8;
+        const int64_t r0 = rb * R, r1 = std::min(r0 + R, G.Ho);
+        const float* wb = wp + obi * G.KH * G.KW * G.C * OB;
+        SPARSA_NV_SWITCH(nv, (fwd_task<NV>(G, cnt, idx, val, wb, OB, bias, y, n, r0, r1, ob)))
+    }
+    return 0;
+}
+
+// Packs W [O, C, KH, KW] (contiguous, as nn.Conv2d stores it) once for all three kernels:
+//   wf (may be null): forward layout [O / OB][KH][KW][C][OB], OB = pick_ob(O). Each (block, offset)
+//       panel is contiguous, so it stays in L1 without cache-set conflicts.
+//   wc (may be null): input-gradient layout [C][KH][KW][O] (the rows of one channel contiguous).
+// ws: the element strides of W (any memory format).
+int sparsa_adaptive_pack_weight_f32(const float* w, const int64_t* ws, int64_t O, int64_t C, int64_t KH,
+                                    int64_t KW, float* wf, float* wc, int nthreads) {
+    if (O % 8) return 1;
+    const int64_t K2 = KH * KW, OB = pick_ob(O), nob = O / OB;
+    const bool oihw = ws[0] == C * K2 && ws[1] == K2 && ws[2] == KW && ws[3] == 1;
+    const bool ohwi = ws[0] == C * K2 && ws[1] == 1 && ws[2] == KW * C && ws[3] == C;
+    if (wc && wf && (oihw || ohwi)) {
+        // W is a row-major [O, C*K2] (or [O, K2*C]) matrix: one vectorised transpose, then row copies
+        std::vector<float> tmp;
+        float* T = oihw ? wc : (nob == 1 ? wf : (tmp.resize((size_t)O * C * K2), tmp.data()));
+        sparsa_adaptive::transpose(w, O, C * K2, T, nthreads);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t c = 0; c < C; ++c)
+            for (int64_t k = 0; k < K2; ++k) {
+                const float* row = T + (oihw ? c * K2 + k : k * C + c) * O;
+                if (!oihw) std::memcpy(wc + (c * K2 + k) * O, row, sizeof(float) * O);
+                if (oihw || nob > 1)
+                    for (int64_t b = 0; b < nob; ++b)
+                        std::memcpy(wf + ((b * K2 + k) * C + c) * OB, row + b * OB, sizeof(float) * OB);
+            }
+        return 0;
+    }
+    // Blocks of 16 output x 16 input channels through a small contiguous buffer: the destination rows
+    // sit O*4 (wc) or OB*4 (wf) bytes apart, so writing them column-wise would thrash a few L1 sets.
+    const int64_t BO = 16, BC = 16, nbo = (O + BO - 1) / BO, nbc = (C + BC - 1) / BC;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> tmp((size_t)BO * BC * K2);
+        int64_t fo[BO];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < nbo * nbc; ++t) {
+            const int64_t o0 = (t / nbc) * BO, o1 = std::min(O, o0 + BO), no = o1 - o0;
+            const int64_t c0 = (t % nbc) * BC, c1 = std::min(C, c0 + BC);
+            for (int64_t o = o0; o < o1; ++o) {
+                const int64_t bb = o / OB;
+                fo[o - o0] = bb * K2 * C * OB + (o - bb * OB);
+                for (int64_t c = c0; c < c1; ++c) {
+                    const float* src = w + o * ws[0] + c * ws[1];
+                    float* d = tmp.data() + ((o - o0) * BC + (c - c0)) * K2;
+                    for (int64_t kh = 0; kh < KH; ++kh)
+                        for (int64_t kw = 0; kw < KW; ++kw) d[kh * KW + kw] = src[kh * ws[2] + kw * ws[3]];
+                }
+            }
+            for (int64_t c = c0; c < c1; ++c)
+                for (int64_t k = 0; k < K2; ++k) {
+                    const float* sp = tmp.data() + (c - c0) * K2 + k;
+                    if (wc) {
+                        float* d = wc + (c * K2 + k) * O + o0;
+                        for (int64_t i = 0; i < no; ++i) d[i] = sp[i * BC * K2];
+                    }
+                    if (wf) {
+                        float* d = wf + (k * C + c) * OB;
+                        for (int64_t i = 0; i < no; ++i) d[fo[i]] = sp[i * BC * K2];
+                    }
+                }
+        }
+    }
+    return 0;
+}
+
 int sparsa_adaptive_conv_fwd_f32(const int64_t* g, const int32_t* cnt, const int32_t* idx,
                                  const float* val, const float* wt, const float* bias, float* y,
                                  int nthreads) {
     const Geo G(g);
     if (G.O % 8) return 1;
     const int64_t OB = pick_ob(G.O), nob = (G.O + OB - 1) / OB;
-    const int64_t R = rows_per_task(G.Wo), nrb = (G.Ho + R - 1) / R;
-    const int64_t ntask = G.N * nrb * nob;
-    // Weight blocks packed [ob block][KH][KW][C][OB]: a (slice, offset) block is contiguous, so it
-    // stays in L1 without cache-set conflicts (rows of the unpacked Wt sit O*4 bytes apart).
-    std::vector<float> pack;
-    const float* wp = wt;
-    if (nob > 1) {
-        const int64_t rows = G.KH * G.KW * G.C;
-        pack.resize((size_t)rows * G.O);
+    if (nob == 1) return sparsa_adaptive_conv_fwd_packed_f32(g, cnt, idx, val, wt, bias, y, nthreads);
+    // Weight blocks packed [ob block][KH][KW][C][OB] (see sparsa_adaptive_pack_weight_f32)
+    const int64_t rows = G.KH * G.KW * G.C;
+    std::vector<float> pack((size_t)rows * G.O);
 #pragma omp parallel for num_threads(nthreads)
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t b = 0; b < nob; ++b)
-                std::memcpy(pack.data() + (b * rows + r) * OB, wt + r * G.O + b * OB, sizeof(float) * OB);
-        wp = pack.data();
-    }
-    const int64_t ldw = nob > 1 ? OB : G.O;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < ntask; ++t) {
-        const int64_t obi = t % nob, rb = (t / nob) % nrb, n = t / (nob * nrb);
-        const int64_t ob = obi * OB, nv = std::min<int64_t>(OB, G.O - ob) / 8;
-        const int64_t r0 = rb * R, r1 = std::min(r0 + R, G.Ho);
-        const float* wb = nob > 1 ? wp + obi * G.KH * G.KW * G.C * OB : wp + ob;
-        SPARSA_NV_SWITCH(nv, (fwd_task<NV>(G, cnt, idx, val, wb, ldw, bias, y, n, r0, r1, ob)))
-    }
-    return 0;
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < nob; ++b)
+            std::memcpy(pack.data() + (b * rows + r) * OB, wt + r * G.O + b * OB, sizeof(float) * OB);
+    return sparsa_adaptive_conv_fwd_packed_f32(g, cnt, idx, val, pack.data(), bias, y, nthreads);
 }
 
 // dwt [KH, KW, C, O] is overwritten. scratch: nthreads * 2 * |dwt| floats may be used internally.
