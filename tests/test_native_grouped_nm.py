@@ -119,6 +119,47 @@ def test_plans_token_remainders(path, nm, T, threads):
     _close(gw, (gy.T @ x) * w.mask())
 
 
+@pytest.mark.parametrize("path", ["native-avx512", "native-avx2", "fallback"])
+@pytest.mark.parametrize("m,R,K,unit_cols", [(4, 13, 200, 0), (4, 16, 300, 64), (10, 25, 410, 80), (2, 7, 33, 0),
+                                             (3, 9, 61, 12)])
+def test_block_pair_plans(path, m, R, K, unit_cols, monkeypatch):
+    """Block-pair plans (1:m rows of two blocks share an entry; odd block counts, several units, varying runs)."""
+    if path == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+        if path == "native-avx2":
+            monkeypatch.setenv("SPARSA_NO_AVX512", "1")
+        else:
+            monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    gen = torch.Generator().manual_seed(R * K)
+    w = GroupedNM.from_dense(torch.randn(R, K, generator=gen), n=1, m=m, g=2)
+    wd = w.to_dense()
+    plan = kern.pair_plan(w.values, w.columns, 1, m, unit_cols)
+    assert plan.offsets is not None and plan.offsets.shape == (plan.groups, plan.units + 1)
+    if unit_cols:
+        assert plan.units > 1
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for T in (1, 9, 70, 200):
+            x, b = torch.randn(T, K, generator=gen), torch.randn(R, generator=gen)
+            _close(kern.spmm(x, plan, b, R), x @ wd.T + b)
+    with pytest.raises(ValueError, match="pattern_plan"):
+        kern.sddmm(torch.randn(3, K), torch.randn(3, R), plan)
+
+
+def test_forward_plan_pairs_blocks_for_large_k():
+    lib = kern.native_library()
+    w = GroupedNM.from_dense(torch.randn(12, 800), n=1, m=4, g=4)
+    plan = kern.forward_plan(w.values, w.columns, 1, 4)
+    assert (plan.offsets is not None) == bool(lib is not None and lib.sparsa_grouped_nm_has_avx512())
+    x = torch.randn(40, 800)
+    ws = _weight(12, 800, 1, 4, 4, torch.Generator().manual_seed(1))
+    _close(F.linear(x, ws), x @ ws.to_dense().T)
+    small = GroupedNM.from_dense(torch.randn(12, 40), n=1, m=4, g=2)
+    assert kern.forward_plan(small.values, small.columns, 1, 4).offsets is None
+
+
 def test_sddmm_rejects_interleaved_plan():
     w = GroupedNM.from_dense(torch.randn(8, 16), n=1, m=4, g=2)
     with pytest.raises(ValueError, match="pattern_plan"):

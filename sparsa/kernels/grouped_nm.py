@@ -7,7 +7,8 @@ Both work on a *plan*: the layout's components reordered for the kernel (:func:`
     spmm:   y[t, out_rows[g, i]] += vals[g, e, i] * x[t, idx[g, e]]
     sddmm:  gv[g, e, i] = sum_t gy[t, out_rows[g, i]] * x[t, idx[g, e]]
 
-The forward plan groups a row block's columns by keep-pattern (``g = (block, pattern)``), so
+The forward plan groups a row block's columns by keep-pattern (``g = (block, pattern)``; for ``1:m`` with the
+AVX-512 kernel, :func:`pair_plan` groups two blocks' columns by their pair of patterns), so
 ``y = x @ W.T`` is an spmm and grad_W on the pattern an sddmm; the input-grad plan groups W's entries
 by column (``g = column``, ``n = 1``), so ``grad_x = grad_y @ W`` is an spmm too. The C++ kernel
 (``csrc/grouped_nm_linear.cpp``, AVX2/FMA + OpenMP, token-vectorised panels; AVX-512 for the
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["Plan", "forward_plan", "pattern_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
+__all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
            "spmm_reference", "sddmm_reference", "native_library"]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
@@ -56,7 +57,7 @@ def native_library() -> Optional[ctypes.CDLL]:
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         f = lib.sparsa_gnm_spmm_f32
         f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64, ci,
-                      ci]
+                      ci, vp, i64]
         f.restype = ci
         f = lib.sparsa_gnm_sddmm_f32
         f.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, i64, i64, vp, ci, i64]
@@ -71,7 +72,9 @@ class Plan:
     entries reading input indices in ``[u*unit_span, (u+1)*unit_span)``; every ``gpb`` consecutive
     groups (a block) write the ``rpb`` output rows ``[blk*rpb, (blk+1)*rpb)`` and no others. An
     *interleaved* plan has one value per entry, entry ``e`` of group ``g`` feeding ``out_rows[g, e % Q]``
-    (``Q = out_rows.shape[1]``)."""
+    (``Q = out_rows.shape[1]``). A *block-pair* plan (:func:`pair_plan`) has ``offsets`` (int64
+    ``(G, units+1)``): group ``g``'s entries in unit ``u`` are the flat entries ``offsets[g, u]`` to
+    ``offsets[g, u+1]`` of ``idx`` and ``vals`` (shapes ``(1, E)`` and ``(1, E, 2)``), counts varying."""
 
     idx: Tensor       # int32 (G, L)
     vals: Tensor      # (G, L, n)
@@ -82,14 +85,19 @@ class Plan:
     gpb: int
     rpb: int
     interleaved: bool = False  # vals (G, L, 1): entry e feeds only out_rows[g, e % Q]
+    offsets: Optional[Tensor] = None  # block-pair plans: int64 (G, units+1) into the flat entries
 
     @property
     def in_pad(self) -> int:
         return self.units * self.unit_span
 
     @property
+    def groups(self) -> int:
+        return self.out_rows.shape[0]
+
+    @property
     def out_pad(self) -> int:
-        return (self.idx.shape[0] // self.gpb) * self.rpb
+        return (self.groups // self.gpb) * self.rpb
 
 
 def _pattern_rows(n: int, m: int, nblocks: int, device) -> Tensor:
@@ -111,17 +119,88 @@ def _interleave(P: int) -> int:
 
 
 def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
-    """Plan for ``y = x @ W.T``. With ``n == 1`` one group per (row block, ``Q`` patterns), entries
+    """Plan for ``y = x @ W.T``. With ``n == 1``: :func:`pair_plan` when the AVX-512 kernel runs and ``K`` is
+    large enough (:data:`PAIR_MIN_RUN`), else one group per (row block, ``Q`` patterns), entries
     interleaved over the ``Q`` rows; otherwise :func:`pattern_plan`."""
     B, C, P, g, nn = values.shape
     if n != 1:
         return pattern_plan(values, columns, n, m)
+    if _use_pairs(values, n, m):
+        return pair_plan(values, columns, n, m)
     q = _interleave(P)
     s = P // q
     vals = values.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q, 1).contiguous()
     idx = columns.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q).to(torch.int32).contiguous()
     rows = _pattern_rows(n, m, B, values.device).reshape(B * s, q).to(torch.int32).contiguous()
     return Plan(idx, vals, rows, C, g * q, P * g, s, m, True)
+
+
+#: 1:m forward plans pair row blocks (with the AVX-512 kernel) when every (pattern, pattern) group keeps at
+#: least this many columns on average (K/m^2): one x load then feeds two rows (measured, 1024 tokens, 1 thread:
+#: 1:4 2.2x -> 3.2-3.7x vs dense, 1:10 3.8-4.5x -> 5.0-5.9x; with AVX2 only (16 registers) the pair piece
+#: was slower than the interleaved plan, which then stays)
+PAIR_MIN_RUN = 6
+#: columns per unit of a block-pair plan (the panel rows a unit reads stay in L2); at least 32*m*m so that the
+#: groups' runs of entries stay long
+PAIR_UNIT_COLS = 1024
+
+
+def pair_plan(values: Tensor, columns: Tensor, n: int, m: int, unit_cols: int = 0) -> Plan:
+    """Block-pair plan for ``y = x @ W.T`` with ``n == 1``: row blocks ``2j`` and ``2j+1`` (an odd last block is
+    paired with zero weights feeding padding rows) form ``m*m`` groups, one per (pattern in block 2j, pattern
+    in block 2j+1); a group's entries are the columns with that pair of patterns, each with its two values,
+    so the kernel loads every x vector once for two output rows. Columns are cut into units of
+    ``unit_cols`` (default :data:`PAIR_UNIT_COLS`, rounded to chunks); within a unit, by column."""
+    B, C, P, g, nn = values.shape
+    if n != 1 or nn != 1:
+        raise ValueError(f"pair_plan: needs n == 1, got n={n}")
+    dev = values.device
+    chunk = P * g
+    kp = C * chunk
+    ucols = unit_cols if unit_cols > 0 else max(PAIR_UNIT_COLS, 32 * P * P)
+    ucols = max(chunk, ucols // chunk * chunk)
+    U = max(1, -(-kp // ucols))
+    ucols = -(-(kp // chunk) // U) * chunk  # balance the units
+    U = -(-kp // ucols)
+    Bp = B + (B % 2)
+    # pattern and value of every (block, padded column)
+    pat = torch.zeros(Bp, kp, dtype=torch.int64, device=dev)
+    val = torch.zeros(Bp, kp, dtype=values.dtype, device=dev)
+    cols = columns.long().reshape(B, -1)
+    pid = torch.arange(P, device=dev).view(1, 1, P, 1).expand(B, C, P, g).reshape(B, -1)
+    pat[:B].scatter_(1, cols, pid)
+    val[:B].scatter_(1, cols, values.reshape(B, -1))
+    npair = Bp // 2
+    pa, pb = pat.view(npair, 2, kp).unbind(1)
+    combo = pa * P + pb  # (npair, kp)
+    k = torch.arange(kp, device=dev)
+    unit = (k // ucols).view(1, kp)
+    key = ((combo * U + unit) * kp + k.view(1, kp))  # group-major, then unit, then column
+    order = torch.argsort(key, dim=1)
+    idx = order.to(torch.int32)  # column of each entry
+    va, vb = val.view(npair, 2, kp).unbind(1)
+    vals = torch.stack([va.gather(1, order), vb.gather(1, order)], -1)  # (npair, kp, 2)
+    gu = combo * U + unit  # (npair, kp): group-in-pair x unit
+    counts = torch.zeros(npair, P * P * U, dtype=torch.int64, device=dev)
+    counts.scatter_add_(1, gu, torch.ones_like(gu))
+    starts = torch.cumsum(counts, 1) - counts + (torch.arange(npair, device=dev) * kp).view(-1, 1)
+    starts = starts.view(npair * P * P, U)
+    offs = torch.cat([starts, starts[:, -1:] + counts.view(npair * P * P, U)[:, -1:]], 1).contiguous()
+    pp = torch.arange(P, device=dev)
+    j = torch.arange(npair, device=dev).view(-1, 1, 1)
+    ra = (2 * j * m + pp.view(1, P, 1)).expand(npair, P, P)
+    rb = ((2 * j + 1) * m + pp.view(1, 1, P)).expand(npair, P, P)
+    rows = torch.stack([ra, rb], -1).reshape(npair * P * P, 2).to(torch.int32).contiguous()
+    return Plan(idx.reshape(1, -1).contiguous(), vals.reshape(1, -1, 2).contiguous(), rows, U, 0, ucols, P * P,
+                2 * m, False, offs)
+
+
+def _use_pairs(values: Tensor, n: int, m: int) -> bool:
+    B, C, P, g, _ = values.shape
+    if n != 1 or B < 2 or C * P * g < PAIR_MIN_RUN * P * P or values.device.type != "cpu":
+        return False
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_grouped_nm_has_avx512())
 
 
 def pattern_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
@@ -161,6 +240,8 @@ def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: 
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = torch.nn.functional.pad(x.reshape(-1, K), (0, plan.in_pad - K))
     T = x2.shape[0]
+    if plan.offsets is not None:
+        return _pair_reference(x2, plan, bias, out_features).reshape(*lead, out_features)
     G, L, n = plan.vals.shape
     out = x2.new_zeros(T, plan.out_pad)
     starts, step = _chunks(T, G, L)
@@ -178,6 +259,31 @@ def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: 
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, out_features)
+
+
+def _pair_reference(x2: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
+    """Block-pair plan semantics on padded 2-D ``x2``: every flat entry feeds its group's two rows."""
+    T = x2.shape[0]
+    idx = plan.idx.reshape(-1).long()
+    vals = plan.vals.reshape(-1, 2).to(x2.dtype)
+    off = plan.offsets
+    cnt = off[:, -1] - off[:, 0]
+    grp = torch.repeat_interleave(torch.arange(off.shape[0], device=idx.device), cnt)
+    first = off[:, 0]
+    pos = torch.repeat_interleave(first, cnt) + (torch.arange(grp.shape[0], device=idx.device)
+                                                  - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt))
+    rows = plan.out_rows.long()[grp]  # (E', 2)
+    out = x2.new_zeros(T, plan.out_pad)
+    step = max(1, _REF_CHUNK // max(1, T))
+    for e0 in range(0, pos.shape[0], step):
+        p = pos[e0:e0 + step]
+        xg = x2[:, idx[p]]
+        for i in range(2):
+            out.index_add_(1, rows[e0:e0 + step, i], xg * vals[p, i])
+    y = out[:, :out_features]
+    if bias is not None:
+        y = y + bias
+    return y
 
 
 def sddmm_reference(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
@@ -213,8 +319,9 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor], out_features: int,
-               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int, interleaved: bool) -> Tensor:
-    plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb, interleaved)
+               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int, interleaved: bool,
+               offsets: Optional[Tensor] = None) -> Tensor:
+    plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets)
     lib = _lib_for(x, vals, bias)
     if lib is None:
         return spmm_reference(x, plan, bias, out_features).contiguous()
@@ -222,14 +329,15 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
     x2 = _rows(x)
     T = x2.shape[0]
     y = torch.empty(T, out_features, dtype=torch.float32)
-    G, L = idx.shape
+    G, L = out_rows.shape[0], idx.shape[1]
     n = out_rows.shape[1]
     b = None if bias is None else bias.contiguous()
+    off = None if offsets is None else offsets.contiguous()
     rc = lib.sparsa_gnm_spmm_f32(
         x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), vals.data_ptr(), out_rows.data_ptr(),
         G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad,
         None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX,
-        int(interleaved))
+        int(interleaved), None if off is None else off.data_ptr(), idx.numel())
     if rc != 0:
         raise ValueError(f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
                          f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "
@@ -240,14 +348,14 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
 @torch.library.custom_op("sparsa::grouped_nm_spmm", mutates_args=())
 def grouped_nm_spmm(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor],
                     out_features: int, units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int,
-                    interleaved: bool) -> Tensor:
+                    interleaved: bool, offsets: Optional[Tensor] = None) -> Tensor:
     """``y[..., out_features]`` of the plan (see the module docstring); the fields of :class:`Plan` unpacked."""
     return _spmm_impl(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb,
-                      interleaved)
+                      interleaved, offsets)
 
 
 @grouped_nm_spmm.register_fake
-def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved):
+def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets=None):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -292,14 +400,14 @@ def _compiling() -> bool:
 def spmm(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
     """Run the plan on ``x[..., K]`` (native when possible): ``y[..., out_features]``."""
     args = (x, plan.idx, plan.vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries,
-            plan.unit_span, plan.gpb, plan.rpb, plan.interleaved)
+            plan.unit_span, plan.gpb, plan.rpb, plan.interleaved, plan.offsets)
     return grouped_nm_spmm(*args) if _compiling() else _spmm_impl(*args)
 
 
 def sddmm(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
     """Sampled ``gy.T @ x`` on the plan's entries: ``(G, L, n)`` in the plan's order (a
     :func:`pattern_plan`)."""
-    if plan.interleaved:
+    if plan.interleaved or plan.offsets is not None:
         raise ValueError("sddmm: needs a pattern_plan (one group per row block and pattern), got an interleaved plan")
     args = (x, gy, plan.idx, plan.out_rows, plan.units, plan.unit_entries, plan.unit_span, plan.out_pad)
     return grouped_nm_sddmm(*args) if _compiling() else _sddmm_impl(*args)

@@ -10,7 +10,8 @@ Replaces the pure-PyTorch registration of :mod:`sparsa.ops.linear` for this layo
     True
 
 Forward: the spmm kernel on the layout's components reordered into a plan (cached on the layout,
-rebuilt when its values change). Backward, each part only when ``ctx.needs_input_grad`` asks for it:
+rebuilt when its values change; for ``1:m`` on AVX-512 CPUs a block-pair plan, where each loaded input
+vector feeds the rows of two row blocks). Backward, each part only when ``ctx.needs_input_grad`` asks for it:
 ``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
 pattern only (up to 15% density the sddmm kernel, one dot product over tokens per stored value; above,
 BLAS ``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's shape that is

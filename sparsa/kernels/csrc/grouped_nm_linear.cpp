@@ -19,6 +19,11 @@
 // more entries. Entries are ordered by input row and cut into *units* (a chunk of the forward, a row
 // block of grad_x); all groups run over one tile of units before the next, so the panel rows of a
 // tile (about L1-sized) are reused by every row block while in cache.
+// Block-pair plans (n = 1 with AVX-512): the interleaved pieces load one x vector per FMA, which makes
+// them load-bound. Pairing row blocks 2j and 2j+1, a group is (pattern p in block 2j, pattern q in block
+// 2j+1) and its entries the columns with exactly that pair, each carrying its two values: every x vector
+// loaded then feeds two rows (piece512<2, V>, 2 x V/2 zmm accumulators, up to 96+ tokens a panel). The
+// m*m groups of a pair have varying entry counts, so these plans carry per-(group, unit) offsets.
 // OpenMP over token panels (many tokens) or over blocks of groups that own disjoint output rows.
 //
 // grad_W on the pattern (a sampled dense-dense product): gv[g][e][i] = sum_t gy[t][row(g,i)] *
@@ -78,9 +83,36 @@ inline void transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-// dst[c*S + t] = src[t*ld + c] for t < nt, c < ncols; zero for nt <= t < width (width % 8 == 0)
-// and for ncols <= c < nrows.
-void pack_in(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+// pack_in with column blocks outside, token blocks inside: the 8 panel rows of a column block
+// are written whole while in L1 (token blocks outside wrote every panel line in two halves, far apart).
+void pack_in_cols(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+    const int tfull = std::min(width, nt / 8 * 8);
+    int64_t c = 0;
+    for (; c + 8 <= ncols; c += 8)
+        for (int t0 = 0; t0 < tfull; t0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (t0 + i) * ld + c);
+            transpose8(r);
+            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c + j) * S + t0, r[j]);
+        }
+    for (; c < ncols; ++c)
+        for (int t = 0; t < tfull; ++t) dst[c * S + t] = src[t * ld + c];
+    for (c = ncols; c < nrows; ++c)
+        for (int t0 = 0; t0 < tfull; t0 += 8) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
+    for (int t0 = tfull; t0 < width; t0 += 8) {  // the partial (or empty) token blocks
+        const int tn = std::max(0, std::min(8, nt - t0));
+        for (c = 0; c < ncols; ++c) {
+            float* d = dst + c * S + t0;
+            int i = 0;
+            for (; i < tn; ++i) d[i] = src[(t0 + i) * ld + c];
+            for (; i < 8; ++i) d[i] = 0.f;
+        }
+        for (; c < nrows; ++c) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
+    }
+}
+
+// pack_in with token blocks outside (8 source rows streamed at a time: better when source rows are long)
+void pack_in_tokens(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
     for (int t0 = 0; t0 < width; t0 += 8) {
         const int tn = std::max(0, std::min(8, nt - t0));
         int64_t c = 0;
@@ -100,6 +132,14 @@ void pack_in(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows,
         }
         for (; c < nrows; ++c) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
     }
+}
+
+// dst[c*S + t] = src[t*ld + c] for t < nt, c < ncols; zero for nt <= t < width (width % 8 == 0) and for
+// ncols <= c < nrows. Measured (1024 tokens, 64-token panels): column blocks outside is faster while the panel's
+// source rows span <= 256 KB (K = 768: 1:10 5.2x -> 6.0x vs dense), token blocks outside beyond (K = 3072).
+void pack_in(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+    if (ld * (int64_t)width <= (64 << 10)) pack_in_cols(src, ld, nt, ncols, nrows, dst, S, width);
+    else pack_in_tokens(src, ld, nt, ncols, nrows, dst, S, width);
 }
 
 // y[t*ldy + r] = src[r*S + t] (+ bias[r]) for r0 <= r < r1, t < nt.
@@ -269,6 +309,92 @@ void ipiece512(const float* __restrict panel, int64_t S, const int32_t* __restri
         }
     }
 }
+// AVX-512 build of piece (NR rows share every entry; used by the block-pair plans, NR = 2): V8 vectors of
+// 8 tokens as V8/2 zmm (+ one ymm when V8 is odd); one x load feeds NR FMAs.
+template <int NR, int V8>
+void piece512(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+              int64_t vstride, int64_t cnt, float* const* outp) {
+    constexpr int VZ = V8 / 2, VY = V8 % 2;
+    __m512 acc[NR][VZ > 0 ? VZ : 1];
+    __m256 accy[NR];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+#pragma GCC unroll 8
+        for (int v = 0; v < VZ; ++v) acc[i][v] = _mm512_setzero_ps();
+        accy[i] = _mm256_setzero_ps();
+    }
+#pragma GCC unroll 2
+    for (int64_t e = 0; e < cnt; ++e) {
+        const float* xp = panel + (int64_t)idx[e] * S;
+        const float* w = vals + e * vstride;
+        __m512 xv[VZ > 0 ? VZ : 1];
+#pragma GCC unroll 8
+        for (int v = 0; v < VZ; ++v) xv[v] = _mm512_loadu_ps(xp + 16 * v);
+        __m256 xy = VY ? _mm256_loadu_ps(xp + 16 * VZ) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+            const __m512 wb = _mm512_set1_ps(w[i]);
+#pragma GCC unroll 8
+            for (int v = 0; v < VZ; ++v) acc[i][v] = _mm512_fmadd_ps(wb, xv[v], acc[i][v]);
+            if (VY) accy[i] = _mm256_fmadd_ps(_mm512_castps512_ps256(wb), xy, accy[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+#pragma GCC unroll 8
+        for (int v = 0; v < VZ; ++v) {
+            float* o = outp[i] + 16 * v;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), acc[i][v]));
+        }
+        if (VY) {
+            float* o = outp[i] + 16 * VZ;
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), accy[i]));
+        }
+    }
+}
+// One row of a block pair against all its partners: groups (p, 0..Q-1) of a block-pair plan in unit u share
+// row a = out_rows of (p, *), so its V8/2 (+1) accumulators stay in registers across the Q groups and only
+// row b's are loaded and stored per group.
+template <int V8>
+void pairrow512(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+                const int64_t* off, int64_t ostride, int Q, float* outa, float* const* outb) {
+    constexpr int VZ = V8 / 2, VY = V8 % 2;
+    __m512 acca[VZ > 0 ? VZ : 1];
+    __m256 accay = _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int v = 0; v < VZ; ++v) acca[v] = _mm512_setzero_ps();
+    for (int q = 0; q < Q; ++q) {
+        const int64_t o0 = off[q * ostride], o1 = off[q * ostride + 1];
+        if (o1 <= o0) continue;
+        float* ob = outb[q];
+        __m512 accb[VZ > 0 ? VZ : 1];
+        __m256 accby = VY ? _mm256_loadu_ps(ob + 16 * VZ) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int v = 0; v < VZ; ++v) accb[v] = _mm512_loadu_ps(ob + 16 * v);
+#pragma GCC unroll 2
+        for (int64_t e = o0; e < o1; ++e) {
+            const float* xp = panel + (int64_t)idx[e] * S;
+            const __m512 wa = _mm512_set1_ps(vals[2 * e]), wb = _mm512_set1_ps(vals[2 * e + 1]);
+#pragma GCC unroll 8
+            for (int v = 0; v < VZ; ++v) {
+                const __m512 xv = _mm512_loadu_ps(xp + 16 * v);
+                acca[v] = _mm512_fmadd_ps(wa, xv, acca[v]);
+                accb[v] = _mm512_fmadd_ps(wb, xv, accb[v]);
+            }
+            if (VY) {
+                const __m256 xy = _mm256_loadu_ps(xp + 16 * VZ);
+                accay = _mm256_fmadd_ps(_mm512_castps512_ps256(wa), xy, accay);
+                accby = _mm256_fmadd_ps(_mm512_castps512_ps256(wb), xy, accby);
+            }
+        }
+#pragma GCC unroll 8
+        for (int v = 0; v < VZ; ++v) _mm512_storeu_ps(ob + 16 * v, accb[v]);
+        if (VY) _mm256_storeu_ps(ob + 16 * VZ, accby);
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < VZ; ++v) _mm512_storeu_ps(outa + 16 * v, _mm512_add_ps(_mm512_loadu_ps(outa + 16 * v), acca[v]));
+    if (VY) _mm256_storeu_ps(outa + 16 * VZ, _mm256_add_ps(_mm256_loadu_ps(outa + 16 * VZ), accay));
+}
 #pragma GCC pop_options
 template <int Q, int V>
 struct IPieceTable512 {
@@ -279,6 +405,30 @@ struct IPieceTable512 {
 };
 template <int Q>
 struct IPieceTable512<Q, 0> {
+    static void fill(PieceFn*) {}
+};
+using PairRowFn = void (*)(const float*, int64_t, const int32_t*, const float*, const int64_t*, int64_t, int, float*,
+                          float* const*);
+template <int V>
+struct PairRowTable512 {
+    static void fill(PairRowFn* tab) {
+        tab[V] = &pairrow512<V>;
+        PairRowTable512<V - 1>::fill(tab);
+    }
+};
+template <>
+struct PairRowTable512<0> {
+    static void fill(PairRowFn*) {}
+};
+template <int NR, int V>
+struct PieceTable512 {
+    static void fill(PieceFn* tab) {
+        tab[V] = &piece512<NR, V>;
+        PieceTable512<NR, V - 1>::fill(tab);
+    }
+};
+template <int NR>
+struct PieceTable512<NR, 0> {
     static void fill(PieceFn*) {}
 };
 bool use_avx512() {
@@ -295,18 +445,29 @@ bool use_avx512() { return false; }
 constexpr int MAXQ = 6;
 constexpr int ivmax_for(int q) { return q <= 1 ? 12 : 12 / q; }
 
+constexpr int PAIR_VMAX512 = 12;  // block-pair plans: token vectors per panel with AVX-512 (AVX2: vmax_for(2))
+
 struct Tables {
     PieceFn f[MAXNR + 1][vmax_for(1) + 1] = {};
     PieceFn fi[MAXQ + 1][ivmax_for(1) + 1] = {};
+    PieceFn fp[PAIR_VMAX512 + 1] = {};  // block-pair plans (2 rows share every entry)
+#ifdef GNM_AVX512
+    PairRowFn fr[PAIR_VMAX512 + 1] = {};  // block-pair plans, one row against its Q partners (AVX-512 only)
+#endif
+    int pair_vmax = vmax_for(2);
     bool avx512 = false;
     explicit Tables(bool use512) {
         PieceTable<1, vmax_for(1)>::fill(f[1]);
         PieceTable<2, vmax_for(2)>::fill(f[2]);
         PieceTable<3, vmax_for(3)>::fill(f[3]);
         PieceTable<4, vmax_for(4)>::fill(f[4]);
+        PieceTable<2, vmax_for(2)>::fill(fp);
 #ifdef GNM_AVX512
         if (use512) {
             avx512 = true;
+            PieceTable512<2, PAIR_VMAX512>::fill(fp);
+            PairRowTable512<PAIR_VMAX512>::fill(fr);
+            pair_vmax = PAIR_VMAX512;
             IPieceTable512<1, ivmax_for(1)>::fill(fi[1]);
             IPieceTable512<2, ivmax_for(2)>::fill(fi[2]);
             IPieceTable512<3, ivmax_for(3)>::fill(fi[3]);
@@ -340,6 +501,10 @@ struct Problem {
     int64_t gpb, rpb;  // groups per block, output rows per block (blocks own disjoint rows)
     int64_t in_pad, out_pad;
     bool ilv;  // interleaved: one value per entry, entry e feeds row e % n of its group
+    // block-pair plans (n = 2, rows of two row blocks): entries of group g in unit u are the flat entries
+    // [off[g*(units+1)+u], off[g*(units+1)+u+1]) of idx/vals (variable counts; null for the other plans)
+    const int64_t* off = nullptr;
+    int64_t pq = 0;  // block-pair plans: patterns per block when gpb = pq*pq and groups (p, q) are p-major, else 0
 };
 
 // out panel rows of the groups [g0, g1) += products, for V token vectors (panel row stride S)
@@ -347,6 +512,31 @@ void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t 
                 float* opanel) {
     const Tables& tab = tables();
     float* outp[MAXQ > MAXNR ? MAXQ : MAXNR];
+    if (P.off) {  // unit by unit (a unit is sized at plan time), each group its run of entries in the unit
+        const PieceFn fn = tab.fp[V];
+#ifdef GNM_AVX512
+        if (tab.avx512 && P.pq > 0 && g0 % P.gpb == 0 && g1 % P.gpb == 0) {
+            const int Q = (int)P.pq;
+            float* outb[64];
+            for (int64_t u = 0; u < P.units; ++u)
+                for (int64_t g = g0; g < g1; g += Q) {  // groups (p, 0..Q-1) of one pair: row a fixed
+                    for (int q = 0; q < Q; ++q) outb[q] = opanel + (int64_t)P.out_rows[2 * (g + q) + 1] * S;
+                    tab.fr[V](panel, S, P.idx, P.vals, P.off + g * (P.units + 1) + u, P.units + 1, Q,
+                              opanel + (int64_t)P.out_rows[2 * g] * S, outb);
+                }
+            return;
+        }
+#endif
+        for (int64_t u = 0; u < P.units; ++u)
+            for (int64_t g = g0; g < g1; ++g) {
+                const int64_t o0 = P.off[g * (P.units + 1) + u], o1 = P.off[g * (P.units + 1) + u + 1];
+                if (o1 <= o0) continue;
+                outp[0] = opanel + (int64_t)P.out_rows[2 * g] * S;
+                outp[1] = opanel + (int64_t)P.out_rows[2 * g + 1] * S;
+                fn(panel, S, P.idx + o0, P.vals + 2 * o0, 2, o1 - o0, outp);
+            }
+        return;
+    }
     for (int64_t u0 = 0; u0 < P.units; u0 += upt) {
         const int64_t e0 = u0 * P.unit_entries, e1 = std::min(P.units, u0 + upt) * P.unit_entries;
         for (int64_t g = g0; g < g1; ++g) {
@@ -368,9 +558,15 @@ int vmax_of(int64_t n) { return vmax_for((int)std::min<int64_t>(n, MAXNR)); }
 // tokens per panel by default: enough token vectors per entry to amortise its index and weight loads,
 // few enough that a tile of panel rows reused across all row blocks stays in L1
 int vdefault_of(int64_t n) { return n <= 1 ? 4 : vmax_of(n); }
-int vmax_of(const Problem& P) { return P.ilv ? ivmax_for((int)P.n) : vmax_of(P.n); }
+int vmax_of(const Problem& P) {
+    return P.off ? tables().pair_vmax : P.ilv ? ivmax_for((int)P.n) : vmax_of(P.n);
+}
+constexpr int PAIR_VDEFAULT512 = 8;
 // measured: patterns sharing rows (n >= 2) do best with one token vector and a larger (L2) tile
-int vdefault_of(const Problem& P) { return P.ilv ? (P.n <= 1 ? 4 : ivmax_for((int)P.n)) : (P.n >= 2 ? 1 : vdefault_of(P.n)); }
+int vdefault_of(const Problem& P) {
+    if (P.off) return std::min(vmax_of(P), PAIR_VDEFAULT512);
+    return P.ilv ? (P.n <= 1 ? 4 : ivmax_for((int)P.n)) : (P.n >= 2 ? 1 : vdefault_of(P.n));
+}
 int64_t tile_default_of(const Problem& P) { return (!P.ilv && P.n >= 2) ? (96 << 10) : SPMM_TILE_BYTES; }
 
 int64_t units_per_tile(const Problem& P, int64_t S, int64_t tile_bytes) {
@@ -534,7 +730,31 @@ void sddmm(const Problem& P, const float* x, int64_t ldx, const float* gy, int64
     }
 }
 
+// Q when every Q consecutive groups of the block-pair plan (gpb = Q*Q, groups (p, q) p-major) share their
+// first row and none of them has it as second row (Q <= 64), else 0
+int64_t pair_q(const Problem& P) {
+    int64_t Q = 1;
+    while (Q * Q < P.gpb) ++Q;
+    if (Q * Q != P.gpb || Q > 64) return 0;
+    for (int64_t g = 0; g < P.G; g += Q)
+        for (int64_t q = 0; q < Q; ++q)
+            if (P.out_rows[2 * (g + q)] != P.out_rows[2 * g] || P.out_rows[2 * (g + q) + 1] == P.out_rows[2 * g]) return 0;
+    return Q;
+}
+
 bool valid(const Problem& P) {
+    if (P.off) {
+        if (P.n != 2 || P.ilv || P.units < 1 || P.gpb < 1 || P.G % P.gpb != 0) return false;
+        const int64_t U = P.units;
+        for (int64_t g = 0; g < P.G; ++g)
+            for (int64_t u = 0; u < U; ++u)
+                if (P.off[g * (U + 1) + u] > P.off[g * (U + 1) + u + 1] || P.off[g * (U + 1) + u] < 0) return false;
+        if (P.G > 0 && P.off[P.G * (U + 1) - 1] > P.L) return false;  // L: total entries
+        for (int64_t g = 0; g < P.G; ++g)
+            for (int i = 0; i < 2; ++i)
+                if (P.out_rows[2 * g + i] < 0 || P.out_rows[2 * g + i] >= P.out_pad) return false;
+        return true;
+    }
     if (P.ilv && (P.n > MAXQ || P.unit_entries % P.n != 0)) return false;
     return P.n >= 1 && P.G >= 0 && P.gpb >= 1 && P.rpb >= 1 && P.G % P.gpb == 0 && P.units >= 0 &&
            P.L == P.units * P.unit_entries;
@@ -544,7 +764,7 @@ bool valid(const Problem& P) {
 
 extern "C" {
 
-int sparsa_grouped_nm_version() { return 2; }
+int sparsa_grouped_nm_version() { return 3; }
 
 // 1 when the AVX-512 pieces run
 int sparsa_grouped_nm_has_avx512() { return tables().avx512 ? 1 : 0; }
@@ -555,9 +775,10 @@ int sparsa_gnm_spmm_f32(const float* x, int64_t T, int64_t K, int64_t ldx, const
                         const int32_t* out_rows, int64_t G, int64_t n, int64_t units, int64_t unit_entries,
                         int64_t unit_span, int64_t gpb, int64_t rpb, int64_t in_pad, int64_t out_pad,
                         const float* bias, float* y, int64_t R, int nthreads, int64_t tile_bytes, int vmax,
-                        int interleaved) {
-    Problem P{idx, vals, out_rows, G, n, units * unit_entries, units, unit_entries, unit_span, gpb, rpb, in_pad, out_pad,
-              interleaved != 0};
+                        int interleaved, const int64_t* offsets, int64_t entries) {
+    Problem P{idx, vals, out_rows, G, n, offsets ? entries : units * unit_entries, units, unit_entries, unit_span, gpb,
+              rpb, in_pad, out_pad, interleaved != 0, offsets};
+    if (offsets) P.pq = pair_q(P);
     if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
     if (T <= 0 || R <= 0) return 0;
     spmm(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes, vmax);
