@@ -206,3 +206,41 @@ def test_packed_weight_kernels_match_dense(case):
     torch.testing.assert_close(K.conv_fwd_packed(cnt, idx, val, wf2, None, geo, 0),
                                F.conv2d(a, w, None, stride=1, padding=p, dilation=d).permute(0, 2, 3, 1),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape,O,k,d,threads", [
+    ((2, 40, 16, 16), 64, 3, 1, 2),    # several tiles; the block-major input gradient; a partial channel chunk
+    ((3, 24, 17, 13), 96, 3, 2, 3),    # dilation, odd sizes, three threads
+    ((16, 64, 4, 4), 128, 3, 1, 2),    # one tile over all images (plain-layout input gradient)
+    ((2, 21, 9, 11), 40, 1, 1, 2),     # 1x1: 64-wide weight-gradient blocks, a partial last block
+])
+def test_packed_backward_paths_match_dense(shape, O, k, d, threads):
+    # the paths of the stride-1 backward chosen by geometry: input gradient over the block-major dY
+    # or the plain padded dY; weight gradient written straight into [O, C, KH, KW] by the tasks
+    # (contiguous weight) or through the [KH, KW, C, O] scratch (channels_last weight)
+    if not loader.native_enabled():
+        pytest.skip("SPARSA_NO_NATIVE is set; the packed path is native-only")
+    N, C, H, W = shape
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for sp, wcl in ((0.75, False), (0.9, True), (1.0, False)):
+            x = _act(N, C, H, W, sp, True, 7)
+            w = torch.randn(O, C, k, k, generator=torch.Generator().manual_seed(8))
+            if wcl:
+                w = w.contiguous(memory_format=torch.channels_last)
+            p = d * (k // 2)
+            geo = K.geometry(x.shape, w.shape, (1, 1), (p, p), (d, d), 128)
+            cnt, idx, val = K.compact(x, 128)
+            a = x.relu()
+            _, wc = K.packed_weight(w)
+            dyn = torch.randn(N, O, H, W, generator=torch.Generator().manual_seed(9))
+            dy = dyn.permute(0, 2, 3, 1).contiguous()
+            rdw = torch.nn.grad.conv2d_weight(a, w.shape, dyn, stride=1, padding=p, dilation=d)
+            rdx = torch.nn.grad.conv2d_input(x.shape, w, dyn, stride=1, padding=p, dilation=d) * (x > 0)
+            dx, dw = K.conv_bwd_packed(cnt, idx, val, dy, wc, geo, True, True, True, w.stride())
+            torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+            assert dw.stride() == w.stride()
+    finally:
+        torch.set_num_threads(old)
