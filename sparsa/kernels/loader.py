@@ -1,9 +1,10 @@
 """JIT build and load of sparsa's native (C++/AVX2/OpenMP) kernel libraries.
 
 Kernels are plain C++ (no torch headers, so a build takes seconds) exposing ``extern "C"`` functions
-that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja; it holds a
-file lock so two processes building at once are safe) into a cache directory keyed by the source
-hash, then opened with :mod:`ctypes`. Python wrappers register them as ``torch.library`` custom ops.
+that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory keyed by
+the source hash, under an exclusive file lock on that directory, and a library is opened with
+:mod:`ctypes` only once its build has finished (a ``.done`` marker written after the link), so
+processes starting together never load a half-written ``.so``. Python wrappers register them as ``torch.library`` custom ops.
 
 - ``SPARSA_NO_NATIVE=1`` forces the pure-PyTorch fallbacks.
 - ``SPARSA_CACHE_DIR`` overrides the cache (default ``~/.cache/sparsa/kernels``).
@@ -19,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import threading
@@ -95,25 +97,24 @@ def _build(name: str, sources: Sequence[str]) -> ctypes.CDLL:
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     digest = h.hexdigest()[:16]
     out_dir = cache_dir() / f"{name}_{digest}"
-    so = out_dir / f"sparsa_{name}.so"
-    if so.exists():
+    so, done = out_dir / f"sparsa_{name}.so", out_dir / f"sparsa_{name}.done"
+    if done.exists():      # fast path: a finished build (the marker is written after the link)
         _INFO[name] = {"seconds": 0.0, "path": str(so), "cached": True}
         return ctypes.CDLL(str(so))
     out_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils import cpp_extension
-    t0 = time.perf_counter()
-    _warn_once(name + ":build", f"sparsa: building native kernels {name!r} (first use; cached afterwards)...")
-    cpp_extension.load(
-        name=f"sparsa_{name}",
-        sources=[str(p) for p in paths],
-        extra_cflags=CFLAGS,
-        extra_ldflags=LDFLAGS,
-        build_directory=str(out_dir),
-        is_python_module=False,
-        verbose=False,
-    )
-    dt = time.perf_counter() - t0
-    _INFO[name] = {"seconds": round(dt, 2), "path": str(so), "cached": False}
+    with open(out_dir / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # another process may be building this very library
+        if not done.exists():
+            from torch.utils import cpp_extension
+            t0 = time.perf_counter()
+            _warn_once(name + ":build", f"sparsa: building native kernels {name!r} (first use; cached afterwards)...")
+            cpp_extension.load(name=f"sparsa_{name}", sources=[str(p) for p in paths], extra_cflags=CFLAGS,
+                               extra_ldflags=LDFLAGS, build_directory=str(out_dir), is_python_module=False,
+                               verbose=False)
+            done.write_text(f"{time.perf_counter() - t0:.2f}\n")
+            _INFO[name] = {"seconds": round(time.perf_counter() - t0, 2), "path": str(so), "cached": False}
+        else:
+            _INFO[name] = {"seconds": 0.0, "path": str(so), "cached": True}
     return ctypes.CDLL(str(so))
 
 
