@@ -222,7 +222,7 @@ def monitor_numbers(acts, every, res):
         errs.append(abs(m.sparsity - exact) * 100)
     per_step = t_sample / every
     res["monitor"] = {"speedup_vs_full_count": t_full / per_step, "abs_error_pp": max(errs),
-                      "mean_abs_error_pp": statistics.mean(errs), "refresh_every": every, "sample_pixels": 512,
+                      "mean_abs_error_pp": statistics.mean(errs), "refresh_every": every, "sample_pixels": 512, "sample_elements": mons[0].elements,
                       "full_count_ms_per_step": t_full * 1e3, "monitor_ms_per_step": per_step * 1e3,
                       "monitor_ms_per_refresh": t_sample * 1e3, "layers": len(xs),
                       "note": "layers on the sparse path get the exact count for free from compaction"}

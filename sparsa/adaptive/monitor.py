@@ -36,7 +36,7 @@ class SparsityMonitor:
     """Per-layer sparsity estimate, refreshed every ``every`` calls from a sample or a fused count."""
 
     def __init__(self, every: int = 10, pixels: int = 512, slice: int = DEFAULT_SLICE, seed: int = 0,
-                 elements: int = 16384):
+                 elements: int = 32768):
         if int(every) < 1:
             raise ValueError(f"every must be a positive number of calls, got {every!r}; e.g. every=10")
         if int(pixels) < 1:
