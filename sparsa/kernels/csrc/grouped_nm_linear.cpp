@@ -35,6 +35,7 @@
 #include <vector>
 #include <omp.h>
 #include <immintrin.h>
+#include "cpu_isa.h"
 
 #ifndef __AVX2__
 #error "grouped_nm_linear.cpp needs AVX2/FMA (-mavx2 -mfma)"
@@ -431,13 +432,7 @@ template <int NR>
 struct PieceTable512<NR, 0> {
     static void fill(PieceFn*) {}
 };
-bool use_avx512() {
-    static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
-    if (!cpu) return false;
-    const char* off = getenv("SPARSA_NO_AVX512");  // read per call (cheap) so tests can cover both paths
-    return !(off && off[0] && !(off[0] == '0' && off[1] == 0));
-}
+bool use_avx512() { return sparsa_cpu_avx512_enabled(); }
 #else
 bool use_avx512() { return false; }
 #endif

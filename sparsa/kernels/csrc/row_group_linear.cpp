@@ -31,6 +31,7 @@
 #include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "cpu_isa.h"
 #endif
 
 namespace {
@@ -443,11 +444,7 @@ int dispatch(void (*fill)(TileFn*), const float* x, int64_t T, int64_t K, const 
 
 bool use_avx512() {
 #ifdef SPARSA_HAVE_AVX512_PATH
-    static const bool cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                            __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
-    if (!cpu) return false;
-    const char* off = getenv("SPARSA_NO_AVX512");  // read per call (cheap) so tests can cover both paths
-    return !(off && off[0] && !(off[0] == '0' && off[1] == 0));
+    return sparsa_cpu_avx512_enabled();
 #else
     return false;
 #endif
