@@ -244,3 +244,31 @@ def test_packed_backward_paths_match_dense(shape, O, k, d, threads):
             assert dw.stride() == w.stride()
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("C,O,sp", [(96, 64, 0.1), (96, 64, 0.8), (40, 48, 0.3), (24, 16, 0.0), (72, 32, 0.5),
+                                    (16, 128, 0.6), (32, 8, 0.2), (40, 24, 0.4), (200, 80, 0.2)])
+def test_forward_isa_paths_match_dense(monkeypatch, isa, C, O, sp):
+    # AVX-512 lists for 16-wide output blocks (one or two accumulator sets: lists >= 32 and shorter),
+    # the AVX2 lists for the rest and whenever SPARSA_NO_AVX512 is set
+    if not loader.native_enabled():
+        pytest.skip("SPARSA_NO_NATIVE is set; the packed path is native-only")
+    assert K.native_available(), "native adaptive kernels failed to build"
+    monkeypatch.setenv("SPARSA_NO_AVX512", "1" if isa == "avx2" else "0")
+    x = _act(2, C, 7, 9, sp, True, C + O)
+    w = torch.randn(O, C, 3, 3, generator=torch.Generator().manual_seed(O))
+    b = torch.randn(O)
+    for slc in (128, 32):
+        geo = K.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1), slc)
+        cnt, idx, val = K.compact(x, slc)
+        wf, _ = K.packed_weight(w)
+        prev = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                y = K.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
+                # sums of up to 9 * 200 products of magnitude ~1: absolute rounding ~1e-4
+                torch.testing.assert_close(y, F.conv2d(x.relu(), w, b, padding=1), atol=1e-3, rtol=1e-4)
+        finally:
+            torch.set_num_threads(prev)

@@ -28,6 +28,7 @@ from .calibration import Calibration, default_calibration
 from .compaction import DEFAULT_SLICE
 from .modules import AdaptiveConv2d, AdaptiveLinear, LayerState, tag_nonnegative, is_tagged_nonnegative
 from .monitor import SparsityMonitor
+from .memory import retain_freed_memory
 from .policy import Policy
 from .report import report as _report, format_report
 
@@ -85,12 +86,15 @@ class AdaptiveRuntime:
 
 def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
            calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
-           recalibrate: bool = False) -> AdaptiveRuntime:
+           recalibrate: bool = False, retain_memory: bool = True) -> AdaptiveRuntime:
     """Make ``model`` sparsity-adaptive in place and return the runtime handle.
 
     ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
     ``calibration``: the cost table (default: the machine's cached one; ``recalibrate=True`` clears
-    it first); ``slice``: channels per K-slice of the sparse kernels; ``pixels``: monitor sample size.
+    it first); ``slice``: channels per K-slice of the sparse kernels; ``pixels``: monitor sample size;
+    ``retain_memory``: keep freed heap memory in the process (glibc ``mallopt``, see
+    :func:`sparsa.adaptive.memory.retain_freed_memory`), so the per-step buffers of both the sparse and
+    the dense layers stop page-faulting every step.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -100,6 +104,8 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
     calibration = calibration if calibration is not None else default_calibration()
     if recalibrate:
         calibration.clear()
+    if retain_memory:
+        retain_freed_memory()
     handles, targets = [], []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ReLU):
