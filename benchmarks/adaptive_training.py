@@ -58,6 +58,11 @@ def digits_batches(batch: int, steps: int, size: int = 32, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------------------ helpers
+def _fmt(t):
+    return CL if t.dim() == 4 and t.is_contiguous(memory_format=CL) and not t.is_contiguous() \
+        else torch.contiguous_format
+
+
 def train_step(model, opt, x, y):
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(x), y)
@@ -66,22 +71,38 @@ def train_step(model, opt, x, y):
     return float(loss.detach())
 
 
-def capture_inputs(model: nn.Module, x) -> dict:
-    """Input activation of every adaptive layer for one forward pass."""
-    acts, hooks = {}, []
+def capture_inputs(model: nn.Module, x, labels=None) -> dict:
+    """Input activation of every adaptive layer for one forward pass, and (given ``labels``) the real
+    gradient at its output from one backward pass: ``name -> (module, input, grad_output or None)``.
+    The gradient keeps its real zeros (a conv feeding a ReLU directly gets dY = 0 wherever the ReLU
+    was inactive; behind a BatchNorm it is dense), which the dY-sparse input gradient exploits."""
+    acts, grads, hooks = {}, {}, []
+
+    def keep_grad(name):
+        def hook(mod, inp, out):
+            if out.requires_grad:
+                out.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
+        return hook
     for name, m in model.named_modules():
         if isinstance(m, (sa.AdaptiveConv2d, sa.AdaptiveLinear)):
             hooks.append(m.register_forward_pre_hook(
                 lambda mod, inp, name=name: acts.__setitem__(name, (mod, inp[0].detach().clone()))))
-    with torch.no_grad():
-        model(x)
+            if labels is not None:
+                hooks.append(m.register_forward_hook(keep_grad(name)))
+    if labels is None:
+        with torch.no_grad():
+            model(x)
+    else:
+        F.cross_entropy(model(x), labels).backward()
+        model.zero_grad(set_to_none=True)
     for h in hooks:
         h.remove()
-    return acts
+    return {k: (m, a, grads.get(k)) for k, (m, a) in acts.items()}
 
 
-def fwd_bwd(kind, mod, a, sparse: bool):
-    """A closure running one forward+backward of layer ``mod`` on activation ``a``."""
+def fwd_bwd(kind, mod, a, sparse: bool, gy=None):
+    """A closure running one forward+backward of layer ``mod`` on activation ``a`` (output gradient
+    ``gy``: the real one when given, else random and dense)."""
     w = mod.weight.detach().clone().requires_grad_(True)
     b = None if mod.bias is None else mod.bias.detach().clone().requires_grad_(True)
     if kind == "conv2d":
@@ -90,7 +111,8 @@ def fwd_bwd(kind, mod, a, sparse: bool):
     else:
         f = (lambda t: sa.relu_linear(t, w, b)) if sparse else (lambda t: F.linear(t, w, b))
     with torch.no_grad():
-        gy = torch.randn_like(f(a))
+        y0 = f(a)
+        gy = torch.randn_like(y0) if gy is None else gy.reshape(y0.shape).contiguous(memory_format=_fmt(y0))
 
     def run():
         with torch.no_grad():
@@ -151,30 +173,33 @@ def run_model(name, batch, steps, warm, reps_note, res):
           f"{row['adaptive_step_ms']:.0f} ms, speedup {row['step_speedup_vs_dense']:.2f}x, loss "
           f"{row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f}", flush=True)
     print(rt.format(), flush=True)
-    return adaptive, rt, data[-1][0].contiguous(memory_format=dfmt)
+    return adaptive, rt, data[-1][0].contiguous(memory_format=dfmt), data[-1][1]
 
 
-def layer_rows(name, model, rt, x, reps, res):
-    acts = capture_inputs(model, x)
-    for lname, (mod, a) in acts.items():
+def layer_rows(name, model, rt, x, labels, reps, res):
+    acts = capture_inputs(model, x, labels)
+    for lname, (mod, a, gy) in acts.items():
         st = rt.layers[lname]
         if not st.paired_calls or not st.supported:
             continue
         kind = st.kind
-        c = compare(fwd_bwd(kind, mod, a, False), fwd_bwd(kind, mod, a, True), reps=reps, warmup=1, min_seconds=0)
+        c = compare(fwd_bwd(kind, mod, a, False, gy), fwd_bwd(kind, mod, a, True, gy), reps=reps, warmup=1,
+                    min_seconds=0)
         sp = 1.0 - float((a != 0).float().mean())
+        gsp = None if gy is None else 1.0 - float((gy != 0).float().mean())
         ratio = c.ratio if st.path == "sparse" else 1.0
         res["layers"].append({"model": name, "layer": lname, "kind": kind, "shape": list(a.shape),
-                              "activation_sparsity": sp, "path": st.path, "ratio_vs_dense": ratio,
+                              "activation_sparsity": sp, "grad_sparsity": gsp, "path": st.path,
+                              "ratio_vs_dense": ratio,
                               "sparse_kernel_ratio": c.ratio, "dense_ms": c.baseline_s * 1e3,
                               "sparse_ms": c.candidate_s * 1e3})
-        print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} path {st.path:6s} "
+        print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} path {st.path:6s} "
               f"sparse/dense {c.ratio:.2f}x", flush=True)
     return acts
 
 
 def compaction_rows(acts, res, limit):
-    for lname, (mod, a) in list(acts.items())[:limit]:
+    for lname, (mod, a, _) in list(acts.items())[:limit]:
         if not isinstance(mod, sa.AdaptiveConv2d) or not mod.sparsa_state.paired_calls:
             continue  # only layers fed by a ReLU
         geo = K.geometry(a.shape, mod.weight.shape, mod.stride, mod.padding, mod.dilation, 64)
@@ -187,22 +212,29 @@ def compaction_rows(acts, res, limit):
 
 
 def sweep(acts, names, sparsities, reps, res):
+    """Each layer's real activation thresholded to each sparsity; forward+backward with the layer's real
+    output gradient (``dy: "real"``), and at 75% / 90% also with a dense random one (``dy: "random"``)."""
     for lname in names:
-        mod, a = acts[lname]
+        mod, a, gy = acts[lname]
         kind = "conv2d" if isinstance(mod, nn.Conv2d) else "linear"
+        gsp = None if gy is None else 1.0 - float((gy != 0).float().mean())
         for s in sparsities:
             at = thresholded(a, s).contiguous(memory_format=CL) if a.dim() == 4 else thresholded(a, s)
-            c = compare(fwd_bwd(kind, mod, at, False), fwd_bwd(kind, mod, at, True), reps=reps, warmup=1,
-                        min_seconds=0)
             real = 1.0 - float((at != 0).float().mean())
-            res["sweep"].append({"shape": f"{lname} x{list(a.shape)} w{list(mod.weight.shape)}",
-                                 "activation_sparsity": real, "ratio_vs_dense": c.ratio})
-            print(f"[sweep] {lname} {tuple(a.shape)} sparsity {real:.2f} ratio {c.ratio:.2f}x", flush=True)
+            for dy, g in (("real", gy), ("random", None)):
+                if dy == "random" and (gy is None or s not in (0.75, 0.9)):
+                    continue
+                c = compare(fwd_bwd(kind, mod, at, False, g), fwd_bwd(kind, mod, at, True, g), reps=reps,
+                            warmup=1, min_seconds=0)
+                res["sweep"].append({"shape": f"{lname} x{list(a.shape)} w{list(mod.weight.shape)}",
+                                     "activation_sparsity": real, "dy": dy if g is not None else "random",
+                                     "grad_sparsity": gsp if g is not None else 0.0, "ratio_vs_dense": c.ratio})
+                print(f"[sweep] {lname} {tuple(a.shape)} sparsity {real:.2f} dY {dy} ratio {c.ratio:.2f}x", flush=True)
 
 
 def monitor_numbers(acts, every, res):
     """Monitor (sampled, refreshed every ``every`` steps) vs a full count_nonzero every step."""
-    xs = [a for _, a in acts.values()]
+    xs = [a for _, a, _ in acts.values()]
     mons = [sa.SparsityMonitor(every=1, seed=i) for i in range(len(xs))]
     for m, a in zip(mons, xs):
         m.observe(a)  # build the sample indices once (as in training)
@@ -250,8 +282,8 @@ def main(argv=None):
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
     default_calibration()
     for name in models:
-        model, rt, x = run_model(name, batch, steps, warm, reps, res)
-        acts = layer_rows(name, model, rt, x, reps, res)
+        model, rt, x, labels = run_model(name, batch, steps, warm, reps, res)
+        acts = layer_rows(name, model, rt, x, labels, reps, res)
         if name == "vgg16":
             monitor_numbers(acts, 10, res)
             compaction_rows(acts, res, limit=14 if not quick else 6)

@@ -70,7 +70,8 @@ def adaptive_plot() -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for shape in sorted({r["shape"] for r in d["sweep"]}):
-        pts = sorted((r["activation_sparsity"], r["ratio_vs_dense"]) for r in d["sweep"] if r["shape"] == shape)
+        pts = sorted((r["activation_sparsity"], r["ratio_vs_dense"]) for r in d["sweep"]
+                     if r["shape"] == shape and r.get("dy", "real") == "real")
         ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=shape)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xlabel("activation sparsity (%)")

@@ -135,3 +135,44 @@ def test_compact_helper():
     assert m.shape == (1, 7, 6, 1)
     with pytest.raises(ValueError, match="slice"):
         sa.compact(x, slice=0)
+
+
+def test_output_gradient_sparsity_is_monitored_and_drives_the_policy(tmp_path):
+    # conv -> ReLU -> conv -> ReLU -> maxpool: dY of the second conv is zero wherever its ReLU was
+    # inactive or the pool did not pick the pixel; the monitor samples it in backward on refresh calls
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+    cal = Calibration(tmp_path / "c.json", reps=1)
+    rt = sa.enable(net, every=2, calibration=cal)
+    x = torch.randn(8, 3, 16, 16)
+    grads = {}
+
+    def keep(m, i, out):
+        if out.requires_grad:
+            out.register_hook(lambda g: grads.__setitem__("dy", g.detach().clone()))
+    net[2].register_forward_hook(keep)
+    net(x).sum().backward()
+    st = rt.layers["2"]
+    exact = float((grads["dy"] == 0).float().mean())
+    assert exact > 0.7  # ReLU zeros and 3 of every 4 pixels dropped by the pool
+    assert st.grad_sparsity is not None and abs(st.grad_sparsity - exact) < 0.05
+    row = next(r for r in rt.report() if r["layer"] == "2")
+    assert row["dy_sparsity"] == st.grad_sparsity
+    # the next refresh (call 3) re-samples; call 2 is not a refresh and leaves the estimate alone
+    st.grad_sparsity = -1.0
+    net(x).sum().backward()
+    assert st.grad_sparsity == -1.0
+    net(x).sum().backward()
+    assert abs(st.grad_sparsity - exact) < 0.05
+    # the policy reads it: with a dY-driven backward a sparse dY raises the predicted speedup
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=0.0, slope_ms=1.5, dy_path=True)
+    st.path = "dense"
+    st.monitor.calls = 0  # make the next call a refresh
+    with torch.no_grad():
+        net(x)
+    d, g = 1 - st.monitor.sparsity, 1 - st.grad_sparsity
+    assert st.speedup == pytest.approx(1.0 / (1.5 * (d + 2 * min(d, g / 0.8)) / 3))
+    assert st.speedup > CostEntry(1.0, 0.0, 1.5).speedup(d)
+    # no output gradient under no_grad: nothing sampled, no error
+    assert abs(st.grad_sparsity - exact) < 0.05

@@ -14,6 +14,9 @@ Example::
     >>> e = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0)
     >>> round(e.speedup(density=0.25), 2)
     2.5
+    >>> e2 = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0, dy_path=True)
+    >>> round(e2.speedup(density=0.5, grad_density=0.16), 2)   # backward driven by the sparser dY
+    2.17
 """
 from __future__ import annotations
 
@@ -30,28 +33,44 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import loader
-from .conv import relu_conv2d
+from .conv import dy_path_supported, relu_conv2d
 from .linear import relu_linear
 
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 3
+KERNEL_VERSION = 4
+
+
+#: work per nonzero of the dY-driven backward kernels relative to the activation-driven ones
+#: (measured: at equal densities the dY path runs 15-25% slower, dY compaction included)
+DY_PATH_EFFICIENCY = 0.8
 
 
 @dataclass
 class CostEntry:
-    """Forward+backward milliseconds: dense, and sparse = ``fixed_ms + slope_ms * density``."""
+    """Forward+backward milliseconds: dense, and sparse = ``fixed_ms + slope_ms * density``.
+
+    The slope is measured with a dense output gradient, so all three GEMMs scale with the activation
+    density. Where the layer has the dY-driven backward (``dy_path``) and the output gradient is sparser
+    (``grad_density``), the two backward GEMMs (two thirds of the work) scale with
+    ``min(density, grad_density / DY_PATH_EFFICIENCY)`` instead.
+    """
 
     dense_ms: float
     fixed_ms: float
     slope_ms: float
+    dy_path: bool = False
 
-    def sparse_ms(self, density: float) -> float:
-        return self.fixed_ms + self.slope_ms * float(density)
+    def sparse_ms(self, density: float, grad_density: Optional[float] = None) -> float:
+        d = float(density)
+        back = d
+        if self.dy_path and grad_density is not None:
+            back = min(d, float(grad_density) / DY_PATH_EFFICIENCY)
+        return self.fixed_ms + self.slope_ms * (d + 2.0 * back) / 3.0
 
-    def speedup(self, density: float) -> float:
-        return self.dense_ms / max(1e-9, self.sparse_ms(density))
+    def speedup(self, density: float, grad_density: Optional[float] = None) -> float:
+        return self.dense_ms / max(1e-9, self.sparse_ms(density, grad_density))
 
 
 def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool) -> str:
@@ -161,11 +180,12 @@ class Calibration:
                 a2 = _thresholded(a, d2)
                 d2 = float((a2 != 0).float().mean())
                 t2 = _time(lambda: run(sparse, a2), self.reps)
+            dyp = kind == "conv2d" and dy_path_supported(x, weight, **conv_args)
             if d1 <= 0.02 or d1 - d2 < 0.01:
-                return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3))
+                return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp)
         slope = max(0.0, (t1 - t2) / (d1 - d2))
         fixed = max(0.0, t1 - slope * d1)
-        return CostEntry(dense_ms, fixed, slope)
+        return CostEntry(dense_ms, fixed, slope, dyp)
 
 
 _DEFAULT: Optional[Calibration] = None

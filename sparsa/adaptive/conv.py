@@ -5,6 +5,11 @@ reuses the same compacted operand for the weight gradient and computes the input
 where ``relu(x) != 0`` (elsewhere the ReLU's derivative is zero anyway), so the result is the exact
 gradient of ``conv2d(relu(x), W, b)``. When ``x`` already is a ReLU output, ``relu(x) == x``.
 
+Stride-1 convolutions whose output gradient dY is sparse too (the conv feeds a ReLU, no BatchNorm
+in between) may compute the input gradient from dY's nonzeros instead: a forward conv of the
+compacted dY with the flipped, transposed weight, masked by relu(x)'s nonzeros. A cost model (see
+``_dy_path_pays``) picks the cheaper path per call from nnz(relu(x)) and a sampled nnz(dY).
+
 Example::
 
     >>> import torch
@@ -16,7 +21,9 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import weakref
+from collections import Counter
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -24,7 +31,61 @@ from torch import Tensor
 from ..kernels import adaptive as _k
 from .compaction import DEFAULT_SLICE
 
-__all__ = ["relu_conv2d", "conv_supported"]
+__all__ = ["relu_conv2d", "conv_supported", "dy_path_supported", "backward_paths", "backward_paths_dw"]
+
+# How many input gradients each stride-1 native backward computed over the nonzeros of relu(x)
+# ("x") or of dY ("dy"); tests and benchmarks read it to see which path ran.
+backward_paths: Counter = Counter()
+
+# Sparse-dY input gradient (stride 1, C % 8 == 0): dx = mask_{x>0}(conv2d(dY, W flipped, transposed)),
+# a forward conv over the compacted dY (work ~ nnz(dY) * C) instead of dot products at the nonzeros of
+# relu(x) (work ~ nnz(x) * O). Cost model fitted on the 2-core dev machine (batch 32, 3x3 pad 1, C = O
+# in {64, 128, 256, 512}, clustered zeros, 1 and 2 threads; benchmarks/adaptive_igrad_dy.py): in units
+# of the x-sparse kernel's time ``nnz(x) * O``, the dY path costs ``0.375 * nnz(dY) * C`` plus a fixed
+# ``0.0625 * numel(dY) * O`` (compacting dY, applying the ReLU mask). Measured input-gradient crossovers
+# (old/new = 1): x 90% zeros at nnz(dY)/nnz(x) ~ 1.0 (0.90-1.17x there), x 75% at ~ 2.0 (0.72-1.25x),
+# x 50%: the dY path won at every dY tried (1.18-1.28x at nnz(dY)/nnz(x) = 1.4). With the weight
+# gradient also needed, the x path computes both in one call that shares its per-channel view of the
+# operand and the padded dY; splitting them (weight gradient alone) cost another 5-35% of the x-sparse
+# input gradient (most at 64ch 32x32), so the dY path must then predict below 0.6 of it (dx + dW, 2
+# threads, old/new: 1.04-1.45x where the rule takes the dY path, 0.52-1.11x where it keeps the x path,
+# the >1 ones at x 75% / dY 75%, near the threshold). Input gradient alone: below 0.8.
+# Off the fitted shapes (1x1 256->256, 128->512, 512->128; 3x3 64->128, 128->64; 1 and 2 threads) the
+# model held for 1x1 and for C < O, but C > O made the dY path slower than predicted (128->64 3x3:
+# 0.79x where 0.69 was predicted), hence the factor sqrt(C / O) when C > O. With it, every case where
+# the rule took the dY path was >= 1.05x (1 thread, dx + dW); it leaves gains on the table for C > O
+# (512->128 1x1 at x 50% / dY 50%: dx alone 2.5x, dx + dW 1.2x, kept on the x path). Run-to-run noise
+# on the shared machine is about +-15% per ratio.
+_DY_PER_NNZ, _DY_FIXED = 0.375, 0.0625
+_DY_MARGIN, _DY_MARGIN_WITH_DW = 0.8, 0.6
+_DY_SAMPLE_ELEMENTS = 16384
+_SAMPLE_BASE: Dict[Tuple[int, int, int], Tensor] = {}
+
+
+def _dy_density(g: Tensor) -> float:
+    """Estimated fraction of nonzeros of ``g`` ([N, Ho, Wo, O] contiguous) from evenly spaced pixels."""
+    P, O = g.numel() // max(1, g.shape[-1]), g.shape[-1]
+    m = min(P, max(16, _DY_SAMPLE_ELEMENTS // max(1, O)))
+    base = _SAMPLE_BASE.get((P, O, m))
+    if base is None:
+        if len(_SAMPLE_BASE) > 256:
+            _SAMPLE_BASE.clear()
+        base = _SAMPLE_BASE[(P, O, m)] = (torch.arange(m, dtype=torch.int64) * P // m) * O
+    res = _k.sample_zeros(g.permute(0, 3, 1, 2), base, max(1, O))
+    if res is None:
+        return 1.0
+    return 1.0 - res[0] / max(1, m * O)
+
+
+def _dy_path_pays(g: Tensor, cnt: Tensor, geo: Sequence[int], need_dw: bool = True) -> bool:
+    """The cost model above: True when the dY path should compute the input gradient."""
+    C, O = geo[1], geo[4]
+    numel_dy = g.numel()
+    nnz_x = int(cnt.sum())
+    nnz_dy = _dy_density(g) * numel_dy
+    new = (_DY_PER_NNZ * nnz_dy * C + _DY_FIXED * numel_dy * O) * max(1.0, C / O) ** 0.5
+    return new < (_DY_MARGIN_WITH_DW if need_dw else _DY_MARGIN) * nnz_x * O
+
 
 IntOr2 = Union[int, Sequence[int]]
 
@@ -45,9 +106,16 @@ def conv_supported(weight: Tensor, groups: int = 1, padding_mode: str = "zeros",
             and weight.dim() == 4 and weight.shape[0] % 8 == 0)
 
 
+def dy_path_supported(x: Tensor, weight: Tensor, stride: IntOr2 = 1, padding: IntOr2 = 0,
+                      dilation: IntOr2 = 1) -> bool:
+    """Whether the backward may run over dY's nonzeros (native, stride 1, C and O multiples of 8)."""
+    return (_k.native_available() and x.dim() == 4 and weight.dim() == 4 and x.dtype == torch.float32
+            and _pair(stride, "stride") == (1, 1) and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)
+
+
 class _ReluConv2d(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, geo, stats):
+    def forward(ctx, x, weight, bias, geo, stats, nonnegative):
         cnt, idx, val = _k.compact(x.detach(), geo[15])
         b = None if bias is None else bias.detach()
         # native fast path: the weight packed once per parameter version (cached), dY padding and the
@@ -68,6 +136,14 @@ class _ReluConv2d(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.packed = packed
         ctx.w_stride = tuple(weight.stride())
+        # the dY path packs the flipped weight in backward: only if the weight still holds these values
+        ctx.w_ref = weakref.ref(weight) if packed and _k._stride1(geo) and geo[1] % 8 == 0 else None
+        ctx.w_key = (weight._version, weight.data_ptr())
+        # the dY-driven weight gradient reads relu(x) densely: keep x (no copy; not via save_for_backward,
+        # so a later in-place change of x only turns that path off instead of failing the backward)
+        ctx.x_keep = None
+        if ctx.w_ref is not None and geo[11] <= geo[13] * (geo[5] - 1) and geo[12] <= geo[14] * (geo[6] - 1):
+            ctx.x_keep = (x.detach(), x._version, nonnegative)
         ctx.save_for_backward(cnt, idx, val, wsave)
         return y
 
@@ -78,7 +154,21 @@ class _ReluConv2d(torch.autograd.Function):
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.packed and _k._stride1(ctx.geo):
-            if need_dx or need_dw:
+            weight = ctx.w_ref() if ctx.w_ref is not None else None
+            if (need_dx and weight is not None and (weight._version, weight.data_ptr()) == ctx.w_key
+                    and g.numel() and _dy_path_pays(g, cnt, ctx.geo, need_dw)):
+                S = ctx.geo[15]
+                gc, gi, gv = _k.compact_signed(g.permute(0, 3, 1, 2), S)
+                dx = _k.conv_igrad_dy(gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S,
+                                      ctx.channels_last)
+                backward_paths["dy"] += 1
+                if need_dw:
+                    dw = _wgrad_dy(ctx, gc, gi, gv, cnt)
+                if need_dw and dw is None:
+                    _, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, False, True,
+                                               ctx.w_stride)
+            elif need_dx or need_dw:
+                backward_paths["x"] += need_dx
                 dx, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw,
                                             ctx.w_stride)
         else:
@@ -92,16 +182,47 @@ class _ReluConv2d(torch.autograd.Function):
                 dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum((0, 1, 2))
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
+
+
+# dY-driven weight gradient: dW[o, c, i, j] is the weight gradient of the flipped conv (input dY, output
+# dX, weight W'[c, o] = W[o, c] flipped) taken with relu(x) in the place of its output gradient, so the
+# stride-1 weight-gradient kernel runs over dY's compacted nonzeros (work ~ nnz(dY) * C) instead of
+# relu(x)'s (~ nnz(x) * O). Measured (/tmp/s3/wgdy.py, 2 threads, batch 32, 3x3): at x 50% / dY 85% zeros
+# 1.8x (128ch), 2.4x (256ch), 2.0x (512ch) faster than the x-driven kernel; at equal densities 15-25%
+# slower. Taken when nnz(dY) * C < _DW_DY_RATIO * nnz(x) * O.
+_DW_DY_RATIO = 0.75
+backward_paths_dw: Counter = Counter()
+
+
+def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[Tensor]:
+    """``dW`` from the compacted dY ``(gc, gi, gv)`` when that is the cheaper side, else None."""
+    if ctx.x_keep is None:
+        return None
+    x, version, nonnegative = ctx.x_keep
+    geo = ctx.geo
+    C, O = geo[1], geo[4]
+    if x._version != version or int(gc.sum()) * C >= _DW_DY_RATIO * int(cnt.sum()) * O:
+        return None
+    xr = x if nonnegative else x.clamp_min(0)
+    xn = xr.permute(0, 2, 3, 1).contiguous()                       # [N, H, W, C]: the flipped conv's "dY"
+    g2 = _k.igrad_dy_geometry(geo, geo[15])
+    _, dwf = _k.conv_bwd_packed(gc, gi, gv, xn, xn, g2, True, False, True)   # [C, O, KH, KW] of the flip
+    dw = torch.empty_strided((O, C, geo[5], geo[6]), ctx.w_stride, dtype=dwf.dtype) \
+        if _k._dense_strides((O, C, geo[5], geo[6]), ctx.w_stride) else torch.empty(O, C, geo[5], geo[6])
+    dw.copy_(dwf.transpose(0, 1).flip(2, 3))
+    backward_paths_dw["dy"] += 1
+    return dw
 
 
 def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride: IntOr2 = 1,
                 padding: IntOr2 = 0, dilation: IntOr2 = 1, slice: int = DEFAULT_SLICE,
-                stats: Optional[dict] = None) -> Tensor:
+                stats: Optional[dict] = None, nonnegative: bool = False) -> Tensor:
     """``F.conv2d(relu(x), weight, bias, stride, padding, dilation)`` through the sparse kernels.
 
     ``stats``, if given, receives ``"nnz"``: the per-(pixel, slice) nonzero counts of ``relu(x)``.
-    The result is ``[N, O, Ho, Wo]`` with channels-last strides.
+    ``nonnegative=True`` promises ``x >= 0`` (a ReLU output): the dY-driven weight gradient then reads
+    ``x`` itself instead of a ``relu(x)`` copy. The result is ``[N, O, Ho, Wo]`` with channels-last strides.
     """
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -109,4 +230,4 @@ def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride
         raise ValueError(f"weight must be 4-D [O, C, KH, KW], got shape {tuple(weight.shape)}")
     geo = _k.geometry(x.shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"),
                       _pair(dilation, "dilation"), slice)
-    return _ReluConv2d.apply(x, weight, bias, geo, stats)
+    return _ReluConv2d.apply(x, weight, bias, geo, stats, bool(nonnegative))

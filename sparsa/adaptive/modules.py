@@ -67,6 +67,9 @@ class LayerState:
     sparse_calls: int = 0
     fwd_ms: Dict[str, float] = field(default_factory=dict)
     switches: int = 0
+    #: zero fraction of the output gradient dY (sampled in backward on refresh calls; None until then)
+    grad_sparsity: Optional[float] = None
+    grad_monitor: Optional[SparsityMonitor] = None
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
@@ -81,11 +84,26 @@ def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor]
         if state.cost is None:
             state.cost = state.calibration.entry(state.kind, x, weight, bias, conv_args, state.slice)
         density = 1.0 - (state.monitor.sparsity or 0.0)
-        state.speedup = state.cost.speedup(density)
+        grad_density = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
+        state.speedup = state.cost.speedup(density, grad_density)
         new = state.policy.choose(state.path, state.speedup)
     if new != state.path:
         state.switches += 1
         state.path = new
+
+
+def _watch_grad(state: LayerState, y: Tensor) -> None:
+    """Sample the zeros of dY when it arrives in backward (a tensor hook, this call only)."""
+    if not (isinstance(y, Tensor) and y.requires_grad and torch.is_grad_enabled()):
+        return
+    if state.grad_monitor is None:
+        m = state.monitor
+        state.grad_monitor = SparsityMonitor(1, m.pixels, m.slice, seed=m.refreshes + 7919, elements=m.elements)
+
+    def hook(g: Tensor) -> None:
+        state.grad_monitor.observe(g)
+        state.grad_sparsity = state.grad_monitor.sparsity
+    y.register_hook(hook)
 
 
 def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
@@ -93,6 +111,15 @@ def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -
     if not _paired(state, x):
         return dense(x)
     state.paired_calls += 1
+    mon = state.monitor
+    if mon.due():
+        y = _run_paired(state, x, dense, sparse, weight, bias, conv_args)
+        _watch_grad(state, y)
+        return y
+    return _run_paired(state, x, dense, sparse, weight, bias, conv_args)
+
+
+def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
     mon = state.monitor
     t0 = time.perf_counter()
     if state.path == "sparse":
@@ -153,7 +180,7 @@ class AdaptiveConv2d(nn.Conv2d):
         return _run(self.sparsa_state, x,
                     lambda t: self._conv_forward(t, self.weight, self.bias),
                     lambda t, stats: relu_conv2d(t, self.weight, self.bias, slice=self.sparsa_state.slice,
-                                                 stats=stats, **args),
+                                                 stats=stats, nonnegative=True, **args),
                     self.weight, self.bias, args)
 
 

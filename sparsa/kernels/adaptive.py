@@ -1,12 +1,14 @@
 """Custom ops of the activation-sparse training runtime (``sparsa.adaptive``).
 
-Four ``torch.library`` custom ops (each with a fake implementation and a pure-PyTorch fallback that
+``torch.library`` custom ops (each with a fake implementation and a pure-PyTorch fallback that
 runs when the native library in ``csrc/adaptive_*.cpp`` cannot be built or ``SPARSA_NO_NATIVE=1``):
 
 - ``sparsa::adaptive_compact(x, slice)``: fused ReLU + compaction of ``x`` (logical NCHW, any
   strides) into the *sliced padded CSR* operand ``(cnt, idx, val)``: for pixel ``q = (n*H+h)*W+w``
   and channel slice ``s`` (``slice`` channels each), ``cnt[q*S+s]`` nonzeros whose ascending channel
   indices and values sit at ``idx/val[q*C + s*slice : ... + cnt]``. Entries past a count are undefined.
+- ``sparsa::adaptive_compact_signed(x, slice)``: the same operand without the ReLU (every element
+  ``!= 0``, NaN included), for the output gradient dY.
 - ``sparsa::adaptive_conv_fwd``: ``y[N,Ho,Wo,O] = conv2d(relu(x), W) + b`` from the operand.
 - ``sparsa::adaptive_conv_wgrad``: ``dWt[KH,KW,C,O]`` from the same operand and ``dy`` (NHWC).
 - ``sparsa::adaptive_conv_igrad``: ``dx`` only where ``relu(x) != 0`` (zero elsewhere): exactly the
@@ -18,6 +20,8 @@ The training step (``relu_conv2d``) uses three plain functions instead when the 
 available: :func:`packed_weight` (the weight packed once per parameter version for the forward and
 the input-gradient kernels), :func:`conv_fwd_packed` and :func:`conv_bwd_packed` (stride 1: pads dY
 and writes the weight gradient in ``[O, C, KH, KW]`` inside the kernel, per-thread scratch reused).
+When dY is sparse, :func:`conv_igrad_dy` computes a stride-1 input gradient as a forward conv of the
+compacted dY with :func:`packed_weight_flipped` (cached like :func:`packed_weight`).
 
 ``geo`` is ``[N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, slice]`` (see :func:`geometry`).
 Weights travel transposed, ``Wt = W.permute(2, 3, 1, 0)`` (``[KH, KW, C, O]``).
@@ -46,8 +50,9 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["compact", "conv_fwd", "conv_wgrad", "conv_igrad", "conv_bwd", "geometry", "densify", "sample_zeros",
-           "native_library", "native_available", "packed_weight", "conv_fwd_packed", "conv_bwd_packed"]
+__all__ = ["compact", "compact_signed", "conv_fwd", "conv_wgrad", "conv_igrad", "conv_bwd", "geometry", "densify",
+           "sample_zeros", "native_library", "native_available", "packed_weight", "conv_fwd_packed", "conv_bwd_packed",
+           "packed_weight_flipped", "igrad_dy_geometry", "conv_igrad_dy"]
 
 _SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp"]
 _PAD = 8  # tail room in idx/val (vector stores)
@@ -60,6 +65,10 @@ def native_library() -> Optional[ctypes.CDLL]:
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.sparsa_adaptive_compact_f32.argtypes = [vp] + [i64] * 9 + [vp, vp, vp, ci]
         lib.sparsa_adaptive_compact_f32.restype = i64
+        lib.sparsa_adaptive_compact_signed_f32.argtypes = [vp] + [i64] * 9 + [vp, vp, vp, ci]
+        lib.sparsa_adaptive_compact_signed_f32.restype = i64
+        lib.sparsa_adaptive_mask_f32.argtypes = [vp] + [i64] * 5 + [vp, vp, vp, vp, ci]
+        lib.sparsa_adaptive_mask_f32.restype = None
         lib.sparsa_adaptive_conv_fwd_f32.argtypes = [vp] * 7 + [ci]
         lib.sparsa_adaptive_conv_fwd_f32.restype = ci
         lib.sparsa_adaptive_conv_wgrad_f32.argtypes = [vp] * 6 + [ci]
@@ -125,7 +134,7 @@ def _use_native(*ts: Optional[Tensor]) -> Optional[ctypes.CDLL]:
 
 
 # ------------------------------------------------------------------------------------------ compact
-def _compact_reference(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+def _compact_reference(x: Tensor, slice: int, signed: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     N, C, H, W = x.shape
     S = -(-C // slice)
     P = N * H * W
@@ -133,7 +142,7 @@ def _compact_reference(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
     xp = xh.new_zeros(P, S * slice)
     xp[:, :C] = xh
     xp = xp.view(P, S, slice)
-    m = xp > 0
+    m = (xp != 0) | xp.isnan() if signed else xp > 0
     cnt = m.sum(-1, dtype=torch.int32).reshape(-1)
     pos = torch.cumsum(m, -1, dtype=torch.int64) - 1
     q, s, c = m.nonzero(as_tuple=True)
@@ -167,6 +176,38 @@ def compact(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 @compact.register_fake
+def _(x, slice):
+    N, C, H, W = x.shape
+    S = -(-C // slice)
+    P = N * H * W
+    return (x.new_empty(P * S, dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
+            x.new_empty(P * C + _PAD))
+
+
+@torch.library.custom_op("sparsa::adaptive_compact_signed", mutates_args=())
+def compact_signed(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`compact` without the ReLU: keeps every element ``!= 0`` of ``x`` (negative values, NaN
+    and infinities too; ``-0.0 == 0`` is dropped like ``+0.0``). Used on the output gradient dY,
+    whose zeros (behind the next layer's ReLU) the input-gradient path :func:`conv_igrad_dy` skips."""
+    if x.dim() != 4:
+        raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}; view a matrix as [1, K, P, 1]")
+    lib = _use_native(x)
+    if lib is None or x.dtype != torch.float32:
+        return _compact_reference(x, slice, signed=True)
+    N, C, H, W = x.shape
+    S = -(-C // slice)
+    P = N * H * W
+    cnt = torch.empty(P * S, dtype=torch.int32)
+    idx = torch.empty(P * C + _PAD, dtype=torch.int32)
+    val = torch.empty(P * C + _PAD, dtype=torch.float32)
+    if P and C:
+        sn, sc, sh, sw = x.stride()
+        lib.sparsa_adaptive_compact_signed_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice,
+                                               cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
+    return cnt, idx, val
+
+
+@compact_signed.register_fake
 def _(x, slice):
     N, C, H, W = x.shape
     S = -(-C // slice)
@@ -234,8 +275,10 @@ def _fwd_empty(geo: Sequence[int], out_format: int, dtype: torch.dtype, like: Op
         (lambda *s: torch.empty(*s, dtype=dtype))
     if out_format == 0:
         return new(N, Ho, Wo, O)
-    if out_format == 1:
-        return new(N, O, Ho, Wo).contiguous(memory_format=torch.channels_last)
+    if out_format == 1:  # [N, O, Ho, Wo] with channels-last strides, allocated as such (not a view: in-place
+        # ops on a custom Function's output must be allowed; not a copy of an uninitialised tensor either)
+        dev = like.device if like is not None else None
+        return torch.empty(N, O, Ho, Wo, dtype=dtype, device=dev, memory_format=torch.channels_last)
     if out_format == 2:
         return new(N * Ho * Wo, O)
     raise ValueError(f"out_format must be 0, 1 or 2, got {out_format!r}")
@@ -373,7 +416,7 @@ def _(cnt, idx, val, dy, wt, geo, channels_last):
 # every call), padding of dY and the weight gradient's layout happen inside the kernel. These are
 # plain functions (not custom ops): callers check :func:`packed_supported` first.
 
-# id(weight) -> (weakref to the weight, key, wf, wc); an entry goes away with its weight. (Not an
+# id(weight) -> (weakref to the weight, key, (wf, wc)); an entry goes away with its weight. (Not an
 # attribute on the Parameter: pickling a module would then carry the packs along.)
 _PACKS: Dict[int, tuple] = {}
 
@@ -388,33 +431,107 @@ def packed_supported(*ts: Optional[Tensor]) -> bool:
     return native_library() is not None
 
 
+def _cached_pack(store: Dict[int, tuple], weight: Tensor, build):
+    """``build(w)`` for the detached ``weight``, cached in ``store`` per tensor (while it lives) and
+    rebuilt when it changes (its version counter or storage moves)."""
+    w = weight.detach()
+    key = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    wid = id(weight)
+    hit = store.get(wid)
+    if hit is not None and hit[0]() is weight and hit[1] == key:
+        return hit[2]
+    packs = build(w)
+
+    def _drop(ref, wid=wid, store=store):
+        ent = store.get(wid)
+        if ent is not None and ent[0] is ref:
+            del store[wid]
+
+    store[wid] = (weakref.ref(weight, _drop), key, packs)
+    return packs
+
+
+def _pack(w: Tensor, want_wf: bool, want_wc: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    lib = native_library()
+    O, C, KH, KW = w.shape
+    wf = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wf else None
+    wc = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wc else None
+    ws = torch.tensor(w.stride(), dtype=torch.int64)
+    rc = lib.sparsa_adaptive_pack_weight_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW,
+                                             None if wf is None else wf.data_ptr(),
+                                             None if wc is None else wc.data_ptr(), _nthreads())
+    if rc:
+        raise ValueError(f"packed_weight: out_channels={O} must be a multiple of 8")
+    return wf, wc
+
+
 def packed_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
     """``(wf, wc)``: ``weight`` ``[O, C, KH, KW]`` (any strides, ``O % 8 == 0``) packed for the forward
     (``[O/OB, KH, KW, C, OB]``) and the input-gradient (``[C, KH, KW, O]``) kernels. Cached per tensor
     (while it lives) and re-packed when it changes (its version counter or storage moves), i.e. once
     per optimizer step."""
-    lib = native_library()
-    w = weight.detach()
-    key = (w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()))
-    wid = id(weight)
-    hit = _PACKS.get(wid)
-    if hit is not None and hit[0]() is weight and hit[1] == key:
-        return hit[2], hit[3]
-    O, C, KH, KW = w.shape
-    wf = torch.empty(O * C * KH * KW, dtype=torch.float32)
-    wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
-    ws = torch.tensor(w.stride(), dtype=torch.int64)
-    rc = lib.sparsa_adaptive_pack_weight_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW, wf.data_ptr(),
-                                             wc.data_ptr(), _nthreads())
-    if rc:
-        raise ValueError(f"packed_weight: out_channels={O} must be a multiple of 8")
-    def _drop(ref, wid=wid):
-        ent = _PACKS.get(wid)
-        if ent is not None and ent[0] is ref:
-            del _PACKS[wid]
+    return _cached_pack(_PACKS, weight, lambda w: _pack(w, True, True))
 
-    _PACKS[wid] = (weakref.ref(weight, _drop), key, wf, wc)
-    return wf, wc
+
+def _pick_ob(O: int) -> int:
+    """The output-channel block ``OB`` of the forward pack (``pick_ob`` in csrc/adaptive_conv.cpp):
+    the largest multiple of 8 up to 64 that divides ``O``."""
+    for b in range(64, 8, -8):
+        if O % b == 0:
+            return b
+    return 8
+
+
+# id(weight) -> (weakref, key, wf of the flipped transposed weight): the dY-sparse input gradient
+_FLIP_PACKS: Dict[int, tuple] = {}
+
+
+def packed_weight_flipped(weight: Tensor) -> Tensor:
+    """The forward pack (as :func:`packed_weight`'s ``wf``) of ``W'[c, o, i, j] = W[o, c, KH-1-i,
+    KW-1-j]``: the weight of the forward conv that computes a stride-1 conv's input gradient from dY
+    (see :func:`conv_igrad_dy`). Needs ``C % 8 == 0``; cached and re-packed like :func:`packed_weight`."""
+    def build(w: Tensor) -> Tensor:
+        # one strided copy in PyTorch: 3x faster than packing a flipped copy in the kernel (the
+        # test compares both)
+        O, C, KH, KW = w.shape
+        if C % 8:
+            raise ValueError(f"packed_weight_flipped: in_channels={C} must be a multiple of 8")
+        ob = _pick_ob(C)
+        return (w.to(torch.float32).flip(2, 3).reshape(O, C // ob, ob, KH, KW).permute(1, 3, 4, 0, 2)
+                .contiguous().view(-1))
+    return _cached_pack(_FLIP_PACKS, weight, build)
+
+
+def igrad_dy_geometry(geo: Sequence[int], slice: Optional[int] = None) -> List[int]:
+    """The ``geo`` of the forward conv (input dY ``[N, O, Ho, Wo]``, weight :func:`packed_weight_flipped`)
+    whose output ``[N, H, W, C]`` is the input gradient of the stride-1 conv ``geo``:
+    ``padding' = dilation * (K - 1) - padding`` (may be negative), same dilation, stride 1."""
+    N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS = (int(v) for v in geo)
+    if sh != 1 or sw != 1:
+        raise ValueError(f"igrad_dy_geometry needs a stride-1 geometry, got {list(geo)}")
+    return [N, O, Ho, Wo, C, KH, KW, H, W, 1, 1, dh * (KH - 1) - ph, dw * (KW - 1) - pw, dh, dw,
+            CS if slice is None else int(slice)]
+
+
+def conv_igrad_dy(gcnt: Tensor, gidx: Tensor, gval: Tensor, wflip: Tensor, cnt: Tensor, idx: Tensor,
+                  geo: List[int], gslice: int, channels_last: bool) -> Tensor:
+    """:func:`conv_igrad` of a stride-1 conv (native, ``C % 8 == 0``) computed as a *forward* conv of
+    the compacted dY (``(gcnt, gidx, gval)`` from :func:`compact_signed` with ``gslice`` channels a
+    slice) with :func:`packed_weight_flipped`, then kept only at the nonzeros of the operand
+    ``(cnt, idx)`` of ``relu(x)`` (the ReLU derivative). Work ~ nnz(dY) instead of nnz(relu(x))."""
+    lib = native_library()
+    N, C, H, W, CS = geo[0], geo[1], geo[2], geo[3], geo[15]
+    g2 = igrad_dy_geometry(geo, gslice)
+    y = conv_fwd_packed(gcnt, gidx, gval, wflip, None, g2, 0)       # [N, H, W, C]
+    if channels_last:
+        lib.sparsa_adaptive_mask_f32(y.data_ptr(), N, C, H, W, CS, cnt.data_ptr(), idx.data_ptr(), None, None,
+                                     _nthreads())
+        return y.permute(0, 3, 1, 2)
+    dx = torch.zeros(N, C, H, W, dtype=torch.float32)
+    s = torch.tensor(dx.stride(), dtype=torch.int64)
+    lib.sparsa_adaptive_mask_f32(y.data_ptr(), N, C, H, W, CS, cnt.data_ptr(), idx.data_ptr(), dx.data_ptr(),
+                                 s.data_ptr(), _nthreads())
+    return dx
 
 
 def conv_fwd_packed(cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor],

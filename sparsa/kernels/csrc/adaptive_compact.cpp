@@ -9,6 +9,11 @@
 //   idx[q*C + s*CS + j]     channel index (ascending) of the j-th nonzero, j < cnt[q*S+s]
 //   val[q*C + s*CS + j]     its value
 // Entries past the count are not written. Returns the total number of nonzeros.
+//
+// sparsa_adaptive_compact_signed_f32 is the same conversion without the ReLU: it keeps every
+// element that is != 0 (negative values, NaN and +-inf too; -0.0 compares equal to 0 and is
+// dropped). The input-gradient path over a sparse output gradient dY compacts dY with it.
+// sparsa_adaptive_mask_f32 applies the ReLU derivative of an operand (keep only its nonzeros).
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -34,8 +39,13 @@ struct PermTable {
 };
 const PermTable kPerm;
 
+// Kept elements: x > 0 (fused ReLU) or, SIGNED, x != 0 (unordered compare: NaN is kept).
+template <bool SIGNED>
+inline bool keep(float v) { return SIGNED ? !(v == 0.f) : v > 0.f; }
+
 // One row of W pixels whose channels are contiguous (pixel w at xr + w * sw): AVX2 left-pack of
 // 8 channels at a time. Returns the row's nonzero count.
+template <bool SIGNED>
 int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_t CS, int64_t S, int64_t q0,
                        int32_t* cnt, int32_t* idx, float* val) {
     const __m256 zero = _mm256_setzero_ps();
@@ -51,7 +61,7 @@ int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_
             int64_t c = c0;
             for (; c + 8 <= c1; c += 8) {
                 __m256 v = _mm256_loadu_ps(xp + c);
-                int m = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_GT_OQ));
+                int m = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, SIGNED ? _CMP_NEQ_UQ : _CMP_GT_OQ));
                 if (!m) continue;
                 __m256i p = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPerm.perm[m]));
                 int pc = kPerm.pop[m];
@@ -65,7 +75,7 @@ int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_
             }
             for (; c < c1; ++c) {
                 float v = xp[c];
-                if (v > 0.f) { ip[k] = (int32_t)c; vp[k] = v; ++k; }
+                if (keep<SIGNED>(v)) { ip[k] = (int32_t)c; vp[k] = v; ++k; }
             }
             cnt[q * S + s] = k;
             local += k;
@@ -74,13 +84,9 @@ int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_
     return local;
 }
 
-}  // namespace
-
-extern "C" {
-
-int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
-                                    int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
-                                    int32_t* cnt, int32_t* idx, float* val, int nthreads) {
+template <bool SIGNED>
+int64_t compact_impl(const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn, int64_t sc,
+                     int64_t sh, int64_t sw, int64_t CS, int32_t* cnt, int32_t* idx, float* val, int nthreads) {
     const int64_t S = (C + CS - 1) / CS;
     const int64_t rows = N * H;
     int64_t total = 0;
@@ -93,7 +99,7 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
             const float* xr = x + n * sn + h * sh;
             const int64_t q0 = r * W;
             if (sc == 1) {
-                total += compact_row_cl(xr, sw, W, C, CS, S, q0, cnt, idx, val);
+                total += compact_row_cl<SIGNED>(xr, sw, W, C, CS, S, q0, cnt, idx, val);
             } else if (sw == 1) {
                 if ((int64_t)buf.size() < W * C) buf.resize(W * C);
                 float* t = buf.data();
@@ -106,7 +112,7 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
                 }
                 for (; c < C; ++c)
                     for (int64_t w = 0; w < W; ++w) t[w * C + c] = xr[c * sc + w];
-                total += compact_row_cl(t, C, W, C, CS, S, q0, cnt, idx, val);
+                total += compact_row_cl<SIGNED>(t, C, W, C, CS, S, q0, cnt, idx, val);
             } else {
                 // general strides: channels outer, pixels of the row inner
                 int64_t local = 0;
@@ -117,7 +123,7 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
                     const float* xc = xr + c * sc;
                     for (int64_t w = 0; w < W; ++w) {
                         float v = xc[w * sw];
-                        if (v > 0.f) {
+                        if (keep<SIGNED>(v)) {
                             const int64_t q = q0 + w;
                             int32_t k = cnt[q * S + s]++;
                             idx[q * C + s * CS + k] = (int32_t)c;
@@ -131,6 +137,68 @@ int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_
         }
     }
     return total;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
+                                    int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
+                                    int32_t* cnt, int32_t* idx, float* val, int nthreads) {
+    return compact_impl<false>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
+}
+
+int64_t sparsa_adaptive_compact_signed_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
+                                           int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
+                                           int32_t* cnt, int32_t* idx, float* val, int nthreads) {
+    return compact_impl<true>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
+}
+
+// ReLU derivative of a compacted operand (cnt, idx over [N, C, H, W], slices of CS channels):
+// y is a dense NHWC [N*H*W, C] tensor. dx == nullptr: y itself keeps only the operand's nonzero
+// positions (the others set to 0). Otherwise dx (logical [N, C, H, W], element strides das[4],
+// zero-filled by the caller) receives y at those positions.
+void sparsa_adaptive_mask_f32(float* y, int64_t N, int64_t C, int64_t H, int64_t W, int64_t CS,
+                              const int32_t* cnt, const int32_t* idx, float* dx, const int64_t* das,
+                              int nthreads) {
+    const int64_t S = (C + CS - 1) / CS;
+    const int64_t rows = N * H;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> keep_buf(dx ? 0 : C);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t n = r / H, h = r % H;
+            for (int64_t w = 0; w < W; ++w) {
+                const int64_t q = r * W + w;
+                float* yr = y + q * C;
+                if (dx) {
+                    float* base = dx + n * das[0] + h * das[2] + w * das[3];
+                    for (int64_t s = 0; s < S; ++s) {
+                        const int32_t* ii = idx + q * C + s * CS;
+                        for (int32_t j = 0, e = cnt[q * S + s]; j < e; ++j) base[ii[j] * das[1]] = yr[ii[j]];
+                    }
+                    continue;
+                }
+                // in place: gather the kept values, clear the row, scatter them back
+                const int32_t* ii = idx + q * C;
+                float* kb = keep_buf.data();
+                int64_t tot = 0;
+                for (int64_t s = 0; s < S; ++s) {
+                    const int32_t* is = ii + s * CS;
+                    for (int32_t j = 0, e = cnt[q * S + s]; j < e; ++j) kb[tot++] = yr[is[j]];
+                }
+                if (tot == C) continue;
+                std::memset(yr, 0, sizeof(float) * C);
+                tot = 0;
+                for (int64_t s = 0; s < S; ++s) {
+                    const int32_t* is = ii + s * CS;
+                    for (int32_t j = 0, e = cnt[q * S + s]; j < e; ++j) yr[is[j]] = kb[tot++];
+                }
+            }
+        }
+    }
 }
 
 // Monitor sample: for m sampled pixels (element offsets base[i] of channel 0, channel stride sc),
