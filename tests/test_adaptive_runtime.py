@@ -48,6 +48,18 @@ def test_calibration_measures_caches_and_clears(tmp_path):
     cal.clear()
     assert len(cal) == 0 and not (tmp_path / "cal.json").exists()
     assert CostEntry(10.0, 1.0, 12.0).speedup(0.25) == pytest.approx(2.5)
+    # a stride-1 conv with C, O multiples of 8 also gets the dY-driven model (native only)
+    e = cal.entry("conv2d", x, w, None, dict(stride=(1, 1), padding=(1, 1), dilation=(1, 1)), 64)
+    if sa.conv.dy_path_supported(x, w):
+        assert e.dy_path and e.dy_fixed_ms >= 0 and e.dy_slope_ms >= 0
+        assert e.sparse_ms(0.5, 0.1) <= e.sparse_ms(0.5) + 1e-9  # the cheaper of the two paths
+        assert e.sparse_ms(0.5, 0.1) == pytest.approx(min(
+            e.fixed_ms + e.slope_ms * 0.5, e.dy_fixed_ms + e.slope_ms * 0.5 / 3 + e.dy_slope_ms * 0.1))
+    else:
+        assert not e.dy_path and e.sparse_ms(0.5, 0.1) == e.sparse_ms(0.5)
+    e2 = cal.entry("conv2d", x, torch.randn(16, 16, 3, 3), None, dict(stride=(2, 2), padding=(1, 1),
+                                                                      dilation=(1, 1)), 64)
+    assert not e2.dy_path and e2.dy_fixed_ms is None
 
 
 def _train_steps(model, x, y, steps, lr=0.05):

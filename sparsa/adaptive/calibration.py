@@ -4,7 +4,9 @@ At a layer's first use the runtime times, on the layer's real activation, PyTorc
 forward+backward and the sparse path at the activation's own density and at a sparser version of
 it (the same activation with its smallest values zeroed, so the zero pattern stays realistic). The
 sparse time is modelled as ``fixed + slope * density``; the predicted speedup at density ``d`` is
-``dense / (fixed + slope * d)``. Entries are cached in a JSON file keyed by shape, memory format and
+``dense / (fixed + slope * d)``. Convolutions with the dY-driven backward (stride 1) are also timed
+with output gradients of 30% and 10% density, fitting ``dy_fixed + slope * d / 3 + dy_slope * g``;
+at a monitored dY density ``g`` the cheaper of the two models counts. Entries are cached in a JSON file keyed by shape, memory format and
 thread count and kernel version (``<sparsa cache>/adaptive_calibration.json``); :meth:`Calibration.clear` or
 ``enable(..., recalibrate=True)`` measures again.
 
@@ -39,8 +41,11 @@ from .linear import relu_linear
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 4
+KERNEL_VERSION = 5
 
+
+#: output-gradient densities at which the dY-driven backward is timed
+_DY_DENSITIES = (0.3, 0.1)
 
 #: work per nonzero of the dY-driven backward kernels relative to the activation-driven ones
 #: (measured: at equal densities the dY path runs 15-25% slower, dY compaction included)
@@ -61,12 +66,20 @@ class CostEntry:
     fixed_ms: float
     slope_ms: float
     dy_path: bool = False
+    #: measured dY-driven time ``dy_fixed_ms + slope_ms * density / 3 + dy_slope_ms * grad_density``
+    #: (when calibrated; the sparse time is then the cheaper of the two paths)
+    dy_fixed_ms: Optional[float] = None
+    dy_slope_ms: Optional[float] = None
 
     def sparse_ms(self, density: float, grad_density: Optional[float] = None) -> float:
         d = float(density)
-        back = d
-        if self.dy_path and grad_density is not None:
-            back = min(d, float(grad_density) / DY_PATH_EFFICIENCY)
+        t = self.fixed_ms + self.slope_ms * d
+        if not self.dy_path or grad_density is None:
+            return t
+        g = float(grad_density)
+        if self.dy_fixed_ms is not None and self.dy_slope_ms is not None:
+            return min(t, self.dy_fixed_ms + self.slope_ms * d / 3.0 + self.dy_slope_ms * g)
+        back = min(d, g / DY_PATH_EFFICIENCY)
         return self.fixed_ms + self.slope_ms * (d + 2.0 * back) / 3.0
 
     def speedup(self, density: float, grad_density: Optional[float] = None) -> float:
@@ -166,11 +179,11 @@ class Calibration:
                 sparse = lambda xi: relu_linear(xi, w, b, slice=slice)  # noqa: E731
             gy = torch.randn_like(y0)
 
-            def run(f, xi):
+            def run(f, xi, g=gy):
                 with torch.no_grad():
                     w.mul_(1.0)  # a new weight version, as after an optimizer step (re-packs the weight)
                 xi = xi.detach().requires_grad_(True)
-                f(xi).backward(gy)
+                f(xi).backward(g)
 
             dense_ms = _time(lambda: run(dense, a), self.reps)
             d1 = float((a != 0).float().mean())
@@ -183,9 +196,19 @@ class Calibration:
             dyp = kind == "conv2d" and dy_path_supported(x, weight, **conv_args)
             if d1 <= 0.02 or d1 - d2 < 0.01:
                 return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp)
-        slope = max(0.0, (t1 - t2) / (d1 - d2))
-        fixed = max(0.0, t1 - slope * d1)
-        return CostEntry(dense_ms, fixed, slope, dyp)
+            slope = max(0.0, (t1 - t2) / (d1 - d2))
+            fixed = max(0.0, t1 - slope * d1)
+            if not dyp:
+                return CostEntry(dense_ms, fixed, slope)
+            # the dY-driven backward at two output-gradient densities (dY's smallest entries zeroed)
+            ts = []
+            for gd in _DY_DENSITIES:
+                g = torch.where(_thresholded(gy.abs(), gd) != 0, gy, torch.zeros(()))
+                ts.append(_time(lambda: run(sparse, a, g), self.reps))
+        (g1, g2), (u1, u2) = _DY_DENSITIES, ts
+        dy_slope = max(0.0, (u1 - u2) / (g1 - g2))
+        dy_fixed = max(0.0, u1 - dy_slope * g1 - slope * d1 / 3.0)
+        return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope)
 
 
 _DEFAULT: Optional[Calibration] = None

@@ -205,12 +205,7 @@ def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[
     if x._version != version or int(gc.sum()) * C >= _DW_DY_RATIO * int(cnt.sum()) * O:
         return None
     xr = x if nonnegative else x.clamp_min(0)
-    xn = xr.permute(0, 2, 3, 1).contiguous()                       # [N, H, W, C]: the flipped conv's "dY"
-    g2 = _k.igrad_dy_geometry(geo, geo[15])
-    _, dwf = _k.conv_bwd_packed(gc, gi, gv, xn, xn, g2, True, False, True)   # [C, O, KH, KW] of the flip
-    dw = torch.empty_strided((O, C, geo[5], geo[6]), ctx.w_stride, dtype=dwf.dtype) \
-        if _k._dense_strides((O, C, geo[5], geo[6]), ctx.w_stride) else torch.empty(O, C, geo[5], geo[6])
-    dw.copy_(dwf.transpose(0, 1).flip(2, 3))
+    dw = _k.conv_wgrad_dy(gc, gi, gv, xr.permute(0, 2, 3, 1), geo, geo[15], ctx.w_stride)
     backward_paths_dw["dy"] += 1
     return dw
 

@@ -553,6 +553,21 @@ int sparsa_adaptive_conv_bwd_s1_v2_f32(const int64_t* g, const int32_t* cnt, con
             return 0;
         }
         if (oihw) return 0;
+        if (dws[0] == K2 && dws[1] == O * K2 && dws[2] == -KW && dws[3] == -1) {
+            // the dY-driven weight gradient (see conv_wgrad_dy): dw points at the last kernel offset of a
+            // contiguous [C, O, KH, KW] array that receives this conv's gradient flipped in (kh, kw):
+            // element (o, c, k) of it is dwt[k][c][o] at position (c*O + o)*K2 + K2-1-k. Streams dwt's
+            // K2 planes once (no per-element scatter through the generic path below).
+            float* start = dw - (K2 - 1);
+            const int64_t R = C * O;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+            for (int64_t r0 = 0; r0 < R; r0 += 512) {
+                const int64_t r1 = std::min(R, r0 + 512);
+                for (int64_t r = r0; r < r1; ++r)
+                    for (int64_t k = 0; k < K2; ++k) start[r * K2 + (K2 - 1 - k)] = dwt[k * R + r];
+            }
+            return 0;
+        }
         // blocked transpose [KH, KW, C, O] -> [O, C, KH, KW] (16 x 16 channel blocks via a buffer)
         const int64_t BO = 16, BC = 16, nbo = (O + BO - 1) / BO, nbc = (C + BC - 1) / BC;
 #pragma omp parallel num_threads(nthreads)

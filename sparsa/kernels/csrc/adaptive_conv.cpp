@@ -380,6 +380,26 @@ int sparsa_adaptive_pack_weight_f32(const float* w, const int64_t* ws, int64_t O
     return 0;
 }
 
+// The forward pack of the flipped, transposed weight W'[c, o, i, j] = W[o, c, KH-1-i, KW-1-j] (the
+// weight of the forward conv that computes the input gradient from dY), from the input-gradient pack
+// wc [C][KH][KW][O] of sparsa_adaptive_pack_weight_f32: wfl [C / OB'][KH][KW][O][OB'], OB' = pick_ob(C),
+// i.e. for each (channel block, kernel offset) an 8x8-tiled transpose of a [OB' x O] panel of wc.
+int sparsa_adaptive_pack_flipped_f32(const float* wc, int64_t O, int64_t C, int64_t KH, int64_t KW, float* wfl,
+                                     int nthreads) {
+    if (O % 8 || C % 8) return 1;
+    const int64_t K2 = KH * KW, OB = pick_ob(C), ncb = C / OB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < ncb * K2; ++t) {
+        const int64_t cb = t / K2, k = t % K2;
+        const float* src = wc + ((cb * OB) * K2 + (K2 - 1 - k)) * O;  // rows cc (stride K2 * O), columns o
+        float* dst = wfl + (cb * K2 + k) * O * OB;                     // rows o (stride OB), columns cc
+        for (int64_t c8 = 0; c8 < OB; c8 += 8)
+            for (int64_t o8 = 0; o8 < O; o8 += 8)
+                sparsa_adaptive::tr8x8(src + c8 * K2 * O + o8, K2 * O, dst + o8 * OB + c8, OB);
+    }
+    return 0;
+}
+
 int sparsa_adaptive_conv_fwd_f32(const int64_t* g, const int32_t* cnt, const int32_t* idx,
                                  const float* val, const float* wt, const float* bias, float* y,
                                  int nthreads) {
