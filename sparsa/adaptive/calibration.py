@@ -41,7 +41,7 @@ from .linear import relu_linear
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 5
+KERNEL_VERSION = 6
 
 
 #: output-gradient densities at which the dY-driven backward is timed
@@ -93,18 +93,23 @@ def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool)
             f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}")
 
 
-def _time(fn: Callable[[], None], reps: int, min_seconds: float = 0.005) -> float:
-    """Best-of-``reps + 1`` milliseconds per call; short calls are batched to ``min_seconds``."""
-    t0 = time.perf_counter()
-    fn()  # warm-up
-    n = max(1, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
-    best = float("inf")
-    for _ in range(reps + 1):
+def _time_rounds(fns: Dict[str, Callable[[], None]], rounds: int, min_seconds: float = 0.003) -> Dict[str, float]:
+    """Median milliseconds per call of each function, timed round-robin (one block of calls of each
+    per round, after one warm-up call each; calls under ``min_seconds`` are batched), so a burst of
+    machine noise hits every candidate alike."""
+    reps = {}
+    for k, fn in fns.items():
         t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e3
+        fn()
+        reps[k] = max(1, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
+    ts: Dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[k]):
+                fn()
+            ts[k].append((time.perf_counter() - t0) / reps[k])
+    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
 
 
 def _thresholded(x: Tensor, density: float) -> Tensor:
@@ -185,27 +190,29 @@ class Calibration:
                 xi = xi.detach().requires_grad_(True)
                 f(xi).backward(g)
 
-            dense_ms = _time(lambda: run(dense, a), self.reps)
             d1 = float((a != 0).float().mean())
-            t1 = _time(lambda: run(sparse, a), self.reps)
             d2 = d1 / 4
+            fns = {"dense": lambda: run(dense, a), "t1": lambda: run(sparse, a)}
             if d1 > 0.02:
                 a2 = _thresholded(a, d2)
                 d2 = float((a2 != 0).float().mean())
-                t2 = _time(lambda: run(sparse, a2), self.reps)
+                fns["t2"] = lambda: run(sparse, a2)
             dyp = kind == "conv2d" and dy_path_supported(x, weight, **conv_args)
-            if d1 <= 0.02 or d1 - d2 < 0.01:
-                return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp)
-            slope = max(0.0, (t1 - t2) / (d1 - d2))
-            fixed = max(0.0, t1 - slope * d1)
-            if not dyp:
-                return CostEntry(dense_ms, fixed, slope)
-            # the dY-driven backward at two output-gradient densities (dY's smallest entries zeroed)
-            ts = []
-            for gd in _DY_DENSITIES:
-                g = torch.where(_thresholded(gy.abs(), gd) != 0, gy, torch.zeros(()))
-                ts.append(_time(lambda: run(sparse, a, g), self.reps))
-        (g1, g2), (u1, u2) = _DY_DENSITIES, ts
+            if dyp:
+                # the dY-driven backward at two output-gradient densities (dY's smallest entries zeroed)
+                for i, gd in enumerate(_DY_DENSITIES):
+                    g = torch.where(_thresholded(gy.abs(), gd) != 0, gy, torch.zeros(()))
+                    fns[f"u{i}"] = lambda g=g: run(sparse, a, g)
+            t = _time_rounds(fns, 2 * self.reps + 1)
+        dense_ms, t1 = t["dense"], t["t1"]
+        if d1 <= 0.02 or d1 - d2 < 0.01:
+            return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp)
+        t2 = t["t2"]
+        slope = max(0.0, (t1 - t2) / (d1 - d2))
+        fixed = max(0.0, t1 - slope * d1)
+        if not dyp:
+            return CostEntry(dense_ms, fixed, slope)
+        (g1, g2), u1, u2 = _DY_DENSITIES, t["u0"], t["u1"]
         dy_slope = max(0.0, (u1 - u2) / (g1 - g2))
         dy_fixed = max(0.0, u1 - dy_slope * g1 - slope * d1 / 3.0)
         return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope)
