@@ -274,7 +274,7 @@ def main(argv=None):
     batch = 16 if quick else 32
     steps = 12 if quick else 100
     warm = 3
-    reps = 2 if quick else 5
+    reps = 2 if quick else 9
     res = {"config": {"quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine(), "batch": batch, "steps": steps,
                       "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels", "native": K.native_available(),
