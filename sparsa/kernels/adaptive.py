@@ -157,34 +157,40 @@ def _compact_reference(x: Tensor, slice: int, signed: bool = False) -> Tuple[Ten
     return cnt, idx, val
 
 
-@torch.library.custom_op("sparsa::adaptive_compact", mutates_args=())
-def compact(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Fused ReLU + compaction of ``x`` (logical ``[N, C, H, W]``) into ``(cnt, idx, val)``."""
+def _compact_impl(x: Tensor, slice: int, signed: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`compact` (``signed=False``: keep ``x > 0``) or :func:`compact_signed` (keep ``x != 0``)."""
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}; view a matrix as [1, K, P, 1]")
     lib = _use_native(x)
     if lib is None or x.dtype != torch.float32:
-        return _compact_reference(x, slice)
+        return _compact_reference(x, slice, signed=signed)
+    cnt, idx, val = _compact_empty(x, slice, torch.float32)
     N, C, H, W = x.shape
-    S = -(-C // slice)
-    P = N * H * W
-    cnt = torch.empty(P * S, dtype=torch.int32)
-    idx = torch.empty(P * C + _PAD, dtype=torch.int32)
-    val = torch.empty(P * C + _PAD, dtype=torch.float32)
-    if P and C:
+    if cnt.numel() and C:
         sn, sc, sh, sw = x.stride()
-        lib.sparsa_adaptive_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice,
-                                        cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
+        fn = lib.sparsa_adaptive_compact_signed_f32 if signed else lib.sparsa_adaptive_compact_f32
+        fn(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
+           _nthreads())
     return cnt, idx, val
+
+
+def _compact_empty(x: Tensor, slice: int, dtype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor]:
+    """Uninitialised ``(cnt, idx, val)`` for ``x`` (``new_empty``: fake tensors under tracing)."""
+    N, C, H, W = x.shape
+    P = N * H * W
+    return (x.new_empty(P * -(-C // slice), dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
+            x.new_empty(P * C + _PAD, dtype=dtype))
+
+
+@torch.library.custom_op("sparsa::adaptive_compact", mutates_args=())
+def compact(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """Fused ReLU + compaction of ``x`` (logical ``[N, C, H, W]``) into ``(cnt, idx, val)``."""
+    return _compact_impl(x, slice, signed=False)
 
 
 @compact.register_fake
 def _(x, slice):
-    N, C, H, W = x.shape
-    S = -(-C // slice)
-    P = N * H * W
-    return (x.new_empty(P * S, dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
-            x.new_empty(P * C + _PAD))
+    return _compact_empty(x, slice, x.dtype)
 
 
 @torch.library.custom_op("sparsa::adaptive_compact_signed", mutates_args=())
@@ -192,31 +198,12 @@ def compact_signed(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`compact` without the ReLU: keeps every element ``!= 0`` of ``x`` (negative values, NaN
     and infinities too; ``-0.0 == 0`` is dropped like ``+0.0``). Used on the output gradient dY,
     whose zeros (behind the next layer's ReLU) the input-gradient path :func:`conv_igrad_dy` skips."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}; view a matrix as [1, K, P, 1]")
-    lib = _use_native(x)
-    if lib is None or x.dtype != torch.float32:
-        return _compact_reference(x, slice, signed=True)
-    N, C, H, W = x.shape
-    S = -(-C // slice)
-    P = N * H * W
-    cnt = torch.empty(P * S, dtype=torch.int32)
-    idx = torch.empty(P * C + _PAD, dtype=torch.int32)
-    val = torch.empty(P * C + _PAD, dtype=torch.float32)
-    if P and C:
-        sn, sc, sh, sw = x.stride()
-        lib.sparsa_adaptive_compact_signed_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice,
-                                               cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
-    return cnt, idx, val
+    return _compact_impl(x, slice, signed=True)
 
 
 @compact_signed.register_fake
 def _(x, slice):
-    N, C, H, W = x.shape
-    S = -(-C // slice)
-    P = N * H * W
-    return (x.new_empty(P * S, dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
-            x.new_empty(P * C + _PAD))
+    return _compact_empty(x, slice, x.dtype)
 
 
 def densify(cnt: Tensor, idx: Tensor, val: Tensor, geo: Sequence[int]) -> Tensor:
