@@ -8,8 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from sparsa.adaptive import conv as M
+from sparsa.adaptive import conv_union
 from sparsa.adaptive import relu_conv2d
 from sparsa.kernels import adaptive as K, loader
+
+
+@pytest.fixture(autouse=True)
+def _list_kernels(monkeypatch):
+    """These tests cover the list kernels' dY path: keep relu_conv2d off the union kernels."""
+    monkeypatch.setattr(conv_union, "KERNELS", "list")
 
 
 @pytest.fixture(params=["native", "fallback"])

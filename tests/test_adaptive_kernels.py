@@ -40,6 +40,7 @@ conv_cases = st.tuples(
 @given(case=conv_cases)
 def test_compact_and_conv_ops_match_dense(backend, case):
     N, C, H, W, O, k, s, p, d, sp, cl, slc, seed = case
+    d = d if k > 1 else 1  # same conv; oneDNN segfaults on some 1x1 dilated strided cases (adaptive._conv_args)
     if H + 2 * p < d * (k - 1) + 1 or W + 2 * p < d * (k - 1) + 1:
         return
     x = _act(N, C, H, W, sp, cl, seed)

@@ -10,6 +10,11 @@ in between) may compute the input gradient from dY's nonzeros instead: a forward
 compacted dY with the flipped, transposed weight, masked by relu(x)'s nonzeros. A cost model (see
 ``_dy_path_pays``) picks the cheaper path per call from nnz(relu(x)) and a sampled nnz(dY).
 
+Those are the *list* kernels (per-pixel lists of nonzero channels). Where the CPU has AVX-512 and the
+channel counts fit, ``relu_conv2d`` runs the bitmask-operand *union* kernels instead
+(:mod:`sparsa.adaptive.conv_union`), which are faster at every density measured; the list kernels
+remain for the other CPUs and shapes (``SPARSA_ADAPTIVE_KERNELS=list`` forces them).
+
 Example::
 
     >>> import torch
@@ -30,6 +35,7 @@ from torch import Tensor
 
 from ..kernels import adaptive as _k
 from .compaction import DEFAULT_SLICE
+from .conv_union import UnionReluConv2d, union_path_supported
 
 __all__ = ["relu_conv2d", "conv_supported", "dy_path_supported", "backward_paths", "backward_paths_dw"]
 
@@ -225,4 +231,6 @@ def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride
         raise ValueError(f"weight must be 4-D [O, C, KH, KW], got shape {tuple(weight.shape)}")
     geo = _k.geometry(x.shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"),
                       _pair(dilation, "dilation"), slice)
+    if union_path_supported(x, weight, bias):
+        return UnionReluConv2d.apply(x, weight, bias, geo, stats)
     return _ReluConv2d.apply(x, weight, bias, geo, stats, bool(nonnegative))

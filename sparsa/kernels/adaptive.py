@@ -55,7 +55,7 @@ __all__ = ["compact", "compact_signed", "conv_fwd", "conv_wgrad", "conv_igrad", 
            "conv_wgrad_dy",
            "packed_weight_flipped", "igrad_dy_geometry", "conv_igrad_dy"]
 
-_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp"]
+_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp", "adaptive_union.cpp"]
 _PAD = 8  # tail room in idx/val (vector stores)
 
 
@@ -227,7 +227,11 @@ def _nchw_weight(wt: Tensor) -> Tensor:
 
 
 def _conv_args(geo: Sequence[int]):
-    return dict(stride=(geo[9], geo[10]), padding=(geo[11], geo[12]), dilation=(geo[13], geo[14]))
+    """``F.conv2d`` keyword arguments of ``geo``. The dilation of a size-1 kernel dimension is set to 1
+    (the same conv): torch 2.13's oneDNN conv segfaults on e.g. a 1x1 kernel with dilation 2, stride 2,
+    padding 1, a width-1 channels-last input and a bias."""
+    return dict(stride=(geo[9], geo[10]), padding=(geo[11], geo[12]),
+                dilation=(geo[13] if geo[5] > 1 else 1, geo[14] if geo[6] > 1 else 1))
 
 
 # ------------------------------------------------------------------------------------------ forward

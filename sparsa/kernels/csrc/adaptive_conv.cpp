@@ -19,25 +19,14 @@
 #include <omp.h>
 #include <vector>
 
+#include "adaptive_geo.h"
 #include "adaptive_transpose.h"
 #include "cpu_isa.h"
 
 namespace {
 
-struct Geo {
-    int64_t N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS, S;
-    explicit Geo(const int64_t* g)
-        : N(g[0]), C(g[1]), H(g[2]), W(g[3]), O(g[4]), KH(g[5]), KW(g[6]), Ho(g[7]), Wo(g[8]),
-          sh(g[9]), sw(g[10]), ph(g[11]), pw(g[12]), dh(g[13]), dw(g[14]), CS(g[15]),
-          S((g[1] + g[15] - 1) / g[15]) {}
-};
-
-// Output-channel block: the largest multiple of 8 up to 64 that divides O (O % 8 == 0).
-inline int64_t pick_ob(int64_t O) {
-    for (int64_t b = 64; b > 8; b -= 8)
-        if (O % b == 0) return b;
-    return 8;
-}
+using sparsa_adaptive::Geo;
+using sparsa_adaptive::pick_ob;
 
 // ---------------------------------------------------------------- forward
 // yp[0 : 8*NV] += sum_j vv[j] * wb[ii[j] * O : ... + 8*NV]. Up to 4 vectors two accumulator sets

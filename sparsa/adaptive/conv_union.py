@@ -1,0 +1,136 @@
+"""The bitmask-operand ("union") training path of :func:`~sparsa.adaptive.relu_conv2d`.
+
+Forward: relu(x) is kept dense in NHWC with a per-element nonzero bitmask (one fused pass), and the
+union forward kernel runs over groups of 4 output pixels (see :mod:`sparsa.kernels.adaptive_union`).
+Backward, from the same operand and dY's bitmask (dY is read in place, only its mask is built):
+
+- input gradient (stride 1): the forward of the flipped conv over dY's mask, stored only where
+  relu(x) != 0; strided convs use the dense input gradient, masked the same way;
+- weight gradient: over relu(x)'s mask, or (stride 1) over dY's when ``nnz(dY) * C`` is below
+  ``_DW_DY_RATIO * nnz(x) * O`` (the flipped conv's weight gradient).
+
+The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
+(:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
+kernels of :mod:`sparsa.adaptive.conv`. ``SPARSA_ADAPTIVE_KERNELS=list`` (or ``KERNELS = "list"``
+here) forces those everywhere, ``union`` asks for this path wherever it is supported.
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.adaptive import relu_conv2d
+    >>> x = torch.randn(2, 16, 6, 6, requires_grad=True); w = torch.randn(32, 16, 3, 3)
+    >>> relu_conv2d(x, w, None, padding=1).sum().backward()
+    >>> x.grad.shape
+    torch.Size([2, 16, 6, 6])
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels import adaptive_union as _u
+from ..kernels.adaptive import _conv_args, igrad_dy_geometry, packed_weight_flipped
+
+__all__ = ["union_path_supported", "kernels_setting", "union_paths", "KERNELS"]
+
+#: "auto" (union where supported, else lists), "union" (same; named for clarity in tests), "list"
+KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
+
+#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_dense" (strided:
+#: dense input gradient, masked), "dw_x" / "dw_dy" (weight gradient over relu(x)'s / dY's mask)
+union_paths: Counter = Counter()
+
+# dY-driven weight gradient when nnz(dY) * C < ratio * nnz(x) * O. Measured on VGG-16 activations
+# (2 threads, batch 32, /tmp/s4/x/ub.py): at equal densities (x 50% / dY 49% zeros, 256ch) the dY side
+# ran 8.8 ms against 9.5 ms, so the ratio sits a little above 1.
+_DW_DY_RATIO = 1.1
+
+
+def kernels_setting() -> str:
+    k = str(KERNELS).lower()
+    if k not in ("auto", "union", "list"):
+        raise ValueError(f"SPARSA_ADAPTIVE_KERNELS / conv_union.KERNELS must be auto, union or list, got {KERNELS!r}")
+    return k
+
+
+def union_path_supported(x: Tensor, weight: Tensor, bias) -> bool:
+    """Whether ``relu_conv2d`` runs this path for these tensors."""
+    if kernels_setting() == "list" or torch.compiler.is_compiling():
+        return False
+    for t in (x, weight, bias):
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
+            return False
+    return x.dim() == 4 and weight.dim() == 4 and _u.union_supported(int(weight.shape[1]), int(weight.shape[0]))
+
+
+def _stride1(geo: Sequence[int]) -> bool:
+    return geo[9] == 1 and geo[10] == 1
+
+
+class UnionReluConv2d(torch.autograd.Function):
+    """``conv2d(relu(x), W, b)`` on the union kernels (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, geo, stats):
+        op = _u.union_operand(x.detach())
+        y = _u.union_conv_fwd(op, weight, bias, geo)
+        if stats is not None:
+            stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
+        ctx.geo = geo
+        ctx.nnz = op.nnz
+        ctx.has_bias = bias is not None
+        ctx.w_stride = tuple(weight.stride())
+        ctx.channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        # the input gradient reads the weight as it is now: the flipped pack (stride 1; cached per weight
+        # version, so an optimizer step in between does not change it) or the weight itself
+        ctx.stride1 = _stride1(geo)
+        if ctx.stride1 and ctx.needs_input_grad[0]:
+            extra = packed_weight_flipped(weight)
+        elif ctx.needs_input_grad[0]:
+            extra = weight.detach()
+        else:
+            extra = None
+        ctx.save_for_backward(op.values, op.mask, extra)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        values, mask, extra = ctx.saved_tensors
+        op = _u.UnionOperand(values, mask, ctx.nnz)
+        geo = ctx.geo
+        g = gy.permute(0, 2, 3, 1)
+        if not g.is_contiguous():
+            g = g.contiguous()
+        dx = dw = db = None
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
+        if need_dx:
+            if ctx.stride1:
+                dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra)
+                union_paths["dx_dy"] += 1
+            else:
+                a = _conv_args(geo)
+                dxd = torch.ops.aten.convolution_backward(
+                    g.permute(0, 3, 1, 2), op.nchw(), extra, None, a["stride"], a["padding"], a["dilation"],
+                    False, (0, 0), 1, [True, False, False])[0]
+                dx = dxd.mul_(op.nchw() != 0) if dxd.is_contiguous(memory_format=torch.channels_last) \
+                    else torch.where(op.nchw() != 0, dxd, torch.zeros(()))
+                union_paths["dx_dense"] += 1
+            if not ctx.channels_last:
+                dx = dx.contiguous()
+        if need_dw:
+            C, O = geo[1], geo[4]
+            g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
+            if g2 is not None and g2[11] >= 0 and g2[12] >= 0 and gop.nnz * C < _DW_DY_RATIO * op.nnz * O:
+                dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride)
+                union_paths["dw_dy"] += 1
+            else:
+                dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride)
+                union_paths["dw_x"] += 1
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum((0, 1, 2))
+        return dx, dw, db, None, None

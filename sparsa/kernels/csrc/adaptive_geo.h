@@ -1,0 +1,24 @@
+// Convolution geometry shared by the adaptive (activation-sparse training) kernels.
+#pragma once
+#include <cstdint>
+
+namespace sparsa_adaptive {
+
+// Geometry g[]: N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS (CS: channel slice of the
+// list operand; S = number of slices).
+struct Geo {
+    int64_t N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS, S;
+    explicit Geo(const int64_t* g)
+        : N(g[0]), C(g[1]), H(g[2]), W(g[3]), O(g[4]), KH(g[5]), KW(g[6]), Ho(g[7]), Wo(g[8]),
+          sh(g[9]), sw(g[10]), ph(g[11]), pw(g[12]), dh(g[13]), dw(g[14]), CS(g[15]),
+          S((g[1] + g[15] - 1) / g[15]) {}
+};
+
+// Output-channel block: the largest multiple of 8 up to 64 that divides O (O % 8 == 0).
+inline int64_t pick_ob(int64_t O) {
+    for (int64_t b = 64; b > 8; b -= 8)
+        if (O % b == 0) return b;
+    return 8;
+}
+
+}  // namespace sparsa_adaptive

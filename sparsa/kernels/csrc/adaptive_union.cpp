@@ -1,0 +1,350 @@
+// Bitmask-operand ("union") kernels of the activation-sparse training runtime (AVX-512, run-time check).
+//
+// Operand: the activation kept dense in NHWC (relu(x) for the forward operand, dY itself for the
+// output gradient) plus one bit per (pixel, channel) saying whether it is nonzero:
+//   xa[q * C + c]                 value (zero where the bit is clear)
+//   bm[q * NW + c / 64] bit c%64  nonzero flag, NW = ceil(C / 64), bits past C clear
+// q = (n * H + h) * W + w.
+//
+// Every kernel works on groups of P = 4 output pixels at once: for each kernel offset it ORs the four
+// input pixels' masks and runs over the channels set in that union, so each weight row it loads feeds
+// 4 pixels x OB/16 FMAs from registers (the per-nonzero list kernels of adaptive_conv.cpp load one
+// weight row per pixel). Zeros inside the union cost a wasted FMA, but neighbouring pixels' ReLU
+// zeros are correlated: on VGG-16 activations with 50% zeros the 4-pixel union still skips 28%.
+//
+//   forward  y[p, ob..ob+OB) = bias + sum_{off, c in U} Wf[off, c, ob..] * x[q_i(p, off), c]
+//   weight   S[row(c, off), ob..] = sum_{groups, c in U} sum_i x[q_i, c] * dy[p_i, ob..]
+// The input gradient of a stride-1 conv is the forward of the flipped conv over dY's mask, stored
+// through the ReLU mask of x (``omask``). OB = pick_ob(O) must be a multiple of 16.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+#include <vector>
+
+#include "adaptive_geo.h"
+#include "adaptive_transpose.h"
+#include "cpu_isa.h"
+
+namespace {
+
+using sparsa_adaptive::Geo;
+using sparsa_adaptive::pick_ob;
+
+constexpr int P = 4;  // output pixels per group
+
+inline int64_t words(int64_t C) { return (C + 63) / 64; }
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_UNION_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi,popcnt")
+
+// One pixel's C contiguous channels -> (optional) masked copy dst and mask words m; returns its nnz.
+// RELU keeps x > 0 (NaN dropped, as relu's zero derivative), else x != 0 (NaN and +-inf kept).
+template <bool RELU>
+int64_t mask_pixel(const float* src, float* dst, uint64_t* m, int64_t C) {
+    int64_t nnz = 0;
+    const __m512 z = _mm512_setzero_ps();
+    for (int64_t j = 0; j * 64 < C; ++j) {
+        uint64_t word = 0;
+        for (int k = 0; k < 4; ++k) {
+            const int64_t c0 = j * 64 + 16 * k;
+            if (c0 >= C) break;
+            const __mmask16 lm = C - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c0)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(lm, src + c0);
+            const __mmask16 nz = (RELU ? _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ) : _mm512_cmp_ps_mask(v, z, _CMP_NEQ_UQ)) & lm;
+            if (dst) _mm512_mask_storeu_ps(dst + c0, lm, _mm512_maskz_mov_ps(nz, v));
+            word |= (uint64_t)nz << (16 * k);
+        }
+        m[j] = word;
+        nnz += __builtin_popcountll(word);
+    }
+    return nnz;
+}
+
+// y[p] for the P pixels p0..p0+P of image n, output channels [ob, ob + 16 V).
+template <int V>
+void fwd_group(const Geo& G, const float* xa, const uint64_t* bm, const float* zero, const uint64_t* zm,
+               const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t p0, int64_t ob,
+               const uint64_t* omask) {
+    const int64_t NW = words(G.C), HW = G.Ho * G.Wo;
+    __m512 acc[P][V];
+    for (int i = 0; i < P; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + ob + 16 * v) : _mm512_setzero_ps();
+    int64_t ho[P], wo[P];
+    for (int i = 0; i < P; ++i) {
+        const int64_t pp = std::min(p0 + i, HW - 1);
+        ho[i] = pp / G.Wo;
+        wo[i] = pp % G.Wo;
+    }
+    for (int64_t kh = 0; kh < G.KH; ++kh)
+        for (int64_t kw = 0; kw < G.KW; ++kw) {
+            const float* xr[P];
+            const uint64_t* mr[P];
+            bool any = false;
+            for (int i = 0; i < P; ++i) {
+                const int64_t hi = ho[i] * G.sh - G.ph + kh * G.dh, wi = wo[i] * G.sw - G.pw + kw * G.dw;
+                if (p0 + i >= HW || hi < 0 || hi >= G.H || wi < 0 || wi >= G.W) {
+                    xr[i] = zero;
+                    mr[i] = zm;
+                } else {
+                    const int64_t q = (n * G.H + hi) * G.W + wi;
+                    xr[i] = xa + q * G.C;
+                    mr[i] = bm + q * NW;
+                    any = true;
+                }
+            }
+            if (!any) continue;
+            const float* w0 = wb + (kh * G.KW + kw) * G.C * OB;
+            for (int64_t j = 0; j < NW; ++j) {
+                uint64_t m = 0;
+                for (int i = 0; i < P; ++i) m |= mr[i][j];
+                while (m) {
+                    const int64_t c = j * 64 + __builtin_ctzll(m);
+                    m &= m - 1;
+                    const float* wr = w0 + c * OB;
+                    __m512 w[V];
+                    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(wr + 16 * v);
+                    for (int i = 0; i < P; ++i) {
+                        const __m512 b = _mm512_set1_ps(xr[i][c]);
+                        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(b, w[v], acc[i][v]);
+                    }
+                }
+            }
+        }
+    const int64_t NWo = words(G.O);
+    for (int i = 0; i < P && p0 + i < HW; ++i) {
+        const int64_t p = n * HW + p0 + i;
+        float* yp = y + p * G.O + ob;
+        for (int v = 0; v < V; ++v) {
+            if (omask) {
+                const int64_t c = ob + 16 * v;
+                const __mmask16 k = (__mmask16)(omask[p * NWo + c / 64] >> (c % 64));
+                _mm512_storeu_ps(yp + 16 * v, _mm512_maskz_mov_ps(k, acc[i][v]));
+            } else {
+                _mm512_storeu_ps(yp + 16 * v, acc[i][v]);
+            }
+        }
+    }
+}
+
+void fwd_group_any(int64_t V, const Geo& G, const float* xa, const uint64_t* bm, const float* zero, const uint64_t* zm,
+                   const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t p0, int64_t ob,
+                   const uint64_t* omask) {
+    switch (V) {
+        case 1: fwd_group<1>(G, xa, bm, zero, zm, wb, OB, bias, y, n, p0, ob, omask); break;
+        case 2: fwd_group<2>(G, xa, bm, zero, zm, wb, OB, bias, y, n, p0, ob, omask); break;
+        case 3: fwd_group<3>(G, xa, bm, zero, zm, wb, OB, bias, y, n, p0, ob, omask); break;
+        default: fwd_group<4>(G, xa, bm, zero, zm, wb, OB, bias, y, n, p0, ob, omask); break;
+    }
+}
+
+// Block blk[c - 64 j][0..OB) (channels of mask word j, output channels ob..) of the weight gradient at
+// kernel offset (kh, kw), summed over the output pixels [p0, p1) (flattened n, ho, wo).
+template <int V>
+void wgrad_block(const Geo& G, const float* xa, const uint64_t* bm, const float* zero, const float* dy,
+                 float* blk, int64_t OB, int64_t kh, int64_t kw, int64_t j, int64_t ob, int64_t p0, int64_t p1) {
+    const int64_t NW = words(G.C), HW = G.Ho * G.Wo;
+    std::memset(blk, 0, sizeof(float) * std::min<int64_t>(64, G.C - j * 64) * OB);
+    float* b0 = blk - j * 64 * OB;  // indexed by absolute channel
+    int64_t n = p0 / HW, ho = (p0 % HW) / G.Wo, wo = p0 % G.Wo;  // position of pixel pp, kept incrementally
+    for (int64_t pp = p0; pp < p1; pp += P) {
+        __m512 d[P][V];
+        const float* xr[P];
+        uint64_t m = 0;
+        for (int i = 0; i < P; ++i) {
+            xr[i] = zero;
+            if (pp + i >= p1) {
+                for (int v = 0; v < V; ++v) d[i][v] = _mm512_setzero_ps();
+                continue;
+            }
+            for (int v = 0; v < V; ++v) d[i][v] = _mm512_loadu_ps(dy + (pp + i) * G.O + ob + 16 * v);
+            const int64_t hi = ho * G.sh - G.ph + kh * G.dh, wi = wo * G.sw - G.pw + kw * G.dw;
+            if (hi >= 0 && hi < G.H && wi >= 0 && wi < G.W) {
+                const int64_t q = (n * G.H + hi) * G.W + wi;
+                xr[i] = xa + q * G.C;
+                m |= bm[q * NW + j];
+            }
+            if (++wo == G.Wo) {
+                wo = 0;
+                if (++ho == G.Ho) ho = 0, ++n;
+            }
+        }
+        while (m) {
+            const int64_t c = j * 64 + __builtin_ctzll(m);
+            m &= m - 1;
+            __m512 b[P];
+            for (int i = 0; i < P; ++i) b[i] = _mm512_set1_ps(xr[i][c]);
+            float* r = b0 + c * OB;
+            for (int v = 0; v < V; ++v) {
+                __m512 a = _mm512_loadu_ps(r + 16 * v);
+                for (int i = 0; i < P; ++i) a = _mm512_fmadd_ps(b[i], d[i][v], a);
+                _mm512_storeu_ps(r + 16 * v, a);
+            }
+        }
+    }
+}
+
+void wgrad_block_any(int64_t V, const Geo& G, const float* xa, const uint64_t* bm, const float* zero, const float* dy,
+                     float* blk, int64_t OB, int64_t kh, int64_t kw, int64_t j, int64_t ob, int64_t p0, int64_t p1) {
+    switch (V) {
+        case 1: wgrad_block<1>(G, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, p0, p1); break;
+        case 2: wgrad_block<2>(G, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, p0, p1); break;
+        case 3: wgrad_block<3>(G, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, p0, p1); break;
+        default: wgrad_block<4>(G, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, p0, p1); break;
+    }
+}
+
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this CPU runs the union kernels (AVX-512 F/VL/DQ/BW and SPARSA_NO_AVX512 unset).
+int sparsa_union_supported() {
+#ifdef SPARSA_UNION_AVX512
+    return sparsa_cpu_avx512_enabled() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// The operand of x (logical [N, C, H, W], element strides sn, sc, sh, sw): relu != 0 keeps x > 0
+// (xa = relu(x)), relu == 0 keeps x != 0. xa (NHWC, may be null when every pixel's channels are
+// contiguous, sc == 1) receives the kept values; bm the masks. Returns the number of nonzeros, or -1
+// when the CPU lacks AVX-512.
+int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
+                                 int64_t sc, int64_t sh, int64_t sw, int relu, float* xa, uint64_t* bm,
+                                 int nthreads) {
+    if (!sparsa_union_supported()) return -1;
+#ifdef SPARSA_UNION_AVX512
+    if (!xa && sc != 1) return -2;
+    const int64_t NW = words(C), rows = N * H;
+    int64_t total = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        std::vector<float> buf(sc == 1 ? 0 : (size_t)W * C);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t n = r / H, h = r % H;
+            const float* base = x + n * sn + h * sh;
+            if (sc != 1) {  // gather the row to NHWC first (8x8 transposes where the pixels are contiguous)
+                int64_t w0 = 0;
+                if (sw == 1)
+                    for (; w0 + 8 <= W; w0 += 8) {
+                        int64_t c = 0;
+                        for (; c + 8 <= C; c += 8) sparsa_adaptive::tr8x8(base + c * sc + w0, sc, buf.data() + w0 * C + c, C);
+                        for (; c < C; ++c)
+                            for (int64_t w = w0; w < w0 + 8; ++w) buf[w * C + c] = base[c * sc + w];
+                    }
+                for (int64_t w = w0; w < W; ++w)
+                    for (int64_t c = 0; c < C; ++c) buf[w * C + c] = base[c * sc + w * sw];
+            }
+            for (int64_t w = 0; w < W; ++w) {
+                const int64_t q = r * W + w;
+                const float* src = sc == 1 ? base + w * sw : buf.data() + w * C;
+                float* dst = xa ? xa + q * C : nullptr;
+                total += relu ? mask_pixel<true>(src, dst, bm + q * NW, C) : mask_pixel<false>(src, dst, bm + q * NW, C);
+            }
+        }
+    }
+    return total;
+#else
+    return -1;
+#endif
+}
+
+// y [N, Ho, Wo, O] (NHWC) = conv(xa, W) + bias from the forward pack wp [O / OB][KH][KW][C][OB]
+// (sparsa_adaptive_pack_weight_f32). omask (may be null): output masks [N*Ho*Wo, ceil(O/64)]; outputs
+// whose bit is clear are stored as zero. Returns 1 if OB = pick_ob(O) is not a multiple of 16, 2 without AVX-512.
+int sparsa_union_conv_fwd_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* wp,
+                              const float* bias, float* y, const uint64_t* omask, int nthreads) {
+    const Geo G(g);
+    const int64_t OB = pick_ob(G.O);
+    if (G.O % 8 || OB % 16) return 1;
+    if (!sparsa_union_supported()) return 2;
+#ifdef SPARSA_UNION_AVX512
+    const int64_t nob = G.O / OB, HW = G.Ho * G.Wo, ng = (HW + P - 1) / P;
+    // about 8 groups a task, fewer when that leaves under 8 tasks a thread
+    int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(8, G.N * ng * nob / (8 * nthreads)));
+    const int64_t ngt = (ng + gpt - 1) / gpt, ntask = nob * G.N * ngt;
+    std::vector<float> zero((size_t)G.C + 16, 0.f);
+    std::vector<uint64_t> zm((size_t)words(G.C), 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t t = 0; t < ntask; ++t) {
+        // output-channel block outermost: a thread keeps one weight block hot in L2
+        const int64_t obi = t / (G.N * ngt), n = (t / ngt) % G.N, gt = t % ngt;
+        const float* wb = wp + obi * G.KH * G.KW * G.C * OB;
+        for (int64_t gi = gt * gpt; gi < std::min(ng, gt * gpt + gpt); ++gi)
+            fwd_group_any(OB / 16, G, xa, bm, zero.data(), zm.data(), wb, OB, bias, y, n, gi * P, obi * OB, omask);
+    }
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+// Weight gradient: for every (c, kh, kw) the row S[(base + c*rs[0] + kh*rs[1] + kw*rs[2]) * ldS + o],
+// o < O, is overwritten with sum_p x[q(p, kh, kw), c] * dy[p, o] (dy: [N*Ho*Wo, O] contiguous), so the
+// caller picks the row order (and with it the layout S, or a transpose of it, ends in).
+int sparsa_union_conv_wgrad_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* dy, float* S,
+                                const int64_t* rs, int64_t ldS, int nthreads) {
+    const Geo G(g);
+    const int64_t OB = pick_ob(G.O);
+    if (G.O % 8 || OB % 16) return 1;
+    if (!sparsa_union_supported()) return 2;
+#ifdef SPARSA_UNION_AVX512
+    const int64_t nob = G.O / OB, NW = words(G.C), K2 = G.KH * G.KW, PT = G.N * G.Ho * G.Wo;
+    const int64_t base = K2 * NW * nob;  // blocks: (kernel offset, mask word, output block)
+    int64_t split = 1;
+    if (base < 8 * nthreads) split = std::min<int64_t>((8 * nthreads + base - 1) / base, std::max<int64_t>(1, PT / 64));
+    const int64_t chunk = ((PT + split - 1) / split + P - 1) / P * P;
+    std::vector<float> part(split > 1 ? (size_t)split * base * 64 * OB : 0);
+    std::vector<float> zero((size_t)G.C + 16, 0.f);
+    auto row = [&](int64_t c, int64_t k) { return S + (rs[3] + c * rs[0] + (k / G.KW) * rs[1] + (k % G.KW) * rs[2]) * ldS; };
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> own((size_t)64 * OB);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < base * split; ++t) {
+            const int64_t sp = t / base, b = t % base;
+            const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW);
+            float* blk = split > 1 ? part.data() + (sp * base + b) * 64 * OB : own.data();
+            const int64_t p0 = sp * chunk, p1 = std::min(PT, p0 + chunk), cw = std::min<int64_t>(64, G.C - j * 64);
+            if (p0 >= p1) std::memset(blk, 0, sizeof(float) * 64 * OB);
+            else wgrad_block_any(OB / 16, G, xa, bm, zero.data(), dy, blk, OB, k / G.KW, k % G.KW, j, obi * OB, p0, p1);
+            if (split == 1)
+                for (int64_t c = 0; c < cw; ++c) std::memcpy(row(j * 64 + c, k) + obi * OB, blk + c * OB, sizeof(float) * OB);
+        }
+        if (split > 1) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < base; ++b) {
+                const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW), cw = std::min<int64_t>(64, G.C - j * 64);
+                for (int64_t c = 0; c < cw; ++c) {
+                    float* dst = row(j * 64 + c, k) + obi * OB;
+                    const float* src = part.data() + b * 64 * OB + c * OB;
+                    for (int64_t o = 0; o < OB; ++o) {
+                        float s = src[o];
+                        for (int64_t q = 1; q < split; ++q) s += src[q * base * 64 * OB + o];
+                        dst[o] = s;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+// T [M x R] = A [R x M]^T (both contiguous).
+void sparsa_union_transpose_f32(const float* A, int64_t R, int64_t M, float* T, int nthreads) {
+    sparsa_adaptive::transpose(A, R, M, T, nthreads);
+}
+
+}  // extern "C"

@@ -1,0 +1,274 @@
+"""The bitmask-operand ("union") kernels and relu_conv2d's union path vs dense PyTorch, native and fallback."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sparsa.adaptive import conv_union, relu_conv2d
+from sparsa.kernels import adaptive_union as U
+
+needs_native = pytest.mark.skipif(not U.union_native(), reason="union kernels need AVX-512 and the native build")
+
+
+@pytest.fixture(params=["native", "fallback"])
+def native(request):
+    if request.param == "native" and not U.union_native():
+        pytest.skip("union kernels need AVX-512 and the native build")
+    return request.param == "native"
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _act(shape, sparsity, channels_last, seed, clustered=True):
+    g = torch.Generator().manual_seed(seed)
+    N, C, H, W = shape
+    z = torch.randn(N, C, H, W, generator=g)
+    if clustered:  # neighbouring pixels share part of their pattern, as real ReLU inputs do
+        z = z + torch.randn(N, C, 1, 1, generator=g)
+    if sparsity > 0:
+        z = z - torch.quantile(z.flatten(), sparsity)
+    return z.contiguous(memory_format=torch.channels_last) if channels_last else z
+
+
+def _bits(mask: torch.Tensor, C: int) -> torch.Tensor:
+    """[P, C] bool from the int64 mask words."""
+    P, NW = mask.shape
+    shifts = torch.arange(64, dtype=torch.int64)
+    bits = ((mask.unsqueeze(-1) >> shifts) & 1).bool().reshape(P, NW * 64)
+    return bits[:, :C]
+
+
+# ------------------------------------------------------------------------------------------ operand
+@pytest.mark.parametrize("C", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_operand_relu_values_mask_and_count(native, C, channels_last):
+    x = _act((2, C, 3, 5), 0.5, channels_last, C)
+    x[0, 0, 0, 0] = float("nan")
+    op = U.union_operand(x, native=native)
+    want = torch.where(x > 0, x, torch.zeros(()))
+    assert torch.equal(op.nchw(), want)
+    assert op.values.is_contiguous() and op.values.shape == (2, 3, 5, C)
+    assert op.nnz == int((x > 0).sum())
+    if native:
+        assert torch.equal(_bits(op.mask, C), (x > 0).permute(0, 2, 3, 1).reshape(-1, C))
+        # bits past C stay clear (the kernels OR whole words)
+        if C % 64:
+            assert int((op.mask[:, -1] >> (C % 64)).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_operand_signed_keeps_negatives_nan_and_inf(native, channels_last):
+    x = _act((1, 20, 4, 4), 0.6, channels_last, 3)
+    x = torch.where(x < 0, -x, x * 0)  # nonnegative with zeros
+    x[0, 1, 1, 1] = -2.0
+    x[0, 2, 2, 2] = float("nan")
+    x[0, 3, 3, 3] = float("-inf")
+    x[0, 4, 0, 0] = -0.0
+    op = U.union_operand(x, relu=False, native=native)
+    keep = x != 0
+    keep[0, 2, 2, 2] = True
+    assert op.nnz == int(keep.sum())
+    assert torch.equal(torch.nan_to_num(op.nchw(), nan=7.0), torch.nan_to_num(torch.where(keep, x, torch.zeros(())), nan=7.0))
+    if native:
+        assert torch.equal(_bits(op.mask, 20), keep.permute(0, 2, 3, 1).reshape(-1, 20))
+        if channels_last:  # dY in channels-last is read in place
+            assert op.values.data_ptr() == x.data_ptr()
+
+
+def test_operand_rejects_bad_input():
+    with pytest.raises(ValueError, match="4-D"):
+        U.union_operand(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="float32"):
+        U.union_operand(torch.randn(1, 2, 3, 3, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------ kernels
+cases = st.tuples(
+    st.integers(1, 3), st.sampled_from([16, 32, 48, 64, 80, 128, 136]), st.integers(1, 9), st.integers(1, 9),  # N C H W
+    st.sampled_from([16, 32, 48, 64, 96, 128, 40]), st.sampled_from([1, 2, 3]),  # O k
+    st.sampled_from([1, 2]), st.integers(0, 2), st.sampled_from([1, 2]),  # stride pad dil
+    st.sampled_from([0.0, 0.5, 0.8, 0.97]), st.booleans(), st.booleans(), st.integers(0, 99))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_union_convs_match_dense(native, threads, case):
+    N, C, H, W, O, k, s, p, d, sp, cl, wcl, seed = case
+    d = d if k > 1 else 1  # same conv; oneDNN segfaults on some 1x1 dilated strided cases (adaptive._conv_args)
+    if H + 2 * p < d * (k - 1) + 1 or W + 2 * p < d * (k - 1) + 1:
+        return
+    x = _act((N, C, H, W), sp, cl, seed)
+    w = torch.randn(O, C, k, k, generator=torch.Generator().manual_seed(seed + 1))
+    if wcl:
+        w = w.contiguous(memory_format=torch.channels_last)
+    b = torch.randn(O)
+    geo = U.geometry(x.shape, w.shape, (s, s), (p, p), (d, d))
+    op = U.union_operand(x, native=native)
+    a = x.relu()
+    ref = F.conv2d(a, w, b, stride=s, padding=p, dilation=d)
+    y = U.union_conv_fwd(op, w, b, geo)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
+    dy = torch.where(torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed + 3)) < 0.5, dy, torch.zeros(()))
+    dy = dy.contiguous(memory_format=torch.channels_last)
+    rdw = torch.nn.grad.conv2d_weight(a, w.shape, dy, stride=s, padding=p, dilation=d)
+    dw = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride())
+    torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+    assert dw.stride() == w.stride()
+    if s != 1:
+        return
+    gop = U.union_operand(dy, relu=False, native=native)
+    rdx = torch.nn.grad.conv2d_input(x.shape, w, dy, stride=s, padding=p, dilation=d) * (x > 0)
+    dx = U.union_conv_igrad(gop, w, op, geo)
+    torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    if p <= d * (k - 1):
+        dw2 = U.union_conv_wgrad_dy(gop, op.values, geo, w.stride())
+        torch.testing.assert_close(dw2, rdw, atol=1e-3, rtol=1e-4)
+        assert dw2.stride() == w.stride()
+    else:
+        with pytest.raises(ValueError, match="padding"):
+            U.union_conv_wgrad_dy(gop, op.values, geo, w.stride())
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
+def test_weight_gradient_layouts(layout, threads):
+    x = _act((2, 32, 6, 7), 0.6, True, 5)
+    w = torch.randn(48, 32, 3, 3)
+    if layout == "ohwi":
+        w = w.contiguous(memory_format=torch.channels_last)
+    elif layout == "odd":  # a dense but unusual permutation: the kernels' rows go through a generic copy
+        w = torch.randn(3, 3, 48, 32).permute(2, 3, 0, 1)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    op = U.union_operand(x)
+    dy = torch.randn(2, 48, 6, 7).contiguous(memory_format=torch.channels_last)
+    rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, padding=1)
+    for dw in (U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()),
+               U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride())):
+        torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+        assert dw.stride() == w.stride()
+
+
+@needs_native
+def test_input_gradient_keeps_nan_only_where_relu_active():
+    x = _act((1, 16, 5, 5), 0.5, True, 9)
+    w = torch.randn(16, 16, 3, 3)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    dy = torch.zeros(1, 16, 5, 5).contiguous(memory_format=torch.channels_last)
+    dy[0, 3, 2, 2] = float("nan")
+    dx = U.union_conv_igrad(U.union_operand(dy, relu=False), w, U.union_operand(x), geo)
+    near = torch.zeros(1, 16, 5, 5, dtype=torch.bool)
+    near[:, :, 1:4, 1:4] = True
+    assert torch.equal(torch.isnan(dx), near & (x > 0))
+    assert (dx[~(near & (x > 0))] == 0).all()
+
+
+@needs_native
+def test_unsupported_channel_blocks_fall_back():
+    # O = 40: forward block 40 is not a multiple of 16; the wrappers then run the dense fallback
+    assert not U.union_supported(32, 40) and not U.union_supported(40, 32) and U.union_supported(32, 48)
+    x = _act((1, 32, 4, 4), 0.5, True, 1)
+    w = torch.randn(40, 32, 3, 3)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    y = U.union_conv_fwd(U.union_operand(x), w, None, geo)
+    torch.testing.assert_close(y, F.conv2d(x.relu(), w, padding=1), atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ autograd path
+@needs_native
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
+    x0 = _act((2, 32, 7, 6), 0.6, channels_last, stride)
+    w0 = torch.randn(64, 32, 3, 3) * 0.1
+    b0 = torch.randn(64) if bias else None
+    before = conv_union.union_paths.copy()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    b = b0.clone().requires_grad_() if bias else None
+    y = relu_conv2d(x, w, b, stride=stride, padding=1)
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    br = b0.clone().requires_grad_() if bias else None
+    ref = F.conv2d(xr.relu(), wr, br, stride=stride, padding=1)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    gy = torch.randn(ref.shape) * (torch.rand(ref.shape) < 0.3)
+    y.backward(gy)
+    ref.backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-3, rtol=1e-4)
+    if bias:
+        torch.testing.assert_close(b.grad, br.grad, atol=1e-4, rtol=1e-4)
+    assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    ran = conv_union.union_paths - before
+    assert ran[("dx_dy" if stride == 1 else "dx_dense")] == 1
+    assert ran["dw_x"] + ran["dw_dy"] == 1
+
+
+@needs_native
+def test_weight_gradient_side_follows_the_sparser_operand():
+    w = torch.randn(32, 32, 3, 3, requires_grad=True)
+    x = _act((2, 32, 6, 6), 0.3, True, 4).requires_grad_()
+    y = relu_conv2d(x, w, None, padding=1)
+    before = conv_union.union_paths.copy()
+    y.backward((torch.randn(y.shape) * (torch.rand(y.shape) < 0.05)).contiguous(memory_format=torch.channels_last))
+    assert (conv_union.union_paths - before)["dw_dy"] == 1   # dY 95% zeros, x 30%: dY side
+    x2 = _act((2, 32, 6, 6), 0.95, True, 4).requires_grad_()
+    y = relu_conv2d(x2, w, None, padding=1)
+    before = conv_union.union_paths.copy()
+    y.backward(torch.randn(y.shape).contiguous(memory_format=torch.channels_last))
+    assert (conv_union.union_paths - before)["dw_x"] == 1    # dense dY: x side
+
+
+@needs_native
+def test_weight_changed_in_place_after_forward_uses_forward_weights():
+    x0 = _act((1, 16, 5, 5), 0.5, True, 2)
+    w = torch.nn.Parameter(torch.randn(16, 16, 3, 3))
+    w0 = w.detach().clone()
+    x = x0.clone().requires_grad_()
+    y = relu_conv2d(x, w, None, padding=1)
+    with torch.no_grad():
+        w.add_(1.0)  # an optimizer step between forward and backward
+    gy = torch.randn(y.shape)
+    y.backward(gy)
+    xr = x0.clone().requires_grad_()
+    F.conv2d(xr.relu(), w0, None, padding=1).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_only_weight_needs_grad():
+    x = _act((2, 16, 5, 5), 0.5, True, 7)
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    relu_conv2d(x, w, None, padding=1).sum().backward()
+    wr = w.detach().clone().requires_grad_()
+    F.conv2d(x.relu(), wr, None, padding=1).sum().backward()
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-3, rtol=1e-4)
+
+
+def test_kernel_setting_list_and_bad_value(monkeypatch):
+    x = _act((1, 16, 4, 4), 0.5, True, 1)
+    w = torch.randn(16, 16, 3, 3)
+    monkeypatch.setattr(conv_union, "KERNELS", "list")
+    assert not conv_union.union_path_supported(x, w, None)
+    torch.testing.assert_close(relu_conv2d(x, w, None, padding=1), F.conv2d(x.relu(), w, padding=1),
+                               atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(conv_union, "KERNELS", "fast")
+    with pytest.raises(ValueError, match="auto, union or list"):
+        relu_conv2d(x, w, None, padding=1)
+
+
+def test_no_avx512_switches_to_list_kernels(monkeypatch):
+    monkeypatch.setenv("SPARSA_NO_AVX512", "1")
+    assert not U.union_native()
+    x = _act((1, 16, 4, 4), 0.5, True, 1).requires_grad_()
+    w = torch.randn(16, 16, 3, 3, requires_grad=True)
+    before = conv_union.union_paths.copy()
+    relu_conv2d(x, w, None, padding=1).sum().backward()
+    assert conv_union.union_paths == before
