@@ -272,3 +272,21 @@ def test_no_avx512_switches_to_list_kernels(monkeypatch):
     before = conv_union.union_paths.copy()
     relu_conv2d(x, w, None, padding=1).sum().backward()
     assert conv_union.union_paths == before
+
+
+@needs_native
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_input_gradient_side_follows_the_sparser_operand(channels_last):
+    w = torch.randn(128, 128, 3, 3) * 0.1
+    for sp, dyd, side in ((0.97, 1.0, "dx_x"), (0.5, 0.1, "dx_dy")):
+        x0 = _act((2, 128, 6, 6), sp, channels_last, 8)
+        x, wr = x0.clone().requires_grad_(), w.clone().requires_grad_()
+        y = relu_conv2d(x, wr, None, padding=1)
+        gy = torch.randn(y.shape) * (torch.rand(y.shape) < dyd)
+        before = conv_union.union_paths.copy()
+        y.backward(gy)
+        assert (conv_union.union_paths - before)[side] == 1, (sp, dyd)
+        xr = x0.clone().requires_grad_()
+        F.conv2d(xr.relu(), w, None, padding=1).backward(gy)
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)

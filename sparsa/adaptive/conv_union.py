@@ -5,7 +5,8 @@ union forward kernel runs over groups of 4 output pixels (see :mod:`sparsa.kerne
 Backward, from the same operand and dY's bitmask (dY is read in place, only its mask is built):
 
 - input gradient (stride 1): the forward of the flipped conv over dY's mask, stored only where
-  relu(x) != 0; strided convs use the dense input gradient, masked the same way;
+  relu(x) != 0, or, when relu(x) is much sparser than dY (``_dx_list_pays``), the list kernel's dot
+  products at relu(x)'s nonzeros; strided convs use the dense input gradient, masked;
 - weight gradient: over relu(x)'s mask, or (stride 1) over dY's when ``nnz(dY) * C`` is below
   ``_DW_DY_RATIO * nnz(x) * O`` (the flipped conv's weight gradient).
 
@@ -33,14 +34,16 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive_union as _u
-from ..kernels.adaptive import _conv_args, igrad_dy_geometry, packed_weight_flipped
+from ..kernels import adaptive as _k
+from ..kernels.adaptive import _conv_args, igrad_dy_geometry, packed_weight, packed_weight_flipped
 
 __all__ = ["union_path_supported", "kernels_setting", "union_paths", "KERNELS"]
 
 #: "auto" (union where supported, else lists), "union" (same; named for clarity in tests), "list"
 KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
-#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_dense" (strided:
+#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (over relu(x)'s
+#: nonzeros, list kernel), "dx_dense" (strided:
 #: dense input gradient, masked), "dw_x" / "dw_dy" (weight gradient over relu(x)'s / dY's mask)
 union_paths: Counter = Counter()
 
@@ -48,6 +51,15 @@ union_paths: Counter = Counter()
 # (2 threads, batch 32, /tmp/s4/x/ub.py): at equal densities (x 50% / dY 49% zeros, 256ch) the dY side
 # ran 8.8 ms against 9.5 ms, so the ratio sits a little above 1.
 _DW_DY_RATIO = 1.1
+
+
+# Stride-1 input gradient over relu(x)'s nonzeros with the list kernel (dot products at the nonzeros of
+# x, adaptive_bwd_s1.cpp) instead of the union forward over dY's mask, when relu(x) is much sparser
+# than dY (BatchNorm nets: dY dense). Times relative to the dense input gradient, fitted on VGG-16
+# activations (2 threads, batch 32, 64-512 channels, /tmp/s4/x/dxfit.py): list ~ 0.2 + 2.6 d_x (+0.3 at
+# C <= 64, short lists), union ~ 0.45 + 0.6 d_g (capped at 1.05).
+def _dx_list_pays(d_x: float, d_g: float, C: int) -> bool:
+    return 0.2 + (0.3 if C <= 64 else 0.0) + 2.6 * d_x < min(1.05, 0.45 + 0.6 * d_g)
 
 
 def kernels_setting() -> str:
@@ -88,18 +100,20 @@ class UnionReluConv2d(torch.autograd.Function):
         # the input gradient reads the weight as it is now: the flipped pack (stride 1; cached per weight
         # version, so an optimizer step in between does not change it) or the weight itself
         ctx.stride1 = _stride1(geo)
+        wc = None
         if ctx.stride1 and ctx.needs_input_grad[0]:
             extra = packed_weight_flipped(weight)
+            wc = packed_weight(weight)[1]  # the list kernel's pack (already built with the forward pack)
         elif ctx.needs_input_grad[0]:
             extra = weight.detach()
         else:
             extra = None
-        ctx.save_for_backward(op.values, op.mask, extra)
+        ctx.save_for_backward(op.values, op.mask, extra, wc)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        values, mask, extra = ctx.saved_tensors
+        values, mask, extra, wc = ctx.saved_tensors
         op = _u.UnionOperand(values, mask, ctx.nnz)
         geo = ctx.geo
         g = gy.permute(0, 2, 3, 1)
@@ -109,7 +123,11 @@ class UnionReluConv2d(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
         if need_dx:
-            if ctx.stride1:
+            if ctx.stride1 and _dx_list_pays(op.nnz / max(1, values.numel()), gop.nnz / max(1, g.numel()), geo[1]):
+                cnt, idx, val = _k.compact(op.nchw(), geo[15])
+                dx, _ = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, False)
+                union_paths["dx_x"] += 1
+            elif ctx.stride1:
                 dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra)
                 union_paths["dx_dy"] += 1
             else:
