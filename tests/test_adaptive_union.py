@@ -290,3 +290,18 @@ def test_input_gradient_side_follows_the_sparser_operand(channels_last):
         F.conv2d(xr.relu(), w, None, padding=1).backward(gy)
         torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
         assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+@pytest.mark.parametrize("shape,stride,pad", [((2, 32, 16, 16), 1, 1), ((1, 48, 18, 20), 1, 1), ((1, 16, 33, 32), 2, 1),
+                                              ((2, 16, 16, 17), 1, 1), ((1, 16, 16, 16), 1, 0)])
+def test_large_images_2x2_pixel_groups(native, threads, shape, stride, pad):
+    # images of 16x16 and more (even-sized outputs) run the x-driven kernels on 2x2 pixel groups
+    x = _act(shape, 0.6, True, 11)
+    w = torch.randn(32, shape[1], 3, 3) * 0.1
+    geo = U.geometry(x.shape, w.shape, (stride, stride), (pad, pad), (1, 1))
+    op = U.union_operand(x, native=native)
+    ref = F.conv2d(x.relu(), w, None, stride=stride, padding=pad)
+    torch.testing.assert_close(U.union_conv_fwd(op, w, None, geo), ref, atol=1e-4, rtol=1e-4)
+    dy = (torch.randn(ref.shape) * (torch.rand(ref.shape) < 0.4)).contiguous(memory_format=torch.channels_last)
+    rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, stride=stride, padding=pad)
+    torch.testing.assert_close(U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw, atol=1e-3, rtol=1e-4)

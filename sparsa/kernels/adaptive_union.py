@@ -52,12 +52,14 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_supported.restype = ci
         lib.sparsa_union_compact_f32.argtypes = [vp] + [i64] * 8 + [ci, vp, vp, ci]
         lib.sparsa_union_compact_f32.restype = i64
-        lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci]
+        lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci]
         lib.sparsa_union_conv_fwd_f32.restype = ci
-        lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci]
+        lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
         lib.sparsa_union_conv_wgrad_f32.restype = ci
         lib.sparsa_union_transpose_f32.argtypes = [vp, i64, i64, vp, ci]
         lib.sparsa_union_transpose_f32.restype = None
+        lib.sparsa_union_transpose_batched_f32.argtypes = [vp, i64, i64, i64, vp, ci]
+        lib.sparsa_union_transpose_batched_f32.restype = None
         lib._sparsa_union_typed = True
     return lib
 
@@ -146,7 +148,7 @@ def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo
     y = _empty_cl(N, O, Ho, Wo)
     g = torch.tensor(list(geo), dtype=torch.int64)
     rc = lib.sparsa_union_conv_fwd_f32(g.data_ptr(), op.values.data_ptr(), op.mask.data_ptr(), wf.data_ptr(),
-                                       None if b is None else b.data_ptr(), y.data_ptr(), None, _nthreads())
+                                       None if b is None else b.data_ptr(), y.data_ptr(), None, 1, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {list(geo)}")
     return y
@@ -176,7 +178,7 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
     wfl = wflip if wflip is not None else packed_weight_flipped(weight)
     dx = _empty_cl(N, C, H, W)
     rc = lib.sparsa_union_conv_fwd_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(), wfl.data_ptr(),
-                                       None, dx.data_ptr(), xop.mask.data_ptr(), _nthreads())
+                                       None, dx.data_ptr(), xop.mask.data_ptr(), 0, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 (input gradient) failed ({rc}) for geometry {list(geo)}")
     return dx
@@ -221,7 +223,7 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
     rst = torch.tensor(rs or (K2, KW, 1, 0), dtype=torch.int64)
     g = torch.tensor(list(geo), dtype=torch.int64)
     rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(), dy.data_ptr(),
-                                         S.data_ptr(), rst.data_ptr(), O, _nthreads())
+                                         S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {list(geo)}")
     if rs is None:
@@ -248,13 +250,16 @@ def union_conv_wgrad_dy(gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int],
     s0, s1, s2, s3 = dw.stride()
     # the flipped conv's (c' = o, kh, kw) row is dW[o, :, KH-1-kh, KW-1-kw]
     direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
+    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
     S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
     rst = torch.tensor((K2, -KW, -1, K2 - 1), dtype=torch.int64)
     g = torch.tensor(g2, dtype=torch.int64)
     rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(), xr.data_ptr(),
-                                         S.data_ptr(), rst.data_ptr(), C, _nthreads())
+                                         S.data_ptr(), rst.data_ptr(), C, 0, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_wgrad_f32 (dY-driven) failed ({rc}) for geometry {list(geo)}")
-    if not direct:
+    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
+        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
+    elif not direct:
         dw.copy_(S.permute(0, 3, 1, 2))
     return dw
