@@ -208,22 +208,23 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
     assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     ran = conv_union.union_paths - before
     assert ran[("dx_dy" if stride == 1 else "dx_dense")] == 1
-    assert ran["dw_x"] + ran["dw_dy"] == 1
+    assert ran["dw_x"] + ran["dw_dy"] + ran["dw_list"] == 1
 
 
 @needs_native
-def test_weight_gradient_side_follows_the_sparser_operand():
-    w = torch.randn(32, 32, 3, 3, requires_grad=True)
-    x = _act((2, 32, 6, 6), 0.3, True, 4).requires_grad_()
+@pytest.mark.parametrize("x_zeros,dy_density,side", [(0.3, 0.05, "dw_dy"), (0.5, 1.0, "dw_x"), (0.98, 1.0, "dw_list")])
+def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side):
+    w0 = torch.randn(32, 32, 3, 3)
+    x = _act((2, 32, 6, 6), x_zeros, True, 4)
+    w = w0.clone().requires_grad_()
     y = relu_conv2d(x, w, None, padding=1)
+    gy = (torch.randn(y.shape) * (torch.rand(y.shape) < dy_density)).contiguous(memory_format=torch.channels_last)
     before = conv_union.union_paths.copy()
-    y.backward((torch.randn(y.shape) * (torch.rand(y.shape) < 0.05)).contiguous(memory_format=torch.channels_last))
-    assert (conv_union.union_paths - before)["dw_dy"] == 1   # dY 95% zeros, x 30%: dY side
-    x2 = _act((2, 32, 6, 6), 0.95, True, 4).requires_grad_()
-    y = relu_conv2d(x2, w, None, padding=1)
-    before = conv_union.union_paths.copy()
-    y.backward(torch.randn(y.shape).contiguous(memory_format=torch.channels_last))
-    assert (conv_union.union_paths - before)["dw_x"] == 1    # dense dY: x side
+    y.backward(gy)
+    assert (conv_union.union_paths - before)[side] == 1
+    wr = w0.clone().requires_grad_()
+    F.conv2d(x.relu(), wr, None, padding=1).backward(gy)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-3, rtol=1e-4)
 
 
 @needs_native

@@ -7,8 +7,9 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
 - input gradient (stride 1): the forward of the flipped conv over dY's mask, stored only where
   relu(x) != 0, or, when relu(x) is much sparser than dY (``_dx_list_pays``), the list kernel's dot
   products at relu(x)'s nonzeros; strided convs use the dense input gradient, masked;
-- weight gradient: over relu(x)'s mask, or (stride 1) over dY's when ``nnz(dY) * C`` is below
-  ``_DW_DY_RATIO * nnz(x) * O`` (the flipped conv's weight gradient).
+- weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
+  gradient) or with the list kernel over relu(x)'s nonzeros, whichever ``_dw_side`` estimates cheapest
+  from the two densities (the list kernel wins at high sparsity, the union kernels below ~75%).
 
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -43,8 +44,8 @@ __all__ = ["union_path_supported", "kernels_setting", "union_paths", "KERNELS"]
 KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (over relu(x)'s
-#: nonzeros, list kernel), "dx_dense" (strided:
-#: dense input gradient, masked), "dw_x" / "dw_dy" (weight gradient over relu(x)'s / dY's mask)
+#: nonzeros, list kernel), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
+#: gradient over relu(x)'s / dY's mask), "dw_list" (over relu(x)'s nonzeros, list kernel)
 union_paths: Counter = Counter()
 
 # dY-driven weight gradient when nnz(dY) * C < ratio * nnz(x) * O. Measured on VGG-16 activations
@@ -60,6 +61,18 @@ _DW_DY_RATIO = 1.1
 # C <= 64, short lists), union ~ 0.45 + 0.6 d_g (capped at 1.05).
 def _dx_list_pays(d_x: float, d_g: float, C: int) -> bool:
     return 0.2 + (0.3 if C <= 64 else 0.0) + 2.6 * d_x < min(1.05, 0.45 + 0.6 * d_g)
+
+
+# Weight gradient (stride 1): the cheapest of three sides, estimated relative to the dense weight gradient
+# (fitted on the same activations, /tmp/s4/x/wg2.py, /tmp/s4/x/comp.py): the list kernel over relu(x)'s
+# nonzeros ~ 0.07 + 2.0 d_x (x2 at C <= 64: short lists), the union kernel over relu(x)'s mask ~ 0.3 + d_x, over
+# dY's ~ 0.3 + d_g / 1.1. The union kernels' fixed part (every pixel group visited once per kernel offset
+# and output block, the [C*KH*KW, O] result transposed) is what the list kernel avoids at high sparsity.
+def _dw_side(d_x: float, d_g: Optional[float], C: int) -> str:
+    cost = {"list": (0.07 + 2.0 * d_x) * (2.0 if C <= 64 else 1.0), "x": 0.3 + d_x}
+    if d_g is not None:
+        cost["dy"] = 0.3 + d_g / _DW_DY_RATIO
+    return min(cost, key=cost.get)
 
 
 def kernels_setting() -> str:
@@ -100,10 +113,10 @@ class UnionReluConv2d(torch.autograd.Function):
         # the input gradient reads the weight as it is now: the flipped pack (stride 1; cached per weight
         # version, so an optimizer step in between does not change it) or the weight itself
         ctx.stride1 = _stride1(geo)
-        wc = None
+        # the list kernels' pack (built with the forward pack, cached per weight version)
+        wc = packed_weight(weight)[1] if ctx.stride1 else None
         if ctx.stride1 and ctx.needs_input_grad[0]:
             extra = packed_weight_flipped(weight)
-            wc = packed_weight(weight)[1]  # the list kernel's pack (already built with the forward pack)
         elif ctx.needs_input_grad[0]:
             extra = weight.detach()
         else:
@@ -122,33 +135,44 @@ class UnionReluConv2d(torch.autograd.Function):
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
+        C, O = geo[1], geo[4]
+        d_x = op.nnz / max(1, values.numel())
+        d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
+        dx_side = dw_side = None
         if need_dx:
-            if ctx.stride1 and _dx_list_pays(op.nnz / max(1, values.numel()), gop.nnz / max(1, g.numel()), geo[1]):
-                cnt, idx, val = _k.compact(op.nchw(), geo[15])
-                dx, _ = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, False)
-                union_paths["dx_x"] += 1
-            elif ctx.stride1:
+            dx_side = "dense" if not ctx.stride1 else ("x" if _dx_list_pays(d_x, d_g, C) else "dy")
+        if need_dw:
+            g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
+            dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C) if ctx.stride1 else "x"
+        if dx_side == "x" or dw_side == "list":
+            # the list kernels over relu(x)'s nonzeros, both gradients in one call when both go there
+            cnt, idx, val = _k.compact(op.nchw(), geo[15])
+            dxl, dwl = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, dx_side == "x", dw_side == "list",
+                                          ctx.w_stride)
+            if dx_side == "x":
+                dx = dxl
+            if dw_side == "list":
+                dw = dwl
+        if dx_side is not None:
+            if dx_side == "dy":
                 dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra)
-                union_paths["dx_dy"] += 1
-            else:
+            elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(
                     g.permute(0, 3, 1, 2), op.nchw(), extra, None, a["stride"], a["padding"], a["dilation"],
                     False, (0, 0), 1, [True, False, False])[0]
                 dx = dxd.mul_(op.nchw() != 0) if dxd.is_contiguous(memory_format=torch.channels_last) \
                     else torch.where(op.nchw() != 0, dxd, torch.zeros(()))
-                union_paths["dx_dense"] += 1
+            union_paths["dx_" + dx_side] += 1
             if not ctx.channels_last:
                 dx = dx.contiguous()
-        if need_dw:
-            C, O = geo[1], geo[4]
-            g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
-            if g2 is not None and g2[11] >= 0 and g2[12] >= 0 and gop.nnz * C < _DW_DY_RATIO * op.nnz * O:
-                dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride)
-                union_paths["dw_dy"] += 1
-            else:
-                dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride)
-                union_paths["dw_x"] += 1
+        if dw_side == "dy":
+            dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride)
+        elif dw_side == "x":
+            dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride)
+        if dw_side is not None:
+            union_paths["dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum((0, 1, 2))
         return dx, dw, db, None, None
