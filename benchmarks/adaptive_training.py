@@ -31,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import sparsa.adaptive as sa  # noqa: E402
 from sparsa.adaptive.calibration import default_calibration  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
+from sparsa.kernels import adaptive_union as U  # noqa: E402
+from sparsa.adaptive import conv_union  # noqa: E402
 from sparsa.models import build  # noqa: E402
 
 try:
@@ -199,16 +201,28 @@ def layer_rows(name, model, rt, x, labels, reps, res):
 
 
 def compaction_rows(acts, res, limit):
+    """Building the sparse operand vs the forward GEMM it feeds: the bitmask operand and union forward
+    where relu_conv2d runs the union kernels, else the list compaction and list forward."""
     for lname, (mod, a, _) in list(acts.items())[:limit]:
         if not isinstance(mod, sa.AdaptiveConv2d) or not mod.sparsa_state.paired_calls:
             continue  # only layers fed by a ReLU
-        geo = K.geometry(a.shape, mod.weight.shape, mod.stride, mod.padding, mod.dilation, 64)
-        wt = mod.weight.detach().permute(2, 3, 1, 0).contiguous()
-        cnt, idx, val = K.compact(a, 64)
-        tc = median_time(lambda: K.compact(a, 64), reps=5, min_seconds=0)
-        tf = median_time(lambda: K.conv_fwd(cnt, idx, val, wt, None, geo, 1), reps=5, min_seconds=0)
-        res["compaction"].append({"layer": lname, "shape": list(a.shape), "compaction_ms": tc * 1e3,
-                                  "forward_gemm_ms": tf * 1e3, "compaction_vs_gemm": tc / tf})
+        w = mod.weight.detach()
+        if U.union_supported(w.shape[1], w.shape[0]) and conv_union.kernels_setting() != "list":
+            geo = K.geometry(a.shape, w.shape, mod.stride, mod.padding, mod.dilation, 64)
+            op = U.union_operand(a)
+            tc = median_time(lambda: U.union_operand(a), reps=5, min_seconds=0)
+            tf = median_time(lambda: U.union_conv_fwd(op, w, None, geo), reps=5, min_seconds=0)
+            kernels = "union"
+        else:
+            geo = K.geometry(a.shape, w.shape, mod.stride, mod.padding, mod.dilation, 64)
+            wt = w.permute(2, 3, 1, 0).contiguous()
+            cnt, idx, val = K.compact(a, 64)
+            tc = median_time(lambda: K.compact(a, 64), reps=5, min_seconds=0)
+            tf = median_time(lambda: K.conv_fwd(cnt, idx, val, wt, None, geo, 1), reps=5, min_seconds=0)
+            kernels = "list"
+        res["compaction"].append({"layer": lname, "shape": list(a.shape), "kernels": kernels,
+                                  "compaction_ms": tc * 1e3, "forward_gemm_ms": tf * 1e3,
+                                  "compaction_vs_gemm": tc / tf})
 
 
 def sweep(acts, names, sparsities, reps, res):
@@ -278,7 +292,9 @@ def main(argv=None):
     res = {"config": {"quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine(), "batch": batch, "steps": steps,
                       "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels", "native": K.native_available(),
-                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads"},
+                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads",
+                      "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
+                      if U.union_native() and conv_union.kernels_setting() != "list" else "list"},
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
     default_calibration()
     for name in models:
