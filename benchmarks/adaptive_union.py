@@ -1,0 +1,139 @@
+"""Union vs list kernels, GEMM by GEMM, on real VGG-16 activations (relu_conv2d's building blocks).
+
+For each stride-1 3x3 conv of a VGG-16 (no BatchNorm) trained briefly on upsampled digits, with the
+layer's real input and real output gradient, at the input's own sparsity and thresholded to 75% / 90%:
+
+- forward: dense ``F.conv2d`` vs the list kernel (compaction + forward) vs the union kernel (bitmask
+  operand + forward);
+- input gradient: dense vs the list kernel over relu(x)'s nonzeros vs the union kernel over dY's mask;
+- weight gradient: dense vs the list kernel vs the union kernel over relu(x)'s mask and over dY's.
+
+Times are medians of alternating repetitions after a warm-up (2 threads unless ``--threads``); every
+ratio is dense time / sparse time measured side by side in this run.
+
+    python benchmarks/adaptive_union.py            # 6 layers, 3 sparsities, 9 repetitions
+    python benchmarks/adaptive_union.py --quick    # 3 layers, < 1 minute
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import adaptive_training as B  # noqa: E402
+import sparsa.adaptive as sa  # noqa: E402
+from sparsa.adaptive.memory import retain_freed_memory  # noqa: E402
+from sparsa.kernels import adaptive as K  # noqa: E402
+from sparsa.kernels import adaptive_union as U  # noqa: E402
+
+CL = torch.channels_last
+
+
+def _medians(fns: dict, reps: int) -> dict:
+    for f in fns.values():
+        f()
+        f()
+    ts = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
+
+def layer_rows(lname, a, gy, reps):
+    N, C, H, W = a.shape
+    O = gy.shape[1]
+    w = (torch.randn(O, C, 3, 3, generator=torch.Generator().manual_seed(0)) * 0.05).contiguous(memory_format=CL)
+    geo = K.geometry(a.shape, w.shape, (1, 1), (1, 1), (1, 1), 128)
+    wf, wc = K.packed_weight(w)
+    ar = a.relu().contiguous(memory_format=CL)
+    g = gy.contiguous(memory_format=CL)
+    gn = g.permute(0, 2, 3, 1)
+    op = U.union_operand(ar)
+    gop = U.union_operand(g, relu=False)
+    cnt, idx, val = K.compact(ar, 128)
+
+    def bw(mask):
+        return torch.ops.aten.convolution_backward(g, ar, w, None, (1, 1), (1, 1), (1, 1), False, (0, 0), 1, mask)
+
+    fns = {
+        "fwd_dense": lambda: torch.nn.functional.conv2d(ar, w, None, 1, 1),
+        "fwd_list": lambda: K.conv_fwd_packed(*K.compact(ar, 128), wf, None, geo, 1),
+        "fwd_union": lambda: U.union_conv_fwd(U.union_operand(ar), w, None, geo),
+        "dx_dense": lambda: bw([True, False, False]),
+        "dx_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, True, False),
+        "dx_union_dy": lambda: U.union_conv_igrad(U.union_operand(g, relu=False), w, op, geo),
+        "dw_dense": lambda: bw([False, True, False]),
+        "dw_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, False, True, w.stride()),
+        "dw_union_x": lambda: U.union_conv_wgrad(op, gn, geo, w.stride()),
+        "dw_union_dy": lambda: U.union_conv_wgrad_dy(U.union_operand(g, relu=False), op.values, geo, w.stride()),
+    }
+    t = _medians(fns, reps)
+    row = {"layer": lname, "shape": list(a.shape), "out_channels": O,
+           "activation_sparsity": 1.0 - op.nnz / ar.numel(), "grad_sparsity": 1.0 - gop.nnz / g.numel(),
+           "ms": t}
+    for gemm in ("fwd", "dx", "dw"):
+        for k in t:
+            if k.startswith(gemm + "_") and k != gemm + "_dense":
+                row[f"{k}_vs_dense"] = t[gemm + "_dense"] / t[k]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    results = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=str(results / "adaptive_union.json"))
+    args = ap.parse_args(argv)
+    if not U.union_native():
+        print("the union kernels need AVX-512 and the native build; nothing to measure here")
+        return
+    torch.set_num_threads(args.threads)
+    retain_freed_memory()
+    t0 = time.time()
+    torch.manual_seed(0)
+    model = B.build("vgg16").to(memory_format=CL)
+    sa.enable(model, every=10, policy=sa.Policy(force="dense"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = B.digits_batches(32, 31)
+    for x, y in data[:30]:
+        B.train_step(model, opt, x.contiguous(memory_format=CL), y)
+    x, y = data[-1]
+    acts = B.capture_inputs(model, x.contiguous(memory_format=CL), y)
+    names = ["2", "7", "14"] if args.quick else ["2", "5", "7", "12", "14", "19"]
+    reps = 3 if args.quick else 9
+    rows = []
+    for lname in names:
+        _, a, gy = acts[lname]
+        for s in (None, 0.75, 0.9):
+            at = a if s is None else B.thresholded(a, s)
+            r = layer_rows(lname, at, gy, reps)
+            r["thresholded_to"] = s
+            rows.append(r)
+            print(f"[{lname} x{tuple(a.shape)} sparsity {r['activation_sparsity']:.2f} dY {r['grad_sparsity']:.2f}] "
+                  + " ".join(f"{k[:-9]} {v:.2f}x" for k, v in r.items() if k.endswith("_vs_dense")), flush=True)
+    res = {"config": {"threads": args.threads, "quick": args.quick, "torch": torch.__version__,
+                      "machine": platform.processor() or platform.machine(), "batch": 32,
+                      "data": "VGG-16 (no BN) after 30 SGD steps on sklearn digits upsampled to 32x32",
+                      "seconds": time.time() - t0},
+           "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out} in {res['config']['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
