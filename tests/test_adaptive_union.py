@@ -212,10 +212,11 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
 
 
 @needs_native
-@pytest.mark.parametrize("x_zeros,dy_density,side", [(0.3, 0.05, "dw_dy"), (0.5, 1.0, "dw_x"), (0.98, 1.0, "dw_list")])
-def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side):
-    w0 = torch.randn(32, 32, 3, 3)
-    x = _act((2, 32, 6, 6), x_zeros, True, 4)
+@pytest.mark.parametrize("x_zeros,dy_density,side,C", [(0.3, 0.05, "dw_dy", 32), (0.5, 1.0, "dw_x", 32),
+                                                        (0.995, 1.0, "dw_list", 128)])
+def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C):
+    w0 = torch.randn(32, C, 3, 3)
+    x = _act((2, C, 6, 6), x_zeros, True, 4)
     w = w0.clone().requires_grad_()
     y = relu_conv2d(x, w, None, padding=1)
     gy = (torch.randn(y.shape) * (torch.rand(y.shape) < dy_density)).contiguous(memory_format=torch.channels_last)

@@ -48,30 +48,27 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 #: gradient over relu(x)'s / dY's mask), "dw_list" (over relu(x)'s nonzeros, list kernel)
 union_paths: Counter = Counter()
 
-# dY-driven weight gradient when nnz(dY) * C < ratio * nnz(x) * O. Measured on VGG-16 activations
-# (2 threads, batch 32, /tmp/s4/x/ub.py): at equal densities (x 50% / dY 49% zeros, 256ch) the dY side
-# ran 8.8 ms against 9.5 ms, so the ratio sits a little above 1.
-_DW_DY_RATIO = 1.1
 
-
-# Stride-1 input gradient over relu(x)'s nonzeros with the list kernel (dot products at the nonzeros of
-# x, adaptive_bwd_s1.cpp) instead of the union forward over dY's mask, when relu(x) is much sparser
-# than dY (BatchNorm nets: dY dense). Times relative to the dense input gradient, fitted on VGG-16
-# activations (2 threads, batch 32, 64-512 channels, /tmp/s4/x/dxfit.py): list ~ 0.2 + 2.6 d_x (+0.3 at
-# C <= 64, short lists), union ~ 0.45 + 0.6 d_g (capped at 1.05).
+# Which kernel computes each backward GEMM (stride 1). Costs are relative to the dense (oneDNN) GEMM, fitted
+# on VGG-16 activations with their real output gradients at their own sparsity and thresholded to 75% / 90%
+# (2 threads, batch 32, 64-512 channels: `python benchmarks/adaptive_union.py`); d_x, d_g: the densities
+# of relu(x) and dY.
+# Input gradient: the list kernel's dot products at relu(x)'s nonzeros ~ 0.15 + 2.2 d_x (+0.1 at
+# C <= 128, +0.45 at C <= 64: short lists), the union forward of the flipped conv over dY's mask
+# ~ 0.5 + 0.65 d_g (at most ~1.05: a dense dY makes it a dense conv through the union kernel).
 def _dx_list_pays(d_x: float, d_g: float, C: int) -> bool:
-    return 0.2 + (0.3 if C <= 64 else 0.0) + 2.6 * d_x < min(1.05, 0.45 + 0.6 * d_g)
+    lst = 0.15 + 2.2 * d_x + (0.1 if C <= 128 else 0.0) + (0.45 if C <= 64 else 0.0)
+    return lst < min(1.05, 0.5 + 0.65 * d_g)
 
 
-# Weight gradient (stride 1): the cheapest of three sides, estimated relative to the dense weight gradient
-# (fitted on the same activations, /tmp/s4/x/wg2.py, /tmp/s4/x/comp.py): the list kernel over relu(x)'s
-# nonzeros ~ 0.07 + 2.0 d_x (x2 at C <= 64: short lists), the union kernel over relu(x)'s mask ~ 0.3 + d_x, over
-# dY's ~ 0.3 + d_g / 1.1. The union kernels' fixed part (every pixel group visited once per kernel offset
-# and output block, the [C*KH*KW, O] result transposed) is what the list kernel avoids at high sparsity.
+# Weight gradient: the list kernel ~ 0.25 + 2.2 d_x (x2 at C <= 64), the union kernel over relu(x)'s mask
+# ~ 0.3 + d_x, over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The union kernels visit
+# every pixel group once per kernel offset and output block and transpose their [C*KH*KW, O] result;
+# even so the list kernel only pays at extreme sparsity (< ~5% nonzeros).
 def _dw_side(d_x: float, d_g: Optional[float], C: int) -> str:
-    cost = {"list": (0.07 + 2.0 * d_x) * (2.0 if C <= 64 else 1.0), "x": 0.3 + d_x}
+    cost = {"list": (0.25 + 2.2 * d_x) * (2.0 if C <= 64 else 1.0), "x": 0.3 + d_x}
     if d_g is not None:
-        cost["dy"] = 0.3 + d_g / _DW_DY_RATIO
+        cost["dy"] = 0.45 + 0.75 * d_g
     return min(cost, key=cost.get)
 
 
