@@ -71,6 +71,23 @@ def bert_section() -> str:
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
+def adaptive_union_section() -> str:
+    d = _load("adaptive_union")
+    if not d:
+        return "_adaptive_union.json not found: run `python benchmarks/adaptive_union.py`._"
+    rows = []
+    for r in d["rows"]:
+        row = {"layer": r["layer"], "shape": "x".join(str(v) for v in r["shape"]), "O": r["out_channels"],
+               "x_sparsity": r["activation_sparsity"], "dy_sparsity": r["grad_sparsity"]}
+        row.update({k[:-len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
+        rows.append(row)
+    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "fwd_list", "fwd_union", "dx_list", "dx_union_dy",
+            "dw_list", "dw_union_x", "dw_union_dy"]
+    fmt = {c: ".2f" for c in cols[3:]}
+    return (f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
+            f"{d['config']['data']}; real output gradients):\n\n" + _md(rows, cols, fmt))
+
+
 def adaptive_section() -> str:
     d = _load("adaptive_training")
     if not d:
@@ -155,6 +172,10 @@ Best layout per shape and sparsity, 1024 tokens, 1 thread (ratio = dense `F.line
 ## Adaptive activation-sparse training (`python benchmarks/adaptive_training.py`)
 
 {adaptive_section()}
+
+### Sparse conv kernels GEMM by GEMM (`python benchmarks/adaptive_union.py`)
+
+{adaptive_union_section()}
 
 ## Pruning quality (`python benchmarks/quality.py`)
 
