@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from sparsa.adaptive import relu_conv2d, relu_linear
+from sparsa.adaptive import conv_union, relu_conv2d, relu_linear
 
 
 @pytest.mark.parametrize("stride,padding,dilation,slice", [(1, 1, 1, 64), (2, 1, 1, 2), (1, 1, 2, 3)])
@@ -34,17 +34,21 @@ def _grads(f, *ts):
 
 
 @settings(max_examples=25, deadline=None)
-@given(N=st.integers(1, 3), C=st.integers(1, 40), H=st.integers(2, 6), O=st.sampled_from([8, 32]),
-       k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), cl=st.booleans(), bias=st.booleans(),
-       seed=st.integers(0, 50))
-def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, seed):
+@given(N=st.integers(1, 3), C=st.one_of(st.integers(1, 40), st.sampled_from([16, 32, 48])), H=st.integers(2, 6),
+       O=st.sampled_from([8, 32]), k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), cl=st.booleans(),
+       bias=st.booleans(), seed=st.integers(0, 50), kernels=st.sampled_from(["auto", "list"]))
+def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, seed, kernels):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, C, H, H, generator=g)
     if cl:
         x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(O, C, k, k, generator=g)
     b = torch.randn(O, generator=g) if bias else None
-    ys, gs = _grads(lambda x, w, b: relu_conv2d(x, w, b, stride, k // 2), x, w, b)
+    conv_union.KERNELS = kernels  # union kernels where supported (C, O multiples of 16 here), or lists only
+    try:
+        ys, gs = _grads(lambda x, w, b: relu_conv2d(x, w, b, stride, k // 2), x, w, b)
+    finally:
+        conv_union.KERNELS = "auto"
     yd, gd = _grads(lambda x, w, b: F.conv2d(x.relu(), w, b, stride, k // 2), x, w, b)
     torch.testing.assert_close(ys, yd, atol=1e-4, rtol=1e-4)
     for a, r in zip(gs, gd):
@@ -53,13 +57,18 @@ def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, see
 
 
 @settings(max_examples=20, deadline=None)
-@given(P=st.integers(1, 40), K=st.integers(1, 150), O=st.sampled_from([8, 16, 40]), seed=st.integers(0, 50))
-def test_native_linear_autograd_matches_dense(P, K, O, seed):
+@given(P=st.integers(1, 40), K=st.one_of(st.integers(1, 150), st.sampled_from([16, 64, 96])),
+       O=st.sampled_from([8, 16, 40, 64]), seed=st.integers(0, 50), kernels=st.sampled_from(["auto", "list"]))
+def test_native_linear_autograd_matches_dense(P, K, O, seed, kernels):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(P, K, generator=g)
     w = torch.randn(O, K, generator=g)
     b = torch.randn(O, generator=g)
-    ys, gs = _grads(lambda x, w, b: relu_linear(x, w, b), x, w, b)
+    conv_union.KERNELS = kernels
+    try:
+        ys, gs = _grads(lambda x, w, b: relu_linear(x, w, b), x, w, b)
+    finally:
+        conv_union.KERNELS = "auto"
     yd, gd = _grads(lambda x, w, b: F.linear(x.relu(), w, b), x, w, b)
     torch.testing.assert_close(ys, yd, atol=1e-4, rtol=1e-4)
     for a, r in zip(gs, gd):

@@ -307,3 +307,38 @@ def test_large_images_2x2_pixel_groups(native, threads, shape, stride, pad):
     dy = (torch.randn(ref.shape) * (torch.rand(ref.shape) < 0.4)).contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, stride=stride, padding=pad)
     torch.testing.assert_close(U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw, atol=1e-3, rtol=1e-4)
+
+
+@needs_native
+def test_relu_linear_runs_the_union_kernels(threads):
+    from sparsa.adaptive import relu_linear
+    x0 = torch.randn(2, 25, 96) - 0.3    # 50 rows: a tail group of 2
+    w0, b0 = torch.randn(64, 96) * 0.1, torch.randn(64)
+    x, w, b = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    before = conv_union.union_paths.copy()
+    y = relu_linear(x, w, b)
+    gy = torch.randn(y.shape) * (torch.rand(y.shape) < 0.5)
+    y.backward(gy)
+    assert sum((conv_union.union_paths - before).values()) == 2  # dx and dW on the union path's rules
+    xr, wr, br = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
+    ref = F.linear(xr.relu(), wr, br)
+    ref.backward(gy)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(b.grad, br.grad, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_relu_linear_sees_in_place_weight_updates():
+    from sparsa.adaptive import relu_linear
+    x = torch.randn(8, 32) - 0.2
+    w = torch.nn.Parameter(torch.randn(32, 32) * 0.1)
+    first = relu_linear(x, w)
+    with torch.no_grad():
+        w.add_(0.5)                      # the weight packs are cached per version: this must re-pack
+    torch.testing.assert_close(relu_linear(x, w), F.linear(x.relu(), w), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        w.data = torch.randn(32, 32)     # new storage
+    torch.testing.assert_close(relu_linear(x, w), F.linear(x.relu(), w), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(first, relu_linear(x, w))

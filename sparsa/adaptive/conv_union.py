@@ -97,7 +97,10 @@ class UnionReluConv2d(torch.autograd.Function):
     """``conv2d(relu(x), W, b)`` on the union kernels (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, geo, stats):
+    def forward(ctx, x, weight, bias, geo, stats, pack_src=None):
+        # pack_src: a long-lived detached tensor with weight's values (and version counter) that keys the
+        # weight-pack caches when ``weight`` itself is a fresh view each call (relu_linear's 1x1 view)
+        weight = weight if pack_src is None else pack_src
         op = _u.union_operand(x.detach())
         y = _u.union_conv_fwd(op, weight, bias, geo)
         if stats is not None:
@@ -172,4 +175,4 @@ class UnionReluConv2d(torch.autograd.Function):
             union_paths["dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.sum((0, 1, 2))
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None

@@ -1,8 +1,9 @@
 """``relu_linear``: ``linear(relu(x), W, b)`` with all three training GEMMs exploiting relu(x)'s zeros.
 
 A Linear layer is the 1x1 convolution of a ``[P, K]`` matrix seen as one ``P x 1`` image with ``K``
-channels, so it runs the same kernels as :func:`~sparsa.adaptive.relu_conv2d`: forward and weight
-gradient from the compacted ``relu(x)``, input gradient only where ``relu(x) != 0``.
+channels, so it runs the same kernels as :func:`~sparsa.adaptive.relu_conv2d` (the union kernels
+where supported, else the list kernels): forward and weight gradient from the sparse ``relu(x)``,
+input gradient only where ``relu(x) != 0``.
 
 Example::
 
@@ -14,13 +15,15 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from ..kernels import adaptive as _k
 from .compaction import DEFAULT_SLICE
+from .conv_union import UnionReluConv2d, union_path_supported
 
 __all__ = ["relu_linear", "linear_supported"]
 
@@ -69,14 +72,53 @@ class _ReluLinear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+# id(parameter) -> (weakref to it, a detached [O, K, 1, 1] view of it): the view keys the union kernels'
+# weight-pack caches (the view handed to autograd is new each call); rebuilt when the storage moves
+_PACK_VIEWS: Dict[int, Tuple["weakref.ref[Tensor]", Tensor]] = {}
+
+
+def _pack_view(weight: Tensor) -> Tensor:
+    hit = _PACK_VIEWS.get(id(weight))
+    if hit is not None and hit[0]() is weight:
+        v = hit[1]
+        if v.data_ptr() == weight.data_ptr() and v.shape[:2] == weight.shape and v.stride()[:2] == weight.stride():
+            return v
+    v = weight.detach().unsqueeze(-1).unsqueeze(-1)
+    wid = id(weight)
+
+    def _drop(ref, wid=wid):
+        ent = _PACK_VIEWS.get(wid)
+        if ent is not None and ent[0] is ref:
+            del _PACK_VIEWS[wid]
+    _PACK_VIEWS[wid] = (weakref.ref(weight, _drop), v)
+    return v
+
+
+def _union_linear(x2: Tensor, weight: Tensor, bias: Optional[Tensor], slice: int, stats: Optional[dict]) -> Tensor:
+    """The Linear as the 1x1 conv of the ``[1, K, P, 1]`` image ``x2.t()`` on the union kernels."""
+    P, K = x2.shape
+    O = weight.shape[0]
+    x4 = x2.t().unsqueeze(0).unsqueeze(-1)                  # channels-last: every row's features contiguous
+    w4 = weight.unsqueeze(-1).unsqueeze(-1)
+    y4 = UnionReluConv2d.apply(x4, w4, bias, _geo(P, K, O, slice), stats, _pack_view(weight))
+    return y4.squeeze(-1).squeeze(0).t()                    # [P, O], contiguous
+
+
 def relu_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice: int = DEFAULT_SLICE,
                 stats: Optional[dict] = None) -> Tensor:
-    """``F.linear(relu(x), weight, bias)`` through the sparse kernels; ``x`` is ``[..., K]``."""
+    """``F.linear(relu(x), weight, bias)`` through the sparse kernels; ``x`` is ``[..., K]``.
+
+    Runs the union kernels of :mod:`sparsa.adaptive.conv_union` (as a 1x1 conv) where they are
+    supported, else the list kernels."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [O, K], got shape {tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}; "
                          "pass matching shapes")
     lead = x.shape[:-1]
-    y = _ReluLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, int(slice), stats)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] and union_path_supported(x2.unsqueeze(0).unsqueeze(0), weight.unsqueeze(-1).unsqueeze(-1), bias):
+        y = _union_linear(x2.contiguous(), weight, bias, int(slice), stats)
+    else:
+        y = _ReluLinear.apply(x2, weight, bias, int(slice), stats)
     return y.reshape(*lead, weight.shape[0])
