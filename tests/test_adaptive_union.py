@@ -342,3 +342,38 @@ def test_relu_linear_sees_in_place_weight_updates():
         w.data = torch.randn(32, 32)     # new storage
     torch.testing.assert_close(relu_linear(x, w), F.linear(x.relu(), w), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(first, relu_linear(x, w))
+
+
+def test_union_ratio_rescales_the_calibrated_cost():
+    from sparsa.adaptive import CostEntry
+    e = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=10.0, union_ratio=2.0)
+    base = e.speedup(0.5)
+    assert e.speedup(0.5, None, 2.0) == pytest.approx(base)
+    assert e.speedup(0.5, None, 3.0) < base < e.speedup(0.5, None, 1.5)   # less clustered zeros: slower
+    assert e.sparse_ms(0.5, None, 100.0) == pytest.approx(e.sparse_ms(0.5, None, 4.0))  # clamped at 2x
+    assert CostEntry(10.0, 1.0, 10.0).speedup(0.5, None, 3.0) == pytest.approx(base)   # no calibration ratio
+
+
+@needs_native
+def test_operand_union_ratio_measures_clustering():
+    N, C, H, W = 2, 64, 4, 8
+    shared = (torch.rand(N, C, 1, 1) < 0.5).float().expand(N, C, H, W)  # every pixel the same channels
+    op = U.union_operand((shared * torch.rand(N, C, H, W) + shared * 0.1).contiguous(memory_format=torch.channels_last))
+    assert op.union_ratio() == pytest.approx(1.0)
+    # one channel per pixel, all different within each run of 4: no sharing
+    x = torch.zeros(N, C, H, W)
+    for w in range(W):
+        x[:, w % 4, :, w] = 1.0
+    assert U.union_operand(x).union_ratio() == pytest.approx(4.0)
+
+
+@needs_native
+def test_runtime_keeps_the_union_ratio_of_sparse_layers():
+    import torch.nn as nn
+    import sparsa.adaptive as sa
+    net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1))
+    rt = sa.enable(net, every=1, policy=sa.Policy(force="sparse"))
+    for _ in range(3):
+        net(torch.randn(2, 3, 8, 8)).sum().backward()
+    st = rt.layers["2"]
+    assert st.path == "sparse" and st.union_ratio is not None and 1.0 <= st.union_ratio <= 4.0

@@ -36,12 +36,14 @@ from torch import Tensor
 
 from ..kernels import loader
 from .conv import dy_path_supported, relu_conv2d
+from .conv_union import union_path_supported
+from ..kernels.adaptive_union import union_operand
 from .linear import relu_linear
 
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 10
+KERNEL_VERSION = 11
 
 
 #: output-gradient densities at which the dY-driven backward is timed
@@ -70,9 +72,19 @@ class CostEntry:
     #: (when calibrated; the sparse time is then the cheaper of the two paths)
     dy_fixed_ms: Optional[float] = None
     dy_slope_ms: Optional[float] = None
+    #: UnionOperand.union_ratio of the calibration input (union kernels only): the activation-driven
+    #: work of the 4-pixel kernels scales with it, and inputs of the same shape differ (BatchNorm nets'
+    #: zeros are less clustered than plain ReLU nets'), so a layer's own ratio rescales ``slope_ms``
+    union_ratio: Optional[float] = None
 
-    def sparse_ms(self, density: float, grad_density: Optional[float] = None) -> float:
-        d = float(density)
+    def _scale(self, union_ratio: Optional[float]) -> float:
+        if union_ratio is None or not self.union_ratio:
+            return 1.0
+        return min(2.0, max(0.5, float(union_ratio) / self.union_ratio))
+
+    def sparse_ms(self, density: float, grad_density: Optional[float] = None,
+                  union_ratio: Optional[float] = None) -> float:
+        d = float(density) * self._scale(union_ratio)
         t = self.fixed_ms + self.slope_ms * d
         if not self.dy_path or grad_density is None:
             return t
@@ -82,8 +94,9 @@ class CostEntry:
         back = min(d, g / DY_PATH_EFFICIENCY)
         return self.fixed_ms + self.slope_ms * (d + 2.0 * back) / 3.0
 
-    def speedup(self, density: float, grad_density: Optional[float] = None) -> float:
-        return self.dense_ms / max(1e-9, self.sparse_ms(density, grad_density))
+    def speedup(self, density: float, grad_density: Optional[float] = None,
+                union_ratio: Optional[float] = None) -> float:
+        return self.dense_ms / max(1e-9, self.sparse_ms(density, grad_density, union_ratio))
 
 
 def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool) -> str:
@@ -118,6 +131,15 @@ def _thresholded(x: Tensor, density: float) -> Tensor:
     sample = flat[torch.randint(0, flat.numel(), (min(flat.numel(), 200_000),))]
     t = torch.quantile(sample.float(), 1.0 - density)
     return torch.where(x > t, x, torch.zeros((), dtype=x.dtype))
+
+
+def _union_ratio(kind: str, a: Tensor, weight: Tensor) -> Optional[float]:
+    """UnionOperand.union_ratio of the (relu'd) calibration input when the layer runs the union kernels."""
+    x4 = a if kind == "conv2d" else a.reshape(-1, a.shape[-1]).t().unsqueeze(0).unsqueeze(-1)
+    w4 = weight if kind == "conv2d" else weight.unsqueeze(-1).unsqueeze(-1)
+    if not union_path_supported(x4, w4, None):
+        return None
+    return union_operand(x4.detach()).union_ratio()
 
 
 class Calibration:
@@ -208,18 +230,19 @@ class Calibration:
                     g = torch.where(_thresholded(ys - ys.min(), gd) != 0, gy, torch.zeros(()))
                     fns[f"u{i}"] = lambda g=g: run(sparse, a, g)
             t = _time_rounds(fns, 2 * self.reps + 1)
+        ur = _union_ratio(kind, a, weight)
         dense_ms, t1 = t["dense"], t["t1"]
         if d1 <= 0.02 or d1 - d2 < 0.01:
-            return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp)
+            return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp, union_ratio=ur)
         t2 = t["t2"]
         slope = max(0.0, (t1 - t2) / (d1 - d2))
         fixed = max(0.0, t1 - slope * d1)
         if not dyp:
-            return CostEntry(dense_ms, fixed, slope)
+            return CostEntry(dense_ms, fixed, slope, union_ratio=ur)
         (g1, g2), u1, u2 = _DY_DENSITIES, t["u0"], t["u1"]
         dy_slope = max(0.0, (u1 - u2) / (g1 - g2))
         dy_fixed = max(0.0, u1 - dy_slope * g1 - slope * d1 / 3.0)
-        return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope)
+        return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope, union_ratio=ur)
 
 
 _DEFAULT: Optional[Calibration] = None

@@ -105,6 +105,7 @@ class UnionReluConv2d(torch.autograd.Function):
         y = _u.union_conv_fwd(op, weight, bias, geo)
         if stats is not None:
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
+            stats["union_ratio"] = op.union_ratio()
         ctx.geo = geo
         ctx.nnz = op.nnz
         ctx.has_bias = bias is not None

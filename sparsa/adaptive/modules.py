@@ -70,6 +70,9 @@ class LayerState:
     #: zero fraction of the output gradient dY (sampled in backward on refresh calls; None until then)
     grad_sparsity: Optional[float] = None
     grad_monitor: Optional[SparsityMonitor] = None
+    #: how clustered relu(x)'s zeros are (UnionOperand.union_ratio), from the last refresh on the union
+    #: kernels; scales the calibrated cost, which was measured on some input of this shape
+    union_ratio: Optional[float] = None
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
@@ -85,7 +88,7 @@ def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor]
             state.cost = state.calibration.entry(state.kind, x, weight, bias, conv_args, state.slice)
         density = 1.0 - (state.monitor.sparsity or 0.0)
         grad_density = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
-        state.speedup = state.cost.speedup(density, grad_density)
+        state.speedup = state.cost.speedup(density, grad_density, state.union_ratio)
         new = state.policy.choose(state.path, state.speedup)
     if new != state.path:
         state.switches += 1
@@ -128,6 +131,8 @@ def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_
         y = sparse(x, stats)
         if refresh:
             mon.record_count(stats["nnz"], x.numel())
+            if stats.get("union_ratio") is not None:
+                state.union_ratio = stats["union_ratio"]
             _decide(state, x, weight, bias, conv_args)
         state.sparse_calls += 1
         path = "sparse"

@@ -50,7 +50,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.sparsa_union_supported.argtypes = []
         lib.sparsa_union_supported.restype = ci
-        lib.sparsa_union_compact_f32.argtypes = [vp] + [i64] * 8 + [ci, vp, vp, ci]
+        lib.sparsa_union_compact_f32.argtypes = [vp] + [i64] * 8 + [ci, vp, vp, vp, ci]
         lib.sparsa_union_compact_f32.restype = i64
         lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci]
         lib.sparsa_union_conv_fwd_f32.restype = ci
@@ -83,12 +83,23 @@ class UnionOperand:
 
     ``values``: ``[N, H, W, C]`` contiguous, zero where the element is not kept; ``mask``: int64
     ``[N*H*W, ceil(C/64)]``, bit ``c % 64`` of word ``c // 64`` set where channel ``c`` is kept (None
-    on the fallback path); ``nnz``: number of kept elements.
+    on the fallback path); ``nnz``: number of kept elements; ``union4``: over runs of 4 pixels along
+    each image row, the summed count of channels kept in any of them (how clustered the zeros are: the
+    4-pixel kernels' work), or None when not measured.
     """
 
     values: Tensor
     mask: Optional[Tensor]
     nnz: int
+    union4: Optional[int] = None
+
+    def union_ratio(self) -> Optional[float]:
+        """``4 * union4 / nnz``: the 4-pixel kernels' work per kept element, 1 when every run of 4 pixels
+        shares its nonzero channels, up to 4 when none do (clustered ReLU zeros sit between). None when
+        not measured or nothing is kept."""
+        if self.union4 is None or self.nnz == 0:
+            return None
+        return 4.0 * self.union4 / self.nnz
 
     @property
     def shape(self):
@@ -118,11 +129,13 @@ def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -
         values = nhwc if view else torch.empty(N, H, W, C, dtype=torch.float32)
         mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
         sn, sc, sh, sw = x.stride()
+        u4 = ctypes.c_int64(0)
         nnz = lib.sparsa_union_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, int(relu),
-                                           None if view else values.data_ptr(), mask.data_ptr(), _nthreads())
+                                           None if view else values.data_ptr(), mask.data_ptr(),
+                                           ctypes.byref(u4) if relu else None, _nthreads())
         if nnz < 0:
             raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
-        return UnionOperand(values, mask, int(nnz))
+        return UnionOperand(values, mask, int(nnz), int(u4.value) if relu else None)
     keep = x > 0 if relu else x != 0
     values = torch.where(keep, x, torch.zeros((), dtype=x.dtype)).permute(0, 2, 3, 1).contiguous()
     return UnionOperand(values, None, int(keep.sum()))

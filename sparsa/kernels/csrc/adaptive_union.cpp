@@ -244,17 +244,19 @@ int sparsa_union_supported() {
 
 // The operand of x (logical [N, C, H, W], element strides sn, sc, sh, sw): relu != 0 keeps x > 0
 // (xa = relu(x)), relu == 0 keeps x != 0. xa (NHWC, may be null when every pixel's channels are
-// contiguous, sc == 1) receives the kept values; bm the masks. Returns the number of nonzeros, or -1
-// when the CPU lacks AVX-512.
+// contiguous, sc == 1) receives the kept values; bm the masks. union4 (may be null) receives how
+// clustered the zeros are: the sum over runs of 4 pixels along each image row (shorter at a row's end) of
+// the number of channels nonzero in any of them -- the work of the 4-pixel kernels in units of one FMA
+// row. Returns the number of nonzeros, or -1 when the CPU lacks AVX-512.
 int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
                                  int64_t sc, int64_t sh, int64_t sw, int relu, float* xa, uint64_t* bm,
-                                 int nthreads) {
+                                 int64_t* union4, int nthreads) {
     if (!sparsa_union_supported()) return -1;
 #ifdef SPARSA_UNION_AVX512
     if (!xa && sc != 1) return -2;
     const int64_t NW = words(C), rows = N * H;
-    int64_t total = 0;
-#pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    int64_t total = 0, uni = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, uni)
     {
         std::vector<float> buf(sc == 1 ? 0 : (size_t)W * C);
 #pragma omp for schedule(static)
@@ -279,8 +281,16 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
                 float* dst = xa ? xa + q * C : nullptr;
                 total += relu ? mask_pixel<true>(src, dst, bm + q * NW, C) : mask_pixel<false>(src, dst, bm + q * NW, C);
             }
+            if (union4)
+                for (int64_t w0 = 0; w0 < W; w0 += 4)
+                    for (int64_t j = 0; j < NW; ++j) {
+                        uint64_t m = 0;
+                        for (int64_t w = w0; w < std::min(W, w0 + 4); ++w) m |= bm[(r * W + w) * NW + j];
+                        uni += __builtin_popcountll(m);
+                    }
         }
     }
+    if (union4) *union4 = uni;
     return total;
 #else
     return -1;
