@@ -377,3 +377,41 @@ def test_runtime_keeps_the_union_ratio_of_sparse_layers():
         net(torch.randn(2, 3, 8, 8)).sum().backward()
     st = rt.layers["2"]
     assert st.path == "sparse" and st.union_ratio is not None and 1.0 <= st.union_ratio <= 4.0
+
+
+@needs_native
+@pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
+def test_union_packs_equal_the_list_packs(layout):
+    from sparsa.kernels import adaptive as K
+    w = torch.randn(96, 48, 3, 3)
+    if layout == "ohwi":
+        w = w.contiguous(memory_format=torch.channels_last)
+    elif layout == "odd":
+        w = torch.randn(3, 3, 96, 48).permute(2, 3, 0, 1)
+    wf, wfl = U.union_packs(w)
+    assert torch.equal(wf, K.packed_weight(w)[0]) and torch.equal(wfl, K.packed_weight_flipped(w))
+    assert U.union_packs(w)[0] is wf          # cached while the weight is unchanged
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert torch.equal(U.union_packs(w)[0], 2 * wf)
+
+
+@needs_native
+def test_list_side_falls_back_when_the_weight_changed_after_forward():
+    # x 97% zeros, dense dY, 128 channels: the rules pick the list kernel for dx, whose pack would have
+    # to be built from the changed weight; the union side (flipped pack saved at forward) runs instead
+    x0 = _act((2, 128, 6, 6), 0.97, True, 3)
+    w = torch.nn.Parameter(torch.randn(128, 128, 3, 3) * 0.1)
+    w0 = w.detach().clone()
+    x = x0.clone().requires_grad_()
+    y = relu_conv2d(x, w, None, padding=1)
+    with torch.no_grad():
+        w.add_(1.0)
+    gy = torch.randn(y.shape)
+    before = conv_union.union_paths.copy()
+    y.backward(gy)
+    ran = conv_union.union_paths - before
+    assert ran["dx_dy"] == 1 and ran["dx_x"] == 0
+    xr = x0.clone().requires_grad_()
+    F.conv2d(xr.relu(), w0, None, padding=1).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)

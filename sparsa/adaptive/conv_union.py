@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import os
+import weakref
 from collections import Counter
 from typing import Optional, Sequence
 
@@ -36,7 +37,7 @@ from torch import Tensor
 
 from ..kernels import adaptive_union as _u
 from ..kernels import adaptive as _k
-from ..kernels.adaptive import _conv_args, igrad_dy_geometry, packed_weight, packed_weight_flipped
+from ..kernels.adaptive import _conv_args, igrad_dy_geometry
 
 __all__ = ["union_path_supported", "kernels_setting", "union_paths", "KERNELS"]
 
@@ -111,23 +112,25 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.w_stride = tuple(weight.stride())
         ctx.channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        # the input gradient reads the weight as it is now: the flipped pack (stride 1; cached per weight
-        # version, so an optimizer step in between does not change it) or the weight itself
+        # the input gradient reads the weight as it is now: the flipped pack (stride 1; built with the
+        # forward pack, so an optimizer step in between does not change it) or the weight itself
         ctx.stride1 = _stride1(geo)
-        # the list kernels' pack (built with the forward pack, cached per weight version)
-        wc = packed_weight(weight)[1] if ctx.stride1 else None
         if ctx.stride1 and ctx.needs_input_grad[0]:
-            extra = packed_weight_flipped(weight)
+            extra = _u.union_packs(weight)[1]
         elif ctx.needs_input_grad[0]:
             extra = weight.detach()
         else:
             extra = None
-        ctx.save_for_backward(op.values, op.mask, extra, wc)
+        # the list kernels' pack is only built in backward when a rule picks them, and only while the weight
+        # still holds the forward's values (else the union kernels run: they need no further pack)
+        ctx.w_ref = weakref.ref(weight) if ctx.stride1 else None
+        ctx.w_key = (weight._version, weight.data_ptr())
+        ctx.save_for_backward(op.values, op.mask, extra)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        values, mask, extra, wc = ctx.saved_tensors
+        values, mask, extra = ctx.saved_tensors
         op = _u.UnionOperand(values, mask, ctx.nnz)
         geo = ctx.geo
         g = gy.permute(0, 2, 3, 1)
@@ -147,7 +150,14 @@ class UnionReluConv2d(torch.autograd.Function):
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C) if ctx.stride1 else "x"
         if dx_side == "x" or dw_side == "list":
+            weight = ctx.w_ref() if ctx.w_ref is not None else None
+            if weight is None or (weight._version, weight.data_ptr()) != ctx.w_key:
+                # the weight changed since the forward: stay on the union kernels
+                dx_side = "dy" if dx_side == "x" else dx_side
+                dw_side = "x" if dw_side == "list" else dw_side
+        if dx_side == "x" or dw_side == "list":
             # the list kernels over relu(x)'s nonzeros, both gradients in one call when both go there
+            wc = _k.packed_weight(weight)[1]
             cnt, idx, val = _k.compact(op.nchw(), geo[15])
             dxl, dwl = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, dx_side == "x", dw_side == "list",
                                           ctx.w_stride)

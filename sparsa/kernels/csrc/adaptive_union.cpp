@@ -384,6 +384,60 @@ int sparsa_union_conv_wgrad_f32(const int64_t* g, const float* xa, const uint64_
 #endif
 }
 
+// The two weight packs the union path needs, straight from W [O, C, KH, KW] (element strides ws, any
+// layout), once per weight version:
+//   wf  [O / OB][KH][KW][C][OB], OB = pick_ob(O): the forward pack (as sparsa_adaptive_pack_weight_f32);
+//   wfl [C / OB'][KH][KW][O][OB'], OB' = pick_ob(C): the forward pack of the flipped, transposed weight
+//       W'[c, o, i, j] = W[o, c, KH-1-i, KW-1-j] (the input gradient's conv), as sparsa_adaptive_pack_flipped_f32.
+// For channels-last weights (ws[1] == 1) wfl is made of contiguous row copies and wf of 8x8 transposes,
+// and no [C][KH][KW][O] intermediate is built (512x512x3x3: ~7 ms -> see the python wrapper's notes).
+int sparsa_union_pack_f32(const float* w, const int64_t* ws, int64_t O, int64_t C, int64_t KH, int64_t KW, float* wf,
+                          float* wfl, int nthreads) {
+    if (O % 8 || C % 8) return 1;
+    const int64_t K2 = KH * KW, OB = pick_ob(O), nob = O / OB, OB2 = pick_ob(C), ncb = C / OB2;
+    const bool cl = ws[1] == 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (wf) {
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < nob * K2; ++t) {
+                const int64_t b = t / K2, k = t % K2, kh = k / KW, kw = k % KW;
+                const float* src = w + b * OB * ws[0] + kh * ws[2] + kw * ws[3];  // rows o (ws[0]), columns c (ws[1])
+                float* dst = wf + (b * K2 + k) * C * OB;                            // rows c (OB), columns o
+                if (cl) {
+                    for (int64_t o8 = 0; o8 < OB; o8 += 8)
+                        for (int64_t c8 = 0; c8 < C; c8 += 8) sparsa_adaptive::tr8x8(src + o8 * ws[0] + c8, ws[0], dst + c8 * OB + o8, OB);
+                } else {
+                    for (int64_t c = 0; c < C; ++c)
+                        for (int64_t o = 0; o < OB; ++o) dst[c * OB + o] = src[o * ws[0] + c * ws[1]];
+                }
+            }
+        }
+        if (wfl) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < ncb * K2; ++t) {
+                const int64_t cb = t / K2, k = t % K2, kh = KH - 1 - k / KW, kw = KW - 1 - k % KW;
+                const float* src = w + cb * OB2 * ws[1] + kh * ws[2] + kw * ws[3];  // rows o (ws[0]), columns c (ws[1])
+                float* dst = wfl + (cb * K2 + k) * O * OB2;                          // rows o (OB2), columns c
+                if (cl) {
+                    for (int64_t o = 0; o < O; ++o) std::memcpy(dst + o * OB2, src + o * ws[0], sizeof(float) * OB2);
+                } else if (ws[0] == 1) {
+                    for (int64_t c = 0; c < OB2; ++c)
+                        for (int64_t o = 0; o < O; ++o) dst[o * OB2 + c] = src[o + c * ws[1]];
+                } else {
+                    for (int64_t c8 = 0; c8 < OB2; c8 += 8)
+                        for (int64_t o8 = 0; o8 < O; o8 += 8) {
+                            // 8x8 tile: rows c (stride ws[1]) x columns o (stride ws[0]) -> rows o, columns c
+                            for (int64_t o = o8; o < o8 + 8; ++o)
+                                for (int64_t c = c8; c < c8 + 8; ++c) dst[o * OB2 + c] = src[o * ws[0] + c * ws[1]];
+                        }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 // T [M x R] = A [R x M]^T (both contiguous).
 void sparsa_union_transpose_f32(const float* A, int64_t R, int64_t M, float* T, int nthreads) {
     sparsa_adaptive::transpose(A, R, M, T, nthreads);
