@@ -9,7 +9,12 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
   products at relu(x)'s nonzeros; strided convs use the dense input gradient, masked;
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
   gradient) or with the list kernel over relu(x)'s nonzeros, whichever ``_dw_side`` estimates cheapest
-  from the two densities (the list kernel wins at high sparsity, the union kernels below ~75%).
+  from the two densities (the list kernel only below ~5% nonzeros).
+
+Weight packs: the forward pack and the flipped pack come from one native pass per weight version
+(:func:`~sparsa.kernels.adaptive_union.union_packs`); the flipped one is saved, so an optimizer step
+between forward and backward does not change the gradient. The list kernels' pack is built in
+backward only when a rule picks them and the weight still holds the forward's values.
 
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
