@@ -144,7 +144,7 @@ class UnionReluConv2d(torch.autograd.Function):
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
-        C, O = geo[1], geo[4]
+        C = geo[1]
         d_x = op.nnz / max(1, values.numel())
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
