@@ -365,6 +365,13 @@ def test_operand_union_ratio_measures_clustering():
     for w in range(W):
         x[:, w % 4, :, w] = 1.0
     assert U.union_operand(x).union_ratio() == pytest.approx(4.0)
+    # runs go on across rows: a [P, K] matrix seen as a P x 1 image (Linear) is measured over 4 rows
+    rows = torch.zeros(1, 16, 8, 1)
+    rows[:, :8] = 1.0                    # every row has the same 8 channels
+    op = U.union_operand(rows)
+    assert op.union4 == 2 * 8 and op.union_ratio() == pytest.approx(1.0)
+    ragged = torch.rand(2, 20, 3, 3)     # 9 pixels an image: runs of 4, 4, 1; all channels nonzero
+    assert U.union_operand(ragged).union4 == 2 * 3 * 20
 
 
 @needs_native
@@ -377,6 +384,9 @@ def test_runtime_keeps_the_union_ratio_of_sparse_layers():
         net(torch.randn(2, 3, 8, 8)).sum().backward()
     st = rt.layers["2"]
     assert st.path == "sparse" and st.union_ratio is not None and 1.0 <= st.union_ratio <= 4.0
+    row = next(r for r in rt.report() if r["layer"] == "2")
+    assert row["kernels"] == "union" and row["union_ratio"] == st.union_ratio
+    assert "kernels" in rt.format().splitlines()[0]
 
 
 @needs_native

@@ -44,7 +44,7 @@ from ..kernels import adaptive_union as _u
 from ..kernels import adaptive as _k
 from ..kernels.adaptive import _conv_args, igrad_dy_geometry
 
-__all__ = ["union_path_supported", "kernels_setting", "union_paths", "KERNELS"]
+__all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_paths", "KERNELS"]
 
 #: "auto" (union where supported, else lists), "union" (same; named for clarity in tests), "list"
 KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
@@ -93,6 +93,14 @@ def union_path_supported(x: Tensor, weight: Tensor, bias) -> bool:
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
             return False
     return x.dim() == 4 and weight.dim() == 4 and _u.union_supported(int(weight.shape[1]), int(weight.shape[0]))
+
+
+def kernel_family(kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> str:
+    """``"union"`` or ``"list"``: the kernels the sparse path of a ``"conv2d"`` / ``"linear"`` layer runs."""
+    if kind == "linear":
+        x = x.reshape(-1, x.shape[-1]).t().unsqueeze(0).unsqueeze(-1)
+        weight = weight.unsqueeze(-1).unsqueeze(-1)
+    return "union" if union_path_supported(x, weight, bias) else "list"
 
 
 def _stride1(geo: Sequence[int]) -> bool:

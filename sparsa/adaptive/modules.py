@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .calibration import Calibration, CostEntry
 from .conv import conv_supported, relu_conv2d
+from .conv_union import kernel_family
 from .linear import linear_supported, relu_linear
 from .monitor import SparsityMonitor
 from .policy import Policy
@@ -73,6 +74,8 @@ class LayerState:
     #: how clustered relu(x)'s zeros are (UnionOperand.union_ratio), from the last refresh on the union
     #: kernels; scales the calibrated cost, which was measured on some input of this shape
     union_ratio: Optional[float] = None
+    #: "union" or "list": the kernel family of the sparse path (set at the first decision)
+    kernels: Optional[str] = None
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
@@ -81,6 +84,8 @@ def _paired(state: LayerState, x: Tensor) -> bool:
 
 
 def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict) -> None:
+    if state.kernels is None:
+        state.kernels = kernel_family(state.kind, x, weight, bias)
     if state.policy.force is not None:
         new = state.policy.force
     else:

@@ -15,8 +15,8 @@ from typing import List
 
 __all__ = ["report", "format_report"]
 
-_COLUMNS = [("layer", 18), ("kind", 7), ("sparsity", 9), ("dy_sparsity", 12), ("empty_slices", 13), ("source", 7),
-            ("path", 7),
+_COLUMNS = [("layer", 18), ("kind", 7), ("sparsity", 9), ("dy_sparsity", 12), ("union_ratio", 12), ("source", 7),
+            ("path", 7), ("kernels", 8),
             ("pred_speedup", 13), ("dense_ms", 9), ("sparse_ms", 10), ("fwd_ms", 8), ("calls", 6)]
 
 
@@ -24,8 +24,9 @@ def report(runtime) -> List[dict]:
     """One dict per adaptive layer of ``runtime`` (an :class:`~sparsa.adaptive.AdaptiveRuntime`).
 
     Keys: ``layer``, ``kind``, ``sparsity`` (monitored, element-wise), ``dy_sparsity`` (zero fraction of
-    the output gradient, sampled in backward on refresh calls), ``empty_slices`` (fraction of
-    empty (pixel, slice) lists), ``source`` (sample/count), ``path``, ``pred_speedup``, ``dense_ms`` /
+    the output gradient, sampled in backward on refresh calls), ``union_ratio`` (how clustered the zeros
+    are, 1-4, union kernels only), ``empty_slices`` (fraction of empty (pixel, slice) lists), ``source``
+    (sample/count), ``path``, ``kernels`` (union/list), ``pred_speedup``, ``dense_ms`` /
     ``sparse_ms`` (calibrated forward+backward at the monitored sparsity), ``fwd_ms`` (measured
     forward on the current path), ``calls``, ``paired_calls``, ``sparse_calls``, ``switches``.
     """
@@ -36,12 +37,12 @@ def report(runtime) -> List[dict]:
         cost = st.cost
         rows.append({
             "layer": name, "kind": st.kind, "sparsity": m.sparsity, "dy_sparsity": st.grad_sparsity,
-            "empty_slices": m.empty_slices,
-            "source": m.source, "path": st.path if st.paired_calls else "dense",
+            "union_ratio": st.union_ratio, "empty_slices": m.empty_slices,
+            "source": m.source, "path": st.path if st.paired_calls else "dense", "kernels": st.kernels,
             "supported": st.supported, "pred_speedup": st.speedup,
             "dense_ms": None if cost is None else cost.dense_ms,
             "sparse_ms": None if cost is None or density is None else cost.sparse_ms(
-                density, None if st.grad_sparsity is None else 1.0 - st.grad_sparsity),
+                density, None if st.grad_sparsity is None else 1.0 - st.grad_sparsity, st.union_ratio),
             "fwd_ms": st.fwd_ms.get(st.path), "calls": st.calls, "paired_calls": st.paired_calls,
             "sparse_calls": st.sparse_calls, "switches": st.switches,
         })

@@ -85,9 +85,9 @@ class UnionOperand:
 
     ``values``: ``[N, H, W, C]`` contiguous, zero where the element is not kept; ``mask``: int64
     ``[N*H*W, ceil(C/64)]``, bit ``c % 64`` of word ``c // 64`` set where channel ``c`` is kept (None
-    on the fallback path); ``nnz``: number of kept elements; ``union4``: over runs of 4 pixels along
-    each image row, the summed count of channels kept in any of them (how clustered the zeros are: the
-    4-pixel kernels' work), or None when not measured.
+    on the fallback path); ``nnz``: number of kept elements; ``union4``: over runs of 4 consecutive
+    pixels of each image (rows flattened), the summed count of channels kept in any of them (how
+    clustered the zeros are: the 4-pixel kernels' work), or None when not measured.
     """
 
     values: Tensor

@@ -245,9 +245,9 @@ int sparsa_union_supported() {
 // The operand of x (logical [N, C, H, W], element strides sn, sc, sh, sw): relu != 0 keeps x > 0
 // (xa = relu(x)), relu == 0 keeps x != 0. xa (NHWC, may be null when every pixel's channels are
 // contiguous, sc == 1) receives the kept values; bm the masks. union4 (may be null) receives how
-// clustered the zeros are: the sum over runs of 4 pixels along each image row (shorter at a row's end) of
-// the number of channels nonzero in any of them -- the work of the 4-pixel kernels in units of one FMA
-// row. Returns the number of nonzeros, or -1 when the CPU lacks AVX-512.
+// clustered the zeros are: the sum over runs of 4 consecutive pixels of each image (rows flattened, the
+// last run shorter) of the number of channels nonzero in any of them -- the work of the 4-pixel kernels
+// in units of one FMA row. Returns the number of nonzeros, or -1 when the CPU lacks AVX-512.
 int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn,
                                  int64_t sc, int64_t sh, int64_t sw, int relu, float* xa, uint64_t* bm,
                                  int64_t* union4, int nthreads) {
@@ -281,13 +281,19 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
                 float* dst = xa ? xa + q * C : nullptr;
                 total += relu ? mask_pixel<true>(src, dst, bm + q * NW, C) : mask_pixel<false>(src, dst, bm + q * NW, C);
             }
-            if (union4)
-                for (int64_t w0 = 0; w0 < W; w0 += 4)
-                    for (int64_t j = 0; j < NW; ++j) {
-                        uint64_t m = 0;
-                        for (int64_t w = w0; w < std::min(W, w0 + 4); ++w) m |= bm[(r * W + w) * NW + j];
-                        uni += __builtin_popcountll(m);
-                    }
+        }
+        if (union4) {
+            // runs of 4 consecutive pixels of each image, rows flattened (the kernels' row groups)
+            const int64_t HW = H * W, runs = (HW + 3) / 4;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < N * runs; ++t) {
+                const int64_t q0 = (t / runs) * HW + (t % runs) * 4, q1 = std::min(q0 + 4, (t / runs) * HW + HW);
+                for (int64_t j = 0; j < NW; ++j) {
+                    uint64_t m = 0;
+                    for (int64_t q = q0; q < q1; ++q) m |= bm[q * NW + j];
+                    uni += __builtin_popcountll(m);
+                }
+            }
         }
     }
     if (union4) *union4 = uni;
