@@ -8,7 +8,7 @@ layer's real input and real output gradient, at the input's own sparsity and thr
 - input gradient: dense vs the list kernel over relu(x)'s nonzeros vs the union kernel over dY's mask;
 - weight gradient: dense vs the list kernel vs the union kernel over relu(x)'s mask and over dY's.
 
-Times are medians of alternating repetitions after a warm-up (2 threads unless ``--threads``); every
+Times are medians of round-robin repetitions after a warm-up (2 threads unless ``--threads``); every
 ratio is dense time / sparse time measured side by side in this run.
 
     python benchmarks/adaptive_union.py            # 6 layers, 3 sparsities, 9 repetitions
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,21 +33,9 @@ import sparsa.adaptive as sa  # noqa: E402
 from sparsa.adaptive.memory import retain_freed_memory  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
 from sparsa.kernels import adaptive_union as U  # noqa: E402
+from sparsa.timing import round_robin_ms  # noqa: E402
 
 CL = torch.channels_last
-
-
-def _medians(fns: dict, reps: int) -> dict:
-    for f in fns.values():
-        f()
-        f()
-    ts = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t0 = time.perf_counter()
-            f()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
 
 def layer_rows(lname, a, gy, reps):
@@ -79,9 +66,12 @@ def layer_rows(lname, a, gy, reps):
         "dw_union_x": lambda: U.union_conv_wgrad(op, gn, geo, w.stride()),
         "dw_union_dy": lambda: U.union_conv_wgrad_dy(U.union_operand(g, relu=False), op.values, geo, w.stride()),
     }
-    t = _medians(fns, reps)
+    t = round_robin_ms(fns, reps, min_seconds=0)
     row = {"layer": lname, "shape": list(a.shape), "out_channels": O,
            "activation_sparsity": 1.0 - op.nnz / ar.numel(), "grad_sparsity": 1.0 - gop.nnz / g.numel(),
+           # fraction of (run of 4 pixels, channel) pairs with a nonzero: what the 4-pixel kernels still
+           # compute (independent zeros at density d would give 1 - (1 - d)^4)
+           "union4_density": op.union4 / (N * ((H * W + 3) // 4) * C),
            "ms": t}
     for gemm in ("fwd", "dx", "dw"):
         for k in t:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, Dict, List
 
-__all__ = ["Comparison", "compare", "median_time"]
+__all__ = ["Comparison", "compare", "median_time", "round_robin_ms"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +75,22 @@ def compare(baseline: Callable[[], object], candidate: Callable[[], object], *, 
         tb.append(_sample(baseline, nb))
         tc.append(_sample(candidate, nc))
     return Comparison(statistics.median(tb), statistics.median(tc))
+
+
+def round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int, min_seconds: float = 0.003) -> Dict[str, float]:
+    """Median milliseconds per call of each function, timed round-robin (one block of calls of each
+    per round, after one warm-up call each; calls under ``min_seconds`` are batched), so a burst of
+    machine noise hits every candidate alike."""
+    reps = {}
+    for k, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        reps[k] = max(1, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
+    ts: Dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[k]):
+                fn()
+            ts[k].append((time.perf_counter() - t0) / reps[k])
+    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}

@@ -25,16 +25,16 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import loader
+from ..timing import round_robin_ms
 from .conv import dy_path_supported, relu_conv2d
 from .conv_union import union_path_supported
 from ..kernels.adaptive_union import union_operand
@@ -104,25 +104,6 @@ def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool)
     args = ",".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(conv_args.items()))
     return (f"{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
             f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}")
-
-
-def _time_rounds(fns: Dict[str, Callable[[], None]], rounds: int, min_seconds: float = 0.003) -> Dict[str, float]:
-    """Median milliseconds per call of each function, timed round-robin (one block of calls of each
-    per round, after one warm-up call each; calls under ``min_seconds`` are batched), so a burst of
-    machine noise hits every candidate alike."""
-    reps = {}
-    for k, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        reps[k] = max(1, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-7))))
-    ts: Dict[str, list] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(reps[k]):
-                fn()
-            ts[k].append((time.perf_counter() - t0) / reps[k])
-    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
 
 
 def _thresholded(x: Tensor, density: float) -> Tensor:
@@ -229,7 +210,7 @@ class Calibration:
                 for i, gd in enumerate(_DY_DENSITIES):
                     g = torch.where(_thresholded(ys - ys.min(), gd) != 0, gy, torch.zeros(()))
                     fns[f"u{i}"] = lambda g=g: run(sparse, a, g)
-            t = _time_rounds(fns, 2 * self.reps + 1)
+            t = round_robin_ms(fns, 2 * self.reps + 1)
         ur = _union_ratio(kind, a, weight)
         dense_ms, t1 = t["dense"], t["t1"]
         if d1 <= 0.02 or d1 - d2 < 0.01:

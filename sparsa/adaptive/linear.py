@@ -15,8 +15,7 @@ Example::
 """
 from __future__ import annotations
 
-import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 from torch import Tensor
@@ -72,26 +71,13 @@ class _ReluLinear(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-# id(parameter) -> (weakref to it, a detached [O, K, 1, 1] view of it): the view keys the union kernels'
-# weight-pack caches (the view handed to autograd is new each call); rebuilt when the storage moves
-_PACK_VIEWS: Dict[int, Tuple["weakref.ref[Tensor]", Tensor]] = {}
+# id(parameter) -> (weakref, key, a detached [O, K, 1, 1] view of it): the view keys the union kernels'
+# weight-pack caches (the view handed to autograd is new each call); rebuilt when the parameter changes
+_PACK_VIEWS: Dict[int, tuple] = {}
 
 
 def _pack_view(weight: Tensor) -> Tensor:
-    hit = _PACK_VIEWS.get(id(weight))
-    if hit is not None and hit[0]() is weight:
-        v = hit[1]
-        if v.data_ptr() == weight.data_ptr() and v.shape[:2] == weight.shape and v.stride()[:2] == weight.stride():
-            return v
-    v = weight.detach().unsqueeze(-1).unsqueeze(-1)
-    wid = id(weight)
-
-    def _drop(ref, wid=wid):
-        ent = _PACK_VIEWS.get(wid)
-        if ent is not None and ent[0] is ref:
-            del _PACK_VIEWS[wid]
-    _PACK_VIEWS[wid] = (weakref.ref(weight, _drop), v)
-    return v
+    return _k._cached_pack(_PACK_VIEWS, weight, lambda w: w.unsqueeze(-1).unsqueeze(-1))
 
 
 def _union_linear(x2: Tensor, weight: Tensor, bias: Optional[Tensor], slice: int, stats: Optional[dict]) -> Tensor:
