@@ -78,14 +78,16 @@ def adaptive_union_section() -> str:
     rows = []
     for r in d["rows"]:
         row = {"layer": r["layer"], "shape": "x".join(str(v) for v in r["shape"]), "O": r["out_channels"],
-               "x_sparsity": r["activation_sparsity"], "dy_sparsity": r["grad_sparsity"]}
+               "x_sparsity": r["activation_sparsity"], "dy_sparsity": r["grad_sparsity"],
+               "union4_density": r.get("union4_density")}
         row.update({k[:-len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
         rows.append(row)
-    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "fwd_list", "fwd_union", "dx_list", "dx_union_dy",
+    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "union4_density", "fwd_list", "fwd_union", "dx_list", "dx_union_dy",
             "dw_list", "dw_union_x", "dw_union_dy"]
     fmt = {c: ".2f" for c in cols[3:]}
     return (f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
-            f"{d['config']['data']}; real output gradients):\n\n" + _md(rows, cols, fmt))
+            f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
+            f"channel) pairs with a nonzero, i.e. what the union kernels still compute):\n\n" + _md(rows, cols, fmt))
 
 
 def adaptive_section() -> str:
