@@ -122,6 +122,9 @@ def test_union_convs_match_dense(native, threads, case):
     dw = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride())
     torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
     assert dw.stride() == w.stride()
+    dwl = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True)
+    torch.testing.assert_close(dwl, rdw, atol=1e-3, rtol=1e-4)
+    assert dwl.stride() == w.stride()
     if s != 1:
         return
     gop = U.union_operand(dy, relu=False, native=native)
@@ -151,9 +154,33 @@ def test_weight_gradient_layouts(layout, threads):
     dy = torch.randn(2, 48, 6, 7).contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, padding=1)
     for dw in (U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()),
+               U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True),
                U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride())):
         torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
         assert dw.stride() == w.stride()
+
+
+@pytest.mark.parametrize("k,stride,pad,dil,O", [(5, 1, 2, 1, 48), (7, 2, 3, 1, 16), (5, 1, 4, 2, 80), (11, 3, 5, 1, 32),
+                                                 (1, 2, 0, 1, 144)])
+def test_weight_gradient_lists_any_kernel_size(native, threads, k, stride, pad, dil, O):
+    # the per-channel list kernel runs kernel offsets in runs of up to 9 and output blocks of 16-64 channels
+    x = _act((2, 24, 13, 11), 0.7, True, k)
+    w = torch.randn(O, 24, k, k)
+    geo = U.geometry(x.shape, w.shape, (stride, stride), (pad, pad), (dil, dil))
+    op = U.union_operand(x, native=native)
+    dy = torch.randn(F.conv2d(x, w, stride=stride, padding=pad, dilation=dil).shape)
+    rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, stride=stride, padding=pad, dilation=dil)
+    dw = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1).contiguous(), geo, w.stride(), lists=True)
+    torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+
+
+@needs_native
+def test_wc_from_forward_pack_equals_the_list_pack():
+    from sparsa.kernels import adaptive as K
+    for w in (torch.randn(48, 32, 3, 3), torch.randn(128, 16, 3, 3).contiguous(memory_format=torch.channels_last)):
+        O, C, KH, KW = w.shape
+        wf = U.union_packs(w, flipped=False)[0]
+        assert torch.equal(U.union_wc(wf, O, C, KH, KW), K.packed_weight(w)[1])
 
 
 @needs_native
@@ -208,12 +235,12 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
     assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     ran = conv_union.union_paths - before
     assert ran[("dx_dy" if stride == 1 else "dx_dense")] == 1
-    assert ran["dw_x"] + ran["dw_dy"] + ran["dw_list"] == 1
+    assert ran["dw_x"] + ran["dw_dy"] + ran["dw_lists"] == 1
 
 
 @needs_native
 @pytest.mark.parametrize("x_zeros,dy_density,side,C", [(0.3, 0.05, "dw_dy", 32), (0.5, 1.0, "dw_x", 32),
-                                                        (0.995, 1.0, "dw_list", 128)])
+                                                        (0.995, 1.0, "dw_lists", 128), (0.9, 1.0, "dw_lists", 32)])
 def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C):
     w0 = torch.randn(32, C, 3, 3)
     x = _act((2, C, 6, 6), x_zeros, True, 4)
@@ -242,6 +269,26 @@ def test_weight_changed_in_place_after_forward_uses_forward_weights():
     xr = x0.clone().requires_grad_()
     F.conv2d(xr.relu(), w0, None, padding=1).backward(gy)
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_sparse_input_list_gradient_uses_forward_weights():
+    # relu(x) this sparse: the forward skips the flipped pack and backward's list kernel reads the forward pack
+    x0 = _act((2, 32, 6, 6), 0.97, True, 3)
+    w = torch.nn.Parameter(torch.randn(32, 32, 3, 3))
+    w0 = w.detach().clone()
+    x = x0.clone().requires_grad_()
+    y = relu_conv2d(x, w, None, padding=1)
+    with torch.no_grad():
+        w.mul_(-2.0)  # an optimizer step between forward and backward
+    gy = torch.randn(y.shape)
+    before = conv_union.union_paths.copy()
+    y.backward(gy)
+    assert (conv_union.union_paths - before)["dx_x"] == 1
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    F.conv2d(xr.relu(), wr, None, padding=1).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-3, rtol=1e-4)
 
 
 @needs_native
@@ -404,24 +451,11 @@ def test_union_packs_equal_the_list_packs(layout):
     with torch.no_grad():
         w.mul_(2.0)
     assert torch.equal(U.union_packs(w)[0], 2 * wf)
-
-
-@needs_native
-def test_list_side_falls_back_when_the_weight_changed_after_forward():
-    # x 97% zeros, dense dY, 128 channels: the rules pick the list kernel for dx, whose pack would have
-    # to be built from the changed weight; the union side (flipped pack saved at forward) runs instead
-    x0 = _act((2, 128, 6, 6), 0.97, True, 3)
-    w = torch.nn.Parameter(torch.randn(128, 128, 3, 3) * 0.1)
-    w0 = w.detach().clone()
-    x = x0.clone().requires_grad_()
-    y = relu_conv2d(x, w, None, padding=1)
     with torch.no_grad():
-        w.add_(1.0)
-    gy = torch.randn(y.shape)
-    before = conv_union.union_paths.copy()
-    y.backward(gy)
-    ran = conv_union.union_paths - before
-    assert ran["dx_dy"] == 1 and ran["dx_x"] == 0
-    xr = x0.clone().requires_grad_()
-    F.conv2d(xr.relu(), w0, None, padding=1).backward(gy)
-    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        w.mul_(0.5)
+    wf2, none = U.union_packs(w, flipped=False)  # the forward pack only, the flipped one added on request
+    assert none is None and torch.equal(wf2, wf)
+    wf3, wfl3 = U.union_packs(w)
+    assert wf3 is wf2 and torch.equal(wfl3, wfl)
+
+

@@ -8,13 +8,15 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
   relu(x) != 0, or, when relu(x) is much sparser than dY (``_dx_list_pays``), the list kernel's dot
   products at relu(x)'s nonzeros; strided convs use the dense input gradient, masked;
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
-  gradient) or with the list kernel over relu(x)'s nonzeros, whichever ``_dw_side`` estimates cheapest
-  from the two densities (the list kernel only below ~5% nonzeros).
+  gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
+  nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
+  densities (the lists below ~18% nonzeros).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
-(:func:`~sparsa.kernels.adaptive_union.union_packs`); the flipped one is saved, so an optimizer step
-between forward and backward does not change the gradient. The list kernels' pack is built in
-backward only when a rule picks them and the weight still holds the forward's values.
+(:func:`~sparsa.kernels.adaptive_union.union_packs`); the flipped one is skipped when relu(x) is so
+sparse that the list kernel's input gradient wins for any dY. Backward reads only packs saved by the
+forward (the list kernel's pack is rebuilt from the forward pack by row copies), so an optimizer step
+between forward and backward does not change the gradient.
 
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
@@ -33,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import os
-import weakref
 from collections import Counter
 from typing import Optional, Sequence
 
@@ -51,7 +52,7 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (over relu(x)'s
 #: nonzeros, list kernel), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
-#: gradient over relu(x)'s / dY's mask), "dw_list" (over relu(x)'s nonzeros, list kernel)
+#: gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros)
 union_paths: Counter = Counter()
 
 
@@ -67,12 +68,13 @@ def _dx_list_pays(d_x: float, d_g: float, C: int) -> bool:
     return lst < min(1.05, 0.5 + 0.65 * d_g)
 
 
-# Weight gradient: the list kernel ~ 0.25 + 2.2 d_x (x2 at C <= 64), the union kernel over relu(x)'s mask
-# ~ 0.3 + d_x, over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The union kernels visit
-# every pixel group once per kernel offset and output block and transpose their [C*KH*KW, O] result;
-# even so the list kernel only pays at extreme sparsity (< ~5% nonzeros).
+# Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
+# x KH*KW x O FMAs, but one dY row load per FMA) ~ 0.08 + 2.2 d_x, the union kernel over relu(x)'s mask ~ 0.3
+# + d_x, over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The union kernels visit every pixel
+# group once per kernel offset and output block and transpose their [C*KH*KW, O] result; the list kernel pays
+# below ~18% nonzeros.
 def _dw_side(d_x: float, d_g: Optional[float], C: int) -> str:
-    cost = {"list": (0.25 + 2.2 * d_x) * (2.0 if C <= 64 else 1.0), "x": 0.3 + d_x}
+    cost = {"lists": 0.08 + 2.2 * d_x, "x": 0.3 + d_x}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
     return min(cost, key=cost.get)
@@ -116,7 +118,15 @@ class UnionReluConv2d(torch.autograd.Function):
         # weight-pack caches when ``weight`` itself is a fresh view each call (relu_linear's 1x1 view)
         weight = weight if pack_src is None else pack_src
         op = _u.union_operand(x.detach())
-        y = _u.union_conv_fwd(op, weight, bias, geo)
+        C = geo[1]
+        d_x = op.nnz / max(1, op.values.numel())
+        ctx.stride1 = _stride1(geo)
+        # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that the list kernel's
+        # input gradient wins whatever dY's density (then backward takes it from the forward pack)
+        ctx.list_dx = ctx.stride1 and _dx_list_pays(d_x, 0.0, C)
+        want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.list_dx
+        wf, wfl = _u.union_packs(weight, flipped=want_flip)
+        y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf)
         if stats is not None:
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
             stats["union_ratio"] = op.union_ratio()
@@ -125,25 +135,20 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.w_stride = tuple(weight.stride())
         ctx.channels_last = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        # the input gradient reads the weight as it is now: the flipped pack (stride 1; built with the
-        # forward pack, so an optimizer step in between does not change it) or the weight itself
-        ctx.stride1 = _stride1(geo)
+        # backward reads the weight as the forward saw it (an optimizer step in between changes nothing): the
+        # packs for stride 1, the weight itself for the strided conv's dense input gradient
         if ctx.stride1 and ctx.needs_input_grad[0]:
-            extra = _u.union_packs(weight)[1]
+            extra = wfl
         elif ctx.needs_input_grad[0]:
             extra = weight.detach()
         else:
             extra = None
-        # the list kernels' pack is only built in backward when a rule picks them, and only while the weight
-        # still holds the forward's values (else the union kernels run: they need no further pack)
-        ctx.w_ref = weakref.ref(weight) if ctx.stride1 else None
-        ctx.w_key = (weight._version, weight.data_ptr())
-        ctx.save_for_backward(op.values, op.mask, extra)
+        ctx.save_for_backward(op.values, op.mask, extra, wf if ctx.stride1 else None)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        values, mask, extra = ctx.saved_tensors
+        values, mask, extra, wf = ctx.saved_tensors
         op = _u.UnionOperand(values, mask, ctx.nnz)
         geo = ctx.geo
         g = gy.permute(0, 2, 3, 1)
@@ -157,27 +162,20 @@ class UnionReluConv2d(torch.autograd.Function):
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
         if need_dx:
-            dx_side = "dense" if not ctx.stride1 else ("x" if _dx_list_pays(d_x, d_g, C) else "dy")
+            if not ctx.stride1:
+                dx_side = "dense"
+            else:
+                dx_side = "x" if ctx.list_dx or _dx_list_pays(d_x, d_g, C) else "dy"
         if need_dw:
             g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
-            dw_side = _dw_side(d_x, d_g if dy_ok else None, C) if ctx.stride1 else "x"
-        if dx_side == "x" or dw_side == "list":
-            weight = ctx.w_ref() if ctx.w_ref is not None else None
-            if weight is None or (weight._version, weight.data_ptr()) != ctx.w_key:
-                # the weight changed since the forward: stay on the union kernels
-                dx_side = "dy" if dx_side == "x" else dx_side
-                dw_side = "x" if dw_side == "list" else dw_side
-        if dx_side == "x" or dw_side == "list":
-            # the list kernels over relu(x)'s nonzeros, both gradients in one call when both go there
-            wc = _k.packed_weight(weight)[1]
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C)
+        if dx_side == "x":
+            # the list kernel's dot products at relu(x)'s nonzeros, from the forward's pack
+            O, KH, KW = geo[4], geo[5], geo[6]
+            wc = _u.union_wc(wf, O, C, KH, KW)
             cnt, idx, val = _k.compact(op.nchw(), geo[15])
-            dxl, dwl = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, dx_side == "x", dw_side == "list",
-                                          ctx.w_stride)
-            if dx_side == "x":
-                dx = dxl
-            if dw_side == "list":
-                dw = dwl
+            dx = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, False, ctx.w_stride)[0]
         if dx_side is not None:
             if dx_side == "dy":
                 dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra)
@@ -193,8 +191,8 @@ class UnionReluConv2d(torch.autograd.Function):
                 dx = dx.contiguous()
         if dw_side == "dy":
             dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride)
-        elif dw_side == "x":
-            dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride)
+        elif dw_side in ("x", "lists"):
+            dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride, lists=dw_side == "lists")
         if dw_side is not None:
             union_paths["dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -41,7 +41,7 @@ from .adaptive import (_cached_pack, _conv_args, _dense_strides, _nthreads, _pic
                        native_library)
 
 __all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "union_operand", "union_conv_fwd",
-           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "geometry"]
+           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_wc", "geometry"]
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -56,8 +56,12 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_conv_fwd_f32.restype = ci
         lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
         lib.sparsa_union_conv_wgrad_f32.restype = ci
+        lib.sparsa_union_conv_wgrad_lists_f32.argtypes = [vp] * 6 + [i64, ci]
+        lib.sparsa_union_conv_wgrad_lists_f32.restype = ci
         lib.sparsa_union_pack_f32.argtypes = [vp, vp] + [i64] * 4 + [vp, vp, ci]
         lib.sparsa_union_pack_f32.restype = ci
+        lib.sparsa_union_wc_from_wf_f32.argtypes = [vp, i64, i64, i64, vp, ci]
+        lib.sparsa_union_wc_from_wf_f32.restype = None
         lib.sparsa_union_transpose_f32.argtypes = [vp, i64, i64, vp, ci]
         lib.sparsa_union_transpose_f32.restype = None
         lib.sparsa_union_transpose_batched_f32.argtypes = [vp, i64, i64, i64, vp, ci]
@@ -151,38 +155,58 @@ def _empty_cl(N: int, C: int, H: int, W: int) -> Tensor:
     return torch.empty(N, C, H, W, dtype=torch.float32, memory_format=torch.channels_last)
 
 
-# id(weight) -> (weakref, key, (wf, wfl)): the union path's weight packs, once per weight version
+# id(weight) -> (weakref, key, [wf, wfl]): the union path's weight packs, once per weight version (wfl
+# filled in when first asked for)
 _UNION_PACKS: dict = {}
 
 
-def union_packs(weight: Tensor) -> Tuple[Tensor, Tensor]:
+def _union_pack(w: Tensor, want_wf: bool, want_wfl: bool):
+    O, C, KH, KW = w.shape
+    w = w.float()
+    wf = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wf else None
+    wfl = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wfl else None
+    ws = torch.tensor(w.stride(), dtype=torch.int64)
+    rc = _lib().sparsa_union_pack_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW,
+                                      None if wf is None else wf.data_ptr(), None if wfl is None else wfl.data_ptr(),
+                                      _nthreads())
+    if rc:
+        raise ValueError(f"union_packs: weight {tuple(w.shape)} needs in and out channels that are multiples of 8")
+    return wf, wfl
+
+
+def union_packs(weight: Tensor, flipped: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """``(wf, wfl)``: ``weight`` ``[O, C, KH, KW]`` packed for the forward (as
     :func:`~sparsa.kernels.adaptive.packed_weight`'s ``wf``) and for the input gradient's flipped conv
     (as :func:`~sparsa.kernels.adaptive.packed_weight_flipped`), built together straight from the weight
     and cached per tensor and version. For a channels-last 512x512x3x3 weight this takes ~2 ms, against
-    ~7 ms for the list path's packs (which also build the ``[C, KH, KW, O]`` input-gradient pack)."""
-    def build(w: Tensor):
-        O, C, KH, KW = w.shape
-        w = w.float()
-        wf = torch.empty(O * C * KH * KW, dtype=torch.float32)
-        wfl = torch.empty(O * C * KH * KW, dtype=torch.float32)
-        ws = torch.tensor(w.stride(), dtype=torch.int64)
-        rc = _lib().sparsa_union_pack_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW, wf.data_ptr(), wfl.data_ptr(),
-                                          _nthreads())
-        if rc:
-            raise ValueError(f"union_packs: weight {tuple(w.shape)} needs in and out channels that are multiples of 8")
-        return wf, wfl
-    return _cached_pack(_UNION_PACKS, weight, build)
+    ~7 ms for the list path's packs (which also build the ``[C, KH, KW, O]`` input-gradient pack).
+    ``flipped=False`` builds (and returns) only ``wf`` unless ``wfl`` is cached already; a later call
+    with ``flipped=True`` for the same weight version adds ``wfl``."""
+    packs = _cached_pack(_UNION_PACKS, weight, lambda w: list(_union_pack(w, True, flipped)))
+    if flipped and packs[1] is None:
+        packs[1] = _union_pack(weight.detach(), False, True)[1]
+    return packs[0], packs[1]
 
 
-def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo: Sequence[int]) -> Tensor:
-    """``conv2d(op values, weight, bias)`` as ``[N, O, Ho, Wo]`` with channels-last strides."""
+def union_wc(wf: Tensor, O: int, C: int, KH: int, KW: int) -> Tensor:
+    """The list kernels' input-gradient pack (``[C, KH, KW, O]``, as
+    :func:`~sparsa.kernels.adaptive.packed_weight`'s ``wc``) rebuilt from the forward pack ``wf`` by row
+    copies: the weight the forward used, whatever happened to the weight since."""
+    wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
+    _lib().sparsa_union_wc_from_wf_f32(wf.data_ptr(), O, C, KH * KW, wc.data_ptr(), _nthreads())
+    return wc
+
+
+def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo: Sequence[int],
+                   wf: Optional[Tensor] = None) -> Tensor:
+    """``conv2d(op values, weight, bias)`` as ``[N, O, Ho, Wo]`` with channels-last strides. ``wf``: the
+    weight's forward pack (:func:`union_packs`) when already at hand."""
     N, C, H, W, O, KH, KW, Ho, Wo = (int(v) for v in geo[:9])
     lib = _native_for(op, C, O)
     if lib is None:
         y = F.conv2d(op.nchw(), weight.detach().float(), None if bias is None else bias.detach(), **_conv_args(geo))
         return y.contiguous(memory_format=torch.channels_last)
-    wf = union_packs(weight)[0]
+    wf = union_packs(weight, flipped=False)[0] if wf is None else wf
     b = None if bias is None else bias.detach().float().contiguous()
     y = _empty_cl(N, O, Ho, Wo)
     g = torch.tensor(list(geo), dtype=torch.int64)
@@ -240,10 +264,12 @@ def _wgrad_reference(xnchw: Tensor, dy_nhwc: Tensor, geo: Sequence[int], w_strid
 
 
 def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
-                     w_stride: Optional[Sequence[int]] = None) -> Tensor:
+                     w_stride: Optional[Sequence[int]] = None, lists: bool = False) -> Tensor:
     """``dW [O, C, KH, KW]`` of ``conv2d(relu(x), W)`` (any stride) over relu(x)'s mask; ``dy_nhwc``:
     the output gradient ``[N, Ho, Wo, O]``. ``w_stride``: strides to give ``dW`` (the weight's, so
-    autograd keeps it without a copy)."""
+    autograd keeps it without a copy). ``lists=True`` runs the per-channel list kernel
+    (``csrc/adaptive_wgrad_lists.cpp``: its work follows nnz(relu(x)) exactly, no 4-pixel unions)
+    instead of the union kernel; same result."""
     N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
     lib = _native_for(xop, C, O)
     if lib is None:
@@ -261,10 +287,15 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
     S = torch.empty(C * K2, O, dtype=torch.float32)
     rst = torch.tensor(rs or (K2, KW, 1, 0), dtype=torch.int64)
     g = torch.tensor(list(geo), dtype=torch.int64)
-    rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(), dy.data_ptr(),
-                                         S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
+    if lists:
+        rc = lib.sparsa_union_conv_wgrad_lists_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
+                                                   dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, _nthreads())
+    else:
+        rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
+                                             dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
     if rc:
-        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {list(geo)}")
+        kernel = "sparsa_union_conv_wgrad_lists_f32" if lists else "sparsa_union_conv_wgrad_f32"
+        raise RuntimeError(f"{kernel} failed ({rc}) for geometry {list(geo)}")
     if rs is None:
         return dw.copy_(S.view(C, KH, KW, O).permute(3, 0, 1, 2))
     lib.sparsa_union_transpose_f32(S.data_ptr(), C * K2, O, dw.data_ptr(), _nthreads())

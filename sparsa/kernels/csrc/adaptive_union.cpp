@@ -444,6 +444,18 @@ int sparsa_union_pack_f32(const float* w, const int64_t* ws, int64_t O, int64_t 
     return 0;
 }
 
+// The list kernels' input-gradient pack wc [C][KH*KW][O] (sparsa_adaptive_pack_weight_f32's) from the forward
+// pack wf [O / OB][KH*KW][C][OB], OB = pick_ob(O): row copies of OB floats. Taken from the pack the forward
+// used, so it holds the forward's weight even when an optimizer step came in between.
+void sparsa_union_wc_from_wf_f32(const float* wf, int64_t O, int64_t C, int64_t K2, float* wc, int nthreads) {
+    const int64_t OB = pick_ob(O), nob = O / OB;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t c = 0; c < C; ++c)
+        for (int64_t k = 0; k < K2; ++k)
+            for (int64_t b = 0; b < nob; ++b)
+                std::memcpy(wc + (c * K2 + k) * O + b * OB, wf + ((b * K2 + k) * C + c) * OB, sizeof(float) * OB);
+}
+
 // T [M x R] = A [R x M]^T (both contiguous).
 void sparsa_union_transpose_f32(const float* A, int64_t R, int64_t M, float* T, int nthreads) {
     sparsa_adaptive::transpose(A, R, M, T, nthreads);
