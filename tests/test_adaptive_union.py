@@ -81,6 +81,14 @@ def test_operand_signed_keeps_negatives_nan_and_inf(native, channels_last):
             assert op.values.data_ptr() == x.data_ptr()
 
 
+def test_pixel_group_must_be_1_2_or_4():
+    x = _act((1, 16, 4, 4), 0.5, True, 1)
+    w = torch.randn(16, 16, 3, 3)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    with pytest.raises(ValueError, match="group must be 1, 2 or 4"):
+        U.union_conv_fwd(U.union_operand(x), w, None, geo, group=3)
+
+
 def test_operand_rejects_bad_input():
     with pytest.raises(ValueError, match="4-D"):
         U.union_operand(torch.randn(3, 4))
@@ -115,6 +123,8 @@ def test_union_convs_match_dense(native, threads, case):
     y = U.union_conv_fwd(op, w, b, geo)
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
     assert y.is_contiguous(memory_format=torch.channels_last)
+    for group in (1, 2):
+        torch.testing.assert_close(U.union_conv_fwd(op, w, b, geo, group=group), ref, atol=1e-4, rtol=1e-4)
     dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
     dy = torch.where(torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed + 3)) < 0.5, dy, torch.zeros(()))
     dy = dy.contiguous(memory_format=torch.channels_last)
@@ -131,6 +141,8 @@ def test_union_convs_match_dense(native, threads, case):
     rdx = torch.nn.grad.conv2d_input(x.shape, w, dy, stride=s, padding=p, dilation=d) * (x > 0)
     dx = U.union_conv_igrad(gop, w, op, geo)
     torch.testing.assert_close(dx, rdx, atol=1e-4, rtol=1e-4)
+    for group in (1, 2):
+        torch.testing.assert_close(U.union_conv_igrad(gop, w, op, geo, group=group), rdx, atol=1e-4, rtol=1e-4)
     if p <= d * (k - 1):
         dw2 = U.union_conv_wgrad_dy(gop, op.values, geo, w.stride())
         torch.testing.assert_close(dw2, rdw, atol=1e-3, rtol=1e-4)
@@ -272,6 +284,22 @@ def test_weight_changed_in_place_after_forward_uses_forward_weights():
 
 
 @needs_native
+@pytest.mark.parametrize("zeros,clustered,group", [(0.5, True, "fwd_g4"), (0.9, False, "fwd_g2")])
+def test_forward_pixel_group_follows_zero_clustering(zeros, clustered, group):
+    # scattered zeros make 4-pixel unions wasteful: the forward then runs 2-pixel groups
+    x = torch.randn(2, 64, 8, 8).abs() + 0.1
+    if clustered:  # whole channels zero: every 4-pixel union holds exactly the nonzero channels
+        x = x * (torch.rand(2, 64, 1, 1) > zeros)
+    else:
+        x = x * (torch.rand(2, 64, 8, 8) > zeros)
+    w = torch.randn(32, 64, 3, 3)
+    before = conv_union.union_paths.copy()
+    y = relu_conv2d(x, w, None, padding=1)
+    assert (conv_union.union_paths - before)[group] == 1
+    torch.testing.assert_close(y, F.conv2d(x.relu(), w, padding=1), atol=1e-4, rtol=1e-4)
+
+
+@needs_native
 def test_sparse_input_list_gradient_uses_forward_weights():
     # relu(x) this sparse: the forward skips the flipped pack and backward's list kernel reads the forward pack
     x0 = _act((2, 32, 6, 6), 0.97, True, 3)
@@ -366,7 +394,8 @@ def test_relu_linear_runs_the_union_kernels(threads):
     y = relu_linear(x, w, b)
     gy = torch.randn(y.shape) * (torch.rand(y.shape) < 0.5)
     y.backward(gy)
-    assert sum((conv_union.union_paths - before).values()) == 2  # dx and dW on the union path's rules
+    ran = conv_union.union_paths - before
+    assert ran["fwd_g4"] + ran["fwd_g2"] == 1 and sum(ran.values()) == 3  # forward, dx and dW on the union path
     xr, wr, br = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
     ref = F.linear(xr.relu(), wr, br)
     ref.backward(gy)

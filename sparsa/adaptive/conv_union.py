@@ -52,7 +52,8 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (over relu(x)'s
 #: nonzeros, list kernel), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
-#: gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros)
+#: gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros), "fwd_g4" /
+#: "fwd_g2" (forwards on 4- / 2-pixel groups)
 union_paths: Counter = Counter()
 
 
@@ -126,7 +127,13 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.list_dx = ctx.stride1 and _dx_list_pays(d_x, 0.0, C)
         want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.list_dx
         wf, wfl = _u.union_packs(weight, flipped=want_flip)
-        y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf)
+        # 2-pixel groups once the 4-pixel unions hold 65% more channel rows than nonzeros: the waste then costs
+        # more than the halved weight-row reuse (VGG-16 at 75-90% zeros: up to 27% faster forwards; below,
+        # 4 is up to 10% faster; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
+        ratio = op.union_ratio()
+        group = 2 if ratio is not None and ratio >= 1.65 else 4
+        y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
+        union_paths[f"fwd_g{group}"] += 1
         if stats is not None:
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
             stats["union_ratio"] = op.union_ratio()
@@ -178,7 +185,9 @@ class UnionReluConv2d(torch.autograd.Function):
             dx = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, False, ctx.w_stride)[0]
         if dx_side is not None:
             if dx_side == "dy":
-                dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra)
+                # 2-pixel groups over dY's mask: max-pool backward leaves at most one nonzero per 2x2 window,
+                # so 4-pixel unions waste most of their FMAs (10-20% faster on pooled layers, never slower)
+                dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra, group=2)
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(

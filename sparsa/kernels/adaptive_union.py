@@ -52,7 +52,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_supported.restype = ci
         lib.sparsa_union_compact_f32.argtypes = [vp] + [i64] * 8 + [ci, vp, vp, vp, ci]
         lib.sparsa_union_compact_f32.restype = i64
-        lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci]
+        lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci, ci]
         lib.sparsa_union_conv_fwd_f32.restype = ci
         lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
         lib.sparsa_union_conv_wgrad_f32.restype = ci
@@ -147,6 +147,11 @@ def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -
     return UnionOperand(values, None, int(keep.sum()))
 
 
+def _check_group(group) -> None:
+    if group not in (1, 2, 4):
+        raise ValueError(f"group must be 1, 2 or 4 output pixels, got {group!r}")
+
+
 def _native_for(op: UnionOperand, C: int, O: int) -> Optional[ctypes.CDLL]:
     return _lib() if op.mask is not None and union_supported(C, O) else None
 
@@ -198,9 +203,11 @@ def union_wc(wf: Tensor, O: int, C: int, KH: int, KW: int) -> Tensor:
 
 
 def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo: Sequence[int],
-                   wf: Optional[Tensor] = None) -> Tensor:
+                   wf: Optional[Tensor] = None, group: int = 4) -> Tensor:
     """``conv2d(op values, weight, bias)`` as ``[N, O, Ho, Wo]`` with channels-last strides. ``wf``: the
-    weight's forward pack (:func:`union_packs`) when already at hand."""
+    weight's forward pack (:func:`union_packs`) when already at hand. ``group``: output pixels per kernel
+    group (4, 2 or 1; fewer waste less on channels nonzero in only some of them)."""
+    _check_group(group)
     N, C, H, W, O, KH, KW, Ho, Wo = (int(v) for v in geo[:9])
     lib = _native_for(op, C, O)
     if lib is None:
@@ -211,18 +218,20 @@ def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo
     y = _empty_cl(N, O, Ho, Wo)
     g = torch.tensor(list(geo), dtype=torch.int64)
     rc = lib.sparsa_union_conv_fwd_f32(g.data_ptr(), op.values.data_ptr(), op.mask.data_ptr(), wf.data_ptr(),
-                                       None if b is None else b.data_ptr(), y.data_ptr(), None, 1, _nthreads())
+                                       None if b is None else b.data_ptr(), y.data_ptr(), None, 1, group, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {list(geo)}")
     return y
 
 
 def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOperand, geo: Sequence[int],
-                     wflip: Optional[Tensor] = None) -> Tensor:
+                     wflip: Optional[Tensor] = None, group: int = 4) -> Tensor:
     """The input gradient of the stride-1 ``conv2d(relu(x), weight)`` (``geo``) given the output gradient's
     operand ``gop`` (``relu=False``) and relu(x)'s ``xop``: ``conv_transpose(dY, W)`` kept where
     ``relu(x) != 0``, as ``[N, C, H, W]`` with channels-last strides. ``wflip``: the weight's
-    :func:`~sparsa.kernels.adaptive.packed_weight_flipped` when already at hand (then ``weight`` may be None)."""
+    :func:`~sparsa.kernels.adaptive.packed_weight_flipped` when already at hand (then ``weight`` may be None).
+    ``group``: as in :func:`union_conv_fwd` (over dY's mask)."""
+    _check_group(group)
     N, C, H, W, O = (int(v) for v in geo[:5])
     if geo[9] != 1 or geo[10] != 1:
         raise ValueError(f"union_conv_igrad needs a stride-1 geometry, got {list(geo)}")
@@ -241,7 +250,7 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
     wfl = wflip if wflip is not None else union_packs(weight)[1]
     dx = _empty_cl(N, C, H, W)
     rc = lib.sparsa_union_conv_fwd_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(), wfl.data_ptr(),
-                                       None, dx.data_ptr(), xop.mask.data_ptr(), 0, _nthreads())
+                                       None, dx.data_ptr(), xop.mask.data_ptr(), 0, group, _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 (input gradient) failed ({rc}) for geometry {list(geo)}")
     return dx

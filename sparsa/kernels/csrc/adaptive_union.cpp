@@ -43,12 +43,13 @@ inline int64_t words(int64_t C) { return (C + 63) / 64; }
 // images (rows skip whole kernel offsets at the border, tiles only half of them) and on dY's masks
 // (max-pool backward leaves one nonzero per 2x2 window).
 struct Groups {
-    int64_t Ho, Wo, HW, tw, per_image;
+    int64_t Ho, Wo, HW, tw, per_image, pg;
     bool tiles;
-    Groups(const Geo& G, bool allow_tiles)
-        : Ho(G.Ho), Wo(G.Wo), HW(G.Ho * G.Wo), tw(G.Wo / 2), per_image(0),
-          tiles(allow_tiles && G.Ho % 2 == 0 && G.Wo % 2 == 0 && G.Ho >= 16 && G.Wo >= 16) {
-        per_image = tiles ? HW / 4 : (HW + P - 1) / P;
+    // pg: pixels per group, 4 (2x2 tiles when allowed and the image fits, else row runs), 2 or 1 (row runs)
+    Groups(const Geo& G, bool allow_tiles, int64_t pixels = P)
+        : Ho(G.Ho), Wo(G.Wo), HW(G.Ho * G.Wo), tw(G.Wo / 2), per_image(0), pg(pixels),
+          tiles(pixels == 4 && allow_tiles && G.Ho % 2 == 0 && G.Wo % 2 == 0 && G.Ho >= 16 && G.Wo >= 16) {
+        per_image = tiles ? HW / 4 : (HW + pg - 1) / pg;
     }
     // (ho, wo) of member i of group g; false when the member lies past the image (row runs only)
     bool member(int64_t g, int i, int64_t& ho, int64_t& wo) const {
@@ -58,7 +59,7 @@ struct Groups {
             wo = 2 * t + (i & 1);
             return true;
         }
-        const int64_t pp = g * P + i;
+        const int64_t pp = g * pg + i;
         if (pp >= HW) return false;
         ho = pp / Wo;
         wo = pp - ho * Wo;
@@ -94,24 +95,24 @@ int64_t mask_pixel(const float* src, float* dst, uint64_t* m, int64_t C) {
     return nnz;
 }
 
-// y at the P pixels of group g of image n, output channels [ob, ob + 16 V).
-template <int V>
+// y at the PP pixels of group g of image n, output channels [ob, ob + 16 V).
+template <int V, int PP>
 void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
                const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
                int64_t ob, const uint64_t* omask) {
     const int64_t NW = words(G.C), HW = G.Ho * G.Wo;
-    __m512 acc[P][V];
-    for (int i = 0; i < P; ++i)
+    __m512 acc[PP][V];
+    for (int i = 0; i < PP; ++i)
         for (int v = 0; v < V; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + ob + 16 * v) : _mm512_setzero_ps();
-    int64_t ho[P], wo[P];
-    bool ok[P];
-    for (int i = 0; i < P; ++i) ok[i] = GR.member(g, i, ho[i], wo[i]);
+    int64_t ho[PP], wo[PP];
+    bool ok[PP];
+    for (int i = 0; i < PP; ++i) ok[i] = GR.member(g, i, ho[i], wo[i]);
     for (int64_t kh = 0; kh < G.KH; ++kh)
         for (int64_t kw = 0; kw < G.KW; ++kw) {
-            const float* xr[P];
-            const uint64_t* mr[P];
+            const float* xr[PP];
+            const uint64_t* mr[PP];
             bool any = false;
-            for (int i = 0; i < P; ++i) {
+            for (int i = 0; i < PP; ++i) {
                 const int64_t hi = ho[i] * G.sh - G.ph + kh * G.dh, wi = wo[i] * G.sw - G.pw + kw * G.dw;
                 if (!ok[i] || hi < 0 || hi >= G.H || wi < 0 || wi >= G.W) {
                     xr[i] = zero;
@@ -127,14 +128,14 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
             const float* w0 = wb + (kh * G.KW + kw) * G.C * OB;
             for (int64_t j = 0; j < NW; ++j) {
                 uint64_t m = 0;
-                for (int i = 0; i < P; ++i) m |= mr[i][j];
+                for (int i = 0; i < PP; ++i) m |= mr[i][j];
                 while (m) {
                     const int64_t c = j * 64 + __builtin_ctzll(m);
                     m &= m - 1;
                     const float* wr = w0 + c * OB;
                     __m512 w[V];
                     for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(wr + 16 * v);
-                    for (int i = 0; i < P; ++i) {
+                    for (int i = 0; i < PP; ++i) {
                         const __m512 b = _mm512_set1_ps(xr[i][c]);
                         for (int v = 0; v < V; ++v) acc[i][v] = _mm512_fmadd_ps(b, w[v], acc[i][v]);
                     }
@@ -142,7 +143,7 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
             }
         }
     const int64_t NWo = words(G.O);
-    for (int i = 0; i < P; ++i) {
+    for (int i = 0; i < PP; ++i) {
         if (!ok[i]) continue;
         const int64_t p = n * HW + ho[i] * G.Wo + wo[i];
         float* yp = y + p * G.O + ob;
@@ -158,14 +159,25 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
     }
 }
 
+template <int PP>
+void fwd_group_v(int64_t V, const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
+                 const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
+                 int64_t ob, const uint64_t* omask) {
+    switch (V) {
+        case 1: fwd_group<1, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        case 2: fwd_group<2, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        case 3: fwd_group<3, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        default: fwd_group<4, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+    }
+}
+
 void fwd_group_any(int64_t V, const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
                    const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
                    int64_t ob, const uint64_t* omask) {
-    switch (V) {
-        case 1: fwd_group<1>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        case 2: fwd_group<2>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        case 3: fwd_group<3>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        default: fwd_group<4>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+    switch (GR.pg) {
+        case 1: fwd_group_v<1>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        case 2: fwd_group_v<2>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        default: fwd_group_v<4>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
     }
 }
 
@@ -306,18 +318,21 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
 // y [N, Ho, Wo, O] (NHWC) = conv(xa, W) + bias from the forward pack wp [O / OB][KH][KW][C][OB]
 // (sparsa_adaptive_pack_weight_f32). omask (may be null): output masks [N*Ho*Wo, ceil(O/64)]; outputs
 // whose bit is clear are stored as zero. tiles: allow 2x2 pixel groups (see Groups; pass 1 for relu(x)'s
-// operand, 0 for dY's). Returns 1 if OB = pick_ob(O) is not a multiple of 16, 2 without AVX-512.
+// operand, 0 for dY's). group: pixels per group, 4, 2 or 1 (fewer pixels: less work on channels that are
+// zero in some of them, fewer FMAs per weight row loaded). Returns 1 if OB = pick_ob(O) is not a multiple
+// of 16 or group is not 1, 2 or 4, 2 without AVX-512.
 int sparsa_union_conv_fwd_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* wp,
-                              const float* bias, float* y, const uint64_t* omask, int tiles, int nthreads) {
+                              const float* bias, float* y, const uint64_t* omask, int tiles, int group, int nthreads) {
     const Geo G(g);
     const int64_t OB = pick_ob(G.O);
-    if (G.O % 8 || OB % 16) return 1;
+    if (G.O % 8 || OB % 16 || (group != 1 && group != 2 && group != 4)) return 1;
     if (!sparsa_union_supported()) return 2;
 #ifdef SPARSA_UNION_AVX512
-    const Groups GR(G, tiles != 0);
+    const Groups GR(G, tiles != 0, group);
     const int64_t nob = G.O / OB, ng = GR.per_image;
-    // about 8 groups a task, fewer when that leaves under 8 tasks a thread
-    int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(8, G.N * ng * nob / (8 * nthreads)));
+    // about 32 pixels a task, fewer when that leaves under 8 tasks a thread
+    const int64_t most = 32 / group;  // about 32 pixels a task
+    int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(most, G.N * ng * nob / (8 * nthreads)));
     const int64_t ngt = (ng + gpt - 1) / gpt, ntask = nob * G.N * ngt;
     std::vector<float> zero((size_t)G.C + 16, 0.f);
     std::vector<uint64_t> zm((size_t)words(G.C), 0);
