@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from .calibration import Calibration, CostEntry
 from .conv import conv_supported, relu_conv2d
 from .conv_union import kernel_family
+from .feedback import Feedback, time_backward
 from .linear import linear_supported, relu_linear
 from .monitor import SparsityMonitor
 from .policy import Policy
@@ -76,6 +77,10 @@ class LayerState:
     union_ratio: Optional[float] = None
     #: "union" or "list": the kernel family of the sparse path (set at the first decision)
     kernels: Optional[str] = None
+    #: forward+backward times measured in training (layers predicted below Policy.verify_below)
+    feedback: Feedback = field(default_factory=Feedback)
+    #: the cost model's own prediction; ``speedup`` is this times the feedback's correction
+    model_speedup: Optional[float] = None
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
@@ -93,7 +98,9 @@ def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor]
             state.cost = state.calibration.entry(state.kind, x, weight, bias, conv_args, state.slice)
         density = 1.0 - (state.monitor.sparsity or 0.0)
         grad_density = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
-        state.speedup = state.cost.speedup(density, grad_density, state.union_ratio)
+        state.model_speedup = state.cost.speedup(density, grad_density, state.union_ratio)
+        kappa = state.feedback.kappa()
+        state.speedup = state.model_speedup * (1.0 if kappa is None else kappa)
         new = state.policy.choose(state.path, state.speedup)
     if new != state.path:
         state.switches += 1
@@ -127,10 +134,29 @@ def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -
     return _run_paired(state, x, dense, sparse, weight, bias, conv_args)
 
 
+def _verifying(state: LayerState) -> bool:
+    """Whether this sparse layer's prediction is marginal enough to be checked by timing it in training."""
+    p = state.policy
+    return (state.path == "sparse" and p.force is None and state.speedup is not None and state.cost is not None
+            and state.speedup < p.verify_below)
+
+
+def _predicted_ms(state: LayerState, path: str) -> Optional[float]:
+    cost, m = state.cost, state.monitor
+    if cost is None or m.sparsity is None:
+        return None
+    if path == "dense":
+        return cost.dense_ms
+    gd = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
+    return cost.sparse_ms(1.0 - m.sparsity, gd, state.union_ratio)
+
+
 def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
     mon = state.monitor
+    timed = _verifying(state) and state.feedback.due()
+    probe = timed and state.feedback.probe_now()  # this call runs dense, to time it
     t0 = time.perf_counter()
-    if state.path == "sparse":
+    if state.path == "sparse" and not probe:
         refresh = mon.tick()
         stats: Optional[dict] = {} if refresh else None
         y = sparse(x, stats)
@@ -144,7 +170,7 @@ def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_
     else:
         if mon.observe(x):
             _decide(state, x, weight, bias, conv_args)
-        if state.path == "sparse":  # switched on this call
+        if state.path == "sparse" and not probe:  # switched on this call
             y = sparse(x, None)
             state.sparse_calls += 1
             path = "sparse"
@@ -154,6 +180,9 @@ def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_
     ms = (time.perf_counter() - t0) * 1e3
     prev = state.fwd_ms.get(path)
     state.fwd_ms[path] = ms if prev is None else 0.8 * prev + 0.2 * ms
+    if timed:
+        fb, pred = state.feedback, _predicted_ms(state, path)
+        time_backward(x, y, lambda bwd_ms: fb.add(path, ms + bwd_ms, pred))
     return y
 
 

@@ -3,6 +3,9 @@
 A layer switches dense -> sparse when the predicted forward+backward speedup of the sparse path is
 at least ``enter`` and back to dense when it drops below ``exit`` (hysteresis: a layer near the
 break-even point does not flip-flop). ``force`` pins every layer to one path (for tests and A/B runs).
+Layers on the sparse path predicted below ``verify_below`` are timed in training, both paths, and
+the measurements correct their prediction (:mod:`sparsa.adaptive.feedback`); ``verify_below=0``
+turns that off.
 
 Example::
 
@@ -28,6 +31,7 @@ class Policy:
     enter: float = 1.10
     exit: float = 1.02
     force: Optional[str] = None
+    verify_below: float = 1.3
 
     def __post_init__(self):
         if self.force is not None and self.force not in PATHS:
@@ -35,6 +39,8 @@ class Policy:
         if not (self.enter >= self.exit > 0):
             raise ValueError(f"need enter >= exit > 0, got enter={self.enter!r}, exit={self.exit!r}; "
                              "e.g. Policy(enter=1.1, exit=1.02)")
+        if not self.verify_below >= 0:
+            raise ValueError(f"verify_below must be >= 0 (0: no timing in training), got {self.verify_below!r}")
 
     def choose(self, current: str, speedup: Optional[float]) -> str:
         """The path for a layer now on ``current`` whose predicted speedup is ``speedup``."""

@@ -17,7 +17,7 @@ __all__ = ["report", "format_report"]
 
 _COLUMNS = [("layer", 18), ("kind", 7), ("sparsity", 9), ("dy_sparsity", 12), ("union_ratio", 12), ("source", 7),
             ("path", 7), ("kernels", 8),
-            ("pred_speedup", 13), ("dense_ms", 9), ("sparse_ms", 10), ("fwd_ms", 8), ("calls", 6)]
+            ("pred_speedup", 13), ("kappa", 6), ("dense_ms", 9), ("sparse_ms", 10), ("fwd_ms", 8), ("calls", 6)]
 
 
 def report(runtime) -> List[dict]:
@@ -26,9 +26,13 @@ def report(runtime) -> List[dict]:
     Keys: ``layer``, ``kind``, ``sparsity`` (monitored, element-wise), ``dy_sparsity`` (zero fraction of
     the output gradient, sampled in backward on refresh calls), ``union_ratio`` (how clustered the zeros
     are, 1-4, union kernels only), ``empty_slices`` (fraction of empty (pixel, slice) lists), ``source``
-    (sample/count), ``path``, ``kernels`` (union/list), ``pred_speedup``, ``dense_ms`` /
-    ``sparse_ms`` (calibrated forward+backward at the monitored sparsity), ``fwd_ms`` (measured
-    forward on the current path), ``calls``, ``paired_calls``, ``sparse_calls``, ``switches``.
+    (sample/count), ``path``, ``kernels`` (union/list), ``pred_speedup`` (the cost model's, times the
+    measured correction), ``model_speedup`` (the cost model's alone), ``kappa`` (the correction from
+    forward+backward times measured in training, see :mod:`~sparsa.adaptive.feedback`; None when not
+    measured), ``measured_speedup`` (median measured dense over sparse time), ``probes`` (dense calls run to
+    measure), ``dense_ms`` / ``sparse_ms`` (calibrated forward+backward at the monitored sparsity),
+    ``fwd_ms`` (measured forward on the current path), ``calls``, ``paired_calls``, ``sparse_calls``,
+    ``switches``.
     """
     rows = []
     for name, st in runtime.layers.items():
@@ -39,7 +43,9 @@ def report(runtime) -> List[dict]:
             "layer": name, "kind": st.kind, "sparsity": m.sparsity, "dy_sparsity": st.grad_sparsity,
             "union_ratio": st.union_ratio, "empty_slices": m.empty_slices,
             "source": m.source, "path": st.path if st.paired_calls else "dense", "kernels": st.kernels,
-            "supported": st.supported, "pred_speedup": st.speedup,
+            "supported": st.supported, "pred_speedup": st.speedup, "model_speedup": st.model_speedup,
+            "kappa": st.feedback.kappa(), "measured_speedup": st.feedback.measured_speedup(),
+            "probes": st.feedback.probes,
             "dense_ms": None if cost is None else cost.dense_ms,
             "sparse_ms": None if cost is None or density is None else cost.sparse_ms(
                 density, None if st.grad_sparsity is None else 1.0 - st.grad_sparsity, st.union_ratio),
