@@ -190,9 +190,11 @@ def layer_rows(name, model, rt, x, labels, reps, res):
         sp = 1.0 - float((a != 0).float().mean())
         gsp = None if gy is None else 1.0 - float((gy != 0).float().mean())
         ratio = c.ratio if st.path == "sparse" else 1.0
+        fb = st.feedback
         res["layers"].append({"model": name, "layer": lname, "kind": kind, "shape": list(a.shape),
                               "activation_sparsity": sp, "grad_sparsity": gsp, "path": st.path,
-                              "ratio_vs_dense": ratio,
+                              "ratio_vs_dense": ratio, "model_speedup": st.model_speedup, "kappa": fb.kappa(),
+                              "measured_in_training": fb.measured_speedup(), "probes": fb.probes,
                               "sparse_kernel_ratio": c.ratio, "dense_ms": c.baseline_s * 1e3,
                               "sparse_ms": c.candidate_s * 1e3})
         print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} path {st.path:6s} "

@@ -4,9 +4,11 @@ For each stride-1 3x3 conv of a VGG-16 (no BatchNorm) trained briefly on upsampl
 layer's real input and real output gradient, at the input's own sparsity and thresholded to 75% / 90%:
 
 - forward: dense ``F.conv2d`` vs the list kernel (compaction + forward) vs the union kernel (bitmask
-  operand + forward);
-- input gradient: dense vs the list kernel over relu(x)'s nonzeros vs the union kernel over dY's mask;
-- weight gradient: dense vs the list kernel vs the union kernel over relu(x)'s mask and over dY's.
+  operand + forward) on 4- and on 2-pixel groups (``fwd_union2``);
+- input gradient: dense vs the list kernel over relu(x)'s nonzeros vs the union kernel over dY's mask,
+  4- and 2-pixel groups;
+- weight gradient: dense vs the list kernel vs the per-channel list kernel (``dw_lists``) vs the union
+  kernel over relu(x)'s mask and over dY's.
 
 Times are medians of round-robin repetitions after a warm-up (2 threads unless ``--threads``); every
 ratio is dense time / sparse time measured side by side in this run.
@@ -58,12 +60,15 @@ def layer_rows(lname, a, gy, reps):
         "fwd_dense": lambda: torch.nn.functional.conv2d(ar, w, None, 1, 1),
         "fwd_list": lambda: K.conv_fwd_packed(*K.compact(ar, 128), wf, None, geo, 1),
         "fwd_union": lambda: U.union_conv_fwd(U.union_operand(ar), w, None, geo),
+        "fwd_union2": lambda: U.union_conv_fwd(U.union_operand(ar), w, None, geo, group=2),
         "dx_dense": lambda: bw([True, False, False]),
         "dx_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, True, False),
         "dx_union_dy": lambda: U.union_conv_igrad(U.union_operand(g, relu=False), w, op, geo),
+        "dx_union_dy2": lambda: U.union_conv_igrad(U.union_operand(g, relu=False), w, op, geo, group=2),
         "dw_dense": lambda: bw([False, True, False]),
         "dw_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, False, True, w.stride()),
         "dw_union_x": lambda: U.union_conv_wgrad(op, gn, geo, w.stride()),
+        "dw_lists": lambda: U.union_conv_wgrad(op, gn, geo, w.stride(), lists=True),
         "dw_union_dy": lambda: U.union_conv_wgrad_dy(U.union_operand(g, relu=False), op.values, geo, w.stride()),
     }
     t = round_robin_ms(fns, reps, min_seconds=0)

@@ -82,12 +82,13 @@ def adaptive_union_section() -> str:
                "union4_density": r.get("union4_density")}
         row.update({k[:-len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
         rows.append(row)
-    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "union4_density", "fwd_list", "fwd_union", "dx_list", "dx_union_dy",
-            "dw_list", "dw_union_x", "dw_union_dy"]
+    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "union4_density", "fwd_list", "fwd_union", "fwd_union2",
+            "dx_list", "dx_union_dy", "dx_union_dy2", "dw_list", "dw_lists", "dw_union_x", "dw_union_dy"]
     fmt = {c: ".2f" for c in cols[3:]}
     return (f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
             f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
-            f"channel) pairs with a nonzero, i.e. what the union kernels still compute):\n\n" + _md(rows, cols, fmt))
+            f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / dx_union_dy2: "
+            f"the union kernels on 2-pixel groups; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt))
 
 
 def adaptive_section() -> str:

@@ -268,16 +268,22 @@ def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C
 
 
 @needs_native
-def test_weight_changed_in_place_after_forward_uses_forward_weights():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_weight_changed_in_place_after_forward_uses_forward_weights(channels_last):
+    # OIHW: the flipped pack saved by the forward; channels-last (read in place): the list side from the forward pack
     x0 = _act((1, 16, 5, 5), 0.5, True, 2)
     w = torch.nn.Parameter(torch.randn(16, 16, 3, 3))
+    if channels_last:
+        w.data = w.data.contiguous(memory_format=torch.channels_last)
     w0 = w.detach().clone()
     x = x0.clone().requires_grad_()
     y = relu_conv2d(x, w, None, padding=1)
     with torch.no_grad():
         w.add_(1.0)  # an optimizer step between forward and backward
     gy = torch.randn(y.shape)
+    before = conv_union.union_paths.copy()
     y.backward(gy)
+    assert (conv_union.union_paths - before)["dx_x" if channels_last else "dx_dy"] == 1
     xr = x0.clone().requires_grad_()
     F.conv2d(xr.relu(), w0, None, padding=1).backward(gy)
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)

@@ -13,10 +13,11 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
   densities (the lists below ~18% nonzeros).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
-(:func:`~sparsa.kernels.adaptive_union.union_packs`); the flipped one is skipped when relu(x) is so
-sparse that the list kernel's input gradient wins for any dY. Backward reads only packs saved by the
-forward (the list kernel's pack is rebuilt from the forward pack by row copies), so an optimizer step
-between forward and backward does not change the gradient.
+(:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
+sparse that the list kernel's input gradient wins for any dY, and for channels-last weights, which the
+input gradient reads in place. Backward reads the forward's weight: the saved packs (the list kernel's
+pack is rebuilt from the forward pack by row copies), or the weight in place after checking its version;
+when an optimizer step came in between, the list side runs from the forward pack.
 
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -125,8 +127,13 @@ class UnionReluConv2d(torch.autograd.Function):
         # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that the list kernel's
         # input gradient wins whatever dY's density (then backward takes it from the forward pack)
         ctx.list_dx = ctx.stride1 and _dx_list_pays(d_x, 0.0, C)
-        want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.list_dx
+        # a channels-last weight is read in place by the dY-driven input gradient (no flipped pack), as long as
+        # it still holds the forward's values in backward (else the list side runs, from the forward pack)
+        in_place = ctx.stride1 and _u.reads_weight_in_place(weight)
+        want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.list_dx and not in_place
         wf, wfl = _u.union_packs(weight, flipped=want_flip)
+        ctx.w_ref = weakref.ref(weight) if in_place else None
+        ctx.w_key = (weight._version, weight.data_ptr())
         # 2-pixel groups once the 4-pixel unions hold 65% more channel rows than nonzeros: the waste then costs
         # more than the halved weight-row reuse (VGG-16 at 75-90% zeros: up to 27% faster forwards; below,
         # 4 is up to 10% faster; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
@@ -168,11 +175,16 @@ class UnionReluConv2d(torch.autograd.Function):
         d_x = op.nnz / max(1, values.numel())
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
+        w_now = None
         if need_dx:
             if not ctx.stride1:
                 dx_side = "dense"
             else:
                 dx_side = "x" if ctx.list_dx or _dx_list_pays(d_x, d_g, C) else "dy"
+            if dx_side == "dy" and extra is None:
+                w_now = ctx.w_ref() if ctx.w_ref is not None else None
+                if w_now is None or (w_now._version, w_now.data_ptr()) != ctx.w_key:
+                    dx_side = "x"  # the weight changed since the forward: the list side reads the forward pack
         if need_dw:
             g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
@@ -187,7 +199,7 @@ class UnionReluConv2d(torch.autograd.Function):
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask: max-pool backward leaves at most one nonzero per 2x2 window,
                 # so 4-pixel unions waste most of their FMAs (10-20% faster on pooled layers, never slower)
-                dx = _u.union_conv_igrad(gop, None, op, geo, wflip=extra, group=2)
+                dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=2)
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(

@@ -41,7 +41,7 @@ from .adaptive import (_cached_pack, _conv_args, _dense_strides, _nthreads, _pic
                        native_library)
 
 __all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "union_operand", "union_conv_fwd",
-           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_wc", "geometry"]
+           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_wc", "reads_weight_in_place", "geometry"]
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -54,6 +54,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_compact_f32.restype = i64
         lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci, ci]
         lib.sparsa_union_conv_fwd_f32.restype = ci
+        lib.sparsa_union_conv_igrad_w_f32.argtypes = [vp] * 7 + [ci, ci]
+        lib.sparsa_union_conv_igrad_w_f32.restype = ci
         lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
         lib.sparsa_union_conv_wgrad_f32.restype = ci
         lib.sparsa_union_conv_wgrad_lists_f32.argtypes = [vp] * 6 + [i64, ci]
@@ -224,13 +226,21 @@ def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo
     return y
 
 
+def reads_weight_in_place(weight: Optional[Tensor]) -> bool:
+    """Whether :func:`union_conv_igrad` reads ``weight`` as it is (channels-last float32 ``[O, C, KH, KW]``,
+    no flipped pack needed)."""
+    return (weight is not None and weight.dtype == torch.float32 and weight.dim() == 4 and weight.stride(1) == 1
+            and _dense_strides(tuple(weight.shape), weight.stride()))
+
+
 def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOperand, geo: Sequence[int],
                      wflip: Optional[Tensor] = None, group: int = 4) -> Tensor:
     """The input gradient of the stride-1 ``conv2d(relu(x), weight)`` (``geo``) given the output gradient's
     operand ``gop`` (``relu=False``) and relu(x)'s ``xop``: ``conv_transpose(dY, W)`` kept where
     ``relu(x) != 0``, as ``[N, C, H, W]`` with channels-last strides. ``wflip``: the weight's
-    :func:`~sparsa.kernels.adaptive.packed_weight_flipped` when already at hand (then ``weight`` may be None).
-    ``group``: as in :func:`union_conv_fwd` (over dY's mask)."""
+    :func:`~sparsa.kernels.adaptive.packed_weight_flipped` when already at hand (then ``weight`` may be None);
+    without it a channels-last float32 ``weight`` (:func:`reads_weight_in_place`) is read in place, any
+    other is packed. ``group``: as in :func:`union_conv_fwd` (over dY's mask)."""
     _check_group(group)
     N, C, H, W, O = (int(v) for v in geo[:5])
     if geo[9] != 1 or geo[10] != 1:
@@ -247,10 +257,18 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
             False, (0, 0), 1, [True, False, False])[0]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     g2 = torch.tensor(igrad_dy_geometry(geo), dtype=torch.int64)
-    wfl = wflip if wflip is not None else union_packs(weight)[1]
     dx = _empty_cl(N, C, H, W)
-    rc = lib.sparsa_union_conv_fwd_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(), wfl.data_ptr(),
-                                       None, dx.data_ptr(), xop.mask.data_ptr(), 0, group, _nthreads())
+    if wflip is None and reads_weight_in_place(weight):
+        w = weight.detach()
+        ws = torch.tensor(w.stride(), dtype=torch.int64)
+        rc = lib.sparsa_union_conv_igrad_w_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(),
+                                               w.data_ptr(), ws.data_ptr(), dx.data_ptr(), xop.mask.data_ptr(),
+                                               group, _nthreads())
+    else:
+        wfl = wflip if wflip is not None else union_packs(weight)[1]
+        rc = lib.sparsa_union_conv_fwd_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(),
+                                           wfl.data_ptr(), None, dx.data_ptr(), xop.mask.data_ptr(), 0, group,
+                                           _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 (input gradient) failed ({rc}) for geometry {list(geo)}")
     return dx

@@ -96,10 +96,13 @@ int64_t mask_pixel(const float* src, float* dst, uint64_t* m, int64_t C) {
 }
 
 // y at the PP pixels of group g of image n, output channels [ob, ob + 16 V).
+// Weight rows: wb + koff[kernel offset] + c * rs holds the 16 V output channels of input channel c (the
+// forward pack: koff[k] = k * C * OB, rs = OB; or a channels-last weight read in place, see
+// sparsa_union_conv_igrad_w_f32).
 template <int V, int PP>
 void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
-               const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
-               int64_t ob, const uint64_t* omask) {
+               const uint64_t* zm, const float* wb, const int64_t* koff, int64_t rs, const float* bias, float* y,
+               int64_t n, int64_t g, int64_t ob, const uint64_t* omask) {
     const int64_t NW = words(G.C), HW = G.Ho * G.Wo;
     __m512 acc[PP][V];
     for (int i = 0; i < PP; ++i)
@@ -125,14 +128,14 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
                 }
             }
             if (!any) continue;
-            const float* w0 = wb + (kh * G.KW + kw) * G.C * OB;
+            const float* w0 = wb + koff[kh * G.KW + kw];
             for (int64_t j = 0; j < NW; ++j) {
                 uint64_t m = 0;
                 for (int i = 0; i < PP; ++i) m |= mr[i][j];
                 while (m) {
                     const int64_t c = j * 64 + __builtin_ctzll(m);
                     m &= m - 1;
-                    const float* wr = w0 + c * OB;
+                    const float* wr = w0 + c * rs;
                     __m512 w[V];
                     for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(wr + 16 * v);
                     for (int i = 0; i < PP; ++i) {
@@ -161,23 +164,23 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
 
 template <int PP>
 void fwd_group_v(int64_t V, const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
-                 const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
-                 int64_t ob, const uint64_t* omask) {
+                 const uint64_t* zm, const float* wb, const int64_t* koff, int64_t rs, const float* bias, float* y,
+                 int64_t n, int64_t g, int64_t ob, const uint64_t* omask) {
     switch (V) {
-        case 1: fwd_group<1, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        case 2: fwd_group<2, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        case 3: fwd_group<3, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        default: fwd_group<4, PP>(G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        case 1: fwd_group<1, PP>(G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
+        case 2: fwd_group<2, PP>(G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
+        case 3: fwd_group<3, PP>(G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
+        default: fwd_group<4, PP>(G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
     }
 }
 
 void fwd_group_any(int64_t V, const Geo& G, const Groups& GR, const float* xa, const uint64_t* bm, const float* zero,
-                   const uint64_t* zm, const float* wb, int64_t OB, const float* bias, float* y, int64_t n, int64_t g,
-                   int64_t ob, const uint64_t* omask) {
+                   const uint64_t* zm, const float* wb, const int64_t* koff, int64_t rs, const float* bias, float* y,
+                   int64_t n, int64_t g, int64_t ob, const uint64_t* omask) {
     switch (GR.pg) {
-        case 1: fwd_group_v<1>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        case 2: fwd_group_v<2>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
-        default: fwd_group_v<4>(V, G, GR, xa, bm, zero, zm, wb, OB, bias, y, n, g, ob, omask); break;
+        case 1: fwd_group_v<1>(V, G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
+        case 2: fwd_group_v<2>(V, G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
+        default: fwd_group_v<4>(V, G, GR, xa, bm, zero, zm, wb, koff, rs, bias, y, n, g, ob, omask); break;
     }
 }
 
@@ -236,6 +239,29 @@ void wgrad_block_any(int64_t V, const Geo& G, const Groups& GR, const float* xa,
         case 3: wgrad_block<3>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
         default: wgrad_block<4>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
     }
+}
+
+// y = the union forward over (xa, bm) with weight rows wp + obi * bstride + koff[k] + c * rs (output block obi).
+int fwd_run(const Geo& G, const float* xa, const uint64_t* bm, const float* wp, int64_t bstride, const int64_t* koff,
+            int64_t rs, const float* bias, float* y, const uint64_t* omask, int tiles, int group, int nthreads) {
+    const int64_t OB = pick_ob(G.O);
+    const Groups GR(G, tiles != 0, group);
+    const int64_t nob = G.O / OB, ng = GR.per_image;
+    // about 32 pixels a task, fewer when that leaves under 8 tasks a thread
+    const int64_t most = 32 / group;
+    int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(most, G.N * ng * nob / (8 * nthreads)));
+    const int64_t ngt = (ng + gpt - 1) / gpt, ntask = nob * G.N * ngt;
+    std::vector<float> zero((size_t)G.C + 16, 0.f);
+    std::vector<uint64_t> zm((size_t)words(G.C), 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t t = 0; t < ntask; ++t) {
+        // output-channel block outermost: a thread keeps one weight block hot in L2
+        const int64_t obi = t / (G.N * ngt), n = (t / ngt) % G.N, gt = t % ngt;
+        const float* wb = wp + obi * bstride;
+        for (int64_t gi = gt * gpt; gi < std::min(ng, gt * gpt + gpt); ++gi)
+            fwd_group_any(OB / 16, G, GR, xa, bm, zero.data(), zm.data(), wb, koff, rs, bias, y, n, gi, obi * OB, omask);
+    }
+    return 0;
 }
 
 #pragma GCC pop_options
@@ -324,27 +350,33 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
 int sparsa_union_conv_fwd_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* wp,
                               const float* bias, float* y, const uint64_t* omask, int tiles, int group, int nthreads) {
     const Geo G(g);
-    const int64_t OB = pick_ob(G.O);
+    const int64_t OB = pick_ob(G.O), K2 = G.KH * G.KW;
     if (G.O % 8 || OB % 16 || (group != 1 && group != 2 && group != 4)) return 1;
     if (!sparsa_union_supported()) return 2;
+    std::vector<int64_t> koff((size_t)K2);
+    for (int64_t k = 0; k < K2; ++k) koff[k] = k * G.C * OB;
 #ifdef SPARSA_UNION_AVX512
-    const Groups GR(G, tiles != 0, group);
-    const int64_t nob = G.O / OB, ng = GR.per_image;
-    // about 32 pixels a task, fewer when that leaves under 8 tasks a thread
-    const int64_t most = 32 / group;  // about 32 pixels a task
-    int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(most, G.N * ng * nob / (8 * nthreads)));
-    const int64_t ngt = (ng + gpt - 1) / gpt, ntask = nob * G.N * ngt;
-    std::vector<float> zero((size_t)G.C + 16, 0.f);
-    std::vector<uint64_t> zm((size_t)words(G.C), 0);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t t = 0; t < ntask; ++t) {
-        // output-channel block outermost: a thread keeps one weight block hot in L2
-        const int64_t obi = t / (G.N * ngt), n = (t / ngt) % G.N, gt = t % ngt;
-        const float* wb = wp + obi * G.KH * G.KW * G.C * OB;
-        for (int64_t gi = gt * gpt; gi < std::min(ng, gt * gpt + gpt); ++gi)
-            fwd_group_any(OB / 16, G, GR, xa, bm, zero.data(), zm.data(), wb, OB, bias, y, n, gi, obi * OB, omask);
-    }
-    return 0;
+    return fwd_run(G, xa, bm, wp, K2 * G.C * OB, koff.data(), OB, bias, y, omask, tiles, group, nthreads);
+#else
+    return 2;
+#endif
+}
+
+// The input gradient of a stride-1 conv (geometry g2 = the flipped conv's: C = the conv's O, O = its C) as
+// sparsa_union_conv_fwd_f32 over dY's operand, reading the conv's weight W [O, C, KH, KW] in place instead of
+// a flipped pack: with element strides ws and ws[1] == 1 (channels-last), the flipped conv's row for input
+// channel o at offset (kh, kw) is W[o, c.., KH-1-kh, KW-1-kw], contiguous over c. Saves building the pack
+// each step. Returns 1 for a bad geometry, group or stride, 2 without AVX-512.
+int sparsa_union_conv_igrad_w_f32(const int64_t* g2, const float* xa, const uint64_t* bm, const float* w,
+                                  const int64_t* ws, float* y, const uint64_t* omask, int group, int nthreads) {
+    const Geo G(g2);
+    const int64_t OB = pick_ob(G.O), K2 = G.KH * G.KW;
+    if (G.O % 8 || OB % 16 || ws[1] != 1 || (group != 1 && group != 2 && group != 4)) return 1;
+    if (!sparsa_union_supported()) return 2;
+    std::vector<int64_t> koff((size_t)K2);
+    for (int64_t k = 0; k < K2; ++k) koff[k] = (G.KH - 1 - k / G.KW) * ws[2] + (G.KW - 1 - k % G.KW) * ws[3];
+#ifdef SPARSA_UNION_AVX512
+    return fwd_run(G, xa, bm, w, OB, koff.data(), ws[0], nullptr, y, omask, 0, group, nthreads);
 #else
     return 2;
 #endif
