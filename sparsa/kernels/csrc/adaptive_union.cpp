@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <memory>
 #include <omp.h>
 #include <vector>
 
@@ -449,6 +450,35 @@ int sparsa_union_pack_f32(const float* w, const int64_t* ws, int64_t O, int64_t 
     if (O % 8 || C % 8) return 1;
     const int64_t K2 = KH * KW, OB = pick_ob(O), nob = O / OB, OB2 = pick_ob(C), ncb = C / OB2;
     const bool cl = ws[1] == 1;
+    if (!cl && ws[0] == C * K2 && ws[1] == K2 && ws[2] == KW && ws[3] == 1) {
+        // OIHW (nn.Conv2d's default): one tiled transpose to T [C][KH*KW][O], then wf by row copies and wfl by
+        // 8x8 transposes of T's panels (512x512x3x3: 5.0 -> 3.8 ms, against a strided gather per element)
+        std::unique_ptr<float[]> T(new float[(size_t)O * C * K2]);
+        sparsa_adaptive::transpose(w, O, C * K2, T.get(), nthreads);
+#pragma omp parallel num_threads(nthreads)
+        {
+            if (wf) {
+#pragma omp for schedule(static) nowait
+                for (int64_t t = 0; t < nob * K2; ++t) {
+                    const int64_t b = t / K2, k = t % K2;
+                    float* dst = wf + (b * K2 + k) * C * OB;
+                    for (int64_t c = 0; c < C; ++c) std::memcpy(dst + c * OB, T.get() + (c * K2 + k) * O + b * OB, sizeof(float) * OB);
+                }
+            }
+            if (wfl) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < ncb * K2; ++t) {
+                    const int64_t cb = t / K2, k = t % K2, kf = K2 - 1 - k;
+                    const float* src = T.get() + (cb * OB2 * K2 + kf) * O;  // rows cc (stride K2 * O), columns o
+                    float* dst = wfl + (cb * K2 + k) * O * OB2;              // rows o (OB2), columns cc
+                    for (int64_t c8 = 0; c8 < OB2; c8 += 8)
+                        for (int64_t o8 = 0; o8 < O; o8 += 8)
+                            sparsa_adaptive::tr8x8(src + c8 * K2 * O + o8, K2 * O, dst + o8 * OB2 + c8, OB2);
+                }
+            }
+        }
+        return 0;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         if (wf) {
