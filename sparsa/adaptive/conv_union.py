@@ -134,11 +134,13 @@ class UnionReluConv2d(torch.autograd.Function):
         wf, wfl = _u.union_packs(weight, flipped=want_flip)
         ctx.w_ref = weakref.ref(weight) if in_place else None
         ctx.w_key = (weight._version, weight.data_ptr())
-        # 2-pixel groups once the 4-pixel unions hold 65% more channel rows than nonzeros: the waste then costs
-        # more than the halved weight-row reuse (VGG-16 at 75-90% zeros: up to 27% faster forwards; below,
-        # 4 is up to 10% faster; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
+        # 2-pixel groups on images run in rows of 4 (no 2x2 tiles, see adaptive_union.cpp) once the 4-pixel
+        # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
+        # reuse (VGG-16 8x8 and 4x4 layers at 75-90% zeros: up to 27% faster forwards; 2x2 tiles of larger
+        # images waste less and stay ahead; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
         ratio = op.union_ratio()
-        group = 2 if ratio is not None and ratio >= 1.65 else 4
+        tiles = geo[7] % 2 == 0 and geo[8] % 2 == 0 and geo[7] >= 16 and geo[8] >= 16
+        group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
         y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
         union_paths[f"fwd_g{group}"] += 1
         if stats is not None:
