@@ -135,6 +135,11 @@ def test_union_convs_match_dense(native, threads, case):
     dwl = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True)
     torch.testing.assert_close(dwl, rdw, atol=1e-3, rtol=1e-4)
     assert dwl.stride() == w.stride()
+    # the input gradient at relu(x)'s nonzeros (any stride)
+    rdx = torch.nn.grad.conv2d_input(x.shape, w, dy, stride=s, padding=p, dilation=d) * (x > 0)
+    dxx = U.union_conv_igrad_x(op, dy.permute(0, 2, 3, 1), geo, weight=w)
+    torch.testing.assert_close(dxx, rdx, atol=1e-4, rtol=1e-4)
+    assert dxx.is_contiguous(memory_format=torch.channels_last)
     if s != 1:
         return
     gop = U.union_operand(dy, relu=False, native=native)
@@ -246,8 +251,36 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
         torch.testing.assert_close(b.grad, br.grad, atol=1e-4, rtol=1e-4)
     assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     ran = conv_union.union_paths - before
-    assert ran[("dx_dy" if stride == 1 else "dx_dense")] == 1
+    assert ran[("dx_dy" if stride == 1 else "dx_x")] == 1
     assert ran["dw_x"] + ran["dw_dy"] + ran["dw_lists"] == 1
+
+
+def test_input_gradient_side_rules():
+    side = conv_union._dx_side
+    assert side(0.5, 0.13, 64, 64, True) == "dy"       # behind a max-pool: dY much sparser
+    assert side(0.5, 1.0, 64, 64, True) == "x"         # dense dY (BatchNorm): relu(x)'s side
+    assert side(0.25, 0.49, 256, 256, True) == "x"
+    assert side(0.9, None, 64, 64, False) == "dense"   # strided and nearly dense: dense, masked
+    assert side(0.3, None, 64, 64, False) == "x"
+    assert conv_union._dx_x_certain(0.1, 128, 128) and not conv_union._dx_x_certain(0.3, 128, 128)
+
+
+@needs_native
+@pytest.mark.parametrize("zeros,side", [(0.7, "dx_x"), (0.0, "dx_dense")])
+def test_strided_input_gradient_side(zeros, side):
+    x = _act((2, 32, 8, 8), zeros, True, 5)
+    if zeros == 0.0:
+        x = x.abs() + 0.1  # no zeros at all
+    x = x.clone().requires_grad_()
+    w = torch.randn(32, 32, 3, 3, requires_grad=True)
+    y = relu_conv2d(x, w, None, stride=2, padding=1)
+    gy = torch.randn(y.shape)
+    before = conv_union.union_paths.copy()
+    y.backward(gy)
+    assert (conv_union.union_paths - before)[side] == 1
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.nn.functional.conv2d(xr.relu(), wr, None, stride=2, padding=1).backward(gy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-4, rtol=1e-4)
 
 
 @needs_native
@@ -270,7 +303,8 @@ def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C
 @needs_native
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_weight_changed_in_place_after_forward_uses_forward_weights(channels_last):
-    # OIHW: the flipped pack saved by the forward; channels-last (read in place): the list side from the forward pack
+    # a sparse dY picks the dY side. OIHW: the flipped pack saved by the forward; channels-last (read in place):
+    # the relu(x) side from the forward pack
     x0 = _act((1, 16, 5, 5), 0.5, True, 2)
     w = torch.nn.Parameter(torch.randn(16, 16, 3, 3))
     if channels_last:
@@ -280,7 +314,7 @@ def test_weight_changed_in_place_after_forward_uses_forward_weights(channels_las
     y = relu_conv2d(x, w, None, padding=1)
     with torch.no_grad():
         w.add_(1.0)  # an optimizer step between forward and backward
-    gy = torch.randn(y.shape)
+    gy = torch.randn(y.shape) * (torch.rand(y.shape, generator=torch.Generator().manual_seed(3)) < 0.15)
     before = conv_union.union_paths.copy()
     y.backward(gy)
     assert (conv_union.union_paths - before)["dx_x" if channels_last else "dx_dy"] == 1

@@ -4,9 +4,10 @@ Forward: relu(x) is kept dense in NHWC with a per-element nonzero bitmask (one f
 union forward kernel runs over groups of 4 output pixels (see :mod:`sparsa.kernels.adaptive_union`).
 Backward, from the same operand and dY's bitmask (dY is read in place, only its mask is built):
 
-- input gradient (stride 1): the forward of the flipped conv over dY's mask, stored only where
-  relu(x) != 0, or, when relu(x) is much sparser than dY (``_dx_list_pays``), the list kernel's dot
-  products at relu(x)'s nonzeros; strided convs use the dense input gradient, masked;
+- input gradient: only where relu(x) != 0, either as the forward of the flipped conv over dY's mask
+  (stride 1) or as dot products of dY patches with the weight rows at relu(x)'s nonzeros, taken 4
+  pixels at a time over the union of their channels (any stride; for a dense dY), whichever
+  ``_dx_side`` estimates cheapest (strided convs: that or the dense input gradient, masked);
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
   gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
   nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
@@ -14,10 +15,10 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
 (:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
-sparse that the list kernel's input gradient wins for any dY, and for channels-last weights, which the
-input gradient reads in place. Backward reads the forward's weight: the saved packs (the list kernel's
-pack is rebuilt from the forward pack by row copies), or the weight in place after checking its version;
-when an optimizer step came in between, the list side runs from the forward pack.
+sparse that its side of the input gradient wins for any dY, and for channels-last weights, which the
+dY side reads in place. Backward reads the forward's weight: the saved packs (the relu(x) side's weight
+rows are rebuilt from the forward pack by row copies), or the weight in place after checking its version;
+when an optimizer step came in between, the relu(x) side runs from the forward pack.
 
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
@@ -44,7 +45,6 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive_union as _u
-from ..kernels import adaptive as _k
 from ..kernels.adaptive import _conv_args, igrad_dy_geometry
 
 __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_paths", "KERNELS"]
@@ -52,23 +52,38 @@ __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_pa
 #: "auto" (union where supported, else lists), "union" (same; named for clarity in tests), "list"
 KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
-#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (over relu(x)'s
-#: nonzeros, list kernel), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
+#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s
+#: nonzeros, dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
 #: gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros), "fwd_g4" /
 #: "fwd_g2" (forwards on 4- / 2-pixel groups)
 union_paths: Counter = Counter()
 
 
-# Which kernel computes each backward GEMM (stride 1). Costs are relative to the dense (oneDNN) GEMM, fitted
-# on VGG-16 activations with their real output gradients at their own sparsity and thresholded to 75% / 90%
-# (2 threads, batch 32, 64-512 channels: `python benchmarks/adaptive_union.py`); d_x, d_g: the densities
-# of relu(x) and dY.
-# Input gradient: the list kernel's dot products at relu(x)'s nonzeros ~ 0.15 + 2.2 d_x (+0.1 at
-# C <= 128, +0.45 at C <= 64: short lists), the union forward of the flipped conv over dY's mask
-# ~ 0.5 + 0.65 d_g (at most ~1.05: a dense dY makes it a dense conv through the union kernel).
-def _dx_list_pays(d_x: float, d_g: float, C: int) -> bool:
-    lst = 0.15 + 2.2 * d_x + (0.1 if C <= 128 else 0.0) + (0.45 if C <= 64 else 0.0)
-    return lst < min(1.05, 0.5 + 0.65 * d_g)
+# Which kernel computes each backward GEMM. Costs are relative to the dense (oneDNN) GEMM, fitted on VGG-16
+# activations with their real output gradients and with dense random ones, at their own sparsity and
+# thresholded to 75% / 90% (2 threads, batch 32, 64-512 channels: `python benchmarks/adaptive_union.py`);
+# d_x, d_g: the densities of relu(x) and dY.
+# Input gradient: at relu(x)'s nonzeros (dot products over 4-pixel unions, any stride; includes rebuilding the
+# weight rows from the forward pack) ~ 0.2 + 1.6 d_x (+0.1 for the largest weights); over dY's mask (stride 1,
+# the flipped conv's forward, stored where relu(x) != 0) ~ 0.5 + 0.65 d_g (1.1-1.2 for a dense dY); strided
+# convs: the relu(x) side or dense, then masked (~1.03).
+def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool) -> dict:
+    cost = {"x": 0.2 + 1.6 * d_x + (0.1 if C * O >= 512 * 256 else 0.0)}
+    if not stride1:
+        cost["dense"] = 1.03
+    elif d_g is not None:
+        cost["dy"] = 0.5 + 0.65 * d_g
+    return cost
+
+
+def _dx_side(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool) -> str:
+    cost = _dx_costs(d_x, d_g, C, O, stride1)
+    return min(cost, key=cost.get)
+
+
+def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
+    """Whether the relu(x) side wins the input gradient whatever dY's density (the dY side costs >= 0.5)."""
+    return _dx_costs(d_x, None, C, O, True)["x"] < 0.5
 
 
 # Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
@@ -124,13 +139,13 @@ class UnionReluConv2d(torch.autograd.Function):
         C = geo[1]
         d_x = op.nnz / max(1, op.values.numel())
         ctx.stride1 = _stride1(geo)
-        # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that the list kernel's
-        # input gradient wins whatever dY's density (then backward takes it from the forward pack)
-        ctx.list_dx = ctx.stride1 and _dx_list_pays(d_x, 0.0, C)
+        # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that its side of the
+        # input gradient wins whatever dY's density (it reads the forward pack)
+        ctx.x_dx = _dx_x_certain(d_x, C, geo[4])
         # a channels-last weight is read in place by the dY-driven input gradient (no flipped pack), as long as
         # it still holds the forward's values in backward (else the list side runs, from the forward pack)
         in_place = ctx.stride1 and _u.reads_weight_in_place(weight)
-        want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.list_dx and not in_place
+        want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.x_dx and not in_place
         wf, wfl = _u.union_packs(weight, flipped=want_flip)
         ctx.w_ref = weakref.ref(weight) if in_place else None
         ctx.w_key = (weight._version, weight.data_ptr())
@@ -159,7 +174,7 @@ class UnionReluConv2d(torch.autograd.Function):
             extra = weight.detach()
         else:
             extra = None
-        ctx.save_for_backward(op.values, op.mask, extra, wf if ctx.stride1 else None)
+        ctx.save_for_backward(op.values, op.mask, extra, wf)
         return y
 
     @staticmethod
@@ -173,35 +188,31 @@ class UnionReluConv2d(torch.autograd.Function):
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
-        C = geo[1]
+        C, O = geo[1], geo[4]
         d_x = op.nnz / max(1, values.numel())
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
         w_now = None
         if need_dx:
-            if not ctx.stride1:
-                dx_side = "dense"
-            else:
-                dx_side = "x" if ctx.list_dx or _dx_list_pays(d_x, d_g, C) else "dy"
+            dx_side = "x" if ctx.x_dx else _dx_side(d_x, d_g, C, O, ctx.stride1)
             if dx_side == "dy" and extra is None:
                 w_now = ctx.w_ref() if ctx.w_ref is not None else None
                 if w_now is None or (w_now._version, w_now.data_ptr()) != ctx.w_key:
-                    dx_side = "x"  # the weight changed since the forward: the list side reads the forward pack
+                    dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
             g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C)
         if dx_side == "x":
-            # the list kernel's dot products at relu(x)'s nonzeros, from the forward's pack
-            O, KH, KW = geo[4], geo[5], geo[6]
-            wc = _u.union_wc(wf, O, C, KH, KW)
-            cnt, idx, val = _k.compact(op.nchw(), geo[15])
-            dx = _k.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, False, ctx.w_stride)[0]
+            dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo[5], geo[6]))
         if dx_side is not None:
             if dx_side == "dy":
-                # 2-pixel groups over dY's mask: max-pool backward leaves at most one nonzero per 2x2 window,
-                # so 4-pixel unions waste most of their FMAs (10-20% faster on pooled layers, never slower)
-                dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=2)
+                # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has
+                # at most one nonzero per 2x2 window (VGG-16: union ratio 2.6-4.0 there, 1.4-1.8 elsewhere;
+                # 2-pixel groups 10-25% faster on the pooled layers, 5-10% slower on the others)
+                ratio = gop.union_ratio()
+                group = 2 if ratio is not None and ratio >= 2.2 else 4
+                dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=group)
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(

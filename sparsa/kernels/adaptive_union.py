@@ -41,7 +41,8 @@ from .adaptive import (_cached_pack, _conv_args, _dense_strides, _nthreads, _pic
                        native_library)
 
 __all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "union_operand", "union_conv_fwd",
-           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_wc", "reads_weight_in_place", "geometry"]
+           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_conv_igrad_x", "union_wc",
+           "reads_weight_in_place", "geometry"]
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -54,6 +55,8 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_compact_f32.restype = i64
         lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci, ci]
         lib.sparsa_union_conv_fwd_f32.restype = ci
+        lib.sparsa_union_conv_igrad_x_f32.argtypes = [vp] * 5 + [ci]
+        lib.sparsa_union_conv_igrad_x_f32.restype = ci
         lib.sparsa_union_conv_igrad_w_f32.argtypes = [vp] * 7 + [ci, ci]
         lib.sparsa_union_conv_igrad_w_f32.restype = ci
         lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
@@ -140,10 +143,10 @@ def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -
         u4 = ctypes.c_int64(0)
         nnz = lib.sparsa_union_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, int(relu),
                                            None if view else values.data_ptr(), mask.data_ptr(),
-                                           ctypes.byref(u4) if relu else None, _nthreads())
+                                           ctypes.byref(u4), _nthreads())
         if nnz < 0:
             raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
-        return UnionOperand(values, mask, int(nnz), int(u4.value) if relu else None)
+        return UnionOperand(values, mask, int(nnz), int(u4.value))
     keep = x > 0 if relu else x != 0
     values = torch.where(keep, x, torch.zeros((), dtype=x.dtype)).permute(0, 2, 3, 1).contiguous()
     return UnionOperand(values, None, int(keep.sum()))
@@ -271,6 +274,37 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
                                            _nthreads())
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 (input gradient) failed ({rc}) for geometry {list(geo)}")
+    return dx
+
+
+def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None,
+                       wc: Optional[Tensor] = None) -> Tensor:
+    """The input gradient of ``conv2d(relu(x), W)`` (``geo``, any stride) computed only where relu(x) != 0
+    (``xop``'s mask), as dot products of ``dy_nhwc`` (``[N, Ho, Wo, O]``) patches with the weight's rows
+    (``wc``: the ``[C, KH, KW, O]`` pack of :func:`union_wc`; built from ``weight`` when not given). Work
+    follows relu(x)'s nonzeros (4-pixel unions), not dY's: for a dense dY and a sparse relu(x). Returns
+    ``[N, C, H, W]`` with channels-last strides."""
+    N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
+    if wc is None and weight is None:
+        raise ValueError("union_conv_igrad_x needs weight or wc")
+    lib = _native_for(xop, C, O)
+    if lib is None:
+        if weight is None:
+            raise ValueError("union_conv_igrad_x: the PyTorch fallback needs weight (wc is the native pack)")
+        a = _conv_args(geo)
+        dx = torch.ops.aten.convolution_backward(
+            dy_nhwc.permute(0, 3, 1, 2), xop.nchw(), weight.detach().float(), None, a["stride"], a["padding"],
+            a["dilation"], False, (0, 0), 1, [True, False, False])[0]
+        return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
+    if wc is None:
+        wc = union_wc(union_packs(weight, flipped=False)[0], O, C, KH, KW)
+    dy = dy_nhwc.contiguous()
+    dx = _empty_cl(N, C, H, W)
+    g = torch.tensor(list(geo), dtype=torch.int64)
+    rc = lib.sparsa_union_conv_igrad_x_f32(g.data_ptr(), xop.mask.data_ptr(), dy.data_ptr(), wc.data_ptr(),
+                                           dx.data_ptr(), _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_igrad_x_f32 failed ({rc}) for geometry {list(geo)}")
     return dx
 
 
