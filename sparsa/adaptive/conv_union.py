@@ -11,7 +11,7 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
   gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
   nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
-  densities (the lists below ~18% nonzeros).
+  densities (the lists below ~40% nonzeros).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
 (:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
@@ -87,12 +87,12 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
 
 
 # Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
-# x KH*KW x O FMAs, but one dY row load per FMA) ~ 0.08 + 2.2 d_x, the union kernel over relu(x)'s mask ~ 0.3
-# + d_x, over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The union kernels visit every pixel
-# group once per kernel offset and output block and transpose their [C*KH*KW, O] result; the list kernel pays
-# below ~18% nonzeros.
-def _dw_side(d_x: float, d_g: Optional[float], C: int) -> str:
-    cost = {"lists": 0.08 + 2.2 * d_x, "x": 0.3 + d_x}
+# x KH*KW x O FMAs, one dY row load each) ~ 0.05 + 1.6 d_x (+0.12 for the largest weights, whose [C*KH*KW, O]
+# result alone costs ~0.1 to write and transpose), the union kernel over relu(x)'s mask ~ 0.3 + d_x, over dY's
+# (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below ~40% nonzeros (~20% for
+# 512x512 weights).
+def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0) -> str:
+    cost = {"lists": 0.05 + 1.6 * d_x + (0.12 if C * O >= 512 * 256 else 0.0), "x": 0.3 + d_x}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
     return min(cost, key=cost.get)
@@ -202,7 +202,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if need_dw:
             g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
-            dw_side = _dw_side(d_x, d_g if dy_ok else None, C)
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O)
         if dx_side == "x":
             dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo[5], geo[6]))
         if dx_side is not None:
