@@ -6,7 +6,8 @@ layer's real input and real output gradient, at the input's own sparsity and thr
 - forward: dense ``F.conv2d`` vs the list kernel (compaction + forward) vs the union kernel (bitmask
   operand + forward) on 4- and on 2-pixel groups (``fwd_union2``);
 - input gradient: dense vs the list kernel over relu(x)'s nonzeros vs the union kernel over dY's mask,
-  4- and 2-pixel groups;
+  4- and 2-pixel groups, vs the dot products at relu(x)'s nonzeros over 4-pixel unions (``dx_union_x``,
+  including the rebuild of its weight rows);
 - weight gradient: dense vs the list kernel vs the per-channel list kernel (``dw_lists``) vs the union
   kernel over relu(x)'s mask and over dY's.
 
@@ -51,6 +52,7 @@ def layer_rows(lname, a, gy, reps):
     gn = g.permute(0, 2, 3, 1)
     op = U.union_operand(ar)
     gop = U.union_operand(g, relu=False)
+    wfu = U.union_packs(w, flipped=False)[0]
     cnt, idx, val = K.compact(ar, 128)
 
     def bw(mask):
@@ -65,6 +67,7 @@ def layer_rows(lname, a, gy, reps):
         "dx_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, True, False),
         "dx_union_dy": lambda: U.union_conv_igrad(U.union_operand(g, relu=False), w, op, geo),
         "dx_union_dy2": lambda: U.union_conv_igrad(U.union_operand(g, relu=False), w, op, geo, group=2),
+        "dx_union_x": lambda: U.union_conv_igrad_x(op, gn, geo, wc=U.union_wc(wfu, O, C, 3, 3)),
         "dw_dense": lambda: bw([False, True, False]),
         "dw_list": lambda: K.conv_bwd_packed(cnt, idx, val, gn, wc, geo, True, False, True, w.stride()),
         "dw_union_x": lambda: U.union_conv_wgrad(op, gn, geo, w.stride()),

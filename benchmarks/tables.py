@@ -83,12 +83,13 @@ def adaptive_union_section() -> str:
         row.update({k[:-len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
         rows.append(row)
     cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "union4_density", "fwd_list", "fwd_union", "fwd_union2",
-            "dx_list", "dx_union_dy", "dx_union_dy2", "dw_list", "dw_lists", "dw_union_x", "dw_union_dy"]
+            "dx_list", "dx_union_dy", "dx_union_dy2", "dx_union_x", "dw_list", "dw_lists", "dw_union_x", "dw_union_dy"]
     fmt = {c: ".2f" for c in cols[3:]}
     return (f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
             f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
-            f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / dx_union_dy2: "
-            f"the union kernels on 2-pixel groups; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt))
+            f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / "
+            f"dx_union_dy2: the union kernels on 2-pixel groups; dx_union_x: the input gradient at relu(x)'s "
+            f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt))
 
 
 def adaptive_section() -> str:
@@ -102,13 +103,17 @@ def adaptive_section() -> str:
                      f"{m.get('abs_error_pp', 0):.2f} pp largest absolute error over the layers "
                      f"({m.get('mean_abs_error_pp', 0):.2f} pp mean).")
     if d.get("models"):
-        parts.append(_md(d["models"], ["model", "step_speedup_vs_dense", "loss_dense", "loss_adaptive"],
-                         {"step_speedup_vs_dense": ".2f", "loss_dense": ".4f", "loss_adaptive": ".4f"}))
-        parts.append("Losses after the last step can differ far beyond rounding when a model sits on a "
-                     "plateau (VGG-16 without BatchNorm escapes it at a different step in each run): "
-                     "`python benchmarks/adaptive_loss_check.py` compares adaptive-vs-dense loss differences "
-                     "with a dense run whose weights were perturbed by 1e-7, and the adaptive ones stay below "
-                     "that rounding-level control.")
+        cols = ["model", "step_speedup_vs_dense", "loss_dense", "loss_adaptive"]
+        if any("loss_dense_perturbed" in r for r in d["models"]):
+            cols += ["loss_dense_perturbed", "loss_max_abs_diff", "loss_max_float_band"]
+        parts.append(_md(d["models"], cols, {"step_speedup_vs_dense": ".2f", "loss_dense": ".4f",
+                                             "loss_adaptive": ".4f", "loss_dense_perturbed": ".4f",
+                                             "loss_max_abs_diff": ".4f", "loss_max_float_band": ".4f"}))
+        parts.append("loss_dense_perturbed: the same dense training from weights moved by a relative 1e-7 "
+                     "(rounding-sized); loss_max_abs_diff / loss_max_float_band: the largest per-step loss "
+                     "difference of the adaptive run / of that control from dense. Losses can drift far beyond "
+                     "rounding when a model sits on a plateau (VGG-16 without BatchNorm escapes it at a different "
+                     "step in each run); the control shows how far rounding alone moves them.")
     if d.get("sweep"):
         cols = ["shape", "activation_sparsity", "dy", "grad_sparsity", "ratio_vs_dense"] \
             if any("dy" in r for r in d["sweep"]) else ["shape", "activation_sparsity", "ratio_vs_dense"]
@@ -119,8 +124,15 @@ def adaptive_section() -> str:
         if any(r.get("grad_sparsity") is not None for r in d["layers"]):
             cols[4:4] = ["grad_sparsity"]
             cols.append("sparse_kernel_ratio")
+        if any("kappa" in r for r in d["layers"]):
+            cols += ["model_speedup", "kappa", "measured_in_training"]
         parts.append(_md(d["layers"], cols, {"ratio_vs_dense": ".2f", "activation_sparsity": ".2f",
-                                             "grad_sparsity": ".2f", "sparse_kernel_ratio": ".2f"}))
+                                             "grad_sparsity": ".2f", "sparse_kernel_ratio": ".2f",
+                                             "model_speedup": ".2f", "kappa": ".2f", "measured_in_training": ".2f"}))
+        parts.append("ratio_vs_dense: forward+backward of the layer on the path the policy chose (1.0 where dense), "
+                     "timed side by side after training; model_speedup: the cost model's prediction; kappa: the "
+                     "correction from times measured in training (layers predicted below 1.3x; - when not "
+                     "measured); measured_in_training: median dense over sparse time measured in training.")
     return "\n\n".join(parts)
 
 

@@ -11,7 +11,7 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
   gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
   nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
-  densities (the lists below ~40% nonzeros).
+  densities and the clustering of relu(x)'s zeros (the lists below ~20-40% nonzeros).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
 (:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
@@ -52,10 +52,10 @@ __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_pa
 #: "auto" (union where supported, else lists), "union" (same; named for clarity in tests), "list"
 KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
-#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s
-#: nonzeros, dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy" (weight
-#: gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros), "fwd_g4" /
-#: "fwd_g2" (forwards on 4- / 2-pixel groups)
+#: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s nonzeros,
+#: dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy"
+#: (weight gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros),
+#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups)
 union_paths: Counter = Counter()
 
 
@@ -87,12 +87,14 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
 
 
 # Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
-# x KH*KW x O FMAs, one dY row load each) ~ 0.05 + 1.6 d_x (+0.12 for the largest weights, whose [C*KH*KW, O]
-# result alone costs ~0.1 to write and transpose), the union kernel over relu(x)'s mask ~ 0.3 + d_x, over dY's
-# (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below ~40% nonzeros (~20% for
-# 512x512 weights).
-def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0) -> str:
-    cost = {"lists": 0.05 + 1.6 * d_x + (0.12 if C * O >= 512 * 256 else 0.0), "x": 0.3 + d_x}
+# x KH*KW x O FMAs, one dY row load each) ~ 0.05 + 1.6 d_x (+0.08 at C <= 64, +0.12 for the largest weights,
+# whose [C*KH*KW, O] result alone costs ~0.1 to write and transpose), the union kernel over relu(x)'s mask ~
+# 0.3 + d_x * r / 2 (r: relu(x)'s union_ratio, 1-4, 2 when unknown: its work is the 4-pixel unions), over dY's
+# (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below ~20-40% nonzeros.
+def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> str:
+    r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
+    lists = 0.05 + 1.6 * d_x + (0.08 if C <= 64 else 0.0) + (0.12 if C * O >= 512 * 256 else 0.0)
+    cost = {"lists": lists, "x": 0.3 + d_x * r / 2}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
     return min(cost, key=cost.get)
@@ -153,7 +155,7 @@ class UnionReluConv2d(torch.autograd.Function):
         # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
         # reuse (VGG-16 8x8 and 4x4 layers at 75-90% zeros: up to 27% faster forwards; 2x2 tiles of larger
         # images waste less and stay ahead; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
-        ratio = op.union_ratio()
+        ratio = ctx.x_ratio = op.union_ratio()
         tiles = geo[7] % 2 == 0 and geo[8] % 2 == 0 and geo[7] >= 16 and geo[8] >= 16
         group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
         y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
@@ -202,7 +204,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if need_dw:
             g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
             dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
-            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O)
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio)
         if dx_side == "x":
             dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo[5], geo[6]))
         if dx_side is not None:

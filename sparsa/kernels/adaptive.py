@@ -55,7 +55,8 @@ __all__ = ["compact", "compact_signed", "conv_fwd", "conv_wgrad", "conv_igrad", 
            "conv_wgrad_dy",
            "packed_weight_flipped", "igrad_dy_geometry", "conv_igrad_dy"]
 
-_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp", "adaptive_union.cpp", "adaptive_wgrad_lists.cpp", "adaptive_igrad_x.cpp"]
+_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp", "adaptive_union.cpp",
+            "adaptive_wgrad_lists.cpp", "adaptive_igrad_x.cpp"]
 _PAD = 8  # tail room in idx/val (vector stores)
 
 

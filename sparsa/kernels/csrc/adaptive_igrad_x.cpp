@@ -4,7 +4,7 @@
 //
 // Unlike the dY-driven kernel (adaptive_union.cpp: the flipped conv's forward over dY's nonzeros), the work
 // here follows relu(x)'s mask, so it pays when dY is dense (behind a BatchNorm, or a random dY) and relu(x)
-// sparse. Groups of 4 input pixels in a row: the union of their nonzero channels is walked 4 channels at a
+// sparse. Groups of 4 input pixels (2x2 tiles on images of 16x16 and up, else in a row): the union of their nonzero channels is walked 4 channels at a
 // time, and for each (kernel offset, 16 output channels) step 4 dY loads and 4 weight loads feed 16 FMAs into
 // 4 x 4 accumulators (pixel x channel), reduced to 16 dot products at the end. dY rows of the group's patches
 // stay in L1; the weight rows of a channel (wc [C][KH*KW][O], the list kernels' pack) are contiguous.
@@ -89,19 +89,27 @@ int sparsa_union_conv_igrad_x_f32(const int64_t* g, const uint64_t* bm, const fl
         }
     }
     std::vector<float> zero((size_t)O, 0.f);
-    const int64_t per_image = (HW + P - 1) / P, groups = G.N * per_image;
+    // groups of 4 pixels: 2x2 tiles on even-sized images of 16x16 and up (neighbours in both directions share
+    // more of relu(x)'s zeros, as in the union kernels' Groups), else runs of 4 along the flattened rows
+    const bool tiles = G.H % 2 == 0 && G.W % 2 == 0 && G.H >= 16 && G.W >= 16;
+    const int64_t per_image = tiles ? HW / 4 : (HW + P - 1) / P, groups = G.N * per_image, tw = G.W / 2;
 #pragma omp parallel num_threads(nthreads)
     {
         std::vector<const float*> rows((size_t)K2 * P);
         const float* const(*dyr)[P] = reinterpret_cast<const float* const(*)[P]>(rows.data());
 #pragma omp for schedule(dynamic, 4)
         for (int64_t t = 0; t < groups; ++t) {
-            const int64_t n = t / per_image, pos0 = (t % per_image) * P, np = std::min<int64_t>(P, HW - pos0);
-            const int64_t q0 = n * HW + pos0;
-            std::memset(dx + q0 * C, 0, sizeof(float) * np * C);
+            const int64_t n = t / per_image, gi = t % per_image;
+            int64_t pos[P], q[P];
+            int np = 0;
+            for (int i = 0; i < P; ++i) {
+                const int64_t ps = tiles ? (2 * (gi / tw) + (i >> 1)) * G.W + 2 * (gi % tw) + (i & 1) : gi * P + i;
+                if (ps < HW) pos[np] = ps, q[np] = n * HW + ps, ++np;
+            }
+            for (int i = 0; i < np; ++i) std::memset(dx + q[i] * C, 0, sizeof(float) * C);
             for (int i = 0; i < P; ++i)
                 for (int64_t k = 0; k < K2; ++k) {
-                    const int32_t p = i < np ? tab[(pos0 + i) * K2 + k] : -1;
+                    const int32_t p = i < np ? tab[pos[i] * K2 + k] : -1;
                     rows[k * P + i] = p >= 0 ? dy + (n * HWo + p) * O : zero.data();
                 }
             // the union's channels, CC at a time (the last step repeats its final channel)
@@ -115,12 +123,12 @@ int sparsa_union_conv_igrad_x_f32(const int64_t* g, const uint64_t* bm, const fl
                 for (int j = 0; j < cnt; ++j) {
                     const int64_t c = cs[j];
                     for (int i = 0; i < np; ++i)
-                        if ((bm[(q0 + i) * NW + c / 64] >> (c % 64)) & 1) dx[(q0 + i) * C + c] = out[j][i];
+                        if ((bm[q[i] * NW + c / 64] >> (c % 64)) & 1) dx[q[i] * C + c] = out[j][i];
                 }
             };
             for (int64_t w = 0; w < NW; ++w) {
                 uint64_t m = 0;
-                for (int i = 0; i < np; ++i) m |= bm[(q0 + i) * NW + w];
+                for (int i = 0; i < np; ++i) m |= bm[q[i] * NW + w];
                 while (m) {
                     cs[nc++] = w * 64 + __builtin_ctzll(m);
                     m &= m - 1;
