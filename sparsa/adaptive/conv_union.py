@@ -91,12 +91,17 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
 # whose [C*KH*KW, O] result alone costs ~0.1 to write and transpose), the union kernel over relu(x)'s mask ~
 # 0.3 + d_x * r / 2 (r: relu(x)'s union_ratio, 1-4, 2 when unknown: its work is the 4-pixel unions), over dY's
 # (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below ~20-40% nonzeros.
-def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> str:
+def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> dict:
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
     lists = 0.05 + 1.6 * d_x + (0.08 if C <= 64 else 0.0) + (0.12 if C * O >= 512 * 256 else 0.0)
     cost = {"lists": lists, "x": 0.3 + d_x * r / 2}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
+    return cost
+
+
+def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> str:
+    cost = _dw_costs(d_x, d_g, C, O, ratio)
     return min(cost, key=cost.get)
 
 
@@ -189,9 +194,15 @@ class UnionReluConv2d(torch.autograd.Function):
             g = g.contiguous()
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if (need_dx and ctx.stride1) or need_dw else None
         C, O = geo[1], geo[4]
         d_x = op.nnz / max(1, values.numel())
+        g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
+        dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
+        # dY's operand only when a dY-driven kernel may win: the input gradient's unless relu(x)'s side wins for
+        # any dY, the weight gradient's unless the relu(x)-driven kernels cost less than its minimum (0.45)
+        want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or \
+            (need_dw and dy_ok and min(_dw_costs(d_x, None, C, O, ctx.x_ratio).values()) > 0.45)
+        gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if want_g else None
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
         w_now = None
@@ -202,8 +213,6 @@ class UnionReluConv2d(torch.autograd.Function):
                 if w_now is None or (w_now._version, w_now.data_ptr()) != ctx.w_key:
                     dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
-            g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
-            dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio)
         if dx_side == "x":
             dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo[5], geo[6]))

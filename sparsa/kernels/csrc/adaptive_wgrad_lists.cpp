@@ -161,7 +161,9 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
     const int64_t N = G.N, C = G.C, HW = G.H * G.W, HWo = G.Ho * G.Wo, K2 = G.KH * G.KW, NW = (C + 63) / 64;
     const int64_t nv = G.O / 16;
     // images per chunk: the dy columns of an output block (16 V wide) of the chunk within ~256 KB
-    auto images_per_chunk = [&](int64_t V) { return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, HWo * V * 64)); };
+    auto images_per_chunk = [&](int64_t V) {
+        return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, HWo * V * 64));
+    };
     // 3x3, stride 1, padding 1, dilation 1, same-size output: lists per (channel, position class, chunk)
     const bool fast3 = G.KH == 3 && G.KW == 3 && G.sh == 1 && G.sw == 1 && G.ph == 1 && G.pw == 1 && G.dh == 1 &&
                        G.dw == 1 && G.Ho == G.H && G.Wo == G.W && G.H >= 2 && G.W >= 2;
