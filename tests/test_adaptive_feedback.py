@@ -7,6 +7,8 @@ from torch import nn
 
 import sparsa.adaptive as sa
 from sparsa.adaptive import modules
+
+real_relu_conv2d = modules.relu_conv2d  # before any test patches it
 from sparsa.adaptive.calibration import CostEntry
 from sparsa.adaptive.feedback import Feedback, time_backward
 
@@ -105,6 +107,20 @@ def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
     assert "kappa" in rt.format().splitlines()[0]
     # probes and timing change nothing in the numbers
     torch.testing.assert_close(net[2].weight.grad, ref[2].weight.grad, atol=1e-3, rtol=1e-4)
+    # the vetoed layer stays timed, its probes on the sparse path: once sparse is the faster one it comes back
+    probes = st.feedback.probes
+    monkeypatch.setattr(modules, "relu_conv2d", real_relu_conv2d)
+    slow_dense = modules.AdaptiveConv2d._conv_forward
+
+    def slow(self, *a):
+        time.sleep(0.02)
+        return slow_dense(self, *a)
+    monkeypatch.setattr(modules.AdaptiveConv2d, "_conv_forward", slow)
+    for _ in range(120):
+        net(x).sum().backward()
+        if st.path == "sparse":
+            break
+    assert st.feedback.probes > probes and st.path == "sparse" and st.feedback.kappa() > 0.9
 
 
 def test_no_timing_when_turned_off_or_confident(monkeypatch):

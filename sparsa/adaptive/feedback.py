@@ -10,9 +10,10 @@ it (so samples at different sparsities compare), and the correction
 
     kappa = median(dense measured / predicted) / median(sparse measured / predicted)
 
-multiplies the predicted speedup from then on (clamped to [0.5, 2]). The first sample of each path is
-dropped (first-call costs). Calls without autograd (inference) or whose input needs no gradient are
-not timed.
+multiplies the predicted speedup from then on (clamped to [0.5, 2]). A layer the correction sent back
+to dense while the cost model alone would keep it sparse stays timed, its probes running the sparse
+path, so it returns when the measurements improve. The first sample of each path is dropped
+(first-call costs). Calls without autograd (inference) or whose input needs no gradient are not timed.
 
 Example::
 
@@ -62,8 +63,8 @@ class Feedback:
         return due
 
     def probe_now(self) -> bool:
-        """On a timed call of a sparse layer: whether it runs the dense path instead. Twice as often
-        until the dense side has 2 samples."""
+        """On a timed call: whether the layer runs its other path instead. Twice as often until the
+        dense side has 2 samples."""
         k = self.timed
         self.timed += 1
         period = self.probe_every if len(self.errors["dense"]) >= 2 else max(1, self.probe_every // 2)

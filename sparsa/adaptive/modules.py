@@ -135,10 +135,15 @@ def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -
 
 
 def _verifying(state: LayerState) -> bool:
-    """Whether this sparse layer's prediction is marginal enough to be checked by timing it in training."""
+    """Whether this layer is timed in training: on the sparse path with a marginal prediction, or on the dense
+    path only because the measurements vetoed what the cost model predicts (so it can come back)."""
     p = state.policy
-    return (state.path == "sparse" and p.force is None and state.speedup is not None and state.cost is not None
-            and state.speedup < p.verify_below)
+    if p.force is not None or state.speedup is None or state.cost is None:
+        return False
+    if state.path == "sparse":
+        return state.speedup < p.verify_below
+    return (state.feedback.kappa() is not None and state.model_speedup is not None
+            and state.model_speedup >= p.enter)
 
 
 def _predicted_ms(state: LayerState, path: str) -> Optional[float]:
@@ -154,9 +159,9 @@ def _predicted_ms(state: LayerState, path: str) -> Optional[float]:
 def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
     mon = state.monitor
     timed = _verifying(state) and state.feedback.due()
-    probe = timed and state.feedback.probe_now()  # this call runs dense, to time it
+    probe = timed and state.feedback.probe_now()  # this call runs the other path, to time it
     t0 = time.perf_counter()
-    if state.path == "sparse" and not probe:
+    if (state.path == "sparse") != probe:
         refresh = mon.tick()
         stats: Optional[dict] = {} if refresh else None
         y = sparse(x, stats)
