@@ -327,7 +327,12 @@ def main(argv=None):
                 names = [n for n in ("7", "19") if n in acts]
             sweep(acts, names, [0.5, 0.6, 0.75, 0.8, 0.9, 0.95] if not quick else [0.5, 0.75, 0.9, 0.95], reps, res)
     res["config"]["seconds"] = time.time() - t_start
-    out = Path(args.out)
+    write_results(res, args.out)
+
+
+def write_results(res: dict, path) -> None:
+    """``res`` as indented JSON at ``path`` (folders created), with the run time from ``res["config"]``."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print(f"wrote {out} in {res['config']['seconds']:.0f} s")

@@ -20,7 +20,6 @@ ratio is dense time / sparse time measured side by side in this run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -127,10 +126,7 @@ def main(argv=None):
                       "data": "VGG-16 (no BN) after 30 SGD steps on sklearn digits upsampled to 32x32",
                       "seconds": time.time() - t0},
            "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out} in {res['config']['seconds']:.0f} s")
+    B.write_results(res, args.out)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,15 @@ class LayerState:
     #: the cost model's own prediction; ``speedup`` is this times the feedback's correction
     model_speedup: Optional[float] = None
 
+    def predicted_ms(self, path: str) -> Optional[float]:
+        """The calibrated forward+backward time of ``path`` at the monitored sparsity (None before both exist)."""
+        if self.cost is None or self.monitor.sparsity is None:
+            return None
+        if path == "dense":
+            return self.cost.dense_ms
+        gd = None if self.grad_sparsity is None else 1.0 - self.grad_sparsity
+        return self.cost.sparse_ms(1.0 - self.monitor.sparsity, gd, self.union_ratio)
+
 
 def _paired(state: LayerState, x: Tensor) -> bool:
     return (state.supported and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -146,16 +155,6 @@ def _verifying(state: LayerState) -> bool:
             and state.model_speedup >= p.enter)
 
 
-def _predicted_ms(state: LayerState, path: str) -> Optional[float]:
-    cost, m = state.cost, state.monitor
-    if cost is None or m.sparsity is None:
-        return None
-    if path == "dense":
-        return cost.dense_ms
-    gd = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
-    return cost.sparse_ms(1.0 - m.sparsity, gd, state.union_ratio)
-
-
 def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
     mon = state.monitor
     timed = _verifying(state) and state.feedback.due()
@@ -186,7 +185,7 @@ def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_
     prev = state.fwd_ms.get(path)
     state.fwd_ms[path] = ms if prev is None else 0.8 * prev + 0.2 * ms
     if timed:
-        fb, pred = state.feedback, _predicted_ms(state, path)
+        fb, pred = state.feedback, state.predicted_ms(path)
         time_backward(x, y, lambda bwd_ms: fb.add(path, ms + bwd_ms, pred))
     return y
 

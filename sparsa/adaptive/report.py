@@ -37,7 +37,6 @@ def report(runtime) -> List[dict]:
     rows = []
     for name, st in runtime.layers.items():
         m = st.monitor
-        density = None if m.sparsity is None else 1.0 - m.sparsity
         cost = st.cost
         rows.append({
             "layer": name, "kind": st.kind, "sparsity": m.sparsity, "dy_sparsity": st.grad_sparsity,
@@ -47,8 +46,7 @@ def report(runtime) -> List[dict]:
             "kappa": st.feedback.kappa(), "measured_speedup": st.feedback.measured_speedup(),
             "probes": st.feedback.probes,
             "dense_ms": None if cost is None else cost.dense_ms,
-            "sparse_ms": None if cost is None or density is None else cost.sparse_ms(
-                density, None if st.grad_sparsity is None else 1.0 - st.grad_sparsity, st.union_ratio),
+            "sparse_ms": st.predicted_ms("sparse"),
             "fwd_ms": st.fwd_ms.get(st.path), "calls": st.calls, "paired_calls": st.paired_calls,
             "sparse_calls": st.sparse_calls, "switches": st.switches,
         })

@@ -78,17 +78,7 @@ int sparsa_union_conv_igrad_x_f32(const int64_t* g, const uint64_t* bm, const fl
     if (!sparsa_cpu_avx512_enabled()) return 2;
 #ifdef SPARSA_IGX_AVX512
     const int64_t C = G.C, O = G.O, HW = G.H * G.W, HWo = G.Ho * G.Wo, K2 = G.KH * G.KW, NW = (C + 63) / 64;
-    std::vector<int32_t> tab((size_t)HW * K2);
-    for (int64_t pos = 0; pos < HW; ++pos) {
-        const int64_t hi = pos / G.W, wi = pos % G.W;
-        for (int64_t k = 0; k < K2; ++k) {
-            const int64_t th = hi + G.ph - (k / G.KW) * G.dh, tw = wi + G.pw - (k % G.KW) * G.dw;
-            int32_t p = -1;
-            if (th >= 0 && tw >= 0 && th % G.sh == 0 && tw % G.sw == 0 && th / G.sh < G.Ho && tw / G.sw < G.Wo)
-                p = (int32_t)((th / G.sh) * G.Wo + tw / G.sw);
-            tab[pos * K2 + k] = p;
-        }
-    }
+    const std::vector<int32_t> tab = sparsa_adaptive::output_pixel_table(G);
     std::vector<float> zero((size_t)O, 0.f);
     // groups of 4 pixels: 2x2 tiles on even-sized images of 16x16 and up (neighbours in both directions share
     // more of relu(x)'s zeros, as in the union kernels' Groups), else runs of 4 along the flattened rows

@@ -41,17 +41,18 @@ struct Entry {
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi,popcnt")
 
 // Accumulate the lists of channel c over images [n0, n1) into the KC x V block whose rows are rows[k]
-// (already offset to the block's first output channel); first: start from zero instead of the rows.
+// (already offset to the block's first output channel); first: start from zero instead of the rows. List
+// l = n * C + c holds len[l] entries from ent + l * HW.
 template <int V, int KC>
 void channel_block(const float* dy, int64_t O, int64_t HWo, const int32_t* tab, int64_t K2, int64_t k0,
-                   const Entry* ent, const int64_t* beg, const int32_t* len, int64_t C, int64_t c, int64_t n0,
+                   const Entry* ent, int64_t HW, const int32_t* len, int64_t C, int64_t c, int64_t n0,
                    int64_t n1, int64_t ob, const float* zero, float* const* rows, bool first) {
     __m512 acc[KC][V];
     for (int k = 0; k < KC; ++k)
         for (int v = 0; v < V; ++v) acc[k][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(rows[k] + 16 * v);
     for (int64_t n = n0; n < n1; ++n) {
         const int64_t l = n * C + c;
-        const Entry* e = ent + beg[l];
+        const Entry* e = ent + l * HW;
         const Entry* end = e + len[l];
         const float* dyn = dy + n * HWo * O + ob;
         for (; e < end; ++e) {
@@ -69,7 +70,7 @@ void channel_block(const float* dy, int64_t O, int64_t HWo, const int32_t* tab, 
 }
 
 using BlockFn = void (*)(const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, const Entry*,
-                         const int64_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
+                         int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
                          float* const*, bool);
 
 template <int V>
@@ -169,7 +170,7 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
                        G.dw == 1 && G.Ho == G.H && G.Wo == G.W && G.H >= 2 && G.W >= 2;
     std::vector<int32_t> tab;
     std::unique_ptr<Entry[]> ent;
-    std::vector<int64_t> beg, st3;
+    std::vector<int64_t> st3;
     std::vector<int32_t> len, cnt3;
     std::vector<int64_t> cw((size_t)C, 0);  // nonzeros per channel (thread balance)
     const int64_t per3 = images_per_chunk(std::min<int64_t>(2, nv)), nck = (N + per3 - 1) / per3;
@@ -211,23 +212,10 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
             }
         }
     } else {
-        // tab[pos * K2 + k]: the output pixel (within the image) that input pixel pos meets at kernel offset k, or -1
-        tab.resize((size_t)HW * K2);
-        for (int64_t pos = 0; pos < HW; ++pos) {
-            const int64_t hi = pos / G.W, wi = pos % G.W;
-            for (int64_t k = 0; k < K2; ++k) {
-                const int64_t th = hi + G.ph - (k / G.KW) * G.dh, tw = wi + G.pw - (k % G.KW) * G.dw;
-                int32_t p = -1;
-                if (th >= 0 && tw >= 0 && th % G.sh == 0 && tw % G.sw == 0 && th / G.sh < G.Ho && tw / G.sw < G.Wo)
-                    p = (int32_t)((th / G.sh) * G.Wo + tw / G.sw);
-                tab[pos * K2 + k] = p;
-            }
-        }
+        tab = sparsa_adaptive::output_pixel_table(G);
         // lists per (image, channel): room for HW entries each (no counting pass); len filled below
         ent.reset(new Entry[(size_t)N * C * HW]);
-        beg.resize((size_t)N * C);
         len.assign((size_t)N * C, 0);
-        for (int64_t l = 0; l < N * C; ++l) beg[l] = l * HW;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
         for (int64_t n = 0; n < N; ++n) {
             int32_t* ln = len.data() + n * C;
@@ -291,7 +279,7 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
                                 channel_block3<1>(dy, G.O, G.W, kO, ent.get(), st3.data() + l, cnt3.data() + l, nck, ob,
                                                   rows, n0 == 0);
                         } else {
-                            fn(dy, G.O, HWo, tab.data(), K2, k0, ent.get(), beg.data(), len.data(), C, c, n0, n1, ob,
+                            fn(dy, G.O, HWo, tab.data(), K2, k0, ent.get(), HW, len.data(), C, c, n0, n1, ob,
                                zero.data(), rows, n0 == 0);
                         }
                     }
