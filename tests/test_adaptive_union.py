@@ -177,6 +177,36 @@ def test_weight_gradient_layouts(layout, threads):
         assert dw.stride() == w.stride()
 
 
+@needs_native
+@pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
+@pytest.mark.parametrize("C,nthreads", [(16, 2), (32, 3), (48, 3), (96, 2), (512, 2)])
+def test_weight_gradient_lists_store_into_any_layout(layout, C, nthreads):
+    # the list kernel transposes each thread's staging block straight into dW: channel ranges cut at 16-channel
+    # runs (or not, with few channels), 8x8 tiles plus scalar remainders, a generic scalar store for odd layouts
+    assert U.union_supported(C, 32)
+    old = torch.get_num_threads()
+    torch.set_num_threads(nthreads)
+    try:
+        x = _act((2, C, 4, 5), 0.8, True, C)
+        w = torch.randn(32, C, 3, 3)
+        if layout == "ohwi":
+            w = w.contiguous(memory_format=torch.channels_last)
+        elif layout == "odd":
+            w = torch.randn(3, 3, 32, C).permute(2, 3, 0, 1)
+        geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+        dy = torch.randn(2, 32, 4, 5)
+        for scale in (1.0, -3.0):  # a missed store keeps what the freed memory held (e.g. the first call's dW)
+            rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy * scale, padding=1)
+            poison = torch.full((w.numel(),), float("nan"))
+            del poison
+            dw = U.union_conv_wgrad(U.union_operand(x), (dy * scale).permute(0, 2, 3, 1).contiguous(), geo, w.stride(),
+                                    lists=True)
+            torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
+            assert dw.stride() == w.stride()
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("k,stride,pad,dil,O", [(5, 1, 2, 1, 48), (7, 2, 3, 1, 16), (5, 1, 4, 2, 80), (11, 3, 5, 1, 32),
                                                  (1, 2, 0, 1, 144)])
 def test_weight_gradient_lists_any_kernel_size(native, threads, k, stride, pad, dil, O):

@@ -61,7 +61,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sparsa_union_conv_igrad_w_f32.restype = ci
         lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
         lib.sparsa_union_conv_wgrad_f32.restype = ci
-        lib.sparsa_union_conv_wgrad_lists_f32.argtypes = [vp] * 6 + [i64, ci]
+        lib.sparsa_union_conv_wgrad_lists_f32.argtypes = [vp] * 6 + [ci]
         lib.sparsa_union_conv_wgrad_lists_f32.restype = ci
         lib.sparsa_union_pack_f32.argtypes = [vp, vp] + [i64] * 4 + [vp, vp, ci]
         lib.sparsa_union_pack_f32.restype = ci
@@ -337,6 +337,14 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
         return _wgrad_reference(xop.nchw(), dy_nhwc, geo, w_stride)
     dy = dy_nhwc.contiguous()
     dw = _dw_empty((O, C, KH, KW), w_stride)
+    g = torch.tensor(list(geo), dtype=torch.int64)
+    if lists:  # written straight into dw's layout
+        ws = torch.tensor(dw.stride(), dtype=torch.int64)
+        rc = lib.sparsa_union_conv_wgrad_lists_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
+                                                   dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), _nthreads())
+        if rc:
+            raise RuntimeError(f"sparsa_union_conv_wgrad_lists_f32 failed ({rc}) for geometry {list(geo)}")
+        return dw
     K2 = KH * KW
     s0, s1, s2, s3 = dw.stride()
     if s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C:    # [O, KH, KW, C]: rows (kh, kw, c)
@@ -347,16 +355,10 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
         rs = None
     S = torch.empty(C * K2, O, dtype=torch.float32)
     rst = torch.tensor(rs or (K2, KW, 1, 0), dtype=torch.int64)
-    g = torch.tensor(list(geo), dtype=torch.int64)
-    if lists:
-        rc = lib.sparsa_union_conv_wgrad_lists_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
-                                                   dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, _nthreads())
-    else:
-        rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
-                                             dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
+    rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
+                                         dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
     if rc:
-        kernel = "sparsa_union_conv_wgrad_lists_f32" if lists else "sparsa_union_conv_wgrad_f32"
-        raise RuntimeError(f"{kernel} failed ({rc}) for geometry {list(geo)}")
+        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {list(geo)}")
     if rs is None:
         return dw.copy_(S.view(C, KH, KW, O).permute(3, 0, 1, 2))
     lib.sparsa_union_transpose_f32(S.data_ptr(), C * K2, O, dw.data_ptr(), _nthreads())
