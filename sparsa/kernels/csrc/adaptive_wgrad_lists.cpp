@@ -145,6 +145,61 @@ void channel_block3(const float* dy, int64_t O, int64_t W, const int64_t* kO, co
         for (int v = 0; v < V; ++v) _mm512_storeu_ps(rows[k] + 16 * v, acc[k][v]);
 }
 
+// The 3x3 class lists of mask word j's channels over the pixels [q0, q1) (whole images) of chunk ck, in two
+// passes. count3: cnt[(c * 9 + cls) * nck + ck] += the channel's nonzeros of each position class, with one byte
+// counter per channel (vpmovm2b of the mask word, subtracted) per class, flushed every 255 pixels of a class;
+// fill3: entries (global pixel, value) from the offsets st[(c * 9 + cls) * nck + ck]. The class comes from the
+// pixel's row and column without divisions.
+inline int row_class(int64_t h, int64_t H) { return h == 0 ? 0 : (h == H - 1 ? 2 : 1); }
+
+void count3(const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int64_t W, int64_t q0, int64_t q1,
+            int32_t* cnt, int64_t nck, int64_t ck) {
+    __m512i acc[9];
+    int npx[9];
+    for (int k = 0; k < 9; ++k) acc[k] = _mm512_setzero_si512(), npx[k] = 0;
+    const int64_t cn = std::min<int64_t>(64, C - j * 64);
+    auto flush = [&](int cls) {
+        alignas(64) uint8_t b[64];
+        _mm512_store_si512(reinterpret_cast<__m512i*>(b), acc[cls]);
+        for (int64_t t = 0; t < cn; ++t) cnt[((j * 64 + t) * 9 + cls) * nck + ck] += b[t];
+        acc[cls] = _mm512_setzero_si512();
+        npx[cls] = 0;
+    };
+    for (int64_t q = q0; q < q1; q += H * W)
+        for (int64_t h = 0; h < H; ++h) {
+            const int rc = 3 * row_class(h, H);
+            const uint64_t* m = bm + (q + h * W) * NW + j;
+            for (int64_t w = 0; w < W; ++w) {
+                const int cls = rc + row_class(w, W);
+                acc[cls] = _mm512_sub_epi8(acc[cls], _mm512_movm_epi8(_cvtu64_mask64(m[w * NW])));
+                if (++npx[cls] == 255) flush(cls);
+            }
+        }
+    for (int k = 0; k < 9; ++k)
+        if (npx[k]) flush(k);
+}
+
+void fill3(const float* xa, const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int64_t W, int64_t q0,
+           int64_t q1, const int64_t* st, int64_t nck, int64_t ck, Entry* ent) {
+    int64_t cur[64 * 9];
+    const int64_t cn = std::min<int64_t>(64, C - j * 64);
+    for (int64_t t = 0; t < cn; ++t)
+        for (int k = 0; k < 9; ++k) cur[t * 9 + k] = st[((j * 64 + t) * 9 + k) * nck + ck];
+    for (int64_t q = q0; q < q1; q += H * W)
+        for (int64_t h = 0; h < H; ++h) {
+            const int rc = 3 * row_class(h, H);
+            for (int64_t w = 0; w < W; ++w) {
+                const int64_t p = q + h * W + w;
+                const int cls = rc + row_class(w, W);
+                const float* xv = xa + p * C + j * 64;
+                for (uint64_t m = bm[p * NW + j]; m; m &= m - 1) {
+                    const int t = __builtin_ctzll(m);
+                    ent[cur[t * 9 + cls]++] = Entry{(int32_t)p, xv[t]};
+                }
+            }
+        }
+}
+
 // dW[ob + o, c0 + c, kh, kw] (element strides ws) = stage[(c * kc + k) * Vw + o] for the kernel offsets
 // k0 + k = kh * KW + kw of one run, c < nc, o < Vw (a multiple of 16): 8x8 transposes when dW's channels
 // (channels-last) or its (channel, offset) rows (OIHW, one run) are contiguous, scalar stores otherwise.
@@ -210,20 +265,14 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
     std::vector<int64_t> cw((size_t)C, 0);  // nonzeros per channel (thread balance)
     const int64_t per3 = images_per_chunk(std::min<int64_t>(2, nv)), nck = (N + per3 - 1) / per3;
     if (fast3) {
-        auto pos_class = [&](int64_t pos) -> int64_t {
-            const int64_t hi = pos / G.W, wi = pos % G.W;
-            return (hi == 0 ? 0 : (hi == G.H - 1 ? 2 : 1)) * 3 + (wi == 0 ? 0 : (wi == G.W - 1 ? 2 : 1));
-        };
-        // count per (channel, class, chunk), chunks in parallel, then offsets, then fill (pos made global)
+        // count per (channel, class, chunk), then offsets, then fill (pos made global); tasks (chunk, mask word)
         cnt3.assign((size_t)C * 9 * nck, 0);
+        const int64_t ntask = nck * NW;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t ck = 0; ck < nck; ++ck)
-            for (int64_t q = ck * per3 * HW; q < std::min(N, (ck + 1) * per3) * HW; ++q) {
-                const int64_t cls = pos_class(q % HW);
-                for (int64_t j = 0; j < NW; ++j)
-                    for (uint64_t m = bm[q * NW + j]; m; m &= m - 1)
-                        ++cnt3[((j * 64 + __builtin_ctzll(m)) * 9 + cls) * nck + ck];
-            }
+        for (int64_t t = 0; t < ntask; ++t) {
+            const int64_t ck = t / NW;
+            count3(bm, NW, t % NW, C, G.H, G.W, ck * per3 * HW, std::min(N, (ck + 1) * per3) * HW, cnt3.data(), nck, ck);
+        }
         st3.resize((size_t)C * 9 * nck);
         int64_t off = 0;
         for (int64_t c = 0; c < C; ++c) {
@@ -233,18 +282,10 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
         }
         ent.reset(new Entry[(size_t)std::max<int64_t>(1, off)]);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
-        for (int64_t ck = 0; ck < nck; ++ck) {
-            std::vector<int64_t> cur((size_t)C * 9);
-            for (int64_t l = 0; l < C * 9; ++l) cur[l] = st3[l * nck + ck];
-            for (int64_t q = ck * per3 * HW; q < std::min(N, (ck + 1) * per3) * HW; ++q) {
-                const int64_t cls = pos_class(q % HW);
-                const float* xv = xa + q * C;
-                for (int64_t j = 0; j < NW; ++j)
-                    for (uint64_t m = bm[q * NW + j]; m; m &= m - 1) {
-                        const int64_t c = j * 64 + __builtin_ctzll(m);
-                        ent[cur[c * 9 + cls]++] = Entry{(int32_t)q, xv[c]};
-                    }
-            }
+        for (int64_t t = 0; t < ntask; ++t) {
+            const int64_t ck = t / NW;
+            fill3(xa, bm, NW, t % NW, C, G.H, G.W, ck * per3 * HW, std::min(N, (ck + 1) * per3) * HW, st3.data(), nck,
+                  ck, ent.get());
         }
     } else {
         tab = sparsa_adaptive::output_pixel_table(G);
