@@ -207,20 +207,27 @@ void store_block(const float* stage, int64_t nc, int kc, int64_t Vw, float* dw, 
                  int64_t K2, int64_t c0, int64_t k0, int64_t ob) {
     float* base = dw + ob * ws[0] + c0 * ws[1];
     if (ws[1] == 1) {
-        const int64_t nc8 = nc / 8 * 8;
+        const int64_t nc8 = nc / 8 * 8, nc16 = nc / 16 * 16;
         for (int k = 0; k < kc; ++k) {
             const int64_t kk = k0 + k;
             float* bk = base + (kk / KW) * ws[2] + (kk % KW) * ws[3];
-            for (int64_t c = 0; c < nc8; c += 8)
-                for (int64_t o = 0; o < Vw; o += 8)
+            // 8 dW rows at a time, each written along its channels in whole 64-byte runs (two tiles)
+            for (int64_t o = 0; o < Vw; o += 8) {
+                int64_t c = 0;
+                for (; c < nc16; c += 16) {
                     sparsa_adaptive::tr8x8(stage + (c * kc + k) * Vw + o, kc * Vw, bk + o * ws[0] + c, ws[0]);
+                    sparsa_adaptive::tr8x8(stage + ((c + 8) * kc + k) * Vw + o, kc * Vw, bk + o * ws[0] + c + 8, ws[0]);
+                }
+                for (; c < nc8; c += 8)
+                    sparsa_adaptive::tr8x8(stage + (c * kc + k) * Vw + o, kc * Vw, bk + o * ws[0] + c, ws[0]);
+            }
             for (int64_t c = nc8; c < nc; ++c)
                 for (int64_t o = 0; o < Vw; ++o) bk[o * ws[0] + c] = stage[(c * kc + k) * Vw + o];
         }
     } else if (ws[3] == 1 && ws[2] == KW && ws[1] == K2 && kc == K2) {
         const int64_t R = nc * K2, R8 = R / 8 * 8;  // rows (c, k), contiguous in dW for one output channel
-        for (int64_t r = 0; r < R8; r += 8)
-            for (int64_t o = 0; o < Vw; o += 8) sparsa_adaptive::tr8x8(stage + r * Vw + o, Vw, base + o * ws[0] + r, ws[0]);
+        for (int64_t o = 0; o < Vw; o += 8)
+            for (int64_t r = 0; r < R8; r += 8) sparsa_adaptive::tr8x8(stage + r * Vw + o, Vw, base + o * ws[0] + r, ws[0]);
         for (int64_t r = R8; r < R; ++r)
             for (int64_t o = 0; o < Vw; ++o) base[o * ws[0] + r] = stage[r * Vw + o];
     } else {
