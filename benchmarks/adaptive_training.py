@@ -1,11 +1,13 @@
 """Sparsity-adaptive training benchmark (issue #4): monitor, per-layer, sweep and end-to-end numbers.
 
 Data: scikit-learn's digits (8x8 grey) upsampled to 32x32 and repeated over 3 channels, 10 classes.
-Dense baseline: PyTorch's own conv2d/linear forward+backward (oneDNN/MKL) at the same thread count,
-in the faster of NCHW / channels-last (measured); the adaptive model runs in the same format.
-Loss check: dense, adaptive and a third, dense run from weights moved by a relative 1e-7 train on the
-same batches; ``loss_float_band`` (dense vs perturbed dense) shows how far rounding alone moves the
-loss, to read ``loss_abs_diff`` (dense vs adaptive) against.
+Dense baseline: PyTorch's own conv2d/linear forward+backward (oneDNN/MKL) at the same thread count.
+Per model, dense and adaptive training run in both NCHW and channels-last, one step of each in turn on
+the same batches; ``step_speedup_vs_dense`` is the faster adaptive format's median step against the
+faster dense format's (``step_ms`` and ``step_speedup_same_format`` give all four).
+Loss check (the channels-last pair): dense, adaptive and a third, dense run from weights moved by a
+relative 1e-7 train on the same batches; ``loss_float_band`` (dense vs perturbed dense) shows how far
+rounding alone moves the loss, to read ``loss_abs_diff`` (dense vs adaptive) against.
 
     python benchmarks/adaptive_training.py --quick   # < 3 minutes
     python benchmarks/adaptive_training.py           # full (4 models, 100 steps)
@@ -137,62 +139,71 @@ def thresholded(a, sparsity):
 
 
 # ------------------------------------------------------------------------------------------ parts
-def run_model(name, batch, steps, warm, reps_note, res):
+FORMATS = {"nchw": torch.contiguous_format, "channels_last": CL}
+
+
+def run_model(name, batch, steps, warm, res):
+    """Train ``name`` dense and adaptive in both memory formats side by side (one step of each per round) and
+    report the faster adaptive format against the faster dense one (medians over the steps after ``warm``).
+    Losses: the channels-last pair, with a float-tolerance control (dense from rounding-perturbed weights)."""
     torch.manual_seed(0)
-    dense = build(name)
-    adaptive = copy.deepcopy(dense)
+    base = build(name)
     data = digits_batches(batch, steps + warm)
-    # dense baseline memory format: the faster of NCHW and channels-last
-    fmt_t = {}
-    for fmt in (torch.contiguous_format, CL):
-        m = copy.deepcopy(dense).to(memory_format=fmt)
-        o = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-        xs = [(x.contiguous(memory_format=fmt), y) for x, y in data[:3]]
-        fmt_t[str(fmt)] = median_time(lambda: train_step(m, o, *xs[0]), reps=3, warmup=1, min_seconds=0)
-    dense_fmt = min(fmt_t, key=fmt_t.get)
-    dfmt = CL if dense_fmt == str(CL) else torch.contiguous_format
-    dense = dense.to(memory_format=dfmt)
-    adaptive = adaptive.to(memory_format=dfmt)  # same format as the dense baseline
+    dense = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
+    adaptive = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
     # the float-tolerance control: dense training from weights moved by a relative 1e-7 (rounding-sized)
-    perturbed = copy.deepcopy(dense)
+    perturbed = copy.deepcopy(dense["channels_last"])
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in perturbed.parameters():
             p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=gen))
-    rt = sa.enable(adaptive, every=10)
-    od = torch.optim.SGD(dense.parameters(), lr=0.01, momentum=0.9)
-    oa = torch.optim.SGD(adaptive.parameters(), lr=0.01, momentum=0.9)
-    op = torch.optim.SGD(perturbed.parameters(), lr=0.01, momentum=0.9)
-    td, ta, ld, la, lp = [], [], [], [], []
+    rts = {f: sa.enable(m, every=10) for f, m in adaptive.items()}
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)  # noqa: E731
+    od, oa, op = {f: sgd(m) for f, m in dense.items()}, {f: sgd(m) for f, m in adaptive.items()}, sgd(perturbed)
+    td = {f: [] for f in FORMATS}
+    ta = {f: [] for f in FORMATS}
+    ld, la, lp = [], [], []
     for i, (x, y) in enumerate(data):
-        xf = x.contiguous(memory_format=dfmt)
-        t0 = time.perf_counter()
-        ld.append(train_step(dense, od, xf, y))
-        t1 = time.perf_counter()
-        la.append(train_step(adaptive, oa, xf, y))
-        t2 = time.perf_counter()
-        lp.append(train_step(perturbed, op, xf, y))
-        if i >= warm:
-            td.append(t1 - t0)
-            ta.append(t2 - t1)
-    row = {"model": name, "batch": batch, "steps": steps, "dense_format": dense_fmt,
-           "dense_step_ms": statistics.median(td) * 1e3, "adaptive_step_ms": statistics.median(ta) * 1e3,
-           "step_speedup_vs_dense": statistics.median(td) / statistics.median(ta),
+        for f, fmt in FORMATS.items():
+            xf = x.contiguous(memory_format=fmt)
+            t0 = time.perf_counter()
+            l_d = train_step(dense[f], od[f], xf, y)
+            t1 = time.perf_counter()
+            l_a = train_step(adaptive[f], oa[f], xf, y)
+            t2 = time.perf_counter()
+            if i >= warm:
+                td[f].append(t1 - t0)
+                ta[f].append(t2 - t1)
+            if f == "channels_last":
+                ld.append(l_d)
+                la.append(l_a)
+        lp.append(train_step(perturbed, op, x.contiguous(memory_format=CL), y))
+    md = {f: statistics.median(v) * 1e3 for f, v in td.items()}
+    ma = {f: statistics.median(v) * 1e3 for f, v in ta.items()}
+    dense_fmt, adaptive_fmt = min(md, key=md.get), min(ma, key=ma.get)
+    row = {"model": name, "batch": batch, "steps": steps, "dense_format": dense_fmt, "adaptive_format": adaptive_fmt,
+           "dense_step_ms": md[dense_fmt], "adaptive_step_ms": ma[adaptive_fmt],
+           # the faster adaptive format against the faster dense one, all four timed side by side
+           "step_speedup_vs_dense": md[dense_fmt] / ma[adaptive_fmt],
+           "step_ms": {f"{k}_{f}": v[f] for k, v in (("dense", md), ("adaptive", ma)) for f in FORMATS},
+           "step_speedup_same_format": {f: md[f] / ma[f] for f in FORMATS},
            "loss_dense": ld[-1], "loss_adaptive": la[-1],
            "loss_abs_diff": abs(ld[-1] - la[-1]), "loss_first": ld[0],
            # the same dense training from rounding-perturbed weights: how far float noise alone moves the loss
            "loss_dense_perturbed": lp[-1], "loss_float_band": abs(ld[-1] - lp[-1]),
            "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ld, la)),
            "loss_max_float_band": max(abs(a - b) for a, b in zip(ld, lp)),
-           "sparse_layers": sum(1 for r in rt.report() if r["path"] == "sparse"),
-           "adaptive_layers": len(rt.layers)}
+           "sparse_layers": sum(1 for r in rts[adaptive_fmt].report() if r["path"] == "sparse"),
+           "adaptive_layers": len(rts[adaptive_fmt].layers)}
     res["models"].append(row)
-    print(f"[model] {name}: dense {row['dense_step_ms']:.0f} ms ({dense_fmt}), adaptive "
-          f"{row['adaptive_step_ms']:.0f} ms, speedup {row['step_speedup_vs_dense']:.2f}x, loss "
-          f"{row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f} (dense from perturbed weights "
+    print(f"[model] {name}: dense {md[dense_fmt]:.0f} ms ({dense_fmt}), adaptive {ma[adaptive_fmt]:.0f} ms "
+          f"({adaptive_fmt}), speedup {row['step_speedup_vs_dense']:.2f}x (same format: "
+          + ", ".join(f"{f} {md[f]:.0f} -> {ma[f]:.0f} ms" for f in FORMATS)
+          + f"), loss {row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f} (dense from perturbed weights "
           f"{row['loss_dense_perturbed']:.4f})", flush=True)
-    print(rt.format(), flush=True)
-    return adaptive, rt, data[-1][0].contiguous(memory_format=dfmt), data[-1][1]
+    print(rts[adaptive_fmt].format(), flush=True)
+    return adaptive[adaptive_fmt], rts[adaptive_fmt], data[-1][0].contiguous(memory_format=FORMATS[adaptive_fmt]), \
+        data[-1][1]
 
 
 def layer_rows(name, model, rt, x, labels, reps, res):
@@ -311,13 +322,14 @@ def main(argv=None):
     res = {"config": {"quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine(), "batch": batch, "steps": steps,
                       "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels", "native": K.native_available(),
-                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads",
+                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads, the faster of NCHW and "
+                                        "channels-last (both timed side by side)",
                       "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
                       if U.union_native() and conv_union.kernels_setting() != "list" else "list"},
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
     default_calibration()
     for name in models:
-        model, rt, x, labels = run_model(name, batch, steps, warm, reps, res)
+        model, rt, x, labels = run_model(name, batch, steps, warm, res)
         acts = layer_rows(name, model, rt, x, labels, reps, res)
         if name == "vgg16":
             monitor_numbers(acts, 10, res)

@@ -104,11 +104,26 @@ def adaptive_section() -> str:
                      f"({m.get('mean_abs_error_pp', 0):.2f} pp mean).")
     if d.get("models"):
         cols = ["model", "step_speedup_vs_dense", "loss_dense", "loss_adaptive"]
+        rows = d["models"]
+        if any("step_ms" in r for r in rows):  # both memory formats timed side by side
+            rows = [dict(r, **{k: v for k, v in r.get("step_ms", {}).items()},
+                         **{f"same_format_{k}": v for k, v in r.get("step_speedup_same_format", {}).items()})
+                    for r in rows]
+            cols = ["model", "step_speedup_vs_dense", "dense_format", "adaptive_format", "dense_nchw",
+                    "dense_channels_last", "adaptive_nchw", "adaptive_channels_last", "same_format_nchw",
+                    "same_format_channels_last", "loss_dense", "loss_adaptive"]
         if any("loss_dense_perturbed" in r for r in d["models"]):
             cols += ["loss_dense_perturbed", "loss_max_abs_diff", "loss_max_float_band"]
-        parts.append(_md(d["models"], cols, {"step_speedup_vs_dense": ".2f", "loss_dense": ".4f",
-                                             "loss_adaptive": ".4f", "loss_dense_perturbed": ".4f",
-                                             "loss_max_abs_diff": ".4f", "loss_max_float_band": ".4f"}))
+        fmts = {"step_speedup_vs_dense": ".2f", "loss_dense": ".4f", "loss_adaptive": ".4f",
+                "loss_dense_perturbed": ".4f", "loss_max_abs_diff": ".4f", "loss_max_float_band": ".4f",
+                "dense_nchw": ".0f", "dense_channels_last": ".0f", "adaptive_nchw": ".0f",
+                "adaptive_channels_last": ".0f", "same_format_nchw": ".2f", "same_format_channels_last": ".2f"}
+        parts.append(_md(rows, cols, fmts))
+        if any("step_ms" in r for r in d["models"]):
+            parts.append("step_speedup_vs_dense: the faster adaptive format's median training step against the faster "
+                         "dense format's; dense_* / adaptive_*: median step ms in each format (all four trained side "
+                         "by side, one step of each in turn); same_format_*: dense / adaptive within one format. "
+                         "Losses: the channels-last pair.")
         parts.append("loss_dense_perturbed: the same dense training from weights moved by a relative 1e-7 "
                      "(rounding-sized); loss_max_abs_diff / loss_max_float_band: the largest per-step loss "
                      "difference of the adaptive run / of that control from dense. Losses can drift far beyond "
