@@ -129,6 +129,17 @@ def fwd_bwd(kind, mod, a, sparse: bool, gy=None):
     return run
 
 
+def dense_reference_ms() -> float:
+    """A fixed dense conv forward+backward ([32, 64, 32, 32], 64 -> 64, 3x3, channels-last), median ms: the
+    machine's speed at this point of the run. Shared machines drift for minutes at a time, and oneDNN's
+    dense GEMMs more than the sparse kernels (a slow phase inflates every dense/sparse ratio measured in it),
+    so the run records this at each stage (``config.dense_reference_ms``)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, 32, 32, generator=gen).relu().contiguous(memory_format=CL)
+    mod = nn.Conv2d(64, 64, 3, padding=1).to(memory_format=CL)
+    return median_time(fwd_bwd("conv2d", mod, x, False), reps=5, warmup=1, min_seconds=0) * 1e3
+
+
 def thresholded(a, sparsity):
     """``a`` with its smallest values zeroed to reach ``sparsity`` (keeps the real clustering)."""
     flat = a.reshape(-1)
@@ -328,8 +339,15 @@ def main(argv=None):
                       if U.union_native() and conv_union.kernels_setting() != "list" else "list"},
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
     default_calibration()
+    ref = res["config"]["dense_reference_ms"] = {}
+
+    def reference(stage):
+        ref[stage] = dense_reference_ms()
+        print(f"[reference] {stage}: dense conv fwd+bwd {ref[stage]:.1f} ms", flush=True)
+    reference("start")
     for name in models:
         model, rt, x, labels = run_model(name, batch, steps, warm, res)
+        reference(f"{name} layers")
         acts = layer_rows(name, model, rt, x, labels, reps, res)
         if name == "vgg16":
             monitor_numbers(acts, 10, res)
@@ -337,7 +355,9 @@ def main(argv=None):
             names = [n for n in ("2", "7", "12", "19") if n in acts]
             if quick:
                 names = [n for n in ("7", "19") if n in acts]
+            reference("sweep")
             sweep(acts, names, [0.5, 0.6, 0.75, 0.8, 0.9, 0.95] if not quick else [0.5, 0.75, 0.9, 0.95], reps, res)
+    reference("end")
     res["config"]["seconds"] = time.time() - t_start
     write_results(res, args.out)
 

@@ -97,6 +97,11 @@ def adaptive_section() -> str:
     if not d:
         return "_adaptive_training.json not found: run `python benchmarks/adaptive_training.py`._"
     parts = []
+    ref = d.get("config", {}).get("dense_reference_ms")
+    if ref:
+        parts.append("Machine speed during the run (a fixed dense conv forward+backward, [32, 64, 32, 32] 64->64 3x3, "
+                     "ms; a slow phase inflates the dense/sparse ratios measured in it): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in ref.items()) + ".")
     if d.get("monitor"):
         m = d["monitor"]
         parts.append(f"Monitor: {m.get('speedup_vs_full_count', 0):.1f}x cheaper than a full count, "
