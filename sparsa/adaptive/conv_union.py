@@ -89,12 +89,13 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
 # Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
 # x KH*KW x O FMAs, one dY row load each) ~ 0.04 + 1.45 d_x (+0.08 at C <= 64, +0.12 for the largest weights,
 # 4x4 images whose lists are short per block of output channels), the union kernel over relu(x)'s mask ~
-# 0.3 + d_x * r / 2 (r: relu(x)'s union_ratio, 1-4, 2 when unknown: its work is the 4-pixel unions), over dY's
-# (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below ~20-40% nonzeros.
+# 0.3 + 0.65 d_x r (r: relu(x)'s union_ratio, 1-4, 2 when unknown: its work is the 4-pixel unions; -0.1 for the
+# largest weights), over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below
+# ~25-40% nonzeros.
 def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> dict:
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
     lists = 0.04 + 1.45 * d_x + (0.08 if C <= 64 else 0.0) + (0.12 if C * O >= 512 * 256 else 0.0)
-    cost = {"lists": lists, "x": 0.3 + d_x * r / 2}
+    cost = {"lists": lists, "x": 0.3 + 0.65 * d_x * r - (0.1 if C * O >= 512 * 256 else 0.0)}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
     return cost
