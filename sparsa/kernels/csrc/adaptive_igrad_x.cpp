@@ -7,8 +7,8 @@
 // sparse. Groups of 4 input pixels (2x2 tiles on images of 16x16 and up, else in a row): the union of their
 // nonzero channels is walked 4 channels at a time, and for each (kernel offset, 16 output channels) step 4 dY
 // loads and 4 weight loads feed 16 FMAs into 4 x 4 accumulators (pixel x channel), reduced to 16 dot products
-// at the end in one shuffle tree. dY rows of the group's patches stay in L1; the weight rows of a channel (wc [C][KH*KW][O], the
-// list kernels' pack) are contiguous.
+// at the end in one shuffle tree. dY rows of the group's patches stay in L1; the weight rows of a channel
+// (wc [C][KH*KW][O], the list kernels' pack) are contiguous.
 // Any stride, padding and dilation (a per-position table of the output pixel each kernel offset meets).
 #include <algorithm>
 #include <cstdint>
