@@ -111,7 +111,7 @@ def adaptive_section() -> str:
         cols = ["model", "step_speedup_vs_dense", "loss_dense", "loss_adaptive"]
         rows = d["models"]
         if any("step_ms" in r for r in rows):  # both memory formats timed side by side
-            rows = [dict(r, **{k: v for k, v in r.get("step_ms", {}).items()},
+            rows = [dict(r, **r.get("step_ms", {}),
                          **{f"same_format_{k}": v for k, v in r.get("step_speedup_same_format", {}).items()})
                     for r in rows]
             cols = ["model", "step_speedup_vs_dense", "dense_format", "adaptive_format", "dense_nchw",

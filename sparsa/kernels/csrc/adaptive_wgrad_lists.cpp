@@ -152,6 +152,16 @@ void channel_block3(const float* dy, int64_t O, int64_t W, const int64_t* kO, co
 // pixel's row and column without divisions.
 inline int row_class(int64_t h, int64_t H) { return h == 0 ? 0 : (h == H - 1 ? 2 : 1); }
 
+// f(p, cls) for every pixel p of [q0, q1) (whole H x W images) with its position class
+template <typename F>
+inline void walk3(int64_t H, int64_t W, int64_t q0, int64_t q1, F&& f) {
+    for (int64_t q = q0; q < q1; q += H * W)
+        for (int64_t h = 0; h < H; ++h) {
+            const int rc = 3 * row_class(h, H);
+            for (int64_t w = 0; w < W; ++w) f(q + h * W + w, rc + row_class(w, W));
+        }
+}
+
 void count3(const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int64_t W, int64_t q0, int64_t q1,
             int32_t* cnt, int64_t nck, int64_t ck) {
     __m512i acc[9];
@@ -165,16 +175,10 @@ void count3(const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int
         acc[cls] = _mm512_setzero_si512();
         npx[cls] = 0;
     };
-    for (int64_t q = q0; q < q1; q += H * W)
-        for (int64_t h = 0; h < H; ++h) {
-            const int rc = 3 * row_class(h, H);
-            const uint64_t* m = bm + (q + h * W) * NW + j;
-            for (int64_t w = 0; w < W; ++w) {
-                const int cls = rc + row_class(w, W);
-                acc[cls] = _mm512_sub_epi8(acc[cls], _mm512_movm_epi8(_cvtu64_mask64(m[w * NW])));
-                if (++npx[cls] == 255) flush(cls);
-            }
-        }
+    walk3(H, W, q0, q1, [&](int64_t p, int cls) {
+        acc[cls] = _mm512_sub_epi8(acc[cls], _mm512_movm_epi8(_cvtu64_mask64(bm[p * NW + j])));
+        if (++npx[cls] == 255) flush(cls);
+    });
     for (int k = 0; k < 9; ++k)
         if (npx[k]) flush(k);
 }
@@ -185,19 +189,13 @@ void fill3(const float* xa, const uint64_t* bm, int64_t NW, int64_t j, int64_t C
     const int64_t cn = std::min<int64_t>(64, C - j * 64);
     for (int64_t t = 0; t < cn; ++t)
         for (int k = 0; k < 9; ++k) cur[t * 9 + k] = st[((j * 64 + t) * 9 + k) * nck + ck];
-    for (int64_t q = q0; q < q1; q += H * W)
-        for (int64_t h = 0; h < H; ++h) {
-            const int rc = 3 * row_class(h, H);
-            for (int64_t w = 0; w < W; ++w) {
-                const int64_t p = q + h * W + w;
-                const int cls = rc + row_class(w, W);
-                const float* xv = xa + p * C + j * 64;
-                for (uint64_t m = bm[p * NW + j]; m; m &= m - 1) {
-                    const int t = __builtin_ctzll(m);
-                    ent[cur[t * 9 + cls]++] = Entry{(int32_t)p, xv[t]};
-                }
-            }
+    walk3(H, W, q0, q1, [&](int64_t p, int cls) {
+        const float* xv = xa + p * C + j * 64;
+        for (uint64_t m = bm[p * NW + j]; m; m &= m - 1) {
+            const int t = __builtin_ctzll(m);
+            ent[cur[t * 9 + cls]++] = Entry{(int32_t)p, xv[t]};
         }
+    });
 }
 
 // dW[ob + o, c0 + c, kh, kw] (element strides ws) = stage[(c * kc + k) * Vw + o] for the kernel offsets
