@@ -6,7 +6,7 @@ the source hash, under an exclusive file lock on that directory, and a library i
 :mod:`ctypes` only once its build has finished (a ``.done`` marker written after the link), so
 processes starting together never load a half-written ``.so``. Python wrappers register them as ``torch.library`` custom ops.
 
-- ``SPARSA_NO_NATIVE=1`` forces the pure-PyTorch fallbacks.
+- ``SPARSA_NO_NATIVE=1`` (or ``SPARSA_ISA=portable``) forces the pure-PyTorch fallbacks.
 - ``SPARSA_CACHE_DIR`` overrides the cache (default ``~/.cache/sparsa/kernels``).
 - If the build fails (no compiler, no ninja) the fallback runs and a warning says so once.
 
@@ -43,8 +43,12 @@ LDFLAGS = ["-fopenmp"]
 
 
 def native_enabled() -> bool:
-    """False when ``SPARSA_NO_NATIVE`` is set to a true value."""
-    return os.environ.get("SPARSA_NO_NATIVE", "").lower() not in ("1", "true", "yes", "on")
+    """False when ``SPARSA_NO_NATIVE`` is set to a true value, or the kernel path is ``portable`` (a CPU
+    without AVX2/FMA, or ``SPARSA_ISA=portable``). An unknown ``SPARSA_ISA`` raises ValueError."""
+    if os.environ.get("SPARSA_NO_NATIVE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    from .. import cpu
+    return cpu.isa() != "portable"
 
 
 def cache_dir() -> Path:
