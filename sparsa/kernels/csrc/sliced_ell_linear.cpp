@@ -7,6 +7,11 @@
 // transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
 // processed together (2 x TB/8 accumulators) for instruction-level parallelism.
 // OpenMP over (token panel, row chunk).
+//
+// bfloat16 (sparsa_sliced_ell_linear_bf16): the same kernel with bf16 X, weight values and Y. X is widened
+// to fp32 while its panel is transposed into xt, each weight pair is one 32-bit broadcast split into two
+// fp32 broadcasts (shift / mask), products accumulate in fp32 exactly as in the fp32 kernel (same order),
+// and the output (+ bias, fp32 or bf16) is rounded to bf16 once (nearest even). AVX2 only: no AVX-512 here.
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -15,13 +20,37 @@
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
+#include "bf16.h"
 
 namespace {
 
 constexpr int TBMAX = 32;
 
-// xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB
-void transpose_panel(const float* __restrict x, int64_t K, int nt, int TB, float* __restrict xt) {
+// element access of X / weights as fp32 (float: as is; bf16 stored as uint16_t: widened)
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) { return sparsa_bf16_to_f32(v); }
+inline void store_y(float* p, float v) { *p = v; }
+inline void store_y(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
+// broadcasts of the weights w[0], w[1] (the two rows' values of one slot)
+inline void bcast2(const float* w, __m256& w0, __m256& w1) {
+    w0 = _mm256_broadcast_ss(w);
+    w1 = _mm256_broadcast_ss(w + 1);
+}
+inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
+    int32_t u;
+    std::memcpy(&u, w, 4);  // w[0] in the low half, w[1] in the high half (little endian)
+    const __m256i b = _mm256_set1_epi32(u);
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+#endif
+
+// xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB (widened to fp32)
+template <typename XT>
+void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* __restrict xt) {
     int64_t c = 0;
 #ifdef __AVX2__
     if (TB % 8 == 0) {
@@ -29,10 +58,10 @@ void transpose_panel(const float* __restrict x, int64_t K, int nt, int TB, float
             for (int i0 = 0; i0 < TB; i0 += 8) {
                 __m256 r[8];
                 if (i0 + 8 <= nt) {
-                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c);
+                    for (int i = 0; i < 8; ++i) r[i] = load8(x + (int64_t)(i0 + i) * K + c);
                 } else {
                     for (int i = 0; i < 8; ++i)
-                        r[i] = (i0 + i < nt) ? _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
+                        r[i] = (i0 + i < nt) ? load8(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
                 }
                 __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
                 __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -56,20 +85,21 @@ void transpose_panel(const float* __restrict x, int64_t K, int nt, int TB, float
     }
 #endif
     for (; c < K; ++c)
-        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
+        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? to_f32(x[(int64_t)i * K + c]) : 0.f;
 }
 
-// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt).
-template <int NV>
+// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt). WT / YT: float, or
+// uint16_t for bf16 weight values / output.
+template <int NV, typename WT, typename YT>
 void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
-                const float* __restrict vals, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
-                float* __restrict y) {
+                const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
+                YT* __restrict y) {
     constexpr int TB = 8 * NV;
     alignas(64) float out[2][TB];
     for (int64_t s = s0; s < s1; ++s) {
         const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
         const int32_t* c = cols + p0;
-        const float* w = vals + p0;
+        const WT* w = vals + p0;
 #ifdef __AVX2__
         __m256 a0[NV], a1[NV];
 #pragma GCC unroll 4
@@ -78,7 +108,8 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
         for (int64_t j = 0; j < L; ++j) {
             const float* x0 = xt + (int64_t)c[2 * j] * TB;
             const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
-            const __m256 w0 = _mm256_broadcast_ss(w + 2 * j), w1 = _mm256_broadcast_ss(w + 2 * j + 1);
+            __m256 w0, w1;
+            bcast2(w + 2 * j, w0, w1);
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v) {
                 a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + 8 * v), a0[v]);
@@ -96,8 +127,8 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
             const float* x0 = xt + (int64_t)c[2 * j] * TB;
             const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
             for (int i = 0; i < TB; ++i) {
-                out[0][i] += w[2 * j] * x0[i];
-                out[1][i] += w[2 * j + 1] * x1[i];
+                out[0][i] += to_f32(w[2 * j]) * x0[i];
+                out[1][i] += to_f32(w[2 * j + 1]) * x1[i];
             }
         }
 #endif
@@ -105,28 +136,23 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
         if (r + 1 < R) {
             const float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f;
             for (int i = 0; i < nt; ++i) {
-                y[i * R + r] = out[0][i] + b0;
-                y[i * R + r + 1] = out[1][i] + b1;
+                store_y(y + i * R + r, out[0][i] + b0);
+                store_y(y + i * R + r + 1, out[1][i] + b1);
             }
         } else {
             const float b0 = bias ? bias[r] : 0.f;
-            for (int i = 0; i < nt; ++i) y[i * R + r] = out[0][i] + b0;
+            for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i] + b0);
         }
     }
 }
 
-using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const float*, int64_t, int64_t, int64_t,
-                         const float*, float*);
+template <typename WT, typename YT>
+using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, int64_t, int64_t, int64_t,
+                         const float*, YT*);
 
-}  // namespace
-
-extern "C" {
-
-int sparsa_sliced_ell_version() { return 1; }
-
-// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R].
-int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols,
-                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads) {
+template <typename XT, typename WT, typename YT>
+void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
+         const float* bias, YT* y, int nthreads) {
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
     int64_t nrc = 1;  // row chunks per panel
@@ -134,7 +160,8 @@ int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int
     nrc = std::max<int64_t>(1, nrc);
     const int64_t per_chunk = (ns + nrc - 1) / nrc;
     const int64_t ntasks = npan * nrc;
-    static const PanelFn fns[5] = {nullptr, &panel_rows<1>, &panel_rows<2>, &panel_rows<3>, &panel_rows<4>};
+    static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
+                                           &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
 
     auto task = [&](int64_t id, std::vector<float>& xt) {
         const int64_t p = id / nrc, rc = id % nrc;
@@ -157,6 +184,34 @@ int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int
             for (int64_t id = 0; id < ntasks; ++id) task(id, xt);
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sparsa_sliced_ell_version() { return 2; }
+
+// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R].
+int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols,
+                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads) {
+    run(x, T, K, slice_ptr, cols, vals, R, bias, y, nthreads);
+    return 0;
+}
+
+// The same with bf16 (raw uint16 bits) x, vals and y; fp32 accumulation, y rounded to bf16 once (nearest
+// even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
+int sparsa_sliced_ell_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int64_t* slice_ptr,
+                                  const int32_t* cols, const uint16_t* vals, int64_t R, const void* bias,
+                                  int bias_bf16, uint16_t* y, int nthreads) {
+    std::vector<float> b32;
+    const float* b = static_cast<const float*>(bias);
+    if (bias && bias_bf16) {
+        b32.resize((size_t)R);
+        sparsa_bf16_to_f32_n(static_cast<const uint16_t*>(bias), b32.data(), R, 1);
+        b = b32.data();
+    }
+    run(x, T, K, slice_ptr, cols, vals, R, b, y, nthreads);
     return 0;
 }
 

@@ -1,0 +1,181 @@
+"""bfloat16 linear kernels of the SlicedELL and GroupedNM layouts: native (every ISA path this CPU has) and the
+pure-PyTorch fallback, against a float64 reference of the same bf16-rounded operands.
+
+Semantics under test: ``y = x @ W.T + bias`` with bf16 ``x`` and weight values, bias bf16 / fp32 / None, products
+accumulated in fp32 and the bf16 output rounded once (nearest even). One rounding of the exact result is off by
+at most half a bf16 ulp (<= 2**-8 relative); fp32 accumulation adds far less than the ``atol`` below.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import sparsa
+from sparsa import cpu
+from sparsa.kernels import grouped_nm as gk
+from sparsa.kernels import sliced_ell as se
+from sparsa.layouts import GroupedNM, SlicedELL
+
+BF = torch.bfloat16
+RTOL = 2.0 ** -8     # half a bf16 ulp, relative
+ATOL_REL = 1e-4      # of sum_k |x||w| + |b| per element: fp32 accumulation (far below) + denormal room
+
+# kernel paths: the CPU flags each needs (SPARSA_ISA forces it; "default" = the best this CPU has)
+_NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
+PATHS = ["avx2", "avx512", "default", "fallback"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    p = request.param
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    if p in _NEEDS:
+        flags = cpu.cpu_flags()
+        missing = [f for f in _NEEDS[p] if not flags[f]]
+        if missing:
+            pytest.skip(f"{p} path: this CPU lacks {', '.join(missing)} (hardware_isa={cpu.hardware_isa()})")
+        monkeypatch.setenv("SPARSA_ISA", p)
+    elif p == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    return p
+
+
+def _native_expected(p: str) -> bool:
+    return p != "fallback" and cpu.hardware_isa() != "portable"
+
+
+def _bias(kind, R, gen):
+    if kind is None:
+        return None
+    b = torch.randn(R, generator=gen)
+    return b.to(BF) if kind == "bf16" else b
+
+
+def _check(y, x, wd, bias):
+    """``y`` (bf16) against float64 ``x @ wd.T + bias`` of the very same operands."""
+    assert y.dtype == BF
+    x64, w64 = x.double().reshape(-1, x.shape[-1]), wd.double()
+    ref = x64 @ w64.T
+    scale = x64.abs() @ w64.abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        scale = scale + bias.double().abs()
+    y2 = y.reshape(ref.shape).double()
+    err = (y2 - ref).abs()
+    tol = RTOL * ref.abs() + ATOL_REL * scale + 1e-30
+    bad = err > tol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outside bf16 tolerance; worst err "
+                           f"{float((err / tol).max()):.3g} x tol, max |y - ref| {float(err.max()):.4g}")
+
+
+# ---------------------------------------------------------------------------------------------- SlicedELL
+def _se_weight(R, K, sparsity, gen):
+    w = torch.randn(R, K, generator=gen).to(BF).float()
+    e = SlicedELL.from_dense(w, sparsity=sparsity)
+    vb = e.values.to(BF)  # exact: the dense weight was bf16 already
+    return e, vb, SlicedELL(e.slice_ptr, e.columns, vb, e.row_nnz, e.shape).to_dense().float()
+
+
+SE_SHAPES = [(1, 1, 1), (1, 5, 13), (7, 31, 70), (32, 64, 96), (33, 9, 8), (70, 16, 129)]
+
+
+@pytest.mark.parametrize("T,R,K", SE_SHAPES)
+@pytest.mark.parametrize("bias_kind", [None, "f32", "bf16"])
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_sliced_ell_bf16_matches_float64(path, T, R, K, bias_kind, sparsity):
+    gen = torch.Generator().manual_seed(T * 1000 + R * 10 + K)
+    e, vb, wd = _se_weight(R, K, sparsity, gen)
+    x = torch.randn(T, K, generator=gen).to(BF)
+    b = _bias(bias_kind, R, gen)
+    y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, R)
+    assert y.shape == (T, R)
+    _check(y, x, wd, b)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(T=st.integers(1, 80), R=st.integers(1, 40), K=st.integers(1, 150), sparsity=st.sampled_from([0.0, 0.7, 0.95]),
+       bias_kind=st.sampled_from([None, "f32", "bf16"]), lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 99))
+def test_sliced_ell_bf16_property(path, T, R, K, sparsity, bias_kind, lead, seed):
+    gen = torch.Generator().manual_seed(seed)
+    e, vb, wd = _se_weight(R, K, sparsity, gen)
+    x = (torch.randn(*lead, T, K, generator=gen) * 3).to(BF)
+    b = _bias(bias_kind, R, gen)
+    y = se.sliced_ell_linear(x, e.slice_ptr, e.columns, vb, b, R)  # through the custom op
+    assert y.shape == (*lead, T, R)
+    _check(y, x, wd, b)
+
+
+def test_sliced_ell_bf16_noncontiguous_input(path):
+    gen = torch.Generator().manual_seed(3)
+    e, vb, wd = _se_weight(10, 24, 0.8, gen)
+    x = torch.randn(24, 9, generator=gen).to(BF).t()  # (9, 24), column-major
+    y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 10)
+    _check(y, x, wd, None)
+
+
+def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
+    """Where native kernels run, bf16 operands never reach the reference; and the native result is exactly the
+    fp32 kernel's result on the widened operands, rounded once (same accumulation order)."""
+    if cpu.hardware_isa() == "portable":
+        pytest.skip("no native kernels: this CPU lacks avx2/fma")
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    assert se.native_library() is not None, "native sliced_ell kernel failed to build"
+    gen = torch.Generator().manual_seed(7)
+    e, vb, wd = _se_weight(37, 85, 0.9, gen)
+    x = torch.randn(3, 45, 85, generator=gen).to(BF)
+    for b in (None, _bias("f32", 37, gen), _bias("bf16", 37, gen)):
+        assert se.native_kind(x, vb, b) == "bf16"
+        exp = se.sliced_ell_linear_impl(x.float(), e.slice_ptr, e.columns, vb.float(),
+                                        None if b is None else b.float(), 37).to(BF)
+        with monkeypatch.context() as m:
+            m.setattr(se, "sliced_ell_linear_reference", _no_reference)
+            y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 37)
+            y_op = torch.ops.sparsa.sliced_ell_linear(x, e.slice_ptr, e.columns, vb, b, 37)
+        assert torch.equal(y, exp) and torch.equal(y_op, exp)
+        _check(y, x, wd, b)
+    # mixed dtypes are not a native kind: they run the reference
+    assert se.native_kind(x, vb.float(), None) is None and se.native_kind(x.float(), vb, None) is None
+
+
+def _no_reference(*a, **k):
+    raise AssertionError("the reference ran although the native bf16 kernel should have")
+
+
+def test_sliced_ell_bf16_through_f_linear(path):
+    gen = torch.Generator().manual_seed(11)
+    wdense = torch.randn(21, 40, generator=gen).to(BF)
+    w = sparsa.to_sparse(wdense, "sliced_ell", sparsity=0.85)
+    x = torch.randn(2, 5, 40, generator=gen).to(BF)
+    b = torch.randn(21, generator=gen).to(BF)
+    y = torch.nn.functional.linear(x, w, b)
+    _check(y, x, w.to_dense().float(), b)
+
+
+def test_sliced_ell_bf16_nan_inf_propagate(path):
+    gen = torch.Generator().manual_seed(5)
+    R, K, T = 12, 40, 20
+    e, vb, wd = _se_weight(R, K, 0.8, gen)
+    x = torch.randn(T, K, generator=gen).to(BF)
+    kept = wd != 0
+    c = int(kept.sum(0).argmax())  # a column some rows keep
+    users = kept[:, c]
+    x[3, c] = float("nan")
+    x[9, c] = float("inf")
+    vb2 = vb.clone()
+    r_nan = int((~users).nonzero()[0]) if (~users).any() else None
+    if r_nan is not None:  # a NaN weight in a row that does not use column c
+        rows, _, offsets = e._entries()
+        vb2[offsets[rows == r_nan][0]] = float("nan")
+    y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb2, None, R).float()
+    assert torch.isnan(y[3, users]).all()
+    assert not torch.isfinite(y[9, users]).any()
+    if r_nan is not None:
+        assert torch.isnan(y[:, r_nan]).all()
+    clean = [t for t in range(T) if t not in (3, 9)]
+    ok_rows = torch.ones(R, dtype=torch.bool)
+    if r_nan is not None:
+        ok_rows[r_nan] = False
+    assert torch.isfinite(y[clean][:, ok_rows]).all()
