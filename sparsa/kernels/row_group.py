@@ -1,8 +1,10 @@
 """``sparsa::row_group_linear``: Y = X W^T + b with W in the RowGroup layout.
 
-A ``torch.library`` custom op (with a fake implementation, so it traces under ``torch.compile``)
-around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp`` (with AVX-512 tiles
-chosen at run time when the CPU has them; ``SPARSA_NO_AVX512=1`` keeps the AVX2 ones); when the
+A ``torch.library`` custom op with a fake implementation (so it traces under ``torch.compile``) and
+an autograd formula, around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp``
+(AVX-512 tiles chosen at run time when the CPU has them; ``SPARSA_ISA=avx2`` keeps the AVX2 ones).
+float32 and bfloat16 operands (bf16 weights widened in registers, fp32 accumulation, the output
+rounded once); ``activation="gelu"`` applies GELU in the kernel's epilogue, after the bias. When the
 kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs :func:`row_group_linear_reference`
 (gather + batched matmul).
 
@@ -27,7 +29,13 @@ from torch import Tensor
 
 from . import loader
 
-__all__ = ["row_group_linear", "row_group_linear_impl", "row_group_linear_reference", "native_library"]
+__all__ = ["row_group_linear", "row_group_linear_impl", "row_group_linear_reference", "native_library",
+           "native_kind", "ACTIVATIONS"]
+
+#: epilogue activations the kernel fuses (after the bias)
+ACTIVATIONS = ("none", "gelu")
+_ACT_CODE = {"none": 0, "gelu": 1}
+_REDUCED = (torch.bfloat16, torch.float16)
 
 _SOURCES = ["row_group_linear.cpp"]
 
@@ -36,18 +44,35 @@ def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
     lib = loader.load("row_group_linear", _SOURCES)
     if lib is not None and not getattr(lib, "_sparsa_typed", False):
-        f = lib.sparsa_row_group_linear_f32
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int]
-        f.restype = ctypes.c_int
+        for f in (lib.sparsa_row_group_linear_f32, lib.sparsa_row_group_linear_bf16):
+            f.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, ctypes.c_int]
+            f.restype = ctypes.c_int
         lib._sparsa_typed = True
     return lib
 
 
+def _check_activation(activation: str) -> int:
+    if activation not in _ACT_CODE:
+        raise ValueError(f"row_group_linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    return _ACT_CODE[activation]
+
+
+def _activate(y: Tensor, activation: str) -> Tensor:
+    return torch.nn.functional.gelu(y) if activation == "gelu" else y
+
+
 def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                               out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
-    """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` (slot ``s`` of the
-    groups is output ``row_perm[s]``; None: consecutive rows)."""
+                               out_features: int, row_perm: Optional[Tensor] = None,
+                               activation: str = "none") -> Tensor:
+    """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` in ``x``'s dtype (slot
+    ``s`` of the groups is output ``row_perm[s]``; None: consecutive rows). For bfloat16/float16 ``x`` it
+    computes in float32 and rounds the result once, as the kernel does."""
+    _check_activation(activation)
+    if x.dtype in _REDUCED:
+        y = row_group_linear_reference(x.float(), columns, values.float(), None if bias is None else bias.float(),
+                                       out_features, row_perm, activation)
+        return y.to(x.dtype)
     ng, k, G = values.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -57,61 +82,127 @@ def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias:
         y = y.new_empty(y.shape).index_copy_(1, row_perm.long(), y)
     y = y[:, :out_features]
     if bias is not None:
-        y = y + bias
-    return y.reshape(*lead, out_features)
+        y = y + bias.to(y.dtype)
+    return _activate(y, activation).reshape(*lead, out_features)
 
 
-def _native_forward(lib: ctypes.CDLL, x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                    out_features: int, row_perm: Optional[Tensor]) -> Tensor:
+def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    """Which native kernel these operands can run: ``"f32"``, ``"bf16"``, or None (the reference runs).
+    Says nothing about whether the library is built (see :func:`native_library`)."""
+    if x.device.type != "cpu" or values.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        return None
+    if bias is not None and bias.dtype not in (torch.float32, x.dtype):
+        return None
+    if x.dtype == values.dtype == torch.float32:
+        return "f32"
+    if x.dtype == values.dtype == torch.bfloat16:
+        return "bf16"
+    return None
+
+
+def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, columns: Tensor, values: Tensor,
+                    bias: Optional[Tensor], out_features: int, row_perm: Optional[Tensor], act: int) -> Tensor:
     ng, k, G = values.shape
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     T = x2.shape[0]
-    y = torch.empty(T, out_features, dtype=torch.float32)
+    y = torch.empty(T, out_features, dtype=x.dtype)
     if T == 0 or out_features == 0:
         return y.reshape(*x.shape[:-1], out_features)
     cols = columns.contiguous()
     vals = values.contiguous()
     b = None
     if bias is not None:
-        b = bias.contiguous()
+        b = bias.to(torch.float32).contiguous()   # the kernels add a float bias before rounding
         if b.numel() != ng * G:
             b = torch.cat([b, b.new_zeros(ng * G - b.numel())])
     perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
-    rc = lib.sparsa_row_group_linear_f32(
-        x2.data_ptr(), T, K, cols.data_ptr(), vals.data_ptr(), ng, k, G,
-        None if b is None else b.data_ptr(), y.data_ptr(), out_features,
-        None if perm is None else perm.data_ptr(), torch.get_num_threads())
+    fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
+    rc = fn(x2.data_ptr(), T, K, cols.data_ptr(), vals.data_ptr(), ng, k, G,
+            None if b is None else b.data_ptr(), y.data_ptr(), out_features,
+            None if perm is None else perm.data_ptr(), torch.get_num_threads(), act)
     if rc != 0:
-        raise ValueError(f"row_group_linear: unsupported group size {G}")
+        raise ValueError(f"row_group_linear: unsupported group size {G}; use one of 4, 8, 16, 32")
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def _use_native(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[ctypes.CDLL]:
-    if x.device.type != "cpu" or x.dtype != torch.float32 or values.dtype != torch.float32:
-        return None
-    if bias is not None and bias.dtype != torch.float32:
-        return None
-    return native_library()
-
-
 def row_group_linear_impl(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                          out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
-    """Eager implementation (what the custom op runs): native kernel for float32 CPU tensors when
-    available, else the reference."""
-    lib = _use_native(x, values, bias)
+                          out_features: int, row_perm: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """Eager implementation (what the custom op runs): the native kernel for float32 or bfloat16 CPU
+    operands when it is available, else the reference."""
+    act = _check_activation(activation)
+    kind = native_kind(x, values, bias)
+    lib = None if kind is None else native_library()
     if lib is None:
-        return row_group_linear_reference(x, columns, values, bias, out_features, row_perm).contiguous()
-    return _native_forward(lib, x, columns, values, bias, out_features, row_perm)
+        return row_group_linear_reference(x, columns, values, bias, out_features, row_perm, activation).contiguous()
+    return _native_forward(lib, kind, x, columns, values, bias, out_features, row_perm, act)
 
 
 @torch.library.custom_op("sparsa::row_group_linear", mutates_args=())
 def row_group_linear(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                     out_features: int, row_perm: Optional[Tensor] = None) -> Tensor:
-    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by RowGroup ``columns``/``values``/``row_perm``."""
-    return row_group_linear_impl(x, columns, values, bias, out_features, row_perm)
+                     out_features: int, row_perm: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+    """``y[..., R] = act(x[..., K] @ W.T + bias)`` for W given by RowGroup ``columns``/``values``/``row_perm``."""
+    return row_group_linear_impl(x, columns, values, bias, out_features, row_perm, activation)
 
 
 @row_group_linear.register_fake
-def _(x, columns, values, bias, out_features, row_perm=None):
+def _(x, columns, values, bias, out_features, row_perm=None, activation="none"):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _slot_grads(g2: Tensor, n_groups: int, group: int, row_perm: Optional[Tensor]) -> Tensor:
+    """``grad_y`` columns in slot order ``(T, n_groups, group)`` (zero for padding slots)."""
+    pad = n_groups * group - g2.shape[1]
+    gp = g2 if pad == 0 else torch.nn.functional.pad(g2, (0, pad))
+    if row_perm is not None:
+        gp = gp[:, row_perm.long()]
+    return gp.reshape(g2.shape[0], n_groups, group)
+
+
+def row_group_grad_input(g2: Tensor, columns: Tensor, values: Tensor, in_features: int,
+                         row_perm: Optional[Tensor]) -> Tensor:
+    """``grad_y @ W`` as ``(T, in_features)``: one batched matmul per group, scattered to the kept columns."""
+    ng, k, G = values.shape
+    T = g2.shape[0]
+    z = torch.bmm(_slot_grads(g2, ng, G, row_perm).transpose(0, 1), values.to(g2.dtype).transpose(1, 2))
+    out = g2.new_zeros(T, in_features)
+    out.index_add_(1, columns.reshape(-1).long(), z.transpose(0, 1).reshape(T, ng * k))
+    return out
+
+
+def row_group_grad_values(g2: Tensor, x2: Tensor, columns: Tensor, values: Tensor,
+                          row_perm: Optional[Tensor]) -> Tensor:
+    """``grad_y.T @ x`` on the kept pattern, in the values' shape ``(n_groups, k, group)``."""
+    ng, k, G = values.shape
+    T = x2.shape[0]
+    xg = x2[:, columns.reshape(-1).long()].view(T, ng, k).permute(1, 2, 0)    # (ng, k, T)
+    return torch.bmm(xg, _slot_grads(g2, ng, G, row_perm).transpose(0, 1))   # (ng, k, G)
+
+
+def _setup_context(ctx, inputs, output):
+    x, columns, values, bias, out_features, row_perm, activation = inputs
+    ctx.save_for_backward(x, columns, values, bias, row_perm)
+    ctx.out_features, ctx.activation = out_features, activation
+
+
+def _backward(ctx, gy):
+    x, columns, values, bias, row_perm = ctx.saved_tensors
+    K = x.shape[-1]
+    g2 = gy.reshape(-1, ctx.out_features)
+    if ctx.activation == "gelu":  # the pre-activation is recomputed rather than kept from the forward
+        pre = row_group_linear(x.detach(), columns, values, None if bias is None else bias.detach(),
+                               ctx.out_features, row_perm, "none").reshape(-1, ctx.out_features)
+        with torch.enable_grad():
+            p = pre.float().requires_grad_()
+            g2 = torch.autograd.grad(torch.nn.functional.gelu(p), p, g2.float())[0].to(gy.dtype)
+    gx = gv = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = row_group_grad_input(g2, columns, values, K, row_perm).reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[2]:
+        gv = row_group_grad_values(g2, x.reshape(-1, K).to(g2.dtype), columns, values, row_perm).to(values.dtype)
+    if bias is not None and ctx.needs_input_grad[3]:
+        gb = g2.sum(0).to(bias.dtype)
+    return gx, None, gv, gb, None, None, None
+
+
+row_group_linear.register_autograd(_backward, setup_context=_setup_context)

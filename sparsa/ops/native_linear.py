@@ -85,38 +85,23 @@ class RowGroupLinear:
         return gx, gw, gb
 
 
-def _slot_grads(g2: Tensor, w: RowGroup) -> Tensor:
-    """``grad_y`` columns in slot order ``(T, n_groups, group)`` (zero for padding slots)."""
-    ng, G = w.n_groups, w.group
-    pad = ng * G - g2.shape[1]
-    gp = g2 if pad == 0 else torch.nn.functional.pad(g2, (0, pad))
-    return gp[:, w.row_perm.long()].view(g2.shape[0], ng, G)
-
-
 def _rg_grad_input(g2: Tensor, w: RowGroup, sparse: bool) -> Tensor:
     """``grad_y @ W`` (T, K)."""
     if not sparse:
         return g2 @ w.to_dense().to(g2.dtype)
-    ng, k, G = w.values.shape
-    T = g2.shape[0]
-    z = torch.bmm(_slot_grads(g2, w).transpose(0, 1), w.values.to(g2.dtype).transpose(1, 2))  # (ng, T, k)
-    out = g2.new_zeros(T, w.shape[1])
-    out.index_add_(1, w.columns.reshape(-1).long(), z.transpose(0, 1).reshape(T, ng * k))
-    return out
+    return _rg.row_group_grad_input(g2, w.columns, w.values, w.shape[1], w.row_perm)
 
 
 def _rg_grad_weight(g2: Tensor, x2: Tensor, w: RowGroup, sparse: bool) -> Tensor:
     """``grad_y.T @ x`` on the kept pattern, as a dense (R, K) tensor zero elsewhere."""
     ng, k, G = w.values.shape
-    T, K = x2.shape
-    cols = w.columns.long()
-    gs = _slot_grads(g2, w)                                                # (T, ng, G)
     if sparse:
-        xg = x2[:, cols.reshape(-1)].view(T, ng, k).permute(1, 2, 0)       # (ng, k, T)
-        gv = torch.bmm(xg, gs.transpose(0, 1))                             # (ng, k, G)
+        gv = _rg.row_group_grad_values(g2, x2, w.columns, w.values, w.row_perm)
     else:
-        full = gs.reshape(T, ng * G).t() @ x2                              # (ng*G, K)
-        gv = full.view(ng, G, K).gather(2, cols[:, None, :].expand(ng, G, k)).transpose(1, 2)
+        gs = g2 if ng * G == g2.shape[1] else torch.nn.functional.pad(g2, (0, ng * G - g2.shape[1]))
+        full = gs[:, w.row_perm.long()].t() @ x2                             # (ng*G, K), slot order
+        cols = w.columns.long()
+        gv = full.view(ng, G, -1).gather(2, cols[:, None, :].expand(ng, G, k)).transpose(1, 2)
     return RowGroup(w.columns, gv.contiguous(), w.shape, w.row_perm, validate=False).to_dense()
 
 

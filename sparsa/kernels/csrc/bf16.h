@@ -47,6 +47,25 @@ static inline __m128i sparsa_cvt8_f32_bf16(__m256 v) {
 }
 #endif
 
+// dst[i] = float(src[i]) for n values, on the calling thread
+static inline void sparsa_bf16_row_to_f32(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, sparsa_load8_bf16(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = sparsa_bf16_to_f32(src[i]);
+}
+
+// dst[i] = bf16(src[i]) for n values, on the calling thread
+static inline void sparsa_f32_row_to_bf16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), sparsa_cvt8_f32_bf16(_mm256_loadu_ps(src + i)));
+#endif
+    for (; i < n; ++i) dst[i] = sparsa_f32_to_bf16(src[i]);
+}
+
 // dst[i] = float(src[i]) for n values, on up to nthreads threads
 static inline void sparsa_bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n, int nthreads) {
     const int64_t chunk = 1 << 14;

@@ -27,12 +27,15 @@
 #include <cstdlib>
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #include "cpu_isa.h"
 #endif
+#include "bf16.h"
+#include "gelu.h"
 
 namespace {
 
@@ -42,6 +45,7 @@ struct V8 {
     static constexpr int W = 8;
     static inline T zero() { return _mm256_setzero_ps(); }
     static inline T load(const float* p) { return _mm256_loadu_ps(p); }
+    static inline T load(const uint16_t* p) { return sparsa_load8_bf16(p); }
     static inline T bcast(const float* p) { return _mm256_broadcast_ss(p); }
     static inline T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
     static inline T add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -52,6 +56,10 @@ struct V4 {
     static constexpr int W = 4;
     static inline T zero() { return _mm_setzero_ps(); }
     static inline T load(const float* p) { return _mm_loadu_ps(p); }
+    static inline T load(const uint16_t* p) {
+        const __m128i h = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+        return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    }
     static inline T bcast(const float* p) { return _mm_broadcast_ss(p); }
     static inline T fma(T a, T b, T c) { return _mm_fmadd_ps(a, b, c); }
     static inline T add(T a, T b) { return _mm_add_ps(a, b); }
@@ -64,6 +72,7 @@ struct VS {  // portable scalar "vector" of WW lanes
     static constexpr int W = WW;
     static inline T zero() { T r; for (int i = 0; i < WW; ++i) r.v[i] = 0.f; return r; }
     static inline T load(const float* p) { T r; for (int i = 0; i < WW; ++i) r.v[i] = p[i]; return r; }
+    static inline T load(const uint16_t* p) { T r; for (int i = 0; i < WW; ++i) r.v[i] = sparsa_bf16_to_f32(p[i]); return r; }
     static inline T bcast(const float* p) { T r; for (int i = 0; i < WW; ++i) r.v[i] = *p; return r; }
     static inline T fma(T a, T b, T c) { for (int i = 0; i < WW; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
     static inline T add(T a, T b) { for (int i = 0; i < WW; ++i) a.v[i] += b.v[i]; return a; }
@@ -76,11 +85,12 @@ using V4 = VS<4>;
 // number of independent partial sums so that at least 8 accumulators are in flight
 constexpr int splits(int nt, int nv) { return nt * nv >= 8 ? 1 : (8 + nt * nv - 1) / (nt * nv); }
 
-// One tile: NT token rows (x, stride ldx) times one group of G = V::W * NV outputs.
-template <class V, int NV, int NT>
+// One tile: NT token rows (x, stride ldx) times one group of G = V::W * NV outputs. Weights are float or
+// bf16 (WT = uint16_t, widened in registers); act applies GELU to the finished outputs.
+template <class V, int NV, int NT, class WT>
 inline void tile(const float* __restrict x, int64_t ldx, const int32_t* __restrict cols,
-                 const float* __restrict vals, int64_t k, const float* __restrict bias,
-                 float* __restrict y, int64_t ldy, int nout, bool accumulate) {
+                 const WT* __restrict vals, int64_t k, const float* __restrict bias,
+                 float* __restrict y, int64_t ldy, int nout, bool accumulate, bool act) {
     constexpr int G = V::W * NV;
     constexpr int S = splits(NT, NV);
     typename V::T acc[S][NT][NV];
@@ -104,7 +114,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const int32_t* __restri
 #pragma GCC unroll 8
         for (int s = 0; s < S; ++s) {
             const int64_t c = cols[j + s];
-            const float* w = vals + (j + s) * G;
+            const WT* w = vals + (j + s) * G;
             typename V::T wv[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v) wv[v] = V::load(w + v * V::W);
@@ -118,7 +128,7 @@ inline void tile(const float* __restrict x, int64_t ldx, const int32_t* __restri
     }
     for (; j < k; ++j) {
         const int64_t c = cols[j];
-        const float* w = vals + j * G;
+        const WT* w = vals + j * G;
 #pragma GCC unroll 12
         for (int t = 0; t < NT; ++t) {
             typename V::T xb = V::bcast(xr[t] + c);
@@ -167,21 +177,26 @@ inline void tile(const float* __restrict x, int64_t ldx, const int32_t* __restri
             std::memcpy(y + t * ldy, tmp, sizeof(float) * nout);
         }
     }
+    if (act) {  // the outputs were just stored: still in L1
+#pragma GCC unroll 1
+        for (int t = 0; t < NT; ++t) sparsa_gelu_inplace(y + t * ldy, nout);
+    }
 }
 
-using TileFn = void (*)(const float*, int64_t, const int32_t*, const float*, int64_t, const float*, float*,
-                        int64_t, int, bool);
+template <class WT>
+using TileFnT = void (*)(const float*, int64_t, const int32_t*, const WT*, int64_t, const float*, float*,
+                         int64_t, int, bool, bool);
 
-template <class V, int NV, int NT>
+template <class V, int NV, int NT, class WT>
 struct TileTable {
-    static void fill(TileFn* tab) {
-        tab[NT] = &tile<V, NV, NT>;
-        TileTable<V, NV, NT - 1>::fill(tab);
+    static void fill(TileFnT<WT>* tab) {
+        tab[NT] = &tile<V, NV, NT, WT>;
+        TileTable<V, NV, NT - 1, WT>::fill(tab);
     }
 };
-template <class V, int NV>
-struct TileTable<V, NV, 0> {
-    static void fill(TileFn*) {}
+template <class V, int NV, class WT>
+struct TileTable<V, NV, 0, WT> {
+    static void fill(TileFnT<WT>*) {}
 };
 
 #if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -190,10 +205,16 @@ struct TileTable<V, NV, 0> {
 // NT tokens x NV zmm of outputs; the X broadcasts fold into the FMAs ({1to16} memory operands).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
-template <int NV, int NT>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int NV, int NT, class WT>
 void tile512(const float* __restrict x, int64_t ldx, const int32_t* __restrict cols,
-             const float* __restrict vals, int64_t k, const float* __restrict bias,
-             float* __restrict y, int64_t ldy, int nout, bool accumulate) {
+             const WT* __restrict vals, int64_t k, const float* __restrict bias,
+             float* __restrict y, int64_t ldy, int nout, bool accumulate, bool act) {
     constexpr int G = 16 * NV;
     constexpr int S = splits(NT, NV);
     __m512 acc[S][NT][NV];
@@ -216,10 +237,10 @@ void tile512(const float* __restrict x, int64_t ldx, const int32_t* __restrict c
 #pragma GCC unroll 8
         for (int s = 0; s < S; ++s) {
             const int64_t c = cols[j + s];
-            const float* w = vals + (j + s) * G;
+            const WT* w = vals + (j + s) * G;
             __m512 wv[NV];
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; ++v) wv[v] = _mm512_loadu_ps(w + v * 16);
+            for (int v = 0; v < NV; ++v) wv[v] = load16(w + v * 16);
 #pragma GCC unroll 16
             for (int t = 0; t < NT; ++t) {
                 const __m512 xb = _mm512_set1_ps(xr[t][c]);  // folds into the FMA as a {1to16} operand
@@ -230,12 +251,12 @@ void tile512(const float* __restrict x, int64_t ldx, const int32_t* __restrict c
     }
     for (; j < k; ++j) {
         const int64_t c = cols[j];
-        const float* w = vals + j * G;
+        const WT* w = vals + j * G;
 #pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) {
             const __m512 xb = _mm512_set1_ps(xr[t][c]);
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; ++v) acc[0][t][v] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w + v * 16), acc[0][t][v]);
+            for (int v = 0; v < NV; ++v) acc[0][t][v] = _mm512_fmadd_ps(xb, load16(w + v * 16), acc[0][t][v]);
         }
     }
 #pragma GCC unroll 8
@@ -269,29 +290,33 @@ void tile512(const float* __restrict x, int64_t ldx, const int32_t* __restrict c
     for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(y + t * ldy + v * 16, m[v], acc[0][t][v]);
+    if (act) {
+#pragma GCC unroll 1
+        for (int t = 0; t < NT; ++t) sparsa_gelu_inplace(y + t * ldy, nout);
+    }
 }
 #pragma GCC pop_options
 
-template <int NV, int NT>
+template <int NV, int NT, class WT>
 struct TileTable512 {
-    static void fill(TileFn* tab) {
-        tab[NT] = &tile512<NV, NT>;
-        TileTable512<NV, NT - 1>::fill(tab);
+    static void fill(TileFnT<WT>* tab) {
+        tab[NT] = &tile512<NV, NT, WT>;
+        TileTable512<NV, NT - 1, WT>::fill(tab);
     }
 };
-template <int NV>
-struct TileTable512<NV, 0> {
-    static void fill(TileFn*) {}
+template <int NV, class WT>
+struct TileTable512<NV, 0, WT> {
+    static void fill(TileFnT<WT>*) {}
 };
 #endif
 
 // Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
 // of y: the token panels are taken in blocks whose y rows (about 512 KiB) stay in L2 while every
 // weight chunk passes over them (the chunk itself is reused across the block's panels).
-template <int G, int NTMAX>
-void run_permuted(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
+template <int G, int NTMAX, class WT>
+void run_permuted(const TileFnT<WT>* tab, const float* x, int64_t T, int64_t K, const int32_t* cols, const WT* vals,
                   int64_t ng, int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads,
-                  int64_t gchunk, int64_t nkb, const std::vector<int64_t>& starts) {
+                  int64_t gchunk, int64_t nkb, const std::vector<int64_t>& starts, bool act) {
     std::vector<float> slot_bias;  // the bias in slot order (padding slots get 0)
     if (bias) {
         slot_bias.resize((size_t)(ng * G));
@@ -319,13 +344,14 @@ void run_permuted(const TileFn* tab, const float* x, int64_t T, int64_t K, const
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t t0 = p * NTMAX;
                 const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
-                TileFn fn = tab[nt];
+                TileFnT<WT> fn = tab[nt];
                 const float* xp = x + t0 * K;
                 for (int64_t b = 0; b < nkb; ++b) {
                     for (int64_t g = g0; g < g1; ++g) {
                         const int64_t s0 = starts[g * (nkb + 1) + b], s1 = starts[g * (nkb + 1) + b + 1];
                         fn(xp, K, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
-                           (bias && b == 0) ? bias + g * G : nullptr, scratch.data() + (g - g0) * G, width, G, b > 0);
+                           (bias && b == 0) ? bias + g * G : nullptr, scratch.data() + (g - g0) * G, width, G, b > 0,
+                           act && b == nkb - 1);
                     }
                 }
                 for (int t = 0; t < nt; ++t) {  // store each slot to its output row
@@ -347,9 +373,13 @@ void run_permuted(const TileFn* tab, const float* x, int64_t T, int64_t K, const
     }
 }
 
-template <int G, int NTMAX>
-void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals, int64_t ng,
-         int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
+// XT: float, or bf16 (uint16_t: every panel is widened into the L1 buffer). y holds float results; with
+// ybf each task also rounds its finished block of y to bf16 there (while it is still in L2).
+template <int G, int NTMAX, class XT, class WT>
+void run(const TileFnT<WT>* tab, const XT* x, int64_t T, int64_t K, const int32_t* cols, const WT* vals, int64_t ng,
+         int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads, bool act,
+         uint16_t* ybf) {
+    constexpr bool kWideX = std::is_same<XT, float>::value;
     // column blocks: the NTMAX rows of X touched by one block stay in L1 (about 24 KiB)
     const int64_t KB = std::max<int64_t>(64, (24 * 1024) / (NTMAX * (int64_t)sizeof(float)));
     const int64_t nkb = K > (3 * KB) / 2 ? (K + KB - 1) / KB : 1;
@@ -377,8 +407,11 @@ void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t*
         int64_t pchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, k * G * (int64_t)sizeof(float)));
         if (nthreads > 1 && npan < 2 * nthreads) pchunk = std::min<int64_t>(pchunk, std::max<int64_t>(1, ng / (4 * nthreads)));
         pchunk = std::max<int64_t>(1, std::min<int64_t>(pchunk, ng));
-        run_permuted<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads, pchunk, nkb, starts);
-        return;
+        if constexpr (kWideX) {
+            run_permuted<G, NTMAX, WT>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads, pchunk, nkb,
+                                       starts, act);
+        }
+        return;  // the bf16 entry point widens X itself before a permuted run
     }
     const int64_t bw = nkb == 1 ? K : KB;                 // widest column block
     const int64_t ldb = ((bw + 15) / 16) * 16 + 16;        // packed row stride: rows start in different L1 sets
@@ -386,19 +419,23 @@ void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t*
         const int64_t ch = id / nblocks, bl = id % nblocks;
         const int64_t g0 = ch * gchunk, g1 = std::min(ng, g0 + gchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
-        std::unique_ptr<float[]> xbuf;  // uninitialised; only panels of several tokens are packed
-        if (T >= (NTMAX + 1) / 2) xbuf.reset(new float[(size_t)(NTMAX * ldb)]);
+        std::unique_ptr<float[]> xbuf;  // uninitialised; only panels of several tokens are packed (bf16: all)
+        if (!kWideX || T >= (NTMAX + 1) / 2) xbuf.reset(new float[(size_t)(NTMAX * ldb)]);
         for (int64_t b = 0; b < nkb; ++b) {
             const int64_t kb0 = nkb == 1 ? 0 : b * KB, kb1 = nkb == 1 ? K : std::min(K, kb0 + KB);
             for (int64_t p = p0; p < p1; ++p) {
                 const int64_t t0 = p * NTMAX;
                 const int nt = (int)std::min<int64_t>(NTMAX, T - t0);
-                TileFn fn = tab[nt];
-                const float* xp = x + t0 * K;
+                TileFnT<WT> fn = tab[nt];
+                const float* xp = reinterpret_cast<const float*>(x + t0 * K);  // used only when XT is float
                 int64_t ldx = K;
-                if (xbuf && 2 * nt >= NTMAX) {
-                    for (int t = 0; t < nt; ++t)
-                        std::memcpy(xbuf.get() + t * ldb, x + (t0 + t) * K + kb0, sizeof(float) * (kb1 - kb0));
+                if (xbuf && (!kWideX || 2 * nt >= NTMAX)) {
+                    for (int t = 0; t < nt; ++t) {
+                        if constexpr (kWideX)
+                            std::memcpy(xbuf.get() + t * ldb, x + (t0 + t) * K + kb0, sizeof(float) * (kb1 - kb0));
+                        else
+                            sparsa_bf16_row_to_f32(x + (t0 + t) * K + kb0, xbuf.get() + t * ldb, kb1 - kb0);
+                    }
                     // the tiles index X by absolute column: shift the buffer's origin back by kb0 columns
                     xp = reinterpret_cast<const float*>(reinterpret_cast<uintptr_t>(xbuf.get()) -
                                                         (uintptr_t)kb0 * sizeof(float));
@@ -420,9 +457,14 @@ void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t*
                     const int nout = (int)std::min<int64_t>(G, R - g * G);
                     const int64_t s0 = starts[g * (nkb + 1) + b], s1 = starts[g * (nkb + 1) + b + 1];
                     fn(xp, ldx, cols + g * k + s0, vals + (g * k + s0) * G, s1 - s0,
-                       (bias && b == 0) ? bias + g * G : nullptr, yp + g * G, R, nout, b > 0);
+                       (bias && b == 0) ? bias + g * G : nullptr, yp + g * G, R, nout, b > 0, act && b == nkb - 1);
                 }
             }
+        }
+        if (ybf) {  // this task's block of outputs is final
+            const int64_t r0 = p0 * NTMAX, r1 = std::min(T, p1 * NTMAX);
+            const int64_t c0 = g0 * G, c1 = std::min(R, g1 * G);
+            for (int64_t r = r0; r < r1 && c1 > c0; ++r) sparsa_f32_row_to_bf16(y + r * R + c0, ybf + r * R + c0, c1 - c0);
         }
     };
     if (nthreads <= 1 || ntasks == 1) {
@@ -433,12 +475,37 @@ void run(const TileFn* tab, const float* x, int64_t T, int64_t K, const int32_t*
     }
 }
 
-template <int G, int NTMAX>
-int dispatch(void (*fill)(TileFn*), const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
-             int64_t ng, int64_t k, const float* bias, float* y, int64_t R, const int32_t* perm, int nthreads) {
-    TileFn tab[NTMAX + 1];
+// Thread-local scratch that keeps its capacity between calls (no page faults on every call).
+float* scratch_f32(int which, size_t n) {
+    thread_local std::unique_ptr<float[]> buf[2];
+    thread_local size_t cap[2] = {0, 0};
+    if (cap[which] < n) {
+        buf[which].reset(new float[n]);
+        cap[which] = n;
+    }
+    return buf[which].get();
+}
+
+template <int G, int NTMAX, class WT>
+int dispatch(void (*fill)(TileFnT<WT>*), const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols,
+             const WT* vals, int64_t ng, int64_t k, const float* bias, void* y, bool y_bf16, int64_t R,
+             const int32_t* perm, int nthreads, bool act) {
+    TileFnT<WT> tab[NTMAX + 1];
     fill(tab);
-    run<G, NTMAX>(tab, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
+    float* yf = y_bf16 ? scratch_f32(0, (size_t)(T * R)) : static_cast<float*>(y);
+    uint16_t* yb = y_bf16 ? static_cast<uint16_t*>(y) : nullptr;
+    if (!x_bf16) {
+        run<G, NTMAX, float, WT>(tab, static_cast<const float*>(x), T, K, cols, vals, ng, k, bias, yf, R, perm,
+                                 nthreads, act, perm ? nullptr : yb);
+    } else if (!perm) {
+        run<G, NTMAX, uint16_t, WT>(tab, static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, bias, yf, R,
+                                    perm, nthreads, act, yb);
+    } else {  // permuted rows read X in place: widen it once
+        float* xf = scratch_f32(1, (size_t)(T * K));
+        sparsa_bf16_to_f32_n(static_cast<const uint16_t*>(x), xf, T * K, nthreads);
+        run<G, NTMAX, float, WT>(tab, xf, T, K, cols, vals, ng, k, bias, yf, R, perm, nthreads, act, nullptr);
+    }
+    if (yb && perm) sparsa_f32_to_bf16_n(yf, yb, T * R, nthreads);
     return 0;
 }
 
@@ -456,11 +523,40 @@ bool is_identity(const int32_t* perm, int64_t n) {
     return true;
 }
 
+template <class WT>
+int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols, const WT* vals, int64_t ng,
+           int64_t k, int64_t G, const float* bias, void* y, bool y_bf16, int64_t R, const int32_t* perm,
+           int nthreads, bool act) {
+    if (perm && is_identity(perm, ng * G)) perm = nullptr;
+#ifdef SPARSA_HAVE_AVX512_PATH
+    if (use_avx512()) {
+        switch (G) {
+            case 16: return dispatch<16, 8, WT>(TileTable512<1, 8, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias,
+                                                y, y_bf16, R, perm, nthreads, act);
+            case 32: return dispatch<32, 8, WT>(TileTable512<2, 8, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias,
+                                                y, y_bf16, R, perm, nthreads, act);
+            default: break;
+        }
+    }
+#endif
+    switch (G) {
+        case 4: return dispatch<4, 12, WT>(TileTable<V4, 1, 12, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias, y,
+                                           y_bf16, R, perm, nthreads, act);
+        case 8: return dispatch<8, 12, WT>(TileTable<V8, 1, 12, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias, y,
+                                           y_bf16, R, perm, nthreads, act);
+        case 16: return dispatch<16, 6, WT>(TileTable<V8, 2, 6, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias, y,
+                                            y_bf16, R, perm, nthreads, act);
+        case 32: return dispatch<32, 3, WT>(TileTable<V8, 4, 3, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias, y,
+                                            y_bf16, R, perm, nthreads, act);
+        default: return -1;
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
-int sparsa_row_group_version() { return 3; }
+int sparsa_row_group_version() { return 4; }
 
 // 1 when the AVX-512 tiles run on this CPU
 int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
@@ -474,28 +570,20 @@ int sparsa_row_group_has_avx2() {
 }
 
 // x: [T, K] contiguous; cols: [ng, k]; vals: [ng, k, G]; bias: [ng * G] (indexed by output row) or null;
-// perm: [ng * G] slot -> output row, or null for consecutive rows; y: [T, R] contiguous.
-// Returns 0 on success, -1 for an unsupported group size.
+// perm: [ng * G] slot -> output row, or null for consecutive rows; y: [T, R] contiguous; act: 0 none,
+// 1 GELU (erf form) after the bias. Returns 0 on success, -1 for an unsupported group size.
 int sparsa_row_group_linear_f32(const float* x, int64_t T, int64_t K, const int32_t* cols, const float* vals,
                                 int64_t ng, int64_t k, int64_t G, const float* bias, float* y, int64_t R,
-                                const int32_t* perm, int nthreads) {
-    if (perm && is_identity(perm, ng * G)) perm = nullptr;
-#ifdef SPARSA_HAVE_AVX512_PATH
-    if (use_avx512()) {
-        switch (G) {
-            case 16: return dispatch<16, 8>(TileTable512<1, 8>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-            case 32: return dispatch<32, 8>(TileTable512<2, 8>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-            default: break;
-        }
-    }
-#endif
-    switch (G) {
-        case 4: return dispatch<4, 12>(TileTable<V4, 1, 12>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-        case 8: return dispatch<8, 12>(TileTable<V8, 1, 12>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-        case 16: return dispatch<16, 6>(TileTable<V8, 2, 6>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-        case 32: return dispatch<32, 3>(TileTable<V8, 4, 3>::fill, x, T, K, cols, vals, ng, k, bias, y, R, perm, nthreads);
-        default: return -1;
-    }
+                                const int32_t* perm, int nthreads, int act) {
+    return linear<float>(x, false, T, K, cols, vals, ng, k, G, bias, y, false, R, perm, nthreads, act == 1);
+}
+
+// The same with x, vals and y in bf16 (uint16_t bit patterns) and a float bias; products accumulate in
+// float and each output is rounded to bf16 once.
+int sparsa_row_group_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals,
+                                 int64_t ng, int64_t k, int64_t G, const float* bias, uint16_t* y, int64_t R,
+                                 const int32_t* perm, int nthreads, int act) {
+    return linear<uint16_t>(x, true, T, K, cols, vals, ng, k, G, bias, y, true, R, perm, nthreads, act == 1);
 }
 
 }  // extern "C"

@@ -1,0 +1,201 @@
+"""``sparsa::row_group_linear`` as a first-class op: float32 and bfloat16 operands, the fused GELU
+epilogue, every ISA path this CPU has plus the PyTorch fallback, autograd and ``opcheck``."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sparsa import cpu
+from sparsa.kernels import row_group as rg
+from sparsa.layouts import RowGroup
+
+PATHS = ["amx", "avx512", "avx2", "fallback"]
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    """Run the test on one kernel path; a path this CPU lacks is skipped, naming the missing flag."""
+    p = request.param
+    monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    if p == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+        assert rg.native_library() is None
+        return p
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    have = cpu.hardware_isa()
+    if cpu.ISA_LEVELS.index(have) < cpu.ISA_LEVELS.index(p):
+        missing = {"amx": "amx_bf16", "avx512": "avx512f/bw/vl/dq", "avx2": "avx2/fma"}[p]
+        pytest.skip(f"this CPU has no {missing} (best kernel path here: {have})")
+    monkeypatch.setenv("SPARSA_ISA", p)
+    assert cpu.isa() == p
+    assert rg.native_library() is not None, "native row_group kernel failed to build"
+    return p
+
+
+def _reference(x, lay, bias, activation):
+    """float64 product of the operands exactly as given (already rounded to their dtype)."""
+    y = F.linear(x.double(), lay.to_dense().double(), None if bias is None else bias.double())
+    return F.gelu(y) if activation == "gelu" else y
+
+
+def _check(y, ref, dtype):
+    assert y.dtype == dtype
+    scale = ref.abs().max().clamp_min(1e-6)
+    # fp32: accumulation-order rounding; bf16: one rounding of the output (2^-8 relative) dominates
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    err = ((y.double() - ref).abs() / scale).max().item()
+    assert err <= tol, f"max error {err:.2e} relative to the output scale (tolerance {tol:.0e})"
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(group=st.sampled_from([4, 8, 16, 32]), out_features=st.integers(1, 70), in_features=st.integers(1, 2600),
+       tokens=st.sampled_from([0, 1, 2, 5, 7, 13, 33]), sparsity=st.sampled_from([0.5, 0.75, 0.9]),
+       permute=st.booleans(), bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_matches_float64_reference(path, dtype, activation, group, out_features, in_features, tokens, sparsity,
+                                   permute, bias, threads, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=gen)
+    lay = RowGroup.from_dense(w, group=group, sparsity=sparsity, permute=permute)
+    lay = RowGroup(lay.columns, lay.values.to(dtype), lay.shape, lay.row_perm, validate=False)
+    x = torch.randn(tokens, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = rg.row_group_linear(x, lay.columns, lay.values, b, out_features, lay.row_perm, activation)
+    finally:
+        torch.set_num_threads(old)
+    assert y.shape == (tokens, out_features)
+    if tokens:
+        _check(y, _reference(x, lay, b, activation), dtype)
+
+
+@pytest.mark.parametrize("path", ["avx2"], indirect=True)
+def test_native_path_is_taken(path, monkeypatch):
+    # a native run must never quietly become the reference
+    def boom(*a, **k):
+        raise AssertionError("reference ran although the native kernel is available")
+    monkeypatch.setattr(rg, "row_group_linear_reference", boom)
+    lay = RowGroup.from_dense(torch.randn(32, 40), group=16, sparsity=0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        rg.row_group_linear_impl(torch.randn(3, 40).to(dtype), lay.columns, lay.values.to(dtype), None, 32,
+                                 lay.row_perm, "gelu")
+
+
+def test_bf16_output_is_rounded_once():
+    # native and reference both round the float32 result to bf16 once: bit-identical up to accumulation order
+    gen = torch.Generator().manual_seed(3)
+    lay = RowGroup.from_dense(torch.randn(48, 64, generator=gen), group=16, sparsity=0.5)
+    v = lay.values.bfloat16()
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    want = F.linear(x.float(), RowGroup(lay.columns, v, lay.shape, lay.row_perm, validate=False).to_dense().float())
+    got = rg.row_group_linear_impl(x, lay.columns, v, None, 48, lay.row_perm)
+    assert (got.float() - want).abs().max() <= want.abs().max() * 2 ** -8
+
+
+@pytest.mark.parametrize("path", ["avx2", "fallback"], indirect=True)
+def test_bf16_rounds_ties_to_even(path):
+    # exact float32 sums 256 + odd are bf16 ties (8 significant bits): round to the even neighbour,
+    # in the vector stores (first 16 outputs) and the scalar tail (3 more)
+    R, G = 19, 16
+    columns = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
+    odd = torch.arange(R, dtype=torch.float32) * 2 + 1                 # 1, 3, 5, ... (exact in bf16)
+    values = torch.zeros(2, 2, G)
+    values[:, 0, :] = 1.0
+    second = torch.zeros(2 * G)
+    second[:R] = odd
+    values[:, 1, :] = second.view(2, G)
+    lay = RowGroup(columns, values.bfloat16(), (R, 2), torch.arange(2 * G, dtype=torch.int32), validate=False)
+    x = torch.tensor([[256.0, 1.0]]).bfloat16()
+    y = rg.row_group_linear_impl(x, lay.columns, lay.values, None, R, lay.row_perm)
+    exact = 256 + odd                                                   # 257, 259, ...: all ties
+    want = torch.where((exact.to(torch.int64) // 2) % 2 == 0, exact - 1, exact + 1)
+    assert torch.equal(y.float()[0], want), (y.float()[0], want)
+
+
+@pytest.mark.parametrize("path", ["avx2"], indirect=True)
+def test_nan_and_inf_propagate(path):
+    lay = RowGroup.from_dense(torch.ones(16, 8), group=16, sparsity=0.5)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.ones(2, 8, dtype=dtype)
+        x[0, lay.columns[0, 0]] = float("nan")
+        x[1, lay.columns[0, 0]] = float("inf")
+        y = rg.row_group_linear_impl(x, lay.columns, lay.values.to(dtype), None, 16, lay.row_perm, "gelu")
+        assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all()
+
+
+def test_unknown_activation_is_a_clear_error():
+    lay = RowGroup.from_dense(torch.randn(16, 8), group=16, sparsity=0.5)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        rg.row_group_linear_impl(torch.randn(2, 8), lay.columns, lay.values, None, 16, lay.row_perm, "relu6")
+
+
+def test_unknown_isa_is_a_one_line_error(monkeypatch):
+    monkeypatch.setenv("SPARSA_ISA", "sse9")
+    lay = RowGroup.from_dense(torch.randn(16, 8), group=16, sparsity=0.5)
+    with pytest.raises(ValueError, match=r"SPARSA_ISA='sse9' is not a kernel path; use one of") as e:
+        rg.row_group_linear_impl(torch.randn(2, 8), lay.columns, lay.values, None, 16, lay.row_perm)
+    assert "\n" not in str(e.value)
+
+
+def test_isa_never_exceeds_the_cpu(monkeypatch):
+    monkeypatch.setenv("SPARSA_ISA", "amx")
+    assert cpu.isa() == cpu.hardware_isa()
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert cpu.isa() in ("portable", "avx2")
+    monkeypatch.setenv("SPARSA_ISA", "portable")
+    from sparsa.kernels import loader
+    assert not loader.native_enabled()
+
+
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("permute", [False, True])
+def test_gradcheck(activation, bias, permute):
+    # float64 runs the reference forward; the autograd formula is the op's own
+    gen = torch.Generator().manual_seed(5)
+    lay = RowGroup.from_dense(torch.randn(20, 12, generator=gen), group=8, sparsity=0.5, permute=permute)
+    vals = lay.values.double().requires_grad_()
+    x = torch.randn(3, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(20, dtype=torch.float64, generator=gen, requires_grad=True) if bias else None
+    fn = lambda x, v, b: rg.row_group_linear(x, lay.columns, v, b, 20, lay.row_perm, activation)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, vals, b))
+
+
+@pytest.mark.parametrize("path", ["avx2", "fallback"], indirect=True)
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_native_gradients_match_dense_autograd(path, activation):
+    gen = torch.Generator().manual_seed(11)
+    lay = RowGroup.from_dense(torch.randn(40, 50, generator=gen), group=8, sparsity=0.75, permute=True)
+    x = torch.randn(2, 7, 50, generator=gen, requires_grad=True)
+    v = lay.values.clone().requires_grad_()
+    b = torch.randn(40, generator=gen, requires_grad=True)
+    y = rg.row_group_linear(x, lay.columns, v, b, 40, lay.row_perm, activation)
+    gy = torch.randn_like(y)
+    gx, gv, gb = torch.autograd.grad(y, (x, v, b), gy)
+    xr, br = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    wd = RowGroup(lay.columns, v.detach(), lay.shape, lay.row_perm, validate=False).to_dense().requires_grad_()
+    yr = F.linear(xr, wd, br)
+    yr = F.gelu(yr) if activation == "gelu" else yr
+    gxr, gwr, gbr = torch.autograd.grad(yr, (xr, wd, br), gy)
+    torch.testing.assert_close(gx, gxr, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gb, gbr, rtol=1e-4, atol=1e-4)
+    gw = RowGroup(lay.columns, gv, lay.shape, lay.row_perm, validate=False).to_dense()
+    torch.testing.assert_close(gw, gwr * lay.mask(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_opcheck(dtype, activation):
+    gen = torch.Generator().manual_seed(2)
+    lay = RowGroup.from_dense(torch.randn(24, 20, generator=gen), group=8, sparsity=0.5, permute=True)
+    x = torch.randn(5, 20, generator=gen).to(dtype).requires_grad_()
+    v = lay.values.to(dtype).requires_grad_()
+    b = torch.randn(24, generator=gen).to(dtype).requires_grad_()
+    torch.library.opcheck(torch.ops.sparsa.row_group_linear.default,
+                          (x, lay.columns, v, b, 24, lay.row_perm, activation))
+    torch.library.opcheck(torch.ops.sparsa.row_group_linear.default,
+                          (x.detach(), lay.columns, v.detach(), None, 24, None, activation))
