@@ -1,15 +1,30 @@
 """PNG plots from the benchmark JSON files (speed-up vs sparsity, quality vs sparsity).
 
-    python benchmarks/plots.py      # writes benchmarks/results/*.png for every JSON present
+    python benchmarks/plots.py          # benchmarks/results/<this cpu class>/*.png for every JSON there
+    python benchmarks/plots.py --all    # every CPU class directory under benchmarks/results/
+
+``$SPARSA_RESULTS_DIR`` (or ``--dir``) names the one directory to read and write instead.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Sequence
 
-RESULTS = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results"))
+BASE = Path(__file__).resolve().parent / "results"
+
+
+def default_dir() -> Path:
+    """``$SPARSA_RESULTS_DIR`` if set, else ``benchmarks/results/<this CPU's class>``."""
+    env = os.environ.get("SPARSA_RESULTS_DIR")
+    if env:
+        return Path(env)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sparsa.cpu import cpu_class
+    return BASE / cpu_class()
 
 
 def _plt():
@@ -19,31 +34,44 @@ def _plt():
     return plt
 
 
-def linear_plot() -> Path:
-    rows: List[Dict[str, Any]] = json.loads((RESULTS / "linear_kernels.json").read_text())["rows"]
+def linear_plot(results: Path) -> Path:
+    """Speed-up per layout vs sparsity, one panel per shape: against the best dense path where the JSON
+    has it (solid fp32, dashed bf16), else against dense fp32."""
+    rows: List[Dict[str, Any]] = [r for r in json.loads((results / "linear_kernels.json").read_text())["rows"]
+                                  if r.get("layout") != "dense"]
     plt = _plt()
+    toks, threads = {r["tokens"] for r in rows}, {r["threads"] for r in rows}
+    T = 1024 if 1024 in toks else max(toks)
+    nt = 1 if 1 in threads else min(threads)
+    best = any("ratio_vs_best_dense" in r for r in rows)
+    key = "ratio_vs_best_dense" if best else "ratio_vs_dense"
     shapes = sorted({(r["out_features"], r["in_features"]) for r in rows})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, (o, i) in zip(axes, shapes):
-        sel = [r for r in rows if (r["out_features"], r["in_features"]) == (o, i) and r["tokens"] == 1024
-               and r["threads"] == 1]
-        for lay in sorted({r["layout"] for r in sel}):
-            pts = sorted((r["sparsity"], r["ratio_vs_dense"]) for r in sel if r["layout"] == lay)
-            ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=lay)
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        sel = [r for r in rows if (r["out_features"], r["in_features"]) == (o, i) and r["tokens"] == T
+               and r["threads"] == nt]
+        colors: Dict[str, Any] = {}
+        for lay, dt in sorted({(r["layout"], r.get("dtype", "float32")) for r in sel}):
+            pts = sorted((r["sparsity"], r.get(key, r["ratio_vs_dense"])) for r in sel
+                         if (r["layout"], r.get("dtype", "float32")) == (lay, dt))
+            line, = ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", color=colors.get(lay),
+                            ls="-" if dt == "float32" else "--", label=lay if dt == "float32" else f"{lay} bf16")
+            colors.setdefault(lay, line.get_color())
+        ax.axhline(1.0, color="gray", lw=0.8, ls=":")
         ax.set_yscale("log")
-        ax.set_title(f"W {o}x{i}, 1024 tokens, 1 thread")
+        ax.set_title(f"W {o}x{i}, {T} tokens, {nt} thread{'s' if nt > 1 else ''}")
         ax.set_xlabel("sparsity (%)")
-    axes[0].set_ylabel("speed-up vs dense F.linear (log)")
-    axes[-1].legend(fontsize=7)
+    axes[0].set_ylabel("speed-up vs the best dense path (log)" if best else "speed-up vs dense F.linear (log)")
+    axes[-1].legend(fontsize=6)
     fig.tight_layout()
-    out = RESULTS / "linear_kernels.png"
+    out = results / "linear_kernels.png"
     fig.savefig(out, dpi=110)
     return out
 
 
-def quality_plot() -> Path:
-    d = json.loads((RESULTS / "quality.json").read_text())
+def quality_plot(results: Path) -> Path:
+    d = json.loads((results / "quality.json").read_text())
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
     rows = d["minilm"]
@@ -60,13 +88,13 @@ def quality_plot() -> Path:
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out = RESULTS / "quality.png"
+    out = results / "quality.png"
     fig.savefig(out, dpi=110)
     return out
 
 
-def adaptive_plot() -> Path:
-    d = json.loads((RESULTS / "adaptive_training.json").read_text())
+def adaptive_plot(results: Path) -> Path:
+    d = json.loads((results / "adaptive_training.json").read_text())
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for shape in sorted({r["shape"] for r in d["sweep"]}):
@@ -79,15 +107,23 @@ def adaptive_plot() -> Path:
     ax.set_title("Activation-sparse conv (CPU, 2 threads)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    out = RESULTS / "adaptive_training.png"
+    out = results / "adaptive_training.png"
     fig.savefig(out, dpi=110)
     return out
 
 
-def main() -> None:
-    for name, fn in (("linear_kernels", linear_plot), ("quality", quality_plot), ("adaptive_training", adaptive_plot)):
-        if (RESULTS / f"{name}.json").is_file():
-            print("wrote", fn())
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=None,
+                    help="the results directory to plot (default: $SPARSA_RESULTS_DIR, else this CPU class's)")
+    ap.add_argument("--all", action="store_true", help="every CPU class directory under benchmarks/results/")
+    args = ap.parse_args(argv)
+    dirs = sorted(d for d in BASE.iterdir() if d.is_dir()) if args.all else [args.dir or default_dir()]
+    for results in dirs:
+        for name, fn in (("linear_kernels", linear_plot), ("quality", quality_plot),
+                         ("adaptive_training", adaptive_plot)):
+            if (results / f"{name}.json").is_file():
+                print("wrote", fn(results))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""Render the benchmark JSON files under benchmarks/results/ into markdown tables.
+"""Render the benchmark JSON files under benchmarks/results/<cpu class>/ into markdown tables.
 
-Writes docs/benchmarks.md and refreshes the summary between the ``<!-- bench:start -->`` /
-``<!-- bench:end -->`` markers of README.md, so the tables always come from the scripts' output.
+Results are kept per CPU class (``sparsa.cpu.cpu_class()``, e.g. ``amd-avx2``; ``legacy-avx512`` holds
+the results measured before the CPU was recorded). Each class gets its own section in
+docs/benchmarks.md, headed with the CPU's model, class and ISA flags (from the ``cpu`` object the
+scripts write into every JSON, or the class directory's ``cpu.json``). The summary between the
+``<!-- bench:start -->`` / ``<!-- bench:end -->`` markers of README.md is refreshed too, each table
+saying which CPU class it comes from, so the tables always come from the scripts' output.
 
     python benchmarks/tables.py
 """
@@ -9,25 +13,84 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+#: flags named in every CPU heading, present or not (the ones that decide the dense and sparse paths)
+KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+#: (JSON name, section title, command) in the order the sections appear
+BENCHES = (("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks/linear_kernels.py"),
+           ("bert_inference", "BERT-base end to end", "python benchmarks/bert_inference.py"),
+           ("adaptive_training", "Adaptive activation-sparse training", "python benchmarks/adaptive_training.py"),
+           ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
+           ("quality", "Pruning quality", "python benchmarks/quality.py"),
+           ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"))
 
 
-def _load(name: str) -> Optional[Dict[str, Any]]:
-    p = RESULTS / f"{name}.json"
+def _load(d: Path, name: str) -> Optional[Dict[str, Any]]:
+    p = d / f"{name}.json"
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def _md(rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str]] = None) -> str:
+def class_dirs(root: Path = RESULTS) -> List[Path]:
+    """The CPU-class directories under ``root`` that hold results: measured classes by name, legacy ones last."""
+    if not root.is_dir():
+        return []
+    dirs = [d for d in root.iterdir() if d.is_dir() and any(d.glob("*.json"))]
+    return sorted(dirs, key=lambda d: (d.name.startswith("legacy"), d.name))
+
+
+def cpu_of(d: Path) -> Dict[str, Any]:
+    """The CPU a class directory's results were measured on: the first ``cpu`` object in its JSON
+    files, else its ``cpu.json``, else just the class name."""
+    for p in sorted(d.glob("*.json")):
+        if p.name == "cpu.json":
+            continue
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("cpu"), dict):
+            return data["cpu"]
+    p = d / "cpu.json"
+    return json.loads(p.read_text()) if p.is_file() else {"class": d.name}
+
+
+def cpu_heading(cls: str, cpu: Dict[str, Any]) -> str:
+    """One line naming the CPU class, model, cores, ISA flags and library versions."""
+    flags = cpu.get("flags") or {}
+    have = [f for f, v in flags.items() if v]
+    lacks = [f for f in KEY_FLAGS if flags.get(f) is False]
+    unknown = [f for f in KEY_FLAGS if f not in flags]
+    parts = [f"CPU class `{cls}`: {cpu.get('model', 'model not recorded')}"]
+    if cpu.get("cores"):
+        parts[0] += f", {cpu['cores']} cores"
+    parts.append("flags: " + (", ".join(have) or "none recorded")
+                 + (f"; lacks {', '.join(lacks)}" if lacks else "")
+                 + (f"; not recorded: {', '.join(unknown)}" if unknown else ""))
+    versions = [f"{k} {cpu[k]}" for k in ("torch", "onednn", "mkl") if cpu.get(k)]
+    if versions:
+        parts.append(", ".join(versions))
+    if cpu.get("isa"):
+        parts.append(f"sparsa kernel path {cpu['isa']}")
+    if cpu.get("note"):
+        parts.append(cpu["note"])
+    return "; ".join(parts) + "."
+
+
+def _md(rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str]] = None,
+        drop_empty: bool = True) -> str:
+    """A markdown table; columns no row has are left out (old and new results differ in columns)."""
     fmt = fmt or {}
+    if drop_empty:
+        cols = [c for c in cols if any(r.get(c) not in (None, "") for r in rows)]
 
     def cell(r: Dict[str, Any], c: str) -> str:
         v = r.get(c, "")
         if v is None or v == "":
             return "-"
-        if c in fmt and isinstance(v, (int, float)):
+        if c in fmt and isinstance(v, (int, float)) and not isinstance(v, bool):
             return format(v, fmt[c])
         return str(v)
 
@@ -36,45 +99,108 @@ def _md(rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str
     return "\n".join(out)
 
 
-def linear_section(summary: bool) -> str:
-    d = _load("linear_kernels")
-    if not d:
-        return "_linear_kernels.json not found: run `python benchmarks/linear_kernels.py`._"
+def _ratio(r: Dict[str, Any], name: str = "ratio") -> float:
+    """The ratio a row is ranked by: against the best dense path when recorded, else against dense fp32."""
+    v = r.get(f"{name}_vs_best_dense")
+    return float(v if v is not None else r[f"{name}_vs_dense"])
+
+
+def _pick(rows: List[Dict[str, Any]], key: str, want: Any, choose) -> Any:
+    have = {r[key] for r in rows if key in r}
+    return want if want in have or not have else choose(have)
+
+
+def linear_view(rows: List[Dict[str, Any]]) -> Tuple[int, int]:
+    """(tokens, threads) of the summary table: 1024 tokens / 1 thread when measured, else the most
+    tokens / fewest threads that were."""
+    return _pick(rows, "tokens", 1024, max), _pick(rows, "threads", 1, min)
+
+
+def best_per_point(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The fastest sparse row per (out_features, in_features, sparsity), ranked by ratio_vs_best_dense
+    (ratio_vs_dense for results that predate it); dense baseline rows are left out."""
+    best: Dict[tuple, Dict[str, Any]] = {}
+    for r in rows:
+        if r.get("layout") == "dense":
+            continue
+        k = (r["out_features"], r["in_features"], r["sparsity"])
+        if k not in best or _ratio(r) > _ratio(best[k]):
+            best[k] = r
+    return sorted(best.values(), key=lambda r: (r["out_features"], r["in_features"], r["sparsity"]))
+
+
+LIN_FMT = {"ratio_vs_dense": ".2f", "ratio_vs_best_dense": ".2f", "max_abs_err": ".1e", "max_rel_err": ".1e",
+           "sparsity": ".3g", "ms": ".3f"}
+
+
+def linear_section(d: Dict[str, Any], summary: bool) -> str:
     rows = d["rows"] if isinstance(d, dict) else d
-    sel = [r for r in rows if r.get("tokens") == 1024 and r.get("threads") == 1]
+    T, nt = linear_view(rows)
+    sel = [r for r in rows if r.get("tokens") == T and r.get("threads") == nt]
+    dense = [r for r in sel if r.get("layout") == "dense"]
     if summary:
-        best: Dict[tuple, Dict[str, Any]] = {}
-        for r in sel:
-            k = (r["out_features"], r["in_features"], r["sparsity"])
-            if k not in best or r["ratio_vs_dense"] > best[k]["ratio_vs_dense"]:
-                best[k] = r
-        sel = sorted(best.values(), key=lambda r: (r["out_features"], r["in_features"], r["sparsity"]))
-        return _md(sel, ["out_features", "in_features", "sparsity", "layout", "ratio_vs_dense"],
-                   {"ratio_vs_dense": ".2f", "sparsity": ".3g"})
-    sel = sorted(rows, key=lambda r: (r["layout"], r["out_features"], r["in_features"], r["tokens"], r["threads"],
-                                      r["sparsity"]))
-    return _md(sel, ["layout", "out_features", "in_features", "tokens", "threads", "sparsity", "ratio_vs_dense",
-                     "max_abs_err"], {"ratio_vs_dense": ".2f", "max_abs_err": ".1e", "sparsity": ".3g"})
+        best_cols = any("ratio_vs_best_dense" in r for r in sel)
+        head = (f"Best layout per shape and sparsity, {T} tokens, {nt} thread{'s' if nt > 1 else ''} "
+                "(ratio = dense time / sparse time; ratio_vs_dense: against dense fp32 `F.linear`"
+                + (", ratio_vs_best_dense: against the fastest of dense fp32, bf16 and torch.compile, best_dense "
+                   "says which" if best_cols else "") + "):\n\n")
+        s = head + _md(best_per_point(sel), ["out_features", "in_features", "sparsity", "layout", "dtype",
+                                             "ratio_vs_dense", "ratio_vs_best_dense", "best_dense"], LIN_FMT)
+        if dense:
+            s += "\n\nDense baselines (ms): " + "; ".join(
+                f"{R}x{K}: " + ", ".join(f"{_dense_name(r)} {r['ms']:.3f}" for r in dense
+                                         if (r["out_features"], r["in_features"]) == (R, K))
+                for R, K in dict.fromkeys((r["out_features"], r["in_features"]) for r in dense)) + "."
+        return s + ("\n\n_(quick run)_" if d.get("meta", {}).get("quick") else "")
+    dense_all = sorted((r for r in rows if r.get("layout") == "dense"),
+                       key=lambda r: (r["out_features"], r["in_features"], r["tokens"], r["threads"]))
+    sparse = sorted((r for r in rows if r.get("layout") != "dense"),
+                    key=lambda r: (r["layout"], r.get("dtype", ""), r["out_features"], r["in_features"], r["tokens"],
+                                   r["threads"], r["sparsity"]))
+    parts = []
+    if dense_all:
+        parts.append("Dense baselines (ratio_vs_dense: dense fp32 eager time / this one's):\n\n" + _md(
+            [dict(r, baseline=_dense_name(r)) for r in dense_all],
+            ["out_features", "in_features", "tokens", "threads", "baseline", "ms", "ratio_vs_dense", "max_rel_err",
+             "compile_s"], LIN_FMT))
+    parts.append(_md(sparse, ["layout", "dtype", "out_features", "in_features", "tokens", "threads", "sparsity",
+                              "ratio_vs_dense", "ratio_vs_best_dense", "best_dense", "max_abs_err", "max_rel_err"],
+                     LIN_FMT))
+    return "\n\n".join(parts)
 
 
-def bert_section() -> str:
-    d = _load("bert_inference")
-    if not d:
-        return "_bert_inference.json not found: run `python benchmarks/bert_inference.py`._"
-    s = _md(d["rows"], ["layout", "sparsity", "batch", "seq", "threads", "speedup_vs_dense",
-                        "speedup_vs_compiled_dense", "max_rel_err"],
-            {"speedup_vs_dense": ".2f", "speedup_vs_compiled_dense": ".2f", "max_rel_err": ".1e"})
-    if d.get("quality"):
+def _dense_name(r: Dict[str, Any]) -> str:
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(r.get("dtype", "float32"), r.get("dtype"))
+    return ("compiled_" if r.get("compiled") else "") + short
+
+
+BERT_FMT = {"speedup_vs_dense": ".2f", "speedup_vs_compiled_dense": ".2f", "speedup_vs_best_dense": ".2f",
+            "max_rel_err": ".1e", "ms": ".1f"}
+
+
+def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, quality: bool = True) -> str:
+    """Speed rows (``batches``: only those), the dense baselines, then the quality rows."""
+    rows = [r for r in d["rows"] if batches is None or r.get("batch") in batches]
+    dense = [dict(r, baseline=_dense_name(r)) for r in rows if r.get("layout") == "dense"]
+    sparse = [r for r in rows if r.get("layout") != "dense"]
+    model = d.get("model", "")
+    s = f"Model: {model}.\n\n" if model and not model.startswith("BertModel(BertConfig())") else ""
+    s += ("speedup_vs_dense: dense fp32 eager time / sparse time; speedup_vs_best_dense: the fastest of dense fp32, "
+         "bf16 and torch.compile (best_dense) / sparse time; max_rel_err against the same pruned weights run "
+         "densely in fp32.\n\n" if any("speedup_vs_best_dense" in r for r in sparse) else "")
+    s += _md(sparse, ["layout", "dtype", "sparsity", "batch", "seq", "threads", "speedup_vs_dense",
+                      "speedup_vs_compiled_dense", "speedup_vs_best_dense", "best_dense", "max_rel_err"], BERT_FMT)
+    if dense:
+        s += "\n\nDense baselines:\n\n" + _md(dense, ["baseline", "batch", "seq", "threads", "ms",
+                                                      "speedup_vs_dense", "max_rel_err", "compile_s"], BERT_FMT)
+    if quality and d.get("quality"):
         s += "\n\nQuality next to speed (real pretrained MiniLM-L6, one-shot magnitude, held-out text):\n\n"
         s += _md(d["quality"], ["layout", "sparsity", "weight_norm_kept", "mean_cosine"],
                  {"weight_norm_kept": ".3f", "mean_cosine": ".3f"})
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
-def adaptive_union_section() -> str:
-    d = _load("adaptive_union")
-    if not d:
-        return "_adaptive_union.json not found: run `python benchmarks/adaptive_union.py`._"
+def adaptive_union_section(d: Dict[str, Any]) -> str:
     rows = []
     for r in d["rows"]:
         row = {"layer": r["layer"], "shape": "x".join(str(v) for v in r["shape"]), "O": r["out_channels"],
@@ -92,10 +218,7 @@ def adaptive_union_section() -> str:
             f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt))
 
 
-def adaptive_section() -> str:
-    d = _load("adaptive_training")
-    if not d:
-        return "_adaptive_training.json not found: run `python benchmarks/adaptive_training.py`._"
+def adaptive_section(d: Dict[str, Any]) -> str:
     parts = []
     ref = d.get("config", {}).get("dense_reference_ms")
     if ref:
@@ -156,10 +279,7 @@ def adaptive_section() -> str:
     return "\n\n".join(parts)
 
 
-def quality_section() -> str:
-    d = _load("quality")
-    if not d:
-        return "_quality.json not found: run `python benchmarks/quality.py`._"
+def quality_section(d: Dict[str, Any]) -> str:
     parts = []
     if d.get("minilm"):
         parts.append(_md(d["minilm"], ["method", "pattern", "sparsity", "mean_cosine"],
@@ -170,66 +290,87 @@ def quality_section() -> str:
     return "\n\n".join(parts)
 
 
-def dispatch_section() -> str:
-    d = _load("dispatch_overhead")
-    if not d:
-        return "_dispatch_overhead.json not found._"
+def dispatch_section(d: Dict[str, Any]) -> str:
     return _md(d["rows"], ["mode", "direct_us", "dispatched_us", "overhead_us"])
 
 
-def main() -> None:
-    doc = f"""# Benchmarks
+SECTIONS = {"linear_kernels": lambda d: (linear_section(d, True) + "\n\n<details><summary>All rows</summary>\n\n"
+                                          + linear_section(d, False) + "\n\n</details>"),
+            "bert_inference": bert_section, "adaptive_training": adaptive_section,
+            "adaptive_union": adaptive_union_section, "quality": quality_section,
+            "dispatch_overhead": dispatch_section}
+
+
+def class_section(d: Path) -> str:
+    """Every result of one CPU class, headed with its CPU."""
+    parts = [f"## {d.name}", cpu_heading(d.name, cpu_of(d))]
+    missing = []
+    for name, title, cmd in BENCHES:
+        data = _load(d, name)
+        if data is None:
+            missing.append(f"`{cmd}`")
+            continue
+        parts.append(f"### {title} (`{cmd}`)\n\n{SECTIONS[name](data)}")
+    if missing:
+        parts.append("Not measured on this CPU class yet: " + ", ".join(missing) + ".")
+    return "\n\n".join(parts)
+
+
+def _summary_dirs(dirs: List[Path], name: str) -> List[Path]:
+    """The classes whose ``name`` results go into the README: every measured class, legacy results
+    only where no measured class has any."""
+    have = [d for d in dirs if (d / f"{name}.json").is_file()]
+    measured = [d for d in have if not d.name.startswith("legacy")]
+    return measured or have
+
+
+def readme_summary(root: Path = RESULTS) -> str:
+    dirs = class_dirs(root)
+    parts = []
+    for d in _summary_dirs(dirs, "linear_kernels"):
+        parts.append(f"**Per layer.** {cpu_heading(d.name, cpu_of(d))}\n\n"
+                     f"{linear_section(_load(d, 'linear_kernels'), True)}")
+    for d in _summary_dirs(dirs, "bert_inference"):
+        data = _load(d, "bert_inference")
+        batches = sorted({r["batch"] for r in data["rows"]})
+        sel = batches[-1:] if len(batches) > 1 else None
+        parts.append(f"**BERT-base end to end{f', batch {batches[-1]}' if sel else ''}.** "
+                     f"{cpu_heading(d.name, cpu_of(d))}\n\n{bert_section(data, sel)}")
+    if not parts:
+        return "_No linear_kernels or bert_inference results yet: run the benchmark scripts._"
+    return "\n\n".join(parts)
+
+
+def render(root: Path = RESULTS) -> str:
+    """docs/benchmarks.md for the results under ``root``."""
+    dirs = class_dirs(root)
+    intro = """# Benchmarks
 
 Every table below is generated by `python benchmarks/tables.py` from the JSON the benchmark
-scripts write under `benchmarks/results/`. Ratios are measured side by side in one process (warm-up,
-dense and sparse alternating, median of repetitions) on the development machine: 2 cores of an
-AMD EPYC, fp32, which has AVX-512: sparsa's kernels pick their AVX-512 tiles at run time where the CPU
-has them (AVX2 + FMA otherwise; `SPARSA_NO_AVX512=1` forces AVX2), and the dense baselines (oneDNN, MKL)
-use AVX-512 too. Re-run a script to refresh
-its table (`sparsa bench NAME` runs it from a source checkout).
-
-## Sparse-weight Linear kernels (`python benchmarks/linear_kernels.py`)
-
-Best layout per shape and sparsity, 1024 tokens, 1 thread (ratio = dense `F.linear` time / sparse time):
-
-{linear_section(True)}
-
-<details><summary>All rows</summary>
-
-{linear_section(False)}
-
-</details>
-
-## BERT-base end to end (`python benchmarks/bert_inference.py`)
-
-{bert_section()}
-
-## Adaptive activation-sparse training (`python benchmarks/adaptive_training.py`)
-
-{adaptive_section()}
-
-### Sparse conv kernels GEMM by GEMM (`python benchmarks/adaptive_union.py`)
-
-{adaptive_union_section()}
-
-## Pruning quality (`python benchmarks/quality.py`)
-
-{quality_section()}
-
-## Dispatch overhead (`python benchmarks/dispatch_overhead.py`)
-
-{dispatch_section()}
+scripts write under `benchmarks/results/<cpu class>/` (`sparsa.cpu.cpu_class()`, e.g. `amd-avx2`).
+Each CPU class has its own section, headed with the CPU's model, ISA flags and library versions:
+sparse kernels and dense baselines both pick their instruction set at run time, so a ratio holds for
+the CPU it was measured on. Ratios are measured side by side in one process (warm-up, dense and
+sparse alternating, median of repetitions); the current scripts compare every sparse row against the
+fastest dense path of that CPU (dense fp32, dense bf16 and torch.compile of the faster, the
+`*_vs_best_dense` columns) as well as against dense fp32 eager (`*_vs_dense`). `legacy-avx512` holds
+the results measured before the scripts recorded the CPU (a 2-core AMD EPYC with AVX-512, fp32 only,
+compared with dense fp32 eager and, for BERT, its torch.compile). Re-run a script to refresh its
+table (`sparsa bench NAME` runs it from a source checkout).
 """
-    (ROOT / "docs" / "benchmarks.md").write_text(doc)
+    body = [class_section(d) for d in dirs] or ["_No results yet: run the benchmark scripts._"]
+    return intro + "\n" + "\n\n".join(body) + "\n"
+
+
+def main() -> None:
+    (ROOT / "docs" / "benchmarks.md").write_text(render(RESULTS))
     readme = ROOT / "README.md"
     text = readme.read_text()
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
     if start in text and end in text:
-        summary = (f"Per layer, best layout, 1024 tokens, 1 thread:\n\n{linear_section(True)}\n\n"
-                   f"BERT-base end to end:\n\n{bert_section()}")
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
-        readme.write_text(f"{head}{start}\n{summary}\n{end}{tail}")
+        readme.write_text(f"{head}{start}\n{readme_summary(RESULTS)}\n{end}{tail}")
     print("wrote docs/benchmarks.md" + (" and README.md" if start in text else ""))
 
 
