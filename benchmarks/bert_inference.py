@@ -214,14 +214,15 @@ def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[st
     return rows
 
 
-def quality_rows(quick: bool, only: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+def quality_rows(quick: bool, only: Optional[Sequence[str]] = None,
+                 sparsities: Optional[Sequence[float]] = None) -> List[Dict[str, Any]]:
     from sparsa.data.text import calibration_and_evaluation
     from sparsa.models.minilm import embed, encoder_linears, load_minilm
     dense, tok = load_minilm()
     _, held = calibration_and_evaluation(1, 64 if quick else 256)
     e_dense = embed(dense, tok, held)
     rows = []
-    for sp in ([0.5, 0.9] if quick else [0.5, 0.75, 0.9]):
+    for sp in sparsities or ([0.5, 0.9] if quick else [0.5, 0.75, 0.9]):
         for label, sparsifier, layout, _ in _layouts(sp, quick, only):
             model = copy.deepcopy(dense)
             names = encoder_linears(model)
@@ -291,10 +292,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     out = args.out or results_dir() / "bert_inference.json"
     cpu = sparsa.cpu.cpu_info()
     t0 = time.perf_counter()
-    rows = speed_rows(args.quick, args.threads, use_compile, dtypes, only,
-                      [float(v) for v in args.sparsities.split(",")] if args.sparsities else None,
+    sparsities = [float(v) for v in args.sparsities.split(",")] if args.sparsities else None
+    rows = speed_rows(args.quick, args.threads, use_compile, dtypes, only, sparsities,
                       [int(v) for v in args.batches.split(",")] if args.batches else None, args.layers)
-    quality = [] if args.no_quality else quality_rows(args.quick, only)
+    quality = [] if args.no_quality else quality_rows(args.quick, only, sparsities)
     res = {"benchmark": "bert_inference", "cpu": cpu,
            "model": "BertModel(BertConfig()) (BERT-base, random weights)" if args.layers == 12 else
                     f"BertModel(BertConfig(num_hidden_layers={args.layers})) (BERT-base with {args.layers} encoder "
