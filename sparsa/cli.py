@@ -110,7 +110,29 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run one of the benchmark scripts of a source checkout.")
     b.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("--quick", action="store_true", help="the quick subset")
+
+    c = sub.add_parser("cost", help="show or clear the measured per-CPU cost table (only_if_faster's timings)",
+                       description="The cost table caches side-by-side timings of sparse kernels and dense paths "
+                                   "per CPU model, shape and thread count.")
+    c.add_argument("--clear", action="store_true", help="forget every measurement (they are re-timed when needed)")
     return p
+
+
+def _cmd_cost(a: argparse.Namespace) -> int:
+    from . import cpu
+    from .cost_model import default_cost_model
+    cm = default_cost_model()
+    info = cpu.cpu_info()
+    print(f"cpu: {info['model']} ({info['class']}, kernel path {info['isa']})")
+    print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm)} entries")
+    if a.clear:
+        cm.clear()
+        print("cleared")
+        return 0
+    for key in cm.keys():
+        costs = cm.lookup(key) or {}
+        print(key + ": " + ", ".join(f"{o} {ms:.3f} ms" for o, ms in sorted(costs.items(), key=lambda kv: kv[1])))
+    return 0
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
@@ -179,7 +201,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "inspect": _cmd_inspect, "bench": _cmd_bench}[args.command]
+    cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "inspect": _cmd_inspect, "bench": _cmd_bench,
+           "cost": _cmd_cost}[args.command]
     try:
         return cmd(args)
     except UsageError as e:

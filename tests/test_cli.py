@@ -112,7 +112,7 @@ def test_bad_only_if_faster_arguments(tiny_model_dir, tmp_path, args, needle):
 def test_prune_only_if_faster_follows_timing(tiny_model_dir, tmp_path, monkeypatch, capsys, ratio, path):
     import sparsa.nn.linears as linears
     calls = []
-    monkeypatch.setattr(linears, "speedup_vs_dense", lambda w, b, tokens: calls.append(tokens) or ratio)
+    monkeypatch.setattr(linears, "linear_costs", lambda w, b, tokens: calls.append(tokens) or ratio)
     out = tmp_path / "fast"
     assert cli.main(["prune", str(tiny_model_dir), "-o", str(out), "--pattern", "row_group4", "--sparsity", "0.5",
                      "--only-if-faster", "--timing-tokens", "8"]) == 0

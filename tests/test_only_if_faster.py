@@ -1,6 +1,6 @@
 """sparsify_linears(only_if_faster=...): per-layer sparse-vs-dense choice, report fields, arguments.
 
-The decision is tested with a fake timer (``sparsa.nn.linears.speedup_vs_dense`` monkeypatched); real
+The decision is tested with a fake timer (``sparsa.nn.linears.linear_costs`` monkeypatched); real
 timing only runs to check that it returns a positive ratio, never how large it is.
 """
 import copy
@@ -25,7 +25,7 @@ def _x():
 
 
 class FakeTimer:
-    """speedup_vs_dense stand-in: the ratio by the weight's (out, in) shape; records its calls."""
+    """linear_costs stand-in: a speed-up over dense (a float) by the weight's (out, in) shape; records its calls."""
 
     def __init__(self, by_shape, default=2.0):
         self.by_shape, self.default, self.calls = by_shape, default, []
@@ -41,7 +41,7 @@ def _weight_rows(rows):
 
 
 def test_default_off_rows_say_sparse_unmeasured(monkeypatch):
-    monkeypatch.setattr(linears, "speedup_vs_dense", lambda *a: pytest.fail("timed without only_if_faster"))
+    monkeypatch.setattr(linears, "linear_costs", lambda *a: pytest.fail("timed without only_if_faster"))
     m = _model()
     rows = _weight_rows(sparsa.sparsify_linears(m, "row_group", 0.75, group=8))
     assert set(rows) == {"0.weight", "2.weight", "4.weight"}
@@ -55,7 +55,7 @@ def test_default_off_rows_say_sparse_unmeasured(monkeypatch):
 def test_choice_follows_timer_and_outputs_match(monkeypatch, flag, tokens):
     # (64, 32): slower -> dense; (64, 64): within the margin -> dense; (16, 64): faster -> sparse
     timer = FakeTimer({(64, 32): 0.6, (64, 64): 1.0 + linears.MARGIN / 2, (16, 64): 1.5})
-    monkeypatch.setattr(linears, "speedup_vs_dense", timer)
+    monkeypatch.setattr(linears, "linear_costs", timer)
     plain, fast = _model(), _model()
     sparsa.sparsify_linears(plain, "row_group", 0.75, group=8)
     rows = _weight_rows(sparsa.sparsify_linears(fast, "row_group", 0.75, group=8, only_if_faster=flag))
@@ -78,7 +78,7 @@ def test_choice_follows_timer_and_outputs_match(monkeypatch, flag, tokens):
 
 def test_identical_layers_timed_once(monkeypatch):
     timer = FakeTimer({}, default=0.5)
-    monkeypatch.setattr(linears, "speedup_vs_dense", timer)
+    monkeypatch.setattr(linears, "linear_costs", timer)
     torch.manual_seed(0)
     m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)], nn.Linear(64, 32))
     rows = _weight_rows(sparsa.sparsify_linears(m, "row_group", 0.5, group=8, only_if_faster=True))
@@ -88,7 +88,7 @@ def test_identical_layers_timed_once(monkeypatch):
 
 def test_names_only_time_selected_layers(monkeypatch):
     timer = FakeTimer({}, default=0.5)
-    monkeypatch.setattr(linears, "speedup_vs_dense", timer)
+    monkeypatch.setattr(linears, "linear_costs", timer)
     m = _model()
     rows = _weight_rows(sparsa.sparsify_linears(m, "row_group", 0.75, names=["4"], group=8, only_if_faster=True))
     assert timer.calls == [((16, 64), 128, True)]
@@ -97,7 +97,7 @@ def test_names_only_time_selected_layers(monkeypatch):
 
 
 def test_tied_weights_stay_tied(monkeypatch):
-    monkeypatch.setattr(linears, "speedup_vs_dense", FakeTimer({}, default=0.5))
+    monkeypatch.setattr(linears, "linear_costs", FakeTimer({}, default=0.5))
     a, b = nn.Linear(16, 16), nn.Linear(16, 16)
     b.weight = a.weight
     m = nn.Sequential(a, b)
@@ -151,3 +151,52 @@ def test_speedup_vs_dense_leaves_weight_alone():
     before = copy.deepcopy(w.sparse_layout.to_dense())
     assert linears.speedup_vs_dense(w, torch.randn(16), 4) > 0
     assert torch.equal(w.sparse_layout.to_dense(), before)
+
+
+def _costs(sparse, f32, bf16):
+    return lambda w, b, t: {"sparse": sparse, "dense_float32": f32, "dense_bfloat16": bf16}
+
+
+def test_best_dense_is_reported_and_a_dtype_switch_is_opt_in():
+    # dense bf16 (1 ms) beats sparse (2 ms), which beats dense fp32 (3 ms)
+    plain, m = _model(), _model()
+    sparsa.sparsify_linears(plain, "row_group", 0.75, group=8)
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    chosen = linears.dense_where_slower(m, 16, timer=_costs(2.0, 3.0, 1.0))
+    for d in chosen.values():  # default: the model's own dtype only, so sparse stays
+        assert d["path"] == "sparse" and d["ratio_vs_dense"] == 1.5
+        assert d["best_dense"] == "dense_bfloat16" and d["ratio_vs_best_dense"] == 0.5
+    chosen = linears.dense_where_slower(m, 16, timer=_costs(2.0, 3.0, 1.0), dtypes=(torch.float32, torch.bfloat16))
+    assert {d["path"] for d in chosen.values()} == {"dense_bfloat16"}
+    for i in (0, 2, 4):
+        assert type(m[i]) is sparsa.nn.cast_linear.CastLinear and m[i].weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        y = m(_x())
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, plain(_x()), rtol=0.05, atol=0.05)  # bf16 weights: close, not equal
+
+
+def test_fastest_allowed_dense_dtype_wins_over_a_slower_sparse():
+    m = _model()
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    chosen = linears.dense_where_slower(m, 16, timer=_costs(2.0, 1.5, 4.0), dtypes=(torch.float32, torch.bfloat16))
+    assert {d["path"] for d in chosen.values()} == {"dense"}
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in m.parameters())
+
+
+@pytest.mark.parametrize("bad", [(), (torch.int8,), (torch.float16,)])
+def test_bad_dtypes_names_the_argument(bad):
+    with pytest.raises(ValueError, match="dtypes"):
+        linears.dense_where_slower(_model(), 16, dtypes=bad)
+
+
+def test_real_costs_are_cached_per_cpu_and_shape(tmp_path, monkeypatch):
+    from sparsa import cost_model
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    w = sparsa.to_sparse(torch.randn(16, 32), "row_group", sparsity=0.5, group=4)
+    first = linears.linear_costs(w, None, 4)
+    assert set(first) == {"sparse", "dense_float32", "dense_bfloat16"} and min(first.values()) > 0
+    assert cost_model.cost_path().is_file()
+    cost_model._DEFAULT.clear()  # a new process: the table comes from the file, nothing is timed
+    monkeypatch.setattr(cost_model, "round_robin_ms", lambda *a, **k: pytest.fail("timed again"))
+    assert linears.linear_costs(w, None, 4) == first

@@ -7,13 +7,15 @@
 [('0.weight', 'row_group', 0.75), ('2.weight', 'row_group', 0.75)]
 
 With ``only_if_faster`` a layer keeps the sparse layout only where its kernel is measured faster
-than dense on this machine (the answer depends on the machine, so only the report's fields are shown):
+than dense on this machine; the report also gives the speed against the *best* dense path (float32
+or bfloat16, whichever this CPU runs faster). The answer depends on the machine, so only the
+report's fields are shown:
 
 >>> rows = sparsa.sparsify_linears(nn.Sequential(nn.Linear(64, 128)), "row_group", sparsity=0.75,
 ...                                group=8, only_if_faster=16)
 >>> r = rows[0]
->>> r["path"] in ("sparse", "dense"), r["ratio_vs_dense"] > 0
-(True, True)
+>>> r["path"] in ("sparse", "dense"), r["ratio_vs_dense"] > 0, r["best_dense"] in DENSE_OPTIONS
+(True, True, True)
 """
 from __future__ import annotations
 
@@ -25,15 +27,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cost_model import CostModel, default_cost_model
 from ..layouts.base import check_fraction, get_layout
 from ..sparsifiers import BlockMagnitude, GroupedNM, Magnitude, NM, Sparsifier
 from ..tensor import SparseTensor
+from .cast_linear import CastLinear
 from .report import sparsity_report
 from .rule import NamePattern, Rule
 from .sparsify import sparsify
 
-__all__ = ["sparsify_linears", "default_sparsifier", "dense_where_slower", "speedup_vs_dense",
-           "DEFAULT_TOKENS", "MARGIN"]
+__all__ = ["sparsify_linears", "default_sparsifier", "dense_where_slower", "speedup_vs_dense", "linear_costs",
+           "DEFAULT_TOKENS", "MARGIN", "DENSE_OPTIONS"]
+
+#: the dense paths every sparse layer is measured against, by option name
+DENSE_OPTIONS = {"dense_float32": torch.float32, "dense_bfloat16": torch.bfloat16}
 
 # sparsity -> (n, m) for the N:M family
 _NM = {0.5: (2, 4), 0.75: (1, 4), 0.875: (1, 8), 0.9: (1, 10), 0.25: (3, 4)}
@@ -77,62 +84,107 @@ def _tokens(only_if_faster: Union[bool, int], arg: str = "only_if_faster") -> in
     return int(only_if_faster)
 
 
-def speedup_vs_dense(weight: SparseTensor, bias: Optional[torch.Tensor], tokens: int) -> float:
-    """Dense time / sparse time of ``F.linear`` on a ``(tokens, in_features)`` input, without autograd.
+def _dense_option(dtype: torch.dtype) -> str:
+    return f"dense_{str(dtype).replace('torch.', '')}"
 
-    Both calls use this layer's own (pruned) weight and bias and run side by side in this process
-    (:func:`sparsa.timing.compare`: warm-up, alternate, median of a few samples), at the current
-    ``torch.get_num_threads()``. Above 1 the sparse layout is faster.
+
+def _cost_key(w: SparseTensor, has_bias: bool, tokens: int) -> str:
+    from .. import cpu
+    lay = w.sparse_layout
+    params = ",".join(f"{k}={v!r}" for k, v in sorted(lay.params().items()))
+    nnz_bucket = round(lay.density * 50)  # 2% density buckets
+    return (f"linear|{type(lay).name}|{params}|{tuple(lay.shape)}|d{nnz_bucket}|bias{int(has_bias)}|"
+            f"{str(lay.dtype).replace('torch.', '')}|{lay.device}|T{tokens}|threads{torch.get_num_threads()}|"
+            f"{cpu.isa()}")
+
+
+def linear_costs(weight: SparseTensor, bias: Optional[torch.Tensor], tokens: int) -> Dict[str, float]:
+    """Median ms per ``F.linear`` call on a ``(tokens, in_features)`` input, without autograd: ``"sparse"``
+    (this weight's layout and dtype) and each of :data:`DENSE_OPTIONS` (the same pruned weight, dense).
+
+    All options are timed side by side (round robin) at the current thread count, once per CPU model,
+    layout, shape, density, dtype and token count: later calls read :func:`sparsa.cost_model.default_cost_model`.
     """
-    from ..timing import compare
+    key = _cost_key(weight, bias is not None, tokens)
+    cm = default_cost_model()
+    cached = cm.lookup(key)
+    if cached is not None and "sparse" in cached and all(o in cached for o in DENSE_OPTIONS):
+        return cached
     dense = weight.sparse_layout.to_dense().detach().clone()
     b = bias.detach() if bias is not None else None
     x = torch.randn(tokens, dense.shape[1], dtype=dense.dtype, device=dense.device)
     sync = torch.cuda.synchronize if dense.device.type == "cuda" else (lambda: None)
 
-    def run_dense():
-        F.linear(x, dense, b)
-        sync()
+    def dense_fn(dtype: torch.dtype) -> Callable[[], None]:
+        wd, xd, bd = dense.to(dtype), x.to(dtype), None if b is None else b.to(dtype)
+
+        def run():
+            F.linear(xd, wd, bd)
+            sync()
+        return run
 
     def run_sparse():
         F.linear(x, weight, b)
         sync()
 
+    options: Dict[str, Callable[[], None]] = {"sparse": run_sparse}
+    options.update({name: dense_fn(dt) for name, dt in DENSE_OPTIONS.items()})
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a layout without a linear kernel warns once; the timing says it all
-        return compare(run_dense, run_sparse, reps=5, warmup=2, min_seconds=0.002).ratio
+        return cm.measure(key, options)
 
 
-def _cost_key(w: SparseTensor, has_bias: bool, tokens: int) -> Tuple:
-    lay = w.sparse_layout
-    params = tuple(sorted((k, repr(v)) for k, v in lay.params().items()))
-    nnz_bucket = round(lay.density * 50)  # 2% density buckets
-    return (type(lay).name, params, tuple(lay.shape), nnz_bucket, has_bias, str(lay.dtype), str(lay.device),
-            tokens, torch.get_num_threads())
+def speedup_vs_dense(weight: SparseTensor, bias: Optional[torch.Tensor], tokens: int) -> float:
+    """Dense time / sparse time of ``F.linear`` in the weight's own dtype (from :func:`linear_costs`).
+    Above 1 the sparse layout is faster."""
+    c = linear_costs(weight, bias, tokens)
+    return c[_dense_option(weight.dtype)] / c["sparse"]
+
+
+def _as_costs(result: Any, dtype: torch.dtype) -> Dict[str, float]:
+    """A timer's answer as costs: a float is a speed-up over dense in ``dtype`` (sparse costs 1)."""
+    if isinstance(result, dict):
+        return {k: float(v) for k, v in result.items()}
+    return {"sparse": 1.0, _dense_option(dtype): float(result)}
 
 
 def dense_where_slower(model: nn.Module, tokens: int = DEFAULT_TOKENS, *, names: Optional[NamePattern] = None,
-                       margin: float = MARGIN,
-                       timer: Optional[Callable[[SparseTensor, Optional[torch.Tensor], int], float]] = None,
-                       ) -> Dict[str, Dict[str, Any]]:
+                       margin: float = MARGIN, timer: Optional[Callable[..., Any]] = None,
+                       dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, Dict[str, Any]]:
     """Time every sparse ``nn.Linear`` weight of ``model`` (or of the modules ``names`` matches) against
-    dense and turn it into a plain dense parameter (same values, zeros included) where the sparse
-    ``F.linear`` is not at least ``1 + margin`` times faster.
+    the dense paths and replace it by the fastest dense one where the sparse ``F.linear`` is not at
+    least ``1 + margin`` times faster than it.
 
-    ``timer(weight, bias, tokens) -> speed-up`` defaults to :func:`speedup_vs_dense`; layers with the
-    same layout parameters, shape, density (2% buckets), dtype, device, token count and thread count
-    are timed once. Returns ``{parameter name: {"path": "sparse" | "dense", "ratio_vs_dense": float}}``
-    (tied weights appear under each name). A dense fallback, not the ``masked`` layout: masked runs
-    the same BLAS product through the dispatcher and measured about 10% slower than ``F.linear``.
+    ``dtypes``: the dense dtypes a layer may be switched to (default: only the weight's own dtype, so
+    the model computes the same function). With ``(torch.float32, torch.bfloat16)`` a float32 layer
+    may become a :class:`~sparsa.nn.cast_linear.CastLinear` computing in bfloat16, where that is the
+    fastest option on this CPU (untied weights only).
+
+    ``timer(weight, bias, tokens)`` defaults to :func:`linear_costs` (a dict of ms per option); a timer
+    that returns a float gives the speed-up over dense in the weight's dtype. Layers with the same
+    layout parameters, shape, density (2% buckets), dtype, device, token count and thread count are
+    timed once. Returns ``{parameter name: decision}`` with ``path`` (``"sparse"``, ``"dense"``, or
+    ``"dense_bfloat16"`` / ``"dense_float32"`` for a dtype switch), ``ratio_vs_dense`` (dense in the
+    weight's dtype / sparse), ``ratio_vs_best_dense`` and ``best_dense`` (the fastest dense option
+    measured, None when the timer measured only one). Tied weights appear under each name.
     """
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
         raise ValueError(f"tokens must be a positive int (rows of the timed input), got {tokens!r}")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin) or margin < 0:
         raise ValueError(f"margin must be a finite number >= 0, got {margin!r}")
-    timer = timer if timer is not None else speedup_vs_dense
+    if dtypes is not None:
+        bad = [d for d in dtypes if d not in DENSE_OPTIONS.values()]
+        if bad or not dtypes:
+            raise ValueError(f"dtypes must be a non-empty subset of {list(DENSE_OPTIONS.values())}, got {dtypes!r}")
+    timer = timer if timer is not None else linear_costs
     select = Rule(names=names, module_types=nn.Linear)
-    cache: Dict[Tuple, float] = {}
+    cache: Dict[Tuple, Dict[str, float]] = {}
     done: Dict[int, Tuple[nn.Parameter, Dict[str, Any]]] = {}  # id(old weight) -> (new weight, decision)
+    users: Dict[int, int] = {}
+    for _, mod in model.named_modules():
+        w = mod._parameters.get("weight")
+        if w is not None:
+            users[id(w)] = users.get(id(w), 0) + 1
     out: Dict[str, Dict[str, Any]] = {}
     for mname, mod in list(model.named_modules()):
         w = mod._parameters.get("weight")
@@ -147,17 +199,39 @@ def dense_where_slower(model: nn.Module, tokens: int = DEFAULT_TOKENS, *, names:
             continue
         key = _cost_key(w, mod.bias is not None, tokens)
         if key not in cache:
-            cache[key] = float(timer(w, mod.bias, tokens))
-        ratio = cache[key]
-        decision = {"path": "sparse" if ratio >= 1.0 + margin else "dense", "ratio_vs_dense": ratio}
+            cache[key] = _as_costs(timer(w, mod.bias, tokens), w.dtype)
+        can_cast = users.get(id(w), 0) == 1 and mname != ""  # a dtype switch replaces this one module
+        decision = _decide(cache[key], w.dtype, dtypes, margin, can_cast)
         new = w
-        if decision["path"] == "dense":
+        if decision["path"] != "sparse":
             with torch.no_grad():
                 new = nn.Parameter(w.sparse_layout.to_dense().detach().clone(), requires_grad=w.requires_grad)
-            setattr(mod, "weight", new)
+            if decision["path"] == "dense":
+                setattr(mod, "weight", new)
+            else:
+                _replace_module(model, mname, CastLinear.from_linear(mod, DENSE_OPTIONS[decision["path"]], new))
         done[id(w)] = (new, decision)
         out[pname] = dict(decision)
     return out
+
+
+def _decide(costs: Dict[str, float], dtype: torch.dtype, dtypes: Optional[Sequence[torch.dtype]], margin: float,
+            can_cast: bool) -> Dict[str, Any]:
+    own = _dense_option(dtype)
+    allowed = [_dense_option(d) for d in dtypes] if dtypes is not None and can_cast else [own]
+    dense_measured = [o for o in costs if o != "sparse"]
+    best = CostModel.fastest(costs, dense_measured)
+    choice = CostModel.fastest(costs, allowed) if any(o in costs for o in allowed) else own
+    sparse_ms = costs["sparse"]
+    keep_sparse = choice not in costs or costs[choice] / sparse_ms >= 1.0 + margin
+    path = "sparse" if keep_sparse else ("dense" if choice == own else choice)
+    return {"path": path, "ratio_vs_dense": costs[own] / sparse_ms if own in costs else None,
+            "ratio_vs_best_dense": costs[best] / sparse_ms, "best_dense": best if len(dense_measured) > 1 else None}
+
+
+def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def annotate_paths(rows: List[Dict[str, Any]], chosen: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -170,7 +244,8 @@ def annotate_paths(rows: List[Dict[str, Any]], chosen: Dict[str, Dict[str, Any]]
 
 def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: float = 0.5, *,
                      sparsifier: Optional[Sparsifier] = None, names: Optional[Sequence[str]] = None,
-                     only_if_faster: Union[bool, int] = False, **params: Any) -> List[Dict[str, Any]]:
+                     only_if_faster: Union[bool, int] = False, dtypes: Optional[Sequence[torch.dtype]] = None,
+                     **params: Any) -> List[Dict[str, Any]]:
     """Convert every ``nn.Linear`` weight of ``model`` (or those named by ``names`` globs) to ``layout``
     at ``sparsity`` with one-shot magnitude pruning (or ``sparsifier``); returns the per-layer report
     (:func:`sparsa.sparsity_report` rows). ``params``: layout knobs such as ``group``, ``n``/``m``/``g``.
@@ -183,9 +258,13 @@ def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: floa
     function either way). Identical layers are timed once (a BERT-base takes a few seconds). Such a
     dense layer no longer keeps its zeros when trained further: use it to deploy, after pruning.
 
-    The report rows of the converted weights carry ``path`` (``"sparse"``, or ``"dense"`` for a
-    fallback, whose ``layout`` is then ``"dense"``) and ``ratio_vs_dense`` (dense time / sparse time,
-    None when not measured).
+    ``dtypes`` (with ``only_if_faster``): the dense dtypes a layer may switch to when that is faster
+    than its sparse kernel (see :func:`dense_where_slower`); default: only the weight's own dtype.
+
+    The report rows of the converted weights carry ``path`` (``"sparse"``, ``"dense"`` for a fallback,
+    whose ``layout`` is then ``"dense"``, or ``"dense_bfloat16"`` for a dtype switch), ``ratio_vs_dense``
+    (dense time / sparse time in the weight's dtype, None when not measured), ``ratio_vs_best_dense``
+    and ``best_dense`` (the fastest dense option on this CPU: float32 or bfloat16).
     """
     get_layout(layout)
     check_fraction(sparsity, "sparsity")
@@ -196,8 +275,9 @@ def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: floa
                 module_types=nn.Linear)
     sparsify(model, [rule])
     if tokens:
-        chosen = dense_where_slower(model, tokens, names=rule.names)
+        chosen = dense_where_slower(model, tokens, names=rule.names, dtypes=dtypes)
     else:
-        chosen = {f"{n}.weight" if n else "weight": {"path": "sparse", "ratio_vs_dense": None}
+        chosen = {f"{n}.weight" if n else "weight": {"path": "sparse", "ratio_vs_dense": None,
+                                                     "ratio_vs_best_dense": None, "best_dense": None}
                   for n, m in model.named_modules() if rule.matches(n, m) and isinstance(m.weight, SparseTensor)}
     return annotate_paths(sparsity_report(model), chosen)

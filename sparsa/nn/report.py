@@ -69,7 +69,8 @@ def _kib(n: Any) -> str:
 def format_report(rows: List[Dict[str, Any]]) -> str:
     """A plain-text table of :func:`sparsity_report` rows with a total line (weights/buffers only).
 
-    A row that ``only_if_faster`` turned dense (``path == "dense"``) shows the measured sparse speed-up."""
+    A row that ``only_if_faster`` turned dense shows the measured sparse speed-up; a sparse row measured
+    against several dense paths shows its speed-up over the fastest of them."""
     head = ["name", "layout", "shape", "sparsity", "KiB", "dense KiB", "ratio"]
     body = []
     for r in rows:
@@ -77,8 +78,12 @@ def format_report(rows: List[Dict[str, Any]]) -> str:
         sp = "-" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}%"
         ratio = "-" if not r["nbytes"] else f"{r['dense_nbytes'] / r['nbytes']:.2f}x"
         layout = r["layout"] + (f" (grad: {r['grad_layout']})" if r.get("grad_layout") else "")
-        if r.get("path") == "dense" and r.get("ratio_vs_dense") is not None:  # only_if_faster fell back
+        if r.get("path", "sparse") != "sparse" and r.get("ratio_vs_dense") is not None:  # only_if_faster fell back
             layout += f" (sparse was {r['ratio_vs_dense']:.2f}x)"
+            if r["path"] != "dense":
+                layout += f" -> {r['path']}"
+        elif r.get("path") == "sparse" and r.get("ratio_vs_best_dense") is not None and r.get("best_dense"):
+            layout += f" ({r['ratio_vs_best_dense']:.2f}x vs {r['best_dense'].replace('dense_', 'dense ')})"
         body.append([r["name"], layout, shape, sp, _kib(r["nbytes"]), _kib(r["dense_nbytes"]), ratio])
     stored = [r for r in rows if r["target"] != "output"]
     tot, dtot = sum(r["nbytes"] for r in stored), sum(r["dense_nbytes"] for r in stored)
