@@ -179,3 +179,153 @@ def test_sliced_ell_bf16_nan_inf_propagate(path):
     if r_nan is not None:
         ok_rows[r_nan] = False
     assert torch.isfinite(y[clean][:, ok_rows]).all()
+
+
+# ---------------------------------------------------------------------------------------------- GroupedNM
+def _gnm_weight(R, K, n, m, g, gen):
+    w = GroupedNM.from_dense(torch.randn(R, K, generator=gen).to(BF).float(), n=n, m=m, g=g)
+    vb = w.values.to(BF)  # exact: the dense weight was bf16 already
+    return w, vb, w.to_dense().float()
+
+
+def _gnm_plan(kind, vb, w):
+    if kind == "forward":
+        return gk.forward_plan(vb, w.columns, w.n, w.m)
+    if kind == "pattern":
+        return gk.pattern_plan(vb, w.columns, w.n, w.m)
+    if kind == "pair":
+        return gk.pair_plan(vb, w.columns, w.n, w.m, unit_cols=1)  # smallest units: many (group, unit) runs
+    return gk.input_grad_plan(vb, w.columns, w.n, w.m)
+
+
+GNM_SHAPES = [(1, 1, 1), (1, 10, 30), (7, 33, 70), (32, 64, 96), (33, 9, 8), (70, 17, 129)]
+GNM_NMG = [(1, 4, 2), (2, 4, 1), (1, 10, 1), (3, 8, 1)]
+
+
+@pytest.mark.parametrize("T,R,K", GNM_SHAPES)
+@pytest.mark.parametrize("nmg", GNM_NMG, ids=lambda t: "%d:%d:g%d" % t)
+@pytest.mark.parametrize("bias_kind", [None, "f32", "bf16"])
+def test_grouped_nm_bf16_forward_matches_float64(path, T, R, K, nmg, bias_kind):
+    gen = torch.Generator().manual_seed(T * 1000 + R * 10 + K + nmg[1])
+    w, vb, wd = _gnm_weight(R, K, *nmg, gen)
+    x = torch.randn(T, K, generator=gen).to(BF)
+    b = _bias(bias_kind, R, gen)
+    y = gk.spmm(x, _gnm_plan("forward", vb, w), b, R)
+    assert y.shape == (T, R)
+    _check(y, x, wd, b)
+
+
+@pytest.mark.parametrize("plan_kind", ["pattern", "pair", "input_grad"])
+@pytest.mark.parametrize("T,R,K", [(1, 10, 30), (45, 33, 70), (70, 17, 129)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_nm_bf16_plans_and_threads(path, plan_kind, T, R, K, threads):
+    n, m, g = (1, 4, 2) if plan_kind == "pair" else (2, 4, 1)
+    gen = torch.Generator().manual_seed(T + R + K)
+    w, vb, wd = _gnm_weight(R, K, n, m, g, gen)
+    plan = _gnm_plan(plan_kind, vb, w)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        if plan_kind == "input_grad":  # grad_x = grad_y @ W
+            gy = torch.randn(T, R, generator=gen).to(BF)
+            out = gk.spmm(gy, plan, None, K)
+            _check(out, gy, wd.t(), None)
+        else:
+            x = torch.randn(T, K, generator=gen).to(BF)
+            b = _bias("bf16", R, gen)
+            _check(gk.spmm(x, plan, b, R), x, wd, b)
+    finally:
+        torch.set_num_threads(old)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(T=st.integers(1, 80), R=st.integers(1, 40), K=st.integers(1, 150), nmg=st.sampled_from(GNM_NMG + [(2, 6, 1)]),
+       bias_kind=st.sampled_from([None, "bf16"]), lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 99))
+def test_grouped_nm_bf16_property_through_f_linear(path, T, R, K, nmg, bias_kind, lead, seed):
+    """F.linear (the dispatcher wants one dtype for input, weight and bias: no fp32 bias here)."""
+    gen = torch.Generator().manual_seed(seed)
+    n, m, g = nmg
+    wdense = torch.randn(R, K, generator=gen).to(BF)
+    w = sparsa.to_sparse(wdense, "grouped_nm", n=n, m=m, g=g)
+    x = (torch.randn(*lead, T, K, generator=gen) * 3).to(BF)
+    b = _bias(bias_kind, R, gen)
+    y = torch.nn.functional.linear(x, w, b)
+    assert y.shape == (*lead, T, R)
+    _check(y, x, w.to_dense().float(), b)
+
+
+def test_grouped_nm_bf16_noncontiguous_rows(path):
+    gen = torch.Generator().manual_seed(4)
+    w, vb, wd = _gnm_weight(12, 40, 1, 4, 2, gen)
+    x = torch.randn(9, 64, generator=gen).to(BF)[:, 5:45]  # row stride 64 > K
+    _check(gk.spmm(x, _gnm_plan("forward", vb, w), None, 12), x, wd, None)
+
+
+def test_grouped_nm_bf16_native_path_is_taken(monkeypatch):
+    """Where native kernels run, bf16 operands never reach the reference; the native result is exactly the fp32
+    kernel's result on the widened operands, rounded once (same accumulation order, AVX2 pieces)."""
+    if cpu.hardware_isa() == "portable":
+        pytest.skip("no native kernels: this CPU lacks avx2/fma")
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("SPARSA_ISA", "avx2")  # the fp32 comparison must run the AVX2 pieces too
+    assert gk.native_library() is not None, "native grouped_nm kernel failed to build"
+    gen = torch.Generator().manual_seed(8)
+    for nmg in [(1, 4, 2), (2, 4, 1)]:
+        w, vb, wd = _gnm_weight(37, 85, *nmg, gen)
+        x = torch.randn(3, 45, 85, generator=gen).to(BF)
+        for kind in ("forward", "pattern", "pair", "input_grad"):
+            if kind == "pair" and nmg[0] != 1:
+                continue
+            plan, plan32 = _gnm_plan(kind, vb, w), _gnm_plan(kind, vb.float(), w)
+            xin = torch.randn(3, 45, 37, generator=gen).to(BF) if kind == "input_grad" else x
+            nout = 85 if kind == "input_grad" else 37
+            for b in ((None,) if kind == "input_grad" else (None, _bias("f32", 37, gen), _bias("bf16", 37, gen))):
+                assert gk.spmm_native_kind(xin, plan.vals, b) == "bf16"
+                exp = gk.spmm(xin.float(), plan32, None if b is None else b.float(), nout).to(BF)
+                with monkeypatch.context() as mp:
+                    mp.setattr(gk, "spmm_reference", _no_reference)
+                    y = gk.spmm(xin, plan, b, nout)
+                    y_op = gk.grouped_nm_spmm(xin, plan.idx, plan.vals, plan.out_rows, b, nout, plan.units,
+                                              plan.unit_entries, plan.unit_span, plan.gpb, plan.rpb, plan.interleaved,
+                                              plan.offsets)
+                assert torch.equal(y, exp) and torch.equal(y_op, exp), (nmg, kind)
+    assert gk.spmm_native_kind(x, vb.float(), None) is None and gk.spmm_native_kind(x.float(), vb, None) is None
+
+
+def test_grouped_nm_bf16_no_pair_plans():
+    """bf16 forward plans are never block-pair plans (their AVX-512 pieces are fp32-only)."""
+    gen = torch.Generator().manual_seed(9)
+    w, vb, _ = _gnm_weight(64, 1024, 1, 4, 4, gen)
+    assert gk.forward_plan(vb, w.columns, 1, 4).offsets is None
+
+
+def test_grouped_nm_bf16_nan_inf_propagate(path):
+    gen = torch.Generator().manual_seed(6)
+    R, K, T = 12, 40, 20
+    w, vb, wd = _gnm_weight(R, K, 1, 4, 2, gen)
+    x = torch.randn(T, K, generator=gen).to(BF)
+    c = 17
+    users = wd[:, c] != 0
+    assert users.any()
+    x[3, c] = float("nan")
+    x[9, c] = float("inf")
+    y = gk.spmm(x, _gnm_plan("forward", vb, w), None, R).float()
+    assert torch.isnan(y[3, users]).all()
+    assert not torch.isfinite(y[9, users]).any()
+    clean = [t for t in range(T) if t not in (3, 9)]
+    assert torch.isfinite(y[clean]).all()
+
+
+@pytest.mark.parametrize("layout", ["sliced_ell", "grouped_nm"])
+def test_bf16_backward_input_grad(path, layout):
+    """grad_x of F.linear with bf16 operands (grouped_nm: the native bf16 spmm on the input-grad plan)."""
+    gen = torch.Generator().manual_seed(12)
+    wdense = torch.randn(19, 45, generator=gen).to(BF)
+    kw = {"sparsity": 0.8} if layout == "sliced_ell" else {"n": 1, "m": 4, "g": 2}
+    w = sparsa.to_sparse(wdense, layout, **kw)
+    x = torch.randn(2, 13, 45, generator=gen).to(BF).requires_grad_(True)
+    gy = torch.randn(2, 13, 19, generator=gen).to(BF)
+    torch.nn.functional.linear(x, w).backward(gy)
+    assert x.grad.dtype == BF
+    _check(x.grad, gy, w.to_dense().float().t(), None)

@@ -13,8 +13,11 @@ AVX-512 kernel, :func:`pair_plan` groups two blocks' columns by their pair of pa
 by column (``g = column``, ``n = 1``), so ``grad_x = grad_y @ W`` is an spmm too. The C++ kernel
 (``csrc/grouped_nm_linear.cpp``, AVX2/FMA + OpenMP, token-vectorised panels; AVX-512 for the
 interleaved ``n = 1`` plans when the CPU has it, ``SPARSA_NO_AVX512=1`` to keep AVX2) runs for float32 CPU
-tensors; otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
-semantics runs (gather + einsum + index_add, in chunks of groups).
+tensors, and spmm also for bfloat16 ``x`` and plan values (bias bfloat16, float32 or None): products accumulate
+in float32 and the bfloat16 output is rounded once (nearest even); bf16 runs the AVX2 pieces on every CPU and
+gets no block-pair plans. Otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
+semantics runs (gather + einsum + index_add, in chunks of groups; bfloat16/float16 computed in float32 and
+rounded once).
 
 Example::
 
@@ -39,7 +42,7 @@ from torch import Tensor
 from . import loader
 
 __all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
-           "spmm_reference", "sddmm_reference", "native_library"]
+           "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
 #: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
@@ -58,6 +61,10 @@ def native_library() -> Optional[ctypes.CDLL]:
         f = lib.sparsa_gnm_spmm_f32
         f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64, ci,
                       ci, vp, i64]
+        f.restype = ci
+        f = lib.sparsa_gnm_spmm_bf16
+        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, ci, vp, i64, ci,
+                      i64, ci, ci, vp, i64]
         f.restype = ci
         f = lib.sparsa_gnm_sddmm_f32
         f.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, i64, i64, vp, ci, i64]
@@ -199,6 +206,8 @@ def _use_pairs(values: Tensor, n: int, m: int) -> bool:
     B, C, P, g, _ = values.shape
     if n != 1 or B < 2 or C * P * g < PAIR_MIN_RUN * P * P or values.device.type != "cpu":
         return False
+    if values.dtype != torch.float32:  # the AVX-512 pair pieces are fp32-only; bf16 runs AVX2 pieces
+        return False
     lib = native_library()
     return lib is not None and bool(lib.sparsa_grouped_nm_has_avx512())
 
@@ -230,13 +239,20 @@ def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2)
 
 
 # ------------------------------------------------------------------------------------------ reference
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
 def _chunks(T: int, G: int, L: int):
     step = max(1, _REF_CHUNK // max(1, T * L))
     return range(0, G, step), step
 
 
 def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
-    """Pure-PyTorch semantics of :func:`spmm` (``x[..., K] -> y[..., out_features]``)."""
+    """Pure-PyTorch semantics of :func:`spmm` (``x[..., K] -> y[..., out_features]``, ``x``'s dtype; for
+    bfloat16/float16 ``x`` computed in float32 and rounded once)."""
+    if x.dtype in _REDUCED:
+        b = None if bias is None else bias.to(torch.float32)
+        return spmm_reference(x.to(torch.float32), plan, b, out_features).to(x.dtype)
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = torch.nn.functional.pad(x.reshape(-1, K), (0, plan.in_pad - K))
     T = x2.shape[0]
@@ -312,6 +328,18 @@ def _lib_for(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:
     return native_library()
 
 
+def spmm_native_kind(x: Tensor, vals: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    """Which native spmm these operands can run: ``"f32"``, ``"bf16"``, or None (the reference runs). Says
+    nothing about whether the library is built (see :func:`native_library`)."""
+    if x.device.type != "cpu" or vals.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        return None
+    if x.dtype == vals.dtype == torch.float32:
+        return "f32" if bias is None or bias.dtype == torch.float32 else None
+    if x.dtype == vals.dtype == torch.bfloat16:
+        return "bf16" if bias is None or bias.dtype in (torch.bfloat16, torch.float32) else None
+    return None
+
+
 def _rows(x: Tensor) -> Tensor:
     """2-D view with unit column stride (copy only when needed)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -322,22 +350,28 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
                units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int, interleaved: bool,
                offsets: Optional[Tensor] = None) -> Tensor:
     plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets)
-    lib = _lib_for(x, vals, bias)
+    kind = spmm_native_kind(x, vals, bias)
+    lib = None if kind is None else native_library()
     if lib is None:
         return spmm_reference(x, plan, bias, out_features).contiguous()
     K = x.shape[-1]
     x2 = _rows(x)
     T = x2.shape[0]
-    y = torch.empty(T, out_features, dtype=torch.float32)
+    y = torch.empty(T, out_features, dtype=x.dtype)
     G, L = out_rows.shape[0], idx.shape[1]
     n = out_rows.shape[1]
     b = None if bias is None else bias.contiguous()
+    bp = None if b is None else b.data_ptr()
     off = None if offsets is None else offsets.contiguous()
-    rc = lib.sparsa_gnm_spmm_f32(
-        x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), vals.data_ptr(), out_rows.data_ptr(),
-        G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad,
-        None if b is None else b.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX,
-        int(interleaved), None if off is None else off.data_ptr(), idx.numel())
+    v = vals.contiguous()
+    head = (x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), v.data_ptr(), out_rows.data_ptr(),
+            G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad)
+    tail = (y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX, int(interleaved),
+            None if off is None else off.data_ptr(), idx.numel())
+    if kind == "bf16":
+        rc = lib.sparsa_gnm_spmm_bf16(*head, bp, int(b is not None and b.dtype == torch.bfloat16), *tail)
+    else:
+        rc = lib.sparsa_gnm_spmm_f32(*head, bp, *tail)
     if rc != 0:
         raise ValueError(f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
                          f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "

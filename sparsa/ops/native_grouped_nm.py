@@ -15,8 +15,9 @@ vector feeds the rows of two row blocks). Backward, each part only when ``ctx.ne
 ``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
 pattern only (up to 15% density the sddmm kernel, one dot product over tokens per stored value; above,
 BLAS ``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's shape that is
-zero elsewhere, ``grad_b = grad_y.sum``. Without the native library (or
-for non-float32 tensors) the same plans run in pure PyTorch.
+zero elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float32 and for bfloat16
+(``x`` and the weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x likewise);
+without the native library, or for other dtype combinations, the same plans run in pure PyTorch.
 """
 from __future__ import annotations
 

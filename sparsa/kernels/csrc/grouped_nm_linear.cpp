@@ -28,13 +28,21 @@
 //
 // grad_W on the pattern (a sampled dense-dense product): gv[g][e][i] = sum_t gy[t][row(g,i)] *
 // x[t][idx[g][e]], with X and grad_Y transposed to feature-major once; OpenMP over groups.
+//
+// bfloat16 spmm (sparsa_gnm_spmm_bf16): bf16 X, plan values and Y, the fp32 machinery otherwise. X is widened
+// to fp32 while packed into the panel, each bf16 value is widened as it is broadcast (the plan's value bytes
+// halve), the panel accumulates in fp32 and the output (+ bias, fp32 or bf16) is rounded to bf16 once
+// (nearest even) as it is unpacked. bf16 always runs the AVX2 pieces, also on AVX-512 CPUs: the AVX-512
+// pieces are fp32-only (an untested bf16 variant was left out; Python builds no block-pair plans for bf16).
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+#include <type_traits>
 #include <omp.h>
 #include <immintrin.h>
+#include "bf16.h"
 #include "cpu_isa.h"
 
 #ifndef __AVX2__
@@ -65,6 +73,35 @@ struct Buf {  // 64-byte aligned float buffer
     ~Buf() { std::free(p); }
 };
 
+// element access: float as is, bf16 (raw uint16_t bits) widened to / rounded from fp32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) { return sparsa_bf16_to_f32(v); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), sparsa_cvt8_f32_bf16(v)); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
+inline __m256 bcast(const float* w) { return _mm256_broadcast_ss(w); }
+inline __m256 bcast(const uint16_t* w) { return _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)((uint32_t)*w << 16))); }
+// wb[i] = broadcast w[i] for i < NR; bf16 values two at a time: one 32-bit broadcast, split by shift / mask
+template <int NR>
+inline void bcast_n(const float* w, __m256* wb) {
+    for (int i = 0; i < NR; ++i) wb[i] = _mm256_broadcast_ss(w + i);
+}
+template <int NR>
+inline void bcast_n(const uint16_t* w, __m256* wb) {
+    int i = 0;
+    for (; i + 2 <= NR; i += 2) {
+        int32_t u;
+        std::memcpy(&u, w + i, 4);  // w[i] in the low half, w[i+1] in the high half (little endian)
+        const __m256i b = _mm256_set1_epi32(u);
+        wb[i] = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+        wb[i + 1] = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+    }
+    if (i < NR) wb[i] = bcast(w + i);
+}
+
 inline void transpose8(__m256 r[8]) {
     __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
@@ -86,18 +123,19 @@ inline void transpose8(__m256 r[8]) {
 
 // pack_in with column blocks outside, token blocks inside: the 8 panel rows of a column block
 // are written whole while in L1 (token blocks outside wrote every panel line in two halves, far apart).
-void pack_in_cols(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+template <typename XT>
+void pack_in_cols(const XT* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
     const int tfull = std::min(width, nt / 8 * 8);
     int64_t c = 0;
     for (; c + 8 <= ncols; c += 8)
         for (int t0 = 0; t0 < tfull; t0 += 8) {
             __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (t0 + i) * ld + c);
+            for (int i = 0; i < 8; ++i) r[i] = load8(src + (t0 + i) * ld + c);
             transpose8(r);
             for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c + j) * S + t0, r[j]);
         }
     for (; c < ncols; ++c)
-        for (int t = 0; t < tfull; ++t) dst[c * S + t] = src[t * ld + c];
+        for (int t = 0; t < tfull; ++t) dst[c * S + t] = to_f32(src[t * ld + c]);
     for (c = ncols; c < nrows; ++c)
         for (int t0 = 0; t0 < tfull; t0 += 8) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
     for (int t0 = tfull; t0 < width; t0 += 8) {  // the partial (or empty) token blocks
@@ -105,7 +143,7 @@ void pack_in_cols(const float* src, int64_t ld, int nt, int64_t ncols, int64_t n
         for (c = 0; c < ncols; ++c) {
             float* d = dst + c * S + t0;
             int i = 0;
-            for (; i < tn; ++i) d[i] = src[(t0 + i) * ld + c];
+            for (; i < tn; ++i) d[i] = to_f32(src[(t0 + i) * ld + c]);
             for (; i < 8; ++i) d[i] = 0.f;
         }
         for (; c < nrows; ++c) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
@@ -113,14 +151,15 @@ void pack_in_cols(const float* src, int64_t ld, int nt, int64_t ncols, int64_t n
 }
 
 // pack_in with token blocks outside (8 source rows streamed at a time: better when source rows are long)
-void pack_in_tokens(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+template <typename XT>
+void pack_in_tokens(const XT* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
     for (int t0 = 0; t0 < width; t0 += 8) {
         const int tn = std::max(0, std::min(8, nt - t0));
         int64_t c = 0;
         if (tn == 8) {
             for (; c + 8 <= ncols; c += 8) {
                 __m256 r[8];
-                for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (t0 + i) * ld + c);
+                for (int i = 0; i < 8; ++i) r[i] = load8(src + (t0 + i) * ld + c);
                 transpose8(r);
                 for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c + j) * S + t0, r[j]);
             }
@@ -128,7 +167,7 @@ void pack_in_tokens(const float* src, int64_t ld, int nt, int64_t ncols, int64_t
         for (; c < ncols; ++c) {
             float* d = dst + c * S + t0;
             int i = 0;
-            for (; i < tn; ++i) d[i] = src[(t0 + i) * ld + c];
+            for (; i < tn; ++i) d[i] = to_f32(src[(t0 + i) * ld + c]);
             for (; i < 8; ++i) d[i] = 0.f;
         }
         for (; c < nrows; ++c) _mm256_storeu_ps(dst + c * S + t0, _mm256_setzero_ps());
@@ -138,13 +177,15 @@ void pack_in_tokens(const float* src, int64_t ld, int nt, int64_t ncols, int64_t
 // dst[c*S + t] = src[t*ld + c] for t < nt, c < ncols; zero for nt <= t < width (width % 8 == 0) and for
 // ncols <= c < nrows. Measured (1024 tokens, 64-token panels): column blocks outside is faster while the panel's
 // source rows span <= 256 KB (K = 768: 1:10 5.2x -> 6.0x vs dense), token blocks outside beyond (K = 3072).
-void pack_in(const float* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
+template <typename XT>
+void pack_in(const XT* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
     if (ld * (int64_t)width <= (64 << 10)) pack_in_cols(src, ld, nt, ncols, nrows, dst, S, width);
     else pack_in_tokens(src, ld, nt, ncols, nrows, dst, S, width);
 }
 
 // y[t*ldy + r] = src[r*S + t] (+ bias[r]) for r0 <= r < r1, t < nt.
-void unpack_out(const float* src, int64_t S, int64_t r0, int64_t r1, int nt, const float* bias, float* y, int64_t ldy) {
+template <typename YT>
+void unpack_out(const float* src, int64_t S, int64_t r0, int64_t r1, int nt, const float* bias, YT* y, int64_t ldy) {
     int t0 = 0;
     for (; t0 + 8 <= nt; t0 += 8) {
         int64_t r = r0;
@@ -153,21 +194,21 @@ void unpack_out(const float* src, int64_t S, int64_t r0, int64_t r1, int nt, con
             for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(src + (r + i) * S + t0);
             transpose8(v);
             const __m256 b = bias ? _mm256_loadu_ps(bias + r) : _mm256_setzero_ps();
-            for (int j = 0; j < 8; ++j) _mm256_storeu_ps(y + (t0 + j) * ldy + r, _mm256_add_ps(v[j], b));
+            for (int j = 0; j < 8; ++j) store8(y + (t0 + j) * ldy + r, _mm256_add_ps(v[j], b));
         }
         for (; r < r1; ++r) {
             const float b = bias ? bias[r] : 0.f;
-            for (int j = 0; j < 8; ++j) y[(t0 + j) * ldy + r] = src[r * S + t0 + j] + b;
+            for (int j = 0; j < 8; ++j) store1(y + (t0 + j) * ldy + r, src[r * S + t0 + j] + b);
         }
     }
     for (; t0 < nt; ++t0)
-        for (int64_t r = r0; r < r1; ++r) y[t0 * ldy + r] = src[r * S + t0] + (bias ? bias[r] : 0.f);
+        for (int64_t r = r0; r < r1; ++r) store1(y + t0 * ldy + r, src[r * S + t0] + (bias ? bias[r] : 0.f));
 }
 
 // ------------------------------------------------------------------------------------ forward piece
-// NR output rows x V token vectors; `cnt` entries; values of entry e at vals[e*vstride + i].
-template <int NR, int V>
-void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+// NR output rows x V token vectors; `cnt` entries; values of entry e at vals[e*vstride + i] (WT: float or bf16).
+template <int NR, int V, typename WT>
+void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const WT* __restrict vals,
            int64_t vstride, int64_t cnt, float* const* outp) {
     constexpr int SP = splits_for(NR, V);
     __m256 acc[SP][NR][V];
@@ -179,29 +220,30 @@ void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict i
 #pragma GCC unroll 8
         for (int s = 0; s < SP; ++s) {
             const float* xp = panel + (int64_t)idx[e + s] * S;
-            const float* w = vals + (e + s) * vstride;
+            const WT* w = vals + (e + s) * vstride;
             if constexpr (NR == 1) {
-                const __m256 wb = _mm256_broadcast_ss(w);
+                const __m256 wb = bcast(w);
 #pragma GCC unroll 12
                 for (int v = 0; v < V; ++v) acc[s][0][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[s][0][v]);
             } else {
                 __m256 xv[V];
 #pragma GCC unroll 12
                 for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(xp + 8 * v);
+                __m256 wb[NR];
+                bcast_n<NR>(w, wb);
 #pragma GCC unroll 4
                 for (int i = 0; i < NR; ++i) {
-                    const __m256 wb = _mm256_broadcast_ss(w + i);
 #pragma GCC unroll 12
-                    for (int v = 0; v < V; ++v) acc[s][i][v] = _mm256_fmadd_ps(wb, xv[v], acc[s][i][v]);
+                    for (int v = 0; v < V; ++v) acc[s][i][v] = _mm256_fmadd_ps(wb[i], xv[v], acc[s][i][v]);
                 }
             }
         }
     }
     for (; e < cnt; ++e) {
         const float* xp = panel + (int64_t)idx[e] * S;
-        const float* w = vals + e * vstride;
+        const WT* w = vals + e * vstride;
         for (int i = 0; i < NR; ++i) {
-            const __m256 wb = _mm256_broadcast_ss(w + i);
+            const __m256 wb = bcast(w + i);
             for (int v = 0; v < V; ++v) acc[0][i][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[0][i][v]);
         }
     }
@@ -216,8 +258,8 @@ void piece(const float* __restrict panel, int64_t S, const int32_t* __restrict i
 
 // Interleaved (one value per entry): entry e feeds output row e % Q only (n = 1 layouts, Q patterns of
 // a block at once, so Q rows x V token vectors stay in registers across all of them).
-template <int Q, int V>
-void ipiece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const float* __restrict vals,
+template <int Q, int V, typename WT>
+void ipiece(const float* __restrict panel, int64_t S, const int32_t* __restrict idx, const WT* __restrict vals,
             int64_t, int64_t cnt, float* const* outp) {
     __m256 acc[Q][V];
 #pragma GCC unroll 8
@@ -228,7 +270,7 @@ void ipiece(const float* __restrict panel, int64_t S, const int32_t* __restrict 
 #pragma GCC unroll 8
         for (int q = 0; q < Q; ++q) {
             const float* xp = panel + (int64_t)idx[e + q] * S;
-            const __m256 wb = _mm256_broadcast_ss(vals + e + q);
+            const __m256 wb = bcast(vals + e + q);
 #pragma GCC unroll 12
             for (int v = 0; v < V; ++v) acc[q][v] = _mm256_fmadd_ps(wb, _mm256_loadu_ps(xp + 8 * v), acc[q][v]);
         }
@@ -242,29 +284,31 @@ void ipiece(const float* __restrict panel, int64_t S, const int32_t* __restrict 
         }
 }
 
-using PieceFn = void (*)(const float*, int64_t, const int32_t*, const float*, int64_t, int64_t, float* const*);
+template <typename WT>
+using PieceFnT = void (*)(const float*, int64_t, const int32_t*, const WT*, int64_t, int64_t, float* const*);
+using PieceFn = PieceFnT<float>;
 
-template <int NR, int V>
+template <int NR, int V, typename WT = float>
 struct PieceTable {
-    static void fill(PieceFn* tab) {
-        tab[V] = &piece<NR, V>;
-        PieceTable<NR, V - 1>::fill(tab);
+    static void fill(PieceFnT<WT>* tab) {
+        tab[V] = &piece<NR, V, WT>;
+        PieceTable<NR, V - 1, WT>::fill(tab);
     }
 };
-template <int NR>
-struct PieceTable<NR, 0> {
-    static void fill(PieceFn*) {}
+template <int NR, typename WT>
+struct PieceTable<NR, 0, WT> {
+    static void fill(PieceFnT<WT>*) {}
 };
-template <int Q, int V>
+template <int Q, int V, typename WT = float>
 struct IPieceTable {
-    static void fill(PieceFn* tab) {
-        tab[V] = &ipiece<Q, V>;
-        IPieceTable<Q, V - 1>::fill(tab);
+    static void fill(PieceFnT<WT>* tab) {
+        tab[V] = &ipiece<Q, V, WT>;
+        IPieceTable<Q, V - 1, WT>::fill(tab);
     }
 };
-template <int Q>
-struct IPieceTable<Q, 0> {
-    static void fill(PieceFn*) {}
+template <int Q, typename WT>
+struct IPieceTable<Q, 0, WT> {
+    static void fill(PieceFnT<WT>*) {}
 };
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
@@ -442,23 +486,25 @@ constexpr int ivmax_for(int q) { return q <= 1 ? 12 : 12 / q; }
 
 constexpr int PAIR_VMAX512 = 12;  // block-pair plans: token vectors per panel with AVX-512 (AVX2: vmax_for(2))
 
-struct Tables {
-    PieceFn f[MAXNR + 1][vmax_for(1) + 1] = {};
-    PieceFn fi[MAXQ + 1][ivmax_for(1) + 1] = {};
-    PieceFn fp[PAIR_VMAX512 + 1] = {};  // block-pair plans (2 rows share every entry)
+// The pieces for weight values of type WT (float: the AVX-512 ones when use512; bf16: AVX2 only).
+template <typename WT>
+struct TablesT {
+    PieceFnT<WT> f[MAXNR + 1][vmax_for(1) + 1] = {};
+    PieceFnT<WT> fi[MAXQ + 1][ivmax_for(1) + 1] = {};
+    PieceFnT<WT> fp[PAIR_VMAX512 + 1] = {};  // block-pair plans (2 rows share every entry)
 #ifdef GNM_AVX512
     PairRowFn fr[PAIR_VMAX512 + 1] = {};  // block-pair plans, one row against its Q partners (AVX-512 only)
 #endif
     int pair_vmax = vmax_for(2);
     bool avx512 = false;
-    explicit Tables(bool use512) {
-        PieceTable<1, vmax_for(1)>::fill(f[1]);
-        PieceTable<2, vmax_for(2)>::fill(f[2]);
-        PieceTable<3, vmax_for(3)>::fill(f[3]);
-        PieceTable<4, vmax_for(4)>::fill(f[4]);
-        PieceTable<2, vmax_for(2)>::fill(fp);
+    explicit TablesT(bool use512) {
+        PieceTable<1, vmax_for(1), WT>::fill(f[1]);
+        PieceTable<2, vmax_for(2), WT>::fill(f[2]);
+        PieceTable<3, vmax_for(3), WT>::fill(f[3]);
+        PieceTable<4, vmax_for(4), WT>::fill(f[4]);
+        PieceTable<2, vmax_for(2), WT>::fill(fp);
 #ifdef GNM_AVX512
-        if (use512) {
+        if constexpr (std::is_same_v<WT, float>) if (use512) {
             avx512 = true;
             PieceTable512<2, PAIR_VMAX512>::fill(fp);
             PairRowTable512<PAIR_VMAX512>::fill(fr);
@@ -474,22 +520,29 @@ struct Tables {
 #else
         (void)use512;
 #endif
-        IPieceTable<1, ivmax_for(1)>::fill(fi[1]);
-        IPieceTable<2, ivmax_for(2)>::fill(fi[2]);
-        IPieceTable<3, ivmax_for(3)>::fill(fi[3]);
-        IPieceTable<4, ivmax_for(4)>::fill(fi[4]);
-        IPieceTable<5, ivmax_for(5)>::fill(fi[5]);
-        IPieceTable<6, ivmax_for(6)>::fill(fi[6]);
+        IPieceTable<1, ivmax_for(1), WT>::fill(fi[1]);
+        IPieceTable<2, ivmax_for(2), WT>::fill(fi[2]);
+        IPieceTable<3, ivmax_for(3), WT>::fill(fi[3]);
+        IPieceTable<4, ivmax_for(4), WT>::fill(fi[4]);
+        IPieceTable<5, ivmax_for(5), WT>::fill(fi[5]);
+        IPieceTable<6, ivmax_for(6), WT>::fill(fi[6]);
     }
 };
-const Tables& tables() {
-    static const Tables avx2(false), avx512(true);
-    return use_avx512() ? avx512 : avx2;
+using Tables = TablesT<float>;
+template <typename WT = float>
+const TablesT<WT>& tables() {
+    if constexpr (std::is_same_v<WT, float>) {
+        static const Tables avx2(false), avx512(true);
+        return use_avx512() ? avx512 : avx2;
+    } else {
+        static const TablesT<WT> avx2(false);  // bf16: the AVX2 pieces on every CPU
+        return avx2;
+    }
 }
 
 struct Problem {
     const int32_t* idx;       // [G][L]
-    const float* vals;        // [G][L][n]
+    const void* vals;         // [G][L][n], float or bf16 (the spmm's WT)
     const int32_t* out_rows;  // [G][n]
     int64_t G, n, L;
     int64_t units, unit_entries, unit_span;
@@ -503,20 +556,22 @@ struct Problem {
 };
 
 // out panel rows of the groups [g0, g1) += products, for V token vectors (panel row stride S)
+template <typename WT>
 void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t upt, int64_t g0, int64_t g1,
                 float* opanel) {
-    const Tables& tab = tables();
+    const TablesT<WT>& tab = tables<WT>();
+    const WT* vals = static_cast<const WT*>(P.vals);
     float* outp[MAXQ > MAXNR ? MAXQ : MAXNR];
     if (P.off) {  // unit by unit (a unit is sized at plan time), each group its run of entries in the unit
-        const PieceFn fn = tab.fp[V];
+        const PieceFnT<WT> fn = tab.fp[V];
 #ifdef GNM_AVX512
-        if (tab.avx512 && P.pq > 0 && g0 % P.gpb == 0 && g1 % P.gpb == 0) {
+        if constexpr (std::is_same_v<WT, float>) if (tab.avx512 && P.pq > 0 && g0 % P.gpb == 0 && g1 % P.gpb == 0) {
             const int Q = (int)P.pq;
             float* outb[64];
             for (int64_t u = 0; u < P.units; ++u)
                 for (int64_t g = g0; g < g1; g += Q) {  // groups (p, 0..Q-1) of one pair: row a fixed
                     for (int q = 0; q < Q; ++q) outb[q] = opanel + (int64_t)P.out_rows[2 * (g + q) + 1] * S;
-                    tab.fr[V](panel, S, P.idx, P.vals, P.off + g * (P.units + 1) + u, P.units + 1, Q,
+                    tab.fr[V](panel, S, P.idx, vals, P.off + g * (P.units + 1) + u, P.units + 1, Q,
                               opanel + (int64_t)P.out_rows[2 * g] * S, outb);
                 }
             return;
@@ -528,7 +583,7 @@ void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t 
                 if (o1 <= o0) continue;
                 outp[0] = opanel + (int64_t)P.out_rows[2 * g] * S;
                 outp[1] = opanel + (int64_t)P.out_rows[2 * g + 1] * S;
-                fn(panel, S, P.idx + o0, P.vals + 2 * o0, 2, o1 - o0, outp);
+                fn(panel, S, P.idx + o0, vals + 2 * o0, 2, o1 - o0, outp);
             }
         return;
     }
@@ -537,13 +592,13 @@ void run_groups(const Problem& P, const float* panel, int64_t S, int V, int64_t 
         for (int64_t g = g0; g < g1; ++g) {
             if (P.ilv) {
                 for (int i = 0; i < P.n; ++i) outp[i] = opanel + (int64_t)P.out_rows[g * P.n + i] * S;
-                tab.fi[P.n][V](panel, S, P.idx + g * P.L + e0, P.vals + g * P.L + e0, 1, e1 - e0, outp);
+                tab.fi[P.n][V](panel, S, P.idx + g * P.L + e0, vals + g * P.L + e0, 1, e1 - e0, outp);
                 continue;
             }
             for (int64_t i0 = 0; i0 < P.n; i0 += MAXNR) {
                 const int nr = (int)std::min<int64_t>(MAXNR, P.n - i0);
                 for (int i = 0; i < nr; ++i) outp[i] = opanel + (int64_t)P.out_rows[g * P.n + i0 + i] * S;
-                tab.f[nr][V](panel, S, P.idx + g * P.L + e0, P.vals + (g * P.L + e0) * P.n + i0, P.n, e1 - e0, outp);
+                tab.f[nr][V](panel, S, P.idx + g * P.L + e0, vals + (g * P.L + e0) * P.n + i0, P.n, e1 - e0, outp);
             }
         }
     }
@@ -553,13 +608,15 @@ int vmax_of(int64_t n) { return vmax_for((int)std::min<int64_t>(n, MAXNR)); }
 // tokens per panel by default: enough token vectors per entry to amortise its index and weight loads,
 // few enough that a tile of panel rows reused across all row blocks stays in L1
 int vdefault_of(int64_t n) { return n <= 1 ? 4 : vmax_of(n); }
+template <typename WT = float>
 int vmax_of(const Problem& P) {
-    return P.off ? tables().pair_vmax : P.ilv ? ivmax_for((int)P.n) : vmax_of(P.n);
+    return P.off ? tables<WT>().pair_vmax : P.ilv ? ivmax_for((int)P.n) : vmax_of(P.n);
 }
 constexpr int PAIR_VDEFAULT512 = 8;
 // measured: patterns sharing rows (n >= 2) do best with one token vector and a larger (L2) tile
+template <typename WT = float>
 int vdefault_of(const Problem& P) {
-    if (P.off) return std::min(vmax_of(P), PAIR_VDEFAULT512);
+    if (P.off) return std::min(vmax_of<WT>(P), PAIR_VDEFAULT512);
     return P.ilv ? (P.n <= 1 ? 4 : ivmax_for((int)P.n)) : (P.n >= 2 ? 1 : vdefault_of(P.n));
 }
 int64_t tile_default_of(const Problem& P) { return (!P.ilv && P.n >= 2) ? (96 << 10) : SPMM_TILE_BYTES; }
@@ -569,9 +626,11 @@ int64_t units_per_tile(const Problem& P, int64_t S, int64_t tile_bytes) {
     return std::max<int64_t>(1, std::min<int64_t>(P.units, tile_bytes / per_unit));
 }
 
-void spmm(const Problem& P, const float* x, int64_t T, int64_t K, int64_t ldx, const float* bias, float* y,
+// XT, WT, YT: float, or uint16_t (bf16) for x, the plan's values and y
+template <typename XT, typename WT, typename YT>
+void spmm(const Problem& P, const XT* x, int64_t T, int64_t K, int64_t ldx, const float* bias, YT* y,
           int64_t R, int nthreads, int64_t tile_bytes, int vmax) {
-    const int VM = vmax > 0 ? std::min(vmax, vmax_of(P)) : vdefault_of(P);
+    const int VM = vmax > 0 ? std::min(vmax, vmax_of<WT>(P)) : vdefault_of<WT>(P);
     const int64_t S = 8 * VM;  // panel row stride (floats) = tokens per panel
     int64_t upt = units_per_tile(P, S, tile_bytes > 0 ? tile_bytes : tile_default_of(P));
     if (tile_bytes <= 0 && P.ilv) {
@@ -596,7 +655,7 @@ void spmm(const Problem& P, const float* x, int64_t T, int64_t K, int64_t ldx, c
                 const int V = (nt + 7) / 8;
                 pack_in(x + t0 * ldx, ldx, nt, K, P.in_pad, in.p, S, 8 * V);
                 for (int64_t r = 0; r < P.out_pad; ++r) std::memset(out.p + r * S, 0, sizeof(float) * 8 * V);
-                run_groups(P, in.p, S, V, upt, 0, P.G, out.p);
+                run_groups<WT>(P, in.p, S, V, upt, 0, P.G, out.p);
                 unpack_out(out.p, S, 0, R, nt, bias, y + t0 * R, R);
             }
         }
@@ -618,7 +677,7 @@ void spmm(const Problem& P, const float* x, int64_t T, int64_t K, int64_t ldx, c
             const int64_t b0 = nblk * task / ntask, b1 = nblk * (task + 1) / ntask;
             const int64_t r0 = b0 * P.rpb, r1 = b1 * P.rpb;
             for (int64_t r = r0; r < r1; ++r) std::memset(out.p + r * S, 0, sizeof(float) * 8 * V);
-            run_groups(P, in.p, S, V, upt, b0 * P.gpb, b1 * P.gpb, out.p);
+            run_groups<WT>(P, in.p, S, V, upt, b0 * P.gpb, b1 * P.gpb, out.p);
             unpack_out(out.p, S, r0, std::min(r1, R), nt, bias, y + t0 * R, R);
         }
     }
@@ -759,7 +818,7 @@ bool valid(const Problem& P) {
 
 extern "C" {
 
-int sparsa_grouped_nm_version() { return 3; }
+int sparsa_grouped_nm_version() { return 4; }
 
 // 1 when the AVX-512 pieces run
 int sparsa_grouped_nm_has_avx512() { return tables().avx512 ? 1 : 0; }
@@ -776,7 +835,31 @@ int sparsa_gnm_spmm_f32(const float* x, int64_t T, int64_t K, int64_t ldx, const
     if (offsets) P.pq = pair_q(P);
     if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
     if (T <= 0 || R <= 0) return 0;
-    spmm(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes, vmax);
+    spmm<float, float, float>(P, x, T, K, ldx, bias, y, R, std::max(1, nthreads), tile_bytes, vmax);
+    return 0;
+}
+
+// The same with bf16 (raw uint16 bits) x, vals and y; fp32 accumulation, y rounded to bf16 once (nearest
+// even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
+// The AVX2 pieces on every CPU (see the header comment).
+int sparsa_gnm_spmm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t ldx, const int32_t* idx,
+                         const uint16_t* vals, const int32_t* out_rows, int64_t G, int64_t n, int64_t units,
+                         int64_t unit_entries, int64_t unit_span, int64_t gpb, int64_t rpb, int64_t in_pad,
+                         int64_t out_pad, const void* bias, int bias_bf16, uint16_t* y, int64_t R, int nthreads,
+                         int64_t tile_bytes, int vmax, int interleaved, const int64_t* offsets, int64_t entries) {
+    Problem P{idx, vals, out_rows, G, n, offsets ? entries : units * unit_entries, units, unit_entries, unit_span, gpb,
+              rpb, in_pad, out_pad, interleaved != 0, offsets};
+    if (offsets) P.pq = pair_q(P);
+    if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
+    if (T <= 0 || R <= 0) return 0;
+    std::vector<float> b32;
+    const float* b = static_cast<const float*>(bias);
+    if (bias && bias_bf16) {
+        b32.resize((size_t)R);
+        sparsa_bf16_to_f32_n(static_cast<const uint16_t*>(bias), b32.data(), R, 1);
+        b = b32.data();
+    }
+    spmm<uint16_t, uint16_t, uint16_t>(P, x, T, K, ldx, b, y, R, std::max(1, nthreads), tile_bytes, vmax);
     return 0;
 }
 
