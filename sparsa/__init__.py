@@ -8,7 +8,7 @@ from .tensor import SparseTensor, to_sparse, to_dense  # noqa: F401
 from . import ops  # noqa: F401
 from .ops import fallback_counts, reset_fallback_counts, SparseFallbackWarning, implements  # noqa: F401
 from . import sparsifiers  # noqa: F401
-from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears  # noqa: F401
+from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu  # noqa: F401
 from .io import save, load  # noqa: F401
 from . import methods  # noqa: F401
 

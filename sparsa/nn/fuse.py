@@ -1,0 +1,91 @@
+"""Fold the GELU after a sparse ``nn.Linear`` into the kernel's epilogue.
+
+The row_group kernel can apply GELU to each output tile while it is still in registers, which saves
+a full pass over the (tokens x 4*hidden) activation of a transformer's MLP. :func:`fuse_gelu` finds
+``Linear -> GELU`` pairs (consecutive in an ``nn.Sequential``, or a module's ``dense`` Linear followed
+by its ``intermediate_act_fn``, as in Hugging Face BERT-style MLPs), turns the Linear into a
+:class:`LinearGELU` and the GELU into ``nn.Identity``. Parameters, ``state_dict`` keys and results
+are unchanged::
+
+    >>> import torch, torch.nn as nn, sparsa
+    >>> from sparsa.nn.fuse import fuse_gelu
+    >>> m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    >>> _ = sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    >>> x = torch.randn(4, 32)
+    >>> with torch.no_grad():
+    ...     before = m(x)
+    ...     n = fuse_gelu(m)
+    ...     torch.allclose(m(x), before, atol=1e-5), n, type(m[1]).__name__
+    (True, 1, 'Identity')
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layouts.row_group import RowGroup
+from ..tensor import SparseTensor
+
+__all__ = ["LinearGELU", "fuse_gelu", "is_exact_gelu"]
+
+
+def is_exact_gelu(m: object) -> bool:
+    """True for ``nn.GELU()`` (erf form) and Hugging Face's ``GELUActivation`` running ``F.gelu``."""
+    if isinstance(m, nn.GELU):
+        return m.approximate == "none"
+    return type(m).__name__ == "GELUActivation" and getattr(m, "act", None) is F.gelu
+
+
+class LinearGELU(nn.Linear):
+    """``gelu(linear(x))``; with a row_group weight the GELU runs in the kernel's epilogue (inference:
+    no autograd graph needed), otherwise as a separate op."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "LinearGELU":
+        new = cls.__new__(cls)
+        new.__dict__.update(linear.__dict__)  # the same parameters, hooks and state
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, SparseTensor) and isinstance(w.sparse_layout, RowGroup) and not (
+                torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
+                                             (self.bias is not None and self.bias.requires_grad))):
+            from ..kernels import row_group as rg
+            lay = w.sparse_layout
+            if x.shape[-1] != lay.shape[1]:
+                raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
+                                 f"dimension of {lay.shape[1]}")
+            bias = None if self.bias is None else self.bias.detach()
+            op = rg.row_group_linear if torch.compiler.is_compiling() else rg.row_group_linear_impl
+            return op(x, lay.columns, lay.values, bias, lay.shape[0], lay.row_perm, "gelu")
+        return F.gelu(F.linear(x, w, self.bias))
+
+
+def fuse_gelu(model: nn.Module) -> int:
+    """Fuse every ``Linear -> exact GELU`` pair of ``model`` in place; returns how many were fused.
+
+    Only pairs whose Linear has a sparse weight are touched (a dense Linear gains nothing). Call it
+    after sparsifying, for inference; a fused model still trains correctly (the GELU then runs
+    separately).
+    """
+    fused = 0
+    for mod in list(model.modules()):
+        if isinstance(mod, nn.Sequential):
+            items = list(mod._modules.items())
+            for (na, a), (nb, b) in zip(items, items[1:]):
+                if _fusable(a) and is_exact_gelu(b):
+                    mod._modules[na] = LinearGELU.from_linear(a)
+                    mod._modules[nb] = nn.Identity()
+                    fused += 1
+        dense, act = getattr(mod, "dense", None), getattr(mod, "intermediate_act_fn", None)
+        if _fusable(dense) and is_exact_gelu(act):
+            mod.dense = LinearGELU.from_linear(dense)
+            mod.intermediate_act_fn = nn.Identity()
+            fused += 1
+    return fused
+
+
+def _fusable(m: object) -> bool:
+    return type(m) is nn.Linear and isinstance(m.weight, SparseTensor)

@@ -1,0 +1,97 @@
+"""fuse_gelu: Linear -> GELU pairs run as one row_group kernel with a GELU epilogue, same results."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsa
+from sparsa.kernels import row_group as rg
+from sparsa.nn.fuse import LinearGELU, fuse_gelu, is_exact_gelu
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.GELU(approximate="tanh"),
+                         nn.Linear(48, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequential_pairs_fuse_and_match(dtype):
+    m = _mlp()
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    m = m.to(dtype)
+    x = torch.randn(5, 48).to(dtype)
+    with torch.no_grad():
+        ref = m(x)
+        assert fuse_gelu(m) == 1                   # the tanh GELU is not the kernel's GELU: left alone
+        assert isinstance(m[0], LinearGELU) and isinstance(m[1], nn.Identity)
+        assert isinstance(m[3], nn.GELU) and type(m[2]) is nn.Linear
+        out = m(x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_fused_epilogue_runs_in_inference(monkeypatch):
+    m = _mlp()
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    fuse_gelu(m)
+    seen = []
+    real = rg.row_group_linear_impl
+    monkeypatch.setattr(rg, "row_group_linear_impl", lambda *a: seen.append(a[6] if len(a) > 6 else "none") or real(*a))
+    with torch.no_grad():
+        m(torch.randn(3, 48))
+    assert seen == ["gelu", "none", "none"]
+
+
+def test_training_through_a_fused_model_matches():
+    m = _mlp()
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    f = copy.deepcopy(m)
+    fuse_gelu(f)
+    x = torch.randn(4, 48)
+    m(x).square().sum().backward()
+    f(x).square().sum().backward()
+    for (n, p), (_, q) in zip(m.named_parameters(), f.named_parameters()):
+        torch.testing.assert_close(q.grad if not isinstance(q.grad, sparsa.SparseTensor) else q.grad.to_dense(),
+                                   p.grad if not isinstance(p.grad, sparsa.SparseTensor) else p.grad.to_dense(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_dense_linears_and_state_dict_untouched():
+    m = _mlp()
+    assert fuse_gelu(m) == 0                      # nothing sparse: nothing to gain
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    keys = list(m.state_dict())
+    fuse_gelu(m)
+    assert list(m.state_dict()) == keys
+
+
+def test_bert_intermediate_is_fused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    names = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and ".layer." in n]
+    sparsa.sparsify(model, [sparsa.Rule(sparsifier=sparsa.methods.pattern.RowGroupSparsifier(0.5, group=16),
+                                        layout="row_group", names=names)])
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).last_hidden_state
+        assert fuse_gelu(model) == 2
+        out = model(ids).last_hidden_state
+    assert is_exact_gelu(transformers.activations.GELUActivation())
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_fused_model_matches():
+    m = _mlp()
+    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    fuse_gelu(m)
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        ref = m(x)
+        torch._dynamo.reset()
+        out = torch.compile(m, backend="aot_eager")(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
