@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv clean bench deepsparse-venv bench-deepsparse
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -35,3 +35,26 @@ bench: $(STAMP)
 	$(VPY) benchmarks/quality.py
 	$(VPY) benchmarks/plots.py
 	$(VPY) benchmarks/tables.py
+
+# Head to head with Neural Magic's DeepSparse (benchmarks/deepsparse_h2h.py). Its pins (deepsparse
+# 1.8.0 needs onnx<1.15; 1.9.0 is a placeholder release that refuses to install) conflict with the
+# project's, so it gets its own venv; sparsa goes in editable without its dependencies. Not part of test.
+DS_VENV := .venv-deepsparse
+DS_VPY := $(DS_VENV)/bin/python
+DS_STAMP := $(DS_VENV)/.installed
+
+$(DS_VPY):
+	$(PY) -m venv $(DS_VENV)
+
+$(DS_STAMP): $(DS_VPY) pyproject.toml
+	$(DS_VPY) -m pip install --quiet --upgrade pip
+	$(DS_VPY) -m pip install --quiet "torch==2.13.0" "deepsparse==1.8.0" "onnx<1.15" transformers ninja numpy "safetensors>=0.4"
+	$(DS_VPY) -m pip install --quiet --no-deps -e .
+	touch $(DS_STAMP)
+
+deepsparse-venv: $(DS_STAMP)
+
+# Full run (sparsities 0.75/0.9, batch 8/1): several minutes on a quiet 2-core machine, four DeepSparse
+# compiles of ~30 s among them; writes benchmarks/results/<cpu class>/deepsparse_h2h.json.
+bench-deepsparse: $(DS_STAMP)
+	NM_DISABLE_ANALYTICS=1 $(DS_VPY) benchmarks/deepsparse_h2h.py
