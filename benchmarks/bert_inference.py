@@ -51,6 +51,8 @@ SEQ = 128
 #: the keys of every speed row (dense baselines and sparse models alike)
 ROW_KEYS = ("layout", "dtype", "compiled", "sparsity", "batch", "seq", "threads", "speedup_vs_dense",
             "speedup_vs_best_dense", "max_rel_err")
+#: sparse rows also say whether GELU ran in the kernels' epilogue (``fused``) and, for fused/compiled
+#: rows, ``speedup_vs_eager_sparse`` (the same sparse model run eagerly, unfused / the fused variant)
 #: keys sparse rows add
 SPARSE_KEYS = ("best_dense", "dense_ms", "best_dense_ms", "sparse_ms")
 
@@ -170,9 +172,24 @@ def dense_baselines(dense: nn.Module, batches: Sequence[int], threads: int, reps
     return fns_by_batch, ms_by_batch, rows
 
 
+def _variants(model: nn.Module, label: str, dtype: str, compile_sparse: Sequence[str]) -> Dict[str, nn.Module]:
+    """The ways one sparse model runs: ``eager``; ``fused`` (``sparsa.fuse_gelu``: GELU in the row_group
+    kernels' epilogue) when it fuses anything; ``compiled`` (``torch.compile`` of the fused model, so
+    Inductor fuses the attention, LayerNorm and glue around the sparse ops) for the float32 models
+    whose label is in ``compile_sparse``."""
+    out: Dict[str, nn.Module] = {"eager": model}
+    fused = copy.deepcopy(model)
+    if sparsa.fuse_gelu(fused):
+        out["fused"] = fused
+    if dtype == "float32" and label in compile_sparse:
+        out["compiled"] = torch.compile(out.get("fused", fused), dynamic=False)
+    return out
+
+
 def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[str] = tuple(DTYPES),
                only: Optional[Sequence[str]] = None, sparsities: Optional[Sequence[float]] = None,
-               batches: Optional[Sequence[int]] = None, layers: int = 12) -> List[Dict[str, Any]]:
+               batches: Optional[Sequence[int]] = None, layers: int = 12,
+               compile_sparse: Sequence[str] = ()) -> List[Dict[str, Any]]:
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
     dense = BertModel(BertConfig(num_hidden_layers=layers)).eval()
@@ -190,12 +207,15 @@ def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[st
             for dt in dtypes:
                 if dt != "float32":
                     model = model.to(DTYPES[dt])  # SparseTensor weights convert their values
+                variants = _variants(model, label, dt, compile_sparse)
                 for batch in batches:
                     ids = _inputs(batch)
                     with torch.no_grad():
-                        t0 = time.perf_counter()
-                        err = _rel_err(model(ids).last_hidden_state, refs[batch])
-                        one_ms = (time.perf_counter() - t0) * 1e3
+                        errs, one_ms = {}, 0.0
+                        for name, m in variants.items():
+                            t0 = time.perf_counter()
+                            errs[name] = _rel_err(m(ids).last_hidden_state, refs[batch])
+                            one_ms = max(one_ms, (time.perf_counter() - t0) * 1e3)
                         dms = ms_by_batch[batch]
                         keep = ("fp32", best_dense(dms))
                         dense_fns = {k: f for k, f in fns_by_batch[batch].items() if k in keep}
@@ -203,13 +223,20 @@ def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[st
                         # (the accuracy call above was one)
                         ratio = one_ms / dms["fp32"]
                         rounds, warm = (reps, 1) if ratio < 3 else (min(reps, 3), 1) if ratio < 10 else (1, 0)
-                        ms = _side_by_side(dict(dense_fns, sparse=lambda: model(ids)), rounds, warmup=warm)
-                    row = {"layout": label, "dtype": dt, "compiled": False, "sparsity": sp, "batch": batch,
-                           "seq": SEQ, "threads": threads, **speedups(ms), "max_rel_err": err}
-                    rows.append(row)
-                    print(f"{label:>16} {SHORT[dt]} {sp:5.0%} batch {batch}: {row['speedup_vs_dense']:.2f}x vs fp32 "
-                          f"eager, {row['speedup_vs_best_dense']:.2f}x vs the best dense ({row['best_dense']})  "
-                          f"(err {err:.1e})", flush=True)
+                        sparse_fns = {name: (lambda m=m: m(ids)) for name, m in variants.items()}
+                        ms = _side_by_side(dict(dense_fns, **sparse_fns), rounds, warmup=warm)
+                    for name in variants:
+                        timed = {k: v for k, v in ms.items() if k in dense_fns or k == name}
+                        row = {"layout": label, "dtype": dt, "compiled": name == "compiled",
+                               "fused": name != "eager", "sparsity": sp, "batch": batch, "seq": SEQ,
+                               "threads": threads, **speedups(timed, name), "max_rel_err": errs[name]}
+                        if name != "eager":
+                            row["speedup_vs_eager_sparse"] = round(ms["eager"] / ms[name], 3)
+                        rows.append(row)
+                        print(f"{label:>16} {SHORT[dt]} {name:>8} {sp:5.0%} batch {batch}: "
+                              f"{row['speedup_vs_dense']:.2f}x vs fp32 eager, {row['speedup_vs_best_dense']:.2f}x vs "
+                              f"the best dense ({row['best_dense']})  (err {errs[name]:.1e})", flush=True)
+                del variants
             del model
     return rows
 
@@ -281,6 +308,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="time the torch.compile dense baseline (default: on, off with --quick)")
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     ap.add_argument("--no-quality", action="store_true", help="skip the MiniLM quality rows")
+    ap.add_argument("--compile-sparse", default=None,
+                    help="comma-separated layout labels whose float32 sparse model is also timed under "
+                         "torch.compile (default: row_group16 when the compiled baseline runs, else none)")
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
@@ -293,8 +323,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cpu = sparsa.cpu.cpu_info()
     t0 = time.perf_counter()
     sparsities = [float(v) for v in args.sparsities.split(",")] if args.sparsities else None
+    compile_sparse = ([v.strip() for v in args.compile_sparse.split(",") if v.strip()]
+                      if args.compile_sparse is not None else (["row_group16"] if use_compile else []))
     rows = speed_rows(args.quick, args.threads, use_compile, dtypes, only, sparsities,
-                      [int(v) for v in args.batches.split(",")] if args.batches else None, args.layers)
+                      [int(v) for v in args.batches.split(",")] if args.batches else None, args.layers,
+                      compile_sparse)
     quality = [] if args.no_quality else quality_rows(args.quick, only, sparsities)
     res = {"benchmark": "bert_inference", "cpu": cpu,
            "model": "BertModel(BertConfig()) (BERT-base, random weights)" if args.layers == 12 else

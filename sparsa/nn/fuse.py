@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layouts.row_group import RowGroup
 from ..tensor import SparseTensor
 
 __all__ = ["LinearGELU", "fuse_gelu", "is_exact_gelu"]
@@ -47,19 +46,23 @@ class LinearGELU(nn.Linear):
         new.__dict__.update(linear.__dict__)  # the same parameters, hooks and state
         return new
 
+    def _epilogue_kernel(self) -> bool:
+        # a plain attribute test (no isinstance on the layout), so torch.compile traces it without a break
+        return getattr(self.weight, "layout_name", None) == "row_group"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if isinstance(w, SparseTensor) and isinstance(w.sparse_layout, RowGroup) and not (
-                torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
-                                             (self.bias is not None and self.bias.requires_grad))):
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
+                                                  (self.bias is not None and self.bias.requires_grad))
+        if not needs_grad and self._epilogue_kernel():
             from ..kernels import row_group as rg
-            lay = w.sparse_layout
-            if x.shape[-1] != lay.shape[1]:
+            if x.shape[-1] != self.in_features:
                 raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
-                                 f"dimension of {lay.shape[1]}")
+                                 f"dimension of {self.in_features}")
             bias = None if self.bias is None else self.bias.detach()
             op = rg.row_group_linear if torch.compiler.is_compiling() else rg.row_group_linear_impl
-            return op(x, lay.columns, lay.values, bias, lay.shape[0], lay.row_perm, "gelu")
+            # the layout's components, by the names SparseTensor.__tensor_flatten__ gives them
+            return op(x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm, "gelu")
         return F.gelu(F.linear(x, w, self.bias))
 
 

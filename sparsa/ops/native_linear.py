@@ -138,7 +138,7 @@ class SlicedELLLinear:
 def _se_grad_input(g2: Tensor, w: SlicedELL) -> Tensor:
     """``grad_y @ W``: the forward kernel on the transposed pattern when sparse enough, else dense."""
     dense = w.to_dense().to(g2.dtype)
-    if w.density > _SPARSE_BACKWARD_DENSITY / 1.5 or g2.dtype != torch.float32:
+    if w.density > _SPARSE_BACKWARD_DENSITY / 1.5 or g2.dtype not in (torch.float32, torch.bfloat16):
         return g2 @ dense
     wt = SlicedELL.from_dense(dense.t(), mask=w.mask().t())
     return _se.sliced_ell_linear_impl(g2, wt.slice_ptr, wt.columns, wt.values, None, w.shape[1])
