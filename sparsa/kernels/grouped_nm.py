@@ -19,6 +19,12 @@ gets no block-pair plans. Otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-Py
 semantics runs (gather + einsum + index_add, in chunks of groups; bfloat16/float16 computed in float32 and
 rounded once).
 
+Both ops have autograd formulas, so they are differentiable when called directly, eagerly or under
+``torch.compile`` (:class:`~sparsa.ops.native_grouped_nm.GroupedNMLinear` keeps its own backward, with plans
+cached on the layout): spmm's ``grad_vals`` is the sddmm op on the plan (de-interleaved for interleaved plans,
+one group per entry for block-pair plans), its ``grad_x`` a matmul with the plan's dense matrix; sddmm,
+bilinear in ``(x, gy)``, differentiates to the same two products, so spmm is twice differentiable.
+
 Example::
 
     >>> import torch
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -363,7 +369,7 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
     b = None if bias is None else bias.contiguous()
     bp = None if b is None else b.data_ptr()
     off = None if offsets is None else offsets.contiguous()
-    v = vals.contiguous()
+    v, idx, out_rows = vals.contiguous(), idx.contiguous(), out_rows.contiguous()
     head = (x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), v.data_ptr(), out_rows.data_ptr(),
             G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad)
     tail = (y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX, int(interleaved),
@@ -403,6 +409,7 @@ def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int
         return sddmm_reference(x, gy, plan)
     K, R = x.shape[-1], gy.shape[-1]
     x2, g2 = _rows(x), _rows(gy)
+    idx, out_rows = idx.contiguous(), out_rows.contiguous()
     T = x2.shape[0]
     gv = torch.empty(G, L, n, dtype=torch.float32)
     rc = lib.sparsa_gnm_sddmm_f32(
@@ -425,6 +432,134 @@ def grouped_nm_sddmm(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units
 @grouped_nm_sddmm.register_fake
 def _(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
     return x.new_empty(idx.shape[0], idx.shape[1], out_rows.shape[1])
+
+
+# -------------------------------------------------------------------------------------------- autograd
+# Both ops are bilinear: spmm in (x, vals) (plus the bias), sddmm in (x, gy). Every formula is written
+# with the per-entry output rows of the plan (:func:`_entry_rows`), so it holds for all three kinds of
+# plan, and traces under torch.compile (no data-dependent shapes). float32 and float64 compute in their
+# own dtype; bfloat16/float16 compute in float32 and the gradients are rounded to the inputs' dtypes.
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return torch.float32 if out in _REDUCED else out
+
+
+def _entry_rows(idx: Tensor, out_rows: Tensor, interleaved: bool,
+                offsets: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """int64 output row of every value of the plan, in the values' shape (``(G, L, n)``; ``(G, L, 1)``
+    interleaved; ``(1, E, 2)`` block-pair), and for block-pair plans a bool ``(1, E, 1)`` mask of the flat
+    entries that some group reads (None otherwise: every entry counts)."""
+    G, L = idx.shape
+    rows = out_rows.long()
+    if offsets is not None:
+        # flat entry p belongs to the group whose run [offsets[g, 0], offsets[g, -1]) holds it
+        p = torch.arange(L, device=idx.device)
+        if offsets.shape[0] == 0:
+            return p.new_zeros(1, L, 2), torch.zeros(1, L, 1, dtype=torch.bool, device=idx.device)
+        start, end = offsets[:, 0], offsets[:, -1]
+        order = torch.argsort(start * (L + 1) + end)  # by start, then end: of equal starts the non-empty run last
+        k = (torch.searchsorted(start[order], p, right=True) - 1).clamp_min(0)
+        grp = order[k]
+        live = (p >= start[grp]) & (p < end[grp])
+        return rows[grp].unsqueeze(0), live.view(1, L, 1)
+    if interleaved:
+        return rows[:, torch.arange(L, device=idx.device) % rows.shape[1]].unsqueeze(-1), None
+    return rows.unsqueeze(1).expand(G, L, rows.shape[1]), None
+
+
+def _plan_weight(idx: Tensor, vals: Tensor, rows: Tensor, live: Optional[Tensor], out_pad: int, in_pad: int,
+                 dtype: torch.dtype) -> Tensor:
+    """The plan as a dense ``(out_pad, in_pad)`` matrix ``W`` (``y_pad = x_pad @ W.T``), duplicates summed."""
+    v = vals.to(dtype)
+    if live is not None:
+        v = v * live
+    cols = idx.long().unsqueeze(-1).expand(rows.shape)
+    w = torch.zeros(out_pad, in_pad, dtype=dtype, device=vals.device)
+    return w.index_put_((rows.reshape(-1), cols.reshape(-1)), v.reshape(-1), accumulate=True)
+
+
+def _pad_cols(t: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    t2 = t.reshape(-1, t.shape[-1]).to(dtype)
+    return t2 if t2.shape[1] == width else torch.nn.functional.pad(t2, (0, width - t2.shape[1]))
+
+
+def _spmm_grad_vals(x2: Tensor, g2: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
+                    unit_span: int, out_pad: int, interleaved: bool, offsets: Optional[Tensor]) -> Tensor:
+    """``d loss / d vals`` in the values' shape: the sddmm op (native for float32) on the plan, on its
+    de-interleaved form (group ``(g, i)``: the entries ``i, i+Q, ...`` of group ``g``), or with one group per
+    entry (block-pair plans, irregular interleaved ones)."""
+    G, L = idx.shape
+    if offsets is None and not interleaved:
+        return grouped_nm_sddmm(x2, g2, idx, out_rows, units, unit_entries, unit_span, out_pad)
+    Q = out_rows.shape[1]
+    if offsets is None and Q > 0 and unit_entries % Q == 0 and L == units * unit_entries:
+        di = idx.view(G, L // Q, Q).transpose(1, 2).reshape(G * Q, L // Q)
+        gv = grouped_nm_sddmm(x2, g2, di, out_rows.reshape(G * Q, 1), units, unit_entries // Q, unit_span, out_pad)
+        return gv.view(G, Q, L // Q).transpose(1, 2).reshape(G, L, 1)
+    rows, live = _entry_rows(idx, out_rows, interleaved, offsets)
+    n = rows.shape[-1]
+    in_pad = max(units * unit_span, x2.shape[1])
+    gv = grouped_nm_sddmm(x2, g2, idx.reshape(-1, 1), rows.reshape(-1, n).to(torch.int32), 1, 1, in_pad, out_pad)
+    gv = gv.view(rows.shape)
+    return gv if live is None else gv * live
+
+
+def _spmm_setup_context(ctx, inputs, output):
+    x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets = inputs
+    ctx.save_for_backward(x, idx, vals, out_rows, offsets)
+    ctx.plan = (units, unit_entries, unit_span, (out_rows.shape[0] // gpb) * rpb, interleaved)
+    ctx.out_features = out_features
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _spmm_backward(ctx, gy):
+    x, idx, vals, out_rows, offsets = ctx.saved_tensors
+    units, unit_entries, unit_span, out_pad, interleaved = ctx.plan
+    K = x.shape[-1]
+    in_pad = max(units * unit_span, K)
+    ct = _compute_dtype(gy.dtype, x.dtype, vals.dtype)
+    g2 = gy.reshape(-1, ctx.out_features).to(ct)
+    gx = gv = gb = None
+    if ctx.needs_input_grad[0]:
+        rows, live = _entry_rows(idx, out_rows, interleaved, offsets)
+        w = _plan_weight(idx, vals, rows, live, out_pad, in_pad, ct)
+        gx = (_pad_cols(g2, out_pad, ct) @ w)[:, :K].reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[2]:
+        gv = _spmm_grad_vals(x.reshape(-1, K).to(ct), g2, idx, out_rows, units, unit_entries, unit_span, out_pad,
+                             interleaved, offsets).to(vals.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+        gb = g2.sum(0).to(ctx.bias_dtype)
+    return gx, None, gv, None, gb, None, None, None, None, None, None, None, None
+
+
+grouped_nm_spmm.register_autograd(_spmm_backward, setup_context=_spmm_setup_context)
+
+
+def _sddmm_setup_context(ctx, inputs, output):
+    x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad = inputs
+    ctx.save_for_backward(x, gy, idx, out_rows)
+    ctx.in_pad, ctx.out_pad = max(units * unit_span, x.shape[-1]), out_pad
+
+
+def _sddmm_backward(ctx, ggv):
+    # gv is the plan's sampled gy.T @ x: d/dx = gy_pad @ W(ggv), d/dgy = x_pad @ W(ggv).T, W(ggv) the plan's
+    # dense matrix with ggv as its values (d/dgy is the spmm of x with values ggv)
+    x, gy, idx, out_rows = ctx.saved_tensors
+    K, R = x.shape[-1], gy.shape[-1]
+    ct = _compute_dtype(ggv.dtype, x.dtype, gy.dtype)
+    rows, _ = _entry_rows(idx, out_rows, False, None)
+    w = _plan_weight(idx, ggv, rows, None, ctx.out_pad, ctx.in_pad, ct)
+    gx = ggy = None
+    if ctx.needs_input_grad[0]:
+        gx = (_pad_cols(gy, ctx.out_pad, ct) @ w)[:, :K].reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        ggy = (_pad_cols(x, ctx.in_pad, ct) @ w.t())[:, :R].reshape(gy.shape).to(gy.dtype)
+    return gx, ggy, None, None, None, None, None, None
+
+
+grouped_nm_sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup_context)
 
 
 def _compiling() -> bool:
