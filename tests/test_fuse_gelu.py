@@ -7,6 +7,7 @@ import torch.nn as nn
 
 import sparsa
 from sparsa.kernels import row_group as rg
+from sparsa.kernels import sliced_ell as se
 from sparsa.nn.fuse import LinearGELU, fuse_gelu, is_exact_gelu
 
 
@@ -16,10 +17,14 @@ def _mlp():
                          nn.Linear(48, 8))
 
 
+LAYOUTS = [("row_group", dict(group=8)), ("sliced_ell", {})]
+
+
+@pytest.mark.parametrize("layout, kw", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sequential_pairs_fuse_and_match(dtype):
+def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    sparsa.sparsify_linears(m, layout, 0.75, **kw)
     m = m.to(dtype)
     x = torch.randn(5, 48).to(dtype)
     with torch.no_grad():
@@ -32,21 +37,25 @@ def test_sequential_pairs_fuse_and_match(dtype):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_fused_epilogue_runs_in_inference(monkeypatch):
+@pytest.mark.parametrize("layout, kw, module, fn, at", [
+    ("row_group", dict(group=8), rg, "row_group_linear_impl", 6),
+    ("sliced_ell", {}, se, "sliced_ell_linear_impl", 6)])
+def test_fused_epilogue_runs_in_inference(monkeypatch, layout, kw, module, fn, at):
     m = _mlp()
-    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    sparsa.sparsify_linears(m, layout, 0.75, **kw)
     fuse_gelu(m)
     seen = []
-    real = rg.row_group_linear_impl
-    monkeypatch.setattr(rg, "row_group_linear_impl", lambda *a: seen.append(a[6] if len(a) > 6 else "none") or real(*a))
+    real = getattr(module, fn)
+    monkeypatch.setattr(module, fn, lambda *a: seen.append(a[at] if len(a) > at else "none") or real(*a))
     with torch.no_grad():
         m(torch.randn(3, 48))
     assert seen == ["gelu", "none", "none"]
 
 
-def test_training_through_a_fused_model_matches():
+@pytest.mark.parametrize("layout, kw", LAYOUTS)
+def test_training_through_a_fused_model_matches(layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    sparsa.sparsify_linears(m, layout, 0.75, **kw)
     f = copy.deepcopy(m)
     fuse_gelu(f)
     x = torch.randn(4, 48)
@@ -85,9 +94,10 @@ def test_bert_intermediate_is_fused():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_fused_model_matches():
+@pytest.mark.parametrize("layout, kw", LAYOUTS)
+def test_compiled_fused_model_matches(layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    sparsa.sparsify_linears(m, layout, 0.75, **kw)
     fuse_gelu(m)
     x = torch.randn(6, 48)
     with torch.no_grad():

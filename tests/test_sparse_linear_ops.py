@@ -309,3 +309,44 @@ def test_compile_grouped_nm_sddmm():
         return torch.ops.sparsa.grouped_nm_sddmm(*_sddmm_args(plan, x, gy)) * 2
 
     _compiled_matches_eager(fn, (x, gy))
+
+
+# ---------------------------------------------------------------------------------------------- GELU epilogue
+@pytest.mark.parametrize("path", ["avx2", "fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [1, 7, 40])
+def test_sliced_ell_gelu_epilogue_matches_float64(monkeypatch, path, dtype, out_features):
+    from sparsa import cpu
+    if path == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    elif cpu.hardware_isa() == "portable":
+        pytest.skip("this CPU has no avx2/fma")
+    else:
+        monkeypatch.setenv("SPARSA_ISA", path)
+    gen = torch.Generator().manual_seed(out_features)
+    w = SlicedELL.from_dense(torch.randn(out_features, 50, generator=gen), sparsity=0.8)
+    v = w.values.to(dtype)
+    for tokens in (1, 9, 40):
+        x = torch.randn(tokens, 50, generator=gen).to(dtype)
+        b = torch.randn(out_features, generator=gen).to(dtype)
+        y = se.sliced_ell_linear(x, w.slice_ptr, w.columns, v, b, out_features, "gelu")
+        wd = SlicedELL(w.slice_ptr, w.columns, v, w.row_nnz, w.shape, validate=False).to_dense().double()
+        ref = F.gelu(F.linear(x.double(), wd, b.double()))
+        tol = 2e-6 if dtype == torch.float32 else 8e-3
+        assert y.dtype == dtype
+        assert ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item() <= tol
+
+
+def test_sliced_ell_gelu_gradcheck_and_opcheck():
+    gen = torch.Generator().manual_seed(4)
+    w = SlicedELL.from_dense(torch.randn(9, 12, generator=gen), sparsity=0.6)
+    x = torch.randn(3, 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = w.values.double().requires_grad_()
+    b = torch.randn(9, dtype=torch.float64, generator=gen, requires_grad=True)
+    fn = lambda x, v, b: se.sliced_ell_linear(x, w.slice_ptr, w.columns, v, b, 9, "gelu")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, v, b))
+    xf = x.detach().float().requires_grad_()
+    torch.library.opcheck(torch.ops.sparsa.sliced_ell_linear.default,
+                          (xf, w.slice_ptr, w.columns, w.values.clone().requires_grad_(), b.detach().float(), 9, "gelu"))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        se.sliced_ell_linear_impl(xf.detach(), w.slice_ptr, w.columns, w.values, None, 9, "swish")

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from . import loader
+from .operands import native_kind as spmm_native_kind
 
 __all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
            "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
@@ -332,18 +333,6 @@ def _lib_for(*tensors: Optional[Tensor]) -> Optional[ctypes.CDLL]:
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
             return None
     return native_library()
-
-
-def spmm_native_kind(x: Tensor, vals: Tensor, bias: Optional[Tensor]) -> Optional[str]:
-    """Which native spmm these operands can run: ``"f32"``, ``"bf16"``, or None (the reference runs). Says
-    nothing about whether the library is built (see :func:`native_library`)."""
-    if x.device.type != "cpu" or vals.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
-        return None
-    if x.dtype == vals.dtype == torch.float32:
-        return "f32" if bias is None or bias.dtype == torch.float32 else None
-    if x.dtype == vals.dtype == torch.bfloat16:
-        return "bf16" if bias is None or bias.dtype in (torch.bfloat16, torch.float32) else None
-    return None
 
 
 def _rows(x: Tensor) -> Tensor:

@@ -28,13 +28,12 @@ import torch
 from torch import Tensor
 
 from . import loader
+from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
+from .operands import native_kind
 
 __all__ = ["row_group_linear", "row_group_linear_impl", "row_group_linear_reference", "native_library",
            "native_kind", "ACTIVATIONS"]
 
-#: epilogue activations the kernel fuses (after the bias)
-ACTIVATIONS = ("none", "gelu")
-_ACT_CODE = {"none": 0, "gelu": 1}
 _REDUCED = (torch.bfloat16, torch.float16)
 
 _SOURCES = ["row_group_linear.cpp"]
@@ -52,23 +51,13 @@ def native_library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def _check_activation(activation: str) -> int:
-    if activation not in _ACT_CODE:
-        raise ValueError(f"row_group_linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return _ACT_CODE[activation]
-
-
-def _activate(y: Tensor, activation: str) -> Tensor:
-    return torch.nn.functional.gelu(y) if activation == "gelu" else y
-
-
 def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
                                out_features: int, row_perm: Optional[Tensor] = None,
                                activation: str = "none") -> Tensor:
     """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` in ``x``'s dtype (slot
     ``s`` of the groups is output ``row_perm[s]``; None: consecutive rows). For bfloat16/float16 ``x`` it
     computes in float32 and rounds the result once, as the kernel does."""
-    _check_activation(activation)
+    activation_code(activation, "row_group_linear")
     if x.dtype in _REDUCED:
         y = row_group_linear_reference(x.float(), columns, values.float(), None if bias is None else bias.float(),
                                        out_features, row_perm, activation)
@@ -83,21 +72,7 @@ def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias:
     y = y[:, :out_features]
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return _activate(y, activation).reshape(*lead, out_features)
-
-
-def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
-    """Which native kernel these operands can run: ``"f32"``, ``"bf16"``, or None (the reference runs).
-    Says nothing about whether the library is built (see :func:`native_library`)."""
-    if x.device.type != "cpu" or values.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
-        return None
-    if bias is not None and bias.dtype not in (torch.float32, x.dtype):
-        return None
-    if x.dtype == values.dtype == torch.float32:
-        return "f32"
-    if x.dtype == values.dtype == torch.bfloat16:
-        return "bf16"
-    return None
+    return activate(y, activation).reshape(*lead, out_features)
 
 
 def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, columns: Tensor, values: Tensor,
@@ -130,7 +105,7 @@ def row_group_linear_impl(x: Tensor, columns: Tensor, values: Tensor, bias: Opti
                           out_features: int, row_perm: Optional[Tensor] = None, activation: str = "none") -> Tensor:
     """Eager implementation (what the custom op runs): the native kernel for float32 or bfloat16 CPU
     operands when it is available, else the reference."""
-    act = _check_activation(activation)
+    act = activation_code(activation, "row_group_linear")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
@@ -189,12 +164,10 @@ def _backward(ctx, gy):
     x, columns, values, bias, row_perm = ctx.saved_tensors
     K = x.shape[-1]
     g2 = gy.reshape(-1, ctx.out_features)
-    if ctx.activation == "gelu":  # the pre-activation is recomputed rather than kept from the forward
+    if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
         pre = row_group_linear(x.detach(), columns, values, None if bias is None else bias.detach(),
                                ctx.out_features, row_perm, "none").reshape(-1, ctx.out_features)
-        with torch.enable_grad():
-            p = pre.float().requires_grad_()
-            g2 = torch.autograd.grad(torch.nn.functional.gelu(p), p, g2.float())[0].to(gy.dtype)
+        g2 = activation_backward(pre, g2, ctx.activation)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:
         gx = row_group_grad_input(g2, columns, values, K, row_perm).reshape(x.shape).to(x.dtype)

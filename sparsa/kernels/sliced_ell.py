@@ -35,6 +35,8 @@ import torch
 from torch import Tensor
 
 from . import loader
+from .epilogue import activate, activation_backward, activation_code
+from .operands import native_kind
 
 __all__ = ["sliced_ell_linear", "sliced_ell_linear_impl", "sliced_ell_linear_reference", "sliced_ell_grad_input",
            "sliced_ell_grad_values", "native_library", "native_kind"]
@@ -48,10 +50,10 @@ def native_library() -> Optional[ctypes.CDLL]:
     if lib is not None and not getattr(lib, "_sparsa_typed", False):
         f = lib.sparsa_sliced_ell_linear_f32
         i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ctypes.c_int]
+        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ctypes.c_int, ctypes.c_int]
         f.restype = ctypes.c_int
         f = lib.sparsa_sliced_ell_linear_bf16
-        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ctypes.c_int, vp, ctypes.c_int]
+        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, ctypes.c_int]
         f.restype = ctypes.c_int
         lib._sparsa_typed = True
     return lib
@@ -79,20 +81,21 @@ _REDUCED = (torch.bfloat16, torch.float16)
 
 
 def sliced_ell_linear_reference(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor,
-                                bias: Optional[Tensor], out_features: int) -> Tensor:
+                                bias: Optional[Tensor], out_features: int, activation: str = "none") -> Tensor:
     """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` in ``x``'s dtype. For
     bfloat16/float16 ``x`` it computes in float32 (weights and bias widened, not rounded to ``x``'s dtype)
     and rounds the result once."""
+    activation_code(activation, "sliced_ell_linear")
     if x.dtype in _REDUCED:
         w = _dense_weight(slice_ptr, columns, values, out_features, x.shape[-1], torch.float32)
         b = None if bias is None else bias.to(torch.float32)
-        return torch.nn.functional.linear(x.to(torch.float32), w, b).to(x.dtype)
+        return activate(torch.nn.functional.linear(x.to(torch.float32), w, b), activation).to(x.dtype)
     w = _dense_weight(slice_ptr, columns, values, out_features, x.shape[-1], x.dtype)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+    return activate(torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)), activation)
 
 
 def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor,
-                    bias: Optional[Tensor], out_features: int) -> Tensor:
+                    bias: Optional[Tensor], out_features: int, act: int) -> Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     T = x2.shape[0]
@@ -104,44 +107,33 @@ def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, slice_ptr: Tensor, c
         if kind == "bf16":
             lib.sparsa_sliced_ell_linear_bf16(x2.data_ptr(), T, K, sp.data_ptr(), c.data_ptr(), v.data_ptr(),
                                               out_features, bp, int(b is not None and b.dtype == torch.bfloat16),
-                                              y.data_ptr(), torch.get_num_threads())
+                                              y.data_ptr(), torch.get_num_threads(), act)
         else:
             lib.sparsa_sliced_ell_linear_f32(x2.data_ptr(), T, K, sp.data_ptr(), c.data_ptr(), v.data_ptr(),
-                                             out_features, bp, y.data_ptr(), torch.get_num_threads())
+                                             out_features, bp, y.data_ptr(), torch.get_num_threads(), act)
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
-    """Which native kernel these operands can run: ``"f32"``, ``"bf16"``, or None (the reference runs). Says
-    nothing about whether the library is built (see :func:`native_library`)."""
-    if x.device.type != "cpu" or values.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
-        return None
-    if x.dtype == values.dtype == torch.float32:
-        return "f32" if bias is None or bias.dtype == torch.float32 else None
-    if x.dtype == values.dtype == torch.bfloat16:
-        return "bf16" if bias is None or bias.dtype in (torch.bfloat16, torch.float32) else None
-    return None
-
-
 def sliced_ell_linear_impl(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                           out_features: int) -> Tensor:
+                           out_features: int, activation: str = "none") -> Tensor:
     """Eager implementation (what the custom op runs): native kernel if possible, else the reference."""
+    act = activation_code(activation, "sliced_ell_linear")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
-        return sliced_ell_linear_reference(x, slice_ptr, columns, values, bias, out_features).contiguous()
-    return _native_forward(lib, kind, x, slice_ptr, columns, values, bias, out_features)
+        return sliced_ell_linear_reference(x, slice_ptr, columns, values, bias, out_features, activation).contiguous()
+    return _native_forward(lib, kind, x, slice_ptr, columns, values, bias, out_features, act)
 
 
 @torch.library.custom_op("sparsa::sliced_ell_linear", mutates_args=())
 def sliced_ell_linear(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                      out_features: int) -> Tensor:
-    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by SlicedELL components."""
-    return sliced_ell_linear_impl(x, slice_ptr, columns, values, bias, out_features)
+                      out_features: int, activation: str = "none") -> Tensor:
+    """``y[..., R] = act(x[..., K] @ W.T + bias)`` for W given by SlicedELL components."""
+    return sliced_ell_linear_impl(x, slice_ptr, columns, values, bias, out_features, activation)
 
 
 @sliced_ell_linear.register_fake
-def _(x, slice_ptr, columns, values, bias, out_features):
+def _(x, slice_ptr, columns, values, bias, out_features, activation="none"):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -203,17 +195,21 @@ def sliced_ell_grad_values(g2: Tensor, x2: Tensor, slice_ptr: Tensor, columns: T
 
 
 def _setup_context(ctx, inputs, output):
-    x, slice_ptr, columns, values, bias, out_features = inputs
-    ctx.save_for_backward(x, slice_ptr, columns, values)
-    ctx.out_features = out_features
+    x, slice_ptr, columns, values, bias, out_features, activation = inputs
+    ctx.save_for_backward(x, slice_ptr, columns, values, bias if activation != "none" else None)
+    ctx.out_features, ctx.activation = out_features, activation
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, gy):
-    x, slice_ptr, columns, values = ctx.saved_tensors
+    x, slice_ptr, columns, values, bias = ctx.saved_tensors
     K = x.shape[-1]
     ct = _compute_dtype(gy.dtype, x.dtype, values.dtype)
     g2 = gy.reshape(-1, ctx.out_features).to(ct)
+    if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
+        pre = sliced_ell_linear(x.detach(), slice_ptr, columns, values.detach(),
+                                None if bias is None else bias.detach(), ctx.out_features, "none")
+        g2 = activation_backward(pre.reshape(-1, ctx.out_features).to(ct), g2, ctx.activation)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:
         gx = sliced_ell_grad_input(g2, slice_ptr, columns, values, K).reshape(x.shape).to(x.dtype)
@@ -221,7 +217,7 @@ def _backward(ctx, gy):
         gv = sliced_ell_grad_values(g2, x.reshape(-1, K).to(ct), slice_ptr, columns).to(values.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
         gb = g2.sum(0).to(ctx.bias_dtype)
-    return gx, None, None, gv, gb, None
+    return gx, None, None, gv, gb, None, None
 
 
 sliced_ell_linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,6 +1,6 @@
 """Fold the GELU after a sparse ``nn.Linear`` into the kernel's epilogue.
 
-The row_group kernel can apply GELU to each output tile while it is still in registers, which saves
+The row_group and sliced_ell kernels apply GELU to each output tile while it is still in registers, which saves
 a full pass over the (tokens x 4*hidden) activation of a transformer's MLP. :func:`fuse_gelu` finds
 ``Linear -> GELU`` pairs (consecutive in an ``nn.Sequential``, or a module's ``dense`` Linear followed
 by its ``intermediate_act_fn``, as in Hugging Face BERT-style MLPs), turns the Linear into a
@@ -26,7 +26,10 @@ from torch import nn
 
 from ..tensor import SparseTensor
 
-__all__ = ["LinearGELU", "fuse_gelu", "is_exact_gelu"]
+__all__ = ["LinearGELU", "fuse_gelu", "is_exact_gelu", "EPILOGUE_LAYOUTS"]
+
+#: layouts whose native kernel applies GELU in its epilogue
+EPILOGUE_LAYOUTS = ("row_group", "sliced_ell")
 
 
 def is_exact_gelu(m: object) -> bool:
@@ -37,8 +40,8 @@ def is_exact_gelu(m: object) -> bool:
 
 
 class LinearGELU(nn.Linear):
-    """``gelu(linear(x))``; with a row_group weight the GELU runs in the kernel's epilogue (inference:
-    no autograd graph needed), otherwise as a separate op."""
+    """``gelu(linear(x))``; with a row_group or sliced_ell weight the GELU runs in the kernel's epilogue
+    (inference: no autograd graph needed), otherwise as a separate op."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "LinearGELU":
@@ -46,24 +49,27 @@ class LinearGELU(nn.Linear):
         new.__dict__.update(linear.__dict__)  # the same parameters, hooks and state
         return new
 
-    def _epilogue_kernel(self) -> bool:
-        # a plain attribute test (no isinstance on the layout), so torch.compile traces it without a break
-        return getattr(self.weight, "layout_name", None) == "row_group"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        # a plain attribute test (no isinstance on the layout), so torch.compile traces it without a break
+        kind = getattr(w, "layout_name", None)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
                                                   (self.bias is not None and self.bias.requires_grad))
-        if not needs_grad and self._epilogue_kernel():
+        if needs_grad or kind not in EPILOGUE_LAYOUTS:
+            return F.gelu(F.linear(x, w, self.bias))
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
+                             f"dimension of {self.in_features}")
+        bias = None if self.bias is None else self.bias.detach()
+        compiling = torch.compiler.is_compiling()
+        # the layout's components, by the names SparseTensor.__tensor_flatten__ gives them
+        if kind == "row_group":
             from ..kernels import row_group as rg
-            if x.shape[-1] != self.in_features:
-                raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
-                                 f"dimension of {self.in_features}")
-            bias = None if self.bias is None else self.bias.detach()
-            op = rg.row_group_linear if torch.compiler.is_compiling() else rg.row_group_linear_impl
-            # the layout's components, by the names SparseTensor.__tensor_flatten__ gives them
+            op = rg.row_group_linear if compiling else rg.row_group_linear_impl
             return op(x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm, "gelu")
-        return F.gelu(F.linear(x, w, self.bias))
+        from ..kernels import sliced_ell as se
+        op = se.sliced_ell_linear if compiling else se.sliced_ell_linear_impl
+        return op(x, w._c_slice_ptr, w._c_columns, w._c_values, bias, self.out_features, "gelu")
 
 
 def fuse_gelu(model: nn.Module) -> int:

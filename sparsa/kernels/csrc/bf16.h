@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -66,33 +67,32 @@ static inline void sparsa_f32_row_to_bf16(const float* __restrict src, uint16_t*
     for (; i < n; ++i) dst[i] = sparsa_f32_to_bf16(src[i]);
 }
 
-// dst[i] = float(src[i]) for n values, on up to nthreads threads
-static inline void sparsa_bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n, int nthreads) {
+// row(src + i0, dst + i0, len) over n values in chunks, on up to nthreads threads
+template <class S, class D, class Row>
+static inline void sparsa_convert_n(const S* src, D* dst, int64_t n, int nthreads, Row row) {
     const int64_t chunk = 1 << 14;
     const int64_t nch = (n + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nch > 1)
     for (int64_t c = 0; c < nch; ++c) {
-        const int64_t i0 = c * chunk, i1 = std::min<int64_t>(n, i0 + chunk);
-        int64_t i = i0;
-#ifdef __AVX2__
-        for (; i + 8 <= i1; i += 8) _mm256_storeu_ps(dst + i, sparsa_load8_bf16(src + i));
-#endif
-        for (; i < i1; ++i) dst[i] = sparsa_bf16_to_f32(src[i]);
+        const int64_t i0 = c * chunk;
+        row(src + i0, dst + i0, std::min<int64_t>(n, i0 + chunk) - i0);
     }
+}
+
+// dst[i] = float(src[i]) for n values, on up to nthreads threads
+static inline void sparsa_bf16_to_f32_n(const uint16_t* src, float* dst, int64_t n, int nthreads) {
+    sparsa_convert_n(src, dst, n, nthreads, sparsa_bf16_row_to_f32);
 }
 
 // dst[i] = bf16(src[i]) for n values, on up to nthreads threads
 static inline void sparsa_f32_to_bf16_n(const float* src, uint16_t* dst, int64_t n, int nthreads) {
-    const int64_t chunk = 1 << 14;
-    const int64_t nch = (n + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nch > 1)
-    for (int64_t c = 0; c < nch; ++c) {
-        const int64_t i0 = c * chunk, i1 = std::min<int64_t>(n, i0 + chunk);
-        int64_t i = i0;
-#ifdef __AVX2__
-        for (; i + 8 <= i1; i += 8)
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), sparsa_cvt8_f32_bf16(_mm256_loadu_ps(src + i)));
-#endif
-        for (; i < i1; ++i) dst[i] = sparsa_f32_to_bf16(src[i]);
-    }
+    sparsa_convert_n(src, dst, n, nthreads, sparsa_f32_row_to_bf16);
+}
+
+// A kernel's bias as floats: null, a float bias as is (bias_bf16 = 0), or a bf16 one widened into tmp.
+static inline const float* sparsa_bias_f32(const void* bias, int bias_bf16, int64_t n, std::vector<float>& tmp) {
+    if (!bias || !bias_bf16) return static_cast<const float*>(bias);
+    tmp.resize((size_t)n);
+    sparsa_bf16_row_to_f32(static_cast<const uint16_t*>(bias), tmp.data(), n);
+    return tmp.data();
 }

@@ -853,12 +853,7 @@ int sparsa_gnm_spmm_bf16(const uint16_t* x, int64_t T, int64_t K, int64_t ldx, c
     if (!valid(P) || in_pad < K || out_pad < R || in_pad < units * unit_span) return -1;
     if (T <= 0 || R <= 0) return 0;
     std::vector<float> b32;
-    const float* b = static_cast<const float*>(bias);
-    if (bias && bias_bf16) {
-        b32.resize((size_t)R);
-        sparsa_bf16_to_f32_n(static_cast<const uint16_t*>(bias), b32.data(), R, 1);
-        b = b32.data();
-    }
+    const float* b = sparsa_bias_f32(bias, bias_bf16, R, b32);
     spmm<uint16_t, uint16_t, uint16_t>(P, x, T, K, ldx, b, y, R, std::max(1, nthreads), tile_bytes, vmax);
     return 0;
 }

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #endif
 #include "bf16.h"
+#include "gelu.h"
 
 namespace {
 
@@ -93,7 +94,7 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
 template <int NV, typename WT, typename YT>
 void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
                 const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
-                YT* __restrict y) {
+                YT* __restrict y, bool act) {
     constexpr int TB = 8 * NV;
     alignas(64) float out[2][TB];
     for (int64_t s = s0; s < s1; ++s) {
@@ -133,6 +134,24 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
         }
 #endif
         const int64_t r = 2 * s;
+        if (act) {  // GELU after the bias, on the two rows' token vectors
+            const float b0 = bias ? bias[r] : 0.f, b1 = (bias && r + 1 < R) ? bias[r + 1] : 0.f;
+            for (int i = 0; i < nt; ++i) {
+                out[0][i] += b0;
+                out[1][i] += b1;
+            }
+            sparsa_gelu_inplace(out[0], nt);
+            sparsa_gelu_inplace(out[1], nt);
+            if (r + 1 < R) {
+                for (int i = 0; i < nt; ++i) {
+                    store_y(y + i * R + r, out[0][i]);
+                    store_y(y + i * R + r + 1, out[1][i]);
+                }
+            } else {
+                for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i]);
+            }
+            continue;
+        }
         if (r + 1 < R) {
             const float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f;
             for (int i = 0; i < nt; ++i) {
@@ -148,11 +167,11 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
 
 template <typename WT, typename YT>
 using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, int64_t, int64_t, int64_t,
-                         const float*, YT*);
+                         const float*, YT*, bool);
 
 template <typename XT, typename WT, typename YT>
 void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
-         const float* bias, YT* y, int nthreads) {
+         const float* bias, YT* y, int nthreads, bool act) {
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
     int64_t nrc = 1;  // row chunks per panel
@@ -171,7 +190,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         xt.resize((size_t)(K * TB));
         transpose_panel(x + t0 * K, K, nt, TB, xt.data());
         const int64_t s0 = rc * per_chunk, s1 = std::min(ns, s0 + per_chunk);
-        if (s0 < s1) fns[nv](xt.data(), nt, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R);
+        if (s0 < s1) fns[nv](xt.data(), nt, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R, act);
     };
     if (nthreads <= 1 || ntasks == 1) {
         std::vector<float> xt;
@@ -190,12 +209,13 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 2; }
+int sparsa_sliced_ell_version() { return 3; }
 
-// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R].
+// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R];
+// act: 0 none, 1 GELU (erf form) after the bias.
 int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols,
-                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads) {
-    run(x, T, K, slice_ptr, cols, vals, R, bias, y, nthreads);
+                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads, int act) {
+    run(x, T, K, slice_ptr, cols, vals, R, bias, y, nthreads, act == 1);
     return 0;
 }
 
@@ -203,15 +223,10 @@ int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int
 // even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
 int sparsa_sliced_ell_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int64_t* slice_ptr,
                                   const int32_t* cols, const uint16_t* vals, int64_t R, const void* bias,
-                                  int bias_bf16, uint16_t* y, int nthreads) {
+                                  int bias_bf16, uint16_t* y, int nthreads, int act) {
     std::vector<float> b32;
-    const float* b = static_cast<const float*>(bias);
-    if (bias && bias_bf16) {
-        b32.resize((size_t)R);
-        sparsa_bf16_to_f32_n(static_cast<const uint16_t*>(bias), b32.data(), R, 1);
-        b = b32.data();
-    }
-    run(x, T, K, slice_ptr, cols, vals, R, b, y, nthreads);
+    const float* b = sparsa_bias_f32(bias, bias_bf16, R, b32);
+    run(x, T, K, slice_ptr, cols, vals, R, b, y, nthreads, act == 1);
     return 0;
 }
 

@@ -1,0 +1,38 @@
+"""Which native kernel flavour a set of linear operands can run.
+
+Every native linear kernel (row_group, sliced_ell, grouped_nm) comes in a float32 and a bfloat16
+flavour with the same rule: input and weight values on the CPU in one of those dtypes, and a bias
+that is absent, float32, or of the input's dtype (it is added in float32 before the output is rounded).
+Anything else runs the pure-PyTorch reference.
+
+    >>> import torch
+    >>> from sparsa.kernels.operands import native_kind
+    >>> native_kind(torch.ones(2, 3), torch.ones(4), None)
+    'f32'
+    >>> native_kind(torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16), torch.ones(4))
+    'bf16'
+    >>> native_kind(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, dtype=torch.float64), None) is None
+    True
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["native_kind"]
+
+_KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    """``"f32"``, ``"bf16"``, or None (the reference runs). Says nothing about whether the library is
+    built (see each kernel module's ``native_library``)."""
+    if x.device.type != "cpu" or values.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+        return None
+    if x.dtype != values.dtype or x.dtype not in _KINDS:
+        return None
+    if bias is not None and bias.dtype not in (torch.float32, x.dtype):
+        return None
+    return _KINDS[x.dtype]
