@@ -24,6 +24,7 @@ BENCHES = (("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks
            ("bert_inference", "BERT-base end to end", "python benchmarks/bert_inference.py"),
            ("adaptive_training", "Adaptive activation-sparse training", "python benchmarks/adaptive_training.py"),
            ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
+           ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
            ("quality", "Pruning quality", "python benchmarks/quality.py"),
            ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"))
 
@@ -175,7 +176,7 @@ def _dense_name(r: Dict[str, Any]) -> str:
 
 
 BERT_FMT = {"speedup_vs_dense": ".2f", "speedup_vs_compiled_dense": ".2f", "speedup_vs_best_dense": ".2f",
-            "max_rel_err": ".1e", "ms": ".1f"}
+            "speedup_vs_eager_sparse": ".2f", "max_rel_err": ".1e", "ms": ".1f"}
 
 
 def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, quality: bool = True) -> str:
@@ -188,8 +189,12 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
     s += ("speedup_vs_dense: dense fp32 eager time / sparse time; speedup_vs_best_dense: the fastest of dense fp32, "
          "bf16 and torch.compile (best_dense) / sparse time; max_rel_err against the same pruned weights run "
          "densely in fp32.\n\n" if any("speedup_vs_best_dense" in r for r in sparse) else "")
-    s += _md(sparse, ["layout", "dtype", "sparsity", "batch", "seq", "threads", "speedup_vs_dense",
-                      "speedup_vs_compiled_dense", "speedup_vs_best_dense", "best_dense", "max_rel_err"], BERT_FMT)
+    if any(r.get("fused") for r in sparse):
+        s += ("fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`); compiled: `torch.compile` of the "
+              "fused model; speedup_vs_eager_sparse: the same sparse model run eagerly and unfused / this row.\n\n")
+    s += _md(sparse, ["layout", "dtype", "fused", "compiled", "sparsity", "batch", "seq", "threads",
+                      "speedup_vs_dense", "speedup_vs_compiled_dense", "speedup_vs_best_dense", "best_dense",
+                      "speedup_vs_eager_sparse", "max_rel_err"], BERT_FMT)
     if dense:
         s += "\n\nDense baselines:\n\n" + _md(dense, ["baseline", "batch", "seq", "threads", "ms",
                                                       "speedup_vs_dense", "max_rel_err", "compile_s"], BERT_FMT)
@@ -198,6 +203,23 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
         s += _md(d["quality"], ["layout", "sparsity", "weight_norm_kept", "mean_cosine"],
                  {"weight_norm_kept": ".3f", "mean_cosine": ".3f"})
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
+H2H_FMT = {"median_ms": ".1f", "speedup_vs_fp32_eager": ".2f", "speedup_vs_best_dense": ".2f",
+           "vs_deepsparse": ".2f", "max_rel_err": ".1e"}
+
+
+def h2h_section(d: Dict[str, Any]) -> str:
+    """Every engine on the same pruned BERT-base weights, with each engine's speed relative to DeepSparse."""
+    ds = {(r["sparsity"], r["batch"]): r["median_ms"] for r in d["rows"] if r["engine"] == "deepsparse"}
+    rows = [dict(r, vs_deepsparse=ds[(r["sparsity"], r["batch"])] / r["median_ms"])
+            if (r["sparsity"], r["batch"]) in ds else dict(r) for r in d["rows"]]
+    st = d.get("deepsparse") or {}
+    s = (f"{d.get('model', '')}; {d.get('pruning', '')}; {d.get('timing', '')}. DeepSparse "
+         f"{st.get('version', '?')}: {st.get('status', '?')}. vs_deepsparse: DeepSparse time / this engine's time "
+         "(above 1: faster than DeepSparse).\n\n")
+    return s + _md(rows, ["engine", "sparsity", "batch", "seq", "threads", "median_ms", "speedup_vs_fp32_eager",
+                          "speedup_vs_best_dense", "vs_deepsparse", "max_rel_err"], H2H_FMT)
 
 
 def adaptive_union_section(d: Dict[str, Any]) -> str:
@@ -297,7 +319,7 @@ def dispatch_section(d: Dict[str, Any]) -> str:
 SECTIONS = {"linear_kernels": lambda d: (linear_section(d, True) + "\n\n<details><summary>All rows</summary>\n\n"
                                           + linear_section(d, False) + "\n\n</details>"),
             "bert_inference": bert_section, "adaptive_training": adaptive_section,
-            "adaptive_union": adaptive_union_section, "quality": quality_section,
+            "adaptive_union": adaptive_union_section, "quality": quality_section, "deepsparse_h2h": h2h_section,
             "dispatch_overhead": dispatch_section}
 
 
@@ -336,6 +358,9 @@ def readme_summary(root: Path = RESULTS) -> str:
         sel = batches[-1:] if len(batches) > 1 else None
         parts.append(f"**BERT-base end to end{f', batch {batches[-1]}' if sel else ''}.** "
                      f"{cpu_heading(d.name, cpu_of(d))}\n\n{bert_section(data, sel)}")
+    for d in _summary_dirs(dirs, "deepsparse_h2h"):
+        parts.append(f"**Against DeepSparse, same weights.** {cpu_heading(d.name, cpu_of(d))}\n\n"
+                     f"{h2h_section(_load(d, 'deepsparse_h2h'))}")
     if not parts:
         return "_No linear_kernels or bert_inference results yet: run the benchmark scripts._"
     return "\n\n".join(parts)

@@ -143,6 +143,23 @@ def test_bert_section_columns():
          "max_rel_err": 1e-2}]}
     s = tables.bert_section(d)
     table = s.split("\n\nDense baselines")[0]
-    assert "| row_group16 | bfloat16 | 0.9 |" in table and "| 5.00 | 2.50 | compiled_fp32 |" in table
+    assert "| row_group16 | bfloat16 | False | 0.9 |" in table and "| 5.00 | 2.50 | compiled_fp32 |" in table
     assert "| compiled_fp32 | 1 |" in s  # the dense baselines table
     assert not math.isnan(d["rows"][2]["speedup_vs_best_dense"])
+
+
+def test_bert_dense_baselines_keep_their_batch():
+    # the baseline functions are timed again per sparse model: each must still run its own batch
+    import torch.nn as nn
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, ids):
+            seen.append(ids.shape[0])
+            return type("Out", (), {"last_hidden_state": ids.float()})()
+
+    fns, _, _ = bert_inference.dense_baselines(Probe(), [8, 1], threads=1, reps=1, use_compile=False)
+    seen.clear()
+    fns[8]["fp32"]()
+    fns[1]["fp32"]()
+    assert seen == [8, 1]
