@@ -105,3 +105,9 @@ def test_compiled_fused_model_matches(layout, kw):
         torch._dynamo.reset()
         out = torch.compile(m, backend="aot_eager")(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_layouts_without_an_epilogue_stay_unfused():
+    m = _mlp()
+    sparsa.sparsify_linears(m, "grouped_nm", 0.5)
+    assert fuse_gelu(m) == 0 and type(m[0]) is nn.Linear and isinstance(m[1], nn.GELU)

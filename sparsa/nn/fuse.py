@@ -75,7 +75,8 @@ class LinearGELU(nn.Linear):
 def fuse_gelu(model: nn.Module) -> int:
     """Fuse every ``Linear -> exact GELU`` pair of ``model`` in place; returns how many were fused.
 
-    Only pairs whose Linear has a sparse weight are touched (a dense Linear gains nothing). Call it
+    Only pairs whose Linear has a sparse weight in one of :data:`EPILOGUE_LAYOUTS` are touched (other
+    Linears gain nothing). Call it
     after sparsifying, for inference; a fused model still trains correctly (the GELU then runs
     separately).
     """
@@ -97,4 +98,5 @@ def fuse_gelu(model: nn.Module) -> int:
 
 
 def _fusable(m: object) -> bool:
-    return type(m) is nn.Linear and isinstance(m.weight, SparseTensor)
+    return (type(m) is nn.Linear and isinstance(m.weight, SparseTensor)
+            and m.weight.layout_name in EPILOGUE_LAYOUTS)
