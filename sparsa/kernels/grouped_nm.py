@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from . import loader
-from .operands import native_kind as spmm_native_kind
+from .operands import REDUCED_DTYPES, compute_dtype, native_kind as spmm_native_kind
 
 __all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
            "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
@@ -246,7 +246,6 @@ def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2)
 
 
 # ------------------------------------------------------------------------------------------ reference
-_REDUCED = (torch.bfloat16, torch.float16)
 
 
 def _chunks(T: int, G: int, L: int):
@@ -257,7 +256,7 @@ def _chunks(T: int, G: int, L: int):
 def spmm_reference(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
     """Pure-PyTorch semantics of :func:`spmm` (``x[..., K] -> y[..., out_features]``, ``x``'s dtype; for
     bfloat16/float16 ``x`` computed in float32 and rounded once)."""
-    if x.dtype in _REDUCED:
+    if x.dtype in REDUCED_DTYPES:
         b = None if bias is None else bias.to(torch.float32)
         return spmm_reference(x.to(torch.float32), plan, b, out_features).to(x.dtype)
     lead, K = x.shape[:-1], x.shape[-1]
@@ -428,13 +427,6 @@ def _(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
 # with the per-entry output rows of the plan (:func:`_entry_rows`), so it holds for all three kinds of
 # plan, and traces under torch.compile (no data-dependent shapes). float32 and float64 compute in their
 # own dtype; bfloat16/float16 compute in float32 and the gradients are rounded to the inputs' dtypes.
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    out = torch.float32
-    for d in dtypes:
-        out = torch.promote_types(out, d)
-    return torch.float32 if out in _REDUCED else out
-
-
 def _entry_rows(idx: Tensor, out_rows: Tensor, interleaved: bool,
                 offsets: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """int64 output row of every value of the plan, in the values' shape (``(G, L, n)``; ``(G, L, 1)``
@@ -508,7 +500,7 @@ def _spmm_backward(ctx, gy):
     units, unit_entries, unit_span, out_pad, interleaved = ctx.plan
     K = x.shape[-1]
     in_pad = max(units * unit_span, K)
-    ct = _compute_dtype(gy.dtype, x.dtype, vals.dtype)
+    ct = compute_dtype(gy.dtype, x.dtype, vals.dtype)
     g2 = gy.reshape(-1, ctx.out_features).to(ct)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:
@@ -537,7 +529,7 @@ def _sddmm_backward(ctx, ggv):
     # dense matrix with ggv as its values (d/dgy is the spmm of x with values ggv)
     x, gy, idx, out_rows = ctx.saved_tensors
     K, R = x.shape[-1], gy.shape[-1]
-    ct = _compute_dtype(ggv.dtype, x.dtype, gy.dtype)
+    ct = compute_dtype(ggv.dtype, x.dtype, gy.dtype)
     rows, _ = _entry_rows(idx, out_rows, False, None)
     w = _plan_weight(idx, ggv, rows, None, ctx.out_pad, ctx.in_pad, ct)
     gx = ggy = None

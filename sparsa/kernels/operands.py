@@ -21,9 +21,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["native_kind"]
+__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype"]
 
 _KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
+#: dtypes the kernels and references compute in float32 and round once
+REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
@@ -36,3 +38,12 @@ def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[s
     if bias is not None and bias.dtype not in (torch.float32, x.dtype):
         return None
     return _KINDS[x.dtype]
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a reference or backward computes in: float64 stays float64; float32 and the reduced
+    types compute in float32."""
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return torch.float32 if out in REDUCED_DTYPES else out

@@ -29,12 +29,11 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
-from .operands import native_kind
+from .operands import REDUCED_DTYPES, native_kind
 
 __all__ = ["row_group_linear", "row_group_linear_impl", "row_group_linear_reference", "native_library",
            "native_kind", "ACTIVATIONS"]
 
-_REDUCED = (torch.bfloat16, torch.float16)
 
 _SOURCES = ["row_group_linear.cpp"]
 
@@ -58,7 +57,7 @@ def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias:
     ``s`` of the groups is output ``row_perm[s]``; None: consecutive rows). For bfloat16/float16 ``x`` it
     computes in float32 and rounds the result once, as the kernel does."""
     activation_code(activation, "row_group_linear")
-    if x.dtype in _REDUCED:
+    if x.dtype in REDUCED_DTYPES:
         y = row_group_linear_reference(x.float(), columns, values.float(), None if bias is None else bias.float(),
                                        out_features, row_perm, activation)
         return y.to(x.dtype)

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import activate, activation_backward, activation_code
-from .operands import native_kind
+from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 
 __all__ = ["sliced_ell_linear", "sliced_ell_linear_impl", "sliced_ell_linear_reference", "sliced_ell_grad_input",
            "sliced_ell_grad_values", "native_library", "native_kind"]
@@ -77,7 +77,6 @@ def _dense_weight(slice_ptr: Tensor, columns: Tensor, values: Tensor, out_featur
     return w[:out_features]
 
 
-_REDUCED = (torch.bfloat16, torch.float16)
 
 
 def sliced_ell_linear_reference(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor,
@@ -86,7 +85,7 @@ def sliced_ell_linear_reference(x: Tensor, slice_ptr: Tensor, columns: Tensor, v
     bfloat16/float16 ``x`` it computes in float32 (weights and bias widened, not rounded to ``x``'s dtype)
     and rounds the result once."""
     activation_code(activation, "sliced_ell_linear")
-    if x.dtype in _REDUCED:
+    if x.dtype in REDUCED_DTYPES:
         w = _dense_weight(slice_ptr, columns, values, out_features, x.shape[-1], torch.float32)
         b = None if bias is None else bias.to(torch.float32)
         return activate(torch.nn.functional.linear(x.to(torch.float32), w, b), activation).to(x.dtype)
@@ -146,14 +145,6 @@ _DENSE_BACKWARD = 1 / 256
 _CHUNK = 1 << 22
 
 
-def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32 and the reduced types compute in float32."""
-    out = torch.float32
-    for d in dtypes:
-        out = torch.promote_types(out, d)
-    return torch.float32 if out in _REDUCED else out
-
-
 def _padded_rows(g2: Tensor, n_slices: int) -> Tensor:
     """``grad_y`` with zero columns up to ``2 * n_slices`` rows (the last slice of an odd R)."""
     pad = 2 * n_slices - g2.shape[1]
@@ -204,7 +195,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, gy):
     x, slice_ptr, columns, values, bias = ctx.saved_tensors
     K = x.shape[-1]
-    ct = _compute_dtype(gy.dtype, x.dtype, values.dtype)
+    ct = compute_dtype(gy.dtype, x.dtype, values.dtype)
     g2 = gy.reshape(-1, ctx.out_features).to(ct)
     if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
         pre = sliced_ell_linear(x.detach(), slice_ptr, columns, values.detach(),
