@@ -2,6 +2,7 @@
 
     sparsa demo                       the flagship demo (MiniLM + BERT-base pruning, adaptive training)
     sparsa prune MODEL_DIR -o OUT     prune a Hugging Face model directory offline, save compressed
+    sparsa generate MODEL_DIR --prompt TEXT   greedy generation with a (pruned) causal LM, timed
     sparsa inspect CHECKPOINT         per-layer layout, sparsity and bytes of a sparsa checkpoint
     sparsa bench linear|bert|training|quality|dispatch   run a benchmark script (JSON + PNG)
 
@@ -14,6 +15,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -83,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("prune", help="prune a Hugging Face model directory offline and save it compressed",
                         description="Prune every Linear of the transformer blocks of MODEL_DIR (a Hugging Face "
-                                    "model directory, or one written by `sparsa prune`) and write OUT: "
-                                    "config, tokenizer and the compressed sparse checkpoint.")
+                                    "model directory, or one written by `sparsa prune`; encoders such as BERT "
+                                    "and causal LMs such as Llama, Mistral or Qwen2, whose LM head and "
+                                    "embeddings stay dense) and write OUT: config, tokenizer and the compressed "
+                                    "sparse checkpoint. OUT is written in a temporary sibling directory and "
+                                    "moved into place at the end: an interrupted run leaves no partial OUT.")
     pr.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory (with config.json)")
     pr.add_argument("-o", "--out", required=True, help="output directory")
     pr.add_argument("--method", choices=["magnitude", "wanda", "sparsegpt"], default="magnitude",
@@ -93,13 +98,31 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--pattern", default="unstructured",
                     help="'unstructured', 'N:M' (e.g. 2:4) or 'row_group<G>' (e.g. row_group16; fast on CPU)")
     pr.add_argument("--layout", default=None,
-                    help="storage layout (default: the pattern's natural one: masked, nm or row_group)")
+                    help="storage layout (default: the pattern's natural one: masked, nm or row_group; for a "
+                         "causal LM with an unstructured or N:M pattern, bitmask where available)")
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
+    pr.add_argument("--data", metavar="FILE|DIR", default=None,
+                    help="calibration text for wanda/sparsegpt: a UTF-8 file (one passage per line) or a "
+                         "directory of *.txt files (default: built-in offline sentences)")
     pr.add_argument("--only-if-faster", action="store_true",
                     help="keep a layer's sparse layout only where it is measured faster than dense on this "
                          "machine (at the current thread count); save the others dense (same values)")
     pr.add_argument("--timing-tokens", type=_positive_int, default=None, metavar="N",
                     help="input rows (tokens) to time each layer at with --only-if-faster (default 128)")
+
+    g = sub.add_parser("generate", help="greedy generation with a (pruned) causal LM; prints prefill and decode speed",
+                       description="Load a causal-LM directory (dense, or written by `sparsa prune`), generate "
+                                   "greedily with the KV cache and print the text, then one timing line (after a short "
+                                   "warm-up run): prefill = from the prompt's hand-over to the model (just before "
+                                   "its forward pass) to the first new token; decode = the tokens after the "
+                                   "first, per second.")
+    g.add_argument("model", metavar="MODEL_DIR", help="causal-LM directory (config.json, tokenizer, weights)")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=32,
+                   help="tokens to generate at most (stops early at end of sequence; default 32)")
+    g.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="compute dtype of the model (default float32)")
 
     i = sub.add_parser("inspect", help="per-layer layout, sparsity and bytes of a sparsa checkpoint",
                        description="Read a sparsa checkpoint (a .safetensors file or a directory written by "
@@ -142,30 +165,108 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    """No weight-loading progress bars: the command's output stays its own."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
+def _check_model_dir(path: str) -> None:
+    if not Path(path).is_dir():
+        raise UsageError(f"MODEL_DIR {path!r} does not exist or is not a directory")
+    if not (Path(path) / "config.json").is_file():
+        raise UsageError(f"MODEL_DIR {path!r} has no config.json (not a Hugging Face model directory)")
+
+
 def _cmd_prune(a: argparse.Namespace) -> int:
     from .nn.report import format_report
-    from .prune import CHECKPOINT, prune_model_dir
-    if not Path(a.model).is_dir():
-        raise UsageError(f"MODEL_DIR {a.model!r} does not exist or is not a directory")
-    if not (Path(a.model) / "config.json").is_file():
-        raise UsageError(f"MODEL_DIR {a.model!r} has no config.json (not a Hugging Face model directory)")
+    from .prune import CHECKPOINT, check_pattern_layout, default_layout, is_causal_lm, prune_model_dir
+    _check_model_dir(a.model)
     if a.layout is not None:
         from .layouts.base import registered_layouts
         if a.layout not in registered_layouts():
             raise UsageError(f"unknown --layout {a.layout!r}; choose one of {', '.join(sorted(registered_layouts()))}")
+    causal = is_causal_lm(a.model)   # a config.json that is no JSON fails here (exit 1)
     try:
-        from .methods.pattern import named_pattern
-        named_pattern(a.pattern, a.sparsity)
+        layout = a.layout or default_layout(a.pattern, causal)
     except ValueError as e:
         raise UsageError(f"--pattern: {e}") from None
+    try:
+        check_pattern_layout(a.pattern, a.sparsity, layout)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if a.timing_tokens is not None and not a.only_if_faster:
         raise UsageError("--timing-tokens only applies with --only-if-faster")
+    if a.data is not None:
+        if a.method == "magnitude":
+            raise UsageError("--data only applies with --method wanda or sparsegpt (magnitude needs no calibration)")
+        if not Path(a.data).exists():
+            raise UsageError(f"--data {a.data!r} does not exist")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UsageError(f"--out {a.out!r} exists and is not a directory")
     only_if_faster = (a.timing_tokens or True) if a.only_if_faster else False
-    print(f"pruning {a.model} with {a.method} to {a.sparsity:.0%} ({a.pattern}) ...", flush=True)
+    _quiet_transformers()
+    print(f"pruning {a.model} with {a.method} to {a.sparsity:.0%} ({a.pattern}, layout {layout}) ...", flush=True)
     rows = prune_model_dir(a.model, a.out, method=a.method, sparsity=a.sparsity, pattern=a.pattern,
-                           layout=a.layout, calib=a.calib, only_if_faster=only_if_faster)
+                           layout=layout, calib=a.calib, only_if_faster=only_if_faster, data=a.data)
     print(format_report(rows))
     print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
+    return 0
+
+
+class _TokenTimer:
+    """A ``generate`` streamer noting when the prompt and each new token arrive (batch of one)."""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from .prune import _TOKENIZER_FILES, is_causal_lm, load_pruned
+    _check_model_dir(a.model)
+    if not is_causal_lm(a.model):
+        raise UsageError(f"MODEL_DIR {a.model!r} is not a causal LM (its config.json architectures must end "
+                         "in ForCausalLM, e.g. LlamaForCausalLM)")
+    if not any((Path(a.model) / f).is_file() for f in _TOKENIZER_FILES):
+        raise UsageError(f"MODEL_DIR {a.model!r} has no tokenizer files")
+    if not a.prompt.strip():
+        raise UsageError("--prompt is empty")
+    from transformers import AutoTokenizer
+    _quiet_transformers()
+    torch.set_num_threads(a.threads)
+    tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
+    model = load_pruned(a.model)
+    dtype = getattr(torch, a.dtype)
+    model = model.to(dtype)
+    enc = tok(a.prompt, return_tensors="pt")
+    ids = enc["input_ids"]
+    if ids.shape[1] == 0:
+        raise UsageError(f"--prompt {a.prompt!r} encodes to no tokens")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    timer = _TokenTimer()
+    with torch.inference_mode():
+        # warm-up on the prompt's first tokens: lazy initialisation and kernel builds stay out of the timing
+        model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=pad)
+        out = model.generate(input_ids=ids, attention_mask=enc.get("attention_mask"), max_new_tokens=a.max_new_tokens,
+                             do_sample=False, use_cache=True, streamer=timer, pad_token_id=pad)
+    new = out[0, ids.shape[1]:]
+    full = tok.decode(out[0], skip_special_tokens=True)
+    head = tok.decode(ids[0], skip_special_tokens=True)
+    print(a.prompt + (full[len(head):] if full.startswith(head) else " " + tok.decode(new, skip_special_tokens=True)))
+    # times[0]: the prompt, handed over just before its forward pass; times[k]: new token k
+    n = len(timer.times) - 1
+    prefill_ms = (timer.times[1] - timer.times[0]) * 1e3 if n >= 1 else float("nan")
+    decode = (f"decode {(n - 1) / (timer.times[-1] - timer.times[1]):.1f} tokens/s ({n - 1} tokens after the first)"
+              if n >= 2 else "decode n/a (one new token)")
+    print(f"prefill {prefill_ms:.1f} ms ({ids.shape[1]} prompt tokens), {decode}; {a.threads} threads, {a.dtype}")
     return 0
 
 
@@ -201,8 +302,8 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "inspect": _cmd_inspect, "bench": _cmd_bench,
-           "cost": _cmd_cost}[args.command]
+    cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "generate": _cmd_generate, "inspect": _cmd_inspect,
+           "bench": _cmd_bench, "cost": _cmd_cost}[args.command]
     try:
         return cmd(args)
     except UsageError as e:

@@ -1,8 +1,14 @@
 """Prune a Hugging Face model directory (or a directory written by this function) offline.
 
-The output directory holds the model's ``config.json`` (and tokenizer files, if any) and
-``model.sparsa.safetensors`` — the compressed sparse weights — so it can be re-loaded with
-:func:`load_pruned` or pruned again.
+The output directory holds the model's ``config.json`` (plus ``generation_config.json`` and the
+tokenizer files, if any) and ``model.sparsa.safetensors`` — the compressed sparse weights — so it
+can be re-loaded with :func:`load_pruned` or pruned again. Encoders (BERT-like) load as the base
+model; causal LMs (``architectures`` ending in ``ForCausalLM``, e.g. Llama, Mistral, Qwen2) keep
+their LM head, so ``load_pruned(out).generate(...)`` works.
+
+Only the ``nn.Linear`` layers inside the model's repeated blocks are pruned (never the LM head or
+the embeddings). The output is written to a temporary sibling directory and moved into place at
+the end, so an interrupted or failed run leaves no partial output.
 
 Example::
 
@@ -12,21 +18,29 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
+import threading
+import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-__all__ = ["prune_model_dir", "load_pruned", "CHECKPOINT", "METHODS", "PATTERNS_HELP"]
+__all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears", "check_pattern_layout",
+           "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP"]
 
 CHECKPOINT = "model.sparsa.safetensors"
 METHODS = ("magnitude", "wanda", "sparsegpt")
 PATTERNS_HELP = "'unstructured', 'N:M' (e.g. 2:4), or 'row_group<G>' (e.g. row_group16, the fast CPU layout)"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
-                    "merges.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model")
+                    "merges.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
+                    "added_tokens.json", "chat_template.jinja")
+_EXTRA_FILES = ("generation_config.json",)
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")   # LMHeadModel: GPT-2 style names
 
 
 def _offline() -> None:
@@ -34,89 +48,259 @@ def _offline() -> None:
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
+def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
+    """Whether the model directory ``path`` holds a causal (decoder) LM: its ``config.json`` names an
+    architecture ending in ``ForCausalLM`` (or GPT-2's ``LMHeadModel``)."""
+    try:
+        with open(Path(path) / "config.json", encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{Path(path) / 'config.json'} is not valid JSON: {e}") from None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    return any(isinstance(a, str) and a.endswith(_CAUSAL_SUFFIXES) for a in archs or ())
+
+
 def load_pruned(path: str) -> nn.Module:
     """A model from a Hugging Face directory; if it holds a sparsa checkpoint, its weights are the
-    sparse ones (in their saved layouts)."""
+    sparse ones (in their saved layouts). A causal LM comes back as its ``...ForCausalLM`` class
+    (with the LM head, ready for ``generate``); any other model as its base model (``AutoModel``)."""
     _offline()
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .io import load
     p = Path(path)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a model directory (expected a config.json inside)")
+    auto = AutoModelForCausalLM if is_causal_lm(p) else AutoModel
     if (p / CHECKPOINT).is_file():
-        model = AutoModel.from_config(AutoConfig.from_pretrained(str(p), local_files_only=True))
+        model = auto.from_config(AutoConfig.from_pretrained(str(p), local_files_only=True))
         load(model, str(p / CHECKPOINT))
+        if hasattr(model, "tie_weights"):   # the checkpoint holds a tied head as a copy; tie it again
+            model.tie_weights()
     else:
-        model = AutoModel.from_pretrained(str(p), local_files_only=True)
+        model = auto.from_pretrained(str(p), local_files_only=True)
     return model.float().eval()
 
 
-def _calibration(path: Path, n: int) -> Optional[Tuple[Any, List[Dict[str, torch.Tensor]]]]:
+def prunable_linears(model: nn.Module) -> List[str]:
+    """Names of the ``nn.Linear`` layers ``prune_model_dir`` prunes: those inside the model's
+    repeated blocks (the outermost ``nn.ModuleList`` of same-class, non-Linear modules, e.g. BERT's
+    ``encoder.layer`` or Llama's ``model.layers``); if there is none, every ``nn.Linear``. The output
+    embeddings (LM head) are never included.
+
+    >>> import torch.nn as nn
+    >>> m = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)]), nn.Linear(4, 9))
+    >>> prunable_linears(m)
+    ['0.0.0', '0.1.0']
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and len({type(c) for c in m}) == 1 and not isinstance(m[0], nn.Linear)]
+    outer = [n for n in lists if not any(o != n and (o == "" or n.startswith(o + ".")) for o in lists)]
+
+    def inside(name: str) -> bool:
+        return any(o == "" or name.startswith(o + ".") for o in outer)
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    in_blocks = [n for n, _ in linears if inside(n)]
+    return in_blocks or [n for n, _ in linears]
+
+
+def default_layout(pattern: str, causal_lm: bool = False) -> str:
+    """The layout ``prune_model_dir`` stores ``pattern`` in when none is given: the pattern's natural
+    one (masked, nm or row_group), except that a causal LM's ``'unstructured'`` or ``'N:M'`` weights
+    go to ``"bitmask"`` (fast single-token decode) when that layout is registered."""
+    from .layouts.base import get_layout
+    from .methods.pattern import named_pattern
+    _, natural = named_pattern(pattern, 0.5)
+    if causal_lm and natural in ("masked", "nm"):
+        try:
+            get_layout("bitmask")
+            return "bitmask"
+        except ValueError:
+            pass
+    return natural
+
+
+def check_pattern_layout(pattern: str, sparsity: float, layout: str) -> Any:
+    """The sparsifier of ``pattern``; raises ``ValueError`` naming the argument if ``pattern``,
+    ``sparsity`` or ``layout`` is invalid, or if ``layout`` cannot store ``pattern`` (checked on a
+    small random weight, so nothing is loaded or pruned first)."""
+    from . import Rule, sparsify
+    from .layouts.base import check_fraction, get_layout
+    from .methods.pattern import named_pattern
+    check_fraction(sparsity, "--sparsity")
+    try:
+        sparsifier, _ = named_pattern(pattern, sparsity)
+    except ValueError as e:
+        raise ValueError(f"--pattern: {e}") from None
+    try:
+        get_layout(layout)
+    except ValueError as e:
+        raise ValueError(f"--layout: {e}") from None
+    probe = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))
+    try:
+        sparsify(probe, Rule(sparsifier=sparsifier, layout=layout))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--layout {layout!r} cannot store --pattern {pattern!r} at --sparsity {sparsity}: "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return sparsifier
+
+
+def _read_texts(data: Union[str, os.PathLike], n: int) -> List[str]:
+    """Up to ``n`` non-empty lines of a UTF-8 text file, or of the ``*.txt`` files of a directory
+    (sorted by name)."""
+    p = Path(data)
+    files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
+    if not p.exists() or not files:
+        raise ValueError(f"--data {str(data)!r}: expected a UTF-8 text file or a directory of *.txt files")
+    out: List[str] = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            out += [line.strip() for line in fh if line.strip()]
+        if len(out) >= n:
+            break
+    if not out:
+        raise ValueError(f"--data {str(data)!r} holds no text (one passage per non-empty line)")
+    return out[:n]
+
+
+def _calibration(path: Path, n: int, causal_lm: bool = False,
+                 data: Optional[Union[str, os.PathLike]] = None) -> Optional[Tuple[Any, List[Dict[str, torch.Tensor]]]]:
     from transformers import AutoTokenizer
 
     from .data.text import calibration_and_evaluation
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    calib, _ = calibration_and_evaluation(n, 1)
+    if tok.pad_token is None:   # many causal-LM tokenizers have none; padded positions are masked anyway
+        tok.pad_token = tok.eos_token or tok.unk_token
+    calib = _read_texts(data, n) if data is not None else calibration_and_evaluation(n, 1)[0]
     batches = [dict(tok(calib[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt"))
                for i in range(0, len(calib), 16)]
+    if causal_lm:   # decoders take no token_type_ids
+        batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
     return tok, batches
+
+
+def _save(model: nn.Module, path: Path) -> None:
+    from .io import save
+    save(model, str(path))
+
+
+class _NoInterrupt:
+    """Hold Ctrl-C back for a short critical section (main thread only); re-raised at its end."""
+
+    def __enter__(self) -> "_NoInterrupt":
+        self.hit, self.old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, *_: Any) -> None:
+        self.hit = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+        if self.hit and exc[0] is None:
+            raise KeyboardInterrupt
+
+
+def _write_out(out: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp)`` on a fresh temporary sibling directory of ``out``, then move it into place:
+    one rename when ``out`` is absent or empty; into an existing non-empty ``out`` its files replace
+    those of the same names (others are kept), the checkpoint last. On any exception (Ctrl-C
+    included) the temporary directory, and any parent directories made for it, are removed."""
+    made = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = None
+    try:
+        tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir()   # not mkdtemp: OUT gets the usual (umask) permissions, not 0700
+        write(tmp)
+        with _NoInterrupt():
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            if not out.exists():
+                os.rename(tmp, out)
+            else:
+                files = sorted(tmp.iterdir(), key=lambda f: f.name == CHECKPOINT)
+                for f in files:
+                    os.replace(f, out / f.name)
+                tmp.rmdir()
+    except BaseException:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:   # innermost first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: float = 0.5,
                     pattern: str = "unstructured", layout: Optional[str] = None, calib: int = 64,
-                    progress: bool = True, only_if_faster: Union[bool, int] = False) -> List[Dict[str, Any]]:
-    """Prune every Linear of the transformer blocks of the model in ``src`` and write ``out``.
+                    progress: bool = True, only_if_faster: Union[bool, int] = False,
+                    data: Optional[Union[str, os.PathLike]] = None) -> List[Dict[str, Any]]:
+    """Prune the Linear layers of the transformer blocks of the model in ``src`` (see
+    :func:`prunable_linears`) and write ``out``.
 
-    ``only_if_faster`` (``True`` or a token count, as in :func:`sparsa.sparsify_linears`): a pruned
-    layer whose sparse layout is not measured faster than dense on this machine is saved as a dense
-    weight (same values). Returns the per-layer report rows (see :func:`sparsa.sparsity_report`; the
-    pruned weights' rows also carry ``path`` and ``ratio_vs_dense``).
+    ``layout``: the storage layout (default :func:`default_layout`). ``data``: calibration text for
+    wanda/sparsegpt (a text file, one passage per line, or a directory of ``*.txt``; default the
+    built-in offline sentences). ``only_if_faster`` (``True`` or a token count, as in
+    :func:`sparsa.sparsify_linears`): a pruned layer whose sparse layout is not measured faster than
+    dense on this machine is saved as a dense weight (same values). Returns the per-layer report rows
+    (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
+    ``ratio_vs_dense``). ``out`` is complete or untouched: see :func:`_write_out`.
     """
-    from . import Rule, save, sparsify, sparsity_report
-    from .layouts.base import check_fraction, get_layout
+    from . import Rule, sparsify, sparsity_report
     from .methods import sparsegpt, wanda
-    from .methods.pattern import named_pattern
     from .nn.linears import _tokens, annotate_paths, dense_where_slower
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    check_fraction(sparsity, "--sparsity")
     tokens = _tokens(only_if_faster, "only_if_faster")
-    sparsifier, default_layout = named_pattern(pattern, sparsity)
-    layout = layout or default_layout
-    get_layout(layout)  # clear error for an unknown layout name
+    srcp, outp = Path(src), Path(out)
+    if outp.exists() and not outp.is_dir():
+        raise ValueError(f"--out {out!r} exists and is not a directory")
+    if not (srcp / "config.json").is_file():
+        raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
+    causal = is_causal_lm(srcp)
+    layout = layout or default_layout(pattern, causal)
+    sparsifier = check_pattern_layout(pattern, sparsity, layout)
     model = load_pruned(src)
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layer." in n]
+    names = prunable_linears(model)
     if not names:
-        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not names:
-        raise ValueError(f"{src}: the model has no nn.Linear layers to prune")
-    srcp = Path(src)
+        raise ValueError(f"MODEL_DIR {src!r}: the model has no nn.Linear layers to prune (only nn.Linear "
+                         "weights are pruned; GPT-2 style Conv1D layers are not)")
     if method == "magnitude":
         sparsify(model, [Rule(sparsifier=sparsifier, layout=layout, names=names)])
     else:
-        cal = _calibration(srcp, calib)
+        cal = _calibration(srcp, calib, causal, data)
         if cal is None:
             raise ValueError(f"--method {method} needs calibration text, but {src} has no tokenizer files; "
                              "use --method magnitude")
         _, batches = cal
+        # causal LMs: run the base model only (the LM head's logits are not needed and can be huge)
+        fwd = (lambda m, b: m.base_model(**b, use_cache=False)) if causal else (lambda m, b: m(**b))
         if method == "wanda":
-            wanda(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b))
+            wanda(model, batches, sparsifier, layout=layout, names=names, forward=fwd)
         else:
-            sparsegpt(model, batches, sparsifier, layout=layout, names=names, forward=lambda m, b: m(**b),
-                      progress=progress)
+            sparsegpt(model, batches, sparsifier, layout=layout, names=names, forward=fwd, progress=progress)
     if tokens:
         chosen = dense_where_slower(model, tokens, names=names)
     else:
         chosen = {f"{n}.weight": {"path": "sparse", "ratio_vs_dense": None} for n in names}
-    outp = Path(out)
-    outp.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(srcp / "config.json", outp / "config.json")
-    for f in _TOKENIZER_FILES:
-        if (srcp / f).is_file() and srcp.resolve() != outp.resolve():
-            shutil.copy2(srcp / f, outp / f)
-    save(model, str(outp / CHECKPOINT))
+
+    def write(tmp: Path) -> None:
+        for f in ("config.json",) + _EXTRA_FILES + _TOKENIZER_FILES:
+            if (srcp / f).is_file():
+                shutil.copy2(srcp / f, tmp / f)
+        _save(model, tmp / CHECKPOINT)
+
+    _write_out(outp, write)
     return annotate_paths(sparsity_report(model), chosen)

@@ -9,7 +9,7 @@ import torch
 
 from sparsa import cli
 
-SUBCOMMANDS = ["demo", "prune", "inspect", "bench"]
+SUBCOMMANDS = ["demo", "prune", "generate", "inspect", "bench"]
 
 
 def _run(*args, timeout=600):
