@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparsa.layouts import BSR, COO, CSR, GroupedNM, Masked, NM, get_layout, grouped_nm_mask, nm_mask
+from sparsa.layouts import BSR, COO, CSR, Bitmask, GroupedNM, Masked, NM, get_layout, grouped_nm_mask, nm_mask
 
 SETTINGS = settings(max_examples=25, deadline=None)
 
@@ -16,6 +16,7 @@ CASES = [
     (COO, {}, 3),
     (COO, {}, 1),
     (CSR, {}, 2),
+    (Bitmask, {}, 2),
     (BSR, {"blocksize": (2, 3)}, 2),
     (BSR, {"blocksize": (4, 4)}, 2),
     (NM, {"n": 2, "m": 4}, 2),

@@ -36,6 +36,7 @@ _LIBS: Dict[str, Optional[ctypes.CDLL]] = {}
 _INFO: Dict[str, dict] = {}
 _LOCK = threading.Lock()
 _WARNED: set = set()
+_ENABLED: Dict[tuple, bool] = {}
 
 CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -45,10 +46,13 @@ LDFLAGS = ["-fopenmp"]
 def native_enabled() -> bool:
     """False when ``SPARSA_NO_NATIVE`` is set to a true value, or the kernel path is ``portable`` (a CPU
     without AVX2/FMA, or ``SPARSA_ISA=portable``). An unknown ``SPARSA_ISA`` raises ValueError."""
-    if os.environ.get("SPARSA_NO_NATIVE", "").lower() in ("1", "true", "yes", "on"):
-        return False
-    from .. import cpu
-    return cpu.isa() != "portable"
+    env = (os.environ.get("SPARSA_NO_NATIVE", ""), os.environ.get("SPARSA_ISA", ""),
+           os.environ.get("SPARSA_NO_AVX512", ""))
+    hit = _ENABLED.get(env)
+    if hit is None:   # memoised per environment: every kernel call asks, tests flip the variables
+        from .. import cpu
+        hit = _ENABLED[env] = env[0].lower() not in ("1", "true", "yes", "on") and cpu.isa() != "portable"
+    return hit
 
 
 def cache_dir() -> Path:

@@ -5,6 +5,7 @@ from .dense import Dense  # noqa: F401
 from .masked import Masked  # noqa: F401
 from .row_group import RowGroup, row_group_mask  # noqa: F401
 from .sliced_ell import SlicedELL  # noqa: F401
+from .bitmask import Bitmask  # noqa: F401
 from .coo import COO  # noqa: F401
 from .csr import CSR  # noqa: F401
 from .bsr import BSR  # noqa: F401

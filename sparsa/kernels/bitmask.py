@@ -1,0 +1,195 @@
+"""``sparsa::bitmask_linear``: Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values).
+
+Two native strategies (``csrc/bitmask_linear.cpp``), both reading the compressed weight once:
+
+- ``"stream"`` for a few tokens (LLM decoding): every row's packed values are expanded 8 columns at a
+  time in registers and multiplied with the tokens; the weight is streamed from memory once, so the
+  time follows its bytes.
+- ``"expand"`` for many tokens (prefill): blocks of rows are expanded to dense rows that stay in cache,
+  and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
+  memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
+  (AVX-512 BF16 or AMX), where PyTorch's bf16 GEMM is far slower than float32.
+
+:func:`choose_strategy` picks one by token count. When the kernels cannot be built, or
+``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
+
+Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
+``x`` reaches every output row, kept column or not, as in ``F.linear``. float32 operands compute in float32;
+bfloat16 operands accumulate in float32 and each output is rounded once (nearest even). The output has
+``x``'s dtype.
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.layouts import Bitmask
+    >>> from sparsa.kernels.bitmask import bitmask_linear
+    >>> w = Bitmask.from_dense(torch.randn(20, 30), sparsity=0.5)
+    >>> x = torch.randn(2, 30)
+    >>> y = bitmask_linear(x, w.bits, w.row_ptr, w.values, None, 20)
+    >>> torch.allclose(y, x @ w.to_dense().T, atol=1e-4)
+    True
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import cpu
+from . import loader
+from .operands import REDUCED_DTYPES, compute_dtype, native_kind
+
+__all__ = ["bitmask_linear", "bitmask_linear_impl", "bitmask_linear_reference", "bitmask_dense_weight",
+           "choose_strategy", "native_library", "STRATEGIES"]
+
+_SOURCES = ["bitmask_linear.cpp"]
+STRATEGIES = ("stream", "expand")
+#: most tokens the stream strategy takes; above it the expand strategy runs (its GEMM reuses each
+#: weight across tokens, the stream kernel re-expands it for every 4 tokens)
+STREAM_MAX_TOKENS = 16
+#: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
+_BLOCK_BYTES = 2 << 20
+
+
+def native_library() -> Optional[ctypes.CDLL]:
+    """The native kernel library, or None when the fallback must run."""
+    lib = loader.load("bitmask_linear", _SOURCES)
+    if lib is not None and not getattr(lib, "_sparsa_typed", False):
+        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.sparsa_bitmask_linear_f32.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ci]
+        lib.sparsa_bitmask_linear_bf16.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ci, vp, ci]
+        lib.sparsa_bitmask_expand.argtypes = [vp, vp, vp, ci, i64, i64, i64, i64, vp, ci, ci]
+        for f in (lib.sparsa_bitmask_linear_f32, lib.sparsa_bitmask_linear_bf16, lib.sparsa_bitmask_expand):
+            f.restype = ci
+        lib._sparsa_typed = True
+    return lib
+
+
+def bitmask_dense_weight(bits: Tensor, row_ptr: Tensor, values: Tensor, in_features: int,
+                         dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The logical ``(R, in_features)`` weight (pure PyTorch)."""
+    from ..layouts.bitmask import unpack_bits
+    mask = unpack_bits(bits, in_features)
+    w = torch.zeros(mask.shape, dtype=dtype or values.dtype, device=values.device)
+    w[mask] = values.to(w.dtype)
+    return w
+
+
+def bitmask_linear_reference(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
+                             out_features: int) -> Tensor:
+    """Pure-PyTorch semantics of the kernels; bfloat16/float16 inputs compute in float32 and round once."""
+    ct = torch.float32 if x.dtype in REDUCED_DTYPES else x.dtype
+    w = bitmask_dense_weight(bits, row_ptr, values, x.shape[-1], ct)
+    y = torch.nn.functional.linear(x.to(ct), w, None if bias is None else bias.to(ct))
+    return y.to(x.dtype)
+
+
+def _bf16_gemm_hardware() -> bool:
+    flags = cpu.cpu_info()["flags"]
+    return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
+
+
+def choose_strategy(tokens: int) -> str:
+    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens, else ``"expand"``."""
+    return "stream" if tokens <= STREAM_MAX_TOKENS else "expand"
+
+
+def _stream(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor,
+            bias: Optional[Tensor], R: int) -> Tensor:
+    T, K = x2.shape
+    y = torch.empty(T, R, dtype=x2.dtype)
+    b = None if bias is None else bias.contiguous()
+    bp = None if b is None else b.data_ptr()
+    nt = torch.get_num_threads()
+    if kind == "bf16":
+        lib.sparsa_bitmask_linear_bf16(x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(),
+                                       R, bp, int(b is not None and b.dtype == torch.bfloat16), y.data_ptr(), nt)
+    else:
+        lib.sparsa_bitmask_linear_f32(x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(),
+                                      R, bp, y.data_ptr(), nt)
+    return y
+
+
+def _expand(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor,
+            bias: Optional[Tensor], R: int) -> Tensor:
+    T, K = x2.shape
+    gemm_dtype = torch.bfloat16 if kind == "bf16" and _bf16_gemm_hardware() else torch.float32
+    xg = x2 if x2.dtype == gemm_dtype else x2.to(gemm_dtype)
+    item = 2 if gemm_dtype == torch.bfloat16 else 4
+    rows = max(8, min(R, _BLOCK_BYTES // max(1, K * item)))
+    buf = torch.empty(rows, K, dtype=gemm_dtype)
+    yt = torch.empty(R, T, dtype=gemm_dtype)
+    nt = torch.get_num_threads()
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        blk = buf[: r1 - r0]
+        lib.sparsa_bitmask_expand(bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), int(kind == "bf16"), R, K,
+                                  r0, r1, blk.data_ptr(), int(gemm_dtype == torch.bfloat16), nt)
+        torch.mm(blk, xg.t(), out=yt[r0:r1])
+    y = yt.t()
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x2.dtype).contiguous()
+
+
+def bitmask_linear_impl(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
+                        out_features: int, strategy: str = "auto") -> Tensor:
+    """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
+    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"`` or ``"expand"``."""
+    if strategy not in ("auto",) + STRATEGIES:
+        raise ValueError(f"strategy must be 'auto', 'stream' or 'expand', got {strategy!r}")
+    kind = native_kind(x, values, bias)
+    lib = None if kind is None else native_library()
+    if lib is None:
+        return bitmask_linear_reference(x, bits, row_ptr, values, bias, out_features).contiguous()
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K).contiguous()
+    T = x2.shape[0]
+    if T == 0 or out_features == 0:
+        return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
+    if strategy == "auto":
+        strategy = choose_strategy(T)
+    fn = _stream if strategy == "stream" else _expand
+    y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("sparsa::bitmask_linear", mutates_args=())
+def bitmask_linear(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
+                   out_features: int) -> Tensor:
+    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by Bitmask components."""
+    return bitmask_linear_impl(x, bits, row_ptr, values, bias, out_features)
+
+
+@bitmask_linear.register_fake
+def _(x, bits, row_ptr, values, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    x, bits, row_ptr, values, bias, out_features = inputs
+    ctx.save_for_backward(x, bits, row_ptr, values)
+    ctx.out_features = out_features
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, gy):
+    x, bits, row_ptr, values = ctx.saved_tensors
+    K = x.shape[-1]
+    ct = compute_dtype(gy.dtype, x.dtype, values.dtype)
+    g2 = gy.reshape(-1, ctx.out_features).to(ct)
+    gx = gv = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = (g2 @ bitmask_dense_weight(bits, row_ptr, values, K, ct)).reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[3]:
+        from ..layouts.bitmask import unpack_bits
+        gv = (g2.t() @ x.reshape(-1, K).to(ct))[unpack_bits(bits, K)].to(values.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
+        gb = g2.sum(0).to(ctx.bias_dtype)
+    return gx, None, None, gv, gb, None
+
+
+bitmask_linear.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,240 @@
+// Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values), for decoding:
+// a few tokens, weights streamed from memory once. Each group of 8 columns expands its packed values
+// into a vector with one permute (indices from a 256-entry table keyed by the mask byte), zeroes the
+// dropped lanes and multiplies with the dense X columns, so the work per byte read stays small enough
+// to run at memory bandwidth. A second entry point expands rows to dense, for the prefill path
+// (expand a block of rows into cache, then a BLAS GEMM on it).
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+
+namespace {
+
+// kPerm[m] byte i: index, among the packed values of the group, of lane i's value (0 for a dropped lane);
+// kLane[m] byte i: 0xff when bit i of m is set.
+struct Tables {
+    alignas(64) uint64_t perm[256];
+    alignas(64) uint64_t lane[256];
+    Tables() {
+        for (int m = 0; m < 256; ++m) {
+            uint64_t p = 0, l = 0;
+            int k = 0;
+            for (int i = 0; i < 8; ++i) {
+                if (m >> i & 1) {
+                    p |= (uint64_t)k++ << (8 * i);
+                    l |= (uint64_t)0xff << (8 * i);
+                }
+            }
+            perm[m] = p;
+            lane[m] = l;
+        }
+    }
+};
+const Tables kTables;
+
+inline __m256i perm_of(unsigned m) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&kTables.perm[m])));
+}
+inline __m256i lane_of(unsigned m) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&kTables.lane[m])));
+}
+
+// 8 packed values (reads 8, uses popcount(m)) as floats
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
+
+// the group's 8 weights, zero where the mask bit is clear
+template <class V>
+inline __m256 expand8(const V* vp, unsigned m) {
+    const __m256 v = _mm256_permutevar8x32_ps(load8(vp), perm_of(m));
+    return _mm256_and_ps(v, _mm256_castsi256_ps(lane_of(m)));
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// out[t] = sum over the row's kept columns c of w[c] * x[t][c], for NT tokens of the padded X panel
+// (row stride kp, zero past K). Two accumulators per token hide the FMA latency.
+template <int NT, class V>
+inline void row_dot(const uint8_t* bits, int64_t kb, const V* vp, const float* x, int64_t kp, float* out) {
+    __m256 a0[NT], a1[NT];
+    for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= kb; g += 2) {
+        const unsigned m0 = bits[g], m1 = bits[g + 1];
+        const __m256 w0 = expand8(vp, m0);
+        vp += __builtin_popcount(m0);
+        const __m256 w1 = expand8(vp, m1);
+        vp += __builtin_popcount(m1);
+        const float* xc = x + 8 * g;
+        for (int t = 0; t < NT; ++t) {
+            a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc + t * kp), a0[t]);
+            a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + t * kp + 8), a1[t]);
+        }
+    }
+    if (g < kb) {
+        const unsigned m0 = bits[g];
+        const __m256 w0 = expand8(vp, m0);
+        for (int t = 0; t < NT; ++t) a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + 8 * g + t * kp), a0[t]);
+    }
+    for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(a0[t], a1[t]));
+}
+
+template <class V>
+inline void row_dot_n(int nt, const uint8_t* bits, int64_t kb, const V* vp, const float* x, int64_t kp, float* out) {
+    switch (nt) {
+        case 1: row_dot<1>(bits, kb, vp, x, kp, out); break;
+        case 2: row_dot<2>(bits, kb, vp, x, kp, out); break;
+        case 3: row_dot<3>(bits, kb, vp, x, kp, out); break;
+        default: row_dot<4>(bits, kb, vp, x, kp, out); break;
+    }
+}
+
+// y[t][r] for all T tokens and R rows; xp is the fp32 X panel (T x kp, zero-padded past K);
+// store(t, r, value) writes one output (bias and rounding are the caller's).
+template <class V, class Store>
+void bitmask_rows(const float* xp, int64_t T, int64_t kp, const uint8_t* bits, int64_t kb, const int64_t* row_ptr,
+                  const V* values, int64_t R, int nthreads, Store store) {
+    const int64_t nnz = row_ptr[R];
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<V> tail;     // a padded copy of a row whose 8-value reads would run past the array
+        float out[4];
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; ++r) {
+            const V* vp = values + row_ptr[r];
+            if (row_ptr[r + 1] + 8 > nnz) {
+                const int64_t n = row_ptr[r + 1] - row_ptr[r];
+                tail.assign(n + 8, V(0));
+                std::copy(vp, vp + n, tail.begin());
+                vp = tail.data();
+            }
+            for (int64_t t0 = 0; t0 < T; t0 += 4) {
+                const int nt = (int)std::min<int64_t>(4, T - t0);
+                row_dot_n(nt, bits + r * kb, kb, vp, xp + t0 * kp, kp, out);
+                for (int i = 0; i < nt; ++i) store(t0 + i, r, out[i]);
+            }
+        }
+    }
+}
+
+// the fp32 panel of X (T x K, fp32 or bf16), rows padded with zeros to kp columns
+template <class X>
+std::vector<float> padded_panel(const X* x, int64_t T, int64_t K, int64_t kp) {
+    std::vector<float> p((size_t)(T * kp), 0.0f);
+    for (int64_t t = 0; t < T; ++t) {
+        if constexpr (sizeof(X) == 4) {
+            std::memcpy(p.data() + t * kp, x + t * K, K * sizeof(float));
+        } else {
+            sparsa_bf16_row_to_f32(x + t * K, p.data() + t * kp, K);
+        }
+    }
+    return p;
+}
+
+// rows [r0, r1) of W as dense rows of out ((r1 - r0) x K, floats or bf16)
+template <class V, class O>
+void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const V* values, int64_t R, int64_t K,
+                 int64_t r0, int64_t r1, O* out, int nthreads) {
+    const int64_t nnz = row_ptr[R];
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<V> tail;
+        alignas(32) float buf[8];
+#pragma omp for schedule(static)
+        for (int64_t r = r0; r < r1; ++r) {
+            const V* vp = values + row_ptr[r];
+            if (row_ptr[r + 1] + 8 > nnz) {
+                const int64_t n = row_ptr[r + 1] - row_ptr[r];
+                tail.assign(n + 8, V(0));
+                std::copy(vp, vp + n, tail.begin());
+                vp = tail.data();
+            }
+            const uint8_t* b = bits + r * kb;
+            O* o = out + (r - r0) * K;
+            int64_t g = 0;
+            for (; 8 * g + 8 <= K; ++g) {
+                const unsigned m = b[g];
+                const __m256 w = expand8(vp, m);
+                vp += __builtin_popcount(m);
+                if constexpr (sizeof(O) == 4) {
+                    _mm256_storeu_ps(reinterpret_cast<float*>(o) + 8 * g, w);
+                } else {
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * g), sparsa_cvt8_f32_bf16(w));
+                }
+            }
+            if (8 * g < K) {
+                _mm256_store_ps(buf, expand8(vp, b[g]));
+                for (int64_t c = 8 * g; c < K; ++c) {
+                    if constexpr (sizeof(O) == 4) {
+                        o[c] = buf[c - 8 * g];
+                    } else {
+                        o[c] = sparsa_f32_to_bf16(buf[c - 8 * g]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y (T x R, fp32) = x (T x K, fp32) W^T + bias (R floats or null)
+int sparsa_bitmask_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
+                              const float* values, int64_t R, const float* bias, float* y, int nthreads) {
+    const int64_t kb = (K + 7) / 8, kp = 8 * kb + 8;
+    const std::vector<float> xp = padded_panel(x, T, K, kp);
+    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads,
+                 [&](int64_t t, int64_t r, float v) { y[t * R + r] = bias ? v + bias[r] : v; });
+    return 0;
+}
+
+// y (T x R, bf16) = x (T x K, bf16) W^T + bias, W's values bf16; products accumulate in fp32 and each
+// output is rounded once. bias: R bf16 (bias_bf16 = 1) or floats (0), or null.
+int sparsa_bitmask_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
+                               const uint16_t* values, int64_t R, const void* bias, int bias_bf16, uint16_t* y,
+                               int nthreads) {
+    const int64_t kb = (K + 7) / 8, kp = 8 * kb + 8;
+    const std::vector<float> xp = padded_panel(x, T, K, kp);
+    const uint16_t* bh = static_cast<const uint16_t*>(bias);
+    const float* bf = static_cast<const float*>(bias);
+    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads, [&](int64_t t, int64_t r, float v) {
+        if (bias) v += bias_bf16 ? sparsa_bf16_to_f32(bh[r]) : bf[r];
+        y[t * R + r] = sparsa_f32_to_bf16(v);
+    });
+    return 0;
+}
+
+// rows [r0, r1) of W to dense rows of out ((r1 - r0) x K); values_bf16 / out_bf16 select uint16 storage
+int sparsa_bitmask_expand(const uint8_t* bits, const int64_t* row_ptr, const void* values, int values_bf16, int64_t R,
+                          int64_t K, int64_t r0, int64_t r1, void* out, int out_bf16, int nthreads) {
+    const int64_t kb = (K + 7) / 8;
+    if (values_bf16 && out_bf16) {
+        expand_rows(bits, kb, row_ptr, static_cast<const uint16_t*>(values), R, K, r0, r1, static_cast<uint16_t*>(out),
+                    nthreads);
+    } else if (values_bf16) {
+        expand_rows(bits, kb, row_ptr, static_cast<const uint16_t*>(values), R, K, r0, r1, static_cast<float*>(out),
+                    nthreads);
+    } else if (out_bf16) {
+        expand_rows(bits, kb, row_ptr, static_cast<const float*>(values), R, K, r0, r1, static_cast<uint16_t*>(out),
+                    nthreads);
+    } else {
+        expand_rows(bits, kb, row_ptr, static_cast<const float*>(values), R, K, r0, r1, static_cast<float*>(out),
+                    nthreads);
+    }
+    return 0;
+}
+
+}  // extern "C"

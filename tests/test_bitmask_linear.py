@@ -1,0 +1,204 @@
+"""The Bitmask layout and ``sparsa::bitmask_linear`` (decode/prefill kernels) against dense references.
+
+Every kernel path this CPU has runs: the native ``stream`` and ``expand`` strategies (AVX2) and the
+pure-PyTorch fallback; fp32 and bf16 (checked against float64 with a bf16 tolerance).
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import sparsa
+from sparsa import cpu
+from sparsa.kernels import bitmask as bm
+from sparsa.layouts import Bitmask
+from sparsa.layouts.bitmask import pack_bits, unpack_bits
+
+BF = torch.bfloat16
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=["stream", "expand", "fallback"])
+def path(request, monkeypatch):
+    """A native strategy (AVX2 pieces), or the pure-PyTorch reference."""
+    monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    if request.param == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+        assert bm.native_library() is None
+        return request.param
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    if cpu.ISA_LEVELS.index(cpu.hardware_isa()) < cpu.ISA_LEVELS.index("avx2"):
+        pytest.skip("this CPU has no avx2/fma: only the fallback runs")
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert bm.native_library() is not None, "native bitmask kernel failed to build"
+
+    def no_reference(*a, **k):
+        raise AssertionError("the reference ran although the native kernel should have")
+    monkeypatch.setattr(bm, "bitmask_linear_reference", no_reference)
+    monkeypatch.setattr(bm, "choose_strategy", lambda tokens: request.param)
+    return request.param
+
+
+def _ref(x, w, bias):
+    y = x.double() @ w.to_dense().double().T
+    return y if bias is None else y + bias.double()
+
+
+def _close(got, want, dtype):
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol * scale)
+
+
+# ---------------------------------------------------------------------------------------------- layout
+@SETTINGS
+@given(R=st.integers(0, 19), K=st.integers(0, 45), density=st.floats(0, 1))
+def test_bits_round_trip(R, K, density):
+    mask = torch.rand(R, K) < density
+    bits = pack_bits(mask)
+    assert bits.dtype == torch.uint8 and bits.shape == (R, -(-K // 8))
+    assert torch.equal(unpack_bits(bits, K), mask)
+
+
+def test_from_dense_sparsity_is_per_row_and_bytes_shrink():
+    w = torch.randn(256, 512)
+    b = Bitmask.from_dense(w, sparsity=0.5)
+    assert torch.equal(b.row_ptr.diff(), torch.full((256,), 256))
+    kept = w.abs() >= w.abs().kthvalue(257, dim=1, keepdim=True).values
+    assert torch.equal(b.mask(), kept)
+    assert b.nbytes / (w.numel() * 4) < 0.54          # 0.5 values + 1/32 bits (+ row_ptr)
+    bb = Bitmask.from_dense(w.to(BF), sparsity=0.5)
+    assert bb.nbytes / (w.numel() * 2) < 0.58         # 0.5 values + 1/16 bits + row_ptr
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.update(bits=c["bits"].to(torch.int32)), "bits must be uint8"),
+    (lambda c: c.update(row_ptr=c["row_ptr"][:-1]), "row_ptr must be int64 of shape"),
+    (lambda c: c.update(values=c["values"][:-1]), "end at len"),
+    (lambda c: c["bits"].__setitem__((0, -1), 255), "past column"),
+    (lambda c: c["bits"].__setitem__((0, 0), c["bits"][0, 0] ^ 1), "set bits of each row"),
+])
+def test_validate_names_the_bad_component(change, message):
+    w = Bitmask.from_dense(torch.randn(4, 13), sparsity=0.5)
+    comps = {k: v.clone() for k, v in w.components().items()}
+    change(comps)
+    with pytest.raises(ValueError, match=message):
+        Bitmask.from_components(comps, (4, 13))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="2-D"):
+        Bitmask.from_dense(torch.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="not both"):
+        Bitmask.from_dense(torch.randn(2, 3), mask=torch.ones(2, 3, dtype=torch.bool), sparsity=0.5)
+    with pytest.raises(TypeError, match="floating-point"):
+        Bitmask.from_dense(torch.ones(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="strategy"):
+        bm.bitmask_linear_impl(torch.randn(1, 3), *_components(Bitmask.from_dense(torch.randn(2, 3))), None, 2,
+                               "fast")
+
+
+def _components(w):
+    return w.bits, w.row_ptr, w.values
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@SETTINGS
+@given(R=st.integers(1, 40), K=st.integers(1, 70), T=st.integers(1, 21), density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+       dtype=st.sampled_from([torch.float32, BF]), bias=st.sampled_from([None, "same", "f32"]), seed=st.integers(0, 99))
+def test_matches_float64_reference(path, R, K, T, density, dtype, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(R, K, generator=gen)
+    mask = torch.rand(R, K, generator=gen) < density
+    w = Bitmask.from_dense(dense.to(dtype), mask=mask)
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    b = None if bias is None else torch.randn(R, generator=gen).to(dtype if bias == "same" else torch.float32)
+    y = bm.bitmask_linear_impl(x, *_components(w), b, R)
+    _close(y, _ref(x, w, b), dtype)
+
+
+def test_leading_dims_and_llm_shapes(path):
+    # K not a multiple of 8, the last row ends at the array end, several token chunks
+    w = Bitmask.from_dense(torch.randn(96, 203), sparsity=0.6)
+    x = torch.randn(2, 3, 203)
+    _close(bm.bitmask_linear_impl(x, *_components(w), None, 96), _ref(x, w, None), torch.float32)
+
+
+def test_inf_in_input_reaches_every_row_like_dense(path):
+    w = Bitmask.from_dense(torch.randn(5, 16), mask=torch.eye(5, 16, dtype=torch.bool))
+    x = torch.randn(1, 16)
+    x[0, 15] = float("inf")          # column 15 is kept by no row
+    y = bm.bitmask_linear_impl(x, *_components(w), None, 5)
+    assert torch.isnan(y).all() and torch.isnan(torch.nn.functional.linear(x, w.to_dense())).all()
+
+
+def test_threads_do_not_change_the_result(path):
+    w = Bitmask.from_dense(torch.randn(301, 130), sparsity=0.7)
+    x = torch.randn(3, 130)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = bm.bitmask_linear_impl(x, *_components(w), None, 301)
+        torch.set_num_threads(2)
+        two = bm.bitmask_linear_impl(x, *_components(w), None, 301)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+# ---------------------------------------------------------------------------------------------- op
+@pytest.mark.parametrize("dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, BF),
+                                        (BF, torch.float32)])
+def test_opcheck(dtype, bias):
+    w = Bitmask.from_dense(torch.randn(9, 21).to(dtype), sparsity=0.5)
+    x = torch.randn(3, 21, dtype=dtype, requires_grad=True)
+    v = w.values.clone().requires_grad_(True)
+    b = None if bias is None else torch.randn(9, dtype=bias, requires_grad=True)
+    torch.library.opcheck(torch.ops.sparsa.bitmask_linear.default, (x, w.bits, w.row_ptr, v, b, 9))
+
+
+def test_gradcheck():
+    w = Bitmask.from_dense(torch.randn(7, 19, dtype=torch.float64), sparsity=0.5)
+    x = torch.randn(4, 19, dtype=torch.float64, requires_grad=True)
+    v = w.values.clone().requires_grad_(True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, v, b: bm.bitmask_linear(x, w.bits, w.row_ptr, v, b, 7), (x, v, b))
+
+
+def test_compile_traces_the_op():
+    w = sparsa.to_sparse(torch.randn(12, 24), "bitmask", sparsity=0.5)
+    x = torch.randn(2, 24)
+    fn = torch.compile(lambda x: torch.nn.functional.linear(x, w).relu(), backend="eager", fullgraph=True)
+    torch.testing.assert_close(fn(x), (x @ w.to_dense().T).relu(), rtol=1e-4, atol=1e-4)
+
+
+def test_linear_module_forward_backward_through_dispatcher():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(24, 10)
+    dense = torch.nn.Linear(24, 10)
+    sparsa.sparsify(lin, [sparsa.Rule(sparsifier=sparsa.sparsifiers.Magnitude(0.5, per="row"), layout="bitmask")])
+    assert lin.weight.layout_name == "bitmask"
+    with torch.no_grad():
+        dense.weight.copy_(lin.weight.to_dense())
+        dense.bias.copy_(lin.bias)
+    sparsa.reset_fallback_counts()
+    x = torch.randn(5, 24, requires_grad=True)
+    xd = x.detach().clone().requires_grad_(True)
+    y, yd = lin(x), dense(xd)
+    torch.testing.assert_close(y, yd, rtol=1e-4, atol=1e-5)
+    y.square().sum().backward()
+    yd.square().sum().backward()
+    assert sparsa.fallback_counts() == {}
+    torch.testing.assert_close(x.grad, xd.grad, rtol=1e-4, atol=1e-5)
+    mask = lin.weight.mask() if hasattr(lin.weight, "mask") else lin.weight._layout.mask()
+    gw = lin.weight.grad.to_dense() if hasattr(lin.weight.grad, "to_dense") else lin.weight.grad
+    torch.testing.assert_close(gw, dense.weight.grad * mask, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_model_conversion_keeps_layout():
+    lin = torch.nn.Linear(16, 8)
+    sparsa.sparsify(lin, [sparsa.Rule(sparsifier=sparsa.sparsifiers.Magnitude(0.5, per="row"), layout="bitmask")])
+    lin.to(BF)
+    assert lin.weight.layout_name == "bitmask" and lin.weight.dtype == BF
+    x = torch.randn(2, 16, dtype=BF)
+    _close(lin(x), _ref(x, lin.weight._layout, lin.bias), BF)
