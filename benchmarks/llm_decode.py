@@ -1,0 +1,221 @@
+"""Sparse LLM decoding on the CPU: Llama-architecture models with bitmask weights against dense PyTorch.
+
+Random-initialised ``LlamaForCausalLM`` configs of about 0.5B and 1B parameters (speed does not depend
+on the values, only on the pattern's density). The decoder blocks' linears are pruned per row by
+magnitude to each sparsity (and 2:4), stored in the ``bitmask`` layout; embeddings and ``lm_head`` stay
+dense. For every model, dtype and batch, one process times side by side (round robin, warm-up first,
+medians):
+
+- **decode**: steps of one new token per sequence on a KV cache holding the prompt (the cache is cut back
+  after each round, so every round decodes the same positions), lm_head and sampling included;
+- **prefill**: the forward of the whole prompt.
+
+Engines: dense in the same dtype (``F.linear``, oneDNN/MKL), ``torch.compile`` of the dense model's
+decode step (``--compile``), and bitmask at each sparsity. Rows: ``model, params, dtype, layout,
+sparsity, batch, phase, ms, tokens_per_s, speedup_vs_dense, speedup_vs_best_dense, weight_bytes_ratio``;
+``best_dense`` is the faster of dense eager and compiled for that phase. The JSON also has the CPU,
+threads, peak RSS and, when ``llm_quality.json`` exists beside it, the perplexity table.
+
+    python benchmarks/llm_decode.py --quick     # 0.5B, fp32, batch 1, 50% and 2:4: about 2-3 minutes
+    python benchmarks/llm_decode.py             # 0.5B and 1B, fp32 and bf16, batch 1 and 4 (long)
+
+Writes ``benchmarks/results/<cpu class>/llm_decode.json`` (``--out`` or ``$SPARSA_RESULTS_DIR`` move it).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sparsa  # noqa: E402
+from sparsa.sparsifiers import NM, Magnitude  # noqa: E402
+from sparsa.timing import round_robin_ms  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: (hidden, intermediate, layers, heads, kv heads, vocab): Llama-style shapes
+CONFIGS = {
+    "llama-0.5b": (1536, 4096, 16, 12, 4, 32000),
+    "llama-1b": (2048, 8192, 16, 32, 8, 32000),
+}
+
+
+def results_dir() -> Path:
+    env = os.environ.get("SPARSA_RESULTS_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
+
+
+def build_model(name: str, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    h, i, n, heads, kv, vocab = CONFIGS[name]
+    cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).eval()
+
+
+def linear_bytes(model) -> int:
+    """Bytes of the decoder blocks' linear weights (what decoding streams besides lm_head)."""
+    total = 0
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and n.startswith("model.layers"):
+            w = m.weight
+            total += w.sparse_layout.nbytes if isinstance(w, sparsa.SparseTensor) else w.numel() * w.element_size()
+    return total
+
+
+def prune_copy(dense, spec: str):
+    """A bitmask copy of ``dense``'s block linears: ``spec`` is a sparsity ("0.5") or "2:4"."""
+    import copy
+    sparsifier = NM(2, 4) if spec == "2:4" else Magnitude(float(spec), per="row")
+    model = copy.deepcopy(dense)
+    sparsa.sparsify(model, [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*",
+                                        module_types=torch.nn.Linear)])
+    return model
+
+
+def decode_fn(model, batch: int, prompt: int, steps: int, forward=None) -> Callable[[], None]:
+    """``steps`` greedy decode steps on a cache holding ``prompt`` tokens, cut back afterwards."""
+    from transformers import DynamicCache
+    fwd = forward or model
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True)
+    first = out.logits[:, -1:].argmax(-1)
+
+    def run():
+        tok = first
+        with torch.no_grad():
+            for _ in range(steps):
+                tok = fwd(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.crop(-steps)
+    return run
+
+
+def prefill_fn(model, batch: int, prompt: int) -> Callable[[], None]:
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.no_grad():
+            model(ids, use_cache=True)
+    return run
+
+
+def compiled_decode(model):
+    """``torch.compile`` of the model's forward (decode shapes), or None with the reason."""
+    try:
+        return torch.compile(model.forward, dynamic=True), None
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        return None, f"{type(e).__name__}: {e}"[:300]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="0.5B, fp32, batch 1, 50%% and 2:4, fewer rounds")
+    p.add_argument("--models", nargs="+", choices=sorted(CONFIGS), default=None)
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--batches", nargs="+", type=int, default=None)
+    p.add_argument("--sparsities", nargs="+", default=None, help="fractions and/or 2:4 (default 0.5 0.7 2:4)")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--steps", type=int, default=None, help="decode steps per timed round (default 8; quick 4)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; quick 3)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time torch.compile of the dense decode step (default: on, off with --quick)")
+    p.add_argument("--no-prefill", action="store_true", help="decode only")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    q = a.quick
+    models = a.models or (["llama-0.5b"] if q else ["llama-0.5b", "llama-1b"])
+    dtypes = [getattr(torch, d) for d in (a.dtypes or (["float32"] if q else ["float32", "bfloat16"]))]
+    batches = a.batches or ([1] if q else [1, 4])
+    specs = a.sparsities or (["0.5", "2:4"] if q else ["0.5", "0.7", "2:4"])
+    for s in specs:
+        if s != "2:4":
+            sparsa.layouts.base.check_fraction(float(s), "--sparsities")
+    steps, rounds = a.steps or (4 if q else 8), a.rounds or (3 if q else 5)
+    use_compile = (not q) if a.compile is None else a.compile
+    torch.set_num_threads(a.threads)
+    out = a.out or results_dir() / "llm_decode.json"
+    rows: List[Dict] = []
+    notes: Dict[str, str] = {}
+    t_start = time.time()
+    for name in models:
+        for dtype in dtypes:
+            dense = build_model(name, dtype)
+            params = sum(p.numel() for p in dense.parameters())
+            dense_bytes = linear_bytes(dense)
+            engines = {"dense": (dense, None, 1.0)}
+            for s in specs:
+                m = prune_copy(dense, s)
+                engines[f"bitmask@{s}"] = (m, s, linear_bytes(m) / dense_bytes)
+            comp = None
+            if use_compile:
+                comp, why = compiled_decode(dense)
+                if why:
+                    notes[f"{name}/{dtype}/compile"] = why
+            dname = str(dtype).replace("torch.", "")
+            for batch in batches:
+                phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
+                if not a.no_prefill:
+                    phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
+                for phase, make in phases:
+                    fns = {k: make(m) for k, (m, _, _) in engines.items()}
+                    if comp is not None and phase == "decode":
+                        t0 = time.perf_counter()
+                        try:
+                            fc = make(dense, comp)
+                            fc()  # compile outside the timing
+                            fns["dense_compiled"] = fc
+                            notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
+                        except Exception as e:  # pragma: no cover - depends on torch/transformers
+                            notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
+                    ms = round_robin_ms(fns, rounds, min_seconds=0.0)
+                    per = steps if phase == "decode" else 1
+                    best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
+                    for k, t in ms.items():
+                        spec = engines[k][1] if k in engines else None
+                        toks = batch * (steps if phase == "decode" else a.prompt)
+                        rows.append({
+                            "model": name, "params": params, "dtype": dname,
+                            "layout": "bitmask" if spec else k, "sparsity": spec, "batch": batch, "phase": phase,
+                            "ms": round(t / per, 3), "tokens_per_s": round(toks / (t / 1e3), 2),
+                            "speedup_vs_dense": round(ms["dense"] / t, 3),
+                            "speedup_vs_best_dense": round(best / t, 3),
+                            "weight_bytes_ratio": round(engines[k][2], 4) if k in engines else 1.0,
+                        })
+                        r = rows[-1]
+                        print(f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
+                              f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
+                              f"bytes {r['weight_bytes_ratio']:.3f}", flush=True)
+            del engines, dense, comp
+            gc.collect()
+    res = {
+        "benchmark": "llm_decode", "cpu": sparsa.cpu.cpu_info(), "threads": a.threads, "prompt": a.prompt,
+        "decode_steps_per_round": steps, "rounds": rounds, "quick": q,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "seconds": round(time.time() - t_start, 1), "notes": notes, "rows": rows,
+    }
+    quality = out.parent / "llm_quality.json"
+    if quality.is_file():
+        res["perplexity"] = json.loads(quality.read_text()).get("rows", [])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out} ({res['seconds']} s, peak RSS {res['peak_rss_mb']} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
