@@ -16,34 +16,18 @@
 
 namespace {
 
-// kPerm[m] byte i: index, among the packed values of the group, of lane i's value (0 for a dropped lane);
-// kLane[m] byte i: 0xff when bit i of m is set.
+// kPerm[m] lane i: index, among the group's packed values, of lane i's value, with the sign bit set for
+// a dropped lane (blendv then zeroes it). 32-byte entries: no widening shuffle per group.
 struct Tables {
-    alignas(64) uint64_t perm[256];
-    alignas(64) uint64_t lane[256];
+    alignas(64) uint32_t perm[256][8];
     Tables() {
         for (int m = 0; m < 256; ++m) {
-            uint64_t p = 0, l = 0;
             int k = 0;
-            for (int i = 0; i < 8; ++i) {
-                if (m >> i & 1) {
-                    p |= (uint64_t)k++ << (8 * i);
-                    l |= (uint64_t)0xff << (8 * i);
-                }
-            }
-            perm[m] = p;
-            lane[m] = l;
+            for (int i = 0; i < 8; ++i) perm[m][i] = (m >> i & 1) ? (uint32_t)k++ : 0x80000000u;
         }
     }
 };
 const Tables kTables;
-
-inline __m256i perm_of(unsigned m) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&kTables.perm[m])));
-}
-inline __m256i lane_of(unsigned m) {
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(&kTables.lane[m])));
-}
 
 // 8 packed values (reads 8, uses popcount(m)) as floats
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -52,9 +36,14 @@ inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
 // the group's 8 weights, zero where the mask bit is clear
 template <class V>
 inline __m256 expand8(const V* vp, unsigned m) {
-    const __m256 v = _mm256_permutevar8x32_ps(load8(vp), perm_of(m));
-    return _mm256_and_ps(v, _mm256_castsi256_ps(lane_of(m)));
+    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.perm[m]));
+    const __m256 v = _mm256_permutevar8x32_ps(load8(vp), idx);
+    return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_castsi256_ps(idx));
 }
+
+// how far ahead of the packed values the stream kernel prefetches (the hardware prefetcher alone
+// leaves the single stream well short of the bandwidth a dense GEMV reaches)
+constexpr int kPrefetchBytes = 1024;
 
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -72,6 +61,7 @@ inline void row_dot(const uint8_t* bits, int64_t kb, const V* vp, const float* x
     int64_t g = 0;
     for (; g + 2 <= kb; g += 2) {
         const unsigned m0 = bits[g], m1 = bits[g + 1];
+        _mm_prefetch(reinterpret_cast<const char*>(vp) + kPrefetchBytes, _MM_HINT_T0);
         const __m256 w0 = expand8(vp, m0);
         vp += __builtin_popcount(m0);
         const __m256 w1 = expand8(vp, m1);
