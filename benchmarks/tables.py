@@ -25,6 +25,8 @@ BENCHES = (("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks
            ("adaptive_training", "Adaptive activation-sparse training", "python benchmarks/adaptive_training.py"),
            ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
            ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
+           ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
+           ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
            ("quality", "Pruning quality", "python benchmarks/quality.py"),
            ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"))
 
@@ -312,6 +314,32 @@ def quality_section(d: Dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+LLM_FMT = {"ms": ".1f", "tokens_per_s": ".1f", "speedup_vs_dense": ".2f", "speedup_vs_best_dense": ".2f",
+           "weight_bytes_ratio": ".3f"}
+
+
+def llm_decode_section(d: Dict[str, Any]) -> str:
+    """Decode (ms per step) and prefill (ms per prompt) of each engine, per model, dtype and batch."""
+    rows = [dict(r, engine=(f"bitmask {r['sparsity']}" if r.get("sparsity") else r["layout"])) for r in d["rows"]]
+    s = (f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
+         f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
+         "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
+         "speedup_vs_best_dense: the faster of dense eager and its torch.compile / this engine. weight_bytes_ratio: "
+         f"bytes of the decoder blocks' linear weights against dense. Peak RSS {d.get('peak_rss_mb')} MB.\n\n")
+    s += _md(rows, ["model", "dtype", "batch", "phase", "engine", "ms", "tokens_per_s", "speedup_vs_dense",
+                    "speedup_vs_best_dense", "weight_bytes_ratio"], LLM_FMT)
+    if d.get("notes"):
+        s += "\n\nNotes: " + "; ".join(f"{k}: {v}" for k, v in d["notes"].items())
+    return s + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
+def llm_quality_section(d: Dict[str, Any]) -> str:
+    cols = [c for c in ("model", "method", "pattern", "sparsity", "domain", "perplexity", "ppl_ratio_vs_dense")
+            if any(c in r for r in d.get("rows", []))]
+    return _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + (
+        "\n\n_(quick run)_" if d.get("quick") else "")
+
+
 def dispatch_section(d: Dict[str, Any]) -> str:
     return _md(d["rows"], ["mode", "direct_us", "dispatched_us", "overhead_us"])
 
@@ -320,7 +348,8 @@ SECTIONS = {"linear_kernels": lambda d: (linear_section(d, True) + "\n\n<details
                                           + linear_section(d, False) + "\n\n</details>"),
             "bert_inference": bert_section, "adaptive_training": adaptive_section,
             "adaptive_union": adaptive_union_section, "quality": quality_section, "deepsparse_h2h": h2h_section,
-            "dispatch_overhead": dispatch_section}
+            "dispatch_overhead": dispatch_section, "llm_decode": llm_decode_section,
+            "llm_quality": llm_quality_section}
 
 
 def class_section(d: Path) -> str:
