@@ -72,8 +72,8 @@ def main() -> None:
     rows = []
     print(f"threads={args.threads} slice={args.slice} retain_freed_memory={retained}; ms (median of {reps}).")
     print("Input gradient: old = x-sparse kernel,"
-          f" new = dY path (incl. compacting dY), dnn = oneDNN. both = input + weight gradient (old: one call;"
-          f" new: dY path + weight-gradient-only call). rule = what relu_conv2d's backward picks")
+          " new = dY path (incl. compacting dY), dnn = oneDNN. both = input + weight gradient (old: one call;"
+          " new: dY path + weight-gradient-only call). rule = what relu_conv2d's backward picks")
     print(f"{'shape':>18} {'x_sp':>5} {'dy_sp':>5} {'nnz dY/x':>8} {'old':>7} {'new':>7} {'onednn':>7}"
           f" {'old/new':>7} {'dnn/new':>7} {'dnn/old':>7} {'both o/n':>8} {'rule':>4}")
     for shape in shapes:

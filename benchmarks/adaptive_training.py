@@ -236,8 +236,8 @@ def layer_rows(name, model, rt, x, labels, reps, res):
                               "measured_in_training": fb.measured_speedup(), "probes": fb.probes,
                               "sparse_kernel_ratio": c.ratio, "dense_ms": c.baseline_s * 1e3,
                               "sparse_ms": c.candidate_s * 1e3})
-        print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} path {st.path:6s} "
-              f"sparse/dense {c.ratio:.2f}x", flush=True)
+        print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} "
+              f"path {st.path:6s} sparse/dense {c.ratio:.2f}x", flush=True)
     return acts
 
 
@@ -309,7 +309,8 @@ def monitor_numbers(acts, every, res):
         errs.append(abs(m.sparsity - exact) * 100)
     per_step = t_sample / every
     res["monitor"] = {"speedup_vs_full_count": t_full / per_step, "abs_error_pp": max(errs),
-                      "mean_abs_error_pp": statistics.mean(errs), "refresh_every": every, "sample_pixels": 512, "sample_elements": mons[0].elements,
+                      "mean_abs_error_pp": statistics.mean(errs), "refresh_every": every, "sample_pixels": 512,
+                      "sample_elements": mons[0].elements,
                       "full_count_ms_per_step": t_full * 1e3, "monitor_ms_per_step": per_step * 1e3,
                       "monitor_ms_per_refresh": t_sample * 1e3, "layers": len(xs),
                       "note": "layers on the sparse path get the exact count for free from compaction"}
@@ -333,8 +334,8 @@ def main(argv=None):
     res = {"config": {"quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
                       "machine": platform.processor() or platform.machine(), "batch": batch, "steps": steps,
                       "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels", "native": K.native_available(),
-                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads, the faster of NCHW and "
-                                        "channels-last (both timed side by side)",
+                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads, the faster of "
+                                        "NCHW and channels-last (both timed side by side)",
                       "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
                       if U.union_native() and conv_union.kernels_setting() != "list" else "list"},
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}

@@ -79,7 +79,8 @@ def quality_plot(results: Path) -> Path:
     patterns = sorted({r["pattern"] for r in rows})
     width = 0.8 / max(1, len(methods))
     for k, meth in enumerate(methods):
-        ys = [next((r["mean_cosine"] for r in rows if r["method"] == meth and r["pattern"] == p), 0.0) for p in patterns]
+        ys = [next((r["mean_cosine"] for r in rows if r["method"] == meth and r["pattern"] == p), 0.0)
+              for p in patterns]
         ax.bar([j + k * width for j in range(len(patterns))], ys, width, label=meth)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(patterns))])
     ax.set_xticklabels(patterns, rotation=20, fontsize=8)

@@ -71,9 +71,13 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
     rows = []
     for pattern in patterns:
         sp, layout = named_pattern(pattern, 0.5)
+        gpt_model = None  # the "sparsegpt" model of this pattern; "sparsegpt+distill" continues from it
         for method in ("magnitude", "wanda", "sparsegpt", "sparsegpt+distill"):
             t0 = time.perf_counter()
             if method == "sparsegpt+distill":
+                if gpt_model is None:
+                    raise RuntimeError("sparsegpt+distill needs the sparsegpt model of the same pattern; "
+                                       "run 'sparsegpt' before it")
                 m = gpt_model
                 m.embeddings.requires_grad_(False)
                 losses = distill(m, model, distill_batches, forward=outputs, lr=2e-4, epochs=epochs)
@@ -89,8 +93,8 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
             secs = time.perf_counter() - t0
             sparsity = sum(m.get_submodule(n).weight.numel() - m.get_submodule(n).weight.nnz for n in names) / \
                 sum(m.get_submodule(n).weight.numel() for n in names)
-            row = {"method": method, "pattern": pattern, "sparsity": round(sparsity, 4), "mean_cosine": round(score(m), 4),
-                   "layout": layout, "seconds": round(secs, 1)}
+            row = {"method": method, "pattern": pattern, "sparsity": round(sparsity, 4),
+                   "mean_cosine": round(score(m), 4), "layout": layout, "seconds": round(secs, 1)}
             if method == "sparsegpt+distill":
                 row["distill_steps"], row["distill_loss"] = len(losses), [round(losses[0], 4), round(losses[-1], 4)]
             rows.append(row)

@@ -4,8 +4,9 @@ Decisions such as ``only_if_faster`` time their candidates (dense float32, dense
 sparse kernel, ...) side by side, round robin, once per CPU model, thread count and shape, and keep
 the medians in a JSON table under ``~/.cache/sparsa/cost/`` (``SPARSA_COST_DIR`` moves it;
 ``SPARSA_COST_DIR=off`` keeps it in memory only). A second run on the same machine answers from the
-table at once; ``sparsa cost`` lists it and ``sparsa cost --clear`` (or :meth:`CostModel.clear`) forgets it. Measurements made in
-real use can be fed back with :meth:`CostModel.observe`, which moves the stored figure towards them.
+table at once; ``sparsa cost`` lists it and ``sparsa cost --clear`` (or :meth:`CostModel.clear`) forgets it.
+Measurements made in real use can be fed back with :meth:`CostModel.observe`, which moves the stored figure
+towards them.
 
 Example::
 

@@ -115,7 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     Xtr, ytr, Xte, yte = load_digits_split(args.seed)
     steps_per_epoch = len(Xtr) // 64
     label = lambda s: None if args.no_progress else s  # noqa: E731
-    print(f"digits: {len(Xtr)} train / {len(Xte)} test samples; MLP 64-256-128-10; torch threads: {torch.get_num_threads()}")
+    print(f"digits: {len(Xtr)} train / {len(Xte)} test samples; MLP 64-256-128-10; "
+          f"torch threads: {torch.get_num_threads()}")
 
     dense = make_mlp(args.seed)
     opt = train(dense, Xtr, ytr, args.epochs * steps_per_epoch, seed=args.seed, progress=label("dense training"))
@@ -149,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         sparse_size = sparsa.save(sparse, path)
         reloaded = sparsa.load(make_mlp(args.seed + 99), path)
         same = torch.equal(reloaded(Xte), sparse(Xte))
-    print(f"checkpoint  dense torch.save: {dense_size / 1024:.1f} KiB   sparsa.save (CSR): {sparse_size / 1024:.1f} KiB   "
+    print(f"checkpoint  dense torch.save: {dense_size / 1024:.1f} KiB   "
+          f"sparsa.save (CSR): {sparse_size / 1024:.1f} KiB   "
           f"({dense_size / sparse_size:.2f}x smaller; reloaded model identical: {same})")
     elapsed = time.perf_counter() - t0
     print(f"total time {elapsed:.1f} s")

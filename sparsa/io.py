@@ -52,7 +52,10 @@ class LoadResult(NamedTuple):
 
 # ----------------------------------------------------------------------------- save
 def _digest(t: Tensor) -> str:
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    if t.numel():
+        raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    else:
+        raw = t.new_empty(0, dtype=torch.uint8)
     return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
 
 

@@ -7,10 +7,10 @@ from torch import nn
 
 import sparsa.adaptive as sa
 from sparsa.adaptive import modules
-
-real_relu_conv2d = modules.relu_conv2d  # before any test patches it
 from sparsa.adaptive.calibration import CostEntry
 from sparsa.adaptive.feedback import Feedback, time_backward
+
+real_relu_conv2d = modules.relu_conv2d  # before any test patches it
 
 
 def test_kappa_needs_two_samples_a_side_and_drops_the_first():

@@ -74,7 +74,8 @@ def test_operand_signed_keeps_negatives_nan_and_inf(native, channels_last):
     keep = x != 0
     keep[0, 2, 2, 2] = True
     assert op.nnz == int(keep.sum())
-    assert torch.equal(torch.nan_to_num(op.nchw(), nan=7.0), torch.nan_to_num(torch.where(keep, x, torch.zeros(())), nan=7.0))
+    assert torch.equal(torch.nan_to_num(op.nchw(), nan=7.0),
+                       torch.nan_to_num(torch.where(keep, x, torch.zeros(())), nan=7.0))
     if native:
         assert torch.equal(_bits(op.mask, 20), keep.permute(0, 2, 3, 1).reshape(-1, 20))
         if channels_last:  # dY in channels-last is read in place
@@ -126,7 +127,8 @@ def test_union_convs_match_dense(native, threads, case):
     for group in (1, 2):
         torch.testing.assert_close(U.union_conv_fwd(op, w, b, geo, group=group), ref, atol=1e-4, rtol=1e-4)
     dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
-    dy = torch.where(torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed + 3)) < 0.5, dy, torch.zeros(()))
+    keep_dy = torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed + 3)) < 0.5
+    dy = torch.where(keep_dy, dy, torch.zeros(()))
     dy = dy.contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(a, w.shape, dy, stride=s, padding=p, dilation=d)
     dw = U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride())
@@ -451,7 +453,8 @@ def test_large_images_2x2_pixel_groups(native, threads, shape, stride, pad):
     torch.testing.assert_close(U.union_conv_fwd(op, w, None, geo), ref, atol=1e-4, rtol=1e-4)
     dy = (torch.randn(ref.shape) * (torch.rand(ref.shape) < 0.4)).contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, stride=stride, padding=pad)
-    torch.testing.assert_close(U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw,
+                               atol=1e-3, rtol=1e-4)
 
 
 @needs_native

@@ -5,7 +5,6 @@ Semantics under test: ``y = x @ W.T + bias`` with bf16 ``x`` and weight values, 
 accumulated in fp32 and the bf16 output rounded once (nearest even). One rounding of the exact result is off by
 at most half a bf16 ulp (<= 2**-8 relative); fp32 accumulation adds far less than the ``atol`` below.
 """
-import math
 
 import pytest
 import torch

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsa
-from sparsa.layouts import Dense, Layout, Masked, register_layout, register_conversion
-from sparsa.ops import registry
+from sparsa.layouts import Dense, Masked, register_layout, register_conversion
 from sparsa.ops.dispatch import explain
 
 

@@ -31,7 +31,7 @@ finally:
 
 import sparsa  # noqa: E402
 from sparsa.gpu import _triton  # noqa: E402
-from sparsa.layouts import BSR, NM, Dense, Masked  # noqa: E402
+from sparsa.layouts import BSR, NM, Masked  # noqa: E402
 from sparsa.ops import registry  # noqa: E402
 
 FAST = settings(max_examples=12, deadline=None)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import sparsa
 from sparsa.methods import (RowGroupSparsifier, Wanda, collect_input_stats, distill, forward_groups, named_pattern,
                             sparsegpt, sparsegpt_weight, wanda)
-from sparsa.sparsifiers import NM, Magnitude
+from sparsa.sparsifiers import Magnitude
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
 

@@ -34,7 +34,8 @@ def _clustered(R, K, clusters, gen, noise=0.3):
     """Rows drawn from ``clusters`` column-importance profiles, in shuffled order."""
     proto = torch.rand(clusters, K, generator=gen).pow(4) + 0.01
     which = torch.randint(0, clusters, (R,), generator=gen)
-    return (proto[which] * (1 + noise * torch.randn(R, K, generator=gen))).abs().sqrt() * torch.randn(R, K, generator=gen).sign()
+    rows = (proto[which] * (1 + noise * torch.randn(R, K, generator=gen))).abs().sqrt()
+    return rows * torch.randn(R, K, generator=gen).sign()
 
 
 # ---------------------------------------------------------------------------------------------- layout

@@ -347,6 +347,7 @@ def test_sliced_ell_gelu_gradcheck_and_opcheck():
     assert torch.autograd.gradcheck(fn, (x, v, b))
     xf = x.detach().float().requires_grad_()
     torch.library.opcheck(torch.ops.sparsa.sliced_ell_linear.default,
-                          (xf, w.slice_ptr, w.columns, w.values.clone().requires_grad_(), b.detach().float(), 9, "gelu"))
+                          (xf, w.slice_ptr, w.columns, w.values.clone().requires_grad_(), b.detach().float(), 9,
+                           "gelu"))
     with pytest.raises(ValueError, match="activation must be one of"):
         se.sliced_ell_linear_impl(xf.detach(), w.slice_ptr, w.columns, w.values, None, 9, "swish")

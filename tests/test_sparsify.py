@@ -35,7 +35,8 @@ def _x(seed=1, n=8):
 
 
 LAYOUT_SPARSIFIERS = [("masked", Magnitude(0.75)), ("csr", Magnitude(0.75)), ("coo", Magnitude(0.5)),
-                      ("nm", NM(2, 4)), ("bsr", BlockMagnitude(0.5, (4, 4))), ("grouped_nm", sparsa.sparsifiers.GroupedNM(2, 4, 4))]
+                      ("nm", NM(2, 4)), ("bsr", BlockMagnitude(0.5, (4, 4))),
+                      ("grouped_nm", sparsa.sparsifiers.GroupedNM(2, 4, 4))]
 
 
 @pytest.mark.parametrize("layout, sp", LAYOUT_SPARSIFIERS)
@@ -136,7 +137,8 @@ def _train(model, opt_cls, steps=5, **kw):
 @pytest.mark.parametrize("layout, sp", [("masked", Magnitude(0.75)), ("csr", Magnitude(0.75)), ("nm", NM(2, 4))])
 def test_optimizers_keep_pattern(opt_cls, layout, sp):
     model = sparsa.sparsify(_net(), Rule(sparsifier=sp, layout=layout, module_types=nn.Linear))
-    before = {n: (p.pattern().clone(), p.sparse_layout.to_dense().clone()) for n, p in sparsa.nn.sparse_parameters(model)}
+    before = {n: (p.pattern().clone(), p.sparse_layout.to_dense().clone())
+              for n, p in sparsa.nn.sparse_parameters(model)}
     _train(model, opt_cls, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
     for n, p in sparsa.nn.sparse_parameters(model):
         assert isinstance(p, sparsa.SparseTensor) and p.layout_name == layout

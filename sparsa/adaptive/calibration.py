@@ -6,9 +6,9 @@ it (the same activation with its smallest values zeroed, so the zero pattern sta
 sparse time is modelled as ``fixed + slope * density``; the predicted speedup at density ``d`` is
 ``dense / (fixed + slope * d)``. Convolutions with the dY-driven backward (stride 1) are also timed
 with output gradients of 30% and 10% density, fitting ``dy_fixed + slope * d / 3 + dy_slope * g``;
-at a monitored dY density ``g`` the cheaper of the two models counts. Entries are cached in a JSON file keyed by shape, memory format and
-thread count and kernel version (``<sparsa cache>/adaptive_calibration.json``); :meth:`Calibration.clear` or
-``enable(..., recalibrate=True)`` measures again.
+at a monitored dY density ``g`` the cheaper of the two models counts. Entries are cached in a JSON file keyed by
+shape, memory format and thread count and kernel version (``<sparsa cache>/adaptive_calibration.json``);
+:meth:`Calibration.clear` or ``enable(..., recalibrate=True)`` measures again.
 
 Example::
 

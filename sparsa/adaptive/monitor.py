@@ -5,8 +5,8 @@ activations. The monitor instead refreshes every ``every`` calls and then either
 
 - takes the exact count for free when the layer just ran the sparse path (the compaction's
   per-(pixel, slice) counts are the measurement: counting fused into the ReLU + compaction), or
-- samples ``pixels`` random pixels (all their channels; at most ``elements`` values) of the activation: the element-wise zero
-  fraction and, at the kernels' granularity, the fraction of empty (pixel, channel-slice) lists.
+- samples ``pixels`` random pixels (all their channels; at most ``elements`` values) of the activation: the
+  element-wise zero fraction and, at the kernels' granularity, the fraction of empty (pixel, channel-slice) lists.
 
 Example::
 

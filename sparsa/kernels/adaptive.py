@@ -241,7 +241,7 @@ def conv_fwd(cnt: Tensor, idx: Tensor, val: Tensor, wt: Tensor, bias: Optional[T
              geo: List[int], out_format: int = 0) -> Tensor:
     """``conv2d(A, W) + bias`` for the compacted ``A``; the memory is NHWC in every ``out_format``:
     0: ``[N, Ho, Wo, O]`` contiguous; 1: ``[N, O, Ho, Wo]`` channels-last; 2: ``[N*Ho*Wo, O]``."""
-    N, O, Ho, Wo = geo[0], geo[4], geo[7], geo[8]
+    O = geo[4]  # out_channels
     lib = _use_native(val, wt, bias)
     if lib is None or O % 8 or val.dtype != torch.float32:
         a = densify(cnt, idx, val, geo)

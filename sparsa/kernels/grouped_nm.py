@@ -48,8 +48,8 @@ from torch import Tensor
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind as spmm_native_kind
 
-__all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm", "grouped_nm_sddmm",
-           "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
+__all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm",
+           "grouped_nm_sddmm", "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
 #: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
@@ -66,8 +66,8 @@ def native_library() -> Optional[ctypes.CDLL]:
     if lib is not None and not getattr(lib, "_sparsa_typed", False):
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         f = lib.sparsa_gnm_spmm_f32
-        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci, i64, ci,
-                      ci, vp, i64]
+        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci,
+                      i64, ci, ci, vp, i64]
         f.restype = ci
         f = lib.sparsa_gnm_spmm_bf16
         f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, ci, vp, i64, ci,
@@ -391,7 +391,8 @@ def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int
                 unit_span: int, out_pad: int) -> Tensor:
     G, L = idx.shape
     n = out_rows.shape[1]
-    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, max(G, 1), out_pad)
+    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, max(G, 1),
+                out_pad)
     lib = _lib_for(x, gy)
     if lib is None:
         return sddmm_reference(x, gy, plan)

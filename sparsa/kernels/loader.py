@@ -1,10 +1,11 @@
 """JIT build and load of sparsa's native (C++/AVX2/OpenMP) kernel libraries.
 
 Kernels are plain C++ (no torch headers, so a build takes seconds) exposing ``extern "C"`` functions
-that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory keyed by
-the source hash, under an exclusive file lock on that directory, and a library is opened with
+that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory
+keyed by the source hash, under an exclusive file lock on that directory, and a library is opened with
 :mod:`ctypes` only once its build has finished (a ``.done`` marker written after the link), so
-processes starting together never load a half-written ``.so``. Python wrappers register them as ``torch.library`` custom ops.
+processes starting together never load a half-written ``.so``. Python wrappers register them as ``torch.library``
+custom ops.
 
 - ``SPARSA_NO_NATIVE=1`` (or ``SPARSA_ISA=portable``) forces the pure-PyTorch fallbacks.
 - ``SPARSA_CACHE_DIR`` overrides the cache (default ``~/.cache/sparsa/kernels``).

@@ -341,10 +341,10 @@ def _perm_from_mask(mask: Tensor, group: int, permute: Optional[bool]) -> Tensor
     counts = torch.bincount(inv)
     partial = (counts % group).nonzero().flatten()
     if partial.numel() > (1 if R % group else 0) or (partial.numel() and int(counts[partial[0]]) % group != R % group):
-        raise ValueError(f"mask is not group-shared: its {R} rows have {counts.numel()} distinct patterns and cannot be "
-                         f"split into groups of {group} equal rows (at most one partial group of {R % group} rows); "
-                         f"RowGroup(group={group}) needs every row of a group to keep the same columns (build one "
-                         "with sparsa.layouts.row_group_mask, permute=True to group similar rows)")
+        raise ValueError(f"mask is not group-shared: its {R} rows have {counts.numel()} distinct patterns and "
+                         f"cannot be split into groups of {group} equal rows (at most one partial group of "
+                         f"{R % group} rows); RowGroup(group={group}) needs every row of a group to keep the same "
+                         "columns (build one with sparsa.layouts.row_group_mask, permute=True to group similar rows)")
     order = inv.argsort(stable=True)
     if partial.numel():  # the leftover rows of the one partial pattern go last, next to the padding
         rows_p = order[inv[order] == partial[0]]

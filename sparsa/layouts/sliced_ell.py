@@ -151,7 +151,8 @@ class SlicedELL(Layout):
         sp, c, v, n = self.slice_ptr, self.columns, self.values, self.row_nnz
         ns = -(-R // SLICE)
         if sp.dtype != torch.int64 or tuple(sp.shape) != (ns + 1,):
-            raise ValueError(f"SlicedELL: slice_ptr must be int64 of shape ({ns + 1},), got {sp.dtype} {tuple(sp.shape)}")
+            raise ValueError(f"SlicedELL: slice_ptr must be int64 of shape ({ns + 1},), "
+                             f"got {sp.dtype} {tuple(sp.shape)}")
         if c.dtype != torch.int32 or c.dim() != 1:
             raise ValueError(f"SlicedELL: columns must be 1-D int32, got {c.dtype} {tuple(c.shape)}")
         if not v.dtype.is_floating_point or v.shape != c.shape:

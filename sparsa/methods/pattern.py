@@ -65,7 +65,8 @@ def reset_optimizer_state(optimizer: Optional[torch.optim.Optimizer], param: Ten
                     v.masked_fill_(positions, 0.0)
 
 
-def prunable_parameters(model: nn.Module, types: Tuple[type, ...] = (nn.Linear, nn.Conv2d)) -> List[Tuple[str, nn.Module]]:
+def prunable_parameters(model: nn.Module,
+                        types: Tuple[type, ...] = (nn.Linear, nn.Conv2d)) -> List[Tuple[str, nn.Module]]:
     """``(name, module)`` of every ``types`` module with a ``weight`` (what the methods prune by default)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, types) and getattr(m, "weight", None) is not None]
 

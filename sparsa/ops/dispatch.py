@@ -7,7 +7,6 @@ is counted: :func:`fallback_counts`. Plans are cached per (op, layouts, needs-gr
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
