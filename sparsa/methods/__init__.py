@@ -4,7 +4,9 @@
   (Zhu & Gupta) or :class:`IterativeSchedule` (prune and fine-tune);
 * dynamic sparse training: :class:`RigL`, :class:`SET`;
 * :class:`MovementPruning`;
-* post-training with calibration data: :func:`wanda` / :class:`Wanda`, :func:`sparsegpt`;
+* post-training with calibration data: :func:`wanda` / :class:`Wanda`, :func:`sparsegpt`, block by
+  block for transformers (:func:`blockwise_prune`);
+* quality of causal LMs: :func:`perplexity`;
 * recovery fine-tuning: :func:`distill`.
 
 See ``docs/methods.md`` for each method's size against a public reference implementation.
@@ -14,6 +16,8 @@ from .gradual import GradualPruning, IterativeSchedule, one_shot  # noqa: F401
 from .rigl import DynamicSparsity, RigL, SET, erk_sparsities  # noqa: F401
 from .movement import MovementPruning  # noqa: F401
 from .calibration import InputStats, collect_input_stats, forward_groups  # noqa: F401
+from .blockwise import BlockwiseReport, blockwise_prune, find_blocks  # noqa: F401
+from .perplexity import perplexity, text_windows, window_perplexity  # noqa: F401
 from .wanda import Wanda, wanda  # noqa: F401
 from .sparsegpt import sparsegpt, sparsegpt_weight  # noqa: F401
 from .distill import distill, distillation_loss  # noqa: F401
@@ -21,5 +25,6 @@ from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: 
 
 __all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
            "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning", "InputStats",
-           "collect_input_stats", "forward_groups", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
+           "collect_input_stats", "forward_groups", "BlockwiseReport", "blockwise_prune", "find_blocks", "perplexity",
+           "text_windows", "window_perplexity", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
            "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync"]

@@ -8,7 +8,8 @@ unstructured, N:M -- chosen every ``m`` columns as in the paper --, row groups);
 error is then spread over the not-yet-processed columns of its row. Layers are pruned in forward
 order, each calibrated on the outputs of the already-pruned layers before it (``sequential=True``,
 as in the paper; layers reading the same input, such as query/key/value, share one pass, and each
-pass stops right after the layers it calibrates).
+pass stops right after the layers it calibrates). Transformers are calibrated block by block
+(:mod:`sparsa.methods.blockwise`).
 
 >>> import torch, torch.nn as nn
 >>> from sparsa.sparsifiers import Magnitude
@@ -19,13 +20,15 @@ pass stops right after the layers it calibrates).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from ..nn import Rule
 from ..sparsifiers.base import Sparsifier
 from ..tensor import to_dense, to_sparse
+from .blockwise import blockwise_prune
 from .calibration import collect_input_stats, forward_groups
 
 __all__ = ["sparsegpt_weight", "sparsegpt"]
@@ -64,22 +67,44 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     return (W * keep).to(weight.dtype), keep
 
 
+def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, block: int, damp: float) -> None:
+    params = Rule(sparsifier=sparsifier, layout=layout).resolved_layout_params()   # e.g. no n/m for "masked"
+    for n, s in stats.items():
+        m = model.get_submodule(n)
+        w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, sparsifier, block, damp)
+        m.weight = nn.Parameter(to_sparse(w, layout, mask=keep, **params), requires_grad=m.weight.requires_grad)
+
+
 def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
               names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False) -> nn.Module:
+              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
+              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with SparseGPT
     calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
-    ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar over layer groups."""
+    ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar.
+
+    Transformers are calibrated block by block (:mod:`sparsa.methods.blockwise`): one pass per block
+    instead of one whole forward per layer group, same result. ``blockwise=None`` (default) does so
+    when the model has transformer blocks (or ``blocks=`` names them), ``sequential`` is on and
+    ``names`` are all inside the blocks; ``names=None`` then means every Linear inside the blocks
+    (embeddings and head stay dense, as in the paper). ``blockwise=True`` raises ``ValueError`` where
+    that is not possible; ``False`` always re-runs the whole model.
+    """
     batches = list(batches)
+    if blockwise or (blockwise is None and (sequential or blocks is not None)):
+        def prune(blk: nn.Module, group, items, run) -> None:
+            stats = collect_input_stats(blk, items, run, group, hessian=True, stop_early=sequential)
+            _prune_layers(blk, stats, sparsifier, layout, block, damp)
+
+        strict = bool(blockwise) or blocks is not None
+        if blockwise_prune(model, batches, prune, names, forward, blocks, sequential, progress,
+                           "SparseGPT (calibrate + prune)", strict) is not None:
+            return model
     todo = forward_groups(model, batches[0], forward, names) if sequential else [names]
     if progress:
         from tqdm.auto import tqdm
         todo = tqdm(todo, desc="SparseGPT (calibrate + prune)", unit="group")
     for group in todo:
         stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)
-        for n, s in stats.items():
-            m = model.get_submodule(n)
-            w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, sparsifier, block, damp)
-            m.weight = nn.Parameter(to_sparse(w, layout, mask=keep, **sparsifier.layout_params()),
-                                    requires_grad=m.weight.requires_grad)
+        _prune_layers(model, stats, sparsifier, layout, block, damp)
     return model

