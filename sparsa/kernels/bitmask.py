@@ -51,19 +51,20 @@ STRATEGIES = ("stream", "expand")
 STREAM_MAX_TOKENS = 16
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
+_TYPED: set = set()   # libraries whose ctypes signatures are set (a set: CDLL attribute misses are slow)
 
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
     lib = loader.load("bitmask_linear", _SOURCES)
-    if lib is not None and not getattr(lib, "_sparsa_typed", False):
+    if lib is not None and lib not in _TYPED:
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
         lib.sparsa_bitmask_linear_f32.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ci]
         lib.sparsa_bitmask_linear_bf16.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ci, vp, ci]
         lib.sparsa_bitmask_expand.argtypes = [vp, vp, vp, ci, i64, i64, i64, i64, vp, ci, ci]
         for f in (lib.sparsa_bitmask_linear_f32, lib.sparsa_bitmask_linear_bf16, lib.sparsa_bitmask_expand):
             f.restype = ci
-        lib._sparsa_typed = True
+        _TYPED.add(lib)
     return lib
 
 

@@ -44,15 +44,28 @@ CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", 
 LDFLAGS = ["-fopenmp"]
 
 
+# os.environ's backing dict (bytes keys on POSIX): a plain dict lookup instead of the mapping's
+# per-call key encoding; every kernel call asks, and tests change the variables between calls
+_RAW_ENV = getattr(os.environ, "_data", None)
+if not (isinstance(_RAW_ENV, dict) and os.name == "posix"):
+    _RAW_ENV = None
+
+
+def _env(name: bytes) -> bytes:
+    """One environment variable as bytes (b"" when unset)."""
+    if _RAW_ENV is not None:
+        return _RAW_ENV.get(name, b"")
+    return os.environ.get(name.decode(), "").encode()
+
+
 def native_enabled() -> bool:
     """False when ``SPARSA_NO_NATIVE`` is set to a true value, or the kernel path is ``portable`` (a CPU
     without AVX2/FMA, or ``SPARSA_ISA=portable``). An unknown ``SPARSA_ISA`` raises ValueError."""
-    env = (os.environ.get("SPARSA_NO_NATIVE", ""), os.environ.get("SPARSA_ISA", ""),
-           os.environ.get("SPARSA_NO_AVX512", ""))
+    env = (_env(b"SPARSA_NO_NATIVE"), _env(b"SPARSA_ISA"), _env(b"SPARSA_NO_AVX512"))
     hit = _ENABLED.get(env)
     if hit is None:   # memoised per environment: every kernel call asks, tests flip the variables
         from .. import cpu
-        hit = _ENABLED[env] = env[0].lower() not in ("1", "true", "yes", "on") and cpu.isa() != "portable"
+        hit = _ENABLED[env] = env[0].lower() not in (b"1", b"true", b"yes", b"on") and cpu.isa() != "portable"
     return hit
 
 
@@ -82,6 +95,9 @@ def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.
     """
     if not native_enabled():
         return None
+    lib = _LIBS.get(name)
+    if lib is not None:
+        return lib
     with _LOCK:
         if name in _LIBS:
             return _LIBS[name]

@@ -266,10 +266,13 @@ def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
         with torch._C.DisableTorchFunctionSubclass():
             return func(*_densify(args), **_densify(kwargs))
     targs, rest = norm
-    if call.name in _SAME_DTYPE:
-        _check_dtypes(call.name, targs)
+    # property reads on a SparseTensor would re-enter __torch_function__: a few microseconds each, on
+    # every call of a decode loop
+    with torch._C.DisableTorchFunctionSubclass():
+        if call.name in _SAME_DTYPE:
+            _check_dtypes(call.name, targs)
+        needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
     layouts = tuple(_layout_of(a) for a in targs)
-    needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
     key = (call.name, layouts, needs_grad)
     plan = _PLANS.get(key)
     if plan is None or plan.version != registry._VERSION[0]:
