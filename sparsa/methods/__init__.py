@@ -24,7 +24,8 @@ from .distill import distill, distillation_loss  # noqa: F401
 from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
 
 __all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
-           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning", "InputStats",
+           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning",
+           "InputStats",
            "collect_input_stats", "forward_groups", "BlockwiseReport", "blockwise_prune", "find_blocks", "perplexity",
            "text_windows", "window_perplexity", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
            "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync"]

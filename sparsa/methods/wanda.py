@@ -66,7 +66,8 @@ def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layo
     if blockwise is None or blockwise:
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group)
-            sparsify(blk, [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n) for n, s in stats.items()])
+            sparsify(blk, [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n)
+                           for n, s in stats.items()])
 
         strict = bool(blockwise) or blocks is not None
         if blockwise_prune(model, batches, prune, names, forward, blocks, False, progress, "Wanda (calibrate + prune)",
