@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="also time torch.compile of the dense decode step (default: on, off with --quick)")
-    p.add_argument("--no-prefill", action="store_true", help="decode only")
+    p.add_argument("--prefill-batches", nargs="*", type=int, default=None,
+                   help="batches whose prefill is timed too (default: batch 1 only; none: decode only)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     q = a.quick
@@ -147,6 +148,7 @@ def main(argv=None) -> int:
             sparsa.layouts.base.check_fraction(float(s), "--sparsities")
     steps, rounds = a.steps or (4 if q else 8), a.rounds or (3 if q else 5)
     use_compile = (not q) if a.compile is None else a.compile
+    prefill_batches = [1] if a.prefill_batches is None else a.prefill_batches
     torch.set_num_threads(a.threads)
     out = a.out or results_dir() / "llm_decode.json"
     rows: List[Dict] = []
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
             dname = str(dtype).replace("torch.", "")
             for batch in batches:
                 phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
-                if not a.no_prefill:
+                if batch in prefill_batches:
                     phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
                 for phase, make in phases:
                     fns = {k: make(m) for k, (m, _, _) in engines.items()}
@@ -182,7 +184,8 @@ def main(argv=None) -> int:
                             notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
                         except Exception as e:  # pragma: no cover - depends on torch/transformers
                             notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
-                    ms = round_robin_ms(fns, rounds, min_seconds=0.0)
+                    # a prefill is seconds long and steadier than a decode step: fewer rounds
+                    ms = round_robin_ms(fns, rounds if phase == "decode" else min(rounds, 3), min_seconds=0.0)
                     per = steps if phase == "decode" else 1
                     best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
                     for k, t in ms.items():
