@@ -120,6 +120,20 @@ def _flatten(state: Mapping[str, Any]) -> Tuple[Dict[str, Tensor], Dict[str, Any
     return tensors, sparse
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux reports it (os.umask sets it briefly)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save(model_or_state: Union[nn.Module, Mapping[str, Any]], path: Union[str, os.PathLike]) -> int:
     """Write ``model_or_state`` (a module or a state dict) to ``path``; returns the file size in bytes.
 
@@ -141,6 +155,7 @@ def save(model_or_state: Union[nn.Module, Mapping[str, Any]], path: Union[str, o
         _st.save_file(tensors, tmp, metadata={_FORMAT: meta_json})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp's 0600 would make the checkpoint private, unlike open()
         os.replace(tmp, path)
     except BaseException:
         try:

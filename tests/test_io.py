@@ -202,3 +202,17 @@ def test_load_never_unpickles(tmp_path, monkeypatch):
     x = torch.randn(2, 16)
     assert torch.equal(fresh(x), model(x))
     assert path.read_bytes()[8:9] == b"{"  # a JSON header (safetensors), not a pickle stream
+
+
+def test_saved_checkpoint_gets_the_usual_file_mode(tmp_path):
+    import os
+    import stat
+    import torch
+    import sparsa
+    lin = torch.nn.Linear(8, 4)
+    sparsa.sparsify(lin, [sparsa.Rule(sparsifier=sparsa.sparsifiers.Magnitude(0.5), layout="csr")])
+    path = tmp_path / "m.safetensors"
+    sparsa.save(lin, str(path))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
