@@ -48,7 +48,7 @@ _SOURCES = ["bitmask_linear.cpp"]
 STRATEGIES = ("stream", "expand")
 #: most tokens the stream strategy takes; above it the expand strategy runs (its GEMM reuses each
 #: weight across tokens, the stream kernel re-expands it for every 4 tokens)
-STREAM_MAX_TOKENS = 16
+STREAM_MAX_TOKENS = 8
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 _TYPED: set = set()   # libraries whose ctypes signatures are set (a set: CDLL attribute misses are slow)

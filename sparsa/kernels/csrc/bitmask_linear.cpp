@@ -53,31 +53,47 @@ inline float hsum(__m256 v) {
 }
 
 // out[t] = sum over the row's kept columns c of w[c] * x[t][c], for NT tokens of the padded X panel
-// (row stride kp, zero past K). Two accumulators per token hide the FMA latency.
+// (row stride kp, zero past K). Four groups (32 columns) per step: their value offsets come from
+// popcounts of one 32-bit mask word, so the pointer advances once per step (a per-group pointer chain
+// would bound the loop by its latency). NA accumulators per token hide the FMA latency.
 template <int NT, class V>
 inline void row_dot(const uint8_t* bits, int64_t kb, const V* vp, const float* x, int64_t kp, float* out) {
-    __m256 a0[NT], a1[NT];
-    for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm256_setzero_ps();
+    constexpr int NA = NT <= 2 ? 4 : 2;
+    __m256 acc[NT][NA];
+    for (int t = 0; t < NT; ++t)
+        for (int a = 0; a < NA; ++a) acc[t][a] = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 2 <= kb; g += 2) {
-        const unsigned m0 = bits[g], m1 = bits[g + 1];
+    for (; g + 4 <= kb; g += 4) {
+        uint32_t m;
+        std::memcpy(&m, bits + g, 4);
+        const int p1 = __builtin_popcount(m & 0xffu), p2 = __builtin_popcount(m & 0xffffu);
+        const int p3 = __builtin_popcount(m & 0xffffffu), p4 = __builtin_popcount(m);
         _mm_prefetch(reinterpret_cast<const char*>(vp) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256 w0 = expand8(vp, m0);
-        vp += __builtin_popcount(m0);
-        const __m256 w1 = expand8(vp, m1);
-        vp += __builtin_popcount(m1);
+        const __m256 w0 = expand8(vp, m & 0xffu);
+        const __m256 w1 = expand8(vp + p1, (m >> 8) & 0xffu);
+        const __m256 w2 = expand8(vp + p2, (m >> 16) & 0xffu);
+        const __m256 w3 = expand8(vp + p3, m >> 24);
+        vp += p4;
         const float* xc = x + 8 * g;
         for (int t = 0; t < NT; ++t) {
-            a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc + t * kp), a0[t]);
-            a1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + t * kp + 8), a1[t]);
+            const float* xt = xc + t * kp;
+            acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xt), acc[t][0]);
+            acc[t][1 % NA] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xt + 8), acc[t][1 % NA]);
+            acc[t][2 % NA] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xt + 16), acc[t][2 % NA]);
+            acc[t][3 % NA] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xt + 24), acc[t][3 % NA]);
         }
     }
-    if (g < kb) {
+    for (; g < kb; ++g) {
         const unsigned m0 = bits[g];
         const __m256 w0 = expand8(vp, m0);
-        for (int t = 0; t < NT; ++t) a0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + 8 * g + t * kp), a0[t]);
+        vp += __builtin_popcount(m0);
+        for (int t = 0; t < NT; ++t) acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + 8 * g + t * kp), acc[t][0]);
     }
-    for (int t = 0; t < NT; ++t) out[t] = hsum(_mm256_add_ps(a0[t], a1[t]));
+    for (int t = 0; t < NT; ++t) {
+        __m256 s = acc[t][0];
+        for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[t][a]);
+        out[t] = hsum(s);
+    }
 }
 
 template <class V>
