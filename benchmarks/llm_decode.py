@@ -136,6 +136,10 @@ def main(argv=None) -> int:
                    help="also time torch.compile of the dense decode step (default: on, off with --quick)")
     p.add_argument("--prefill-batches", nargs="*", type=int, default=None,
                    help="batches whose prefill is timed too (default: batch 1 only; none: decode only)")
+    p.add_argument("--compile-batches", nargs="*", type=int, default=[1],
+                   help="batches whose decode is also timed under torch.compile (default: 1)")
+    p.add_argument("--append", action="store_true",
+                   help="merge into an existing JSON (rows of the same model, dtype, batch, phase and engine replaced)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     q = a.quick
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
                     phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
                 for phase, make in phases:
                     fns = {k: make(m) for k, (m, _, _) in engines.items()}
-                    if comp is not None and phase == "decode":
+                    if comp is not None and phase == "decode" and batch in a.compile_batches:
                         t0 = time.perf_counter()
                         try:
                             fc = make(dense, comp)
@@ -211,6 +215,14 @@ def main(argv=None) -> int:
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "seconds": round(time.time() - t_start, 1), "notes": notes, "rows": rows,
     }
+    if a.append and out.is_file():
+        old = json.loads(out.read_text())
+        key = lambda r: (r["model"], r["dtype"], r["batch"], r["phase"], r["layout"], r["sparsity"])  # noqa: E731
+        mine = {key(r) for r in rows}
+        res["rows"] = [r for r in old.get("rows", []) if key(r) not in mine] + rows
+        res["notes"] = {**old.get("notes", {}), **notes}
+        res["seconds"] = round(old.get("seconds", 0) + res["seconds"], 1)
+        res["peak_rss_mb"] = max(old.get("peak_rss_mb", 0), res["peak_rss_mb"])
     quality = out.parent / "llm_quality.json"
     if quality.is_file():
         res["perplexity"] = json.loads(quality.read_text()).get("rows", [])

@@ -390,6 +390,11 @@ def readme_summary(root: Path = RESULTS) -> str:
     for d in _summary_dirs(dirs, "deepsparse_h2h"):
         parts.append(f"**Against DeepSparse, same weights.** {cpu_heading(d.name, cpu_of(d))}\n\n"
                      f"{h2h_section(_load(d, 'deepsparse_h2h'))}")
+    for d in _summary_dirs(dirs, "llm_decode"):
+        data = _load(d, "llm_decode")
+        rows = [r for r in data["rows"] if r["batch"] == 1]
+        parts.append(f"**LLM decoding, batch 1 (bitmask layout).** {cpu_heading(d.name, cpu_of(d))}\n\n"
+                     f"{llm_decode_section(dict(data, rows=rows))}")
     if not parts:
         return "_No linear_kernels or bert_inference results yet: run the benchmark scripts._"
     return "\n\n".join(parts)
