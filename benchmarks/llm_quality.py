@@ -110,7 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                          "and 2:4 (a few minutes)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None,
-                    help="output JSON (default: $SPARSA_RESULTS_DIR or benchmarks/results/<cpu class>/llm_quality.json)")
+                    help="output JSON (default: $SPARSA_RESULTS_DIR or "
+                         "benchmarks/results/<cpu class>/llm_quality.json)")
     ap.add_argument("--patterns", default=None,
                     help=f"comma-separated subset of {','.join(PATTERNS)} for sparsegpt and wanda "
                          f"(default: all; {','.join(QUICK_PATTERNS)} with --quick)")
@@ -163,7 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             if method == "dense":
                 dense_ppl[domain] = ppl
             row = {"model": MODEL, "method": method, "pattern": pattern or "dense", "sparsity": round(sparsity, 4),
-                   "domain": domain, "perplexity": round(ppl, 3), "ppl_ratio_vs_dense": round(ppl / dense_ppl[domain], 4),
+                   "domain": domain, "perplexity": round(ppl, 3),
+                   "ppl_ratio_vs_dense": round(ppl / dense_ppl[domain], 4),
                    "calib_samples": 0 if method in ("dense", "magnitude") else n_calib,
                    "eval_tokens": eval_tokens, "prune_seconds": round(prune_s, 1),
                    "eval_seconds": round(time.perf_counter() - t1, 1)}
