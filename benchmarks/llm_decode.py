@@ -138,6 +138,8 @@ def main(argv=None) -> int:
                    help="batches whose prefill is timed too (default: batch 1 only; none: decode only)")
     p.add_argument("--compile-batches", nargs="*", type=int, default=[1],
                    help="batches whose decode is also timed under torch.compile (default: 1)")
+    p.add_argument("--compile-sparse", nargs="*", default=[],
+                   help="sparsities (as in --sparsities) whose bitmask model is also timed compiled (decode)")
     p.add_argument("--append", action="store_true",
                    help="merge into an existing JSON (rows of the same model, dtype, batch, phase and engine replaced)")
     p.add_argument("--out", type=Path, default=None)
@@ -188,20 +190,33 @@ def main(argv=None) -> int:
                             notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
                         except Exception as e:  # pragma: no cover - depends on torch/transformers
                             notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
+                        for s in a.compile_sparse:
+                            m = engines[f"bitmask@{s}"][0]
+                            t0 = time.perf_counter()
+                            try:
+                                fc = make(m, torch.compile(m.forward, dynamic=True))
+                                fc()
+                                fns[f"bitmask@{s}+compiled"] = fc
+                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = \
+                                    f"{time.perf_counter() - t0:.1f}"
+                            except Exception as e:  # pragma: no cover - depends on torch/transformers
+                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile"] = f"{type(e).__name__}: {e}"[:300]
                     # a prefill is seconds long and steadier than a decode step: fewer rounds
                     ms = round_robin_ms(fns, rounds if phase == "decode" else min(rounds, 3), min_seconds=0.0)
                     per = steps if phase == "decode" else 1
                     best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
                     for k, t in ms.items():
-                        spec = engines[k][1] if k in engines else None
+                        base = k.replace("+compiled", "")
+                        spec = engines[base][1] if base in engines else None
                         toks = batch * (steps if phase == "decode" else a.prompt)
                         rows.append({
                             "model": name, "params": params, "dtype": dname,
-                            "layout": "bitmask" if spec else k, "sparsity": spec, "batch": batch, "phase": phase,
+                            "layout": ("bitmask" if spec else k) + ("+compiled" if spec and base != k else ""),
+                            "sparsity": spec, "batch": batch, "phase": phase,
                             "ms": round(t / per, 3), "tokens_per_s": round(toks / (t / 1e3), 2),
                             "speedup_vs_dense": round(ms["dense"] / t, 3),
                             "speedup_vs_best_dense": round(best / t, 3),
-                            "weight_bytes_ratio": round(engines[k][2], 4) if k in engines else 1.0,
+                            "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
                         })
                         r = rows[-1]
                         print(f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "

@@ -320,7 +320,7 @@ LLM_FMT = {"ms": ".1f", "tokens_per_s": ".1f", "speedup_vs_dense": ".2f", "speed
 
 def llm_decode_section(d: Dict[str, Any]) -> str:
     """Decode (ms per step) and prefill (ms per prompt) of each engine, per model, dtype and batch."""
-    rows = [dict(r, engine=(f"bitmask {r['sparsity']}" if r.get("sparsity") else r["layout"])) for r in d["rows"]]
+    rows = [dict(r, engine=(f"{r['layout']} {r['sparsity']}" if r.get("sparsity") else r["layout"])) for r in d["rows"]]
     s = (f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
          f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
          "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
