@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .. import cpu
+from ..layouts.bitmask import unpack_bits
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 
@@ -71,7 +72,6 @@ def native_library() -> Optional[ctypes.CDLL]:
 def bitmask_dense_weight(bits: Tensor, row_ptr: Tensor, values: Tensor, in_features: int,
                          dtype: Optional[torch.dtype] = None) -> Tensor:
     """The logical ``(R, in_features)`` weight (pure PyTorch)."""
-    from ..layouts.bitmask import unpack_bits
     mask = unpack_bits(bits, in_features)
     w = torch.zeros(mask.shape, dtype=dtype or values.dtype, device=values.device)
     w[mask] = values.to(w.dtype)
@@ -186,7 +186,6 @@ def _backward(ctx, gy):
     if ctx.needs_input_grad[0]:
         gx = (g2 @ bitmask_dense_weight(bits, row_ptr, values, K, ct)).reshape(x.shape).to(x.dtype)
     if ctx.needs_input_grad[3]:
-        from ..layouts.bitmask import unpack_bits
         gv = (g2.t() @ x.reshape(-1, K).to(ct))[unpack_bits(bits, K)].to(values.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
         gb = g2.sum(0).to(ctx.bias_dtype)

@@ -106,6 +106,18 @@ inline void row_dot_n(int nt, const uint8_t* bits, int64_t kb, const V* vp, cons
     }
 }
 
+// row r's packed values, safe to read 8 past any group: a padded copy in tail when the row ends
+// within 8 values of the array's end
+template <class V>
+inline const V* row_values(const V* values, const int64_t* row_ptr, int64_t r, int64_t nnz, std::vector<V>& tail) {
+    const V* vp = values + row_ptr[r];
+    if (row_ptr[r + 1] + 8 <= nnz) return vp;
+    const int64_t n = row_ptr[r + 1] - row_ptr[r];
+    tail.assign(n + 8, V(0));
+    std::copy(vp, vp + n, tail.begin());
+    return tail.data();
+}
+
 // y[t][r] for all T tokens and R rows; xp is the fp32 X panel (T x kp, zero-padded past K);
 // store(t, r, value) writes one output (bias and rounding are the caller's).
 template <class V, class Store>
@@ -114,17 +126,11 @@ void bitmask_rows(const float* xp, int64_t T, int64_t kp, const uint8_t* bits, i
     const int64_t nnz = row_ptr[R];
 #pragma omp parallel num_threads(nthreads)
     {
-        std::vector<V> tail;     // a padded copy of a row whose 8-value reads would run past the array
+        std::vector<V> tail;
         float out[4];
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; ++r) {
-            const V* vp = values + row_ptr[r];
-            if (row_ptr[r + 1] + 8 > nnz) {
-                const int64_t n = row_ptr[r + 1] - row_ptr[r];
-                tail.assign(n + 8, V(0));
-                std::copy(vp, vp + n, tail.begin());
-                vp = tail.data();
-            }
+            const V* vp = row_values(values, row_ptr, r, nnz, tail);
             for (int64_t t0 = 0; t0 < T; t0 += 4) {
                 const int nt = (int)std::min<int64_t>(4, T - t0);
                 row_dot_n(nt, bits + r * kb, kb, vp, xp + t0 * kp, kp, out);
@@ -159,13 +165,7 @@ void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const 
         alignas(32) float buf[8];
 #pragma omp for schedule(static)
         for (int64_t r = r0; r < r1; ++r) {
-            const V* vp = values + row_ptr[r];
-            if (row_ptr[r + 1] + 8 > nnz) {
-                const int64_t n = row_ptr[r + 1] - row_ptr[r];
-                tail.assign(n + 8, V(0));
-                std::copy(vp, vp + n, tail.begin());
-                vp = tail.data();
-            }
+            const V* vp = row_values(values, row_ptr, r, nnz, tail);
             const uint8_t* b = bits + r * kb;
             O* o = out + (r - r0) * K;
             int64_t g = 0;
