@@ -325,7 +325,10 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
          f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
          "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
          "speedup_vs_best_dense: the faster of dense eager and its torch.compile / this engine. weight_bytes_ratio: "
-         f"bytes of the decoder blocks' linear weights against dense. Peak RSS {d.get('peak_rss_mb')} MB.\n\n")
+         f"bytes of the decoder blocks' linear weights against dense. Both ratios are within one dtype; rows of "
+         "another dtype or model may come from a separate run (`--append`), so compare across them only "
+         "loosely (on an AVX2-only CPU dense bf16 decoding, half the bytes, can beat sparse fp32). "
+         f"Peak RSS {d.get('peak_rss_mb')} MB.\n\n")
     s += _md(rows, ["model", "dtype", "batch", "phase", "engine", "ms", "tokens_per_s", "speedup_vs_dense",
                     "speedup_vs_best_dense", "weight_bytes_ratio"], LLM_FMT)
     if d.get("notes"):
