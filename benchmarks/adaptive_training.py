@@ -4,7 +4,11 @@ Data: scikit-learn's digits (8x8 grey) upsampled to 32x32 and repeated over 3 ch
 Dense baseline: PyTorch's own conv2d/linear forward+backward (oneDNN/MKL) at the same thread count.
 Per model, dense and adaptive training run in both NCHW and channels-last, one step of each in turn on
 the same batches; ``step_speedup_vs_dense`` is the faster adaptive format's median step against the
-faster dense format's (``step_ms`` and ``step_speedup_same_format`` give all four).
+faster dense format's (``step_ms`` and ``step_speedup_same_format`` give all four), and
+``step_speedup_vs_best_dense`` against the fastest dense step of either format in fp32 or bf16 autocast
+(the other dtype timed for a few rounds on the same batches: ``dense_step_ms_all``). Each row has a
+``dtype``: fp32, and bf16 (autocast) rows where the CPU has bf16 hardware (``--dtypes`` overrides), and
+the step guard's verdict (``guard``).
 Loss check (the channels-last pair): dense, adaptive and a third, dense run from weights moved by a
 relative 1e-7 train on the same batches; ``loss_float_band`` (dense vs perturbed dense) shows how far
 rounding alone moves the loss, to read ``loss_abs_diff`` (dense vs adaptive) against.
@@ -12,8 +16,9 @@ rounding alone moves the loss, to read ``loss_abs_diff`` (dense vs adaptive) aga
     python benchmarks/adaptive_training.py --quick   # < 3 minutes
     python benchmarks/adaptive_training.py           # full (4 models, 100 steps)
 
-Writes ``benchmarks/results/adaptive_training.json`` with the keys ``monitor``, ``layers``,
-``sweep``, ``models`` (plus ``config`` and ``compaction``). Run under ``flock /tmp/sparsa-bench.lock``.
+Writes ``benchmarks/results/<cpu class>/adaptive_training.json`` with the keys ``cpu``, ``monitor``,
+``layers``, ``sweep``, ``models`` (plus ``config``, ``dtypes`` and ``compaction``).
+Run under ``flock /tmp/sparsa-bench.lock``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sparsa.adaptive as sa  # noqa: E402
+import sparsa.cpu  # noqa: E402
 from sparsa.adaptive.calibration import default_calibration  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
 from sparsa.kernels import adaptive_union as U  # noqa: E402
@@ -46,6 +52,7 @@ except ImportError:  # pragma: no cover
     from _timing import compare, median_time  # type: ignore  # noqa: E402
 
 CL = torch.channels_last
+ALL_MODELS = ["vgg16", "vgg16_bn", "resnet18", "alexnet"]
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -153,13 +160,48 @@ def thresholded(a, sparsity):
 FORMATS = {"nchw": torch.contiguous_format, "channels_last": CL}
 
 
-def run_model(name, batch, steps, warm, res):
+def _bf16_hardware() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AMX or AVX512-BF16): only then is bf16 training fast."""
+    flags = sparsa.cpu.cpu_flags()
+    return bool(flags.get("amx_bf16") or flags.get("avx512_bf16"))
+
+
+def train_step_bf16(model, opt, x, y):
+    """One training step under ``torch.autocast("cpu", dtype=torch.bfloat16)`` (backward outside it)."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def dense_bf16_ms(base, data, steps):
+    """Median dense bf16-autocast training step per memory format, ``steps`` rounds after one warm-up (both
+    formats side by side). On CPUs without bf16 hardware this is a few rounds only: it is many times slower."""
+    models = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
+    opts = {f: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for f, m in models.items()}
+    t = {f: [] for f in FORMATS}
+    for i, (x, y) in enumerate(data[:steps + 1]):
+        for f, fmt in FORMATS.items():
+            t0 = time.perf_counter()
+            train_step_bf16(models[f], opts[f], x.contiguous(memory_format=fmt), y)
+            if i:
+                t[f].append(time.perf_counter() - t0)
+    return {f: statistics.median(v) * 1e3 for f, v in t.items()}
+
+
+def run_model(name, batch, steps, warm, res, dtype="fp32", bf16_steps=3):
     """Train ``name`` dense and adaptive in both memory formats side by side (one step of each per round) and
     report the faster adaptive format against the faster dense one (medians over the steps after ``warm``).
-    Losses: the channels-last pair, with a float-tolerance control (dense from rounding-perturbed weights)."""
+    ``dtype="bf16"``: every step under bf16 autocast. ``step_speedup_vs_best_dense`` compares the adaptive
+    step with the fastest dense step of any format and of fp32 or bf16 autocast (``bf16_steps`` rounds of
+    the other dtype, side by side). Losses: the channels-last pair, with a float-tolerance control (dense from
+    rounding-perturbed weights)."""
     torch.manual_seed(0)
     base = build(name)
     data = digits_batches(batch, steps + warm)
+    step = train_step_bf16 if dtype == "bf16" else train_step
     dense = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
     adaptive = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
     # the float-tolerance control: dense training from weights moved by a relative 1e-7 (rounding-sized)
@@ -178,9 +220,9 @@ def run_model(name, batch, steps, warm, res):
         for f, fmt in FORMATS.items():
             xf = x.contiguous(memory_format=fmt)
             t0 = time.perf_counter()
-            l_d = train_step(dense[f], od[f], xf, y)
+            l_d = step(dense[f], od[f], xf, y)
             t1 = time.perf_counter()
-            l_a = train_step(adaptive[f], oa[f], xf, y)
+            l_a = step(adaptive[f], oa[f], xf, y)
             t2 = time.perf_counter()
             if i >= warm:
                 td[f].append(t1 - t0)
@@ -188,14 +230,33 @@ def run_model(name, batch, steps, warm, res):
             if f == "channels_last":
                 ld.append(l_d)
                 la.append(l_a)
-        lp.append(train_step(perturbed, op, x.contiguous(memory_format=CL), y))
+        lp.append(step(perturbed, op, x.contiguous(memory_format=CL), y))
     md = {f: statistics.median(v) * 1e3 for f, v in td.items()}
     ma = {f: statistics.median(v) * 1e3 for f, v in ta.items()}
     dense_fmt, adaptive_fmt = min(md, key=md.get), min(ma, key=ma.get)
-    row = {"model": name, "batch": batch, "steps": steps, "dense_format": dense_fmt, "adaptive_format": adaptive_fmt,
-           "dense_step_ms": md[dense_fmt], "adaptive_step_ms": ma[adaptive_fmt],
+    # the other dtype's dense steps, side by side on the same batches
+    other = "fp32" if dtype == "bf16" else "bf16"
+    if other == "bf16":
+        mo = dense_bf16_ms(base, data, bf16_steps)
+    else:
+        mo = {}
+        for f, fmt in FORMATS.items():
+            m = copy.deepcopy(base).to(memory_format=fmt)
+            o = sgd(m)
+            mo[f] = statistics.median([_timed(train_step, m, o, x.contiguous(memory_format=fmt), y)
+                                       for x, y in data[:bf16_steps + 1]][1:])
+    dense_all = {f"{dtype}_{f}": v for f, v in md.items()}
+    dense_all.update({f"{other}_{f}": v for f, v in mo.items()})
+    best_dense = min(dense_all, key=dense_all.get)
+    g = rts[adaptive_fmt].guard
+    row = {"model": name, "dtype": dtype, "batch": batch, "steps": steps, "dense_format": dense_fmt,
+           "adaptive_format": adaptive_fmt, "dense_step_ms": md[dense_fmt], "adaptive_step_ms": ma[adaptive_fmt],
            # the faster adaptive format against the faster dense one, all four timed side by side
            "step_speedup_vs_dense": md[dense_fmt] / ma[adaptive_fmt],
+           # ... and against the fastest dense path of either dtype and format
+           "best_dense": best_dense, "best_dense_step_ms": dense_all[best_dense],
+           "step_speedup_vs_best_dense": dense_all[best_dense] / ma[adaptive_fmt],
+           "dense_step_ms_all": dense_all, "other_dtype_steps": bf16_steps,
            "step_ms": {f"{k}_{f}": v[f] for k, v in (("dense", md), ("adaptive", ma)) for f in FORMATS},
            "step_speedup_same_format": {f: md[f] / ma[f] for f in FORMATS},
            "loss_dense": ld[-1], "loss_adaptive": la[-1],
@@ -205,16 +266,25 @@ def run_model(name, batch, steps, warm, res):
            "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ld, la)),
            "loss_max_float_band": max(abs(a - b) for a, b in zip(ld, lp)),
            "sparse_layers": sum(1 for r in rts[adaptive_fmt].report() if r["path"] == "sparse"),
-           "adaptive_layers": len(rts[adaptive_fmt].layers)}
+           "adaptive_layers": len(rts[adaptive_fmt].layers),
+           "guard": None if g is None else g.summary()}
     res["models"].append(row)
-    print(f"[model] {name}: dense {md[dense_fmt]:.0f} ms ({dense_fmt}), adaptive {ma[adaptive_fmt]:.0f} ms "
+    print(f"[model] {name} {dtype}: dense {md[dense_fmt]:.0f} ms ({dense_fmt}), adaptive {ma[adaptive_fmt]:.0f} ms "
           f"({adaptive_fmt}), speedup {row['step_speedup_vs_dense']:.2f}x (same format: "
           + ", ".join(f"{f} {md[f]:.0f} -> {ma[f]:.0f} ms" for f in FORMATS)
+          + f"); best dense {best_dense} {dense_all[best_dense]:.0f} ms: {row['step_speedup_vs_best_dense']:.2f}x "
+          f"(all dense: " + ", ".join(f"{k} {v:.0f}" for k, v in dense_all.items())
           + f"), loss {row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f} (dense from perturbed weights "
           f"{row['loss_dense_perturbed']:.4f})", flush=True)
     print(rts[adaptive_fmt].format(), flush=True)
     return adaptive[adaptive_fmt], rts[adaptive_fmt], data[-1][0].contiguous(memory_format=FORMATS[adaptive_fmt]), \
         data[-1][1]
+
+
+def _timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def layer_rows(name, model, rt, x, labels, reps, res):
@@ -320,13 +390,19 @@ def monitor_numbers(acts, every, res):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, fewer steps (< 3 minutes)")
+    ap.add_argument("--models", nargs="+", choices=ALL_MODELS, default=None,
+                    help="models to train (default: all four; --quick: vgg16)")
+    ap.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=None,
+                    help="training dtypes (default: fp32, plus bf16 autocast where the CPU has bf16 hardware)")
     # SPARSA_RESULTS_DIR redirects the default output (keeps the committed results intact)
-    results = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results"))
+    results = Path(os.environ.get("SPARSA_RESULTS_DIR",
+                                  Path(__file__).parent / "results" / sparsa.cpu.cpu_class()))
     ap.add_argument("--out", default=str(results / "adaptive_training.json"))
     args = ap.parse_args(argv)
     t_start = time.time()
     quick = args.quick
-    models = ["vgg16"] if quick else ["vgg16", "vgg16_bn", "resnet18", "alexnet"]
+    models = args.models or (["vgg16"] if quick else ALL_MODELS)
+    dtypes = args.dtypes or (["fp32", "bf16"] if _bf16_hardware() else ["fp32"])
     batch = 16 if quick else 32
     steps = 12 if quick else 100
     warm = 3
@@ -338,6 +414,7 @@ def main(argv=None):
                                         "NCHW and channels-last (both timed side by side)",
                       "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
                       if U.union_native() and conv_union.kernels_setting() != "list" else "list"},
+           "cpu": sparsa.cpu.cpu_info(), "dtypes": dtypes,
            "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
     default_calibration()
     ref = res["config"]["dense_reference_ms"] = {}
@@ -347,7 +424,10 @@ def main(argv=None):
         print(f"[reference] {stage}: dense conv fwd+bwd {ref[stage]:.1f} ms", flush=True)
     reference("start")
     for name in models:
-        model, rt, x, labels = run_model(name, batch, steps, warm, res)
+        for dt in dtypes[1:]:
+            run_model(name, batch, steps, warm, res, dtype=dt, bf16_steps=3 if quick else 10)
+        model, rt, x, labels = run_model(name, batch, steps, warm, res, dtype=dtypes[0],
+                                         bf16_steps=(3 if quick else 10) if _bf16_hardware() else 3)
         reference(f"{name} layers")
         acts = layer_rows(name, model, rt, x, labels, reps, res)
         if name == "vgg16":

@@ -27,7 +27,8 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["ISA_LEVELS", "FLAGS", "cpu_info", "cpu_class", "cpu_flags", "isa", "hardware_isa", "check_isa_env"]
+__all__ = ["ISA_LEVELS", "FLAGS", "cpu_info", "cpu_class", "cpu_model", "cpu_flags", "isa", "hardware_isa",
+           "check_isa_env"]
 
 #: kernel paths from lowest to highest
 ISA_LEVELS: Tuple[str, ...] = ("portable", "avx2", "avx512", "amx")
@@ -46,6 +47,11 @@ def _proc_cpuinfo() -> Tuple[str, frozenset]:
     flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
     return (model.group(1).strip() if model else platform.machine(),
             frozenset(flags.group(1).split()) if flags else frozenset())
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), e.g. ``AMD EPYC``."""
+    return _proc_cpuinfo()[0]
 
 
 def cpu_flags() -> Dict[str, bool]:

@@ -90,7 +90,8 @@ def _slow_sparse(monkeypatch, seconds):
 
 def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
     net = _net()
-    rt = sa.enable(net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3))
+    rt = sa.enable(net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3),
+                   guard=False)  # per-layer feedback alone (the step guard would take the whole model dense)
     st = rt.layers["2"]
     st.cost = CostEntry(dense_ms=1.0, fixed_ms=0.8, slope_ms=0.0)   # predicts 1.25x at any sparsity
     _slow_sparse(monkeypatch, 0.01)                                 # but the sparse path is slow

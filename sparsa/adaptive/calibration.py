@@ -7,8 +7,9 @@ sparse time is modelled as ``fixed + slope * density``; the predicted speedup at
 ``dense / (fixed + slope * d)``. Convolutions with the dY-driven backward (stride 1) are also timed
 with output gradients of 30% and 10% density, fitting ``dy_fixed + slope * d / 3 + dy_slope * g``;
 at a monitored dY density ``g`` the cheaper of the two models counts. Entries are cached in a JSON file keyed by
-shape, memory format and thread count and kernel version (``<sparsa cache>/adaptive_calibration.json``);
-:meth:`Calibration.clear` or ``enable(..., recalibrate=True)`` measures again.
+CPU model and kernel ISA, shape, memory format, thread count and kernel version
+(``<sparsa cache>/adaptive_calibration.json``), so a cache carried to another CPU is not reused there;
+``sparsa cost --clear``, :meth:`Calibration.clear` or ``enable(..., recalibrate=True)`` measures again.
 
 Example::
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import cpu
 from ..kernels import loader
 from ..timing import round_robin_ms
 from .conv import dy_path_supported, relu_conv2d
@@ -99,10 +101,16 @@ class CostEntry:
         return self.dense_ms / max(1e-9, self.sparse_ms(density, grad_density, union_ratio))
 
 
+def _machine() -> str:
+    """The CPU model and the kernel ISA in force: timings of one CPU say nothing about another."""
+    model = "-".join(cpu.cpu_model().split())
+    return f"{model}/{cpu.isa()}"
+
+
 def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool) -> str:
-    """Cache key of a layer: kind, shapes, conv arguments, memory format, threads, native or not."""
+    """Cache key of a layer: CPU and ISA, kind, shapes, conv arguments, memory format, threads, native or not."""
     args = ",".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(conv_args.items()))
-    return (f"{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
+    return (f"{_machine()}|{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
             f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}")
 
 

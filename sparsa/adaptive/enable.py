@@ -20,7 +20,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from torch import nn
 
@@ -31,6 +31,7 @@ from .monitor import SparsityMonitor
 from .memory import retain_freed_memory
 from .policy import Policy
 from .report import report as _report, format_report
+from .step_guard import StepGuard
 
 __all__ = ["enable", "AdaptiveRuntime", "ZERO_PRESERVING"]
 
@@ -53,9 +54,10 @@ class AdaptiveRuntime:
     """Handle returned by :func:`enable`: the adaptive layers, the report, ``disable()``."""
 
     def __init__(self, model: nn.Module, layers: Dict[str, LayerState], handles: list,
-                 replaced: List[Tuple[nn.Module, str, nn.Module, nn.Module]]):
+                 replaced: List[Tuple[nn.Module, str, nn.Module, nn.Module]], guard: Optional[StepGuard] = None):
         self.model = model
         self.layers = layers
+        self.guard = guard
         self._handles = handles
         self._replaced = replaced
 
@@ -64,8 +66,17 @@ class AdaptiveRuntime:
         return _report(self)
 
     def format(self) -> str:
-        """The report as a text table."""
-        return format_report(self.report())
+        """The report as a text table (and the step guard's verdict, when there is a guard)."""
+        text = format_report(self.report())
+        g = self.guard
+        if g is not None:
+            if g.decision is None:
+                text += f"\nstep guard: no comparison yet ({g.steps} steps timed, phase {g.phase})"
+            else:
+                text += (f"\nstep guard: {g.decision} (adaptive step {g.adaptive_ms:.1f} ms, dense step "
+                         f"{g.dense_ms:.1f} ms: {g.speedup:.2f}x at step {g.comparisons[-1]['step']}; "
+                         f"now {g.phase})")
+        return text
 
     def set_policy(self, policy: Policy) -> None:
         """Use ``policy`` from now on in every layer (the next refresh applies it)."""
@@ -79,6 +90,8 @@ class AdaptiveRuntime:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.guard is not None:
+            self.guard.detach()
         for parent, attr, original, _ in self._replaced:
             setattr(parent, attr, original)
         self._replaced.clear()
@@ -86,7 +99,8 @@ class AdaptiveRuntime:
 
 def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
            calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
-           recalibrate: bool = False, retain_memory: bool = True) -> AdaptiveRuntime:
+           recalibrate: bool = False, retain_memory: bool = True,
+           guard: Union[bool, StepGuard] = True) -> AdaptiveRuntime:
     """Make ``model`` sparsity-adaptive in place and return the runtime handle.
 
     ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
@@ -94,13 +108,21 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
     it first); ``slice``: channels per K-slice of the sparse kernels; ``pixels``: monitor sample size;
     ``retain_memory``: keep freed heap memory in the process (glibc ``mallopt``, see
     :func:`sparsa.adaptive.memory.retain_freed_memory`), so the per-step buffers of both the sparse and
-    the dense layers stop page-faulting every step.
+    the dense layers stop page-faulting every step; ``guard``: time whole training steps and run the
+    model dense while its adaptive steps are slower than its dense ones (:mod:`sparsa.adaptive.step_guard`;
+    ``True``: the default :class:`StepGuard`, ``False``: none; never with a forced policy).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if any(isinstance(m, (AdaptiveConv2d, AdaptiveLinear)) for m in model.modules()):
         raise ValueError("model is already adaptive; call runtime.disable() before enabling again")
+    if not isinstance(guard, (bool, StepGuard)):
+        raise TypeError(f"guard must be True, False or a StepGuard, got {type(guard).__name__}")
     policy = policy if policy is not None else Policy()
+    if guard is True and policy.force is None:
+        guard = StepGuard()
+    elif guard is False or policy.force is not None:
+        guard = None
     calibration = calibration if calibration is not None else default_calibration()
     if recalibrate:
         calibration.clear()
@@ -120,7 +142,7 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
     for parent, attr, child, full in targets:
         kind = "conv2d" if isinstance(child, nn.Conv2d) else "linear"
         st = LayerState(full, kind, SparsityMonitor(every, pixels, slice, seed=len(layers)), policy,
-                        calibration, int(slice))
+                        calibration, int(slice), guard=guard)
         cls = AdaptiveConv2d if kind == "conv2d" else AdaptiveLinear
         new = cls.from_module(child, st)
         if policy.force is not None:
@@ -128,4 +150,6 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
         setattr(parent, attr, new)
         replaced.append((parent, attr, child, new))
         layers[full] = st
-    return AdaptiveRuntime(model, layers, handles, replaced)
+    if guard is not None:
+        guard.attach(model)
+    return AdaptiveRuntime(model, layers, handles, replaced, guard)

@@ -32,6 +32,7 @@ from .feedback import Feedback, time_backward
 from .linear import linear_supported, relu_linear
 from .monitor import SparsityMonitor
 from .policy import Policy
+from .step_guard import StepGuard
 
 __all__ = ["AdaptiveConv2d", "AdaptiveLinear", "LayerState", "tag_nonnegative", "is_tagged_nonnegative"]
 
@@ -81,6 +82,8 @@ class LayerState:
     feedback: Feedback = field(default_factory=Feedback)
     #: the cost model's own prediction; ``speedup`` is this times the feedback's correction
     model_speedup: Optional[float] = None
+    #: the runtime's whole-step guard (shared by every layer); while it is suspended the layer runs dense
+    guard: Optional[StepGuard] = None
 
     def predicted_ms(self, path: str) -> Optional[float]:
         """The calibrated forward+backward time of ``path`` at the monitored sparsity (None before both exist)."""
@@ -105,6 +108,8 @@ def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor]
     else:
         if state.cost is None:
             state.cost = state.calibration.entry(state.kind, x, weight, bias, conv_args, state.slice)
+            if state.guard is not None:
+                state.guard.mark_dirty()  # this step ran calibration timings: not a steady-state step
         density = 1.0 - (state.monitor.sparsity or 0.0)
         grad_density = None if state.grad_sparsity is None else 1.0 - state.grad_sparsity
         state.model_speedup = state.cost.speedup(density, grad_density, state.union_ratio)
@@ -132,7 +137,7 @@ def _watch_grad(state: LayerState, y: Tensor) -> None:
 
 def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
     state.calls += 1
-    if not _paired(state, x):
+    if not _paired(state, x) or (state.guard is not None and state.guard.suspended and state.policy.force is None):
         return dense(x)
     state.paired_calls += 1
     mon = state.monitor

@@ -1,0 +1,166 @@
+"""Step guard: time whole training steps and send the model back to dense when adaptive is slower.
+
+Per-layer predictions can all say "faster" while the step is slower: the glue around the sparse
+GEMMs (compaction, packs, monitor, Python per layer) is not in any layer's cost model, and a cost
+table measured under other conditions misleads. The guard measures what the user pays for.
+
+A *step* is the time between two consecutive training forwards of the root module (forward,
+backward, optimizer and data loading in between), so no change to the training loop is needed.
+Forwards in eval mode or without autograd are not steps; they break the chain instead.
+
+The guard alternates windows of ``window`` steps: after ``warmup`` steps it times an adaptive window,
+then a dense window (every adaptive layer suspended: PyTorch's dense op, no monitor), and compares
+the medians. If adaptive is slower than ``margin`` x dense, the model stays dense; either way both
+are timed again after ``recheck`` steps (doubling, up to ``max_recheck``), because sparsity changes
+as training goes on. Steps in which a layer was calibrated are dropped (calibration times kernels).
+
+Example::
+
+    >>> from sparsa.adaptive.step_guard import StepGuard
+    >>> g = StepGuard(warmup=0, window=3, recheck=10)
+    >>> for ms in (10, 10, 10):                 # adaptive window
+    ...     g.record(ms)
+    >>> g.suspended                              # now a dense window
+    True
+    >>> for ms in (8, 8, 8):                     # dense is faster: the model stays dense
+    ...     g.record(ms)
+    >>> g.suspended, g.decision
+    (True, 'dense')
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Optional
+
+from torch import nn
+import torch
+
+__all__ = ["StepGuard"]
+
+
+class StepGuard:
+    """The state machine of whole-step timing; :meth:`attach` hooks it to a model."""
+
+    def __init__(self, warmup: int = 20, window: int = 5, recheck: int = 100, max_recheck: int = 1600,
+                 margin: float = 1.0):
+        for name, v, lo in (("warmup", warmup, 0), ("window", window, 1), ("recheck", recheck, 1),
+                            ("max_recheck", max_recheck, 1)):
+            if int(v) != v or int(v) < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not margin > 0:
+            raise ValueError(f"margin must be > 0 (adaptive is kept when its step is below margin x dense), "
+                             f"got {margin!r}")
+        self.warmup, self.window, self.margin = int(warmup), int(window), float(margin)
+        self.recheck, self.max_recheck = int(recheck), int(max(recheck, max_recheck))
+        #: True while the adaptive layers run dense (a dense window, or the guard's verdict)
+        self.suspended = False
+        #: "adaptive" / "dense" after the first comparison, None before
+        self.decision: Optional[str] = None
+        self.steps = 0
+        self.adaptive_ms: Optional[float] = None
+        self.dense_ms: Optional[float] = None
+        self.comparisons: List[dict] = []
+        self._phase = "warmup"
+        self._left = self.warmup
+        self._samples: List[float] = []
+        self._adaptive: List[float] = []
+        self._next_recheck = self.recheck
+        self._last: Optional[float] = None
+        self._dirty = False
+        self._handle = None
+        self._listeners: List[Callable[[bool], None]] = []
+        if self._left == 0:
+            self._phase = "adaptive"
+            self._left = self.window
+
+    # ---------------------------------------------------------------------------- state machine
+    def record(self, ms: float) -> None:
+        """One step's time in milliseconds, on the path the layers are on now."""
+        self.steps += 1
+        if self._phase in ("adaptive", "dense"):
+            self._samples.append(float(ms))
+        self._left -= 1
+        if self._left > 0:
+            return
+        if self._phase == "warmup":
+            self._start("adaptive")
+        elif self._phase == "adaptive":
+            self._adaptive = self._samples
+            self._start("dense")
+        elif self._phase == "dense":
+            self._compare(statistics.median(self._adaptive), statistics.median(self._samples))
+        else:  # "hold" is over: time both paths again
+            self._start("adaptive")
+
+    def _start(self, phase: str) -> None:
+        self._phase, self._left, self._samples = phase, self.window, []
+        self._set_suspended(phase == "dense")
+
+    def _compare(self, adaptive_ms: float, dense_ms: float) -> None:
+        self.adaptive_ms, self.dense_ms = adaptive_ms, dense_ms
+        keep = adaptive_ms <= self.margin * dense_ms
+        self.decision = "adaptive" if keep else "dense"
+        self.comparisons.append({"step": self.steps, "adaptive_ms": adaptive_ms, "dense_ms": dense_ms,
+                                 "decision": self.decision})
+        self._phase, self._left, self._samples = "hold", self._next_recheck, []
+        self._next_recheck = min(self.max_recheck, 2 * self._next_recheck)
+        self._set_suspended(not keep)
+
+    def _set_suspended(self, value: bool) -> None:
+        if value != self.suspended:
+            self.suspended = value
+            for f in self._listeners:
+                f(value)
+
+    def on_change(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(suspended)`` whenever the layers switch between adaptive and suspended."""
+        self._listeners.append(listener)
+
+    @property
+    def phase(self) -> str:
+        """warmup, adaptive (timing adaptive steps), dense (timing dense steps) or hold."""
+        return self._phase
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Dense step time over adaptive step time at the last comparison (None before one)."""
+        if self.adaptive_ms is None or not self.dense_ms:
+            return None
+        return self.dense_ms / self.adaptive_ms
+
+    # ---------------------------------------------------------------------------- wiring
+    def mark_dirty(self) -> None:
+        """The current step did something that is not steady-state work (e.g. calibrated a layer)."""
+        self._dirty = True
+
+    def attach(self, model: nn.Module) -> None:
+        """Time steps from ``model``'s training forwards (a forward pre-hook on the root module)."""
+        if self._handle is not None:
+            raise RuntimeError("this StepGuard is already attached to a model")
+        self._handle = model.register_forward_pre_hook(self._on_forward)
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._set_suspended(False)
+
+    def _on_forward(self, module: nn.Module, args) -> None:
+        now = time.perf_counter()
+        if not (module.training and torch.is_grad_enabled()):
+            self._last = None  # an evaluation forward: the interval around it is not a training step
+            return
+        if self._last is not None:
+            if self._dirty:
+                self._dirty = False
+            else:
+                self.record((now - self._last) * 1e3)
+        self._dirty = False
+        self._last = time.perf_counter()
+
+    def summary(self) -> dict:
+        """The guard's state for reports: phase, decision, last medians, the comparisons so far."""
+        return {"phase": self._phase, "decision": self.decision, "suspended": self.suspended,
+                "steps": self.steps, "adaptive_step_ms": self.adaptive_ms, "dense_step_ms": self.dense_ms,
+                "step_speedup": self.speedup, "comparisons": list(self.comparisons)}
