@@ -43,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
-from sparsa.timing import round_robin_ms  # noqa: E402
+from sparsa.timing import best_dense, round_robin_ms, speedups  # noqa: E402,F401  (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -91,27 +91,6 @@ def _prune(model: nn.Module, sparsifier: Any, layout: str) -> nn.Module:
 def dense_label(dtype: str, compiled: bool = False) -> str:
     """``fp32``, ``bf16``, ``compiled_fp32`` or ``compiled_bf16``."""
     return ("compiled_" if compiled else "") + SHORT[dtype]
-
-
-def best_dense(ms: Dict[str, float]) -> str:
-    """The label of the fastest dense baseline in ``ms`` (label -> ms)."""
-    if not ms:
-        raise ValueError("best_dense needs at least one timed dense baseline, got none")
-    return min(ms, key=lambda k: ms[k])
-
-
-def speedups(ms: Dict[str, float], candidate: str = "sparse") -> Dict[str, Any]:
-    """From one side-by-side timing ``{"fp32": ..., <other dense labels>: ..., candidate: ...}`` (ms): the
-    candidate's speed-up vs dense fp32 eager and vs the fastest dense path timed with it (never above
-    the first), which that was, and the times."""
-    if "fp32" not in ms or candidate not in ms:
-        raise ValueError(f"speedups needs 'fp32' and {candidate!r} times, got {sorted(ms)}")
-    dense = {k: v for k, v in ms.items() if k != candidate}
-    best = best_dense(dense)
-    c = ms[candidate]
-    return {"speedup_vs_dense": round(ms["fp32"] / c, 3), "speedup_vs_best_dense": round(dense[best] / c, 3),
-            "best_dense": best, "dense_ms": round(ms["fp32"], 1), "best_dense_ms": round(dense[best], 1),
-            "sparse_ms": round(c, 1)}
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

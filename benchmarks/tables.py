@@ -28,6 +28,7 @@ BENCHES = (("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks
            ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
            ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
            ("quality", "Pruning quality", "python benchmarks/quality.py"),
+           ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
            ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"))
 
 
@@ -314,6 +315,39 @@ def quality_section(d: Dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+PARETO_FMT = {"sparsity": ".2f", "quality_cosine": ".3f", "cosine_docstrings": ".3f", "cosine_readme": ".3f",
+              "quality_top1": ".3f", "speedup_vs_best_dense": ".2f", "speedup_vs_dense": ".2f"}
+PARETO_COLS = ["method", "label", "sparsity", "quality_cosine", "cosine_docstrings", "cosine_readme", "quality_top1",
+               "speedup_vs_best_dense", "best_dense"]
+
+
+def _pareto_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Rows sorted by speed, the method column saying ``+recover`` for recovered rows."""
+    return [dict(r, method=r["method"] + ("+recover" if r.get("recovered") else ""),
+                 label=r.get("label", r.get("layout")))
+            for r in sorted(rows, key=lambda r: (-r["speedup_vs_best_dense"], -r["quality_cosine"]))]
+
+
+def pareto_section(d: Dict[str, Any], frontier_only: bool = False) -> str:
+    """The frontier of the MiniLM quality-speed grid (and, unless ``frontier_only``, every row)."""
+    rows = d.get("rows", [])
+    front = [r for r in rows if r.get("on_frontier")]
+    s = (f"all-MiniLM-L6-v2, every block Linear pruned; speed: batch {d.get('batch', 8)}, seq {d.get('seq', 128)}, "
+         f"{d.get('threads')} threads, against the fastest dense path of the run ({d.get('best_dense', '-')}: "
+         + ", ".join(f"{k} {v} ms" for k, v in (d.get("dense_ms") or {}).items()) + "); quality: mean cosine to the "
+         "dense sentence embeddings (and top-1 nearest-neighbour agreement) on held-out stdlib docstrings and "
+         "README prose, averaged. label: the layout (unstructured = sliced_ell). The frontier: rows no other row "
+         "(nor the best dense path) beats in both speed and cosine.\n\n")
+    s += _md(_pareto_rows(front), PARETO_COLS, PARETO_FMT)
+    if not frontier_only:
+        s += ("\n\n<details><summary>All rows</summary>\n\n" + _md(_pareto_rows(rows), PARETO_COLS, PARETO_FMT)
+              + "\n\n</details>")
+        if d.get("skipped"):
+            reasons = "; ".join(sorted({x["reason"] for x in d["skipped"]}))
+            s += f"\n\nSkipped: {len(d['skipped'])} rows ({reasons})."
+    return s + (f"\n\n_(quick run, {d.get('seconds')} s)_" if d.get("quick") else f"\n\n_({d.get('seconds')} s)_")
+
+
 LLM_FMT = {"ms": ".1f", "tokens_per_s": ".1f", "speedup_vs_dense": ".2f", "speedup_vs_best_dense": ".2f",
            "weight_bytes_ratio": ".3f"}
 
@@ -352,7 +386,7 @@ SECTIONS = {"linear_kernels": lambda d: (linear_section(d, True) + "\n\n<details
             "bert_inference": bert_section, "adaptive_training": adaptive_section,
             "adaptive_union": adaptive_union_section, "quality": quality_section, "deepsparse_h2h": h2h_section,
             "dispatch_overhead": dispatch_section, "llm_decode": llm_decode_section,
-            "llm_quality": llm_quality_section}
+            "llm_quality": llm_quality_section, "pareto": pareto_section}
 
 
 def class_section(d: Path) -> str:
@@ -398,6 +432,9 @@ def readme_summary(root: Path = RESULTS) -> str:
         rows = [r for r in data["rows"] if r["batch"] == 1]
         parts.append(f"**LLM decoding, batch 1 (bitmask layout).** {cpu_heading(d.name, cpu_of(d))}\n\n"
                      f"{llm_decode_section(dict(data, rows=rows))}")
+    for d in _summary_dirs(dirs, "pareto"):
+        parts.append(f"**Quality against speed (MiniLM-L6 frontier).** {cpu_heading(d.name, cpu_of(d))}\n\n"
+                     f"{pareto_section(_load(d, 'pareto'), frontier_only=True)}")
     if not parts:
         return "_No linear_kernels or bert_inference results yet: run the benchmark scripts._"
     return "\n\n".join(parts)
@@ -419,6 +456,15 @@ fastest dense path of that CPU (dense fp32, dense bf16 and torch.compile of the 
 the results measured before the scripts recorded the CPU (a 2-core AMD EPYC with AVX-512, fp32 only,
 compared with dense fp32 eager and, for BERT, its torch.compile). Re-run a script to refresh its
 table (`sparsa bench NAME` runs it from a source checkout).
+
+The quality-speed frontier of the pretrained MiniLM-L6 comes from `benchmarks/pareto.py`:
+`flock /tmp/sparsa-bench.lock python benchmarks/pareto.py --quick` (unstructured/sliced_ell, 2:4
+and row_group16 at 50/70/90%, magnitude, Wanda and SparseGPT one-shot, one 40 s recovery; under 5
+minutes on 2 cores) or the full grid, `python benchmarks/pareto.py [--budget SECONDS]
+[--recover-budget SECONDS] [--recover none|all|PATTERN@SPARSITY,...]`: 27 (layout, sparsity)
+configurations timed (a few minutes), 76 one-shot rows (about 25 minutes on 2 cores) and 81
+recoveries of `--recover-budget` seconds each (default 300 s, about 7 hours in all); `--budget`
+stops starting rows after that many seconds and lists the rest as skipped.
 """
     body = [class_section(d) for d in dirs] or ["_No results yet: run the benchmark scripts._"]
     return intro + "\n" + "\n\n".join(body) + "\n"

@@ -2,9 +2,10 @@
 
     sparsa demo                       the flagship demo (MiniLM + BERT-base pruning, adaptive training)
     sparsa prune MODEL_DIR -o OUT     prune a Hugging Face model directory offline, save compressed
+    sparsa prune MODEL_DIR -o OUT --target-quality Q   the fastest configuration with held-out cosine >= Q
     sparsa generate MODEL_DIR --prompt TEXT   greedy generation with a (pruned) causal LM, timed
     sparsa inspect CHECKPOINT         per-layer layout, sparsity and bytes of a sparsa checkpoint
-    sparsa bench linear|bert|training|quality|dispatch   run a benchmark script (JSON + PNG)
+    sparsa bench linear|bert|training|quality|pareto|dispatch   run a benchmark script (JSON + PNG)
 
 Bad arguments print one line starting with ``sparsa: error:`` and exit with status 2; a failure
 while running prints one line and exits with status 1 (``--debug`` shows the traceback).
@@ -26,6 +27,7 @@ BENCHES = {
     "bert": "bert_inference.py",
     "training": "adaptive_training.py",
     "quality": "quality.py",
+    "pareto": "pareto.py",
     "dispatch": "dispatch_overhead.py",
 }
 
@@ -41,6 +43,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}") from None
     if not 0.0 <= v < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1) (the fraction of weights removed), got {text}")
+    return v
+
+
+def _quality(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (the held-out mean cosine to the dense model), got {text}")
     return v
 
 
@@ -94,16 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("-o", "--out", required=True, help="output directory")
     pr.add_argument("--method", choices=["magnitude", "wanda", "sparsegpt"], default="magnitude",
                     help="one-shot method (wanda/sparsegpt calibrate on built-in offline text; default magnitude)")
-    pr.add_argument("--sparsity", type=_fraction, default=0.5, help="fraction of weights removed (default 0.5)")
-    pr.add_argument("--pattern", default="unstructured",
-                    help="'unstructured', 'N:M' (e.g. 2:4) or 'row_group<G>' (e.g. row_group16; fast on CPU)")
+    pr.add_argument("--sparsity", type=_fraction, default=None, help="fraction of weights removed (default 0.5)")
+    pr.add_argument("--pattern", default=None,
+                    help="'unstructured', 'N:M' (e.g. 2:4) or 'row_group<G>' (e.g. row_group16; fast on CPU) "
+                         "(default unstructured; with --target-quality: a comma-separated list to search, also "
+                         "'grouped_nm', default all of unstructured,2:4,4:8,grouped_nm,row_group4,row_group8,"
+                         "row_group16)")
     pr.add_argument("--layout", default=None,
                     help="storage layout (default: the pattern's natural one: masked, nm or row_group; for a "
                          "causal LM with an unstructured or N:M pattern, bitmask where available)")
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
     pr.add_argument("--data", metavar="FILE|DIR", default=None,
                     help="calibration text for wanda/sparsegpt: a UTF-8 file (one passage per line) or a "
-                         "directory of *.txt files (default: built-in offline sentences)")
+                         "directory of *.txt files (default: built-in offline sentences); with --target-quality it "
+                         "is split disjointly into calibration and held-out evaluation text")
+    pr.add_argument("--target-quality", type=_quality, default=None, metavar="Q",
+                    help="search patterns, layouts and sparsities for the fastest configuration whose held-out "
+                         "mean cosine to the dense model's embeddings is >= Q (encoders only); prints the "
+                         "candidates tried; exits 1 without writing OUT if none reaches Q")
+    pr.add_argument("--no-compile", action="store_true",
+                    help="with --target-quality: skip the torch.compile dense baseline (a faster search; speed-ups "
+                         "then against dense fp32 and bf16 eager only)")
     pr.add_argument("--only-if-faster", action="store_true",
                     help="keep a layer's sparse layout only where it is measured faster than dense on this "
                          "machine (at the current thread count); save the others dense (same values)")
@@ -182,6 +205,12 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     from .nn.report import format_report
     from .prune import CHECKPOINT, check_pattern_layout, default_layout, is_causal_lm, prune_model_dir
     _check_model_dir(a.model)
+    if a.target_quality is not None:
+        return _cmd_prune_target(a)
+    if a.no_compile:
+        raise UsageError("--no-compile only applies with --target-quality")
+    a.sparsity = 0.5 if a.sparsity is None else a.sparsity
+    a.pattern = a.pattern or "unstructured"
     if a.layout is not None:
         from .layouts.base import registered_layouts
         if a.layout not in registered_layouts():
@@ -210,6 +239,44 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     rows = prune_model_dir(a.model, a.out, method=a.method, sparsity=a.sparsity, pattern=a.pattern,
                            layout=layout, calib=a.calib, only_if_faster=only_if_faster, data=a.data)
     print(format_report(rows))
+    print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
+    return 0
+
+
+def _cmd_prune_target(a: argparse.Namespace) -> int:
+    """``sparsa prune --target-quality Q``: search, report, write the fastest passing configuration."""
+    from .frontier import pattern_config
+    from .nn.report import format_report
+    from .prune import CHECKPOINT, TargetNotReached, is_causal_lm, search_target_quality
+    for flag, given in (("--sparsity", a.sparsity is not None), ("--layout", a.layout is not None),
+                        ("--only-if-faster", a.only_if_faster), ("--timing-tokens", a.timing_tokens is not None)):
+        if given:
+            raise UsageError(f"{flag} cannot be combined with --target-quality (the search chooses the sparsity and "
+                             "layout); drop one of them")
+    if is_causal_lm(a.model):
+        raise UsageError("--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
+                         "encoders such as BERT or MiniLM); prune with --sparsity instead")
+    patterns = [p.strip() for p in a.pattern.split(",") if p.strip()] if a.pattern else None
+    for p in patterns or ():
+        try:
+            pattern_config(p, 0.5)
+        except ValueError as e:
+            raise UsageError(f"--pattern: {e}") from None
+    if a.data is not None and not Path(a.data).exists():
+        raise UsageError(f"--data {a.data!r} does not exist")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        raise UsageError(f"--out {a.out!r} exists and is not a directory")
+    _quiet_transformers()
+    try:
+        res = search_target_quality(a.model, a.out, a.target_quality, method=a.method, data=a.data,
+                                    patterns=patterns, calib=a.calib, use_compile=not a.no_compile)
+    except TargetNotReached as e:
+        print(e.result.table())
+        print(e.result.summary() + f"; {a.out} not written", file=sys.stderr)
+        return 1
+    print(res.table())
+    print(res.summary())
+    print(format_report(res.report))
     print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
     return 0
 

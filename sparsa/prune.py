@@ -15,6 +15,14 @@ Example::
     >>> from sparsa.prune import prune_model_dir        # doctest: +SKIP
     >>> rows = prune_model_dir("path/to/hf_model", "out/", method="wanda", sparsity=0.5,
     ...                        pattern="unstructured")  # doctest: +SKIP
+
+:func:`search_target_quality` instead searches patterns, layouts and sparsities for the fastest
+configuration whose held-out embedding cosine to the dense model reaches a target (encoders only)::
+
+    >>> from sparsa.prune import search_target_quality                # doctest: +SKIP
+    >>> res = search_target_quality("path/to/minilm", "out/", 0.9, method="sparsegpt",
+    ...                             data="my_texts.txt")                 # doctest: +SKIP
+    >>> print(res.table()); res.chosen["label"], res.chosen["sparsity"]  # doctest: +SKIP
 """
 from __future__ import annotations
 
@@ -24,14 +32,16 @@ import shutil
 import signal
 import threading
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 __all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears", "check_pattern_layout",
-           "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP"]
+           "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP", "search_target_quality", "split_texts",
+           "TargetQualityResult", "TargetNotReached", "SEARCH_SPARSITIES"]
 
 CHECKPOINT = "model.sparsa.safetensors"
 METHODS = ("magnitude", "wanda", "sparsegpt")
@@ -178,11 +188,16 @@ def _calibration(path: Path, n: int, causal_lm: bool = False,
     if tok.pad_token is None:   # many causal-LM tokenizers have none; padded positions are masked anyway
         tok.pad_token = tok.eos_token or tok.unk_token
     calib = _read_texts(data, n) if data is not None else calibration_and_evaluation(n, 1)[0]
-    batches = [dict(tok(calib[i:i + 16], padding=True, truncation=True, max_length=128, return_tensors="pt"))
-               for i in range(0, len(calib), 16)]
-    if causal_lm:   # decoders take no token_type_ids
+    return tok, _tokenized(tok, calib, causal_lm)
+
+
+def _tokenized(tok: Any, texts: Sequence[str], causal_lm: bool = False) -> List[Dict[str, torch.Tensor]]:
+    """Batches of 16 texts, padded, truncated to 128 tokens (decoders get no token_type_ids)."""
+    batches = [dict(tok(list(texts[i:i + 16]), padding=True, truncation=True, max_length=128, return_tensors="pt"))
+               for i in range(0, len(texts), 16)]
+    if causal_lm:
         batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
-    return tok, batches
+    return batches
 
 
 def _save(model: nn.Module, path: Path) -> None:
@@ -296,11 +311,218 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
     else:
         chosen = {f"{n}.weight": {"path": "sparse", "ratio_vs_dense": None} for n in names}
 
+    _write_out(outp, _writer(srcp, model))
+    return annotate_paths(sparsity_report(model), chosen)
+
+
+def _writer(srcp: Path, model: nn.Module) -> Callable[[Path], None]:
+    """What :func:`_write_out` runs: config, extra and tokenizer files of ``srcp``, then the checkpoint."""
     def write(tmp: Path) -> None:
         for f in ("config.json",) + _EXTRA_FILES + _TOKENIZER_FILES:
             if (srcp / f).is_file():
                 shutil.copy2(srcp / f, tmp / f)
         _save(model, tmp / CHECKPOINT)
+    return write
 
-    _write_out(outp, write)
-    return annotate_paths(sparsity_report(model), chosen)
+
+# ----------------------------------------------------------------------------- --target-quality
+#: the sparsities :func:`search_target_quality` bisects over, per pattern whose sparsity is free
+SEARCH_SPARSITIES: Tuple[float, ...] = tuple(round(0.3 + 0.05 * i, 2) for i in range(14))   # 0.30 .. 0.95
+_MAX_EVAL = 128
+
+
+def split_texts(texts: Sequence[str], n_calibration: int, n_evaluation: Optional[int] = None,
+                seed: int = 0) -> Tuple[List[str], List[str]]:
+    """Split ``texts`` disjointly into (calibration, evaluation): de-duplicated, shuffled with
+    ``seed`` (deterministic), ``n_evaluation`` held out (default: up to 128, at least a quarter, and
+    whatever the calibration's ``n_calibration`` leaves), then up to ``n_calibration`` of the rest.
+    Needs at least 8 distinct texts.
+
+    >>> cal, ev = split_texts([f"text {i}" for i in range(20)], 12)
+    >>> len(cal), len(ev), set(cal).isdisjoint(ev)
+    (12, 8, True)
+    """
+    import random
+    uniq = list(dict.fromkeys(t for t in texts if t.strip()))
+    if len(uniq) < 8:
+        raise ValueError(f"--data holds {len(uniq)} distinct passage(s); --target-quality needs at least 8 (one per "
+                         "line) to split into calibration and held-out evaluation text")
+    random.Random(seed).shuffle(uniq)
+    n_eval = n_evaluation or min(_MAX_EVAL, max(len(uniq) // 4, len(uniq) - n_calibration))
+    n_eval = max(2, min(n_eval, len(uniq) - 1))
+    return uniq[n_eval:n_eval + n_calibration], uniq[:n_eval]
+
+
+@dataclass
+class TargetQualityResult:
+    """What :func:`search_target_quality` tried and chose. ``candidates``: one dict per configuration
+    evaluated (``pattern``, ``label``, ``layout``, ``sparsity``, ``quality_cosine``, ``quality_top1``,
+    ``speedup_vs_best_dense``, ``speedup_vs_dense``, ``passes``, or ``skipped`` with a reason);
+    ``chosen``: the fastest passing one (``None`` if none passed); ``dense_ms`` / ``best_dense``: the
+    dense baselines timed; ``report``: the per-layer rows of the saved model."""
+
+    target: float
+    method: str
+    candidates: List[Dict[str, Any]]
+    chosen: Optional[Dict[str, Any]]
+    dense_ms: Dict[str, float]
+    best_dense: str
+    n_calibration: int
+    n_evaluation: int
+    report: List[Dict[str, Any]] = field(default_factory=list)
+
+    def table(self) -> str:
+        """A plain-text table of the candidates (the chosen one marked ``<-``)."""
+        head = f"{'pattern':<14} {'layout':<11} {'sparsity':>8} {'cosine':>7} {'top-1':>6} {'speedup':>8}  ok"
+        lines = [head, "-" * len(head)]
+        for c in self.candidates:
+            if "skipped" in c:
+                lines.append(f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%}  skipped: {c['skipped']}")
+                continue
+            lines.append(f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%} {c['quality_cosine']:>7.3f} "
+                         f"{c['quality_top1']:>6.3f} {c['speedup_vs_best_dense']:>7.2f}x  "
+                         f"{'yes' if c['passes'] else 'no'}{'  <-' if c is self.chosen else ''}")
+        lines.append(f"speedup: vs the best dense path here ({self.best_dense}: "
+                     + ", ".join(f"{k} {v:.1f} ms" for k, v in self.dense_ms.items()) + f"), batch 8, seq 128; "
+                     f"cosine / top-1: held-out embeddings vs the dense model on {self.n_evaluation} texts "
+                     f"(calibration on {self.n_calibration} others)")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One line: what was chosen and why (or that nothing reached the target)."""
+        tried = [c for c in self.candidates if "skipped" not in c]
+        ok = [c for c in tried if c["passes"]]
+        if self.chosen is None:
+            best = max(tried, key=lambda c: c["quality_cosine"], default=None)
+            return (f"no configuration reached cosine >= {self.target:g} with {self.method} ({len(tried)} tried"
+                    + (f"; the closest: {best['label']} at {best['sparsity']:.0%}, cosine {best['quality_cosine']:.3f}"
+                       if best else "") + "); lower --target-quality, try --method sparsegpt, or prune by --sparsity")
+        c = self.chosen
+        return (f"chose {c['label']} ({c['layout']}) at {c['sparsity']:.0%} with {self.method}: the fastest of the "
+                f"{len(ok)} configurations (of {len(tried)} tried) with held-out cosine >= {self.target:g}: "
+                f"cosine {c['quality_cosine']:.3f}, {c['speedup_vs_best_dense']:.2f}x vs the best dense path "
+                f"({self.best_dense})" + ("; note: it is slower than dense here" if c["speedup_vs_best_dense"] < 1
+                                          else ""))
+
+
+class TargetNotReached(ValueError):
+    """No configuration reached the target quality; ``result`` holds what was tried (nothing written)."""
+
+    def __init__(self, result: TargetQualityResult):
+        super().__init__(result.summary())
+        self.result = result
+
+
+def search_target_quality(src: str, out: str, target_quality: float, *, method: str = "magnitude",
+                          data: Optional[Union[str, os.PathLike]] = None, patterns: Optional[Sequence[str]] = None,
+                          sparsities: Sequence[float] = SEARCH_SPARSITIES, calib: int = 64,
+                          use_compile: bool = True, reps: int = 3,
+                          log: Optional[Callable[[str], None]] = print) -> TargetQualityResult:
+    """Prune the encoder in ``src`` into the fastest configuration whose held-out embedding quality
+    (mean cosine of mean-pooled last hidden states to the dense model's) is at least
+    ``target_quality``, and write it to ``out`` as :func:`prune_model_dir` does.
+
+    Candidates: ``patterns`` (default every one of :data:`sparsa.frontier.PATTERNS`: unstructured
+    as sliced_ell, 2:4, 4:8, grouped N:M, row groups of 4/8/16) pruned by ``method``. Per pattern the
+    highest passing sparsity of ``sparsities`` is found by bisection (quality falls as sparsity
+    rises); every candidate evaluated is also timed once (batch 8, seq 128) against the fastest dense
+    path of this machine (dense fp32, dense bf16 and, with ``use_compile``, ``torch.compile`` of the
+    faster), and the fastest passing one wins. ``data``: the user's text (a file, one passage per line,
+    or a directory of ``*.txt``), split by :func:`split_texts` into calibration (up to ``calib``
+    passages) and evaluation text; default the built-in offline sentences (disjoint samples).
+
+    Raises :class:`TargetNotReached` (a ``ValueError``, with ``.result``) without writing ``out`` when
+    no candidate passes; ``ValueError`` for a bad argument or a causal LM (not supported yet).
+    """
+    from . import sparsity_report
+    from .data.text import calibration_and_evaluation
+    from .frontier import (FIXED_SPARSITY, PATTERNS, DenseBaselines, embedding_quality, encoder_inputs,
+                           highest_passing, pattern_config, prune_copy)
+    from .models.minilm import embed
+    say = log or (lambda _: None)
+    if isinstance(target_quality, bool) or not isinstance(target_quality, (int, float)) \
+            or not 0.0 < float(target_quality) <= 1.0:
+        raise ValueError(f"--target-quality must be in (0, 1] (a mean cosine to the dense model), "
+                         f"got {target_quality!r}")
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    srcp, outp = Path(src), Path(out)
+    if outp.exists() and not outp.is_dir():
+        raise ValueError(f"--out {out!r} exists and is not a directory")
+    if not (srcp / "config.json").is_file():
+        raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
+    if is_causal_lm(srcp):
+        raise ValueError("--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
+                         "encoders such as BERT or MiniLM); prune with --sparsity instead")
+    patterns = list(patterns or PATTERNS)
+    for p in patterns:
+        try:
+            pattern_config(p, 0.5)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--pattern: {e}") from None
+    grid = sorted({float(s) for s in sparsities})
+    if not grid or not all(0.0 < s < 1.0 for s in grid):
+        raise ValueError(f"sparsities must be in (0, 1), got {list(sparsities)}")
+    if not any((srcp / f).is_file() for f in _TOKENIZER_FILES):
+        raise ValueError(f"--target-quality scores the model on held-out text, but {src} has no tokenizer files")
+    _offline()
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(srcp), local_files_only=True)
+    if data is not None:
+        cal_texts, eval_texts = split_texts(_read_texts(data, calib + _MAX_EVAL), calib)
+    else:
+        cal_texts, eval_texts = calibration_and_evaluation(calib, _MAX_EVAL)
+    dense = load_pruned(src)
+    names = prunable_linears(dense)
+    if not names:
+        raise ValueError(f"MODEL_DIR {src!r}: the model has no nn.Linear layers to prune")
+    calibration = _tokenized(tok, cal_texts) if method != "magnitude" else []
+    held = {"data": eval_texts}
+    ref = {"data": embed(dense, tok, eval_texts, max_length=128)}
+    baselines = DenseBaselines(dense, encoder_inputs(dense), use_compile=use_compile, reps=reps, log=say)
+
+    tried: Dict[Tuple[str, float], Dict[str, Any]] = {}
+    candidates: List[Dict[str, Any]] = []
+    best: Dict[str, Any] = {"row": None, "model": None}
+
+    def evaluate(pattern: str, sparsity: float) -> bool:
+        cfg = pattern_config(pattern, sparsity)
+        key = (cfg.label, cfg.sparsity)
+        if key not in tried:
+            row: Dict[str, Any] = {"pattern": pattern, "label": cfg.label, "layout": cfg.layout,
+                                   "sparsity": cfg.sparsity}
+            try:
+                model = prune_copy(dense, method, cfg, calibration, names)
+            except ValueError as e:
+                row["skipped"], row["passes"] = str(e).split(";")[0], False
+                say(f"  {cfg.label} at {cfg.sparsity:.0%}: skipped ({row['skipped']})")
+            else:
+                row.update(embedding_quality(model, tok, held, ref))
+                row.update(baselines.speedup(model))
+                row["passes"] = row["quality_cosine"] >= target_quality
+                say(f"  {cfg.label} at {cfg.sparsity:.0%}: cosine {row['quality_cosine']:.3f}, "
+                    f"{row['speedup_vs_best_dense']:.2f}x vs the best dense" + (" (passes)" if row["passes"] else ""))
+                if row["passes"] and (best["row"] is None or
+                                      row["speedup_vs_best_dense"] > best["row"]["speedup_vs_best_dense"]):
+                    best["row"], best["model"] = row, model
+                del model
+            tried[key] = row
+            candidates.append(row)
+        return bool(tried[key]["passes"])
+
+    say(f"searching {', '.join(patterns)} for cosine >= {target_quality:g} with {method} "
+        f"({len(cal_texts)} calibration / {len(eval_texts)} held-out texts)")
+    for p in patterns:
+        if p in FIXED_SPARSITY or (":" in p and not p.startswith("grouped")):
+            evaluate(p, pattern_config(p, 0.5).sparsity)
+        else:
+            highest_passing(grid, lambda s, p=p: evaluate(p, s))
+    candidates.sort(key=lambda c: (patterns.index(c["pattern"]), c["sparsity"]))
+    result = TargetQualityResult(float(target_quality), method, candidates, best["row"],
+                                 {k: round(v, 1) for k, v in baselines.ms.items()}, baselines.best,
+                                 len(cal_texts), len(eval_texts))
+    if best["row"] is None:
+        raise TargetNotReached(result)
+    _write_out(outp, _writer(srcp, best["model"]))
+    result.report = sparsity_report(best["model"])
+    return result

@@ -17,9 +17,9 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
-__all__ = ["Comparison", "compare", "median_time", "round_robin_ms"]
+__all__ = ["Comparison", "compare", "median_time", "round_robin_ms", "best_dense", "speedups"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,28 @@ def round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int, min_second
                 fn()
             ts[k].append((time.perf_counter() - t0) / reps[k])
     return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in ts.items()}
+
+
+def best_dense(ms: Dict[str, float]) -> str:
+    """The label of the fastest dense baseline in ``ms`` (label -> ms)."""
+    if not ms:
+        raise ValueError("best_dense needs at least one timed dense baseline, got none")
+    return min(ms, key=lambda k: ms[k])
+
+
+def speedups(ms: Dict[str, float], candidate: str = "sparse") -> Dict[str, Any]:
+    """From one side-by-side timing ``{"fp32": ..., <other dense labels>: ..., candidate: ...}`` (ms): the
+    candidate's speed-up vs dense fp32 eager and vs the fastest dense path timed with it (never above
+    the first), which that was, and the times.
+
+    >>> speedups({"fp32": 10.0, "bf16": 5.0, "sparse": 4.0})["speedup_vs_best_dense"]
+    1.25
+    """
+    if "fp32" not in ms or candidate not in ms:
+        raise ValueError(f"speedups needs 'fp32' and {candidate!r} times, got {sorted(ms)}")
+    dense = {k: v for k, v in ms.items() if k != candidate}
+    best = best_dense(dense)
+    c = ms[candidate]
+    return {"speedup_vs_dense": round(ms["fp32"] / c, 3), "speedup_vs_best_dense": round(dense[best] / c, 3),
+            "best_dense": best, "dense_ms": round(ms["fp32"], 1), "best_dense_ms": round(dense[best], 1),
+            "sparse_ms": round(c, 1)}

@@ -1,7 +1,11 @@
-"""Offline English text: sentences from the docstrings of Python standard-library modules.
+"""Offline English text of two domains: sentences from the docstrings of Python standard-library
+modules (:func:`stdlib_sentences`), and prose from the descriptions (README) of the installed Python
+distributions (:func:`readme_sentences`).
 
-Deterministic (a fixed module list, sorted attribute walk, de-duplicated) and disjoint splits for
-calibration and evaluation, so pruning is never scored on the text it was calibrated on.
+Deterministic (a fixed module list, sorted attribute walk, distributions sorted by name,
+de-duplicated) and disjoint splits for calibration and evaluation, so pruning is never scored on the
+text it was calibrated on. The README domain is never used for calibration here: it is held-out
+text of a domain the calibration did not see.
 
 >>> calib, held_out = calibration_and_evaluation(32, 32)
 >>> len(calib), len(held_out), set(calib).isdisjoint(held_out)
@@ -17,7 +21,7 @@ import warnings
 from functools import lru_cache
 from typing import List, Tuple
 
-__all__ = ["MODULES", "stdlib_sentences", "calibration_and_evaluation"]
+__all__ = ["MODULES", "stdlib_sentences", "readme_sentences", "calibration_and_evaluation"]
 
 #: modules whose docstrings are read (importing them has no side effects)
 MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "csv", "dataclasses",
@@ -68,6 +72,70 @@ def _sentences(min_chars: int, max_chars: int) -> tuple:
                     if min_chars <= len(s) <= max_chars and letters > 0.85 * len(s) and s not in seen:
                         seen.add(s)
                         out.append(s)
+    return tuple(out)
+
+
+_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")        # [text](url) -> text; images dropped below
+_RST_LINK = re.compile(r"`([^`<]*?)\s*<[^>]*>`_+")            # `text <url>`_ -> text
+_MARKUP = re.compile(r"[*_`]{1,3}([^*_`]+)[*_`]{1,3}")          # **bold**, *em*, ``code`` -> the text
+_SKIP_LINE = ("```", "~~~", ">>>", "$ ", "|", "#", "..", "- ", "* ", "+ ", "[", "!", "<", "=", ":", "{", "--")
+
+
+def _prose(description: str) -> List[str]:
+    """The prose paragraphs of a markdown / reStructuredText description: code blocks, headings,
+    lists, tables, directives and HTML dropped; links and inline markup reduced to their text."""
+    paras, cur, fenced = [], [], False
+    for raw in description.splitlines():
+        line = raw.rstrip()
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+            cur = paras.append(" ".join(cur)) or []
+            continue
+        if fenced or not line.strip() or raw[:1] in (" ", "\t") or line.lstrip().startswith(_SKIP_LINE) \
+                or set(line.strip()) <= set("=-~^*#+`'\"._:"):
+            cur = paras.append(" ".join(cur)) or []
+            continue
+        cur.append(line.strip())
+    paras.append(" ".join(cur))
+    out = []
+    for p in paras:
+        p = _MARKUP.sub(r"\1", _RST_LINK.sub(r"\1", _MD_LINK.sub(r"\1", p)))
+        if p and "http" not in p and "::" not in p:
+            out.append(p)
+    return out
+
+
+def readme_sentences(min_chars: int = 40, max_chars: int = 200, exclude: Tuple[str, ...] = ("sparsa",)) -> List[str]:
+    """English sentences from the long descriptions (PyPI README) of the installed Python distributions
+    (``importlib.metadata``): prose only (no code, lists, tables or links), de-duplicated, in a fixed
+    order (distributions sorted by name). A second domain next to :func:`stdlib_sentences`: project
+    prose rather than API documentation. The text depends on what is installed, so it is the same
+    from run to run of one environment. ``exclude``: distribution names skipped (sparsa itself by
+    default)."""
+    return list(_readme(min_chars, max_chars, tuple(exclude)))
+
+
+@lru_cache(maxsize=4)
+def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
+    from importlib import metadata
+    by_name = {}
+    for d in metadata.distributions():
+        name = (d.metadata.get("Name") or "").lower().replace("_", "-")
+        if name and name not in by_name and name not in exclude:
+            by_name[name] = d
+    stdlib = set(_sentences(min_chars, max_chars))
+    seen, out = set(), []
+    for name in sorted(by_name):
+        meta = by_name[name].metadata
+        text = meta.get_payload() if hasattr(meta, "get_payload") else None
+        text = text or meta.get("Description") or ""
+        for para in _prose(str(text)):
+            for s in _SPLIT.split(" ".join(para.split())):
+                letters = sum(c.isalpha() or c == " " for c in s)
+                if (min_chars <= len(s) <= max_chars and letters > 0.85 * len(s) and s[0].isupper()
+                        and s[-1] in ".!?" and s not in seen and s not in stdlib):
+                    seen.add(s)
+                    out.append(s)
     return tuple(out)
 
 

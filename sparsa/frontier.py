@@ -1,0 +1,245 @@
+"""Quality against speed for a pruned encoder: the pieces shared by ``benchmarks/pareto.py`` and
+``sparsa prune --target-quality``.
+
+* :func:`pattern_config`: a pattern name and a sparsity -> the sparsifier and the fast layout
+  (``"unstructured"`` -> ``sliced_ell``, ``"2:4"``/``"4:8"`` -> ``nm``, ``"grouped_nm"`` -> the
+  grouped N:M nearest the sparsity, ``"row_group<G>"`` -> ``row_group``);
+* :func:`prune_copy`: a pruned copy of a dense encoder by ``magnitude``, ``wanda`` or ``sparsegpt``;
+* :func:`embedding_quality`: mean cosine to the dense sentence embeddings and top-1
+  nearest-neighbour agreement (:func:`top1_agreement`) on held-out text;
+* :class:`DenseBaselines`: dense fp32 eager, dense bf16 eager and ``torch.compile`` of the faster,
+  timed once; :meth:`DenseBaselines.speedup` times a sparse model side by side with dense fp32 and
+  the fastest of them (``speedup_vs_best_dense``);
+* :func:`pareto_frontier` (the non-dominated points) and :func:`highest_passing` (bisection over a
+  sorted sparsity grid, for a quality that falls as sparsity rises).
+
+Example::
+
+    >>> pareto_frontier([(1.0, 0.99), (2.0, 0.90), (1.5, 0.80), (3.0, 0.50)])
+    [0, 1, 3]
+    >>> highest_passing([0.5, 0.6, 0.7, 0.8, 0.9], lambda s: s <= 0.7)
+    0.7
+"""
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["PATTERNS", "FIXED_SPARSITY", "PatternConfig", "pattern_config", "grouped_nm_for", "prune_copy",
+           "top1_agreement", "embedding_quality", "DenseBaselines", "pareto_frontier", "highest_passing",
+           "encoder_inputs", "SEQ", "BATCH"]
+
+#: the pattern families of the frontier, in the order tables list them
+PATTERNS: Tuple[str, ...] = ("unstructured", "2:4", "4:8", "grouped_nm", "row_group4", "row_group8", "row_group16")
+#: patterns whose sparsity is fixed by their structure
+FIXED_SPARSITY = {"2:4": 0.5, "4:8": 0.5}
+METHODS = ("magnitude", "wanda", "sparsegpt")
+BATCH, SEQ = 8, 128
+
+
+@dataclass(frozen=True)
+class PatternConfig:
+    """One storage configuration: ``pattern`` family, its ``label`` (e.g. ``grouped_nm1:4``), the
+    ``layout`` name, the exact ``sparsity`` it stores and its sparsifier."""
+
+    pattern: str
+    label: str
+    layout: str
+    sparsity: float
+    sparsifier: Any = field(compare=False, repr=False)
+    #: the pattern string :func:`sparsa.recover` takes for it
+    recover_pattern: str = ""
+
+
+def grouped_nm_for(sparsity: float, max_m: int = 10) -> Tuple[int, int]:
+    """The grouped N:M (``n`` of ``m``, n in 1..2, 4 <= m <= ``max_m``) whose sparsity ``1 - n/m`` is
+    nearest ``sparsity`` (smaller m on ties; n > 2 makes the grouped mask search very slow).
+
+    >>> [grouped_nm_for(s) for s in (0.5, 0.6, 0.75, 0.8, 0.9)]
+    [(2, 4), (2, 5), (1, 4), (1, 5), (1, 10)]
+    """
+    best = min(((n, m) for m in range(4, max_m + 1) for n in (1, 2)),
+               key=lambda nm: (round(abs(1 - nm[0] / nm[1] - sparsity), 9), nm[1]))
+    return best
+
+
+def pattern_config(pattern: str, sparsity: float) -> PatternConfig:
+    """The sparsifier and fast layout of ``pattern`` (see :data:`PATTERNS`) at ``sparsity``; N:M
+    patterns ignore ``sparsity`` (theirs is fixed: ``1 - N/M``), ``grouped_nm`` rounds it to the
+    nearest N:M of :func:`grouped_nm_for`.
+
+    >>> c = pattern_config("grouped_nm", 0.75); (c.label, c.layout, c.sparsity)
+    ('grouped_nm1:4', 'grouped_nm', 0.75)
+    """
+    from .methods.pattern import RowGroupSparsifier
+    from .sparsifiers import NM, GroupedNM, Magnitude
+    if not isinstance(pattern, str):
+        raise TypeError(f"pattern must be a str such as 'unstructured' or 'row_group16', got {type(pattern).__name__}")
+    if pattern == "unstructured":
+        return PatternConfig(pattern, "sliced_ell", "sliced_ell", float(sparsity), Magnitude(sparsity, per="row"),
+                             "unstructured")
+    if pattern == "grouped_nm":
+        n, m = grouped_nm_for(sparsity)
+        return PatternConfig(pattern, f"grouped_nm{n}:{m}", "grouped_nm", round(1 - n / m, 4), GroupedNM(n, m, 4),
+                             f"grouped_{n}:{m}")
+    if pattern.startswith("row_group"):
+        g = pattern[len("row_group"):]
+        if not g.isdigit() or int(g) <= 0:
+            raise ValueError(f"pattern {pattern!r}: row_group needs a group size, e.g. 'row_group16'")
+        return PatternConfig(pattern, pattern, "row_group", float(sparsity), RowGroupSparsifier(sparsity, group=int(g)),
+                             pattern)
+    if ":" in pattern:
+        try:
+            n, m = (int(v) for v in pattern.split(":"))
+        except ValueError:
+            raise ValueError(f"pattern {pattern!r}: N:M needs two integers, e.g. '2:4'") from None
+        return PatternConfig(pattern, pattern, "nm", round(1 - n / m, 4), NM(n, m), pattern)
+    raise ValueError(f"pattern must be one of {', '.join(PATTERNS)} (or row_group<G>, N:M), got {pattern!r}")
+
+
+def _linear_names(model: nn.Module) -> List[str]:
+    from .prune import prunable_linears
+    return prunable_linears(model)
+
+
+def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: Sequence[Dict[str, Tensor]] = (),
+               names: Optional[Sequence[str]] = None) -> nn.Module:
+    """A copy of the encoder ``dense`` with its block Linears pruned by ``method`` (``magnitude``,
+    ``wanda`` or ``sparsegpt``; the last two calibrate on ``calibration``, tokenized batches) into
+    ``cfg``'s layout. Raises ``ValueError`` for a combination that cannot be stored (SparseGPT's
+    column-block masks do not keep grouped N:M's row groups)."""
+    from . import Rule, sparsify
+    from .methods import sparsegpt, wanda
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method == "sparsegpt" and cfg.layout == "grouped_nm":
+        raise ValueError("sparsegpt cannot produce grouped_nm masks (its N:M choice is per row, the layout shares "
+                         "it across row groups); use magnitude or wanda for grouped_nm")
+    model = copy.deepcopy(dense)
+    names = list(names) if names is not None else _linear_names(model)
+    if method == "magnitude":
+        return sparsify(model, [Rule(sparsifier=cfg.sparsifier, layout=cfg.layout, names=names)])
+    if not calibration:
+        raise ValueError(f"method {method!r} needs calibration batches (tokenized text), got none")
+    fwd = lambda m, b: m(**b)  # noqa: E731
+    if method == "wanda":
+        return wanda(model, calibration, cfg.sparsifier, cfg.layout, names, forward=fwd)
+    return sparsegpt(model, calibration, cfg.sparsifier, cfg.layout, names, forward=fwd)
+
+
+def top1_agreement(reference: Tensor, embeddings: Tensor) -> float:
+    """The fraction of texts whose nearest other text (cosine) is the same under ``embeddings`` as
+    under ``reference`` (both ``(n, dim)``, n >= 2).
+
+    >>> import torch
+    >>> e = torch.eye(4) + 0.1
+    >>> top1_agreement(e, e)
+    1.0
+    """
+    if reference.shape != embeddings.shape or reference.dim() != 2 or reference.shape[0] < 2:
+        raise ValueError(f"top1_agreement needs two (n >= 2, dim) tensors of one shape, got "
+                         f"{tuple(reference.shape)} and {tuple(embeddings.shape)}")
+
+    def nearest(e: Tensor) -> Tensor:
+        e = F.normalize(e.double(), dim=1)
+        sim = e @ e.T
+        sim.fill_diagonal_(-float("inf"))
+        return sim.argmax(1)
+
+    return float((nearest(reference) == nearest(embeddings)).double().mean())
+
+
+def embedding_quality(model: nn.Module, tokenizer: Any, texts: Dict[str, Sequence[str]],
+                      reference: Dict[str, Tensor], max_length: int = 128) -> Dict[str, float]:
+    """Mean cosine and top-1 agreement of ``model``'s sentence embeddings (masked mean of the last
+    hidden states) against ``reference`` (the dense model's, per domain) on the held-out ``texts`` of
+    each domain: ``{"cosine_<domain>", "top1_<domain>", "quality_cosine", "quality_top1"}`` (the last
+    two: the mean over the domains)."""
+    from .models.minilm import embed
+    out: Dict[str, float] = {}
+    for dom, tx in texts.items():
+        e = embed(model, tokenizer, list(tx), max_length=max_length)
+        out[f"cosine_{dom}"] = round(F.cosine_similarity(e, reference[dom]).mean().item(), 4)
+        out[f"top1_{dom}"] = round(top1_agreement(reference[dom], e), 4)
+    out["quality_cosine"] = round(sum(out[f"cosine_{d}"] for d in texts) / len(texts), 4)
+    out["quality_top1"] = round(sum(out[f"top1_{d}"] for d in texts) / len(texts), 4)
+    return out
+
+
+def encoder_inputs(model: nn.Module, batch: int = BATCH, seq: int = SEQ) -> Tensor:
+    """Fixed random token ids ``(batch, seq)`` within the model's vocabulary (for timing)."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 30522))
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+class DenseBaselines:
+    """The dense paths of an encoder on one input: fp32 eager, bf16 eager and (``use_compile``)
+    ``torch.compile`` of the faster, timed side by side once (``ms``, ``best``, ``compile_s``).
+    :meth:`speedup` times a sparse model against dense fp32 and the fastest of them."""
+
+    def __init__(self, dense: nn.Module, inputs: Tensor, use_compile: bool = True, reps: int = 5,
+                 log: Callable[[str], None] = print):
+        from .timing import best_dense, round_robin_ms
+        self.inputs, self.reps = inputs, reps
+        models = {"fp32": dense, "bf16": copy.deepcopy(dense).to(torch.bfloat16)}
+        self.fns: Dict[str, Callable[[], object]] = {k: (lambda m=m: m(input_ids=inputs)) for k, m in models.items()}
+        self.compile_s: Optional[float] = None
+        with torch.no_grad():
+            self.ms = round_robin_ms(self.fns, rounds=reps, min_seconds=0.0)
+            if use_compile:
+                faster = "fp32" if self.ms["fp32"] <= self.ms["bf16"] else "bf16"
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    compiled = torch.compile(models[faster], dynamic=False)
+                    t0 = time.perf_counter()
+                    compiled(input_ids=inputs)
+                    self.compile_s = round(time.perf_counter() - t0, 1)
+                self.fns["compiled_" + faster] = lambda c=compiled: c(input_ids=inputs)
+                self.ms = round_robin_ms(self.fns, rounds=reps, min_seconds=0.0)
+        self.best = best_dense(self.ms)
+        log("dense baselines: " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.ms.items()) + f" (best {self.best}"
+            + (f"; compiled in {self.compile_s} s" if self.compile_s is not None else "") + ")")
+
+    def speedup(self, model: nn.Module, reps: Optional[int] = None) -> Dict[str, Any]:
+        """``model`` timed round-robin with dense fp32 and the fastest dense path:
+        :func:`sparsa.timing.speedups` (``speedup_vs_dense``, ``speedup_vs_best_dense``, ...)."""
+        from .timing import round_robin_ms, speedups
+        keep = {k: f for k, f in self.fns.items() if k in ("fp32", self.best)}
+        with torch.no_grad():
+            ms = round_robin_ms(dict(keep, sparse=lambda: model(input_ids=self.inputs)), rounds=reps or self.reps,
+                                min_seconds=0.0)
+        return speedups(ms)
+
+
+def pareto_frontier(points: Sequence[Tuple[float, float]]) -> List[int]:
+    """Indices (ascending) of the points ``(speed, quality)`` that no other point dominates (at
+    least as fast and as good, and better in one); higher is better in both."""
+    pts = list(points)
+    return [i for i, (s, q) in enumerate(pts)
+            if not any(s2 >= s and q2 >= q and (s2 > s or q2 > q) for s2, q2 in pts)]
+
+
+def highest_passing(grid: Sequence[float], passes: Callable[[float], bool]) -> Optional[float]:
+    """The highest value of the ascending ``grid`` for which ``passes`` holds, by bisection, assuming
+    it holds up to some point and fails above (quality falls as sparsity rises); ``None`` if it
+    fails at the lowest. Calls ``passes`` about log2(len(grid)) + 1 times."""
+    grid = list(grid)
+    if not grid:
+        return None
+    if sorted(grid) != grid:
+        raise ValueError(f"grid must be ascending, got {grid}")
+    lo, hi = -1, len(grid)           # grid[lo] passes (or lo = -1), grid[hi] fails (or hi = len)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if passes(grid[mid]):
+            lo = mid
+        else:
+            hi = mid
+    return grid[lo] if lo >= 0 else None
