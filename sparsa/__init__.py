@@ -11,5 +11,6 @@ from . import sparsifiers  # noqa: F401
 from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu  # noqa: F401
 from .io import save, load  # noqa: F401
 from . import methods  # noqa: F401
+from .methods.recover import recover  # noqa: F401
 
 __version__ = "0.1.0"

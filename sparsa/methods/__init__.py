@@ -7,7 +7,8 @@
 * post-training with calibration data: :func:`wanda` / :class:`Wanda`, :func:`sparsegpt`, block by
   block for transformers (:func:`blockwise_prune`);
 * quality of causal LMs: :func:`perplexity`;
-* recovery fine-tuning: :func:`distill`.
+* recovery fine-tuning: :func:`distill`; gradual pruning + distillation on a time budget: :func:`recover`;
+* per-layer sparsity: :func:`owl_sparsities` (OWL), :func:`uniform_sparsities`.
 
 See ``docs/methods.md`` for each method's size against a public reference implementation.
 """
@@ -22,10 +23,13 @@ from .wanda import Wanda, wanda  # noqa: F401
 from .sparsegpt import sparsegpt, sparsegpt_weight  # noqa: F401
 from .distill import distill, distillation_loss  # noqa: F401
 from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
+from .allocation import owl_sparsities, outlier_ratios, uniform_sparsities, weighted_mean_sparsity  # noqa: F401
+from .recover import RecoverReport, recover  # noqa: F401
 
 __all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
            "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning",
            "InputStats",
            "collect_input_stats", "forward_groups", "BlockwiseReport", "blockwise_prune", "find_blocks", "perplexity",
            "text_windows", "window_perplexity", "Wanda", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
-           "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync"]
+           "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync", "owl_sparsities", "outlier_ratios",
+           "uniform_sparsities", "weighted_mean_sparsity", "RecoverReport", "recover"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -118,3 +118,24 @@ def forward_groups(model: nn.Module, batch: Any, forward: Optional[Forward] = No
 
     _run(model, [batch], forward, _linears(model, names), on_input)
     return groups
+
+
+def layer_sparsifiers(model: nn.Module, sparsifier: Any,
+                      sparsities: Optional[Mapping[str, float]]) -> Callable[[nn.Module], Any]:
+    """``module -> sparsifier`` for the one-shot methods: ``sparsifier.with_sparsity(sparsities[name])``
+    for the modules named in ``sparsities`` (full names in ``model``), ``sparsifier`` for the rest.
+    Raises ``ValueError`` naming ``sparsities`` for unknown names or a sparsifier without a sparsity."""
+    if sparsities is None:
+        return lambda m: sparsifier
+    if not isinstance(sparsities, Mapping):
+        raise TypeError(f"sparsities must be a dict {{module name: sparsity}} or None, got {type(sparsities).__name__}")
+    mods = dict(model.named_modules())
+    bad = [n for n in sparsities if not isinstance(mods.get(n), nn.Linear)]
+    if bad:
+        raise ValueError(f"sparsities: {bad[:5]} are not nn.Linear modules of the model")
+    try:
+        by_id = {id(mods[n]): sparsifier.with_sparsity(s) for n, s in sparsities.items()}
+    except TypeError as e:
+        raise ValueError(f"sparsities: per-layer sparsity needs a sparsifier with a sparsity (e.g. Magnitude, "
+                         f"RowGroupSparsifier), not a fixed pattern: {e}") from None
+    return lambda m: by_id.get(id(m), sparsifier)

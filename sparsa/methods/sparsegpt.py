@@ -20,7 +20,7 @@ pass stops right after the layers it calibrates). Transformers are calibrated bl
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +29,7 @@ from ..nn import Rule
 from ..sparsifiers.base import Sparsifier
 from ..tensor import to_dense, to_sparse
 from .blockwise import blockwise_prune
-from .calibration import collect_input_stats, forward_groups
+from .calibration import collect_input_stats, forward_groups, layer_sparsifiers
 
 __all__ = ["sparsegpt_weight", "sparsegpt"]
 
@@ -67,18 +67,20 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     return (W * keep).to(weight.dtype), keep
 
 
-def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, block: int, damp: float) -> None:
+def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, block: int, damp: float,
+                  per_layer: Callable[[nn.Module], Sparsifier]) -> None:
     params = Rule(sparsifier=sparsifier, layout=layout).resolved_layout_params()   # e.g. no n/m for "masked"
     for n, s in stats.items():
         m = model.get_submodule(n)
-        w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, sparsifier, block, damp)
+        w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, per_layer(m), block, damp)
         m.weight = nn.Parameter(to_sparse(w, layout, mask=keep, **params), requires_grad=m.weight.requires_grad)
 
 
 def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
               names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
               sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
-              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None) -> nn.Module:
+              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
+              sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with SparseGPT
     calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
     ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar.
@@ -89,12 +91,17 @@ def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, 
     ``names`` are all inside the blocks; ``names=None`` then means every Linear inside the blocks
     (embeddings and head stay dense, as in the paper). ``blockwise=True`` raises ``ValueError`` where
     that is not possible; ``False`` always re-runs the whole model.
+
+    ``sparsities``: per-layer sparsity ``{full module name: sparsity}`` (e.g. from
+    :func:`~sparsa.methods.owl_sparsities`), applied with ``sparsifier.with_sparsity``; layers not
+    in it keep ``sparsifier``'s own.
     """
     batches = list(batches)
+    per_layer = layer_sparsifiers(model, sparsifier, sparsities)
     if blockwise or (blockwise is None and (sequential or blocks is not None)):
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group, hessian=True, stop_early=sequential)
-            _prune_layers(blk, stats, sparsifier, layout, block, damp)
+            _prune_layers(blk, stats, sparsifier, layout, block, damp, per_layer)
 
         strict = bool(blockwise) or blocks is not None
         if blockwise_prune(model, batches, prune, names, forward, blocks, sequential, progress,
@@ -106,5 +113,5 @@ def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, 
         todo = tqdm(todo, desc="SparseGPT (calibrate + prune)", unit="group")
     for group in todo:
         stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)
-        _prune_layers(model, stats, sparsifier, layout, block, damp)
+        _prune_layers(model, stats, sparsifier, layout, block, damp, per_layer)
     return model

@@ -15,14 +15,14 @@ sparsifier the fast CPU layout, all from one line.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
 from ..nn import Rule, sparsify
 from ..sparsifiers.base import Sparsifier
 from .blockwise import blockwise_prune
-from .calibration import collect_input_stats
+from .calibration import collect_input_stats, layer_sparsifiers
 
 __all__ = ["Wanda", "wanda"]
 
@@ -50,7 +50,7 @@ class Wanda(Sparsifier):
 def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
           names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
           blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
-          progress: bool = False) -> nn.Module:
+          progress: bool = False, sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with Wanda on
     top of ``sparsifier``, stored in ``layout``, calibrated on ``batches`` (each fed as
     ``forward(model, batch)``, default ``model(batch)``).
@@ -61,12 +61,17 @@ def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layo
     blocks (or ``blocks=`` names them) and ``names`` are all inside them (``names=None``: every
     Linear inside the blocks; embeddings and head stay dense); ``True`` raises ``ValueError`` where
     that is not possible. Otherwise all layers are calibrated in one pass on the dense model.
+
+    ``sparsities``: per-layer sparsity ``{full module name: sparsity}`` (e.g. from
+    :func:`~sparsa.methods.owl_sparsities`), applied with ``sparsifier.with_sparsity``; layers not
+    in it keep ``sparsifier``'s own.
     """
     batches = list(batches)
+    per_layer = layer_sparsifiers(model, sparsifier, sparsities)
     if blockwise is None or blockwise:
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group)
-            sparsify(blk, [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n)
+            sparsify(blk, [Rule(sparsifier=Wanda(per_layer(blk.get_submodule(n)), s.norm), layout=layout, names=n)
                            for n, s in stats.items()])
 
         strict = bool(blockwise) or blocks is not None
@@ -74,5 +79,6 @@ def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layo
                            strict) is not None:
             return model
     stats = collect_input_stats(model, batches, forward, names)
-    rules = [Rule(sparsifier=Wanda(sparsifier, s.norm), layout=layout, names=n) for n, s in stats.items()]
+    rules = [Rule(sparsifier=Wanda(per_layer(model.get_submodule(n)), s.norm), layout=layout, names=n)
+             for n, s in stats.items()]
     return sparsify(model, rules)

