@@ -157,10 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("--quick", action="store_true", help="the quick subset")
 
-    c = sub.add_parser("cost", help="show or clear the measured per-CPU cost table (only_if_faster's timings)",
+    c = sub.add_parser("cost", help="show or clear the measured per-CPU cost tables (only_if_faster's timings and "
+                                    "the adaptive-training calibration)",
                        description="The cost table caches side-by-side timings of sparse kernels and dense paths "
-                                   "per CPU model, shape and thread count.")
-    c.add_argument("--clear", action="store_true", help="forget every measurement (they are re-timed when needed)")
+                                   "per CPU model, shape and thread count; the adaptive-training calibration caches "
+                                   "dense and activation-sparse conv/linear training times per CPU model and layer "
+                                   "shape. Both are measured when first needed.")
+    c.add_argument("--clear", action="store_true",
+                   help="forget every measurement of both tables (they are re-timed when next needed)")
     return p
 
 
@@ -171,9 +175,13 @@ def _cmd_cost(a: argparse.Namespace) -> int:
     info = cpu.cpu_info()
     print(f"cpu: {info['model']} ({info['class']}, kernel path {info['isa']})")
     print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm)} entries")
+    from .adaptive.calibration import default_calibration
+    cal = default_calibration()
+    print(f"adaptive calibration: {cal.path}: {len(cal)} entries")
     if a.clear:
         cm.clear()
-        print("cleared")
+        cal.clear()
+        print("cleared both")
         return 0
     for key in cm.keys():
         costs = cm.lookup(key) or {}

@@ -134,3 +134,42 @@ def test_no_timing_when_turned_off_or_confident(monkeypatch):
         for _ in range(12):
             net(x).sum().backward()
         assert st.path == "sparse" and st.feedback.probes == 0 and st.feedback.calls == 0
+
+
+def test_an_underrated_dense_layer_is_explored_and_goes_sparse(monkeypatch):
+    """Predicted 1.0x (dense), really much faster sparse: the sparse probes find it."""
+    net = _net()
+    rt = sa.enable(net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3, explore_above=0.85),
+                   guard=False)
+    st = rt.layers["2"]
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.0, slope_ms=0.0)   # predicts 1.0x: below enter
+    slow_dense = modules.AdaptiveConv2d._conv_forward
+
+    def slow(self, *a):
+        time.sleep(0.02)
+        return slow_dense(self, *a)
+    monkeypatch.setattr(modules.AdaptiveConv2d, "_conv_forward", slow)
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(150):
+        net(x).sum().backward()
+        if st.path == "sparse":
+            break
+    assert st.path == "sparse" and st.feedback.probes >= 3 and st.feedback.kappa() > 1.1
+    assert st.model_speedup == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("policy", [sa.Policy(explore_above=0.95), sa.Policy(verify_below=0.0)])
+def test_no_exploring_far_below_break_even_or_when_off(policy):
+    net = _net()
+    rt = sa.enable(net, every=1, policy=policy, guard=False)
+    st = rt.layers["2"]
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.1, slope_ms=0.0)   # predicts 0.91x
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(12):
+        net(x).sum().backward()
+    assert st.path == "dense" and st.feedback.calls == 0 and st.sparse_calls == 0
+
+
+def test_explore_above_must_be_positive():
+    with pytest.raises(ValueError, match="explore_above"):
+        sa.Policy(explore_above=0.0)

@@ -77,3 +77,24 @@ def test_cli_lists_and_clears(tmp_path, monkeypatch, capsys):
     assert "cpu:" in out and "linear|x: sparse 1.500 ms" in out
     assert cli.main(["cost", "--clear"]) == 0
     assert len(cost_model.default_cost_model()) == 0 and not cost_model.cost_path().exists()
+
+
+def test_cli_clears_the_adaptive_calibration_too(tmp_path, monkeypatch, capsys):
+    from sparsa.adaptive import calibration
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    cal = calibration.Calibration(tmp_path / "adaptive.json")
+    cal._table["conv2d|x"] = calibration.CostEntry(dense_ms=2.0, fixed_ms=0.1, slope_ms=1.0)
+    cal.save()
+    monkeypatch.setattr(calibration, "_DEFAULT", cal)
+    assert cli.main(["cost"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive calibration:" in out and "adaptive.json: 1 entries" in out
+    assert cli.main(["cost", "--clear"]) == 0
+    assert len(cal) == 0 and not (tmp_path / "adaptive.json").exists()
+
+
+def test_adaptive_calibration_key_names_the_cpu():
+    from sparsa import cpu
+    from sparsa.adaptive.calibration import layer_key
+    key = layer_key("conv2d", (1, 2, 3, 3), (2, 2, 3, 3), {"stride": (1, 1)}, False)
+    assert key.startswith("-".join(cpu.cpu_model().split()) + "/" + cpu.isa() + "|conv2d|")

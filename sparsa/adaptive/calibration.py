@@ -37,6 +37,7 @@ from torch import Tensor
 from .. import cpu
 from ..kernels import loader
 from ..timing import round_robin_ms
+from .autocast import autocast_bf16, sparse_under_autocast
 from .conv import dy_path_supported, relu_conv2d
 from .conv_union import union_path_supported
 from ..kernels.adaptive_union import union_operand
@@ -171,6 +172,8 @@ class Calibration:
         """The cached entry for this layer, measuring it on ``x`` (its real input) if missing."""
         cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         key = layer_key(kind, x.shape, weight.shape, conv_args, cl)
+        if autocast_bf16():
+            key += "|autocast=bf16"  # the dense side is bf16 here
         e = self._table.get(key)
         if e is None:
             e = self.measure(kind, x, weight, bias, conv_args, slice)
@@ -180,7 +183,8 @@ class Calibration:
 
     def measure(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
                 slice: int) -> CostEntry:
-        """Time dense and sparse forward+backward on ``relu(x)`` and on a sparser copy of it."""
+        """Time dense and sparse forward+backward on ``relu(x)`` and on a sparser copy of it (both as the
+        training step runs them: under bf16 autocast, dense in bf16 and sparse through the fp32 kernels)."""
         a = x.detach().relu()
         w = weight.detach().clone().requires_grad_(True)
         b = None if bias is None else bias.detach().clone().requires_grad_(True)
@@ -188,18 +192,22 @@ class Calibration:
             if kind == "conv2d":
                 y0 = F.conv2d(a, w, b, **conv_args)
                 dense = lambda xi: F.conv2d(xi, w, b, **conv_args)  # noqa: E731
-                sparse = lambda xi: relu_conv2d(xi, w, b, slice=slice, **conv_args)  # noqa: E731
+                sparse = lambda xi: sparse_under_autocast(  # noqa: E731
+                    lambda t: relu_conv2d(t, w, b, slice=slice, **conv_args), xi)
             else:
                 y0 = F.linear(a, w, b)
                 dense = lambda xi: F.linear(xi, w, b)  # noqa: E731
-                sparse = lambda xi: relu_linear(xi, w, b, slice=slice)  # noqa: E731
+                sparse = lambda xi: sparse_under_autocast(  # noqa: E731
+                    lambda t: relu_linear(t, w, b, slice=slice), xi)
             gy = torch.randn_like(y0)
 
             def run(f, xi, g=gy):
                 with torch.no_grad():
                     w.mul_(1.0)  # a new weight version, as after an optimizer step (re-packs the weight)
                 xi = xi.detach().requires_grad_(True)
-                f(xi).backward(g)
+                y = f(xi)
+                with torch.autocast("cpu", enabled=False):  # backward as a training loop runs it: outside autocast
+                    y.backward(g)
 
             d1 = float((a != 0).float().mean())
             d2 = d1 / 4
@@ -219,7 +227,7 @@ class Calibration:
                     g = torch.where(_thresholded(ys - ys.min(), gd) != 0, gy, torch.zeros(()))
                     fns[f"u{i}"] = lambda g=g: run(sparse, a, g)
             t = round_robin_ms(fns, 2 * self.reps + 1)
-        ur = _union_ratio(kind, a, weight)
+        ur = _union_ratio(kind, a.float(), weight)
         dense_ms, t1 = t["dense"], t["t1"]
         if d1 <= 0.02 or d1 - d2 < 0.01:
             return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp, union_ratio=ur)

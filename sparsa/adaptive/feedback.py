@@ -5,7 +5,9 @@ a layer predicted at 1.05x can run at 0.95x in training. So layers on the sparse
 speedup is marginal (below ``Policy.verify_below``) are timed in training: every ``every``-th call
 the runtime times the layer's forward and, through tensor hooks, its backward (from dY's arrival to
 dX's), and every ``probe_every``-th timed call it runs the dense path instead (a probe) so both sides
-are measured under the same conditions. Each sample is divided by what the cost model predicts for
+are measured under the same conditions. Layers on the dense path predicted near break-even
+(``Policy.explore_above``) are timed the same way, their probes running the sparse path, so a layer the
+cost model underrates is found. Each sample is divided by what the cost model predicts for
 it (so samples at different sparsities compare), and the correction
 
     kappa = median(dense measured / predicted) / median(sparse measured / predicted)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .autocast import autocast_bf16, sparse_under_autocast
 from .calibration import Calibration, CostEntry
 from .conv import conv_supported, relu_conv2d
 from .conv_union import kernel_family
@@ -96,8 +97,8 @@ class LayerState:
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
-    return (state.supported and x.dtype == torch.float32 and x.device.type == "cpu"
-            and is_tagged_nonnegative(x))
+    return (state.supported and x.device.type == "cpu" and is_tagged_nonnegative(x)
+            and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and autocast_bf16())))
 
 
 def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict) -> None:
@@ -149,15 +150,20 @@ def _run(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -
 
 
 def _verifying(state: LayerState) -> bool:
-    """Whether this layer is timed in training: on the sparse path with a marginal prediction, or on the dense
-    path only because the measurements vetoed what the cost model predicts (so it can come back)."""
+    """Whether this layer is timed in training: on the sparse path with a marginal prediction; on the dense
+    path because the measurements vetoed what the cost model predicts (so it can come back), or because the
+    prediction is near break-even (``Policy.explore_above``: the cost model, fitted on other inputs, may
+    underrate the sparse path)."""
     p = state.policy
     if p.force is not None or state.speedup is None or state.cost is None:
         return False
     if state.path == "sparse":
         return state.speedup < p.verify_below
-    return (state.feedback.kappa() is not None and state.model_speedup is not None
-            and state.model_speedup >= p.enter)
+    if state.model_speedup is None:
+        return False
+    if state.model_speedup >= p.enter:
+        return state.feedback.kappa() is not None
+    return p.verify_below > 0 and state.model_speedup >= p.explore_above
 
 
 def _run_paired(state: LayerState, x: Tensor, dense, sparse, weight, bias, conv_args) -> Tensor:
@@ -227,8 +233,9 @@ class AdaptiveConv2d(nn.Conv2d):
         args = self._conv_args()
         return _run(self.sparsa_state, x,
                     lambda t: self._conv_forward(t, self.weight, self.bias),
-                    lambda t, stats: relu_conv2d(t, self.weight, self.bias, slice=self.sparsa_state.slice,
-                                                 stats=stats, nonnegative=True, **args),
+                    lambda t, stats: sparse_under_autocast(
+                        lambda u: relu_conv2d(u, self.weight, self.bias, slice=self.sparsa_state.slice,
+                                              stats=stats, nonnegative=True, **args), t),
                     self.weight, self.bias, args)
 
 
@@ -247,6 +254,7 @@ class AdaptiveLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         return _run(self.sparsa_state, x,
                     lambda t: F.linear(t, self.weight, self.bias),
-                    lambda t, stats: relu_linear(t, self.weight, self.bias, slice=self.sparsa_state.slice,
-                                                 stats=stats),
+                    lambda t, stats: sparse_under_autocast(
+                        lambda u: relu_linear(u, self.weight, self.bias, slice=self.sparsa_state.slice,
+                                              stats=stats), t),
                     self.weight, self.bias, {})

@@ -4,8 +4,9 @@ A layer switches dense -> sparse when the predicted forward+backward speedup of 
 at least ``enter`` and back to dense when it drops below ``exit`` (hysteresis: a layer near the
 break-even point does not flip-flop). ``force`` pins every layer to one path (for tests and A/B runs).
 Layers on the sparse path predicted below ``verify_below`` are timed in training, both paths, and
-the measurements correct their prediction (:mod:`sparsa.adaptive.feedback`); ``verify_below=0``
-turns that off.
+the measurements correct their prediction (:mod:`sparsa.adaptive.feedback`); so are layers on the
+dense path predicted at ``explore_above`` or more (near break-even, where a cost model fitted on other
+inputs may be wrong either way). ``verify_below=0`` turns all timing off.
 
 Example::
 
@@ -32,6 +33,7 @@ class Policy:
     exit: float = 1.02
     force: Optional[str] = None
     verify_below: float = 1.3
+    explore_above: float = 0.85
 
     def __post_init__(self):
         if self.force is not None and self.force not in PATHS:
@@ -41,6 +43,9 @@ class Policy:
                              "e.g. Policy(enter=1.1, exit=1.02)")
         if not self.verify_below >= 0:
             raise ValueError(f"verify_below must be >= 0 (0: no timing in training), got {self.verify_below!r}")
+        if not self.explore_above > 0:
+            raise ValueError(f"explore_above must be > 0 (a value >= enter times no dense layer), "
+                             f"got {self.explore_above!r}")
 
     def choose(self, current: str, speedup: Optional[float]) -> str:
         """The path for a layer now on ``current`` whose predicted speedup is ``speedup``."""
