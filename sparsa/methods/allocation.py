@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
 
 from ..layouts.base import check_fraction
 from ..tensor import to_dense
+from .blockwise import find_blocks
 from .calibration import collect_input_stats
 
 __all__ = ["owl_sparsities", "outlier_ratios", "uniform_sparsities", "weighted_mean_sparsity", "MAX_SPARSITY"]
@@ -67,32 +69,49 @@ def weighted_mean_sparsity(model: nn.Module, sparsities: Mapping[str, float]) ->
 
 
 def outlier_ratios(model: nn.Module, names: Optional[Sequence[str]], calibration_batches: Sequence[Any],
-                   forward: Optional[Callable[[nn.Module, Any], Any]] = None, M: float = 5.0) -> Dict[str, float]:
+                   forward: Optional[Callable[[nn.Module, Any], Any]] = None, M: float = 5.0,
+                   per: str = "layer") -> Dict[str, float]:
     """OWL's layer outlier ratio: the fraction of a layer's Wanda scores ``|W| * ||X||`` (``||X||``:
     the L2 norm of each input feature over ``calibration_batches``) above ``M`` times their mean.
-    ``names=None``: every ``nn.Linear`` the forward uses."""
+    ``names=None``: every ``nn.Linear`` the forward uses. ``per="block"``: the ratio of all the
+    scores of a transformer block's layers together (as the OWL paper does), given to each of them;
+    layers outside the blocks (:func:`~sparsa.methods.find_blocks`) keep their own."""
+    if per not in ("layer", "block"):
+        raise ValueError(f"per must be 'layer' or 'block', got {per!r}")
     if isinstance(M, bool) or not isinstance(M, (int, float)) or not M > 0:
         raise ValueError(f"M must be a positive number (outlier threshold, in multiples of the mean score), got {M!r}")
     batches = list(calibration_batches)
     if not batches:
         raise ValueError("calibration_batches is empty: pass a few batches of model inputs")
     stats = collect_input_stats(model, batches, forward, None if names is None else _check_names(names))
+    scores = {n: (to_dense(model.get_submodule(n).weight).detach().float().abs() * s.norm).reshape(-1)
+              for n, s in stats.items()}
+    groups: Dict[str, List[str]] = {}
+    found = find_blocks(model) if per == "block" else None
+    for n in scores:
+        key = n
+        if found is not None and n.startswith(found[0] + "."):
+            key = ".".join(n.split(".")[:len(found[0].split(".")) + 1])      # e.g. encoder.layer.3
+        groups.setdefault(key, []).append(n)
     out = {}
-    for n, s in stats.items():
-        score = to_dense(model.get_submodule(n).weight).detach().float().abs() * s.norm
-        out[n] = (score > M * score.mean()).float().mean().item()
+    for members in groups.values():
+        score = torch.cat([scores[n] for n in members])
+        ratio = (score > M * score.mean()).float().mean().item()
+        out.update({n: ratio for n in members})
     return out
 
 
 def owl_sparsities(model: nn.Module, names: Optional[Sequence[str]], calibration_batches: Sequence[Any],
                    target: float, forward: Optional[Callable[[nn.Module, Any], Any]] = None, lam: float = 0.08,
-                   M: float = 5.0) -> Dict[str, float]:
+                   M: float = 5.0, per: str = "layer") -> Dict[str, float]:
     """OWL per-layer sparsities (see the module docstring) for the ``nn.Linear`` layers ``names``
     (``None``: every one the forward uses), whose weighted mean is ``target``.
 
     ``calibration_batches`` are fed as ``forward(model, batch)`` (default ``model(batch)``); ``lam``
     is the largest distance of a layer from the target (the spread is ``2 * lam``), ``M`` the
-    outlier threshold in multiples of the mean score (the paper's defaults: 0.08 and 5).
+    outlier threshold in multiples of the mean score (the paper's defaults: 0.08 and 5). ``per``:
+    ``"layer"`` (each layer its own ratio) or ``"block"`` (one ratio per transformer block, as in
+    the paper; see :func:`outlier_ratios`).
     """
     target = check_fraction(target, "target")
     if target > MAX_SPARSITY:
@@ -100,7 +119,7 @@ def owl_sparsities(model: nn.Module, names: Optional[Sequence[str]], calibration
                          f"got {target}")
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam < 1:
         raise ValueError(f"lam must be a number in [0, 1) (the largest change from the target), got {lam!r}")
-    ratios = outlier_ratios(model, names, calibration_batches, forward, M)
+    ratios = outlier_ratios(model, names, calibration_batches, forward, M, per)
     sizes = _weight_sizes(model, list(ratios))
     lo, hi = min(ratios.values()), max(ratios.values())
     norm = {n: 0.0 if hi == lo else 2 * lam * (d - lo) / (hi - lo) for n, d in ratios.items()}
