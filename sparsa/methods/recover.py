@@ -4,7 +4,8 @@ One-shot pruning at 75-90% destroys a model; pruning *while* fine-tuning towards
 keeps much more of it (Zhu & Gupta 2017; oBERT, Kurtic et al. 2022). :func:`recover` runs that
 recipe on the CPU for a wall-clock ``time_budget``:
 
-1. optionally, a one-shot start (``init="magnitude" | "wanda" | "sparsegpt"``) at ``init_sparsity``;
+1. optionally, a one-shot start (``init="magnitude" | "wanda" | "sparsegpt"``) at ``init_sparsity``
+   (default: the target itself);
 2. gradual pruning with the cubic schedule (:class:`~sparsa.sparsifiers.CubicSchedule`, applied by
    :class:`~sparsa.methods.GradualPruning`), from each layer's starting sparsity to its target,
    reached at 70% of the budget (of ``steps`` when given); the schedule's steps run on the clock
@@ -288,8 +289,10 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
             for dicts, else ``model(batch)``.
         lr: AdamW learning rate (``optimizer``: a factory ``params -> Optimizer`` instead).
         init: ``None`` (gradual from the current weights), or a one-shot start at
-            ``init_sparsity`` (default half the target): ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``,
-            calibrated on ``calibration`` (default: the first 8 of ``batches``).
+            ``init_sparsity``: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``, calibrated on
+            ``calibration`` (default: the first 8 of ``batches``). ``init_sparsity`` defaults to the
+            target (one-shot, then the whole budget distils at the final pattern: best for short
+            budgets); a lower one leaves the rest to the gradual schedule.
         allocation: per-layer sparsity: ``None`` (uniform), ``"owl"``
             (:func:`~sparsa.methods.owl_sparsities` on ``calibration``) or ``{name: sparsity}``.
         checkpoint: a path: the final model is written there with :func:`sparsa.save`.
@@ -376,8 +379,7 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
         m.weight = nn.Parameter(to_sparse(dense, "masked", mask=mask), requires_grad=trainable[n])
     t0 = time.perf_counter()
     if init is not None:
-        init_targets = {n: min(0.5 * targets[n] if init_sparsity is None else init_sparsity, targets[n])
-                        for n in names}
+        init_targets = {n: targets[n] if init_sparsity is None else min(init_sparsity, targets[n]) for n in names}
         _one_shot(model, init, names, sp_at, init_targets, calibration, forward)
     init_seconds = time.perf_counter() - t0
     start = {n: min(_layer_sparsity(model.get_submodule(n).weight), targets[n]) for n in names}
