@@ -242,8 +242,8 @@ class _Progress:
 def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[str, float], Sparsifier],
               init_targets: Dict[str, float], calibration: List[Any], forward: Forward) -> None:
     """Prune ``names`` once to ``init_targets`` with ``init``; the weights end in the masked layout."""
-    from .sparsegpt import sparsegpt_weight
-    from .calibration import collect_input_stats, forward_groups
+    from .calibration import collect_input_stats
+    from .sparsegpt import sparsegpt
     from .wanda import Wanda
     if init == "magnitude":
         for n in names:
@@ -256,13 +256,10 @@ def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[st
             w = model.get_submodule(n).weight
             set_pattern(w, Wanda(sp_at(n, init_targets[n]), stats[n].norm).mask(w.sparse_layout.to_dense()))
         return
-    # SparseGPT, layer group by layer group in forward order, each on the outputs of the pruned ones before
-    for group in forward_groups(model, calibration[0], forward, names):
-        stats = collect_input_stats(model, calibration, forward, group, hessian=True, stop_early=True)
-        for n, s in stats.items():
-            w = model.get_submodule(n).weight
-            new, keep = sparsegpt_weight(w.sparse_layout.to_dense(), s.hessian / s.count, sp_at(n, init_targets[n]))
-            set_pattern(w, keep, values=new)
+    # SparseGPT (block by block for transformers), each layer at its own sparsity; stays masked
+    per_layer = {n: sp_at(n, init_targets[n]) for n in names}
+    sparsegpt(model, calibration, per_layer[names[0]], "masked", names, forward=forward,
+              sparsities={n: sp.sparsity for n, sp in per_layer.items()})
 
 
 # ----------------------------------------------------------------------------- the pipeline
