@@ -149,7 +149,7 @@ class SparseTensor(Tensor):
     # ---------------------------------------------------------------- dispatch
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        _d = _DISPATCH[0] if _DISPATCH else _bind_dispatch()
+        _d = _DISPATCH[0] if _DISPATCH else _not_installed()
         kwargs = kwargs or {}
         op = _d.OP_TABLE.get(func)
         if op is not None:
@@ -159,17 +159,18 @@ class SparseTensor(Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import aten_fallback
-        return aten_fallback.handle(func, args, kwargs or {})
+        handle = _ATEN[0] if _ATEN else _not_installed()
+        return handle(func, args, kwargs or {})
 
 
-_DISPATCH: list = []  # [sparsa.ops.dispatch], bound on first use (that module imports this one)
+# The dispatcher lives in sparsa.ops, which imports this module: on import it installs itself here
+# (this module imports nothing from sparsa.ops, so the import graph has no cycle).
+_DISPATCH: list = []  # [sparsa.ops.dispatch]
+_ATEN: list = []  # [sparsa.ops.aten_fallback.handle]
 
 
-def _bind_dispatch():
-    from .ops import dispatch
-    _DISPATCH.append(dispatch)
-    return dispatch
+def _not_installed():
+    raise RuntimeError("sparsa's dispatcher is not installed; `import sparsa` (which imports sparsa.ops) first")
 
 
 def _rebuild(name, comps, shape, params, requires_grad):

@@ -1,18 +1,22 @@
 """ATen-level handling of SparseTensor (``__torch_dispatch__``), below autograd.
 
 - structural ops (detach, alias, clone, ``_to_copy``/``to``) keep the layout;
-- in-place ops on a SparseTensor (optimizer steps: ``add_``, ``addcdiv_``, ``mul_``, ``lerp_``,
-  ``copy_``, ``zero_``...) compute densely and *refill* the stored pattern, so the sparsity pattern
-  survives training exactly (or is recomputed by the tensor's ``inline_sparsifier``);
-- every other op runs on dense copies of its sparse arguments and is counted as a fallback.
+- registered rules (:func:`register_rule`) come next; the built-in one, ``"refill"``: in-place ops on a
+  SparseTensor (optimizer steps: ``add_``, ``addcdiv_``, ``mul_``, ``lerp_``, ``copy_``, ``zero_``...)
+  compute densely and *refill* the stored pattern, so the sparsity pattern survives training exactly
+  (or is recomputed by the tensor's ``inline_sparsifier``); not a fallback, so strict mode allows it;
+- every other op runs on dense copies of its sparse arguments and is counted as a fallback (in strict
+  mode, :func:`sparsa.strict`, it raises instead).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch.utils._pytree import tree_map
 
+from .. import tensor as _tensor
 from ..tensor import SparseTensor
 from . import dispatch as _d
 
@@ -75,21 +79,78 @@ _HANDLERS: Dict[Any, Callable] = {
 }
 
 
+# ----------------------------------------------------------------------------- rules
+@dataclass(frozen=True)
+class AtenRule:
+    """An aten-level rule: ``handler(func, args, kwargs)`` runs every aten op where
+    ``applies(func, args, kwargs)`` is true (tried in registration order, before the dense fallback)."""
+    name: str
+    applies: Callable[[Any, tuple, dict], bool]
+    handler: Callable[[Any, tuple, dict], Any]
+
+
+_RULES: List[AtenRule] = []
+
+
+def register_rule(name: str, applies: Callable[[Any, tuple, dict], bool], *, replace: bool = False):
+    """Decorator: register ``handler(func, args, kwargs)`` as the aten rule ``name``.
+
+    A second rule of the same name is an error unless ``replace=True`` (it then takes the old one's
+    place); :func:`unregister_rule` removes one."""
+    def deco(handler: Callable[[Any, tuple, dict], Any]) -> Callable[[Any, tuple, dict], Any]:
+        rule = AtenRule(name, applies, handler)
+        for i, r in enumerate(_RULES):
+            if r.name == name:
+                if not replace:
+                    raise ValueError(f"an aten rule named {name!r} is already registered; pass replace=True "
+                                     "to replace it")
+                _RULES[i] = rule
+                return handler
+        _RULES.append(rule)
+        return handler
+    return deco
+
+
+def unregister_rule(name: str) -> None:
+    """Remove the aten rule ``name`` (a ``KeyError`` if there is none)."""
+    for i, r in enumerate(_RULES):
+        if r.name == name:
+            del _RULES[i]
+            return
+    raise KeyError(f"no aten rule named {name!r}; registered: {[r.name for r in _RULES]}")
+
+
+def registered_rules() -> List[str]:
+    """Names of the aten rules, in the order they are tried."""
+    return [r.name for r in _RULES]
+
+
+def _in_place_on_sparse(func, args, kwargs) -> bool:
+    return bool(func._schema.is_mutable and args and isinstance(args[0], SparseTensor))
+
+
+@register_rule("refill", _in_place_on_sparse)
+def _refill_in_place(func, args, kwargs):
+    """In-place update of a sparse tensor (an optimizer step): compute densely, keep (or re-derive) the
+    stored pattern."""
+    target = args[0]
+    base = target._layout.to_dense().clone()
+    func(base, *_dense(args[1:]), **_dense(kwargs))
+    return _refill(target, base)
+
+
 def handle(func, args, kwargs):
     h = _HANDLERS.get(func)
     if h is not None:
         return h(func, args, kwargs)
-    schema = func._schema
-    name = schema.name.split("::")[-1]
-    if schema.is_mutable and args and isinstance(args[0], SparseTensor):
-        # in-place update of a sparse tensor: compute densely, keep (or re-derive) the pattern
-        target = args[0]
-        base = target._layout.to_dense().clone()
-        rest = _dense(args[1:])
-        func(base, *rest, **_dense(kwargs))
-        _d.record_fallback(f"aten.{name}", (target.layout_name,), warn=False)
-        return _refill(target, base)
+    for rule in _RULES:
+        if rule.applies(func, args, kwargs):
+            return rule.handler(func, args, kwargs)
+    name = func._schema.name.split("::")[-1]
     if name not in _QUIET:
         layouts = tuple(a.layout_name for a in args if isinstance(a, SparseTensor))
         _d.record_fallback(f"aten.{name}", layouts)
     return func(*_dense(args), **_dense(kwargs))
+
+
+_tensor._ATEN[:] = [handle]  # SparseTensor.__torch_dispatch__ calls it

@@ -3,10 +3,12 @@
 Order: exact registered implementation for the argument layouts; else the cheapest registered
 conversion of the sparse arguments to layouts that have one; else dense fallback (convert, run the
 dense op; gradients flow back to the sparse tensors). The fallback warns once per (op, layouts) and
-is counted: :func:`fallback_counts`. Plans are cached per (op, layouts, needs-grad).
+is counted: :func:`fallback_counts`; in strict mode (:func:`sparsa.strict`) it raises instead. Plans
+are cached per (op, layouts, needs-grad).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -17,8 +19,10 @@ from torch import Tensor
 
 from ..layouts.base import Layout, conversion_path
 from ..layouts.dense import Dense
+from .. import tensor as _tensor
 from ..tensor import SparseTensor
 from . import registry
+from .strict import fallback_error, is_strict
 
 __all__ = ["fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "dispatch", "explain"]
 
@@ -42,6 +46,10 @@ def reset_fallback_counts() -> None:
 
 
 def record_fallback(op: str, layout_names: Tuple[str, ...], warn: bool = True) -> None:
+    """Count (and warn once about) a dense fallback about to run; in strict mode raise instead, with
+    the counters left unchanged."""
+    if is_strict():
+        raise fallback_error(op, layout_names, registrable=op in registry.OPS)
     key = (op, layout_names)
     _COUNTS[key] += 1
     if warn and key not in _WARNED:
@@ -262,7 +270,10 @@ class _Run(torch.autograd.Function):
 
 def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
     norm = call.normalize(args, kwargs)
-    if norm is None:
+    if norm is None:  # an in-place variant (relu(inplace=True)): computed on a dense copy
+        lays = tuple(a.layout_name for a in args if isinstance(a, SparseTensor))
+        if lays:
+            record_fallback(f"{call.name} (in-place)", lays)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*_densify(args), **_densify(kwargs))
     targs, rest = norm
@@ -310,3 +321,6 @@ def _densify(x: Any) -> Any:
     if isinstance(x, dict):
         return {k: _densify(v) for k, v in x.items()}
     return x
+
+
+_tensor._DISPATCH[:] = [sys.modules[__name__]]  # SparseTensor.__torch_function__ calls dispatch() here
