@@ -2,15 +2,49 @@
 
 Layouts (storage formats), sparsifiers (which values survive) and operator implementations are
 independent; a dispatcher picks an implementation for each op and falls back to dense.
+
+The public API (``__all__``):
+
+* subpackages: ``layouts`` (storage formats), ``sparsifiers`` (which values survive), ``ops``
+  (registry and dispatcher), ``methods`` (pruning methods), ``adaptive`` (activation-sparse training);
+* tensors: ``SparseTensor``, ``to_sparse``, ``to_dense``;
+* models: ``Rule``, ``sparsify``, ``densify``, ``sparsity_report``, ``format_report``,
+  ``sparsify_linears``, ``fuse_gelu``, ``recover``; checkpoints: ``save``, ``load``;
+* dispatcher: ``implements``, ``fallback_counts``, ``reset_fallback_counts``,
+  ``SparseFallbackWarning``, ``strict``, ``is_strict``, ``SparseFallbackError``.
+
+Example::
+
+    >>> import torch, sparsa
+    >>> w = sparsa.to_sparse(torch.randn(4, 8), sparsa.layouts.NM, n=2, m=4)
+    >>> with sparsa.strict():                      # any dense fallback raises in this block
+    ...     y = torch.nn.functional.linear(torch.randn(3, 8), w)
+    >>> y.shape
+    torch.Size([3, 4])
 """
-from . import layouts  # noqa: F401
-from .tensor import SparseTensor, to_sparse, to_dense  # noqa: F401
-from . import ops  # noqa: F401
-from .ops import fallback_counts, reset_fallback_counts, SparseFallbackWarning, implements  # noqa: F401
-from . import sparsifiers  # noqa: F401
-from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu  # noqa: F401
-from .io import save, load  # noqa: F401
-from . import methods  # noqa: F401
+from . import layouts
+from .tensor import SparseTensor, to_sparse, to_dense
+from . import ops
+from .ops import (fallback_counts, reset_fallback_counts, SparseFallbackWarning, implements, strict, is_strict,
+                  SparseFallbackError)
+from . import sparsifiers
+from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu
+from .io import save, load
+from . import methods
 from .methods.recover import recover  # noqa: F401
+from . import adaptive
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # subpackages
+    "layouts", "sparsifiers", "ops", "methods", "adaptive",
+    # tensors
+    "SparseTensor", "to_sparse", "to_dense",
+    # models and checkpoints
+    "Rule", "sparsify", "densify", "sparsity_report", "format_report", "sparsify_linears", "fuse_gelu", "recover",
+    "save", "load",
+    # dispatcher
+    "implements", "fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "strict", "is_strict",
+    "SparseFallbackError",
+]
