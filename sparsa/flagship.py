@@ -95,8 +95,6 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
 
 
 def _bert(cfg: DemoConfig) -> Dict[str, Any]:
-    import os as _os
-    _os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import BertConfig, BertModel
 
     from . import Rule, sparsify
@@ -182,10 +180,20 @@ def _digits_images(batch: int):
 
 
 def run_demo(cfg: Optional[DemoConfig] = None) -> Dict[str, Any]:
-    """Run the flagship demo and return its figures."""
+    """Run the flagship demo and return its figures (the thread count and warning filters it sets are
+    restored when it returns)."""
     cfg = cfg or DemoConfig()
+    threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
-    warnings.simplefilter("ignore")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig) -> Dict[str, Any]:
     t0 = time.perf_counter()
     print(f"sparsa demo: torch {torch.__version__}, {torch.get_num_threads()} threads")
     out: Dict[str, Any] = {}

