@@ -265,9 +265,14 @@ def adaptive_section(d: Dict[str, Any]) -> str:
             cols = ["model", "step_speedup_vs_dense", "dense_format", "adaptive_format", "dense_nchw",
                     "dense_channels_last", "adaptive_nchw", "adaptive_channels_last", "same_format_nchw",
                     "same_format_channels_last", "loss_dense", "loss_adaptive"]
+        if any("step_speedup_vs_best_dense" in r for r in d["models"]):
+            rows = [dict(r, guard_verdict=(r.get("guard") or {}).get("decision") or "-") for r in rows]
+            cols[1:1] = ["dtype", "step_speedup_vs_best_dense", "best_dense"]
+            cols.insert(cols.index("loss_dense"), "guard_verdict")
         if any("loss_dense_perturbed" in r for r in d["models"]):
             cols += ["loss_dense_perturbed", "loss_max_abs_diff", "loss_max_float_band"]
-        fmts = {"step_speedup_vs_dense": ".2f", "loss_dense": ".4f", "loss_adaptive": ".4f",
+        fmts = {"step_speedup_vs_dense": ".2f", "step_speedup_vs_best_dense": ".2f", "loss_dense": ".4f",
+                "loss_adaptive": ".4f",
                 "loss_dense_perturbed": ".4f", "loss_max_abs_diff": ".4f", "loss_max_float_band": ".4f",
                 "dense_nchw": ".0f", "dense_channels_last": ".0f", "adaptive_nchw": ".0f",
                 "adaptive_channels_last": ".0f", "same_format_nchw": ".2f", "same_format_channels_last": ".2f"}
@@ -277,6 +282,12 @@ def adaptive_section(d: Dict[str, Any]) -> str:
                          "dense format's; dense_* / adaptive_*: median step ms in each format (all four trained side "
                          "by side, one step of each in turn); same_format_*: dense / adaptive within one format. "
                          "Losses: the channels-last pair.")
+        if any("step_speedup_vs_best_dense" in r for r in d["models"]):
+            parts.append("step_speedup_vs_best_dense: the same adaptive step against the fastest dense step of either "
+                         "format in fp32 or bf16 autocast (best_dense names it; the dtype not trained in the row is "
+                         "timed for a few steps on the same batches); guard_verdict: the step guard's last verdict "
+                         "(it times whole steps, here interleaved with the other trainings of the round, so its "
+                         "ratio is diluted; - when it had not compared yet).")
         parts.append("loss_dense_perturbed: the same dense training from weights moved by a relative 1e-7 "
                      "(rounding-sized); loss_max_abs_diff / loss_max_float_band: the largest per-step loss "
                      "difference of the adaptive run / of that control from dense. Losses can drift far beyond "
