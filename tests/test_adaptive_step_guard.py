@@ -192,3 +192,31 @@ def test_a_fast_sparse_path_stays_adaptive_end_to_end(monkeypatch):
         net(x).sum().backward()
     assert g.decision == "adaptive" and not g.suspended and g.speedup > 1.0
     assert rt.layers["2"].sparse_calls > 0
+
+
+def test_step_time_is_forward_and_backward_only():
+    """Time spent between backward and the next forward (optimizer, data, other work) is not counted."""
+    import time
+
+    class Recording(StepGuard):
+        def record(self, ms):
+            self.seen.append(ms)
+            super().record(ms)
+    g = Recording(warmup=100, window=1)
+    g.seen = []
+    net = _net()
+    sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(5):
+        net(x).sum().backward()
+        time.sleep(0.2)   # e.g. loading the next batch
+    assert len(g.seen) == 3 and max(g.seen) < 150, g.seen
+    # a frozen model has no gradient hooks: the step runs to the next forward
+    frozen = _net().requires_grad_(False)
+    g2 = Recording(warmup=100, window=1)
+    g2.seen = []
+    sa.enable(frozen, guard=g2, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    for _ in range(3):
+        frozen(x.requires_grad_(True)).sum().backward()
+        time.sleep(0.2)
+    assert len(g2.seen) == 1 and g2.seen[0] >= 190

@@ -4,9 +4,12 @@ Per-layer predictions can all say "faster" while the step is slower: the glue ar
 GEMMs (compaction, packs, monitor, Python per layer) is not in any layer's cost model, and a cost
 table measured under other conditions misleads. The guard measures what the user pays for.
 
-A *step* is the time between two consecutive training forwards of the root module (forward,
-backward, optimizer and data loading in between), so no change to the training loop is needed.
-Forwards in eval mode or without autograd are not steps; they break the chain instead.
+A *step* is timed from a training forward of the root module to the last gradient accumulated into
+one of its parameters before its next forward (forward + backward, the part the layers change; the
+optimizer, data loading and anything else the process does in between are left out, so their noise
+is too). Without parameter gradients (e.g. a frozen model) it is the time to the next forward. No
+change to the training loop is needed. Forwards in eval mode or without autograd are not steps; they
+break the chain instead.
 
 The guard alternates windows of ``window`` steps: after ``warmup`` steps it times an adaptive window,
 then a dense window (every adaptive layer suspended: PyTorch's dense op, no monitor), and compares
@@ -67,8 +70,10 @@ class StepGuard:
         self._adaptive: List[float] = []
         self._next_recheck = self.recheck
         self._last: Optional[float] = None
+        self._grad_end: Optional[float] = None
         self._dirty = False
         self._handle = None
+        self._grad_handles: list = []
         self._listeners: List[Callable[[bool], None]] = []
         if self._left == 0:
             self._phase = "adaptive"
@@ -139,12 +144,21 @@ class StepGuard:
         if self._handle is not None:
             raise RuntimeError("this StepGuard is already attached to a model")
         self._handle = model.register_forward_pre_hook(self._on_forward)
+        for p in model.parameters():
+            if p.requires_grad:
+                self._grad_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def detach(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles.clear()
         self._set_suspended(False)
+
+    def _on_grad(self, param) -> None:
+        self._grad_end = time.perf_counter()
 
     def _on_forward(self, module: nn.Module, args) -> None:
         now = time.perf_counter()
@@ -152,11 +166,11 @@ class StepGuard:
             self._last = None  # an evaluation forward: the interval around it is not a training step
             return
         if self._last is not None:
-            if self._dirty:
-                self._dirty = False
-            else:
-                self.record((now - self._last) * 1e3)
+            end = self._grad_end if self._grad_end is not None and self._grad_end > self._last else now
+            if not self._dirty:
+                self.record((end - self._last) * 1e3)
         self._dirty = False
+        self._grad_end = None
         self._last = time.perf_counter()
 
     def summary(self) -> dict:
