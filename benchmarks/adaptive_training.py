@@ -176,16 +176,17 @@ def train_step_bf16(model, opt, x, y):
     return float(loss.detach())
 
 
-def dense_bf16_ms(base, data, steps):
-    """Median dense bf16-autocast training step per memory format, ``steps`` rounds after one warm-up (both
-    formats side by side). On CPUs without bf16 hardware this is a few rounds only: it is many times slower."""
+def dense_steps_ms(base, data, steps, step):
+    """Median dense training step (``step``: fp32 or bf16 autocast) per memory format, ``steps`` rounds after
+    one warm-up, both formats side by side. The dtype a row does not train is timed this way, for a few rounds
+    on CPUs where it is many times slower."""
     models = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
     opts = {f: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for f, m in models.items()}
     t = {f: [] for f in FORMATS}
     for i, (x, y) in enumerate(data[:steps + 1]):
         for f, fmt in FORMATS.items():
             t0 = time.perf_counter()
-            train_step_bf16(models[f], opts[f], x.contiguous(memory_format=fmt), y)
+            step(models[f], opts[f], x.contiguous(memory_format=fmt), y)
             if i:
                 t[f].append(time.perf_counter() - t0)
     return {f: statistics.median(v) * 1e3 for f, v in t.items()}
@@ -236,15 +237,7 @@ def run_model(name, batch, steps, warm, res, dtype="fp32", bf16_steps=3):
     dense_fmt, adaptive_fmt = min(md, key=md.get), min(ma, key=ma.get)
     # the other dtype's dense steps, side by side on the same batches
     other = "fp32" if dtype == "bf16" else "bf16"
-    if other == "bf16":
-        mo = dense_bf16_ms(base, data, bf16_steps)
-    else:
-        mo = {}
-        for f, fmt in FORMATS.items():
-            m = copy.deepcopy(base).to(memory_format=fmt)
-            o = sgd(m)
-            mo[f] = statistics.median([_timed(train_step, m, o, x.contiguous(memory_format=fmt), y)
-                                       for x, y in data[:bf16_steps + 1]][1:])
+    mo = dense_steps_ms(base, data, bf16_steps, train_step if other == "fp32" else train_step_bf16)
     dense_all = {f"{dtype}_{f}": v for f, v in md.items()}
     dense_all.update({f"{other}_{f}": v for f, v in mo.items()})
     best_dense = min(dense_all, key=dense_all.get)
@@ -279,12 +272,6 @@ def run_model(name, batch, steps, warm, res, dtype="fp32", bf16_steps=3):
     print(rts[adaptive_fmt].format(), flush=True)
     return adaptive[adaptive_fmt], rts[adaptive_fmt], data[-1][0].contiguous(memory_format=FORMATS[adaptive_fmt]), \
         data[-1][1]
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return (time.perf_counter() - t0) * 1e3
 
 
 def layer_rows(name, model, rt, x, labels, reps, res):

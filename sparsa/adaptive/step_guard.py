@@ -76,8 +76,7 @@ class StepGuard:
         self._grad_handles: list = []
         self._listeners: List[Callable[[bool], None]] = []
         if self._left == 0:
-            self._phase = "adaptive"
-            self._left = self.window
+            self._start("adaptive")
 
     # ---------------------------------------------------------------------------- state machine
     def record(self, ms: float) -> None:
