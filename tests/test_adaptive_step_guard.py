@@ -6,6 +6,8 @@ from torch import nn
 import sparsa.adaptive as sa
 from sparsa.adaptive.step_guard import StepGuard
 
+SPARSE = sa.Policy(enter=1e-6, exit=1e-6, verify_below=0)  # sparse wherever the input is a ReLU output, untimed
+
 
 def _feed(g: StepGuard, ms: float, n: int) -> None:
     for _ in range(n):
@@ -89,7 +91,7 @@ class TestWiring:
     def test_steps_are_training_forwards(self):
         net = _net()
         g = StepGuard(warmup=100, window=1)
-        rt = sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+        rt = sa.enable(net, guard=g, policy=SPARSE)
         x = torch.randn(2, 3, 8, 8)
         for _ in range(4):
             net(x).sum().backward()
@@ -111,7 +113,7 @@ class TestWiring:
         net = _net()
         ref = _net()
         g = StepGuard(warmup=100, window=1)
-        rt = sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+        rt = sa.enable(net, guard=g, policy=SPARSE)
         x = torch.randn(4, 3, 8, 8)
         for _ in range(3):
             net(x).sum().backward()
@@ -163,7 +165,7 @@ def test_a_slow_sparse_path_ends_dense_end_to_end(monkeypatch):
     monkeypatch.setattr(modules, "relu_conv2d", slow)
     net = _net()
     g = StepGuard(warmup=2, window=3, recheck=1000)
-    rt = sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    rt = sa.enable(net, guard=g, policy=SPARSE)
     x = torch.randn(2, 3, 8, 8)
     for _ in range(12):
         net(x).sum().backward()
@@ -185,7 +187,7 @@ def test_a_fast_sparse_path_stays_adaptive_end_to_end(monkeypatch):
         time.sleep(0.03)
         return real_forward(self, *a)
     g = StepGuard(warmup=2, window=3, recheck=1000)
-    rt = sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    rt = sa.enable(net, guard=g, policy=SPARSE)
     monkeypatch.setattr(nn.Conv2d, "_conv_forward", slow_dense)  # only the conv fed by a ReLU has a sparse path
     x = torch.randn(2, 3, 8, 8)
     for _ in range(12):
@@ -205,7 +207,7 @@ def test_step_time_is_forward_and_backward_only():
     g = Recording(warmup=100, window=1)
     g.seen = []
     net = _net()
-    sa.enable(net, guard=g, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    sa.enable(net, guard=g, policy=SPARSE)
     x = torch.randn(2, 3, 8, 8)
     for _ in range(5):
         net(x).sum().backward()
@@ -215,7 +217,7 @@ def test_step_time_is_forward_and_backward_only():
     frozen = _net().requires_grad_(False)
     g2 = Recording(warmup=100, window=1)
     g2.seen = []
-    sa.enable(frozen, guard=g2, policy=sa.Policy(enter=1e-6, exit=1e-6, verify_below=0))
+    sa.enable(frozen, guard=g2, policy=SPARSE)
     for _ in range(3):
         frozen(x.requires_grad_(True)).sum().backward()
         time.sleep(0.2)
