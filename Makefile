@@ -17,8 +17,9 @@ $(STAMP): $(VPY) pyproject.toml
 
 venv: $(STAMP)
 
+# The flagship demo lives in examples/ (not in the installed package); run from the repository root.
 demo: $(STAMP)
-	$(VENV)/bin/sparsa demo
+	$(VPY) -m examples.flagship
 
 test: $(STAMP)
 	$(VPY) -m pytest tests

@@ -44,7 +44,7 @@ from sparsa.adaptive.calibration import default_calibration  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
 from sparsa.kernels import adaptive_union as U  # noqa: E402
 from sparsa.adaptive import conv_union  # noqa: E402
-from sparsa.models import build  # noqa: E402
+from examples.convnets import build  # noqa: E402
 
 try:
     from benchmarks._timing import compare, median_time  # noqa: E402

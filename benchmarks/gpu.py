@@ -9,7 +9,7 @@ Sections (each ratio = dense time / sparse time, > 1 means sparsa is faster):
 2. ``act_sparse_linear`` / ``act_sparse_conv``: forward + backward (compaction, forward GEMM, input and
    weight gradients) vs dense cuBLAS / cuDNN over an activation-sparsity sweep, for random zeros and
    for channel-structured zeros (whole channels dead per 64-row panel).
-3. ``training_step``: one SGD step of VGG-16 / ResNet-18-style nets (``sparsa.models.convnets``)
+3. ``training_step``: one SGD step of VGG-16 / ResNet-18-style nets (``examples/convnets.py``)
    dense vs with every ReLU-fed conv routed through the activation-sparse kernels where a one-time
    per-layer timing says it pays (the policy; otherwise the layer stays dense).
 
@@ -291,9 +291,9 @@ def _wrap_convs(model: nn.Module) -> List[_PolicyConv]:
 
 def bench_training(quick: bool) -> List[dict]:
     try:
-        from sparsa.models import convnets
+        from examples import convnets
     except ImportError as e:
-        return [{"skipped": f"sparsa.models.convnets not available ({e})"}]
+        return [{"skipped": f"examples.convnets not available ({e})"}]
     import copy
     rows = []
     for name, builder, batch, kw in TRAIN:

@@ -1,6 +1,5 @@
 """The ``sparsa`` command.
 
-    sparsa demo                       the flagship demo (MiniLM + BERT-base pruning, adaptive training)
     sparsa prune MODEL_DIR -o OUT     prune a Hugging Face model directory offline, save compressed
     sparsa prune MODEL_DIR -o OUT --target-quality Q   the fastest configuration with held-out cosine >= Q
     sparsa generate MODEL_DIR --prompt TEXT   greedy generation with a (pruned) causal LM, timed
@@ -79,21 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    d = sub.add_parser("demo", help="the flagship demo: prune MiniLM and BERT-base, adaptive training",
-                       description="Prune the real pretrained MiniLM-L6 (SparseGPT, one-shot) and a BERT-base built "
-                                   "from its config into sparsa's fast row_group layout; print speed-up, "
-                                   "embedding quality and checkpoint sizes; then train a VGG-style net with "
-                                   "adaptive activation sparsity. Every figure is measured in this run.")
-    d.add_argument("--quick", action="store_true", help="smaller inputs (about a minute)")
-    d.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
-    d.add_argument("--minilm-sparsity", type=_fraction, default=0.5, help="MiniLM sparsity (default 0.5)")
-    d.add_argument("--minilm-group", type=_positive_int, default=16,
-                   help="rows sharing a pattern in MiniLM's row_group layout (default 16)")
-    d.add_argument("--bert-sparsity", type=_fraction, default=0.9, help="BERT-base sparsity (default 0.9)")
-    d.add_argument("--bert-group", type=_positive_int, default=16,
-                   help="rows sharing a pattern in BERT-base's row_group layout (default 16)")
-    d.add_argument("--skip", action="append", choices=["minilm", "bert", "adaptive"], default=[],
-                   help="skip a part (repeatable)")
+    # The demo is an example, not part of the package (issue #17): it lives in examples/ of a source
+    # checkout. The subcommand stays only to say where it went.
+    sub.add_parser("demo", help="moved: run `make demo` (or `python -m examples.flagship`) in a source checkout",
+                   description="The flagship demo is no longer part of the installed package. In a source "
+                               "checkout of sparsa run `make demo`, or `python -m examples.flagship [--quick]` "
+                               "from the repository root.")
 
     pr = sub.add_parser("prune", help="prune a Hugging Face model directory offline and save it compressed",
                         description="Prune every Linear of the transformer blocks of MODEL_DIR (a Hugging Face "
@@ -190,10 +180,8 @@ def _cmd_cost(a: argparse.Namespace) -> int:
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    from .flagship import DemoConfig, run_demo
-    run_demo(DemoConfig(threads=a.threads, minilm_sparsity=a.minilm_sparsity, minilm_group=a.minilm_group,
-                        bert_sparsity=a.bert_sparsity, bert_group=a.bert_group, quick=a.quick, skip=tuple(a.skip)))
-    return 0
+    raise UsageError("`sparsa demo` moved out of the package: in a source checkout of sparsa run `make demo`, "
+                     "or `python -m examples.flagship [--quick]` from the repository root")
 
 
 def _quiet_transformers() -> None:
@@ -376,7 +364,9 @@ def _cmd_bench(a: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "demo":  # `sparsa demo ANY OPTIONS` gets the one line saying where it went
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "generate": _cmd_generate, "inspect": _cmd_inspect,
            "bench": _cmd_bench, "cost": _cmd_cost}[args.command]
     try:

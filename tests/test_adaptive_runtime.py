@@ -5,7 +5,7 @@ from torch import nn
 
 import sparsa.adaptive as sa
 from sparsa.adaptive.calibration import Calibration, CostEntry
-from sparsa.models import alexnet, resnet18, vgg16
+from examples.convnets import alexnet, resnet18, vgg16
 
 
 def test_monitor_sample_close_to_exact_and_refresh_period():

@@ -45,6 +45,8 @@ def argparse_suppress():
     (["inspect", "/no/such/file.safetensors"], "no such file"),
     (["bench", "nope"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
+    (["demo"], "make demo"),  # the demo moved to examples/: one line saying where (issue #17)
+    (["demo", "--quick", "--skip", "bert"], "python -m examples.flagship"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = cli_main(args)

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from sparsa.flagship import DemoConfig, run_demo
+from examples.flagship import DemoConfig, run_demo
 
 
 def test_adaptive_part_of_the_demo_runs(capsys):

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import sparsa
-from sparsa.demo import accuracy, load_digits_split, make_mlp, train
+from examples.demo import accuracy, load_digits_split, make_mlp, train
 from sparsa.sparsifiers import Magnitude
 
 pytestmark = pytest.mark.filterwarnings("ignore::sparsa.SparseFallbackWarning")

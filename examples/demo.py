@@ -1,6 +1,6 @@
-"""``make demo``: sparsify an MLP on scikit-learn's digits, fine-tune it, compare and save it.
+"""The small demo: sparsify an MLP on scikit-learn's digits, fine-tune it, compare and save it.
 
-Run ``python -m sparsa.demo [--sparsity 0.75] [--layout masked] [--epochs 15] [--finetune-epochs 5]``.
+Run ``python -m examples.demo [--sparsity 0.75] [--layout masked] [--epochs 15] [--finetune-epochs 5]``.
 
 Steps: train a dense 64-256-128-10 MLP, apply magnitude sparsity to its Linear weights with
 :func:`sparsa.sparsify`, fine-tune (the pattern survives every Adam step), print dense vs sparse test
@@ -98,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     import sparsa
     from sparsa.sparsifiers import Magnitude
 
-    p = argparse.ArgumentParser(prog="python -m sparsa.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--sparsity", type=float, default=0.75, help="fraction of Linear weights removed (0.75)")
     p.add_argument("--layout", default="masked", help="layout used while fine-tuning (masked)")
     p.add_argument("--epochs", type=int, default=15, help="dense training epochs (15)")

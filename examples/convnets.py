@@ -1,12 +1,13 @@
 """Small-image AlexNet-, VGG-16- (with and without BatchNorm) and ResNet-18-style networks.
 
-torchvision is not a dependency, so the reference architectures live here, sized for 32x32 (or
+torchvision is not a dependency, so the reference architectures used by the demo, the benchmarks and
+the tests live here (an example, not part of the installed ``sparsa`` package), sized for 32x32 (or
 64x64) inputs: every ReLU is an ``nn.ReLU`` module so :func:`sparsa.adaptive.enable` can find it.
 
 Example::
 
     >>> import torch
-    >>> from sparsa.models import vgg16, resnet18, alexnet
+    >>> from examples.convnets import vgg16, resnet18, alexnet
     >>> [m(torch.randn(2, 3, 32, 32)).shape[-1] for m in (vgg16(), vgg16(batch_norm=True), resnet18(), alexnet())]
     [10, 10, 10, 10]
 """
