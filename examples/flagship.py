@@ -146,7 +146,9 @@ def _adaptive(cfg: DemoConfig) -> Dict[str, Any]:
     # channels-last for both (the faster layout for the dense baseline here, and the sparse kernels' own)
     dense, adaptive = dense.to(memory_format=torch.channels_last), adaptive.to(memory_format=torch.channels_last)
     x = x.contiguous(memory_format=torch.channels_last)
-    rt = enable(adaptive, every=5)
+    # retain_memory=True (off by default): glibc keeps freed heap memory in this process, so the per-step
+    # buffers of dense and adaptive training alike stop page-faulting on every step
+    rt = enable(adaptive, every=5, retain_memory=True)
     opt_d = torch.optim.SGD(dense.parameters(), lr=0.01, momentum=0.9)
     opt_a = torch.optim.SGD(adaptive.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()

@@ -139,6 +139,19 @@ def test_enable_twice_is_an_error(tmp_path):
         sa.enable(net)
 
 
+def test_enable_leaves_the_allocator_alone_unless_asked(tmp_path, monkeypatch):
+    """glibc mallopt (retain_freed_memory) is opt-in: enable() does not call it by default (issue #17)."""
+    import importlib
+    mod = importlib.import_module("sparsa.adaptive.enable")  # the module (sa.enable is the function)
+    calls = []
+    monkeypatch.setattr(mod, "retain_freed_memory", lambda: calls.append(1) or True)
+    sa.enable(nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), calibration=Calibration(tmp_path / "c.json"))
+    assert calls == []
+    sa.enable(nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), calibration=Calibration(tmp_path / "c.json"),
+              retain_memory=True)
+    assert calls == [1]
+
+
 def test_compact_helper():
     x = torch.randn(2, 3, 4, 5)
     a = sa.compact(x, slice=2)

@@ -99,16 +99,17 @@ class AdaptiveRuntime:
 
 def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
            calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
-           recalibrate: bool = False, retain_memory: bool = True,
+           recalibrate: bool = False, retain_memory: bool = False,
            guard: Union[bool, StepGuard] = True) -> AdaptiveRuntime:
     """Make ``model`` sparsity-adaptive in place and return the runtime handle.
 
     ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
     ``calibration``: the cost table (default: the machine's cached one; ``recalibrate=True`` clears
     it first); ``slice``: channels per K-slice of the sparse kernels; ``pixels``: monitor sample size;
-    ``retain_memory``: keep freed heap memory in the process (glibc ``mallopt``, see
+    ``retain_memory``: opt in to keeping freed heap memory in the process (glibc ``mallopt``, see
     :func:`sparsa.adaptive.memory.retain_freed_memory`), so the per-step buffers of both the sparse and
-    the dense layers stop page-faulting every step; ``guard``: time whole training steps and run the
+    the dense layers stop page-faulting every step; it changes the allocator of the whole process for
+    its lifetime, so it is off by default; ``guard``: time whole training steps and run the
     model dense while its adaptive steps are slower than its dense ones (:mod:`sparsa.adaptive.step_guard`;
     ``True``: the default :class:`StepGuard`, ``False``: none; never with a forced policy).
     """
