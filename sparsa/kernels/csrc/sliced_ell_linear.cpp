@@ -5,12 +5,12 @@
 //
 // Tokens are vectorised: a panel of up to 32 tokens of X is transposed into xt[K][TB] (8x8 AVX
 // transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
-// processed together (2 x TB/8 accumulators) for instruction-level parallelism.
-// OpenMP over (token panel, row chunk).
+// processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in chunks that
+// keep the panel's rows being read in L1 (see panel_rows). OpenMP over (token panel, row chunk).
 //
 // bfloat16 (sparsa_sliced_ell_linear_bf16): the same kernel with bf16 X, weight values and Y. X is widened
-// to fp32 while its panel is transposed into xt, each weight pair is one 32-bit broadcast split into two
-// fp32 broadcasts (shift / mask), products accumulate in fp32 exactly as in the fp32 kernel (same order),
+// to fp32 while its panel is transposed into xt, each weight is widened (a shift) as it is broadcast,
+// products accumulate in fp32 exactly as in the fp32 kernel (same order),
 // and the output (+ bias, fp32 or bf16) is rounded to bf16 once (nearest even). AVX2 only: no AVX-512 here.
 #include <cstdint>
 #include <cstring>
@@ -35,18 +35,6 @@ inline void store_y(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
-// broadcasts of the weights w[0], w[1] (the two rows' values of one slot)
-inline void bcast2(const float* w, __m256& w0, __m256& w1) {
-    w0 = _mm256_broadcast_ss(w);
-    w1 = _mm256_broadcast_ss(w + 1);
-}
-inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
-    int32_t u;
-    std::memcpy(&u, w, 4);  // w[0] in the low half, w[1] in the high half (little endian)
-    const __m256i b = _mm256_set1_epi32(u);
-    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-    w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
-}
 #endif
 
 // xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB (widened to fp32)
@@ -89,40 +77,192 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
         for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? to_f32(x[(int64_t)i * K + c]) : 0.f;
 }
 
-// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt). WT / YT: float, or
-// uint16_t for bf16 weight values / output.
+// The two rows of slice s (r = 2s, 2s+1; the second may not exist) from their token vectors out[2][TB]:
+// + bias, optional GELU, stored into y [nt, R] (output rounded once for bf16).
+template <typename YT>
+inline void store_slice(float (*out)[TBMAX], int nt, int64_t r, int64_t R, const float* __restrict bias,
+                        YT* __restrict y, bool act) {
+    const bool two = r + 1 < R;
+    const float b0 = bias ? bias[r] : 0.f, b1 = (bias && two) ? bias[r + 1] : 0.f;
+    if (act) {  // GELU after the bias, on the two rows' token vectors
+        for (int i = 0; i < nt; ++i) {
+            out[0][i] += b0;
+            out[1][i] += b1;
+        }
+        sparsa_gelu_inplace(out[0], nt);
+        sparsa_gelu_inplace(out[1], nt);
+        if (two) {
+            for (int i = 0; i < nt; ++i) {
+                store_y(y + i * R + r, out[0][i]);
+                store_y(y + i * R + r + 1, out[1][i]);
+            }
+        } else {
+            for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i]);
+        }
+        return;
+    }
+    if (two) {
+        for (int i = 0; i < nt; ++i) {
+            store_y(y + i * R + r, out[0][i] + b0);
+            store_y(y + i * R + r + 1, out[1][i] + b1);
+        }
+    } else {
+        for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i] + b0);
+    }
+}
+
+// Columns per chunk: a 32-token panel's chunk (KCHUNK x 128 B) stays in L1 while every row of a block
+// reads its kept columns from it, instead of each row reading at random from an L2-sized panel.
+constexpr int KCHUNK = 256;
+// Slices per block: the block's partial sums (SBLOCK x 2 x TB floats) stay in L1 between chunks.
+constexpr int SBLOCK = 64;
+
+#ifdef __AVX2__
+inline __m256 bcast1(const float* w) { return _mm256_broadcast_ss(w); }
+// bf16 w broadcast to every 16-bit lane, then the low halves cleared: fp32 (w << 16) in every lane
+inline __m256 bcast1(const uint16_t* w) {
+    const __m256i b = _mm256_broadcastw_epi16(_mm_cvtsi32_si128(*w));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+// the two rows' weights of one slot (w[0], w[1]); bf16: one 32-bit broadcast split into two (shift / mask)
+inline void bcast2(const float* w, __m256& w0, __m256& w1) {
+    w0 = _mm256_broadcast_ss(w);
+    w1 = _mm256_broadcast_ss(w + 1);
+}
+inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
+    int32_t u;
+    std::memcpy(&u, w, 4);  // w[0] in the low half, w[1] in the high half (little endian)
+    const __m256i b = _mm256_set1_epi32(u);
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+#endif
+
+// Chunks pay once the panel (K x TB floats) outgrows L2's share for it; below, one chunk reads it from L2
+// with less bookkeeping.
+inline int64_t k_chunk(int64_t K, int TB) { return (int64_t)K * TB * 4 > (128 << 10) ? KCHUNK : K; }
+
+// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt, 64-byte aligned). WT / YT:
+// float, or uint16_t for bf16 weight values / output.
+//
+// K is walked in chunks of KCHUNK columns for a block of SBLOCK slices at a time. Each row keeps its own
+// position in its slot list and takes entries while their column is below the chunk's end; the last
+// chunk takes whatever is left (padding, or columns in any order), so the result does not depend on the
+// columns being sorted. Per row the products are added in slot order, as without chunks.
 template <int NV, typename WT, typename YT>
-void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
-                const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
-                YT* __restrict y, bool act) {
+void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __restrict sptr,
+                const int32_t* __restrict cols, const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R,
+                const float* __restrict bias, YT* __restrict y, bool act) {
     constexpr int TB = 8 * NV;
-    alignas(64) float out[2][TB];
+    alignas(64) float out[2][TBMAX];
+#ifdef __AVX2__
+    alignas(64) float part[SBLOCK][2][TB];
+    int64_t pos[SBLOCK][2];
+    const int64_t kc = k_chunk(K, TB);
+    if (kc >= K) {  // one chunk: both rows of a slice walk their padded slot lists in step
+        for (int64_t s = s0; s < s1; ++s) {
+            const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+            const int32_t* c = cols + p0;
+            const WT* w = vals + p0;
+            __m256 a0[NV], a1[NV];
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+            for (int64_t j = 0; j < L; ++j) {
+                const float* x0 = xt + (int64_t)c[2 * j] * TB;
+                const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
+                __m256 w0, w1;
+                bcast2(w + 2 * j, w0, w1);
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) {
+                    a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
+                    a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
+                }
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
+                _mm256_store_ps(out[0] + 8 * v, a0[v]);
+                _mm256_store_ps(out[1] + 8 * v, a1[v]);
+            }
+            store_slice(out, nt, 2 * s, R, bias, y, act);
+        }
+        return;
+    }
+    for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
+        const int64_t se = std::min(s1, sb + SBLOCK);
+        for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
+        for (int64_t k0 = 0;; k0 += kc) {
+            const bool first = k0 == 0, last = k0 + kc >= K;
+            const int32_t kend = last ? INT32_MAX : (int32_t)(k0 + kc);
+            for (int64_t s = sb; s < se; ++s) {
+                const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+                const int32_t* c = cols + p0;
+                const WT* w = vals + p0;
+                int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1];
+                float* q0 = part[s - sb][0];
+                float* q1 = part[s - sb][1];
+                __m256 a0[NV], a1[NV];
+                if (first) {
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+                } else {
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) {
+                        a0[v] = _mm256_load_ps(q0 + 8 * v);
+                        a1[v] = _mm256_load_ps(q1 + 8 * v);
+                    }
+                }
+                // both rows together while both have entries in this chunk (two independent FMA chains)
+                while (j0 < L && j1 < L) {
+                    const int32_t c0 = c[2 * j0], c1 = c[2 * j1 + 1];
+                    if (c0 >= kend || c1 >= kend) break;
+                    const float* x0 = xt + (int64_t)c0 * TB;
+                    const float* x1 = xt + (int64_t)c1 * TB;
+                    const __m256 w0 = bcast1(w + 2 * j0), w1 = bcast1(w + 2 * j1 + 1);
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) {
+                        a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
+                        a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
+                    }
+                    ++j0;
+                    ++j1;
+                }
+                for (; j0 < L; ++j0) {
+                    const int32_t c0 = c[2 * j0];
+                    if (c0 >= kend) break;
+                    const float* x0 = xt + (int64_t)c0 * TB;
+                    const __m256 w0 = bcast1(w + 2 * j0);
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
+                }
+                for (; j1 < L; ++j1) {
+                    const int32_t c1 = c[2 * j1 + 1];
+                    if (c1 >= kend) break;
+                    const float* x1 = xt + (int64_t)c1 * TB;
+                    const __m256 w1 = bcast1(w + 2 * j1 + 1);
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
+                }
+                pos[s - sb][0] = j0;
+                pos[s - sb][1] = j1;
+                float* d0 = last ? out[0] : q0;
+                float* d1 = last ? out[1] : q1;
+#pragma GCC unroll 8
+                for (int v = 0; v < NV; ++v) {
+                    _mm256_store_ps(d0 + 8 * v, a0[v]);
+                    _mm256_store_ps(d1 + 8 * v, a1[v]);
+                }
+                if (last) store_slice(out, nt, 2 * s, R, bias, y, act);
+            }
+            if (last) break;
+        }
+    }
+#else
+    (void)K;
     for (int64_t s = s0; s < s1; ++s) {
         const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
         const int32_t* c = cols + p0;
         const WT* w = vals + p0;
-#ifdef __AVX2__
-        __m256 a0[NV], a1[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-        for (int64_t j = 0; j < L; ++j) {
-            const float* x0 = xt + (int64_t)c[2 * j] * TB;
-            const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
-            __m256 w0, w1;
-            bcast2(w + 2 * j, w0, w1);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; ++v) {
-                a0[v] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x0 + 8 * v), a0[v]);
-                a1[v] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x1 + 8 * v), a1[v]);
-            }
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
-            _mm256_store_ps(out[0] + 8 * v, a0[v]);
-            _mm256_store_ps(out[1] + 8 * v, a1[v]);
-        }
-#else
         for (int i = 0; i < TB; ++i) out[0][i] = out[1][i] = 0.f;
         for (int64_t j = 0; j < L; ++j) {
             const float* x0 = xt + (int64_t)c[2 * j] * TB;
@@ -132,42 +272,14 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
                 out[1][i] += to_f32(w[2 * j + 1]) * x1[i];
             }
         }
-#endif
-        const int64_t r = 2 * s;
-        if (act) {  // GELU after the bias, on the two rows' token vectors
-            const float b0 = bias ? bias[r] : 0.f, b1 = (bias && r + 1 < R) ? bias[r + 1] : 0.f;
-            for (int i = 0; i < nt; ++i) {
-                out[0][i] += b0;
-                out[1][i] += b1;
-            }
-            sparsa_gelu_inplace(out[0], nt);
-            sparsa_gelu_inplace(out[1], nt);
-            if (r + 1 < R) {
-                for (int i = 0; i < nt; ++i) {
-                    store_y(y + i * R + r, out[0][i]);
-                    store_y(y + i * R + r + 1, out[1][i]);
-                }
-            } else {
-                for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i]);
-            }
-            continue;
-        }
-        if (r + 1 < R) {
-            const float b0 = bias ? bias[r] : 0.f, b1 = bias ? bias[r + 1] : 0.f;
-            for (int i = 0; i < nt; ++i) {
-                store_y(y + i * R + r, out[0][i] + b0);
-                store_y(y + i * R + r + 1, out[1][i] + b1);
-            }
-        } else {
-            const float b0 = bias ? bias[r] : 0.f;
-            for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i] + b0);
-        }
+        store_slice(out, nt, 2 * s, R, bias, y, act);
     }
+#endif
 }
 
 template <typename WT, typename YT>
-using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, int64_t, int64_t, int64_t,
-                         const float*, YT*, bool);
+using PanelFn = void (*)(const float*, int, int64_t, const int64_t*, const int32_t*, const WT*, int64_t, int64_t,
+                         int64_t, const float*, YT*, bool);
 
 template <typename XT, typename WT, typename YT>
 void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
@@ -182,25 +294,27 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
                                            &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
 
-    auto task = [&](int64_t id, std::vector<float>& xt) {
+    auto task = [&](int64_t id, std::vector<float>& buf) {
         const int64_t p = id / nrc, rc = id % nrc;
         const int64_t t0 = p * TBMAX;
         const int nt = (int)std::min<int64_t>(TBMAX, T - t0);
         const int nv = (nt + 7) / 8, TB = 8 * nv;
-        xt.resize((size_t)(K * TB));
-        transpose_panel(x + t0 * K, K, nt, TB, xt.data());
+        // 64-byte aligned: a 32-byte load that straddles two cache lines costs two
+        buf.resize((size_t)(K * TB) + 16);
+        float* xt = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / sizeof(float);
+        transpose_panel(x + t0 * K, K, nt, TB, xt);
         const int64_t s0 = rc * per_chunk, s1 = std::min(ns, s0 + per_chunk);
-        if (s0 < s1) fns[nv](xt.data(), nt, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R, act);
+        if (s0 < s1) fns[nv](xt, nt, K, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R, act);
     };
     if (nthreads <= 1 || ntasks == 1) {
-        std::vector<float> xt;
-        for (int64_t id = 0; id < ntasks; ++id) task(id, xt);
+        std::vector<float> buf;
+        for (int64_t id = 0; id < ntasks; ++id) task(id, buf);
     } else {
 #pragma omp parallel num_threads(nthreads)
         {
-            std::vector<float> xt;
+            std::vector<float> buf;
 #pragma omp for schedule(static)
-            for (int64_t id = 0; id < ntasks; ++id) task(id, xt);
+            for (int64_t id = 0; id < ntasks; ++id) task(id, buf);
         }
     }
 }
@@ -209,7 +323,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 3; }
+int sparsa_sliced_ell_version() { return 4; }
 
 // x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R];
 // act: 0 none, 1 GELU (erf form) after the bias.
