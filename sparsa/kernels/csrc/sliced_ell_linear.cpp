@@ -77,44 +77,30 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
         for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? to_f32(x[(int64_t)i * K + c]) : 0.f;
 }
 
-// The two rows of slice s (r = 2s, 2s+1; the second may not exist) from their token vectors out[2][TB]:
-// + bias, optional GELU, stored into y [nt, R] (output rounded once for bf16).
+// Rows [r0, r0 + nr) of one panel, held as part[row][0:TB] (token vectors): + bias, optional GELU, then
+// stored token by token, so each token's nr outputs go to y as one contiguous run.
 template <typename YT>
-inline void store_slice(float (*out)[TBMAX], int nt, int64_t r, int64_t R, const float* __restrict bias,
-                        YT* __restrict y, bool act) {
-    const bool two = r + 1 < R;
-    const float b0 = bias ? bias[r] : 0.f, b1 = (bias && two) ? bias[r + 1] : 0.f;
-    if (act) {  // GELU after the bias, on the two rows' token vectors
-        for (int i = 0; i < nt; ++i) {
-            out[0][i] += b0;
-            out[1][i] += b1;
+inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int64_t nr, int64_t R,
+                        const float* __restrict bias, YT* __restrict y, bool act) {
+    for (int64_t r = 0; r < nr; ++r) {
+        float* p = part + r * TB;
+        if (bias) {
+            const float b = bias[r0 + r];
+            for (int i = 0; i < nt; ++i) p[i] += b;
         }
-        sparsa_gelu_inplace(out[0], nt);
-        sparsa_gelu_inplace(out[1], nt);
-        if (two) {
-            for (int i = 0; i < nt; ++i) {
-                store_y(y + i * R + r, out[0][i]);
-                store_y(y + i * R + r + 1, out[1][i]);
-            }
-        } else {
-            for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i]);
-        }
-        return;
+        if (act) sparsa_gelu_inplace(p, nt);  // GELU after the bias
     }
-    if (two) {
-        for (int i = 0; i < nt; ++i) {
-            store_y(y + i * R + r, out[0][i] + b0);
-            store_y(y + i * R + r + 1, out[1][i] + b1);
-        }
-    } else {
-        for (int i = 0; i < nt; ++i) store_y(y + i * R + r, out[0][i] + b0);
+    for (int i = 0; i < nt; ++i) {
+        YT* yi = y + (int64_t)i * R + r0;
+        for (int64_t r = 0; r < nr; ++r) store_y(yi + r, part[r * TB + i]);
     }
 }
 
 // Columns per chunk: a 32-token panel's chunk (KCHUNK x 128 B) stays in L1 while every row of a block
 // reads its kept columns from it, instead of each row reading at random from an L2-sized panel.
 constexpr int KCHUNK = 256;
-// Slices per block: the block's partial sums (SBLOCK x 2 x TB floats) stay in L1 between chunks.
+// Slices per block: the block's partial sums (SBLOCK x 2 x TB floats) stay in L1 between chunks, and its
+// outputs are stored as runs of 2 * SBLOCK contiguous values per token.
 constexpr int SBLOCK = 64;
 
 #ifdef __AVX2__
@@ -154,127 +140,125 @@ void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __
                 const int32_t* __restrict cols, const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R,
                 const float* __restrict bias, YT* __restrict y, bool act) {
     constexpr int TB = 8 * NV;
-    alignas(64) float out[2][TBMAX];
-#ifdef __AVX2__
     alignas(64) float part[SBLOCK][2][TB];
-    int64_t pos[SBLOCK][2];
     const int64_t kc = k_chunk(K, TB);
-    if (kc >= K) {  // one chunk: both rows of a slice walk their padded slot lists in step
-        for (int64_t s = s0; s < s1; ++s) {
-            const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-            const int32_t* c = cols + p0;
-            const WT* w = vals + p0;
-            __m256 a0[NV], a1[NV];
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-            for (int64_t j = 0; j < L; ++j) {
-                const float* x0 = xt + (int64_t)c[2 * j] * TB;
-                const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
-                __m256 w0, w1;
-                bcast2(w + 2 * j, w0, w1);
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) {
-                    a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
-                    a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
-                }
-            }
-#pragma GCC unroll 8
-            for (int v = 0; v < NV; ++v) {
-                _mm256_store_ps(out[0] + 8 * v, a0[v]);
-                _mm256_store_ps(out[1] + 8 * v, a1[v]);
-            }
-            store_slice(out, nt, 2 * s, R, bias, y, act);
-        }
-        return;
-    }
     for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
         const int64_t se = std::min(s1, sb + SBLOCK);
-        for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
-        for (int64_t k0 = 0;; k0 += kc) {
-            const bool first = k0 == 0, last = k0 + kc >= K;
-            const int32_t kend = last ? INT32_MAX : (int32_t)(k0 + kc);
+#ifdef __AVX2__
+        if (kc >= K) {  // one chunk: both rows of a slice walk their padded slot lists in step
             for (int64_t s = sb; s < se; ++s) {
                 const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
                 const int32_t* c = cols + p0;
                 const WT* w = vals + p0;
-                int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1];
-                float* q0 = part[s - sb][0];
-                float* q1 = part[s - sb][1];
                 __m256 a0[NV], a1[NV];
-                if (first) {
 #pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-                } else {
-#pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) {
-                        a0[v] = _mm256_load_ps(q0 + 8 * v);
-                        a1[v] = _mm256_load_ps(q1 + 8 * v);
-                    }
-                }
-                // both rows together while both have entries in this chunk (two independent FMA chains)
-                while (j0 < L && j1 < L) {
-                    const int32_t c0 = c[2 * j0], c1 = c[2 * j1 + 1];
-                    if (c0 >= kend || c1 >= kend) break;
-                    const float* x0 = xt + (int64_t)c0 * TB;
-                    const float* x1 = xt + (int64_t)c1 * TB;
-                    const __m256 w0 = bcast1(w + 2 * j0), w1 = bcast1(w + 2 * j1 + 1);
+                for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+                for (int64_t j = 0; j < L; ++j) {
+                    const float* x0 = xt + (int64_t)c[2 * j] * TB;
+                    const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
+                    __m256 w0, w1;
+                    bcast2(w + 2 * j, w0, w1);
 #pragma GCC unroll 8
                     for (int v = 0; v < NV; ++v) {
                         a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
                         a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
                     }
-                    ++j0;
-                    ++j1;
                 }
-                for (; j0 < L; ++j0) {
-                    const int32_t c0 = c[2 * j0];
-                    if (c0 >= kend) break;
-                    const float* x0 = xt + (int64_t)c0 * TB;
-                    const __m256 w0 = bcast1(w + 2 * j0);
-#pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
-                }
-                for (; j1 < L; ++j1) {
-                    const int32_t c1 = c[2 * j1 + 1];
-                    if (c1 >= kend) break;
-                    const float* x1 = xt + (int64_t)c1 * TB;
-                    const __m256 w1 = bcast1(w + 2 * j1 + 1);
-#pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
-                }
-                pos[s - sb][0] = j0;
-                pos[s - sb][1] = j1;
-                float* d0 = last ? out[0] : q0;
-                float* d1 = last ? out[1] : q1;
 #pragma GCC unroll 8
                 for (int v = 0; v < NV; ++v) {
-                    _mm256_store_ps(d0 + 8 * v, a0[v]);
-                    _mm256_store_ps(d1 + 8 * v, a1[v]);
+                    _mm256_store_ps(part[s - sb][0] + 8 * v, a0[v]);
+                    _mm256_store_ps(part[s - sb][1] + 8 * v, a1[v]);
                 }
-                if (last) store_slice(out, nt, 2 * s, R, bias, y, act);
             }
-            if (last) break;
+        } else {
+            int64_t pos[SBLOCK][2];
+            for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
+            for (int64_t k0 = 0;; k0 += kc) {
+                const bool first = k0 == 0, last = k0 + kc >= K;
+                const int32_t kend = last ? INT32_MAX : (int32_t)(k0 + kc);
+                for (int64_t s = sb; s < se; ++s) {
+                    const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+                    const int32_t* c = cols + p0;
+                    const WT* w = vals + p0;
+                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1];
+                    float* q0 = part[s - sb][0];
+                    float* q1 = part[s - sb][1];
+                    __m256 a0[NV], a1[NV];
+                    if (first) {
+#pragma GCC unroll 8
+                        for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+                    } else {
+#pragma GCC unroll 8
+                        for (int v = 0; v < NV; ++v) {
+                            a0[v] = _mm256_load_ps(q0 + 8 * v);
+                            a1[v] = _mm256_load_ps(q1 + 8 * v);
+                        }
+                    }
+                    // both rows together while both have entries in this chunk (two independent FMA chains)
+                    while (j0 < L && j1 < L) {
+                        const int32_t c0 = c[2 * j0], c1 = c[2 * j1 + 1];
+                        if (c0 >= kend || c1 >= kend) break;
+                        const float* x0 = xt + (int64_t)c0 * TB;
+                        const float* x1 = xt + (int64_t)c1 * TB;
+                        const __m256 w0 = bcast1(w + 2 * j0), w1 = bcast1(w + 2 * j1 + 1);
+#pragma GCC unroll 8
+                        for (int v = 0; v < NV; ++v) {
+                            a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
+                            a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
+                        }
+                        ++j0;
+                        ++j1;
+                    }
+                    for (; j0 < L; ++j0) {
+                        const int32_t c0 = c[2 * j0];
+                        if (c0 >= kend) break;
+                        const float* x0 = xt + (int64_t)c0 * TB;
+                        const __m256 w0 = bcast1(w + 2 * j0);
+#pragma GCC unroll 8
+                        for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
+                    }
+                    for (; j1 < L; ++j1) {
+                        const int32_t c1 = c[2 * j1 + 1];
+                        if (c1 >= kend) break;
+                        const float* x1 = xt + (int64_t)c1 * TB;
+                        const __m256 w1 = bcast1(w + 2 * j1 + 1);
+#pragma GCC unroll 8
+                        for (int v = 0; v < NV; ++v) a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
+                    }
+                    pos[s - sb][0] = j0;
+                    pos[s - sb][1] = j1;
+#pragma GCC unroll 8
+                    for (int v = 0; v < NV; ++v) {
+                        _mm256_store_ps(q0 + 8 * v, a0[v]);
+                        _mm256_store_ps(q1 + 8 * v, a1[v]);
+                    }
+                }
+                if (last) break;
+            }
         }
-    }
 #else
-    (void)K;
-    for (int64_t s = s0; s < s1; ++s) {
-        const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-        const int32_t* c = cols + p0;
-        const WT* w = vals + p0;
-        for (int i = 0; i < TB; ++i) out[0][i] = out[1][i] = 0.f;
-        for (int64_t j = 0; j < L; ++j) {
-            const float* x0 = xt + (int64_t)c[2 * j] * TB;
-            const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
-            for (int i = 0; i < TB; ++i) {
-                out[0][i] += to_f32(w[2 * j]) * x0[i];
-                out[1][i] += to_f32(w[2 * j + 1]) * x1[i];
+        (void)kc;
+        for (int64_t s = sb; s < se; ++s) {
+            const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+            const int32_t* c = cols + p0;
+            const WT* w = vals + p0;
+            float* q0 = part[s - sb][0];
+            float* q1 = part[s - sb][1];
+            for (int i = 0; i < TB; ++i) q0[i] = q1[i] = 0.f;
+            for (int64_t j = 0; j < L; ++j) {
+                const float* x0 = xt + (int64_t)c[2 * j] * TB;
+                const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
+                for (int i = 0; i < TB; ++i) {
+                    q0[i] += to_f32(w[2 * j]) * x0[i];
+                    q1[i] += to_f32(w[2 * j + 1]) * x1[i];
+                }
             }
         }
-        store_slice(out, nt, 2 * s, R, bias, y, act);
-    }
 #endif
+        const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
+        store_block(&part[0][0][0], TB, nt, r0, nr, R, bias, y, act);
+    }
 }
 
 template <typename WT, typename YT>
