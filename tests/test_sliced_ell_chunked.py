@@ -98,3 +98,20 @@ def test_chunked_equals_unchunked_order(path):
     x = torch.randn(128, 3072, generator=gen)
     y = se.sliced_ell_linear(x, lay.slice_ptr, lay.columns, lay.values, None, 64)
     torch.testing.assert_close(y, x @ lay.to_dense().T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 40, 100, 300])
+def test_thread_splits_match(path, threads, T):
+    """Every way the kernel splits work: one thread; one task per 32-token panel (many tokens); and few
+    panels split by rows, each panel transposed once and shared by its row chunks."""
+    gen = torch.Generator().manual_seed(T * 10 + threads)
+    sp, cols, vals, wd = _layout(41, 1300, 0.85, gen, shuffle=True)
+    x = torch.randn(T, 1300, generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = se.sliced_ell_linear(x, sp, cols, vals, None, 41)
+    finally:
+        torch.set_num_threads(old)
+    _check(y, x.double() @ wd.T, x.double().abs() @ wd.abs().T, torch.float32)

@@ -278,27 +278,49 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
                                            &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
 
-    auto task = [&](int64_t id, std::vector<float>& buf) {
+    auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(TBMAX, T - p * TBMAX); };
+    // 64-byte aligned panels: a 32-byte load that straddles two cache lines costs two
+    auto aligned = [](std::vector<float>& buf, size_t n) {
+        buf.resize(n + 16);
+        return buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / sizeof(float);
+    };
+    auto rows = [&](int64_t id, const float* xt) {
         const int64_t p = id / nrc, rc = id % nrc;
-        const int64_t t0 = p * TBMAX;
-        const int nt = (int)std::min<int64_t>(TBMAX, T - t0);
-        const int nv = (nt + 7) / 8, TB = 8 * nv;
-        // 64-byte aligned: a 32-byte load that straddles two cache lines costs two
-        buf.resize((size_t)(K * TB) + 16);
-        float* xt = buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / sizeof(float);
-        transpose_panel(x + t0 * K, K, nt, TB, xt);
+        const int nt = panel_tokens(p), nv = (nt + 7) / 8;
         const int64_t s0 = rc * per_chunk, s1 = std::min(ns, s0 + per_chunk);
-        if (s0 < s1) fns[nv](xt, nt, K, slice_ptr, cols, vals, s0, s1, R, bias, y + t0 * R, act);
+        if (s0 < s1) fns[nv](xt, nt, K, slice_ptr, cols, vals, s0, s1, R, bias, y + p * TBMAX * R, act);
+    };
+    auto transpose = [&](int64_t p, float* xt) {
+        const int nt = panel_tokens(p);
+        transpose_panel(x + p * TBMAX * K, K, nt, 8 * ((nt + 7) / 8), xt);
     };
     if (nthreads <= 1 || ntasks == 1) {
         std::vector<float> buf;
-        for (int64_t id = 0; id < ntasks; ++id) task(id, buf);
-    } else {
+        float* xt = aligned(buf, (size_t)K * TBMAX);
+        for (int64_t id = 0; id < ntasks; ++id) {
+            if (id % nrc == 0) transpose(id / nrc, xt);
+            rows(id, xt);
+        }
+    } else if (nrc == 1) {  // one task per panel: each thread transposes its own panels
 #pragma omp parallel num_threads(nthreads)
         {
             std::vector<float> buf;
+            float* xt = aligned(buf, (size_t)K * TBMAX);
 #pragma omp for schedule(static)
-            for (int64_t id = 0; id < ntasks; ++id) task(id, buf);
+            for (int64_t id = 0; id < ntasks; ++id) {
+                transpose(id, xt);
+                rows(id, xt);
+            }
+        }
+    } else {  // few panels, split by rows: transpose each panel once, shared by its row chunks
+        std::vector<float> buf;
+        float* all = aligned(buf, (size_t)npan * K * TBMAX);
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < npan; ++p) transpose(p, all + p * K * TBMAX);
+#pragma omp for schedule(static)
+            for (int64_t id = 0; id < ntasks; ++id) rows(id, all + (id / nrc) * K * TBMAX);
         }
     }
 }
