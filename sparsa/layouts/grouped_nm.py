@@ -263,12 +263,15 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
     inside = kb.to(torch.float32) @ ind.t()  # kept rows covered by each pattern
     compatible = inside == counts.unsqueeze(-1).to(torch.float32)
     n_compat = compatible.sum(-1, keepdim=True)
-    padrow = (torch.arange(rp, device=keep.device) >= r).reshape(b, m).to(torch.float32)
-    pad_in = (padrow @ ind.t()).view(b, 1, 1, p)
-    # most constrained columns first; among a column's patterns prefer extra rows in the padding
-    score = torch.where(compatible, (p + 1 - n_compat).to(torch.float32) * (m + 1) + pad_in,
-                        torch.full((), -1.0, device=keep.device))
-    assign = _greedy_assign(score.reshape(b * c, chunk, p), g)
+    assign, settled = _forced_assign(kb.reshape(b * c, chunk, m), counts.reshape(b * c, chunk), n, g, pat)
+    if not bool(settled.all()):
+        padrow = (torch.arange(rp, device=keep.device) >= r).reshape(b, m).to(torch.float32)
+        pad_in = (padrow @ ind.t()).view(b, 1, 1, p)
+        # most constrained columns first; among a column's patterns prefer extra rows in the padding
+        score = torch.where(compatible, (p + 1 - n_compat).to(torch.float32) * (m + 1) + pad_in,
+                            torch.full((), -1.0, device=keep.device)).reshape(b * c, chunk, p)
+        rest = (~settled).nonzero().squeeze(1)
+        assign[rest] = _greedy_assign(score[rest], g)
     ok = compatible.reshape(b * c, chunk, p).gather(-1, assign.unsqueeze(-1)).squeeze(-1)
     if not bool(ok.all()):
         qq, kk = (~ok).nonzero()[0].tolist()
@@ -283,6 +286,27 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
     return assign
 
 
+def _forced_assign(kb: Tensor, counts: Tensor, n: int, g: int, pat: Tensor) -> Tuple[Tensor, Tensor]:
+    """The assignment a mask forces, without a search: a column keeping exactly ``n`` rows of its
+    block fits exactly one pattern. ``kb``: bool ``(Q, chunk, m)``, ``counts``: its sum over ``m``.
+    Returns ``(assign, settled)``: int64 ``(Q, chunk)`` and bool ``(Q,)``, true for the problems whose
+    every column is forced and whose patterns are each used exactly ``g`` times; there ``assign`` is
+    the only valid assignment (what the greedy search finds too), elsewhere it is to be searched."""
+    q, chunk, m = kb.shape
+    p = pat.shape[0]
+    assign = torch.zeros(q, chunk, dtype=torch.int64, device=kb.device)
+    if q == 0 or chunk == 0 or m > 62:   # m > 62: the kept rows do not fit a 64-bit code
+        return assign, torch.zeros(q, dtype=torch.bool, device=kb.device)
+    bit = torch.ones((), dtype=torch.int64, device=kb.device) << torch.arange(m, device=kb.device)
+    code = (kb.to(torch.int64) * bit).sum(-1)              # the kept rows of each column, as bits
+    pcode, pidx = (bit[pat]).sum(-1).sort()                # each pattern's rows, as bits (sorted)
+    at = torch.searchsorted(pcode, code).clamp_max(p - 1)
+    forced = (counts == n) & (pcode[at] == code)
+    assign = pidx[at]
+    used = torch.zeros(q, p, dtype=torch.int64, device=kb.device).scatter_add_(1, assign, forced.to(torch.int64))
+    return assign, forced.all(1) & (used == g).all(1)
+
+
 def grouped_nm_mask(dense: Tensor, n: int, m: int, g: int) -> Tensor:
     """Boolean mask of the positions :class:`GroupedNM` keeps for ``dense`` (greedy assignment).
 
@@ -291,4 +315,14 @@ def grouped_nm_mask(dense: Tensor, n: int, m: int, g: int) -> Tensor:
     >>> mk.sum().item()
     48
     """
-    return GroupedNM.from_dense(dense, n=n, m=m, g=g).mask()
+    n, m = check_nm(n, m, "GroupedNM")
+    g = _check_g(g)
+    check_float(dense, "dense")
+    check_ndim(dense, "GroupedNM", exact=2)
+    b, c, p, chunk, rp, kp = _geometry((dense.shape[0], dense.shape[1]), n, m, g)
+    pat = patterns(n, m, dense.device)
+    ind = _indicator(pat, m, torch.float32)
+    mag = torch.nan_to_num(_blocks(pad_dims(dense.detach(), (rp, kp)).abs(), m, c, chunk), nan=float("inf"))
+    assign = _greedy_assign((mag @ ind.to(mag.dtype).t()).reshape(b * c, chunk, p), g)
+    keep = ind.to(torch.bool)[assign].reshape(b, c, chunk, m)   # what GroupedNM.from_dense(...).mask() holds
+    return keep.permute(0, 3, 1, 2).reshape(rp, kp)[: dense.shape[0], : dense.shape[1]].contiguous()
