@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .nn.blocks import prunable_linears
+
 __all__ = ["PATTERNS", "FIXED_SPARSITY", "PatternConfig", "pattern_config", "grouped_nm_for", "prune_copy",
-           "top1_agreement", "embedding_quality", "DenseBaselines", "pareto_frontier", "highest_passing",
-           "encoder_inputs", "SEQ", "BATCH"]
+           "check_method_layout", "top1_agreement", "embedding_quality", "DenseBaselines", "pareto_frontier",
+           "highest_passing", "encoder_inputs", "SEQ", "BATCH"]
 
 #: the pattern families of the frontier, in the order tables list them
 PATTERNS: Tuple[str, ...] = ("unstructured", "2:4", "4:8", "grouped_nm", "row_group4", "row_group8", "row_group16")
@@ -104,9 +106,19 @@ def pattern_config(pattern: str, sparsity: float) -> PatternConfig:
     raise ValueError(f"pattern must be one of {', '.join(PATTERNS)} (or row_group<G>, N:M), got {pattern!r}")
 
 
-def _linear_names(model: nn.Module) -> List[str]:
-    from .prune import prunable_linears
-    return prunable_linears(model)
+#: the block Linears :func:`prune_copy` prunes by default (the name ``benchmarks/pareto.py`` imports)
+_linear_names = prunable_linears
+
+
+def check_method_layout(method: str, layout: str, arg: str = "method") -> None:
+    """Raise ``ValueError`` (naming ``arg``) if ``method`` cannot produce masks ``layout`` stores:
+    SparseGPT's column-block masks do not keep grouped N:M's row groups.
+
+    >>> check_method_layout("wanda", "grouped_nm")
+    """
+    if method == "sparsegpt" and layout == "grouped_nm":
+        raise ValueError(f"{arg} sparsegpt cannot produce grouped_nm masks (its N:M choice is per row, the layout "
+                         "shares it across row groups); use magnitude or wanda for grouped_nm, or another layout")
 
 
 def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: Sequence[Dict[str, Tensor]] = (),
@@ -119,11 +131,9 @@ def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: S
     from .methods import sparsegpt, wanda
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "sparsegpt" and cfg.layout == "grouped_nm":
-        raise ValueError("sparsegpt cannot produce grouped_nm masks (its N:M choice is per row, the layout shares "
-                         "it across row groups); use magnitude or wanda for grouped_nm")
+    check_method_layout(method, cfg.layout)
     model = copy.deepcopy(dense)
-    names = list(names) if names is not None else _linear_names(model)
+    names = list(names) if names is not None else prunable_linears(model)
     if method == "magnitude":
         return sparsify(model, [Rule(sparsifier=cfg.sparsifier, layout=cfg.layout, names=names)])
     if not calibration:

@@ -39,23 +39,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from . import frontier
+from .nn.blocks import prunable_linears
+
 __all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears", "check_pattern_layout",
            "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP", "search_target_quality", "split_texts",
            "TargetQualityResult", "TargetNotReached", "SEARCH_SPARSITIES"]
 
 CHECKPOINT = "model.sparsa.safetensors"
 METHODS = ("magnitude", "wanda", "sparsegpt")
-PATTERNS_HELP = "'unstructured', 'N:M' (e.g. 2:4), or 'row_group<G>' (e.g. row_group16, the fast CPU layout)"
+PATTERNS_HELP = ("'unstructured', 'N:M' (e.g. 2:4; with --layout grouped_nm stored as grouped N:M), "
+                 "'grouped_N:M' (e.g. grouped_2:4), 'grouped_nm' (the grouped N:M nearest --sparsity), "
+                 "or 'row_group<G>' (e.g. row_group16, the fast CPU layout)")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
                     "merges.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
                     "added_tokens.json", "chat_template.jinja")
 _EXTRA_FILES = ("generation_config.json",)
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")   # LMHeadModel: GPT-2 style names
-
-
-def _offline() -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
@@ -73,8 +73,8 @@ def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
 def load_pruned(path: str) -> nn.Module:
     """A model from a Hugging Face directory; if it holds a sparsa checkpoint, its weights are the
     sparse ones (in their saved layouts). A causal LM comes back as its ``...ForCausalLM`` class
-    (with the LM head, ready for ``generate``); any other model as its base model (``AutoModel``)."""
-    _offline()
+    (with the LM head, ready for ``generate``); any other model as its base model (``AutoModel``).
+    Offline: every file is read from ``path`` (``local_files_only``); the environment is left alone."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .io import load
@@ -92,37 +92,39 @@ def load_pruned(path: str) -> nn.Module:
     return model.float().eval()
 
 
-def prunable_linears(model: nn.Module) -> List[str]:
-    """Names of the ``nn.Linear`` layers ``prune_model_dir`` prunes: those inside the model's
-    repeated blocks (the outermost ``nn.ModuleList`` of same-class, non-Linear modules, e.g. BERT's
-    ``encoder.layer`` or Llama's ``model.layers``); if there is none, every ``nn.Linear``. The output
-    embeddings (LM head) are never included.
+def _pattern_sparsifier(pattern: str, sparsity: float, layout: Optional[str] = None,
+                        arg: str = "--pattern") -> Tuple[Any, str]:
+    """``(sparsifier, natural layout)`` of ``pattern`` (see :data:`PATTERNS_HELP`) for ``layout``.
 
-    >>> import torch.nn as nn
-    >>> m = nn.Sequential(nn.ModuleList([nn.Sequential(nn.Linear(4, 4)) for _ in range(2)]), nn.Linear(4, 9))
-    >>> prunable_linears(m)
-    ['0.0.0', '0.1.0']
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
-             and len({type(c) for c in m}) == 1 and not isinstance(m[0], nn.Linear)]
-    outer = [n for n in lists if not any(o != n and (o == "" or n.startswith(o + ".")) for o in lists)]
-
-    def inside(name: str) -> bool:
-        return any(o == "" or name.startswith(o + ".") for o in outer)
-
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
-    in_blocks = [n for n, _ in linears if inside(n)]
-    return in_blocks or [n for n, _ in linears]
+    An ``'N:M'`` pattern stored in the ``grouped_nm`` layout is pruned by the grouped N:M sparsifier
+    (``GroupedNM(n, m, g=4)``): a plain N:M mask (n of m along each row) is not grouped N:M (n of m
+    rows of a block per column, the pattern shared by ``g`` columns), so that layout cannot store it.
+    ``'grouped_nm'`` is the grouped N:M nearest ``sparsity`` (:func:`sparsa.frontier.grouped_nm_for`).
+    Errors name ``arg``."""
+    from .methods.recover import pattern_sparsifier
+    if pattern == "grouped_nm":
+        cfg = frontier.pattern_config(pattern, sparsity)
+        return cfg.sparsifier, cfg.layout
+    try:
+        sparsifier, _ = pattern_sparsifier(pattern, sparsity, layout)
+        _, natural = pattern_sparsifier(pattern, sparsity)
+    except (ValueError, TypeError) as e:
+        if str(e).startswith("pattern must be"):
+            raise ValueError(f"{arg} must be {PATTERNS_HELP}, got {pattern!r}") from None
+        raise ValueError(f"{arg} {pattern!r}: {str(e).removeprefix('pattern: ')}") from None
+    return sparsifier, natural
 
 
 def default_layout(pattern: str, causal_lm: bool = False) -> str:
     """The layout ``prune_model_dir`` stores ``pattern`` in when none is given: the pattern's natural
-    one (masked, nm or row_group), except that a causal LM's ``'unstructured'`` or ``'N:M'`` weights
-    go to ``"bitmask"`` (fast single-token decode) when that layout is registered."""
+    one (masked, nm, grouped_nm or row_group), except that a causal LM's ``'unstructured'`` or
+    ``'N:M'`` weights go to ``"bitmask"`` (fast single-token decode) when that layout is registered.
+
+    >>> default_layout("2:4"), default_layout("grouped_2:4"), default_layout("row_group16")
+    ('nm', 'grouped_nm', 'row_group')
+    """
     from .layouts.base import get_layout
-    from .methods.pattern import named_pattern
-    _, natural = named_pattern(pattern, 0.5)
+    _, natural = _pattern_sparsifier(pattern, 0.5, arg="pattern")
     if causal_lm and natural in ("masked", "nm"):
         try:
             get_layout("bitmask")
@@ -132,30 +134,69 @@ def default_layout(pattern: str, causal_lm: bool = False) -> str:
     return natural
 
 
+#: one example of each pattern family, as the error for a layout that cannot store a pattern lists them
+_PATTERN_EXAMPLES = (("unstructured", "'unstructured'"), ("2:4", "N:M (e.g. 2:4)"),
+                     ("grouped_2:4", "grouped_N:M (e.g. grouped_2:4)"),
+                     ("row_group16", "row_group<G> (e.g. row_group16)"))
+
+
+def _probe() -> nn.Linear:
+    probe = nn.Linear(256, 64, bias=False)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))
+    return probe
+
+
+def _stores(pattern: str, sparsity: float, layout: str) -> bool:
+    """Whether ``layout`` stores ``pattern`` at ``sparsity`` (tried on a small random weight)."""
+    from . import Rule, sparsify
+    try:
+        sparsifier, _ = _pattern_sparsifier(pattern, sparsity, layout)
+        sparsify(_probe(), Rule(sparsifier=sparsifier, layout=layout))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def _layout_fix(pattern: str, sparsity: float, layout: str) -> str:
+    """What to pass instead when ``layout`` cannot store ``pattern``: the patterns ``layout`` stores
+    and the layouts that store ``pattern`` (both found by trying them)."""
+    from .layouts.base import registered_layouts
+    fits = [say for p, say in _PATTERN_EXAMPLES if p != pattern and _stores(p, sparsity, layout)]
+    where = [lay for lay in sorted(registered_layouts()) if lay != layout and _stores(pattern, sparsity, lay)]
+    out = []
+    if fits:
+        out.append(f"--layout {layout} stores --pattern {' or '.join(fits)}")
+    if where:
+        out.append(f"--pattern {pattern} can be stored with --layout {', '.join(where)} "
+                   f"(default {_pattern_sparsifier(pattern, sparsity)[1]}: omit --layout)")
+    return "; ".join(out)
+
+
 def check_pattern_layout(pattern: str, sparsity: float, layout: str) -> Any:
-    """The sparsifier of ``pattern``; raises ``ValueError`` naming the argument if ``pattern``,
-    ``sparsity`` or ``layout`` is invalid, or if ``layout`` cannot store ``pattern`` (checked on a
-    small random weight, so nothing is loaded or pruned first)."""
+    """The sparsifier of ``pattern`` stored in ``layout`` (an ``'N:M'`` pattern in the ``grouped_nm``
+    layout: the grouped N:M sparsifier); raises ``ValueError`` naming the argument and the fix if
+    ``pattern``, ``sparsity`` or ``layout`` is invalid, or if ``layout`` cannot store ``pattern``
+    (checked on a small random weight, so nothing is loaded or pruned first).
+
+    >>> check_pattern_layout("2:4", 0.5, "grouped_nm")
+    GroupedNM(n=2, m=4, g=4)
+    """
     from . import Rule, sparsify
     from .layouts.base import check_fraction, get_layout
-    from .methods.pattern import named_pattern
     check_fraction(sparsity, "--sparsity")
-    try:
-        sparsifier, _ = named_pattern(pattern, sparsity)
-    except ValueError as e:
-        raise ValueError(f"--pattern: {e}") from None
+    sparsifier, _ = _pattern_sparsifier(pattern, sparsity, layout)
     try:
         get_layout(layout)
     except ValueError as e:
         raise ValueError(f"--layout: {e}") from None
-    probe = nn.Linear(256, 64, bias=False)
-    with torch.no_grad():
-        probe.weight.copy_(torch.randn(64, 256, generator=torch.Generator().manual_seed(0)))
     try:
-        sparsify(probe, Rule(sparsifier=sparsifier, layout=layout))
+        sparsify(_probe(), Rule(sparsifier=sparsifier, layout=layout))
     except (ValueError, TypeError) as e:
-        raise ValueError(f"--layout {layout!r} cannot store --pattern {pattern!r} at --sparsity {sparsity}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        why = str(e).splitlines()[0].split("; use ")[0] if str(e) else type(e).__name__
+        fix = _layout_fix(pattern, sparsity, layout)
+        raise ValueError(f"--layout {layout!r} cannot store --pattern {pattern!r} at --sparsity {sparsity} ({why})"
+                         + (f"; {fix}" if fix else "")) from None
     return sparsifier
 
 
@@ -287,6 +328,7 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
     causal = is_causal_lm(srcp)
     layout = layout or default_layout(pattern, causal)
     sparsifier = check_pattern_layout(pattern, sparsity, layout)
+    frontier.check_method_layout(method, layout, "--method")
     model = load_pruned(src)
     names = prunable_linears(model)
     if not names:
@@ -436,8 +478,6 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     """
     from . import sparsity_report
     from .data.text import calibration_and_evaluation
-    from .frontier import (FIXED_SPARSITY, PATTERNS, DenseBaselines, embedding_quality, encoder_inputs,
-                           highest_passing, pattern_config, prune_copy)
     from .models.minilm import embed
     say = log or (lambda _: None)
     if isinstance(target_quality, bool) or not isinstance(target_quality, (int, float)) \
@@ -454,10 +494,10 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     if is_causal_lm(srcp):
         raise ValueError("--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
                          "encoders such as BERT or MiniLM); prune with --sparsity instead")
-    patterns = list(patterns or PATTERNS)
+    patterns = list(patterns or frontier.PATTERNS)
     for p in patterns:
         try:
-            pattern_config(p, 0.5)
+            frontier.pattern_config(p, 0.5)
         except (ValueError, TypeError) as e:
             raise ValueError(f"--pattern: {e}") from None
     grid = sorted({float(s) for s in sparsities})
@@ -465,7 +505,6 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
         raise ValueError(f"sparsities must be in (0, 1), got {list(sparsities)}")
     if not any((srcp / f).is_file() for f in _TOKENIZER_FILES):
         raise ValueError(f"--target-quality scores the model on held-out text, but {src} has no tokenizer files")
-    _offline()
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(srcp), local_files_only=True)
     if data is not None:
@@ -479,25 +518,26 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     calibration = _tokenized(tok, cal_texts) if method != "magnitude" else []
     held = {"data": eval_texts}
     ref = {"data": embed(dense, tok, eval_texts, max_length=128)}
-    baselines = DenseBaselines(dense, encoder_inputs(dense), use_compile=use_compile, reps=reps, log=say)
+    baselines = frontier.DenseBaselines(dense, frontier.encoder_inputs(dense), use_compile=use_compile, reps=reps,
+                                        log=say)
 
     tried: Dict[Tuple[str, float], Dict[str, Any]] = {}
     candidates: List[Dict[str, Any]] = []
     best: Dict[str, Any] = {"row": None, "model": None}
 
     def evaluate(pattern: str, sparsity: float) -> bool:
-        cfg = pattern_config(pattern, sparsity)
+        cfg = frontier.pattern_config(pattern, sparsity)
         key = (cfg.label, cfg.sparsity)
         if key not in tried:
             row: Dict[str, Any] = {"pattern": pattern, "label": cfg.label, "layout": cfg.layout,
                                    "sparsity": cfg.sparsity}
             try:
-                model = prune_copy(dense, method, cfg, calibration, names)
+                model = frontier.prune_copy(dense, method, cfg, calibration, names)
             except ValueError as e:
                 row["skipped"], row["passes"] = str(e).split(";")[0], False
                 say(f"  {cfg.label} at {cfg.sparsity:.0%}: skipped ({row['skipped']})")
             else:
-                row.update(embedding_quality(model, tok, held, ref))
+                row.update(frontier.embedding_quality(model, tok, held, ref))
                 row.update(baselines.speedup(model))
                 row["passes"] = row["quality_cosine"] >= target_quality
                 say(f"  {cfg.label} at {cfg.sparsity:.0%}: cosine {row['quality_cosine']:.3f}, "
@@ -513,10 +553,10 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     say(f"searching {', '.join(patterns)} for cosine >= {target_quality:g} with {method} "
         f"({len(cal_texts)} calibration / {len(eval_texts)} held-out texts)")
     for p in patterns:
-        if p in FIXED_SPARSITY or (":" in p and not p.startswith("grouped")):
-            evaluate(p, pattern_config(p, 0.5).sparsity)
+        if p in frontier.FIXED_SPARSITY or (":" in p and not p.startswith("grouped")):
+            evaluate(p, frontier.pattern_config(p, 0.5).sparsity)
         else:
-            highest_passing(grid, lambda s, p=p: evaluate(p, s))
+            frontier.highest_passing(grid, lambda s, p=p: evaluate(p, s))
     candidates.sort(key=lambda c: (patterns.index(c["pattern"]), c["sparsity"]))
     result = TargetQualityResult(float(target_quality), method, candidates, best["row"],
                                  {k: round(v, 1) for k, v in baselines.ms.items()}, baselines.best,

@@ -127,3 +127,51 @@ def test_prune_only_if_faster_follows_timing(tiny_model_dir, tmp_path, monkeypat
         assert type(w) is torch.nn.Parameter and abs(float((w == 0).float().mean()) - 0.5) < 1e-6
     else:
         assert w.layout_name == "row_group" and abs(w.sparsity - 0.5) < 1e-6
+
+
+def test_prune_nm_pattern_into_the_grouped_nm_layout(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "grouped"
+    assert cli.main(["prune", str(tiny_model_dir), "-o", str(out), "--pattern", "2:4", "--layout", "grouped_nm"]) == 0
+    assert "grouped_nm" in capsys.readouterr().out
+    from sparsa.prune import load_pruned
+    w = load_pruned(str(out)).encoder.layer[0].attention.self.query.weight
+    assert w.layout_name == "grouped_nm" and (w.sparse_layout.n, w.sparse_layout.m) == (2, 4)
+    assert abs(w.sparsity - 0.5) < 1e-6
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--pattern", "unstructured", "--layout", "grouped_nm"],
+     ["--layout 'grouped_nm' cannot store --pattern 'unstructured'", "--layout grouped_nm stores --pattern N:M",
+      "--layout bitmask"]),
+    (["--pattern", "2:4", "--layout", "row_group"], ["--layout row_group stores --pattern row_group<G>"]),
+    (["--pattern", "2:4", "--layout", "grouped_nm", "--method", "sparsegpt"],
+     ["--method sparsegpt cannot produce grouped_nm masks", "use magnitude or wanda"]),
+])
+def test_pattern_layout_mismatch_is_one_line_naming_the_fix(tiny_model_dir, tmp_path, args, needles):
+    r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *args])
+    assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert all(n in r.stderr for n in needles), r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# The library sets no environment variables (issue #17): it reads the model offline by passing
+# local_files_only to every loader. Checked in a fresh interpreter whose environment has no
+# HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE (this process may have set them: see tiny_model_dir).
+_NO_ENV_CHANGE = r"""
+import os, sys
+before = dict(os.environ)
+from sparsa.prune import load_pruned, prune_model_dir, search_target_quality
+src, out = sys.argv[1], sys.argv[2]
+prune_model_dir(src, out + "/a", method="wanda", sparsity=0.5, calib=8, progress=False)
+load_pruned(out + "/a")
+search_target_quality(src, out + "/b", 0.01, patterns=["2:4"], calib=8, use_compile=False, reps=1, log=None)
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+"""
+
+
+def test_prune_and_load_set_no_environment(tiny_model_dir, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["PYTHONWARNINGS"] = "ignore"
+    proc = subprocess.run([sys.executable, "-c", _NO_ENV_CHANGE, str(tiny_model_dir), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
