@@ -1,98 +1,14 @@
-"""Property tests of the sparse layouts against the dense reference."""
+"""Layout-specific tests: formats, structure choices, parameter checks and validation messages."""
 import itertools
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
-from sparsa.layouts import BSR, COO, CSR, Bitmask, GroupedNM, Masked, NM, get_layout, grouped_nm_mask, nm_mask
+from sparsa.layouts import BSR, COO, CSR, GroupedNM, Masked, NM, get_layout, grouped_nm_mask, nm_mask
 
-SETTINGS = settings(max_examples=25, deadline=None)
-
-# (layout, params, ndim) for every layout under test
-CASES = [
-    (COO, {}, 2),
-    (COO, {}, 3),
-    (COO, {}, 1),
-    (CSR, {}, 2),
-    (Bitmask, {}, 2),
-    (BSR, {"blocksize": (2, 3)}, 2),
-    (BSR, {"blocksize": (4, 4)}, 2),
-    (NM, {"n": 2, "m": 4}, 2),
-    (NM, {"n": 1, "m": 3}, 3),
-    (GroupedNM, {"n": 2, "m": 4, "g": 2}, 2),
-    (GroupedNM, {"n": 1, "m": 3, "g": 3}, 2),
-]
-IDS = [f"{c[0].name}-{'-'.join(f'{k}{v}' for k, v in c[1].items())}-{c[2]}d" for c in CASES]
-
-
-def valid_mask(layout, params, dense, density):
-    """A mask the layout accepts: random for unstructured layouts, its own mask function otherwise."""
-    if layout is NM:
-        return nm_mask(dense, params["n"], params["m"])
-    if layout is GroupedNM:
-        return grouped_nm_mask(dense, params["n"], params["m"], params["g"])
-    return torch.rand(dense.shape) < density
-
-
-def shapes(ndim):
-    # odd sizes, single rows and empty dims all appear
-    return st.lists(st.sampled_from([0, 1, 2, 3, 5, 7, 9, 13]), min_size=ndim, max_size=ndim)
-
-
-@pytest.mark.parametrize("layout,params,ndim", CASES, ids=IDS)
-@SETTINGS
-@given(data=st.data())
-def test_roundtrip_and_counts(layout, params, ndim, data):
-    shape = data.draw(shapes(ndim))
-    seed = data.draw(st.integers(0, 2**16))
-    density = data.draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
-    torch.manual_seed(seed)
-    x = torch.randn(shape)
-    x[torch.rand(shape) < 0.2] = 0.0  # explicit zeros inside masks
-    mask = valid_mask(layout, params, x, density)
-    lay = layout.from_dense(x, mask=mask, **params)
-    d = lay.to_dense()
-    assert d.shape == x.shape and d.dtype == x.dtype
-    assert torch.equal(d, x * mask)
-    # the stored pattern is the mask (explicit zeros kept); structured layouts may add padding fillers
-    lay_mask = lay.mask()
-    assert lay_mask.dtype == torch.bool and lay_mask.shape == x.shape
-    if layout in (COO, CSR, BSR):
-        assert torch.equal(lay_mask, mask)
-    else:
-        assert bool((lay_mask | ~mask).all())  # superset
-    assert lay.nnz == int(lay_mask.sum())
-    numel = math.prod(shape)
-    assert lay.density == pytest.approx(lay.nnz / numel if numel else 0.0)
-    assert lay.nbytes == sum(t.numel() * t.element_size() for t in lay.components().values())
-    # from_components(components(), shape, **params()) round-trips
-    again = layout.from_components(lay.components(), lay.shape, **lay.params())
-    assert torch.equal(again.to_dense(), d) and torch.equal(again.mask(), lay_mask)
-    # refill keeps the pattern and takes new values
-    y = torch.randn(shape)
-    r = lay.refill(y)
-    assert torch.equal(r.mask(), lay_mask)
-    assert torch.equal(r.to_dense(), y * lay_mask)
-    r.validate()
-
-
-@pytest.mark.parametrize("layout,params,ndim", CASES, ids=IDS)
-@settings(max_examples=15, deadline=None)
-@given(data=st.data())
-def test_from_dense_without_mask(layout, params, ndim, data):
-    shape = data.draw(shapes(ndim))
-    torch.manual_seed(data.draw(st.integers(0, 2**16)))
-    x = torch.randn(shape)
-    x[torch.rand(shape) < 0.5] = 0.0
-    lay = layout.from_dense(x, **params)
-    lay.validate()
-    if layout in (COO, CSR, BSR):
-        assert torch.equal(lay.to_dense(), x)
-        assert torch.equal(lay.mask(), x != 0)
-    else:
-        assert torch.equal(lay.to_dense(), x * lay.mask())
+# The round trip, pattern, from_components and refill properties of every layout live in
+# tests/test_layout_conformance.py; this file keeps the layout-specific tests.
 
 
 def test_nm_keeps_largest_magnitudes():

@@ -49,7 +49,7 @@ def kept_importance(importance: Tensor, perm: Tensor, group: int, kept: int) -> 
 
 
 def _group_sums(imp: Tensor, perm: Tensor, group: int) -> Tensor:
-    return imp[perm].view(-1, group, imp.shape[1]).sum(1)
+    return imp[perm].view(perm.numel() // group, group, imp.shape[1]).sum(1)  # explicit: K may be 0
 
 
 def _bisect(x: Tensor, rows: Tensor, group: int, out: list, gen: torch.Generator) -> None:

@@ -50,7 +50,7 @@ def _check_group(group: Any) -> int:
 
 
 def _kept_count(in_features: int, sparsity: float) -> int:
-    return max(1, int(round(in_features * (1.0 - sparsity))))
+    return min(in_features, max(1, int(round(in_features * (1.0 - sparsity)))))  # 0 for an empty weight
 
 
 def _pad_rows(t: Tensor, group: int) -> Tensor:
@@ -318,7 +318,7 @@ def _slot_groups(mask: Tensor, group: int) -> Tensor:
     """``(n_groups, group, K)`` view of a (R, K) mask in slot order, padding rows copying the last row."""
     R, K = mask.shape
     padded = torch.cat([mask, mask[-1:].expand((-R) % group, K)], 0) if R % group else mask
-    return padded.view(-1, group, K)
+    return padded.view(padded.shape[0] // group, group, K)  # explicit: K == 0 leaves -1 ambiguous
 
 
 def _perm_from_mask(mask: Tensor, group: int, permute: Optional[bool]) -> Tensor:

@@ -1,0 +1,470 @@
+"""One conformance suite for every registered layout (as scipy.sparse runs one test class per format).
+
+``SPECS`` says, for every layout that ``sparsa.layouts`` registers, how to build valid instances
+from a dense tensor (parameters and a mask the layout accepts). :class:`TestLayoutConformance` then
+runs the same property tests on each of them against the dense reference: ``from_dense`` /
+``to_dense`` round trip and pattern bookkeeping, conversions, ``F.linear`` forward and backward,
+an optimizer step, ``sparsa.save`` / ``sparsa.load`` and ``copy.deepcopy``.
+
+A layout registered without a ``SPECS`` entry fails :func:`test_every_library_layout_has_a_spec`,
+so a new layout cannot escape the suite. What a layout legitimately cannot do is listed in
+``EXCEPTIONS`` (with the reason), and the suite checks the documented behaviour there instead of
+skipping.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Tuple
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from torch import Tensor
+
+import sparsa
+from sparsa.layouts import (GroupedNM, conversion_path, convert, grouped_nm_mask, nm_mask, registered_layouts,
+                            row_group_mask)
+
+SETTINGS = settings(max_examples=10, deadline=None)
+
+MaskFn = Callable[[Tensor, Dict[str, Any], torch.Generator], Tensor]
+
+
+def _random_mask(x: Tensor, params: Dict[str, Any], gen: torch.Generator) -> Tensor:
+    """Any pattern: density drawn per call (empty and full masks included)."""
+    density = [0.0, 0.3, 0.7, 1.0][int(torch.randint(4, (), generator=gen))]
+    return torch.rand(x.shape, generator=gen) < density
+
+
+def _scores(x: Tensor, gen: torch.Generator) -> Tensor:
+    # a pattern independent of the values, so explicit zeros of x can be inside it
+    return torch.rand(x.shape, generator=gen) + 0.1
+
+
+def _thinned(mask: Tensor, gen: torch.Generator) -> Tensor:
+    """Half the time drop some kept positions: a sparser mask than the structure allows is valid too."""
+    if bool(torch.randint(2, (), generator=gen)):
+        return mask & (torch.rand(mask.shape, generator=gen) < 0.6)
+    return mask
+
+
+def _nm(x, p, gen):
+    return _thinned(nm_mask(_scores(x, gen), p["n"], p["m"]), gen)
+
+
+def _grouped_nm(x, p, gen):
+    # not thinned: see KNOWN_BUGS["grouped_nm", "sparser_mask"] and test_grouped_nm_accepts_a_sparser_mask
+    return grouped_nm_mask(_scores(x, gen), p["n"], p["m"], p["g"])
+
+
+def _row_group(x, p, gen):
+    sparsity = [0.0, 0.5, 0.8][int(torch.randint(3, (), generator=gen))]
+    permute = bool(torch.randint(2, (), generator=gen))
+    return row_group_mask(_scores(x, gen), sparsity, p["group"], permute=permute)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How to build valid instances of one layout.
+
+    ``variants``: parameter sets passed to ``from_dense`` / expected back from ``params()``;
+    ``mask``: a mask the layout accepts for a variant; ``exact``: ``mask()`` is exactly the given
+    mask (else a documented superset: structured layouts fill their structure with stored zeros,
+    Dense stores everything); ``any_mask``: accepts every pattern (so it is a target of the dense
+    conversion route from any layout); ``auto``: extra ``from_dense`` arguments when no mask is
+    given; ``ndims``: tensor ranks it stores.
+    """
+
+    variants: Tuple[Dict[str, Any], ...] = ({},)
+    mask: MaskFn = _random_mask
+    exact: bool = True
+    any_mask: bool = True
+    auto: Dict[str, Any] = field(default_factory=dict)
+    ndims: Tuple[int, ...] = (2,)
+
+
+SPECS: Dict[str, Spec] = {
+    "dense": Spec(exact=False, ndims=(1, 2, 3)),
+    "masked": Spec(ndims=(1, 2, 3)),
+    "coo": Spec(ndims=(1, 2, 3)),
+    "csr": Spec(),
+    "bsr": Spec(variants=({"blocksize": (2, 3)}, {"blocksize": (4, 4)}, {"blocksize": (1, 1)})),
+    "bitmask": Spec(),
+    "sliced_ell": Spec(),
+    "nm": Spec(variants=({"n": 2, "m": 4}, {"n": 1, "m": 3}), mask=_nm, exact=False, any_mask=False,
+               ndims=(2, 3)),
+    "grouped_nm": Spec(variants=({"n": 2, "m": 4, "g": 2}, {"n": 1, "m": 3, "g": 3}), mask=_grouped_nm,
+                       exact=False, any_mask=False),
+    "row_group": Spec(variants=({"group": 4}, {"group": 8}), mask=_row_group, exact=False, any_mask=False,
+                      auto={"sparsity": 0.5}),
+}
+
+_EMPTY_LINEAR = ("F.linear with a 0-row or 0-column weight: x.reshape(-1, K) with K == 0 (forward) and "
+                 "grad.reshape(-1, R) with R == 0 (backward) are ambiguous in sparsa/ops and sparsa/kernels "
+                 "(outside sparsa/layouts; torch's dense F.linear accepts these shapes)")
+#: (layout, capability) -> a bug this suite found and did not fix here; the test is xfail(strict=True)
+KNOWN_BUGS: Dict[Tuple[str, str], str] = {
+    **{(n, "empty_linear"): _EMPTY_LINEAR
+       for n in ("bitmask", "bsr", "coo", "csr", "grouped_nm", "masked", "nm", "row_group", "sliced_ell")},
+    ("grouped_nm", "sparser_mask"): (
+        "GroupedNM.from_dense rejects some masks that are subsets of a valid grouped n:m mask (a valid "
+        "pattern assignment exists: the superset's); the greedy search in _assign_from_mask misses it. "
+        "grouped_nm.py is being edited elsewhere; the property tests use unthinned grouped masks meanwhile"),
+}
+
+#: (layout, capability) -> why the layout cannot do it; the test asserts the documented behaviour
+EXCEPTIONS: Dict[Tuple[str, str], str] = {
+    ("dense", "sparse_linear"): "Dense is the dispatcher's name for a plain tensor: no sparse kernel exists, so "
+                                "F.linear runs densely through the counted fallback (and raises in strict mode)",
+    ("dense", "structured_target"): "Dense stores every position: converting it to a structured layout passes "
+                                    "the full pattern, which the target rejects with a ValueError naming the "
+                                    "mask unless it fits (e.g. RowGroup, or N:M with fewer than n+1 columns)",
+}
+
+
+def _library_layouts() -> Dict[str, type]:
+    """Layouts the library itself registers (tests may register their own at run time)."""
+    return {k: v for k, v in registered_layouts().items() if v.__module__.startswith("sparsa.layouts.")}
+
+
+NAMES = sorted(SPECS)
+
+
+def test_every_library_layout_has_a_spec():
+    missing = sorted(set(_library_layouts()) - set(SPECS))
+    assert not missing, (f"layouts {missing} are registered but have no entry in SPECS of "
+                         f"{os.path.basename(__file__)}: add one so the conformance suite covers them")
+    stale = sorted(set(SPECS) - set(_library_layouts()))
+    assert not stale, f"SPECS names layouts that are not registered: {stale}"
+    bad = sorted(k for k in list(EXCEPTIONS) + list(KNOWN_BUGS) if k[0] not in SPECS)
+    assert not bad, f"EXCEPTIONS names unknown layouts: {bad}"
+
+
+# ----------------------------------------------------------------------------- helpers
+def _shape(data, name: str, ndim: int = 2, empty: bool = False) -> Tuple[int, ...]:
+    sizes = st.sampled_from(([0] if empty else []) + [1, 2, 3, 5, 7, 9, 13])
+    return tuple(data.draw(st.lists(sizes, min_size=ndim, max_size=ndim), label="shape"))
+
+
+def _case(data, name: str, ndim: int = 2, empty: bool = False):
+    """(layout class, params, x with explicit zeros, a valid mask, generator); ``empty``: sizes of 0 too."""
+    spec = SPECS[name]
+    params = data.draw(st.sampled_from(spec.variants), label="params")
+    shape = _shape(data, name, ndim, empty)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    x = torch.randn(shape, generator=gen)
+    x[torch.rand(shape, generator=gen) < 0.2] = 0.0  # explicit zeros inside masks
+    mask = spec.mask(x, params, gen)
+    return registered_layouts()[name], params, x, mask, gen
+
+
+def _params_equal(got: Dict[str, Any], want: Dict[str, Any]) -> None:
+    norm = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in got.items()}
+    for k, v in want.items():
+        assert norm[k] == (tuple(v) if isinstance(v, (list, tuple)) else v), (k, got)
+
+
+def _check_pattern(name: str, lay, mask: Tensor) -> None:
+    got = lay.mask()
+    assert got.dtype == torch.bool and got.shape == mask.shape
+    if SPECS[name].exact:
+        assert torch.equal(got, mask)
+    else:
+        assert bool((got | ~mask).all()), "the stored pattern must contain the given mask"
+
+
+def _components_equal(a, b) -> None:
+    ca, cb = a.components(), b.components()
+    assert list(ca) == list(cb)
+    for k in ca:
+        assert ca[k].dtype == cb[k].dtype and torch.equal(ca[k], cb[k]), k
+
+
+def _no_fallback() -> bool:
+    return not [k for k in sparsa.fallback_counts() if k[0] == "linear"]
+
+
+# ----------------------------------------------------------------------------- the suite
+@pytest.mark.parametrize("name", NAMES)
+class TestLayoutConformance:
+    @SETTINGS
+    @given(data=st.data())
+    def test_roundtrip_and_counts(self, name, data):
+        ndim = data.draw(st.sampled_from(SPECS[name].ndims), label="ndim")
+        cls, params, x, mask, gen = _case(data, name, ndim, empty=True)
+        lay = cls.from_dense(x, mask=mask, **params)
+        lay.validate()
+        assert type(lay) is cls and type(lay).name == name
+        d = lay.to_dense()
+        assert d.shape == x.shape and d.dtype == x.dtype and lay.dtype == x.dtype
+        assert tuple(lay.shape) == tuple(x.shape)
+        assert torch.equal(d, x * mask), "values where the mask keeps, zeros elsewhere"
+        _check_pattern(name, lay, mask)
+        pattern = lay.mask()
+        assert torch.equal(d, d * pattern), "nothing stored outside mask()"
+        assert lay.nnz == int(pattern.sum())
+        numel = math.prod(x.shape)
+        assert lay.density == pytest.approx(lay.nnz / numel if numel else 0.0)
+        assert lay.sparsity == pytest.approx(1.0 - lay.nnz / numel if numel else 0.0)
+        assert lay.nbytes == sum(t.numel() * t.element_size() for t in lay.components().values())
+        _params_equal(lay.params(), params)
+        # from_components(components(), shape, **params()) rebuilds the same layout
+        again = cls.from_components(lay.components(), lay.shape, **lay.params())
+        _components_equal(again, lay)
+        assert torch.equal(again.to_dense(), d) and torch.equal(again.mask(), pattern)
+        # refill keeps the pattern and takes new values
+        y = torch.randn(x.shape, generator=gen)
+        r = lay.refill(y)
+        r.validate()
+        assert type(r) is cls and torch.equal(r.mask(), pattern)
+        assert torch.equal(r.to_dense(), y * pattern)
+        # map_tensors / to() keep the layout
+        d64 = lay.to(torch.float64)
+        assert d64.dtype == torch.float64 and torch.equal(d64.mask(), pattern)
+        assert torch.equal(d64.to_dense(), d.double())
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_from_dense_without_mask(self, name, data):
+        spec = SPECS[name]
+        ndim = data.draw(st.sampled_from(spec.ndims), label="ndim")
+        cls, params, x, _, _ = _case(data, name, ndim, empty=True)
+        lay = cls.from_dense(x, **params, **spec.auto)
+        lay.validate()
+        pattern = lay.mask()
+        assert torch.equal(lay.to_dense(), x * pattern)
+        if spec.exact and not spec.auto:
+            assert torch.equal(pattern, x != 0), "without a mask the nonzeros are kept"
+
+    @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+    def test_empty(self, name, shape):
+        """Weights with no rows or no columns (regression: RowGroup with 0 columns used to crash in
+        _slot_groups / _kept_count)."""
+        cls = registered_layouts()[name]
+        params = SPECS[name].variants[0]
+        x = torch.zeros(shape)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        key = (name, "empty")
+        if key in EXCEPTIONS:
+            with pytest.raises(ValueError):
+                cls.from_dense(x, mask=mask, **params)
+            return
+        lay = cls.from_dense(x, mask=mask, **params)
+        lay.validate()
+        assert lay.to_dense().shape == shape and lay.density == 0.0
+        assert lay.nnz == (0 if name != "dense" else math.prod(shape))
+        again = cls.from_components(lay.components(), lay.shape, **lay.params())
+        assert again.to_dense().shape == shape
+        auto = cls.from_dense(x, **params, **SPECS[name].auto)  # the mask-free route too
+        assert auto.to_dense().shape == shape and auto.density == 0.0
+
+    @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+    def test_empty_linear(self, name, shape, request):
+        """F.linear with an empty weight (no outputs, or no inputs: zeros), forward and backward."""
+        if (name, "empty_linear") in KNOWN_BUGS:
+            request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name, "empty_linear"]))
+        cls = registered_layouts()[name]
+        lay = cls.from_dense(torch.zeros(shape), mask=torch.zeros(shape, dtype=torch.bool), **SPECS[name].variants[0])
+        R, K = shape
+        xs = torch.randn(3, K, requires_grad=True)
+        p = nn.Parameter(sparsa.SparseTensor(lay))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+            out = F.linear(xs, p)
+            assert out.shape == (3, R) and not bool(out.any())
+            out.sum().backward()
+        assert xs.grad.shape == (3, K) and not bool(xs.grad.any())
+
+    def test_linear_no_tokens(self, name):
+        """An input with no tokens (a leading dim of 0) gives an empty output and empty gradients."""
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(9, 13, generator=gen)
+        params = SPECS[name].variants[0]
+        lay = registered_layouts()[name].from_dense(w, mask=SPECS[name].mask(w, params, gen), **params)
+        p = nn.Parameter(sparsa.SparseTensor(lay))
+        for lead in [(0,), (2, 0)]:
+            xs = torch.randn(lead + (13,), requires_grad=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+                out = F.linear(xs, p, torch.ones(9))
+                assert out.shape == lead + (9,)
+                out.sum().backward()
+            assert xs.grad.shape == xs.shape
+            g = p.grad.to_dense() if isinstance(p.grad, sparsa.SparseTensor) else p.grad
+            assert g.shape == (9, 13) and not bool(g.any())
+            p.grad = None
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_conversions(self, name, data):
+        """To every layout: through the conversion graph where a path exists, else the dense route
+        (any-pattern targets take any source; structured targets take a source built on their mask)."""
+        cls, params, x, mask, gen = _case(data, name)
+        lay = cls.from_dense(x, mask=mask, **params)
+        dense, pattern = lay.to_dense(), lay.mask()
+        # the tensor-level entry points: sparsa.to_sparse and SparseTensor.to_layout
+        t = sparsa.to_sparse(x, name, mask=mask, requires_grad=True, **params)
+        assert t.layout_name == name and t.requires_grad and torch.equal(t.to_dense().detach(), dense)
+        for dst_name, dst in sorted(_library_layouts().items()):
+            if dst is cls:
+                assert convert(lay, cls) is lay
+                continue
+            dst_spec = SPECS[dst_name]
+            if conversion_path(cls, dst) is not None or dst_spec.any_mask:
+                out = convert(lay, dst)
+                out.validate()
+                assert type(out) is dst, dst_name
+                assert torch.equal(out.to_dense(), dense), dst_name
+                _check_pattern(dst_name, out, pattern)
+                tt = t.to_layout(dst_name)
+                assert tt.layout_name == dst_name and tt.requires_grad
+                assert torch.equal(tt.to_dense().detach(), dense) and torch.equal(tt.pattern(), out.mask())
+                if torch.equal(out.mask(), pattern):  # and back (not from Dense: see its structured_target)
+                    back = convert(out, cls, **params) if params else convert(out, cls)
+                    assert torch.equal(back.to_dense(), dense) and torch.equal(back.mask(), pattern), dst_name
+                continue
+            # a structured target: build this layout on a pattern the target accepts
+            dst_params = dst_spec.variants[0]
+            if (name, "structured_target") in EXCEPTIONS:
+                try:
+                    out = convert(lay, dst, **dst_params)
+                except ValueError as e:  # the full pattern does not fit: a clear error naming the mask
+                    assert "mask" in str(e), e
+                else:
+                    assert torch.equal(out.to_dense(), dense), dst_name
+                continue
+            if not SPECS[name].any_mask:
+                continue  # two structured layouts with no edge: no common pattern to build on
+            dmask = dst_spec.mask(x, dst_params, gen)
+            src = cls.from_dense(x, mask=dmask, **params)
+            out = convert(src, dst, **dst_params)
+            out.validate()
+            assert type(out) is dst and torch.equal(out.to_dense(), x * dmask), dst_name
+            _check_pattern(dst_name, out, dmask)
+
+    @SETTINGS
+    @given(data=st.data())
+    def test_linear_forward_backward(self, name, data):
+        cls, params, w, mask, gen = _case(data, name)
+        lay = cls.from_dense(w, mask=mask, **params)
+        R, K = lay.shape
+        lead = data.draw(st.sampled_from([(1,), (4,), (2, 3), (0,)]), label="lead")  # (0,): no tokens
+        use_bias = data.draw(st.booleans(), label="bias")
+        x = torch.randn(lead + (K,), generator=gen)
+        b = torch.randn(R, generator=gen) if use_bias else None
+        wd = lay.to_dense().clone().requires_grad_(True)
+        xd = x.clone().requires_grad_(True)
+        bd = b.clone().requires_grad_(True) if use_bias else None
+        ref = F.linear(xd, wd, bd)
+        gy = torch.randn(ref.shape, generator=gen)
+        ref.backward(gy)
+
+        p = nn.Parameter(sparsa.SparseTensor(lay), requires_grad=True)
+        xs = x.clone().requires_grad_(True)
+        bs = b.clone().requires_grad_(True) if use_bias else None
+        sparsa.reset_fallback_counts()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+            out = F.linear(xs, p, bs)
+        assert type(out) is torch.Tensor and out.shape == ref.shape
+        torch.testing.assert_close(out, ref.detach(), rtol=1e-4, atol=1e-5)
+        if (name, "sparse_linear") not in EXCEPTIONS:
+            assert _no_fallback(), f"F.linear with a {name} weight ran the dense fallback"
+        else:
+            assert not _no_fallback(), "the dense fallback is counted"
+            with sparsa.strict(), pytest.raises(sparsa.SparseFallbackError, match="linear"):
+                F.linear(x, p, b)
+        out.backward(gy)
+        torch.testing.assert_close(xs.grad, xd.grad, rtol=1e-4, atol=1e-5)
+        if use_bias:
+            torch.testing.assert_close(bs.grad, bd.grad, rtol=1e-4, atol=1e-5)
+        assert p.grad is not None, "the weight receives a gradient"
+        g = p.grad.to_dense() if isinstance(p.grad, sparsa.SparseTensor) else p.grad
+        assert g.shape == (R, K)
+        pattern = lay.mask()
+        torch.testing.assert_close(g * pattern, wd.grad * pattern, rtol=1e-4, atol=1e-5)
+        assert not bool(g[~pattern].any()), "no weight gradient outside the stored pattern"
+        # an optimizer step trains the stored values and keeps the pattern and layout
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+            torch.optim.SGD([p], lr=0.5).step()
+        assert isinstance(p, sparsa.SparseTensor) and p.layout_name == name
+        assert torch.equal(p.pattern(), pattern)
+        torch.testing.assert_close(p.to_dense(), (lay.to_dense() - 0.5 * g) * pattern, rtol=1e-5, atol=1e-6)
+
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
+    def test_save_load(self, name, data):
+        cls, params, w, mask, _ = _case(data, name)
+        lay = cls.from_dense(w, mask=mask, **params)
+        R, K = lay.shape
+        model = nn.Linear(K, R)
+        model.weight = nn.Parameter(sparsa.SparseTensor(lay))
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "m.safetensors")
+            sparsa.save(model, path)
+            state = sparsa.io.load_state(path)
+            fresh = sparsa.load(nn.Linear(K, R), path)
+        s = state["weight"]
+        assert isinstance(s, sparsa.SparseTensor) and s.layout_name == name
+        assert s.sparse_layout.params() == lay.params()
+        _components_equal(s.sparse_layout, lay)  # narrowed index dtypes come back as saved
+        fw = fresh.weight
+        assert isinstance(fw, nn.Parameter) and isinstance(fw, sparsa.SparseTensor) and fw.requires_grad
+        assert fw.layout_name == name and torch.equal(fw.to_dense(), lay.to_dense())
+        assert torch.equal(fw.pattern(), lay.mask()) and torch.equal(fresh.bias, model.bias)
+
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
+    def test_deepcopy(self, name, data):
+        cls, params, w, mask, gen = _case(data, name)
+        lay = cls.from_dense(w, mask=mask, **params)
+        R, K = lay.shape
+        model = nn.Linear(K, R, bias=False)
+        model.weight = nn.Parameter(sparsa.SparseTensor(lay))
+        twin = copy.deepcopy(model)
+        tw = twin.weight
+        assert isinstance(tw, nn.Parameter) and isinstance(tw, sparsa.SparseTensor) and tw.requires_grad
+        assert tw.layout_name == name and tw.sparse_layout.params() == lay.params()
+        _components_equal(tw.sparse_layout, lay)
+        x = torch.randn(3, K, generator=gen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+            torch.testing.assert_close(twin(x), model(x))
+        # independent storage: changing the copy leaves the original alone
+        before = lay.to_dense().clone()
+        for t in tw.sparse_layout.components().values():
+            if t.is_floating_point():
+                t.add_(1.0)
+        assert torch.equal(model.weight.to_dense(), before)
+        t2 = copy.deepcopy(sparsa.SparseTensor(lay))
+        assert not t2.requires_grad and torch.equal(t2.to_dense(), before)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=KNOWN_BUGS["grouped_nm", "sparser_mask"])
+def test_grouped_nm_accepts_a_sparser_mask():
+    # 2:4, g=2, one 12-column chunk (7 columns + 5 padding), 6 patterns used twice each. ``full`` uses
+    # (0,1) (0,1) (1,3) (0,2) (0,2) (1,3) (0,3) and the padding (0,3) (2,3) (2,3) (1,2) (1,2).
+    full = torch.tensor([[1, 1, 0, 1, 1, 0, 1],
+                         [1, 1, 1, 0, 0, 1, 0],
+                         [0, 0, 0, 1, 1, 0, 0],
+                         [0, 0, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    sub = torch.tensor([[1, 1, 0, 1, 1, 0, 1],   # found by the suite (hypothesis), shrunk by a search
+                        [0, 0, 0, 0, 0, 0, 0],
+                        [0, 0, 0, 0, 1, 0, 0],
+                        [0, 0, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    assert bool((full | ~sub).all()), "sub is a subset of full"
+    x = torch.randn(full.shape)
+    try:
+        GroupedNM.from_dense(x, mask=full, n=2, m=4, g=2)
+    except ValueError as e:
+        pytest.fail(f"the superset mask must be accepted: {e}")
+    lay = GroupedNM.from_dense(x, mask=sub, n=2, m=4, g=2)
+    assert torch.equal(lay.to_dense(), x * sub)
