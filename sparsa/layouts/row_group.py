@@ -95,7 +95,7 @@ def _plan(dense: Tensor, sparsity: float, group: int, permute: bool, scores: Opt
     R, K = dense.shape
     k = _kept_count(K, check_fraction(sparsity, "sparsity"))
     imp = _importance(dense, scores)
-    if permute:
+    if permute and K:  # no columns: nothing to group by
         perm = group_rows(imp, group, k).to(dense.device)
         return perm, _top_columns(imp[perm[:R]], k, group)  # padding slots are the last ones
     return torch.arange(R + (-R) % group, device=dense.device), _top_columns(imp, k, group)
