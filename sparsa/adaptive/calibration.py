@@ -53,7 +53,7 @@ KERNEL_VERSION = 20
 _DY_DENSITIES = (0.5, 0.15)
 
 #: work per nonzero of the dY-driven backward kernels relative to the activation-driven ones
-#: (measured: at equal densities the dY path runs 15-25% slower, dY compaction included)
+#: (the dY path also pays for compacting dY; figures in docs/benchmarks.md)
 DY_PATH_EFFICIENCY = 0.8
 
 

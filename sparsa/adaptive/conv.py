@@ -45,23 +45,12 @@ backward_paths: Counter = Counter()
 
 # Sparse-dY input gradient (stride 1, C % 8 == 0): dx = mask_{x>0}(conv2d(dY, W flipped, transposed)),
 # a forward conv over the compacted dY (work ~ nnz(dY) * C) instead of dot products at the nonzeros of
-# relu(x) (work ~ nnz(x) * O). Cost model fitted on the 2-core dev machine (batch 32, 3x3 pad 1, C = O
-# in {64, 128, 256, 512}, clustered zeros, 1 and 2 threads; benchmarks/adaptive_igrad_dy.py): in units
-# of the x-sparse kernel's time ``nnz(x) * O``, the dY path costs ``0.375 * nnz(dY) * C`` plus a fixed
-# ``0.0625 * numel(dY) * O`` (compacting dY, applying the ReLU mask). Measured input-gradient crossovers
-# (old/new = 1): x 90% zeros at nnz(dY)/nnz(x) ~ 1.0 (0.90-1.17x there), x 75% at ~ 2.0 (0.72-1.25x),
-# x 50%: the dY path won at every dY tried (1.18-1.28x at nnz(dY)/nnz(x) = 1.4). With the weight
-# gradient also needed, the x path computes both in one call that shares its per-channel view of the
-# operand and the padded dY; splitting them (weight gradient alone) cost another 5-35% of the x-sparse
-# input gradient (most at 64ch 32x32), so the dY path must then predict below 0.6 of it (dx + dW, 2
-# threads, old/new: 1.04-1.45x where the rule takes the dY path, 0.52-1.11x where it keeps the x path,
-# the >1 ones at x 75% / dY 75%, near the threshold). Input gradient alone: below 0.8.
-# Off the fitted shapes (1x1 256->256, 128->512, 512->128; 3x3 64->128, 128->64; 1 and 2 threads) the
-# model held for 1x1 and for C < O, but C > O made the dY path slower than predicted (128->64 3x3:
-# 0.79x where 0.69 was predicted), hence the factor sqrt(C / O) when C > O. With it, every case where
-# the rule took the dY path was >= 1.05x (1 thread, dx + dW); it leaves gains on the table for C > O
-# (512->128 1x1 at x 50% / dY 50%: dx alone 2.5x, dx + dW 1.2x, kept on the x path). Run-to-run noise
-# on the shared machine is about +-15% per ratio.
+# relu(x) (work ~ nnz(x) * O). Cost model (fitted with benchmarks/adaptive_igrad_dy.py), in units of the
+# x-sparse kernel's time ``nnz(x) * O``: the dY path costs ``_DY_PER_NNZ * nnz(dY) * C`` plus
+# ``_DY_FIXED * numel(dY) * O`` (compacting dY, applying the ReLU mask), times sqrt(C / O) when C > O, where
+# it ran slower than predicted. It is taken below ``_DY_MARGIN``, or ``_DY_MARGIN_WITH_DW`` when the weight
+# gradient is needed too: the x path then computes both in one call that shares its per-channel view of
+# the operand and the padded dY. Crossovers and fit conditions: docs/benchmarks.md.
 _DY_PER_NNZ, _DY_FIXED = 0.375, 0.0625
 _DY_MARGIN, _DY_MARGIN_WITH_DW = 0.8, 0.6
 _DY_SAMPLE_ELEMENTS = 16384
@@ -194,9 +183,8 @@ class _ReluConv2d(torch.autograd.Function):
 # dY-driven weight gradient: dW[o, c, i, j] is the weight gradient of the flipped conv (input dY, output
 # dX, weight W'[c, o] = W[o, c] flipped) taken with relu(x) in the place of its output gradient, so the
 # stride-1 weight-gradient kernel runs over dY's compacted nonzeros (work ~ nnz(dY) * C) instead of
-# relu(x)'s (~ nnz(x) * O). Measured (/tmp/s3/wgdy.py, 2 threads, batch 32, 3x3): at x 50% / dY 85% zeros
-# 1.8x (128ch), 2.4x (256ch), 2.0x (512ch) faster than the x-driven kernel; at equal densities 15-25%
-# slower. Taken when nnz(dY) * C < _DW_DY_RATIO * nnz(x) * O.
+# relu(x)'s (~ nnz(x) * O). Per nonzero it is slower than the x-driven kernel, so it is taken only when dY
+# is clearly the sparser side: nnz(dY) * C < _DW_DY_RATIO * nnz(x) * O (figures in docs/benchmarks.md).
 _DW_DY_RATIO = 0.75
 backward_paths_dw: Counter = Counter()
 

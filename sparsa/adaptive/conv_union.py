@@ -11,7 +11,7 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
   gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
   nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
-  densities and the clustering of relu(x)'s zeros (the lists below ~20-40% nonzeros).
+  densities and the clustering of relu(x)'s zeros (the lists when relu(x) is sparse enough).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
 (:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
@@ -59,14 +59,12 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 union_paths: Counter = Counter()
 
 
-# Which kernel computes each backward GEMM. Costs are relative to the dense (oneDNN) GEMM, fitted on VGG-16
-# activations with their real output gradients and with dense random ones, at their own sparsity and
-# thresholded to 75% / 90% (2 threads, batch 32, 64-512 channels: `python benchmarks/adaptive_union.py`);
-# d_x, d_g: the densities of relu(x) and dY.
-# Input gradient: at relu(x)'s nonzeros (dot products over 4-pixel unions, any stride; includes rebuilding the
-# weight rows from the forward pack) ~ 0.2 + 1.6 d_x (+0.1 for the largest weights); over dY's mask (stride 1,
-# the flipped conv's forward, stored where relu(x) != 0) ~ 0.5 + 0.65 d_g (1.1-1.2 for a dense dY); strided
-# convs: the relu(x) side or dense, then masked (~1.03).
+# Which kernel computes each backward GEMM. Costs are relative to the dense (oneDNN) GEMM, linear fits in d_x,
+# d_g (the densities of relu(x) and dY) from `python benchmarks/adaptive_union.py` on VGG-16 activations (fit
+# conditions in docs/benchmarks.md). Input gradient: "x" at relu(x)'s nonzeros (dot products over 4-pixel
+# unions, any stride; includes rebuilding the weight rows from the forward pack, dearer for the largest
+# weights); "dy" over dY's mask (stride 1, the flipped conv's forward, stored where relu(x) != 0); "dense" for
+# strided convs (then masked).
 def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool) -> dict:
     cost = {"x": 0.2 + 1.6 * d_x + (0.1 if C * O >= 512 * 256 else 0.0)}
     if not stride1:
@@ -86,12 +84,11 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
     return _dx_costs(d_x, None, C, O, True)["x"] < 0.5
 
 
-# Weight gradient: the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its work is exactly nnz(relu(x))
-# x KH*KW x O FMAs, one dY row load each) ~ 0.04 + 1.45 d_x (+0.08 at C <= 64, +0.12 for the largest weights,
-# 4x4 images whose lists are short per block of output channels), the union kernel over relu(x)'s mask ~
-# 0.3 + 0.65 d_x r (r: relu(x)'s union_ratio, 1-4, 2 when unknown: its work is the 4-pixel unions; -0.1 for the
-# largest weights), over dY's (the flipped conv's weight gradient) ~ 0.45 + 0.75 d_g. The lists win below
-# ~25-40% nonzeros.
+# Weight gradient, fitted the same way: "lists", the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its
+# work is exactly nnz(relu(x)) x KH*KW x O FMAs, one dY row load each; dearer at C <= 64 and for the largest
+# weights, 4x4 images whose lists are short per block of output channels); "x", the union kernel over relu(x)'s
+# mask (its work is the 4-pixel unions, so it scales with relu(x)'s union_ratio r, 2 when unknown); "dy", over
+# dY's mask (the flipped conv's weight gradient).
 def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> dict:
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
     lists = 0.04 + 1.45 * d_x + (0.08 if C <= 64 else 0.0) + (0.12 if C * O >= 512 * 256 else 0.0)
@@ -159,8 +156,7 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.w_key = (weight._version, weight.data_ptr())
         # 2-pixel groups on images run in rows of 4 (no 2x2 tiles, see adaptive_union.cpp) once the 4-pixel
         # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
-        # reuse (VGG-16 8x8 and 4x4 layers at 75-90% zeros: up to 27% faster forwards; 2x2 tiles of larger
-        # images waste less and stay ahead; `python benchmarks/adaptive_union.py`, fwd_union / fwd_union2)
+        # reuse; 2x2 tiles of larger images waste less and stay ahead (figures in docs/benchmarks.md)
         ratio = ctx.x_ratio = op.union_ratio()
         tiles = geo[7] % 2 == 0 and geo[8] % 2 == 0 and geo[7] >= 16 and geo[8] >= 16
         group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
@@ -220,8 +216,8 @@ class UnionReluConv2d(torch.autograd.Function):
         if dx_side is not None:
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has
-                # at most one nonzero per 2x2 window (VGG-16: union ratio 2.6-4.0 there, 1.4-1.8 elsewhere;
-                # 2-pixel groups 10-25% faster on the pooled layers, 5-10% slower on the others)
+                # at most one nonzero per 2x2 window, which lifts its union ratio well above other layers'
+                # (figures in docs/benchmarks.md)
                 ratio = gop.union_ratio()
                 group = 2 if ratio is not None and ratio >= 2.2 else 4
                 dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=group)

@@ -1,7 +1,7 @@
 """Feedback: measured forward+backward times that correct a layer's calibrated cost model.
 
 The cost model is calibrated once per layer shape, on some input, on a machine whose speed drifts;
-a layer predicted at 1.05x can run at 0.95x in training. So layers on the sparse path whose predicted
+a layer predicted just above break-even can run below it in training. So layers on the sparse path whose predicted
 speedup is marginal (below ``Policy.verify_below``) are timed in training: every ``every``-th call
 the runtime times the layer's forward and, through tensor hooks, its backward (from dY's arrival to
 dX's), and every ``probe_every``-th timed call it runs the dense path instead (a probe) so both sides

@@ -150,9 +150,8 @@ def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
 
 
 #: 1:m forward plans pair row blocks (with the AVX-512 kernel) when every (pattern, pattern) group keeps at
-#: least this many columns on average (K/m^2): one x load then feeds two rows (measured, 1024 tokens, 1 thread:
-#: 1:4 2.2x -> 3.2-3.7x vs dense, 1:10 3.8-4.5x -> 5.0-5.9x; with AVX2 only (16 registers) the pair piece
-#: was slower than the interleaved plan, which then stays)
+#: least this many columns on average (K/m^2): one x load then feeds two rows; with AVX2 only (16 registers)
+#: the pair piece loses to the interleaved plan, which then stays (figures in docs/benchmarks.md)
 PAIR_MIN_RUN = 6
 #: columns per unit of a block-pair plan (the panel rows a unit reads stay in L2); at least 32*m*m so that the
 #: groups' runs of entries stay long

@@ -138,8 +138,7 @@ def _(x, slice_ptr, columns, values, bias, out_features, activation="none"):
 
 # ---------------------------------------------------------------------------------------------- autograd
 #: stored entries per element of the weight above which the backward uses dense BLAS products; the
-#: gathered products below it only pay off when extremely sparse (measured, 2 threads, 3072x768, 64-512
-#: tokens: about even at 0.4% density, dense 2-4x faster at 1.2%, gathered 2-5x faster at 0.15%)
+#: gathered products below it only pay off when extremely sparse (figures in docs/benchmarks.md)
 _DENSE_BACKWARD = 1 / 256
 #: elements of a ``(tokens, entries)`` temporary per chunk in the sparse backward
 _CHUNK = 1 << 22

@@ -34,8 +34,8 @@ from .registry import implements
 __all__ = ["GroupedNMLinear"]
 
 _CACHE_KEY = "native_linear_plans"
-# above this density (n/m) the dense grad_y.T @ x (BLAS) then masking beats the sddmm kernel (measured: 0.85x
-# of dense at 1:4, 1.7-2.1x at 1:10)
+# above this density (n/m) the dense grad_y.T @ x (BLAS) then masking beats the sddmm kernel
+# (figures in docs/benchmarks.md)
 _SDDMM_MAX_DENSITY = 0.15
 
 

@@ -10,7 +10,7 @@ Registered with the dispatcher, so ``F.linear(x, sparse_weight, bias)`` runs the
 
 Forward calls the ``sparsa::row_group_linear`` / ``sparsa::sliced_ell_linear`` custom ops (while
 ``torch.compile`` traces) or their eager implementation directly (the same function, without the
-op-dispatch overhead of ~15 us per call). Backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the
+op-dispatch overhead per call). Backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the
 kept pattern only (a dense tensor of W's shape, zero elsewhere), each computed only when needed;
 sparse formulations (gather + batched matmul) are used where they beat the dense matmul.
 """

@@ -20,8 +20,8 @@
 // per block: L1-friendly), takes the weights packed once per step ([C][KH][KW][O]) and writes the
 // weight gradient into nn.Conv2d's [O, C, KH, KW] layout: for a contiguous weight every task
 // transposes its (channel chunk, output block) slice from a small per-thread buffer straight into
-// the result (no full-size scratch pass through memory: 512ch 4x4 backward 1.4-1.7x faster at
-// 75-95% sparsity), else through a [KH, KW, C, O] scratch and a blocked transpose. When a tile's dY
+// the result (no full-size scratch pass through memory), else through a [KH, KW, C, O] scratch and a
+// blocked transpose. When a tile's dY
 // rows of one 32-wide output block fit in L1 the input gradient also runs block by block over the
 // block-major copy (partial sums per CSC entry, then scattered into dA; no plain padded copy).
 //
@@ -48,7 +48,7 @@ struct Csc {
 
 // Rows per tile (rows of all images in a row, n*H + h): about 256 input pixels, so the dY rows a
 // tile reads stay in L2 and each (tile, channel) column is long enough to amortise its dWt update
-// (measured: 128 is ~5% faster for the weight gradient but 5-25% slower for the input gradient).
+// (128 helps the weight gradient a little but slows the input gradient more).
 inline int64_t tile_rows(int64_t H, int64_t W) {
     (void)H;
     return std::max<int64_t>(1, (256 + W - 1) / W);
@@ -349,8 +349,7 @@ inline int64_t wg_block(int64_t KW) { return KW % 3 == 0 ? 32 : 64; }
 inline int64_t ig_block_width(int64_t KW) { (void)KW; return 32; }
 
 // The input gradient runs output-channel block by block over the block-major dY copy when a tile's
-// block of dY rows fits in L1 (measured: 128ch 16x16 tiles +3-9% for the whole backward; 512ch 4x4,
-// whose single tile spans all 16 images, is 1-6% slower that way), else over the plain padded dY.
+// block of dY rows fits in L1, else over the plain padded dY (figures in docs/benchmarks.md).
 inline bool ig_use_blocked(const int64_t* g, const int64_t* pads) {
     const int64_t H = g[2], W = g[3], O = g[4], KH = g[5], KW = g[6], dh = g[13];
     const int64_t OB = ig_block_width(KW);

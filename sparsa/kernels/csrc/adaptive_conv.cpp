@@ -93,8 +93,7 @@ void fwd_task(const Geo& G, const int32_t* cnt, const int32_t* idx, const float*
 #define SPARSA_ADAPTIVE_AVX512 1
 // AVX-512 forward (chosen at run time, see cpu_isa.h): the same loop nest, NV zmm accumulators of 16
 // output channels, and while a list still has >= 32 entries two accumulator sets (two nonzeros in
-// flight). Measured against the AVX2 lists above (2 threads, batch 32, 3x3): 10-20% faster at 50-75%
-// activation sparsity and 1.3-2x at 90% (the 64-channel 32x32 layer: 9.1 -> 4.2 ms).
+// flight). Faster than the AVX2 lists above at every sparsity, most at high sparsity (docs/benchmarks.md).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
 template <int NV>

@@ -34,8 +34,8 @@ constexpr int CC = 4;  // channels per step
 
 // dx[q_i, c_j] for the 4 pixels (row pointers dyr[k][i], zero rows where out of range) and 4 channels c[j]
 // (weight rows wr[j] = wc + c_j * K2 * O, contiguous): the 16 dot products of length K2 * O into out[j][i].
-// (Reading the forward pack's OB-wide pieces instead, C * OB floats apart, measured 15-25% slower on 256-512
-// channels than building wc by row copies first.)
+// (Reading the forward pack's OB-wide pieces instead, C * OB floats apart, is slower than building wc by
+// row copies first.)
 inline void dots(const float* const (*dyr)[P], const float* const* wr, int64_t K2, int64_t O, float out[CC][P]) {
     __m512 acc[CC][P];
     for (int j = 0; j < CC; ++j)

@@ -10,7 +10,7 @@
 // input pixels' masks and runs over the channels set in that union, so each weight row it loads feeds
 // 4 pixels x OB/16 FMAs from registers (the per-nonzero list kernels of adaptive_conv.cpp load one
 // weight row per pixel). Zeros inside the union cost a wasted FMA, but neighbouring pixels' ReLU
-// zeros are correlated: on VGG-16 activations with 50% zeros the 4-pixel union still skips 28%.
+// zeros are correlated, so even at moderate sparsity the 4-pixel union skips a useful share of channels.
 //
 //   forward  y[p, ob..ob+OB) = bias + sum_{off, c in U} Wf[off, c, ob..] * x[q_i(p, off), c]
 //   weight   S[row(c, off), ob..] = sum_{groups, c in U} sum_i x[q_i, c] * dy[p_i, ob..]
@@ -39,10 +39,9 @@ inline int64_t words(int64_t C) { return (C + 63) / 64; }
 
 // The groups of P = 4 output pixels of one image: runs of 4 along the flattened rows, or, when the caller
 // allows it and the image is even-sized and at least 16x16, 2x2 tiles. Neighbours in both directions
-// share more of relu(x)'s zeros (the union of a tile is 6-9% smaller on VGG-16's 50%-zero activations):
-// measured 4-9% faster forwards and ~11% faster weight gradients at 16x16 and 32x32, but slower on small
-// images (rows skip whole kernel offsets at the border, tiles only half of them) and on dY's masks
-// (max-pool backward leaves one nonzero per 2x2 window).
+// share more of relu(x)'s zeros (a tile's union is smaller than a row run's), which pays at 16x16 and
+// larger, but not on small images (rows skip whole kernel offsets at the border, tiles only half of them)
+// and not on dY's masks (max-pool backward leaves one nonzero per 2x2 window).
 struct Groups {
     int64_t Ho, Wo, HW, tw, per_image, pg;
     bool tiles;
@@ -444,7 +443,7 @@ int sparsa_union_conv_wgrad_f32(const int64_t* g, const float* xa, const uint64_
 //   wfl [C / OB'][KH][KW][O][OB'], OB' = pick_ob(C): the forward pack of the flipped, transposed weight
 //       W'[c, o, i, j] = W[o, c, KH-1-i, KW-1-j] (the input gradient's conv), as sparsa_adaptive_pack_flipped_f32.
 // For channels-last weights (ws[1] == 1) wfl is made of contiguous row copies and wf of 8x8 transposes,
-// and no [C][KH][KW][O] intermediate is built (512x512x3x3: ~7 ms -> see the python wrapper's notes).
+// and no [C][KH][KW][O] intermediate is built.
 int sparsa_union_pack_f32(const float* w, const int64_t* ws, int64_t O, int64_t C, int64_t KH, int64_t KW, float* wf,
                           float* wfl, int nthreads) {
     if (O % 8 || C % 8) return 1;
@@ -452,7 +451,7 @@ int sparsa_union_pack_f32(const float* w, const int64_t* ws, int64_t O, int64_t 
     const bool cl = ws[1] == 1;
     if (!cl && ws[0] == C * K2 && ws[1] == K2 && ws[2] == KW && ws[3] == 1) {
         // OIHW (nn.Conv2d's default): one tiled transpose to T [C][KH*KW][O], then wf by row copies and wfl by
-        // 8x8 transposes of T's panels (512x512x3x3: 5.0 -> 3.8 ms, against a strided gather per element)
+        // 8x8 transposes of T's panels (cheaper than a strided gather per element)
         std::unique_ptr<float[]> T(new float[(size_t)O * C * K2]);
         sparsa_adaptive::transpose(w, O, C * K2, T.get(), nthreads);
 #pragma omp parallel num_threads(nthreads)

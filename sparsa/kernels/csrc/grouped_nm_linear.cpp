@@ -175,8 +175,8 @@ void pack_in_tokens(const XT* src, int64_t ld, int nt, int64_t ncols, int64_t nr
 }
 
 // dst[c*S + t] = src[t*ld + c] for t < nt, c < ncols; zero for nt <= t < width (width % 8 == 0) and for
-// ncols <= c < nrows. Measured (1024 tokens, 64-token panels): column blocks outside is faster while the panel's
-// source rows span <= 256 KB (K = 768: 1:10 5.2x -> 6.0x vs dense), token blocks outside beyond (K = 3072).
+// ncols <= c < nrows. Column blocks outside is faster while the panel's source rows span <= 256 KB, token
+// blocks outside beyond (figures in docs/benchmarks.md).
 template <typename XT>
 void pack_in(const XT* src, int64_t ld, int nt, int64_t ncols, int64_t nrows, float* dst, int64_t S, int width) {
     if (ld * (int64_t)width <= (64 << 10)) pack_in_cols(src, ld, nt, ncols, nrows, dst, S, width);
@@ -315,7 +315,7 @@ struct IPieceTable<Q, 0, WT> {
 #define GNM_AVX512 1
 // AVX-512 build of ipiece, chosen at run time when the CPU has AVX-512 (SPARSA_NO_AVX512=1 forces AVX2):
 // same panels (8V tokens), pairs of token vectors as one zmm: half the FMA and load instructions per entry
-// (measured 5-8% faster on Zen 4; 96-token panels were slower).
+// (wider 96-token panels were slower).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
 // V8 vectors of 8 tokens as V8/2 zmm (+ one ymm when V8 is odd)
@@ -636,7 +636,7 @@ void spmm(const Problem& P, const XT* x, int64_t T, int64_t K, int64_t ldx, cons
     if (tile_bytes <= 0 && P.ilv) {
         // sparse interleaved plans (1:8, 1:10) put few entries of a group in an L1 tile; each piece call then
         // spends more on its accumulator load/store than on FMAs: take at least MIN_PIECE_ENTRIES per call
-        // (tiles beyond L1 but in L2; measured 1.1-2x faster at 1:8 and 1:10 with 1024 tokens, 1:4 unchanged)
+        // (tiles beyond L1 but in L2)
         const int64_t want = (MIN_PIECE_ENTRIES + P.unit_entries - 1) / std::max<int64_t>(1, P.unit_entries);
         upt = std::max<int64_t>(1, std::min<int64_t>(P.units, std::max(upt, want)));
     }

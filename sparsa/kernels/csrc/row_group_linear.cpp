@@ -6,8 +6,8 @@
 //
 // Permuted rows (run_permuted): tiles accumulate in slot order in a small scratch panel (NT tokens x a
 // chunk's slots, so the column-block partial sums stay vectorised); once a panel is complete each slot
-// is stored to its output row (one scalar store per output, into y rows kept in L2). Costs 10-45% at
-// 90% sparsity with K=768 (measured), ~0-10% with K=3072; identity permutations take the plain path.
+// is stored to its output row (one scalar store per output, into y rows kept in L2). The scatter weighs
+// most when K is small (little work per output to hide it); identity permutations take the plain path.
 //
 // Register tile: NT tokens x G outputs; per kept column j: load G weights, broadcast X[t][c] for each
 // of the NT tokens and accumulate with FMAs. AVX2: G/8 ymm x 6 tokens (G=16). AVX-512 (chosen at run
@@ -18,8 +18,8 @@
 // panel. Each panel's block of X rows is first copied to a small buffer (contiguous rows, strided so
 // they start in different L1 sets) that stays in L1 while all the chunk's groups gather from it, and
 // the next panel's rows are prefetched into L2 meanwhile. Sizing the chunk by the block's weights
-// (not a whole group's) keeps X reuse high for large K: with K=3072 the old panel-major order reloaded
-// the X panel from L3 every ~7 groups and ran ~35% slower per flop than K=768. Column blocks after the
+// (not a whole group's) keeps X reuse high for large K, where a panel-major order reloads the X panel
+// from L3 every few groups. Column blocks after the
 // first add to the partial sums already stored in y. OpenMP over (group chunk, token block).
 // With few tokens (GEMV) each tile keeps S independent partial sums to hide the FMA latency.
 #include <cstdint>
