@@ -481,8 +481,15 @@ stops starting rows after that many seconds and lists the rest as skipped.
     return intro + "\n" + "\n\n".join(body) + "\n"
 
 
+#: the heading of docs/benchmarks.md's hand-written last section, which main() keeps when it re-renders
+HAND_WRITTEN = "## Design measurements behind the kernels"
+
+
 def main() -> None:
-    (ROOT / "docs" / "benchmarks.md").write_text(render(RESULTS))
+    doc = ROOT / "docs" / "benchmarks.md"
+    old = doc.read_text() if doc.is_file() else ""
+    kept = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
+    doc.write_text(render(RESULTS) + ("\n" + kept if kept else ""))
     readme = ROOT / "README.md"
     text = readme.read_text()
     start, end = "<!-- bench:start -->", "<!-- bench:end -->"
