@@ -106,13 +106,8 @@ SPECS: Dict[str, Spec] = {
                       auto={"sparsity": 0.5}),
 }
 
-_EMPTY_LINEAR = ("F.linear with a 0-row or 0-column weight: x.reshape(-1, K) with K == 0 (forward) and "
-                 "grad.reshape(-1, R) with R == 0 (backward) are ambiguous in sparsa/ops and sparsa/kernels "
-                 "(outside sparsa/layouts; torch's dense F.linear accepts these shapes)")
 #: (layout, capability) -> a bug this suite found and did not fix here; the test is xfail(strict=True)
 KNOWN_BUGS: Dict[Tuple[str, str], str] = {
-    **{(n, "empty_linear"): _EMPTY_LINEAR
-       for n in ("bitmask", "bsr", "coo", "csr", "grouped_nm", "masked", "nm", "row_group", "sliced_ell")},
     ("grouped_nm", "sparser_mask"): (
         "GroupedNM.from_dense rejects some masks that are subsets of a valid grouped n:m mask (a valid "
         "pattern assignment exists: the superset's); the greedy search in _assign_from_mask misses it. "
@@ -266,21 +261,22 @@ class TestLayoutConformance:
         assert auto.to_dense().shape == shape and auto.density == 0.0
 
     @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
-    def test_empty_linear(self, name, shape, request):
-        """F.linear with an empty weight (no outputs, or no inputs: zeros), forward and backward."""
-        if (name, "empty_linear") in KNOWN_BUGS:
-            request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name, "empty_linear"]))
+    def test_empty_linear(self, name, shape):
+        """F.linear with an empty weight (no outputs, or no inputs: the bias), forward and backward; there
+        is nothing to compute, so it is not a dense fallback (it runs under sparsa.strict())."""
         cls = registered_layouts()[name]
         lay = cls.from_dense(torch.zeros(shape), mask=torch.zeros(shape, dtype=torch.bool), **SPECS[name].variants[0])
         R, K = shape
         xs = torch.randn(3, K, requires_grad=True)
+        b = torch.randn(R, requires_grad=True)
         p = nn.Parameter(sparsa.SparseTensor(lay))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
-            out = F.linear(xs, p)
-            assert out.shape == (3, R) and not bool(out.any())
+        with sparsa.strict():
+            out = F.linear(xs, p, b)
+            assert out.shape == (3, R)
+            torch.testing.assert_close(out, b.detach().expand(3, R))
             out.sum().backward()
         assert xs.grad.shape == (3, K) and not bool(xs.grad.any())
+        torch.testing.assert_close(b.grad, torch.full((R,), 3.0))
 
     def test_linear_no_tokens(self, name):
         """An input with no tokens (a leading dim of 0) gives an empty output and empty gradients."""

@@ -283,6 +283,9 @@ def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
         if call.name in _SAME_DTYPE:
             _check_dtypes(call.name, targs)
         needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
+        empty = any(isinstance(a, SparseTensor) and a.numel() == 0 for a in targs)
+    if empty:  # nothing to compute (and not a fallback to count): the dense op handles zero-size shapes
+        return call.dense([a.to_dense() if isinstance(a, SparseTensor) else a for a in targs], rest)
     layouts = tuple(_layout_of(a) for a in targs)
     key = (call.name, layouts, needs_grad)
     plan = _PLANS.get(key)
