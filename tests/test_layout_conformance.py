@@ -60,8 +60,7 @@ def _nm(x, p, gen):
 
 
 def _grouped_nm(x, p, gen):
-    # not thinned: see KNOWN_BUGS["grouped_nm", "sparser_mask"] and test_grouped_nm_accepts_a_sparser_mask
-    return grouped_nm_mask(_scores(x, gen), p["n"], p["m"], p["g"])
+    return _thinned(grouped_nm_mask(_scores(x, gen), p["n"], p["m"], p["g"]), gen)
 
 
 def _row_group(x, p, gen):
@@ -107,12 +106,7 @@ SPECS: Dict[str, Spec] = {
 }
 
 #: (layout, capability) -> a bug this suite found and did not fix here; the test is xfail(strict=True)
-KNOWN_BUGS: Dict[Tuple[str, str], str] = {
-    ("grouped_nm", "sparser_mask"): (
-        "GroupedNM.from_dense rejects some masks that are subsets of a valid grouped n:m mask (a valid "
-        "pattern assignment exists: the superset's); the greedy search in _assign_from_mask misses it. "
-        "grouped_nm.py is being edited elsewhere; the property tests use unthinned grouped masks meanwhile"),
-}
+KNOWN_BUGS: Dict[Tuple[str, str], str] = {}
 
 #: (layout, capability) -> why the layout cannot do it; the test asserts the documented behaviour
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
@@ -444,8 +438,9 @@ class TestLayoutConformance:
         assert not t2.requires_grad and torch.equal(t2.to_dense(), before)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=KNOWN_BUGS["grouped_nm", "sparser_mask"])
 def test_grouped_nm_accepts_a_sparser_mask():
+    """A mask inside a valid grouped n:m mask is valid; the greedy pattern search used to miss this one
+    (the exact matching behind it finds the assignment)."""
     # 2:4, g=2, one 12-column chunk (7 columns + 5 padding), 6 patterns used twice each. ``full`` uses
     # (0,1) (0,1) (1,3) (0,2) (0,2) (1,3) (0,3) and the padding (0,3) (2,3) (2,3) (1,2) (1,2).
     full = torch.tensor([[1, 1, 0, 1, 1, 0, 1],

@@ -107,7 +107,7 @@ def test_grouped_nm_rejects_unstructured_mask():
     x = torch.randn(4, 12)
     mask = torch.zeros(4, 12, dtype=torch.bool)
     mask[0:2, :] = True  # every column uses pattern (0, 1): more than g=2 columns per chunk
-    with pytest.raises(ValueError, match="GroupedNMSparsifier"):
+    with pytest.raises(ValueError, match=r"sparsa\.sparsifiers\.GroupedNM\(n=2, m=4, g=2\)"):
         GroupedNM.from_dense(x, mask=mask, n=2, m=4, g=2)
     mask3 = torch.zeros(4, 12, dtype=torch.bool)
     mask3[0:3, 0] = True  # 3 kept of m=4 with n=2

@@ -258,7 +258,7 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
         bb, cc, kk = (counts > n).nonzero()[0].tolist()
         raise ValueError(f"GroupedNM: mask keeps {int(counts[bb, cc, kk])} values of column {cc * chunk + kk} in "
                          f"row block {bb} (rows {bb * m}..{bb * m + m - 1}), more than n={n} of m={m}; use "
-                         f"sparsa.sparsifiers.GroupedNMSparsifier(n={n}, m={m}, g={g}) or grouped_nm_mask()")
+                         f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()")
     ind = _indicator(pat, m, torch.float32)
     inside = kb.to(torch.float32) @ ind.t()  # kept rows covered by each pattern
     compatible = inside == counts.unsqueeze(-1).to(torch.float32)
@@ -272,7 +272,13 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
                             torch.full((), -1.0, device=keep.device)).reshape(b * c, chunk, p)
         rest = (~settled).nonzero().squeeze(1)
         assign[rest] = _greedy_assign(score[rest], g)
-    ok = compatible.reshape(b * c, chunk, p).gather(-1, assign.unsqueeze(-1)).squeeze(-1)
+    compat = compatible.reshape(b * c, chunk, p)
+    ok = compat.gather(-1, assign.unsqueeze(-1)).squeeze(-1)
+    for qq in (~ok).any(1).nonzero().squeeze(1).tolist():  # the greedy pass can miss: search exactly
+        exact = _match_columns(compat[qq], g)
+        if exact is not None:
+            assign[qq] = exact
+            ok[qq] = True
     if not bool(ok.all()):
         qq, kk = (~ok).nonzero()[0].tolist()
         bb, cc = divmod(qq, c)
@@ -282,8 +288,36 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
                "use it" if over else "the kept rows cannot be spread over the patterns with g columns each")
         raise ValueError(f"GroupedNM: mask does not have the grouped n:m structure in row block {bb}, column chunk "
                          f"{cc} (columns {cc * chunk}..{cc * chunk + chunk - 1}): {why}; use "
-                         f"sparsa.sparsifiers.GroupedNMSparsifier(n={n}, m={m}, g={g}) or grouped_nm_mask()")
+                         f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()")
     return assign
+
+
+def _match_columns(compat: Tensor, g: int) -> Optional[Tensor]:
+    """An assignment of every column to a compatible pattern with each pattern used at most ``g`` times
+    (augmenting paths, i.e. bipartite matching onto ``g`` slots per pattern), or None if none exists.
+    ``compat``: bool ``(chunk, p)``. Run only where the greedy pass failed, so it may be plain Python."""
+    options = [row.nonzero().squeeze(1).tolist() for row in compat.cpu()]
+    slot_owner: Dict[Tuple[int, int], int] = {}   # (pattern, slot) -> column
+
+    def place(col: int, seen: set) -> bool:
+        for pt in options[col]:
+            for sl in range(g):
+                key = (pt, sl)
+                if key in seen:
+                    continue
+                seen.add(key)
+                if key not in slot_owner or place(slot_owner[key], seen):
+                    slot_owner[key] = col
+                    return True
+        return False
+
+    for col in range(len(options)):
+        if not place(col, set()):
+            return None
+    out = torch.empty(len(options), dtype=torch.int64)
+    for (pt, _), col in slot_owner.items():
+        out[col] = pt
+    return out.to(compat.device)
 
 
 def _forced_assign(kb: Tensor, counts: Tensor, n: int, g: int, pat: Tensor) -> Tuple[Tensor, Tensor]:
