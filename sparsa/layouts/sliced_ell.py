@@ -1,4 +1,4 @@
-"""The SlicedELL layout: unstructured sparsity for very sparse (90-99%) weights.
+"""The SlicedELL layout: unstructured sparsity for sparse (75-99%) weights.
 
 Each row keeps its own sorted list of input columns. Rows are stored in slices of two (rows ``2s``
 and ``2s+1``), padded to the longer row's length, with the two rows' entries interleaved; this is

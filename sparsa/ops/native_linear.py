@@ -107,7 +107,7 @@ def _rg_grad_weight(g2: Tensor, x2: Tensor, w: RowGroup, sparse: bool) -> Tensor
 
 @implements("linear", (Dense, SlicedELL, Dense))
 class SlicedELLLinear:
-    """``y = x @ W.T + b`` for a :class:`~sparsa.layouts.SlicedELL` weight (90-99% sparse)."""
+    """``y = x @ W.T + b`` for a :class:`~sparsa.layouts.SlicedELL` weight (75-99% sparse)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: SlicedELL, bias: Optional[Tensor] = None) -> Tensor:
