@@ -392,11 +392,8 @@ class TestLayoutConformance:
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
     def test_save_load(self, name, data):
-        cls, params, w, mask, _ = _case(data, name)
-        lay = cls.from_dense(w, mask=mask, **params)
+        lay, model, _ = _sparse_linear(data, name, bias=True)
         R, K = lay.shape
-        model = nn.Linear(K, R)
-        model.weight = nn.Parameter(sparsa.SparseTensor(lay))
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "m.safetensors")
             sparsa.save(model, path)
@@ -414,11 +411,8 @@ class TestLayoutConformance:
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
     def test_deepcopy(self, name, data):
-        cls, params, w, mask, gen = _case(data, name)
-        lay = cls.from_dense(w, mask=mask, **params)
-        R, K = lay.shape
-        model = nn.Linear(K, R, bias=False)
-        model.weight = nn.Parameter(sparsa.SparseTensor(lay))
+        lay, model, gen = _sparse_linear(data, name, bias=False)
+        K = lay.shape[1]
         twin = copy.deepcopy(model)
         tw = twin.weight
         assert isinstance(tw, nn.Parameter) and isinstance(tw, sparsa.SparseTensor) and tw.requires_grad
@@ -436,6 +430,17 @@ class TestLayoutConformance:
         assert torch.equal(model.weight.to_dense(), before)
         t2 = copy.deepcopy(sparsa.SparseTensor(lay))
         assert not t2.requires_grad and torch.equal(t2.to_dense(), before)
+
+
+def _sparse_linear(data, name, bias):
+    """A drawn layout of ``name``, an ``nn.Linear`` whose weight is that layout as a Parameter, and the
+    case's generator."""
+    cls, params, w, mask, gen = _case(data, name)
+    lay = cls.from_dense(w, mask=mask, **params)
+    R, K = lay.shape
+    model = nn.Linear(K, R, bias=bias)
+    model.weight = nn.Parameter(sparsa.SparseTensor(lay))
+    return lay, model, gen
 
 
 def test_grouped_nm_accepts_a_sparser_mask():
