@@ -21,14 +21,18 @@ from typing import Any, Optional, Type, Union
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from .layouts.base import Layout, get_layout
+# the dispatcher imports only tensor_base (below both), never this module: no import cycle
+from .ops.aten_fallback import handle as _aten_handle
+from .ops.dispatch import dispatch as _dispatch
+from .ops.op_table import TORCH_FNS as _TORCH_FNS
+from .tensor_base import SparseTensorBase, unwrap_dense  # noqa: F401  (unwrap_dense: kept importable here)
 
 __all__ = ["SparseTensor", "to_sparse", "to_dense"]
 
 
-class SparseTensor(Tensor):
+class SparseTensor(SparseTensorBase):
     """A tensor stored in a sparsa :class:`~sparsa.layouts.base.Layout`.
 
     Build one with :func:`sparsa.to_sparse` (differentiable w.r.t. the dense input) or directly
@@ -39,59 +43,6 @@ class SparseTensor(Tensor):
             (e.g. an optimizer step); by default the stored pattern is kept exactly.
     """
 
-    _layout: Layout
-    inline_sparsifier: Any
-
-    @staticmethod
-    def __new__(cls, layout: Layout, requires_grad: bool = False):
-        if not isinstance(layout, Layout):
-            raise TypeError(f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
-                            "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor")
-        t = Tensor._make_wrapper_subclass(cls, layout.shape, dtype=layout.dtype, device=layout.device,
-                                          requires_grad=requires_grad)
-        t._layout = layout
-        t.inline_sparsifier = None
-        return t
-
-    def __init__(self, layout: Layout, requires_grad: bool = False):  # noqa: D401 - see __new__
-        pass
-
-    # ---------------------------------------------------------------- inspection
-    @property
-    def sparse_layout(self) -> Layout:
-        """The layout instance holding the data."""
-        return self._layout
-
-    @property
-    def layout_name(self) -> str:
-        return type(self._layout).name
-
-    @property
-    def nnz(self) -> int:
-        return self._layout.nnz
-
-    @property
-    def density(self) -> float:
-        return self._layout.density
-
-    @property
-    def sparsity(self) -> float:
-        return self._layout.sparsity
-
-    @property
-    def nbytes_sparse(self) -> int:
-        """Bytes of the stored components (``Tensor.nbytes`` stays the dense size)."""
-        return self._layout.nbytes
-
-    def pattern(self) -> Tensor:
-        """Boolean mask of the stored positions."""
-        return self._layout.mask()
-
-    def to_dense(self, dtype: Optional[torch.dtype] = None, *, masked_grad: Optional[bool] = None) -> Tensor:
-        """Differentiable conversion to a plain tensor."""
-        out = _ToDense.apply(self)
-        return out if dtype is None else out.to(dtype)
-
     def to_layout(self, layout: Union[str, Type[Layout]], **params: Any) -> "SparseTensor":
         """Convert to another layout (through the conversion graph); keeps ``requires_grad``."""
         from .layouts.base import convert
@@ -99,13 +50,6 @@ class SparseTensor(Tensor):
         out = SparseTensor(convert(self._layout, dst, **params), requires_grad=self.requires_grad)
         out.inline_sparsifier = self.inline_sparsifier
         return out
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        lay = self._layout
-        grad = ", requires_grad=True" if self.requires_grad else ""
-        params = "".join(f", {k}={v}" for k, v in lay.params().items())
-        return (f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
-                f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})")
 
     # ---------------------------------------------------------------- copy / compile support
     def __deepcopy__(self, memo: dict) -> "SparseTensor":
@@ -141,51 +85,24 @@ class SparseTensor(Tensor):
         with unchecked():
             return SparseTensor(cls.from_components(comps, shape, **params))
 
-    def __getattr__(self, name: str):
-        if name.startswith("_c_"):
-            return self._layout.components()[name[3:]]
-        raise AttributeError(name)
-
     # ---------------------------------------------------------------- dispatch
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        _d = _DISPATCH[0] if _DISPATCH else _not_installed()
         kwargs = kwargs or {}
-        op = _d.OP_TABLE.get(func)
+        op = _TORCH_FNS.get(func)
         if op is not None:
-            return _d.dispatch(op, func, args, kwargs)
+            return _dispatch(cls, op, func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handle = _ATEN[0] if _ATEN else _not_installed()
-        return handle(func, args, kwargs or {})
-
-
-# The dispatcher lives in sparsa.ops, which imports this module: on import it installs itself here
-# (this module imports nothing from sparsa.ops, so the import graph has no cycle).
-_DISPATCH: list = []  # [sparsa.ops.dispatch]
-_ATEN: list = []  # [sparsa.ops.aten_fallback.handle]
-
-
-def _not_installed():
-    raise RuntimeError("sparsa's dispatcher is not installed; `import sparsa` (which imports sparsa.ops) first")
+        return _aten_handle(cls, func, args, kwargs or {})
 
 
 def _rebuild(name, comps, shape, params, requires_grad):
     lay = get_layout(name).from_components(comps, shape, **params)
     return SparseTensor(lay, requires_grad=requires_grad)
-
-
-class _ToDense(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, sp: SparseTensor) -> Tensor:  # type: ignore[override]
-        return sp._layout.to_dense()
-
-    @staticmethod
-    def backward(ctx, g: Tensor):  # type: ignore[override]
-        return g
 
 
 class _FromDense(torch.autograd.Function):
@@ -235,8 +152,3 @@ def to_sparse(dense: Tensor, layout: Union[str, Type[Layout]] = "masked", *, mas
 def to_dense(t: Tensor) -> Tensor:
     """A plain tensor for any tensor (identity for dense ones); differentiable."""
     return t.to_dense() if isinstance(t, SparseTensor) else t
-
-
-def unwrap_dense(x: Any) -> Any:
-    """Tree-map helper: SparseTensor -> its dense tensor (not differentiable; for aten level)."""
-    return tree_map(lambda a: a._layout.to_dense() if isinstance(a, SparseTensor) else a, x)

@@ -1,15 +1,15 @@
 """GPU path: Triton kernels for activation-sparse training and sparse-weight inference.
 
-Importing ``sparsa.gpu`` is cheap; Triton is imported on first use of a kernel. The kernels are
-registered with the dispatcher (:mod:`sparsa.gpu.register`) and chosen by device: on CUDA tensors (or
-CPU tensors under ``TRITON_INTERPRET=1``) they run, elsewhere the CPU implementations do.
+Importing ``sparsa.gpu`` is cheap; Triton is imported on first use of a kernel. This package holds the
+kernels only and imports nothing of the dispatcher; :mod:`sparsa.ops.gpu_impls` registers them, chosen
+by device: on CUDA tensors (or CPU tensors under ``TRITON_INTERPRET=1``) they run, elsewhere the CPU
+implementations do.
 
 >>> import sparsa.gpu
 >>> ok = sparsa.gpu.triton_available()     # False (with sparsa.gpu.why_unavailable()) without Triton
 """
 from ._triton import triton_available, why_unavailable, interpreting, gpu_eligible  # noqa: F401
 from .semi_structured import semi_structured_supported  # noqa: F401
-from .register import register_gpu_impls  # noqa: F401
 
 _LAZY = {
     "bsr_linear": "weight_sparse", "nm_linear": "weight_sparse", "bsr_supported": "weight_sparse",
@@ -27,4 +27,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["triton_available", "why_unavailable", "interpreting", "gpu_eligible", "semi_structured_supported",
-           "register_gpu_impls", *_LAZY]
+           *_LAZY]

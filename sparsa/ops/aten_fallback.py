@@ -1,12 +1,16 @@
 """ATen-level handling of SparseTensor (``__torch_dispatch__``), below autograd.
 
 - structural ops (detach, alias, clone, ``_to_copy``/``to``) keep the layout;
+- ops with a registered implementation (``sparsa.implements``: one registration serves this level and
+  the torch-function level) run it, forward only, as autograd has already recorded the op above;
 - registered rules (:func:`register_rule`) come next; the built-in one, ``"refill"``: in-place ops on a
   SparseTensor (optimizer steps: ``add_``, ``addcdiv_``, ``mul_``, ``lerp_``, ``copy_``, ``zero_``...)
   compute densely and *refill* the stored pattern, so the sparsity pattern survives training exactly
   (or is recomputed by the tensor's ``inline_sparsifier``); not a fallback, so strict mode allows it;
-- every other op runs on dense copies of its sparse arguments and is counted as a fallback (in strict
-  mode, :func:`sparsa.strict`, it raises instead).
+- every other op runs on dense copies of its sparse arguments, warns once and is counted as a fallback
+  (in strict mode, :func:`sparsa.strict`, it raises instead). Ops that do not read the stored values
+  (``zeros_like``...) are not fallbacks; comparisons that read them (``equal``, ``allclose``, ``item``)
+  are not counted, but raise in strict mode like any other dense computation.
 """
 from __future__ import annotations
 
@@ -16,15 +20,19 @@ from typing import Any, Callable, Dict, List
 import torch
 from torch.utils._pytree import tree_map
 
-from .. import tensor as _tensor
-from ..tensor import SparseTensor
+from ..tensor_base import SparseTensorBase as SparseTensor
 from . import dispatch as _d
+from .op_table import ATEN_OPS
+from .strict import fallback_error, is_strict
 
 aten = torch.ops.aten
 
-# ops that are bookkeeping, not compute: never warned about
-_QUIET = {"zeros_like", "empty_like", "ones_like", "full_like", "is_same_size", "_has_compatible_shallow_copy_type",
-          "lift_fresh", "_local_scalar_dense", "equal", "allclose", "isclose"}
+# ops that read shape and dtype only, not the stored values: not a fallback, even in strict mode
+_NO_VALUES = {"zeros_like", "empty_like", "ones_like", "full_like", "is_same_size",
+              "_has_compatible_shallow_copy_type", "lift_fresh"}
+# comparisons and scalar reads compute on the dense values: not counted (tests and asserts use them),
+# but strict mode asks for no dense computation at all
+_UNCOUNTED = {"_local_scalar_dense", "equal", "allclose", "isclose"}
 
 
 def _dense(x: Any) -> Any:
@@ -32,7 +40,7 @@ def _dense(x: Any) -> Any:
 
 
 def _same(src: SparseTensor, lay) -> SparseTensor:
-    out = SparseTensor(lay, requires_grad=False)
+    out = type(src)(lay, requires_grad=False)
     out.inline_sparsifier = src.inline_sparsifier
     return out
 
@@ -139,18 +147,30 @@ def _refill_in_place(func, args, kwargs):
     return _refill(target, base)
 
 
-def handle(func, args, kwargs):
+def _sparse_layouts(args: tuple, kwargs: dict) -> tuple:
+    found: list = []
+    tree_map(lambda a: found.append(a.layout_name) if isinstance(a, SparseTensor) else None, (args, kwargs))
+    return tuple(found)
+
+
+def handle(cls: type, func, args, kwargs):
+    """What ``SparseTensor.__torch_dispatch__`` runs for the aten op ``func``; sparse outputs are built
+    as ``cls``."""
     h = _HANDLERS.get(func)
     if h is not None:
         return h(func, args, kwargs)
+    call = ATEN_OPS.get(func)
+    if call is not None:
+        out = _d.dispatch_aten(cls, call, args, kwargs)
+        if out is not _d.NO_IMPL:
+            return out
     for rule in _RULES:
         if rule.applies(func, args, kwargs):
             return rule.handler(func, args, kwargs)
     name = func._schema.name.split("::")[-1]
-    if name not in _QUIET:
-        layouts = tuple(a.layout_name for a in args if isinstance(a, SparseTensor))
-        _d.record_fallback(f"aten.{name}", layouts)
+    if name in _UNCOUNTED:
+        if is_strict():
+            raise fallback_error(f"aten.{name}", _sparse_layouts(args, kwargs), registrable=False)
+    elif name not in _NO_VALUES:
+        _d.record_fallback(f"aten.{name}", _sparse_layouts(args, kwargs))
     return func(*_dense(args), **_dense(kwargs))
-
-
-_tensor._ATEN[:] = [handle]  # SparseTensor.__torch_dispatch__ calls it

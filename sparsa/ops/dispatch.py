@@ -8,23 +8,22 @@ are cached per (op, layouts, needs-grad).
 """
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..layouts.base import Layout, conversion_path
 from ..layouts.dense import Dense
-from .. import tensor as _tensor
-from ..tensor import SparseTensor
+from ..tensor_base import SparseTensorBase
 from . import registry
+from .op_table import OpCall, TORCH_FNS
 from .strict import fallback_error, is_strict
 
-__all__ = ["fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "dispatch", "explain"]
+__all__ = ["fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "dispatch", "dispatch_aten",
+           "explain"]
 
 
 class SparseFallbackWarning(UserWarning):
@@ -59,114 +58,13 @@ def record_fallback(op: str, layout_names: Tuple[str, ...], warn: bool = True) -
                       SparseFallbackWarning, stacklevel=4)
 
 
-# ----------------------------------------------------------------------------- argument normalisation
-# Each normaliser maps (args, kwargs) -> (tensor_args list, rest) and a rebuild to call the dense op.
-def _n_linear(a, k):
-    x = a[0] if len(a) > 0 else k.get("input")
-    w = a[1] if len(a) > 1 else k.get("weight")
-    b = a[2] if len(a) > 2 else k.get("bias")
-    return [x, w, b], {}
-
-
-def _n_two(names):
-    def n(a, k):
-        t = list(a[:2]) + [k.get(nm) for nm in names[len(a):2]]
-        rest = {kk: v for kk, v in k.items() if kk not in names}
-        return t, rest
-    return n
-
-
-def _n_addmm(a, k):
-    t = list(a[:3]) + [k.get(nm) for nm in ("input", "mat1", "mat2")[len(a):3]]
-    rest = {"beta": k.get("beta", 1), "alpha": k.get("alpha", 1)}
-    return t, rest
-
-
-def _n_add(a, k):
-    t = [a[0] if a else k.get("input"), a[1] if len(a) > 1 else k.get("other")]
-    rest = {"alpha": a[2] if len(a) > 2 else k.get("alpha", 1)}
-    return t, rest
-
-
-def _n_mul(a, k):
-    return [a[0] if a else k.get("input"), a[1] if len(a) > 1 else k.get("other")], {}
-
-
-def _n_relu(a, k):
-    if len(a) > 1 and a[1]:
-        return None  # in-place relu: not dispatched
-    if k.get("inplace"):
-        return None
-    return [a[0] if a else k.get("input")], {}
-
-
-def _n_conv2d(a, k):
-    names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    vals = list(a) + [k.get(nm, d) for nm, d in zip(names[len(a):], (None, None, None, 1, 0, 1, 1)[len(a):])]
-    return vals[:3], dict(zip(names[3:], vals[3:]))
-
-
-def _swap(n):
-    def s(a, k):
-        r = n(a, k)
-        if r is None:
-            return None
-        t, rest = r
-        return [t[1], t[0]] + t[2:], rest
-    return s
-
-
-class OpCall:
-    __slots__ = ("name", "normalize", "dense")
-
-    def __init__(self, name: str, normalize: Callable, dense: Callable):
-        self.name, self.normalize, self.dense = name, normalize, dense
-
-
-def _dense_linear(t, r):
-    return F.linear(t[0], t[1], t[2])
-
-
-def _dense_add(t, r):
-    return torch.add(t[0], t[1], alpha=r.get("alpha", 1))
-
-
-def _dense_conv2d(t, r):
-    return F.conv2d(t[0], t[1], t[2], **r)
-
-
-_CALLS = {
-    "linear": OpCall("linear", _n_linear, _dense_linear),
-    "matmul": OpCall("matmul", _n_two(("input", "other")), lambda t, r: torch.matmul(t[0], t[1])),
-    "mm": OpCall("mm", _n_two(("input", "mat2")), lambda t, r: torch.mm(t[0], t[1])),
-    "bmm": OpCall("bmm", _n_two(("input", "mat2")), lambda t, r: torch.bmm(t[0], t[1])),
-    "addmm": OpCall("addmm", _n_addmm, lambda t, r: torch.addmm(t[0], t[1], t[2], **r)),
-    "add": OpCall("add", _n_add, _dense_add),
-    "mul": OpCall("mul", _n_mul, lambda t, r: torch.mul(t[0], t[1])),
-    "relu": OpCall("relu", _n_relu, lambda t, r: torch.relu(t[0])),
-    "conv2d": OpCall("conv2d", _n_conv2d, _dense_conv2d),
-}
-
-#: torch callable -> OpCall; the keys are what __torch_function__ receives
-OP_TABLE: Dict[Callable, OpCall] = {
-    F.linear: _CALLS["linear"],
-    torch.matmul: _CALLS["matmul"], Tensor.matmul: _CALLS["matmul"], Tensor.__matmul__: _CALLS["matmul"],
-    Tensor.__rmatmul__: OpCall("matmul", _swap(_n_two(("input", "other"))), _CALLS["matmul"].dense),
-    torch.mm: _CALLS["mm"], Tensor.mm: _CALLS["mm"],
-    torch.bmm: _CALLS["bmm"], Tensor.bmm: _CALLS["bmm"],
-    torch.addmm: _CALLS["addmm"], Tensor.addmm: _CALLS["addmm"],
-    torch.add: _CALLS["add"], Tensor.add: _CALLS["add"], Tensor.__add__: _CALLS["add"],
-    Tensor.__radd__: OpCall("add", _swap(_n_mul), lambda t, r: torch.add(t[0], t[1])),
-    torch.mul: _CALLS["mul"], Tensor.mul: _CALLS["mul"], Tensor.__mul__: _CALLS["mul"],
-    Tensor.__rmul__: OpCall("mul", _swap(_n_mul), _CALLS["mul"].dense),
-    torch.relu: _CALLS["relu"], F.relu: _CALLS["relu"], Tensor.relu: _CALLS["relu"],
-    F.conv2d: _CALLS["conv2d"],
-}
+#: torch callable -> OpCall (defined in :mod:`.op_table`); kept under its old name
+OP_TABLE = TORCH_FNS
 
 
 # ----------------------------------------------------------------------------- planning
 def _layout_of(a: Any) -> type:
-    return type(a._layout) if isinstance(a, SparseTensor) else Dense
+    return type(a._layout) if isinstance(a, SparseTensorBase) else Dense
 
 
 class _Plan:
@@ -209,8 +107,13 @@ def _make_plan(op: str, layouts: Tuple[type, ...], needs_grad: bool) -> _Plan:
     return _Plan(None, None, True, ver)
 
 
-def explain(op: str, *layouts: type, needs_grad: bool = False) -> str:
-    """Describe what the dispatcher does for ``op`` on ``layouts`` (for debugging)."""
+def explain(op: Any, *layouts: type, needs_grad: bool = False) -> str:
+    """Describe what the dispatcher does for ``op`` (a name or a torch function) on ``layouts``."""
+    if not isinstance(op, str):
+        call = TORCH_FNS.get(op)
+        op = call.name if call is not None else getattr(op, "__name__", repr(op))
+    if op not in registry.OPS:
+        return f"{op}: not a dispatchable op; runs densely (dense fallback at the aten level)"
     lay = registry._norm_layouts(op, layouts)
     p = _make_plan(op, lay, needs_grad)
     if p.fallback:
@@ -232,7 +135,7 @@ class _Ctx:
 
 
 def _unwrap(a: Any, conv: Optional[Tuple[Callable, ...]]) -> Any:
-    if isinstance(a, SparseTensor):
+    if isinstance(a, SparseTensorBase):
         lay = a._layout
         if conv:
             for fn in conv:
@@ -243,35 +146,45 @@ def _unwrap(a: Any, conv: Optional[Tuple[Callable, ...]]) -> Any:
     return a
 
 
-def _wrap(out: Any) -> Any:
+def _wrap(cls: type, out: Any) -> Any:
     if isinstance(out, Layout):
-        return out.values if isinstance(out, Dense) else SparseTensor(out)
+        return out.values if isinstance(out, Dense) else cls(out)
     if isinstance(out, tuple):
-        return tuple(_wrap(o) for o in out)
+        return tuple(_wrap(cls, o) for o in out)
     return out
 
 
 class _Run(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, impl, convs, rest, *targs):  # type: ignore[override]
+    def forward(ctx, cls, impl, convs, rest, *targs):  # type: ignore[override]
         ctx.impl = impl
-        ctx.needs_input_grad = ctx.needs_input_grad[3:]  # per tensor argument, what implementations read
+        ctx.needs_input_grad = ctx.needs_input_grad[4:]  # per tensor argument, what implementations read
         args = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
-        return _wrap(impl.forward(ctx, *args, **rest))
+        return _wrap(cls, impl.forward(ctx, *args, **rest))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        grads = tuple(g._layout.to_dense() if isinstance(g, SparseTensor) else g for g in grads)
+        grads = tuple(g._layout.to_dense() if isinstance(g, SparseTensorBase) else g for g in grads)
         gin = ctx.impl.backward(ctx, *grads)
         if not isinstance(gin, tuple):
             gin = (gin,)
-        return (None, None, None) + tuple(gin)
+        return (None, None, None, None) + tuple(gin)
 
 
-def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
+def _plan(op: str, layouts: Tuple[type, ...], needs_grad: bool) -> _Plan:
+    key = (op, layouts, needs_grad)
+    plan = _PLANS.get(key)
+    if plan is None or plan.version != registry._VERSION[0]:
+        plan = _PLANS[key] = _make_plan(op, layouts, needs_grad)
+    return plan
+
+
+def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Run ``func(*args, **kwargs)`` (a torch-function call with a sparse argument) through the
+    dispatcher; sparse outputs are built as ``cls`` (the SparseTensor class the call came through)."""
     norm = call.normalize(args, kwargs)
     if norm is None:  # an in-place variant (relu(inplace=True)): computed on a dense copy
-        lays = tuple(a.layout_name for a in args if isinstance(a, SparseTensor))
+        lays = tuple(a.layout_name for a in args if isinstance(a, SparseTensorBase))
         if lays:
             record_fallback(f"{call.name} (in-place)", lays)
         with torch._C.DisableTorchFunctionSubclass():
@@ -280,50 +193,65 @@ def dispatch(call: OpCall, func: Callable, args: tuple, kwargs: dict) -> Any:
     # property reads on a SparseTensor would re-enter __torch_function__: a few microseconds each, on
     # every call of a decode loop
     with torch._C.DisableTorchFunctionSubclass():
-        if call.name in _SAME_DTYPE:
-            _check_dtypes(call.name, targs)
+        if call.same_dtype:
+            _check_dtypes(call, targs)
         needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
-        empty = any(isinstance(a, SparseTensor) and a.numel() == 0 for a in targs)
+        empty = any(isinstance(a, SparseTensorBase) and a.numel() == 0 for a in targs)
     if empty:  # nothing to compute (and not a fallback to count): the dense op handles zero-size shapes
-        return call.dense([a.to_dense() if isinstance(a, SparseTensor) else a for a in targs], rest)
+        return _dense_call(call, func, args, kwargs, targs, rest)
     layouts = tuple(_layout_of(a) for a in targs)
-    key = (call.name, layouts, needs_grad)
-    plan = _PLANS.get(key)
-    if plan is None or plan.version != registry._VERSION[0]:
-        plan = _PLANS[key] = _make_plan(call.name, layouts, needs_grad)
+    plan = _plan(call.name, layouts, needs_grad)
     if plan.fallback:
         record_fallback(call.name, tuple(l.name for l in layouts))
-        dense = [a.to_dense() if isinstance(a, SparseTensor) else a for a in targs]
-        return call.dense(dense, rest)
+        return _dense_call(call, func, args, kwargs, targs, rest)
     if needs_grad:
-        return _Run.apply(plan.impl, plan.conversions, rest, *targs)
+        return _Run.apply(cls, plan.impl, plan.conversions, rest, *targs)
     convs = plan.conversions
     uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
-    return _wrap(plan.impl.forward(_Ctx(), *uargs, **rest))
+    return _wrap(cls, plan.impl.forward(_Ctx(), *uargs, **rest))
 
 
-_SAME_DTYPE = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "conv2d"})
-_ARG_NAMES = {"linear": ("input", "weight", "bias"), "addmm": ("input", "mat1", "mat2"),
-              "conv2d": ("input", "weight", "bias")}
+def _dense_call(call: OpCall, func: Callable, args: tuple, kwargs: dict, targs: list, rest: dict) -> Any:
+    if call.dense is None:  # an op derived from a torch function: that function is its dense form
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*_densify(args), **_densify(kwargs))
+    return call.dense([a.to_dense() if isinstance(a, SparseTensorBase) else a for a in targs], rest)
 
 
-def _check_dtypes(op: str, targs: List[Any]) -> None:
+#: what :func:`dispatch_aten` returns when no implementation applies (the caller falls back)
+NO_IMPL = object()
+
+
+def dispatch_aten(cls: type, call: OpCall, args: tuple, kwargs: dict) -> Any:
+    """Run an aten op that reached ``__torch_dispatch__`` with a registered implementation, forward
+    only (autograd is above this level); :data:`NO_IMPL` if none applies."""
+    targs, rest = call.normalize(args, kwargs)
+    if any(isinstance(a, SparseTensorBase) and a.numel() == 0 for a in targs):
+        return NO_IMPL
+    plan = _plan(call.name, tuple(_layout_of(a) for a in targs), False)
+    if plan.fallback:
+        return NO_IMPL
+    if call.same_dtype:
+        _check_dtypes(call, targs)
+    convs = plan.conversions
+    uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
+    with torch.no_grad():
+        return _wrap(cls, plan.impl.forward(_Ctx(), *uargs, **rest))
+
+
+def _check_dtypes(call: OpCall, targs: List[Any]) -> None:
     dts = [a.dtype for a in targs if isinstance(a, Tensor)]
     if len(set(dts)) > 1:
-        names = _ARG_NAMES.get(op, ("input", "other"))
-        desc = ", ".join(f"{n}={a.dtype}" for n, a in zip(names, targs) if isinstance(a, Tensor))
-        raise TypeError(f"{op}: all tensor arguments must have the same dtype, got {desc}; convert one of them "
-                        f"(e.g. x.to(weight.dtype))")
+        desc = ", ".join(f"{n}={a.dtype}" for n, a in zip(call.arg_names, targs) if isinstance(a, Tensor))
+        raise TypeError(f"{call.name}: all tensor arguments must have the same dtype, got {desc}; convert one of "
+                        f"them (e.g. x.to(weight.dtype))")
 
 
 def _densify(x: Any) -> Any:
-    if isinstance(x, SparseTensor):
+    if isinstance(x, SparseTensorBase):
         return x.to_dense()
     if isinstance(x, (list, tuple)):
         return type(x)(_densify(v) for v in x)
     if isinstance(x, dict):
         return {k: _densify(v) for k, v in x.items()}
     return x
-
-
-_tensor._DISPATCH[:] = [sys.modules[__name__]]  # SparseTensor.__torch_function__ calls dispatch() here

@@ -1,4 +1,7 @@
-"""Register the GPU kernels with sparsa's dispatcher, chosen by device.
+"""The GPU implementations of ops: sparsa's Triton kernels (:mod:`sparsa.gpu`), chosen by device.
+
+The kernels live in :mod:`sparsa.gpu`, which knows nothing of the dispatcher; this module, like every
+other implementation file, sits in :mod:`sparsa.ops` above both.
 
 Each implementation is a *device implementation* (:func:`sparsa.ops.registry.register_device_impl`):
 it runs where its ``applies`` check holds -- all tensors on CUDA (or on the CPU while Triton's
@@ -38,9 +41,9 @@ from ..layouts.bsr import BSR
 from ..layouts.dense import Dense
 from ..layouts.masked import Masked
 from ..layouts.nm import NM
-from ..ops.registry import register_device_impl
-from ._launch import KERNEL_DTYPES
-from ._triton import gpu_eligible
+from ..gpu._launch import KERNEL_DTYPES
+from ..gpu._triton import gpu_eligible
+from .registry import register_device_impl
 
 __all__ = ["register_gpu_impls"]
 
@@ -73,7 +76,7 @@ def _nm_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
 def _bsr_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
     if not (isinstance(w, BSR) and _weight_applies(x, w, b)):
         return False
-    from .weight_sparse import bsr_supported
+    from ..gpu.weight_sparse import bsr_supported
     return bsr_supported(w)
 
 
@@ -81,7 +84,7 @@ def _semi_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
     if not (isinstance(w, NM) and (w.n, w.m) == (2, 4) and isinstance(x, Tensor) and x.is_cuda
             and _weight_applies(x, w, b)):
         return False
-    from .semi_structured import semi_structured_weight
+    from ..gpu.semi_structured import semi_structured_weight
     return semi_structured_weight(w) is not None
 
 
@@ -91,7 +94,7 @@ class _WeightSparseLinear:
 
     @classmethod
     def _kernels(cls):
-        from . import weight_sparse as ws
+        from ..gpu import weight_sparse as ws
         return getattr(ws, f"{cls.kind}_linear_forward"), getattr(ws, f"{cls.kind}_linear_grad_input"), \
             getattr(ws, f"{cls.kind}_linear_grad_weight")
 
@@ -131,7 +134,7 @@ class SemiStructuredLinear:
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Any, b: Optional[Tensor] = None) -> Tensor:
-        from .semi_structured import semi_structured_linear
+        from ..gpu.semi_structured import semi_structured_linear
         ctx.layout, ctx.x_shape, ctx.has_bias = w, x.shape, b is not None
         ctx.save_for_backward(x.reshape(-1, x.shape[-1]))
         return semi_structured_linear(x, w, b)
@@ -169,7 +172,7 @@ class ActSparseLinear:
         ctx.fast = _act_linear_applies(x, w, b)
         ctx.x_shape, ctx.has_bias = a.shape, b is not None
         if ctx.fast:
-            from .act_sparse import act_sparse_mm, compact
+            from ..gpu.act_sparse import act_sparse_mm, compact
             c = ctx.compacted = compact(act2, need_rows=_needs(ctx, 1))
             y = act_sparse_mm(a2, w, b, c)
         else:
@@ -183,7 +186,7 @@ class ActSparseLinear:
         g2 = g.reshape(-1, g.shape[-1]).to(a2.dtype)
         ga = gw = gb = None
         if ctx.fast:
-            from .act_sparse import act_sparse_grad_input, act_sparse_grad_weight
+            from ..gpu.act_sparse import act_sparse_grad_input, act_sparse_grad_weight
             if _needs(ctx, 0):
                 ga = act_sparse_grad_input(g2, w, act2, ctx.compacted)
             if _needs(ctx, 1):
@@ -213,7 +216,7 @@ class ActSparseConv2d:
             leaves = (x.to_dense().detach().requires_grad_(want[0]), w.detach().requires_grad_(want[1]),
                       None if b is None else b.detach().requires_grad_(want[2]))
             if fast:
-                from .act_sparse import act_sparse_conv2d
+                from ..gpu.act_sparse import act_sparse_conv2d
                 out = act_sparse_conv2d(leaves[0], leaves[1], leaves[2], stride, padding, dilation, groups,
                                         active=x.mask())
             else:

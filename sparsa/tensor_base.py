@@ -1,0 +1,110 @@
+"""The data half of :class:`~sparsa.SparseTensor`: a wrapper tensor that holds a sparsa layout.
+
+The dispatcher (:mod:`sparsa.ops`) needs to recognise and read sparse tensors, and
+:class:`~sparsa.SparseTensor` needs the dispatcher for its ``__torch_function__`` and
+``__torch_dispatch__``. This module is the piece both share, below both: :mod:`sparsa.tensor` defines
+the subclass with the hooks and imports the dispatcher; the dispatcher imports only this module and
+builds its outputs with the class it was called through.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from .layouts.base import Layout
+
+__all__ = ["SparseTensorBase", "unwrap_dense"]
+
+
+class SparseTensorBase(Tensor):
+    """The data half of :class:`sparsa.SparseTensor`: a wrapper tensor holding a sparsa
+    :class:`~sparsa.layouts.base.Layout`. Never built directly: only :class:`sparsa.SparseTensor`, which adds
+    the dispatch hooks, is instantiated.
+
+    Attributes:
+        inline_sparsifier: optional sparsifier re-applied after every in-place update
+            (e.g. an optimizer step); by default the stored pattern is kept exactly.
+    """
+
+    _layout: Layout
+    inline_sparsifier: Any
+
+    @staticmethod
+    def __new__(cls, layout: Layout, requires_grad: bool = False):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
+                            "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor")
+        t = Tensor._make_wrapper_subclass(cls, layout.shape, dtype=layout.dtype, device=layout.device,
+                                          requires_grad=requires_grad)
+        t._layout = layout
+        t.inline_sparsifier = None
+        return t
+
+    def __init__(self, layout: Layout, requires_grad: bool = False):  # noqa: D401 - see __new__
+        pass
+
+    # ---------------------------------------------------------------- inspection
+    @property
+    def sparse_layout(self) -> Layout:
+        """The layout instance holding the data."""
+        return self._layout
+
+    @property
+    def layout_name(self) -> str:
+        return type(self._layout).name
+
+    @property
+    def nnz(self) -> int:
+        return self._layout.nnz
+
+    @property
+    def density(self) -> float:
+        return self._layout.density
+
+    @property
+    def sparsity(self) -> float:
+        return self._layout.sparsity
+
+    @property
+    def nbytes_sparse(self) -> int:
+        """Bytes of the stored components (``Tensor.nbytes`` stays the dense size)."""
+        return self._layout.nbytes
+
+    def pattern(self) -> Tensor:
+        """Boolean mask of the stored positions."""
+        return self._layout.mask()
+
+    def to_dense(self, dtype: Optional[torch.dtype] = None, *, masked_grad: Optional[bool] = None) -> Tensor:
+        """Differentiable conversion to a plain tensor."""
+        out = _ToDense.apply(self)
+        return out if dtype is None else out.to(dtype)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        lay = self._layout
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        params = "".join(f", {k}={v}" for k, v in lay.params().items())
+        return (f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
+                f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})")
+
+    def __getattr__(self, name: str):
+        if name.startswith("_c_"):
+            return self._layout.components()[name[3:]]
+        raise AttributeError(name)
+
+
+class _ToDense(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, sp: SparseTensorBase) -> Tensor:  # type: ignore[override]
+        return sp._layout.to_dense()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):  # type: ignore[override]
+        return g
+
+
+def unwrap_dense(x: Any) -> Any:
+    """Tree-map helper: SparseTensor -> its dense tensor (not differentiable; for aten level)."""
+    return tree_map(lambda a: a._layout.to_dense() if isinstance(a, SparseTensorBase) else a, x)
