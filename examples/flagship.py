@@ -70,8 +70,8 @@ def _size_of(fn) -> int:
 def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
     from sparsa import save
     from sparsa.data.text import calibration_and_evaluation
-    from sparsa.methods import sparsegpt
-    from sparsa.methods.pattern import RowGroupSparsifier
+    from sparsa import sparsify
+    from sparsa.methods import SparseGPT
     from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
 
     _line(f"1. MiniLM-L6 (pretrained): SparseGPT one-shot -> row_group{cfg.minilm_group} at "
@@ -81,8 +81,10 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
     sparse = copy.deepcopy(dense)
     batches = [tokenize(tok, calib[i:i + 16]) for i in range(0, len(calib), 16)]
     t0 = time.perf_counter()
-    sparsegpt(sparse, batches, RowGroupSparsifier(cfg.minilm_sparsity, group=cfg.minilm_group),
-              layout="row_group", names=encoder_linears(sparse), forward=lambda m, b: m(**b), progress=cfg.progress)
+    encoder = set(encoder_linears(sparse))
+    sparsify(sparse, SparseGPT(cfg.minilm_sparsity, pattern=f"row_group{cfg.minilm_group}", calibration=batches,
+                               forward=lambda m, b: m(**b), progress=cfg.progress),
+             filter_fn=lambda module, name: name in encoder)
     prune_s = time.perf_counter() - t0
     e_dense = embed(dense, tok, held)
     e_sparse = embed(sparse, tok, held)
@@ -102,8 +104,8 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
 def _bert(cfg: DemoConfig) -> Dict[str, Any]:
     from transformers import BertConfig, BertModel
 
-    from sparsa import Rule, sparsify
-    from sparsa.methods.pattern import RowGroupSparsifier
+    from sparsa import sparsify
+    from sparsa.methods import OneShot
 
     batch, seq = (cfg.bert_batch, cfg.bert_seq) if not cfg.quick else (2, 128)
     _line(f"2. BERT-base (from config): every encoder Linear -> row_group{cfg.bert_group} at "
@@ -111,8 +113,8 @@ def _bert(cfg: DemoConfig) -> Dict[str, Any]:
     torch.manual_seed(0)
     dense = BertModel(BertConfig()).eval()
     sparse = copy.deepcopy(dense)
-    sparsify(sparse, [Rule(sparsifier=RowGroupSparsifier(cfg.bert_sparsity, group=cfg.bert_group),
-                           layout="row_group", names="re:encoder\\..*", module_types=(nn.Linear,))])
+    sparsify(sparse, OneShot(cfg.bert_sparsity, pattern=f"row_group{cfg.bert_group}"),
+             filter_fn=lambda module, name: name.startswith("encoder."))
     ids = torch.randint(0, 30522, (batch, seq))
     with torch.no_grad():
         ref = dense(ids).last_hidden_state

@@ -8,8 +8,12 @@ The public API (``__all__``):
 * subpackages: ``layouts`` (storage formats), ``sparsifiers`` (which values survive), ``ops``
   (registry and dispatcher), ``methods`` (pruning methods), ``adaptive`` (activation-sparse training);
 * tensors: ``SparseTensor``, ``to_sparse``, ``to_dense``;
-* models: ``Rule``, ``sparsify``, ``densify``, ``sparsity_report``, ``format_report``,
-  ``sparsify_linears``, ``fuse_gelu``, ``recover``; checkpoints: ``save``, ``load``;
+* models: ``sparsify`` (the one way to sparsify: a method config from ``methods`` such as
+  ``methods.OneShot`` / ``methods.Wanda``, a ``Rule`` or list of them, or a sparsifier; returns the
+  model), ``Rule``, ``densify``, ``sparsity_report`` (the reports), ``format_report``, ``fuse_gelu``,
+  ``recover``, ``sparsify_linears`` (deprecated: ``sparsify(model, methods.OneShot(...))``);
+  checkpoints: ``save``, ``load``;
+* activation sparsity: ``adaptive.enable(model)`` (the one way to turn it on);
 * dispatcher: ``implements``, ``fallback_counts``, ``reset_fallback_counts``,
   ``SparseFallbackWarning``, ``strict``, ``is_strict``, ``SparseFallbackError``.
 

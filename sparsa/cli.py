@@ -98,13 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one-shot method (wanda/sparsegpt calibrate on built-in offline text; default magnitude)")
     pr.add_argument("--sparsity", type=_fraction, default=None, help="fraction of weights removed (default 0.5)")
     pr.add_argument("--pattern", default=None,
-                    help="'unstructured', 'N:M' (e.g. 2:4) or 'row_group<G>' (e.g. row_group16; fast on CPU) "
-                         "(default unstructured; with --target-quality: a comma-separated list to search, also "
-                         "'grouped_nm', default all of unstructured,2:4,4:8,grouped_nm,row_group4,row_group8,"
-                         "row_group16)")
+                    help="'unstructured', 'N:M' (e.g. 2:4), 'grouped_N:M' (e.g. grouped_2:4), 'grouped_nm' (the "
+                         "grouped N:M nearest --sparsity) or 'row_group<G>' (e.g. row_group16; fast on CPU), as "
+                         "sparsa.sparsifiers.parse_pattern reads them (default unstructured; with --target-quality: "
+                         "a comma-separated list to search, default all of unstructured,2:4,4:8,grouped_nm,"
+                         "row_group4,row_group8,row_group16)")
     pr.add_argument("--layout", default=None,
-                    help="storage layout (default: the pattern's natural one: masked, nm or row_group; for a "
-                         "causal LM with an unstructured or N:M pattern, bitmask where available)")
+                    help="storage layout (default: the pattern's natural one: masked, nm, grouped_nm or row_group; "
+                         "for a causal LM with an unstructured or N:M pattern, bitmask where available)")
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
     pr.add_argument("--data", metavar="FILE|DIR", default=None,
                     help="calibration text for wanda/sparsegpt: a UTF-8 file (one passage per line) or a "

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .nn.blocks import prunable_linears
+from .sparsifiers.pattern_names import grouped_nm_for, parse_pattern
 
 __all__ = ["PATTERNS", "FIXED_SPARSITY", "PatternConfig", "pattern_config", "grouped_nm_for", "prune_copy",
            "check_method_layout", "top1_agreement", "embedding_quality", "DenseBaselines", "pareto_frontier",
@@ -60,50 +61,23 @@ class PatternConfig:
     recover_pattern: str = ""
 
 
-def grouped_nm_for(sparsity: float, max_m: int = 10) -> Tuple[int, int]:
-    """The grouped N:M (``n`` of ``m``, n in 1..2, 4 <= m <= ``max_m``) whose sparsity ``1 - n/m`` is
-    nearest ``sparsity`` (smaller m on ties; n > 2 makes the grouped mask search very slow).
-
-    >>> [grouped_nm_for(s) for s in (0.5, 0.6, 0.75, 0.8, 0.9)]
-    [(2, 4), (2, 5), (1, 4), (1, 5), (1, 10)]
-    """
-    best = min(((n, m) for m in range(4, max_m + 1) for n in (1, 2)),
-               key=lambda nm: (round(abs(1 - nm[0] / nm[1] - sparsity), 9), nm[1]))
-    return best
-
-
 def pattern_config(pattern: str, sparsity: float) -> PatternConfig:
-    """The sparsifier and fast layout of ``pattern`` (see :data:`PATTERNS`) at ``sparsity``; N:M
-    patterns ignore ``sparsity`` (theirs is fixed: ``1 - N/M``), ``grouped_nm`` rounds it to the
-    nearest N:M of :func:`grouped_nm_for`.
+    """The sparsifier and fast layout of ``pattern`` (see :data:`PATTERNS`; parsed by
+    :func:`sparsa.sparsifiers.parse_pattern`) at ``sparsity``; N:M patterns ignore ``sparsity`` (theirs
+    is fixed: ``1 - N/M``), ``grouped_nm`` rounds it to the nearest N:M of :func:`grouped_nm_for`.
+    The frontier stores ``"unstructured"`` as ``sliced_ell`` (its fast layout), the rest in their natural one.
 
     >>> c = pattern_config("grouped_nm", 0.75); (c.label, c.layout, c.sparsity)
     ('grouped_nm1:4', 'grouped_nm', 0.75)
     """
-    from .methods.pattern import RowGroupSparsifier
-    from .sparsifiers import NM, GroupedNM, Magnitude
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a str such as 'unstructured' or 'row_group16', got {type(pattern).__name__}")
-    if pattern == "unstructured":
-        return PatternConfig(pattern, "sliced_ell", "sliced_ell", float(sparsity), Magnitude(sparsity, per="row"),
-                             "unstructured")
-    if pattern == "grouped_nm":
-        n, m = grouped_nm_for(sparsity)
-        return PatternConfig(pattern, f"grouped_nm{n}:{m}", "grouped_nm", round(1 - n / m, 4), GroupedNM(n, m, 4),
-                             f"grouped_{n}:{m}")
-    if pattern.startswith("row_group"):
-        g = pattern[len("row_group"):]
-        if not g.isdigit() or int(g) <= 0:
-            raise ValueError(f"pattern {pattern!r}: row_group needs a group size, e.g. 'row_group16'")
-        return PatternConfig(pattern, pattern, "row_group", float(sparsity), RowGroupSparsifier(sparsity, group=int(g)),
-                             pattern)
-    if ":" in pattern:
-        try:
-            n, m = (int(v) for v in pattern.split(":"))
-        except ValueError:
-            raise ValueError(f"pattern {pattern!r}: N:M needs two integers, e.g. '2:4'") from None
-        return PatternConfig(pattern, pattern, "nm", round(1 - n / m, 4), NM(n, m), pattern)
-    raise ValueError(f"pattern must be one of {', '.join(PATTERNS)} (or row_group<G>, N:M), got {pattern!r}")
+    p = parse_pattern(pattern, sparsity)
+    if p.canonical == "unstructured":
+        label = layout = "sliced_ell"
+    elif pattern == "grouped_nm":
+        label, layout = "grouped_nm" + p.canonical.removeprefix("grouped_"), p.layout
+    else:
+        label, layout = pattern, p.layout
+    return PatternConfig(pattern, label, layout, p.sparsity, p.sparsifier, p.canonical)
 
 
 #: the block Linears :func:`prune_copy` prunes by default (the name ``benchmarks/pareto.py`` imports)
@@ -128,7 +102,7 @@ def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: S
     ``cfg``'s layout. Raises ``ValueError`` for a combination that cannot be stored (SparseGPT's
     column-block masks do not keep grouped N:M's row groups)."""
     from . import Rule, sparsify
-    from .methods import sparsegpt, wanda
+    from .methods import SparseGPT, Wanda
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_method_layout(method, cfg.layout)
@@ -138,10 +112,10 @@ def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: S
         return sparsify(model, [Rule(sparsifier=cfg.sparsifier, layout=cfg.layout, names=names)])
     if not calibration:
         raise ValueError(f"method {method!r} needs calibration batches (tokenized text), got none")
-    fwd = lambda m, b: m(**b)  # noqa: E731
-    if method == "wanda":
-        return wanda(model, calibration, cfg.sparsifier, cfg.layout, names, forward=fwd)
-    return sparsegpt(model, calibration, cfg.sparsifier, cfg.layout, names, forward=fwd)
+    config = (Wanda if method == "wanda" else SparseGPT)(cfg.sparsity, sparsifier=cfg.sparsifier, layout=cfg.layout,
+                                                         calibration=calibration, forward=lambda m, b: m(**b))
+    wanted = set(names)
+    return sparsify(model, config, lambda m, n: n in wanted)
 
 
 def top1_agreement(reference: Tensor, embeddings: Tensor) -> float:

@@ -41,6 +41,7 @@ from torch import nn
 
 from . import frontier
 from .nn.blocks import prunable_linears
+from .sparsifiers.pattern_names import PATTERN_SPELLINGS
 
 __all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears", "check_pattern_layout",
            "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP", "search_target_quality", "split_texts",
@@ -48,9 +49,7 @@ __all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears",
 
 CHECKPOINT = "model.sparsa.safetensors"
 METHODS = ("magnitude", "wanda", "sparsegpt")
-PATTERNS_HELP = ("'unstructured', 'N:M' (e.g. 2:4; with --layout grouped_nm stored as grouped N:M), "
-                 "'grouped_N:M' (e.g. grouped_2:4), 'grouped_nm' (the grouped N:M nearest --sparsity), "
-                 "or 'row_group<G>' (e.g. row_group16, the fast CPU layout)")
+PATTERNS_HELP = ", ".join(PATTERN_SPELLINGS)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
                     "merges.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
                     "added_tokens.json", "chat_template.jinja")
@@ -94,25 +93,16 @@ def load_pruned(path: str) -> nn.Module:
 
 def _pattern_sparsifier(pattern: str, sparsity: float, layout: Optional[str] = None,
                         arg: str = "--pattern") -> Tuple[Any, str]:
-    """``(sparsifier, natural layout)`` of ``pattern`` (see :data:`PATTERNS_HELP`) for ``layout``.
+    """``(sparsifier, natural layout)`` of ``pattern`` (one of :data:`PATTERNS_HELP`) for ``layout``:
+    :func:`sparsa.sparsifiers.parse_pattern`, errors naming ``arg``.
 
     An ``'N:M'`` pattern stored in the ``grouped_nm`` layout is pruned by the grouped N:M sparsifier
     (``GroupedNM(n, m, g=4)``): a plain N:M mask (n of m along each row) is not grouped N:M (n of m
     rows of a block per column, the pattern shared by ``g`` columns), so that layout cannot store it.
-    ``'grouped_nm'`` is the grouped N:M nearest ``sparsity`` (:func:`sparsa.frontier.grouped_nm_for`).
-    Errors name ``arg``."""
-    from .methods.recover import pattern_sparsifier
-    if pattern == "grouped_nm":
-        cfg = frontier.pattern_config(pattern, sparsity)
-        return cfg.sparsifier, cfg.layout
-    try:
-        sparsifier, _ = pattern_sparsifier(pattern, sparsity, layout)
-        _, natural = pattern_sparsifier(pattern, sparsity)
-    except (ValueError, TypeError) as e:
-        if str(e).startswith("pattern must be"):
-            raise ValueError(f"{arg} must be {PATTERNS_HELP}, got {pattern!r}") from None
-        raise ValueError(f"{arg} {pattern!r}: {str(e).removeprefix('pattern: ')}") from None
-    return sparsifier, natural
+    ``'grouped_nm'`` is the grouped N:M nearest ``sparsity`` (:func:`sparsa.frontier.grouped_nm_for`)."""
+    from .sparsifiers.pattern_names import parse_pattern
+    p = parse_pattern(pattern, sparsity, layout, arg=arg)
+    return p.sparsifier, parse_pattern(pattern, sparsity, arg=arg).layout
 
 
 def default_layout(pattern: str, causal_lm: bool = False) -> str:
@@ -308,13 +298,13 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
     ``layout``: the storage layout (default :func:`default_layout`). ``data``: calibration text for
     wanda/sparsegpt (a text file, one passage per line, or a directory of ``*.txt``; default the
     built-in offline sentences). ``only_if_faster`` (``True`` or a token count, as in
-    :func:`sparsa.sparsify_linears`): a pruned layer whose sparse layout is not measured faster than
+    :class:`sparsa.methods.OneShot`): a pruned layer whose sparse layout is not measured faster than
     dense on this machine is saved as a dense weight (same values). Returns the per-layer report rows
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``out`` is complete or untouched: see :func:`_write_out`.
     """
     from . import Rule, sparsify, sparsity_report
-    from .methods import sparsegpt, wanda
+    from .methods import SparseGPT, Wanda
     from .nn.linears import _tokens, annotate_paths, dense_where_slower
 
     if method not in METHODS:
@@ -344,10 +334,12 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
         _, batches = cal
         # causal LMs: run the base model only (the LM head's logits are not needed and can be huge)
         fwd = (lambda m, b: m.base_model(**b, use_cache=False)) if causal else (lambda m, b: m(**b))
-        if method == "wanda":
-            wanda(model, batches, sparsifier, layout=layout, names=names, forward=fwd)
-        else:
-            sparsegpt(model, batches, sparsifier, layout=layout, names=names, forward=fwd, progress=progress)
+        wanted = set(names)
+        config = (Wanda(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd)
+                  if method == "wanda" else
+                  SparseGPT(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd,
+                            progress=progress))
+        sparsify(model, config, lambda m, n: n in wanted)
     if tokens:
         chosen = dense_where_slower(model, tokens, names=names)
     else:

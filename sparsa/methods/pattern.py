@@ -1,5 +1,5 @@
 """Shared pieces of the methods: changing a sparse parameter's pattern in place, resetting optimizer
-state, the row-group sparsifier and named sparsity patterns.
+state, and a method config's pattern (:func:`resolve_pattern`).
 
 A method never keeps masks of its own: the pattern lives in the parameter's layout. To change it
 (gradual pruning, RigL, SET, movement pruning) :func:`set_pattern` rebuilds the layout from the
@@ -13,17 +13,18 @@ DDP and any hooks keep pointing at it.
 """
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..layouts.base import check_fraction
-from ..sparsifiers import NM, Magnitude
-from ..sparsifiers.base import Sparsifier
+from ..sparsifiers.base import Sparsifier, check_sparsifier
+from ..sparsifiers.pattern_names import parse_pattern
+from ..sparsifiers.row_group import RowGroupSparsifier  # noqa: F401  (its home before sparsa.sparsifiers)
 from ..tensor import SparseTensor
 
-__all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "prunable_parameters"]
+__all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "resolve_pattern",
+           "prunable_parameters"]
 
 
 def _check_sparse(param: Tensor, arg: str = "param") -> SparseTensor:
@@ -71,67 +72,34 @@ def prunable_parameters(model: nn.Module,
     return [(n, m) for n, m in model.named_modules() if isinstance(m, types) and getattr(m, "weight", None) is not None]
 
 
-class RowGroupSparsifier(Sparsifier):
-    """The fast CPU pattern: every ``group`` rows keep the same input columns (those with the
-    largest L2 norm over the group); stored by the ``"row_group"`` layout.
-
-    ``permute=True`` lets rows of similar column importance form the groups instead of consecutive
-    rows (more of the weight kept at the same kernel speed). ``scores``: importance used instead of
-    ``|W|``, shape ``(K,)`` per input feature (multiplies ``|W|``, e.g. Wanda's input norms) or the
-    weight's shape.
-
-    >>> import torch
-    >>> RowGroupSparsifier(0.5, group=4).mask(torch.randn(8, 10)).sum(1).tolist()
-    [5, 5, 5, 5, 5, 5, 5, 5]
-    >>> RowGroupSparsifier(0.5, group=4, permute=True).mask(torch.randn(8, 10)).sum(1).tolist()
-    [5, 5, 5, 5, 5, 5, 5, 5]
-    """
-
-    name = "row_group"
-
-    def __init__(self, sparsity: float, group: int = 16, permute: bool = False, scores: Optional[Tensor] = None):
-        if not isinstance(permute, bool):
-            raise TypeError(f"permute must be True or False, got {permute!r}")
-        if scores is not None and not isinstance(scores, Tensor):
-            raise TypeError(f"scores must be a tensor (per input feature or per weight) or None, got "
-                            f"{type(scores).__name__}")
-        self.sparsity = check_fraction(sparsity, "sparsity")
-        self.group = group
-        self.permute = permute
-        self.scores = scores
-
-    def _mask(self, dense: Tensor) -> Tensor:
-        from ..layouts.row_group import row_group_mask
-        return row_group_mask(dense, self.sparsity, self.group, permute=self.permute, scores=self.scores)
-
-    def layout_params(self):
-        return {"group": self.group}
-
-    def _repr_args(self):
-        out = {"sparsity": self.sparsity, "group": self.group}
-        if self.permute:
-            out["permute"] = True
-        if self.scores is not None:
-            out["scores"] = f"<tensor {tuple(self.scores.shape)}>"
-        return out
-
-
 def named_pattern(name: str, sparsity: float = 0.5) -> Tuple[Sparsifier, str]:
-    """``(sparsifier, layout name)`` for a pattern name: ``"unstructured"`` (per output row),
-    ``"N:M"`` such as ``"2:4"``, or ``"row_group<G>"`` such as ``"row_group16"``.
+    """``(sparsifier, layout name)`` of a pattern name: ``parse_pattern(name, sparsity)`` as a pair
+    (:func:`sparsa.sparsifiers.parse_pattern` lists every spelling).
 
     >>> named_pattern("2:4")
     (NM(n=2, m=4), 'nm')
     """
-    if name == "unstructured":
-        return Magnitude(sparsity, per="row"), "masked"
-    if ":" in name:
-        n, m = (int(v) for v in name.split(":"))
-        return NM(n, m), "nm"
-    if name.startswith("row_group"):
-        return RowGroupSparsifier(sparsity, group=int(name[len("row_group"):] or 16)), "row_group"
-    raise ValueError(f"pattern must be 'unstructured', 'N:M' (e.g. '2:4') or 'row_group<G>' (e.g. 'row_group16'), "
-                     f"got {name!r}")
+    p = parse_pattern(name, sparsity)
+    return p.sparsifier, p.layout
+
+
+def resolve_pattern(sparsity: float, pattern: Optional[str], layout: Optional[str], sparsifier: Any,
+                    default_pattern: str = "unstructured") -> Tuple[Any, str]:
+    """``(sparsifier, layout)`` of a method config: its ``sparsifier`` (stored in ``layout``, default
+    ``"masked"``) or else its ``pattern`` (default ``default_pattern``) at ``sparsity`` (stored in
+    ``layout``, default the pattern's natural layout). Both given is a ``ValueError``.
+
+    >>> resolve_pattern(0.5, "2:4", None, None)
+    (NM(n=2, m=4), 'nm')
+    """
+    if sparsifier is not None:
+        check_sparsifier(sparsifier, "sparsifier")
+        if pattern is not None:
+            raise ValueError(f"pass pattern= or sparsifier=, not both (got pattern={pattern!r}, "
+                             f"sparsifier={sparsifier!r})")
+        return sparsifier, layout or "masked"
+    p = parse_pattern(default_pattern if pattern is None else pattern, sparsity, layout)
+    return p.sparsifier, layout or p.layout
 
 
 def _iter_sparse(params: Iterable[Tensor], arg: str = "params") -> List[SparseTensor]:

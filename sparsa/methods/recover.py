@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,11 +50,12 @@ from ..layouts.base import check_fraction, get_layout
 from ..nn import Rule
 from ..sparsifiers import NM, ConstantSparsity, CubicSchedule, GroupedNM
 from ..sparsifiers.base import Sparsifier, top_mask
+from ..sparsifiers.pattern_names import parse_pattern
 from ..tensor import SparseTensor, to_dense, to_sparse
 from .allocation import check_allocation, owl_sparsities
 from .distill import distillation_loss
 from .gradual import GradualPruning
-from .pattern import named_pattern, set_pattern
+from .pattern import set_pattern
 
 __all__ = ["recover", "RecoverReport", "pattern_sparsifier", "INITS", "PRUNE_FRACTION"]
 
@@ -127,27 +127,14 @@ def _fixed_sparsity(sp: Sparsifier) -> Optional[float]:
 
 
 def pattern_sparsifier(pattern: str, sparsity: float, layout: Optional[str] = None) -> Tuple[Sparsifier, str]:
-    """``(sparsifier, layout)`` of a pattern name at ``sparsity`` (see the module docstring):
-    ``named_pattern`` plus the grouped N:M patterns (``"grouped_2:4"``, or ``"2:4"`` with
-    ``layout="grouped_nm"``; 4 columns per group)."""
-    if not isinstance(pattern, str):
-        raise TypeError(f"pattern must be a string such as 'unstructured', '2:4' or 'row_group16', got {pattern!r}")
-    grouped = re.fullmatch(r"grouped_(\d+):(\d+)", pattern)
-    if grouped or pattern == "grouped_nm":
-        n, m = (int(grouped[1]), int(grouped[2])) if grouped else (2, 4)
-        sp, natural = GroupedNM(n, m, g=4), "grouped_nm"
-    else:
-        if re.fullmatch(r"\d+:\d+", pattern) is None and pattern != "unstructured" and \
-                re.fullmatch(r"row_group\d*", pattern) is None:
-            raise ValueError(f"pattern must be 'unstructured', 'N:M' (e.g. '2:4'), 'grouped_N:M' (e.g. 'grouped_2:4') "
-                             f"or 'row_group<G>' (e.g. 'row_group16'), got {pattern!r}")
-        try:
-            sp, natural = named_pattern(pattern, sparsity)
-        except ValueError as e:
-            raise ValueError(f"pattern: {e}") from None
-        if isinstance(sp, NM) and layout == "grouped_nm":
-            sp, natural = GroupedNM(sp.n, sp.m, g=4), "grouped_nm"
-    return sp, layout or natural
+    """``(sparsifier, layout)`` of a pattern name at ``sparsity``: :func:`sparsa.sparsifiers.parse_pattern`
+    as a pair, ``layout`` (when given) replacing the pattern's natural one.
+
+    >>> pattern_sparsifier("2:4", 0.5, "grouped_nm")
+    (GroupedNM(n=2, m=4, g=4), 'grouped_nm')
+    """
+    p = parse_pattern(pattern, sparsity, layout)
+    return p.sparsifier, layout or p.layout
 
 
 def _check_layout(sp: Sparsifier, layout: str, pattern: str) -> Dict[str, Any]:
@@ -243,8 +230,8 @@ def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[st
               init_targets: Dict[str, float], calibration: List[Any], forward: Forward) -> None:
     """Prune ``names`` once to ``init_targets`` with ``init``; the weights end in the masked layout."""
     from .calibration import collect_input_stats
-    from .sparsegpt import sparsegpt
-    from .wanda import Wanda
+    from .sparsegpt import _sparsegpt
+    from .wanda import WandaSparsifier
     if init == "magnitude":
         for n in names:
             w = model.get_submodule(n).weight
@@ -254,12 +241,12 @@ def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[st
         stats = collect_input_stats(model, calibration, forward, names)
         for n in names:
             w = model.get_submodule(n).weight
-            set_pattern(w, Wanda(sp_at(n, init_targets[n]), stats[n].norm).mask(w.sparse_layout.to_dense()))
+            set_pattern(w, WandaSparsifier(sp_at(n, init_targets[n]), stats[n].norm).mask(w.sparse_layout.to_dense()))
         return
     # SparseGPT (block by block for transformers), each layer at its own sparsity; stays masked
     per_layer = {n: sp_at(n, init_targets[n]) for n in names}
-    sparsegpt(model, calibration, per_layer[names[0]], "masked", names, forward=forward,
-              sparsities={n: sp.sparsity for n, sp in per_layer.items()})
+    _sparsegpt(model, calibration, per_layer[names[0]], "masked", names, forward=forward,
+               sparsities={n: sp.sparsity for n, sp in per_layer.items()})
 
 
 # ----------------------------------------------------------------------------- the pipeline

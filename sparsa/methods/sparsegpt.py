@@ -11,27 +11,32 @@ as in the paper; layers reading the same input, such as query/key/value, share o
 pass stops right after the layers it calibrates). Transformers are calibrated block by block
 (:mod:`sparsa.methods.blockwise`).
 
->>> import torch, torch.nn as nn
->>> from sparsa.sparsifiers import Magnitude
+As a :func:`sparsa.sparsify` config: :class:`SparseGPT`, carrying its calibration batches.
+
+>>> import torch, torch.nn as nn, sparsa
 >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
->>> model = sparsegpt(model, [torch.randn(64, 8)], Magnitude(0.5, per="row"))
+>>> model = sparsa.sparsify(model, SparseGPT(0.5, calibration=[torch.randn(64, 8)]))
 >>> model[0].weight.layout_name, model[0].weight.density
 ('masked', 0.5)
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from ..layouts.base import check_fraction
 from ..nn import Rule
+from ..nn.config import FilterFn, SparsifyConfig, selected_linears
 from ..sparsifiers.base import Sparsifier
 from ..tensor import to_dense, to_sparse
 from .blockwise import blockwise_prune
 from .calibration import collect_input_stats, forward_groups, layer_sparsifiers
 
-__all__ = ["sparsegpt_weight", "sparsegpt"]
+__all__ = ["SparseGPT", "sparsegpt_weight", "sparsegpt"]
 
 
 def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, block: int = 128,
@@ -76,7 +81,73 @@ def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, 
         m.weight = nn.Parameter(to_sparse(w, layout, mask=keep, **params), requires_grad=m.weight.requires_grad)
 
 
+@dataclass
+class SparseGPT(SparsifyConfig):
+    """SparseGPT as a :func:`sparsa.sparsify` config: prune the ``nn.Linear`` layers (those ``filter_fn``
+    accepts; default: all the forward uses, or every Linear inside the transformer blocks) to
+    ``pattern`` at ``sparsity`` (or by ``sparsifier``), updating the remaining weights, calibrated on
+    ``calibration`` (each batch fed as ``forward(model, batch)``), stored in ``layout`` (default: the
+    pattern's natural one). ``sequential``, ``block``, ``damp``, ``blockwise``, ``blocks``,
+    ``sparsities`` and ``progress`` are those of :func:`_sparsegpt`.
+
+    >>> import torch, torch.nn as nn, sparsa
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> model = sparsa.sparsify(model, SparseGPT(pattern="2:4", calibration=[torch.randn(64, 8)]))
+    >>> model[0].weight.layout_name
+    'nm'
+    """
+
+    sparsity: float = 0.5
+    _: KW_ONLY
+    pattern: Optional[str] = None
+    calibration: Any = None
+    layout: Optional[str] = None
+    sparsifier: Optional[Sparsifier] = None
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None
+    sequential: bool = True
+    block: int = 128
+    damp: float = 0.01
+    blockwise: Optional[bool] = None
+    blocks: Union[None, str, nn.ModuleList] = None
+    sparsities: Optional[Mapping[str, float]] = None
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        from .wanda import check_calibration
+        check_fraction(self.sparsity, "sparsity")
+        self.calibration = check_calibration(self.calibration, "SparseGPT")
+
+    def apply(self, model: nn.Module, filter_fn: Optional[FilterFn] = None) -> None:
+        from .pattern import resolve_pattern
+        sp, layout = resolve_pattern(self.sparsity, self.pattern, self.layout, self.sparsifier)
+        _sparsegpt(model, self.calibration, sp, layout, selected_linears(model, filter_fn), self.forward,
+                   self.sequential, self.block, self.damp, self.progress, self.blockwise, self.blocks, self.sparsities)
+
+
 def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
+              names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
+              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
+              sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+    """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.SparseGPT(sparsifier=..., layout=...,
+    calibration=batches), filter_fn)``. Prunes in place with :func:`_sparsegpt`; returns the model.
+
+    >>> import warnings, torch, torch.nn as nn
+    >>> from sparsa.sparsifiers import Magnitude
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     m = sparsegpt(nn.Linear(8, 4), [torch.randn(16, 8)], Magnitude(0.5, per="row"))
+    >>> m.weight.layout_name
+    'masked'
+    """
+    warnings.warn("sparsa.methods.sparsegpt is deprecated: use model = sparsa.sparsify(model, sparsa.methods."
+                  "SparseGPT(sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
+                  DeprecationWarning, stacklevel=2)
+    return _sparsegpt(model, batches, sparsifier, layout, names, forward, sequential, block, damp, progress,
+                      blockwise, blocks, sparsities)
+
+
+def _sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
               names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
               sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
               blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,

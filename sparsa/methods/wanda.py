@@ -1,34 +1,43 @@
 """Wanda (Sun et al., 2023): prune by ``|W_ij| * ||X_j||_2``, the weight times the L2 norm of its
 input feature on calibration data; no weight update.
 
-In sparsa Wanda is a sparsifier *wrapper*: :class:`Wanda` scales the weight by the input norms and
-lets any pattern sparsifier choose on the scaled tensor. Per-row magnitude gives the paper's
-unstructured rule (compare within an output row), ``NM(2, 4)`` its N:M variant, and the row-group
-sparsifier the fast CPU layout, all from one line.
+:class:`Wanda` is the method as a :func:`sparsa.sparsify` config, carrying its calibration batches.
+Inside, :class:`WandaSparsifier` scales the weight by the input norms and lets any pattern sparsifier
+choose on the scaled tensor: per-row magnitude gives the paper's unstructured rule (compare within an
+output row), ``"2:4"`` its N:M variant, and ``"row_group16"`` the fast CPU layout, all from one line.
 
->>> import torch, torch.nn as nn
->>> from sparsa.sparsifiers import NM
+>>> import torch, torch.nn as nn, sparsa
 >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
->>> model = wanda(model, [torch.randn(32, 8)], NM(2, 4), layout="nm")
+>>> model = sparsa.sparsify(model, Wanda(pattern="2:4", calibration=[torch.randn(32, 8)]))
 >>> model[0].weight.layout_name, model[2].weight.density
 ('nm', 0.5)
 """
 from __future__ import annotations
 
+import warnings
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
+from ..layouts.base import check_fraction
 from ..nn import Rule, sparsify
+from ..nn.config import FilterFn, SparsifyConfig, selected_linears
 from ..sparsifiers.base import Sparsifier
 from .blockwise import blockwise_prune
 from .calibration import collect_input_stats, layer_sparsifiers
 
-__all__ = ["Wanda", "wanda"]
+__all__ = ["Wanda", "WandaSparsifier", "wanda", "check_calibration"]
 
 
-class Wanda(Sparsifier):
-    """``base`` applied to ``|W| * input_norm`` (``input_norm``: one value per input feature)."""
+class WandaSparsifier(Sparsifier):
+    """``base`` applied to ``|W| * input_norm`` (``input_norm``: one value per input feature).
+
+    >>> import torch
+    >>> from sparsa.sparsifiers import Magnitude
+    >>> WandaSparsifier(Magnitude(0.5), torch.tensor([1.0, 10.0])).mask(torch.tensor([[2.0, 1.0]])).tolist()
+    [[False, True]]
+    """
 
     name = "wanda"
 
@@ -47,7 +56,92 @@ class Wanda(Sparsifier):
         return {"base": self.base}
 
 
+def check_calibration(calibration: Any, method: str) -> list:
+    """``calibration`` as a list of model inputs; ``ValueError`` naming the argument when it is empty."""
+    if calibration is None or isinstance(calibration, (str, bytes)):
+        raise TypeError(f"{method}: calibration must be an iterable of model inputs (e.g. [tokenized batch, ...]), "
+                        f"got {type(calibration).__name__}")
+    batches = list(calibration)
+    if not batches:
+        raise ValueError(f"{method}: calibration is empty; pass calibration=[batch, ...] (model inputs, e.g. "
+                         "a few tokenized batches of representative text)")
+    return batches
+
+
+@dataclass
+class Wanda(SparsifyConfig):
+    """Wanda as a :func:`sparsa.sparsify` config: prune the ``nn.Linear`` layers (those ``filter_fn``
+    accepts; default: all the forward uses, or every Linear inside the transformer blocks) by
+    ``|W| * ||X||`` calibrated on ``calibration`` (each batch fed as ``forward(model, batch)``,
+    default ``model(batch)``), to ``pattern`` at ``sparsity`` (or by ``sparsifier``), stored in
+    ``layout`` (default: the pattern's natural one). See :func:`_wanda` for ``blockwise``, ``blocks``,
+    ``sparsities`` (per-layer targets, e.g. OWL) and ``progress``.
+
+    ``Wanda(base, input_norm)`` (two positional arguments) is the deprecated spelling of
+    :class:`WandaSparsifier`.
+
+    >>> import torch, torch.nn as nn, sparsa
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    >>> model = sparsa.sparsify(model, Wanda(0.5, calibration=[torch.randn(32, 8)]))
+    >>> model[0].weight.layout_name, model[0].weight.sparsity
+    ('masked', 0.5)
+    """
+
+    sparsity: float = 0.5
+    _: KW_ONLY
+    pattern: Optional[str] = None
+    calibration: Any = None
+    layout: Optional[str] = None
+    sparsifier: Optional[Sparsifier] = None
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None
+    blockwise: Optional[bool] = None
+    blocks: Union[None, str, nn.ModuleList] = None
+    sparsities: Optional[Mapping[str, float]] = None
+    progress: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # the old sparsifier spelling Wanda(base, input_norm): users have code that builds it
+        if (args and isinstance(args[0], Sparsifier)) or "input_norm" in kwargs or "base" in kwargs:
+            warnings.warn("sparsa.methods.Wanda(base, input_norm) as a sparsifier is deprecated: use "
+                          "sparsa.methods.WandaSparsifier(base, input_norm); Wanda(sparsity, pattern=..., "
+                          "calibration=...) is now the method config for sparsa.sparsify", DeprecationWarning,
+                          stacklevel=2)
+            return WandaSparsifier(*args, **kwargs)
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        check_fraction(self.sparsity, "sparsity")
+        self.calibration = check_calibration(self.calibration, "Wanda")
+
+    def apply(self, model: nn.Module, filter_fn: Optional[FilterFn] = None) -> None:
+        from .pattern import resolve_pattern
+        sp, layout = resolve_pattern(self.sparsity, self.pattern, self.layout, self.sparsifier)
+        _wanda(model, self.calibration, sp, layout, selected_linears(model, filter_fn), self.forward,
+               self.blockwise, self.blocks, self.progress, self.sparsities)
+
+
 def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
+          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+          blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
+          progress: bool = False, sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+    """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.Wanda(sparsifier=..., layout=...,
+    calibration=batches), filter_fn)``. Prunes in place with :func:`_wanda`; returns the model.
+
+    >>> import warnings, torch, torch.nn as nn
+    >>> from sparsa.sparsifiers import NM
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     m = wanda(nn.Linear(8, 4), [torch.randn(16, 8)], NM(2, 4), layout="nm")
+    >>> m.weight.layout_name
+    'nm'
+    """
+    warnings.warn("sparsa.methods.wanda is deprecated: use model = sparsa.sparsify(model, sparsa.methods.Wanda("
+                  "sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
+                  DeprecationWarning, stacklevel=2)
+    return _wanda(model, batches, sparsifier, layout, names, forward, blockwise, blocks, progress, sparsities)
+
+
+def _wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
           names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
           blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
           progress: bool = False, sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
@@ -71,14 +165,14 @@ def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layo
     if blockwise is None or blockwise:
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group)
-            sparsify(blk, [Rule(sparsifier=Wanda(per_layer(blk.get_submodule(n)), s.norm), layout=layout, names=n)
-                           for n, s in stats.items()])
+            sparsify(blk, [Rule(sparsifier=WandaSparsifier(per_layer(blk.get_submodule(n)), s.norm), layout=layout,
+                                names=n) for n, s in stats.items()])
 
         strict = bool(blockwise) or blocks is not None
         if blockwise_prune(model, batches, prune, names, forward, blocks, False, progress, "Wanda (calibrate + prune)",
                            strict) is not None:
             return model
     stats = collect_input_stats(model, batches, forward, names)
-    rules = [Rule(sparsifier=Wanda(per_layer(model.get_submodule(n)), s.norm), layout=layout, names=n)
-             for n, s in stats.items()]
+    rules = [Rule(sparsifier=WandaSparsifier(per_layer(model.get_submodule(n)), s.norm), layout=layout,
+                  names=n) for n, s in stats.items()]
     return sparsify(model, rules)

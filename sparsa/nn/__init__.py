@@ -5,7 +5,8 @@ from .report import sparsity_report, format_report  # noqa: F401
 from .hooks import OutputSparsifier, GradLayout  # noqa: F401
 from .linears import sparsify_linears, default_sparsifier, dense_where_slower  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
+from .config import SparsifyConfig  # noqa: F401
 
 __all__ = ["Rule", "sparsify", "densify", "sparse_parameters", "sparsity_report", "format_report",
            "OutputSparsifier", "GradLayout", "sparsify_linears", "default_sparsifier",
-           "dense_where_slower", "fuse_gelu"]
+           "dense_where_slower", "fuse_gelu", "SparsifyConfig"]

@@ -10,7 +10,7 @@ are unchanged::
     >>> import torch, torch.nn as nn, sparsa
     >>> from sparsa.nn.fuse import fuse_gelu
     >>> m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-    >>> _ = sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    >>> m = sparsa.sparsify(m, sparsa.methods.OneShot(0.75, pattern="row_group8"))
     >>> x = torch.randn(4, 32)
     >>> with torch.no_grad():
     ...     before = m(x)

@@ -1,9 +1,11 @@
-"""One call to put every ``nn.Linear`` of a model into a layout at a sparsity.
+"""Every ``nn.Linear`` of a model in a layout at a sparsity, kept sparse only where that is faster:
+the machinery behind :class:`sparsa.methods.OneShot` (and the deprecated :func:`sparsify_linears`).
 
 >>> import torch.nn as nn, sparsa
+>>> from sparsa.methods import OneShot
 >>> model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
->>> rows = sparsa.sparsify_linears(model, "row_group", sparsity=0.75, group=8)
->>> [(r["name"], r["layout"], r["sparsity"]) for r in rows if r["name"].endswith("weight")]
+>>> model = sparsa.sparsify(model, OneShot(0.75, pattern="row_group8"))
+>>> [(r["name"], r["layout"], r["sparsity"]) for r in sparsa.sparsity_report(model) if r["name"].endswith("weight")]
 [('0.weight', 'row_group', 0.75), ('2.weight', 'row_group', 0.75)]
 
 With ``only_if_faster`` a layer keeps the sparse layout only where its kernel is measured faster
@@ -11,9 +13,8 @@ than dense on this machine; the report also gives the speed against the *best* d
 or bfloat16, whichever this CPU runs faster). The answer depends on the machine, so only the
 report's fields are shown:
 
->>> rows = sparsa.sparsify_linears(nn.Sequential(nn.Linear(64, 128)), "row_group", sparsity=0.75,
-...                                group=8, only_if_faster=16)
->>> r = rows[0]
+>>> model = sparsa.sparsify(nn.Sequential(nn.Linear(64, 128)), OneShot(0.75, pattern="row_group8", only_if_faster=16))
+>>> r = sparsa.sparsity_report(model)[0]
 >>> r["path"] in ("sparse", "dense"), r["ratio_vs_dense"] > 0, r["best_dense"] in DENSE_OPTIONS
 (True, True, True)
 """
@@ -29,10 +30,10 @@ from torch import nn
 
 from ..cost_model import CostModel, default_cost_model
 from ..layouts.base import check_fraction, get_layout
-from ..sparsifiers import BlockMagnitude, GroupedNM, Magnitude, NM, Sparsifier
+from ..sparsifiers import BlockMagnitude, GroupedNM, Magnitude, NM, RowGroupSparsifier, Sparsifier
 from ..tensor import SparseTensor
 from .cast_linear import CastLinear
-from .report import sparsity_report
+from .report import PATH_ATTR, sparsity_report
 from .rule import NamePattern, Rule
 from .sparsify import sparsify
 
@@ -55,7 +56,6 @@ MARGIN = 0.05
 def default_sparsifier(layout: str, sparsity: float, **params: Any) -> Sparsifier:
     """The natural one-shot magnitude sparsifier for ``layout`` at ``sparsity``."""
     if layout == "row_group":
-        from ..methods.pattern import RowGroupSparsifier
         return RowGroupSparsifier(sparsity, **{k: v for k, v in params.items() if k in ("group", "permute")})
     if layout in ("nm", "grouped_nm"):
         n, m = params.get("n"), params.get("m")
@@ -234,6 +234,18 @@ def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def record_paths(model: nn.Module, chosen: Dict[str, Dict[str, Any]]) -> None:
+    """Keep each decision of ``chosen`` (``{parameter name: decision}``, from :func:`dense_where_slower`)
+    on the module holding that weight, so :func:`sparsa.sparsity_report` rows carry it."""
+    for pname, decision in chosen.items():
+        mname = pname[:-len(".weight")] if pname.endswith(".weight") else ""
+        mod = model.get_submodule(mname)
+        w = mod._parameters.get("weight")
+        layout = w.layout_name if isinstance(w, SparseTensor) else "dense"
+        # the layout it was decided for: a later re-sparsify to another layout drops the decision
+        setattr(mod, PATH_ATTR, (layout, dict(decision)))
+
+
 def annotate_paths(rows: List[Dict[str, Any]], chosen: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Add ``path`` and ``ratio_vs_dense`` to the report rows of the parameters in ``chosen``."""
     for r in rows:
@@ -246,38 +258,29 @@ def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: floa
                      sparsifier: Optional[Sparsifier] = None, names: Optional[Sequence[str]] = None,
                      only_if_faster: Union[bool, int] = False, dtypes: Optional[Sequence[torch.dtype]] = None,
                      **params: Any) -> List[Dict[str, Any]]:
-    """Convert every ``nn.Linear`` weight of ``model`` (or those named by ``names`` globs) to ``layout``
+    """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.OneShot(sparsity, layout=layout,
+    layout_params=params, only_if_faster=...), filter_fn)`` and then :func:`sparsa.sparsity_report`.
+
+    Converts every ``nn.Linear`` weight of ``model`` (or those named by ``names`` globs) to ``layout``
     at ``sparsity`` with one-shot magnitude pruning (or ``sparsifier``); returns the per-layer report
-    (:func:`sparsa.sparsity_report` rows). ``params``: layout knobs such as ``group``, ``n``/``m``/``g``.
+    (:func:`sparsa.sparsity_report` rows, with ``path``, ``ratio_vs_dense``, ``ratio_vs_best_dense`` and
+    ``best_dense`` on the converted weights). See :class:`sparsa.methods.OneShot` for the knobs.
 
-    ``only_if_faster`` (default ``False``): never slower than dense. ``True`` (or an int: the token
-    count, i.e. rows of the input, to time at; ``True`` means 128) times each converted layer's sparse
-    ``F.linear`` against dense ``F.linear`` on the same pruned weight, side by side at the current
-    thread count, and where the sparse one is not at least ``1 + MARGIN`` (5%) faster stores that
-    pruned weight as a plain dense parameter instead (same values, so the model computes the same
-    function either way). Identical layers are timed once (a BERT-base takes a few seconds). Such a
-    dense layer no longer keeps its zeros when trained further: use it to deploy, after pruning.
-
-    ``dtypes`` (with ``only_if_faster``): the dense dtypes a layer may switch to when that is faster
-    than its sparse kernel (see :func:`dense_where_slower`); default: only the weight's own dtype.
-
-    The report rows of the converted weights carry ``path`` (``"sparse"``, ``"dense"`` for a fallback,
-    whose ``layout`` is then ``"dense"``, or ``"dense_bfloat16"`` for a dtype switch), ``ratio_vs_dense``
-    (dense time / sparse time in the weight's dtype, None when not measured), ``ratio_vs_best_dense``
-    and ``best_dense`` (the fastest dense option on this CPU: float32 or bfloat16).
+    >>> import warnings, torch.nn as nn, sparsa
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", DeprecationWarning)
+    ...     rows = sparsa.sparsify_linears(nn.Linear(16, 8), "nm", 0.5)
+    >>> rows[0]["layout"], rows[0]["path"]
+    ('nm', 'sparse')
     """
+    warnings.warn("sparsa.sparsify_linears is deprecated: use model = sparsa.sparsify(model, "
+                  "sparsa.methods.OneShot(sparsity, layout=..., layout_params={...}, only_if_faster=...), filter_fn) "
+                  "and rows = sparsa.sparsity_report(model)", DeprecationWarning, stacklevel=2)
+    from ..methods.one_shot_config import OneShot
     get_layout(layout)
     check_fraction(sparsity, "sparsity")
-    tokens = _tokens(only_if_faster)
-    sp = sparsifier if sparsifier is not None else default_sparsifier(layout, sparsity, **params)
-    lp = {k: v for k, v in params.items() if k not in ("group", "permute", "n", "m", "g", "blocksize")}
-    rule = Rule(sparsifier=sp, layout=layout, layout_params=lp, names=list(names) if names else None,
-                module_types=nn.Linear)
-    sparsify(model, [rule])
-    if tokens:
-        chosen = dense_where_slower(model, tokens, names=rule.names, dtypes=dtypes)
-    else:
-        chosen = {f"{n}.weight" if n else "weight": {"path": "sparse", "ratio_vs_dense": None,
-                                                     "ratio_vs_best_dense": None, "best_dense": None}
-                  for n, m in model.named_modules() if rule.matches(n, m) and isinstance(m.weight, SparseTensor)}
-    return annotate_paths(sparsity_report(model), chosen)
+    select = Rule(names=list(names), module_types=nn.Linear) if names else None
+    config = OneShot(sparsity, layout=layout, sparsifier=sparsifier, layout_params=params,
+                     only_if_faster=only_if_faster, dtypes=dtypes)
+    sparsify(model, config, None if select is None else (lambda m, n: select.matches(n, m)))
+    return sparsity_report(model)

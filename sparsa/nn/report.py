@@ -16,7 +16,10 @@ from torch import nn
 from ..tensor import SparseTensor
 from .hooks import GradLayout, OutputSparsifier
 
-__all__ = ["sparsity_report", "format_report"]
+__all__ = ["sparsity_report", "format_report", "PATH_ATTR"]
+
+#: the module attribute holding ``(layout, decision)``: ``only_if_faster``'s decision for its weight
+PATH_ATTR = "_sparsa_weight_path"
 
 
 def _row(name: str, t: torch.Tensor, target: str) -> Dict[str, Any]:
@@ -38,12 +41,19 @@ def sparsity_report(model: nn.Module) -> List[Dict[str, Any]]:
     Row keys: ``name``, ``target`` (``"weight"``/``"buffer"``/``"output"``), ``layout``, ``shape``,
     ``sparsity`` (fraction of unstored values; for dense tensors the fraction of exact zeros),
     ``nbytes`` (bytes actually stored), ``dense_nbytes``, ``params`` (layout parameters) and, for
-    sparse parameters, ``grad_layout`` when a gradient layout is attached. Output rows describe the
+    sparse parameters, ``grad_layout`` when a gradient layout is attached. Weights pruned by
+    :class:`sparsa.methods.OneShot` also carry ``path``, ``ratio_vs_dense``, ``ratio_vs_best_dense`` and
+    ``best_dense`` (its ``only_if_faster`` decision; None where not measured). Output rows describe the
     last forward pass (``shape`` is None before the first one).
     """
     rows = []
+    paths = {f"{n}.weight" if n else "weight": getattr(m, PATH_ATTR) for n, m in model.named_modules()
+             if hasattr(m, PATH_ATTR)}
     for name, p in model.named_parameters():
         r = _row(name, p, "weight")
+        layout, decision = paths.get(name, (None, None))
+        if decision is not None and layout == r["layout"]:
+            r.update(decision)
         hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
         gl = [h.layout.name for h in hooks.values() if isinstance(h, GradLayout)]
         if gl:

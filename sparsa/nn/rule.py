@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Type, Union
 from torch import nn
 
 from ..layouts.base import Layout, get_layout
-from ..sparsifiers.base import Sparsifier
+from ..sparsifiers.base import Sparsifier, check_sparsifier, layout_params_of
 
 __all__ = ["Rule", "TARGETS"]
 
@@ -33,8 +33,10 @@ class Rule:
         target: ``"weight"`` (a parameter, see ``param``), ``"output"`` (the module's output,
             sparsified by a forward hook) or ``"grad"`` (the gradient of an already-sparse parameter
             is stored in ``layout``, restricted to the parameter's pattern).
-        sparsifier: which values survive. ``None`` keeps the current pattern of an already-sparse
-            tensor (or the nonzeros of a dense one), which is how to change a model's layout.
+        sparsifier: which values survive: a :class:`Sparsifier` or any object with a
+            ``mask(dense) -> bool tensor`` method (:func:`sparsa.sparsifiers.is_sparsifier`).
+            ``None`` keeps the current pattern of an already-sparse tensor (or the nonzeros of a
+            dense one), which is how to change a model's layout.
         layout: a layout class or registered name (``"masked"``, ``"csr"``, ``"nm"``...).
         layout_params: extra layout parameters; they default to ``sparsifier.layout_params()``.
         names: module-name filter: a glob (``"encoder.*.fc?"``, matched against the full dotted
@@ -59,9 +61,7 @@ class Rule:
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
-        if self.sparsifier is not None and not isinstance(self.sparsifier, Sparsifier):
-            raise TypeError(f"sparsifier must be a sparsa Sparsifier (e.g. Magnitude(0.5)) or None, "
-                            f"got {type(self.sparsifier).__name__}")
+        check_sparsifier(self.sparsifier, "sparsifier")
         if isinstance(self.layout, str):
             self.layout = get_layout(self.layout)
         elif not (isinstance(self.layout, type) and issubclass(self.layout, Layout)):
@@ -81,8 +81,8 @@ class Rule:
         if self.inline is True and self.sparsifier is None:
             raise ValueError("inline=True re-applies the rule's sparsifier, but sparsifier is None; "
                              "pass sparsifier=... or inline=<Sparsifier>")
-        if not isinstance(self.inline, (bool, Sparsifier)):
-            raise TypeError(f"inline must be a bool or a Sparsifier, got {type(self.inline).__name__}")
+        if not isinstance(self.inline, bool):
+            check_sparsifier(self.inline, "inline (True, False or a sparsifier)", allow_none=False)
         self._patterns = _compile_names(self.names)
 
     # ------------------------------------------------------------------ matching
@@ -96,7 +96,7 @@ class Rule:
         """``layout_params`` on top of the sparsifier's ``layout_params()``; the latter only for the
         parameters the layout's ``from_dense`` names explicitly (e.g. ``n``/``m`` go to ``"nm"`` but
         not to ``"masked"``)."""
-        base = self.sparsifier.layout_params() if self.sparsifier is not None else {}
+        base = layout_params_of(self.sparsifier) if self.sparsifier is not None else {}
         accepted = _named_params(self.layout)
         return {**{k: v for k, v in base.items() if k in accepted}, **self.layout_params}
 

@@ -1,4 +1,4 @@
-"""Model-level API: :func:`sparsify` (apply :class:`Rule` s to a model) and :func:`densify` (undo).
+"""Model-level API: :func:`sparsify` (the one way to make a model sparse) and :func:`densify` (undo).
 
 >>> import torch, torch.nn as nn, sparsa
 >>> from sparsa.sparsifiers import Magnitude
@@ -12,36 +12,46 @@
 from __future__ import annotations
 
 import copy
-from typing import Dict, Iterable, List, Sequence, Tuple, Union
+import warnings
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from ..sparsifiers.base import Sparsifier
+from ..sparsifiers.base import Sparsifier, is_sparsifier
 from ..tensor import SparseTensor, to_sparse
+from .config import FilterFn, SparsifyConfig
 from .hooks import GradLayout, OutputSparsifier
+from .report import PATH_ATTR, sparsity_report
 from .rule import Rule
 
 __all__ = ["sparsify", "densify"]
 
 Rules = Union[Rule, Sparsifier, Sequence[Rule]]
+Config = Union[SparsifyConfig, Rule, Sparsifier, Sequence[Rule], Any]
 
 
 def _as_rules(rules: Rules) -> List[Rule]:
-    if isinstance(rules, Sparsifier):
-        return [Rule(sparsifier=rules, module_types=(nn.Linear,))]
     if isinstance(rules, Rule):
         return [rules]
     if isinstance(rules, (list, tuple)) and rules and all(isinstance(r, Rule) for r in rules):
         return list(rules)
-    raise TypeError("rules must be a sparsa.Rule, a list of Rules, or a Sparsifier (shorthand for "
-                    f"Rule(sparsifier=s, module_types=nn.Linear)); got {rules!r}")
+    if is_sparsifier(rules):
+        return [Rule(sparsifier=rules, module_types=(nn.Linear,))]
+    raise TypeError("config must be a method config (e.g. sparsa.methods.OneShot(0.5, pattern='2:4')), a "
+                    "sparsa.Rule, a non-empty list of rules, or a sparsifier (a sparsa.sparsifiers.Sparsifier or any "
+                    "object with a mask(dense) -> bool tensor method; shorthand for Rule(sparsifier=s, "
+                    f"module_types=nn.Linear)); got {type(rules).__name__} {rules!r}")
 
 
-def _assign(model: nn.Module, rules: List[Rule], target: str) -> Dict[int, List[Tuple[str, nn.Module]]]:
-    """For ``target``, the first matching rule per tensor. Returns rule index -> [(name, module)]."""
+def _assign(model: nn.Module, rules: List[Rule], target: str,
+            filter_fn: Optional[FilterFn] = None) -> Dict[int, List[Tuple[str, nn.Module]]]:
+    """For ``target``, the first matching rule per tensor among the modules ``filter_fn`` accepts.
+    Returns rule index -> [(name, module)]."""
     out: Dict[int, List[Tuple[str, nn.Module]]] = {}
     for name, mod in model.named_modules():
+        if filter_fn is not None and not filter_fn(mod, name):
+            continue
         for i, r in enumerate(rules):
             if r.target != target or not r.matches(name, mod):
                 continue
@@ -52,43 +62,79 @@ def _assign(model: nn.Module, rules: List[Rule], target: str) -> Dict[int, List[
     return out
 
 
-def _no_match_error(model: nn.Module, rule: Rule, shadowed: bool) -> ValueError:
+def _no_match_error(model: nn.Module, rule: Rule, shadowed: bool, filtered: bool = False) -> ValueError:
     avail = [f"{n or '<root>'} ({type(m).__name__}{', ' + ','.join(m._parameters) if m._parameters else ''})"
              for n, m in model.named_modules()]
     shown = ", ".join(avail[:40]) + (f", ... ({len(avail) - 40} more)" if len(avail) > 40 else "")
     why = ("every tensor it matches is already claimed by an earlier rule (the first matching rule wins)"
            if shadowed else "it matches no module" + (f" with a parameter {rule.param!r}"
-                                                       if rule.target != "output" else ""))
+                                                       if rule.target != "output" else "")
+           + (" that filter_fn accepts" if filtered else ""))
     return ValueError(f"sparsa.sparsify: {rule.describe()} does nothing: {why}. Fix its names/module_types. "
                       f"Modules (parameters): {shown}")
 
 
-def sparsify(model: nn.Module, rules: Rules, *, inplace: bool = True, report: bool = False):
-    """Apply ``rules`` to ``model``; returns the model (and the :func:`sparsity_report` rows if ``report``).
+def sparsify(model: nn.Module, config: Config, filter_fn: Optional[FilterFn] = None, *, inplace: bool = True,
+             report: bool = False) -> nn.Module:
+    """Sparsify ``model`` with ``config``; returns the model. The one way to sparsify: reports come from
+    :func:`sparsity_report`, methods are configs.
 
-    For every tensor the first matching rule wins. A rule that matches nothing raises ``ValueError``
-    listing the model's modules (pruning that silently does nothing is a bug). ``rules`` may be one
-    :class:`Rule`, a list, or a bare :class:`~sparsa.sparsifiers.Sparsifier` (shorthand for all
-    ``nn.Linear`` weights in the masked layout). Tied parameters stay tied. ``inplace=False`` works
-    on a deep copy.
+    ``config`` is one of:
+
+    * a method config from :mod:`sparsa.methods`: :class:`~sparsa.methods.OneShot` (magnitude, any
+      pattern or layout, optionally only where faster), :class:`~sparsa.methods.Gradual`,
+      :class:`~sparsa.methods.Wanda`, :class:`~sparsa.methods.SparseGPT` (the last two carry their
+      calibration batches);
+    * a :class:`Rule` or a list of them (weights, outputs or gradients of any module);
+    * a sparsifier: a :class:`~sparsa.sparsifiers.Sparsifier` or any object with a
+      ``mask(dense) -> bool tensor`` method (shorthand for all ``nn.Linear`` weights in the masked layout).
+
+    ``filter_fn(module, name) -> bool`` restricts which modules are touched (e.g.
+    ``lambda m, n: not n.startswith("lm_head")``). A rule (or filter) that matches nothing raises
+    ``ValueError`` listing the model's modules: pruning that silently does nothing is a bug. For every
+    tensor the first matching rule wins; tied parameters stay tied. ``inplace=False`` works on a deep copy.
 
     * ``target="weight"``: ``module.<param>`` becomes ``nn.Parameter(SparseTensor)``; optimizer
       steps (SGD, Adam, AdamW...) keep its pattern (or re-apply ``inline``).
     * ``target="output"``: a forward hook stores the module's output in the layout.
     * ``target="grad"``: after backward, the sparse parameter's ``.grad`` is stored in the layout
       (restricted to the parameter's pattern). Apply weight rules first (same call is fine).
+
+    ``report=True`` is deprecated: it still returns ``(model, sparsity_report(model))``.
+
+    >>> import torch.nn as nn, sparsa
+    >>> from sparsa.methods import OneShot
+    >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    >>> model = sparsa.sparsify(model, OneShot(pattern="2:4"), filter_fn=lambda m, name: name == "0")
+    >>> model[0].weight.layout_name, type(model[2].weight).__name__
+    ('nm', 'Parameter')
     """
-    rule_list = _as_rules(rules)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable filter_fn(module, name) -> bool or None, got {filter_fn!r}")
+    if not isinstance(config, SparsifyConfig):
+        rule_list = _as_rules(config)
     if not inplace:
         model = copy.deepcopy(model)
+    if isinstance(config, SparsifyConfig):
+        config.apply(model, filter_fn)
+    else:
+        _apply_rules(model, rule_list, filter_fn)
+    if report:
+        warnings.warn("sparsa.sparsify(..., report=True) is deprecated: call model = sparsa.sparsify(model, config) "
+                      "and then rows = sparsa.sparsity_report(model)", DeprecationWarning, stacklevel=2)
+        return model, sparsity_report(model)
+    return model
+
+
+def _apply_rules(model: nn.Module, rule_list: List[Rule], filter_fn: Optional[FilterFn]) -> None:
     # check every rule does something before touching the model
-    assigned = {t: _assign(model, rule_list, t) for t in ("weight", "grad", "output")}
+    assigned = {t: _assign(model, rule_list, t, filter_fn) for t in ("weight", "grad", "output")}
     for i, r in enumerate(rule_list):
         if i not in assigned[r.target]:
-            alone = _assign(model, [r], r.target)
-            raise _no_match_error(model, r, shadowed=bool(alone))
+            alone = _assign(model, [r], r.target, filter_fn)
+            raise _no_match_error(model, r, shadowed=bool(alone), filtered=filter_fn is not None)
     for i, r in enumerate(rule_list):
         if r.target == "grad":
             for name, mod in assigned["grad"][i]:
@@ -113,10 +159,6 @@ def sparsify(model: nn.Module, rules: Rules, *, inplace: bool = True, report: bo
         for name, mod in lst:
             _remove_output_hooks(mod)
             mod.register_forward_hook(OutputSparsifier(r.layout, r.sparsifier, r.resolved_layout_params()))
-    if report:
-        from .report import sparsity_report
-        return model, sparsity_report(model)
-    return model
 
 
 def _sparsify_param(mod: nn.Module, rule: Rule, memo: Dict[int, nn.Parameter]) -> None:
@@ -161,6 +203,7 @@ def densify(model: nn.Module, *, inplace: bool = True) -> nn.Module:
             if isinstance(b, SparseTensor):
                 mod._buffers[bname] = b.sparse_layout.to_dense().detach().clone()
         _remove_output_hooks(mod)
+        mod.__dict__.pop(PATH_ATTR, None)
     return model
 
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
 
 from ..layouts.base import check_float, check_fraction
 
-__all__ = ["Sparsifier", "n_removed", "top_mask"]
+__all__ = ["Sparsifier", "is_sparsifier", "check_sparsifier", "n_removed", "top_mask"]
 
 
 class Sparsifier(ABC):
@@ -80,6 +80,48 @@ class Sparsifier(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, repr(self)))
+
+
+# ----------------------------------------------------------------------------- what counts as a sparsifier
+def is_sparsifier(obj: Any) -> bool:
+    """Whether ``obj`` is a sparsifier: a :class:`Sparsifier`, or any object with a callable
+    ``mask(dense) -> bool tensor`` (``layout_params()`` is then optional). Every sparsa entry point that
+    takes a sparsifier (:class:`sparsa.Rule`, :func:`sparsa.sparsify`, :func:`sparsa.to_sparse`) uses it.
+
+    >>> import torch
+    >>> class Top1:
+    ...     def mask(self, dense): return dense == dense.max()
+    >>> is_sparsifier(Top1()), is_sparsifier(0.5)
+    (True, False)
+    """
+    return isinstance(obj, Sparsifier) or callable(getattr(obj, "mask", None))
+
+
+def check_sparsifier(obj: Any, arg: str = "sparsifier", allow_none: bool = True) -> Optional[Any]:
+    """``obj`` if it is a sparsifier (:func:`is_sparsifier`) or, with ``allow_none``, None; otherwise
+    ``TypeError`` naming ``arg``, the value and the fix (one message for every entry point).
+
+    >>> try:
+    ...     check_sparsifier(0.5)
+    ... except TypeError as e:
+    ...     print(str(e).split(":")[0], "...", str(e)[-9:])
+    sparsifier must be a sparsifier ... float 0.5
+    """
+    if (obj is None and allow_none) or is_sparsifier(obj):
+        return obj
+    raise TypeError(f"{arg} must be a sparsifier: a sparsa.sparsifiers.Sparsifier (e.g. Magnitude(0.5)) or any "
+                    f"object with a mask(dense) -> bool tensor method; got {type(obj).__name__} {obj!r}")
+
+
+def layout_params_of(sparsifier: Any) -> Dict[str, Any]:
+    """``sparsifier.layout_params()``, or ``{}`` for a duck-typed sparsifier without that method.
+
+    >>> from sparsa.sparsifiers import NM
+    >>> layout_params_of(NM(2, 4)), layout_params_of(object())
+    ({'n': 2, 'm': 4}, {})
+    """
+    get = getattr(sparsifier, "layout_params", None)
+    return dict(get()) if callable(get) else {}
 
 
 # ----------------------------------------------------------------------------- shared helpers
