@@ -35,6 +35,28 @@ inline void store_y(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), sparsa_cvt8_f32_bf16(v)); }
+
+// r[0..7] = rows of an 8x8 block; on return r[i] holds column i
+inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
 #endif
 
 // xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB (widened to fp32)
@@ -52,23 +74,9 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
                     for (int i = 0; i < 8; ++i)
                         r[i] = (i0 + i < nt) ? load8(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
                 }
-                __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-                __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-                __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-                __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-                __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-                __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-                __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-                __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+                transpose8(r);
                 float* o = xt + c * TB + i0;
-                _mm256_storeu_ps(o + 0 * TB, _mm256_permute2f128_ps(u0, u4, 0x20));
-                _mm256_storeu_ps(o + 1 * TB, _mm256_permute2f128_ps(u1, u5, 0x20));
-                _mm256_storeu_ps(o + 2 * TB, _mm256_permute2f128_ps(u2, u6, 0x20));
-                _mm256_storeu_ps(o + 3 * TB, _mm256_permute2f128_ps(u3, u7, 0x20));
-                _mm256_storeu_ps(o + 4 * TB, _mm256_permute2f128_ps(u0, u4, 0x31));
-                _mm256_storeu_ps(o + 5 * TB, _mm256_permute2f128_ps(u1, u5, 0x31));
-                _mm256_storeu_ps(o + 6 * TB, _mm256_permute2f128_ps(u2, u6, 0x31));
-                _mm256_storeu_ps(o + 7 * TB, _mm256_permute2f128_ps(u3, u7, 0x31));
+                for (int k = 0; k < 8; ++k) _mm256_storeu_ps(o + k * TB, r[k]);
             }
         }
     }
@@ -77,8 +85,9 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
         for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? to_f32(x[(int64_t)i * K + c]) : 0.f;
 }
 
-// Rows [r0, r0 + nr) of one panel, held as part[row][0:TB] (token vectors): + bias, optional GELU, then
-// stored token by token, so each token's nr outputs go to y as one contiguous run.
+// Rows [r0, r0 + nr) of one panel, held as part[row][0:TB] (token vectors, TB a multiple of 8): + bias,
+// optional GELU, then stored token by token, so each token's nr outputs go to y as one contiguous run.
+// Lanes past nt are computed (on zeros) but never stored.
 template <typename YT>
 inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int64_t nr, int64_t R,
                         const float* __restrict bias, YT* __restrict y, bool act) {
@@ -86,13 +95,28 @@ inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int6
         float* p = part + r * TB;
         if (bias) {
             const float b = bias[r0 + r];
-            for (int i = 0; i < nt; ++i) p[i] += b;
+            for (int i = 0; i < TB; ++i) p[i] += b;
         }
-        if (act) sparsa_gelu_inplace(p, nt);  // GELU after the bias
+        if (act) sparsa_gelu_inplace(p, TB);  // GELU after the bias
     }
+    int64_t r = 0;
+#ifdef __AVX2__
+    // 8 rows x 8 tokens at a time: one transpose turns 8 row vectors into 8 token runs
+    for (; r + 8 <= nr; r += 8) {
+        int i = 0;
+        for (; i + 8 <= nt; i += 8) {
+            __m256 v[8];
+            for (int k = 0; k < 8; ++k) v[k] = _mm256_load_ps(part + (r + k) * TB + i);
+            transpose8(v);
+            for (int k = 0; k < 8; ++k) store8(y + (int64_t)(i + k) * R + r0 + r, v[k]);
+        }
+        for (; i < nt; ++i)
+            for (int k = 0; k < 8; ++k) store_y(y + (int64_t)i * R + r0 + r + k, part[(r + k) * TB + i]);
+    }
+#endif
     for (int i = 0; i < nt; ++i) {
         YT* yi = y + (int64_t)i * R + r0;
-        for (int64_t r = 0; r < nr; ++r) store_y(yi + r, part[r * TB + i]);
+        for (int64_t q = r; q < nr; ++q) store_y(yi + q, part[q * TB + i]);
     }
 }
 
@@ -329,7 +353,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 4; }
+int sparsa_sliced_ell_version() { return 5; }
 
 // x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R];
 // act: 0 none, 1 GELU (erf form) after the bias.
