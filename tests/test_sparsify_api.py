@@ -47,6 +47,7 @@ CONFIGS = {
     "one_shot_sparsifier": lambda: OneShot(sparsifier=TopHalf()),
     "gradual": lambda: Gradual(CubicSchedule(0.0, 0.5, start_step=0, end_step=10)),
     "wanda": lambda: Wanda(0.5, calibration=_batches()),
+    "wanda_duck_sparsifier": lambda: Wanda(sparsifier=TopHalf(), calibration=_batches()),
     "sparsegpt": lambda: SparseGPT(pattern="2:4", calibration=_batches()),
 }
 
@@ -163,6 +164,7 @@ def test_duck_typed_sparsifier_accepted_by_rule_and_to_sparse_alike():
     assert torch.equal(direct.pattern(), TopHalf().mask(w))
     assert torch.equal(model.weight.pattern(), direct.pattern())
     assert sparsa.sparsify(nn.Linear(16, 8), TopHalf()).weight.layout_name == "masked"
+    assert WandaSparsifier(TopHalf(), torch.ones(16)).mask(w).sum() == TopHalf().mask(w).sum()
 
 
 def test_non_sparsifier_rejected_by_rule():
@@ -170,6 +172,8 @@ def test_non_sparsifier_rejected_by_rule():
         sparsa.Rule(sparsifier=0.5)
     with pytest.raises(TypeError, match="inline"):
         sparsa.Rule(sparsifier=Magnitude(0.5), inline="yes")
+    with pytest.raises(TypeError, match="base must be a sparsifier"):
+        WandaSparsifier(0.5, torch.ones(4))
 
 
 def _rejection(call):

@@ -22,7 +22,7 @@ As a :func:`sparsa.sparsify` config: :class:`SparseGPT`, carrying its calibratio
 from __future__ import annotations
 
 import warnings
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -100,7 +100,7 @@ class SparseGPT(SparsifyConfig):
     sparsity: float = 0.5
     _: KW_ONLY
     pattern: Optional[str] = None
-    calibration: Any = None
+    calibration: Any = field(default=None, repr=False)   # batches: too large to print
     layout: Optional[str] = None
     sparsifier: Optional[Sparsifier] = None
     forward: Optional[Callable[[nn.Module, Any], Any]] = None

@@ -15,7 +15,7 @@ output row), ``"2:4"`` its N:M variant, and ``"row_group16"`` the fast CPU layou
 from __future__ import annotations
 
 import warnings
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..layouts.base import check_fraction
 from ..nn import Rule, sparsify
 from ..nn.config import FilterFn, SparsifyConfig, selected_linears
-from ..sparsifiers.base import Sparsifier
+from ..sparsifiers.base import Sparsifier, check_sparsifier, is_sparsifier, layout_params_of
 from .blockwise import blockwise_prune
 from .calibration import collect_input_stats, layer_sparsifiers
 
@@ -42,15 +42,13 @@ class WandaSparsifier(Sparsifier):
     name = "wanda"
 
     def __init__(self, base: Sparsifier, input_norm: Tensor):
-        if not isinstance(base, Sparsifier):
-            raise TypeError(f"base must be a sparsa Sparsifier (e.g. Magnitude(0.5, per='row')), got {base!r}")
-        self.base, self.input_norm = base, input_norm
+        self.base, self.input_norm = check_sparsifier(base, "base", allow_none=False), input_norm
 
     def _mask(self, dense: Tensor) -> Tensor:
         return self.base.mask(dense.abs() * self.input_norm.to(dense))
 
     def layout_params(self):
-        return self.base.layout_params()
+        return layout_params_of(self.base)
 
     def _repr_args(self):
         return {"base": self.base}
@@ -90,7 +88,7 @@ class Wanda(SparsifyConfig):
     sparsity: float = 0.5
     _: KW_ONLY
     pattern: Optional[str] = None
-    calibration: Any = None
+    calibration: Any = field(default=None, repr=False)   # batches: too large to print
     layout: Optional[str] = None
     sparsifier: Optional[Sparsifier] = None
     forward: Optional[Callable[[nn.Module, Any], Any]] = None
@@ -101,7 +99,7 @@ class Wanda(SparsifyConfig):
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # the old sparsifier spelling Wanda(base, input_norm): users have code that builds it
-        if (args and isinstance(args[0], Sparsifier)) or "input_norm" in kwargs or "base" in kwargs:
+        if (args and is_sparsifier(args[0])) or "input_norm" in kwargs or "base" in kwargs:
             warnings.warn("sparsa.methods.Wanda(base, input_norm) as a sparsifier is deprecated: use "
                           "sparsa.methods.WandaSparsifier(base, input_norm); Wanda(sparsity, pattern=..., "
                           "calibration=...) is now the method config for sparsa.sparsify", DeprecationWarning,
