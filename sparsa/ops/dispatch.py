@@ -48,7 +48,7 @@ def record_fallback(op: str, layout_names: Tuple[str, ...], warn: bool = True) -
     """Count (and warn once about) a dense fallback about to run; in strict mode raise instead, with
     the counters left unchanged."""
     if is_strict():
-        raise fallback_error(op, layout_names, registrable=op in registry.OPS)
+        raise fallback_error(op, layout_names, registrable=op in registry.OPS, torch_fn=_torch_name(op))
     key = (op, layout_names)
     _COUNTS[key] += 1
     if warn and key not in _WARNED:
@@ -60,6 +60,12 @@ def record_fallback(op: str, layout_names: Tuple[str, ...], warn: bool = True) -
 
 #: torch callable -> OpCall (defined in :mod:`.op_table`); kept under its old name
 OP_TABLE = TORCH_FNS
+
+
+def _torch_name(op: str) -> Optional[str]:
+    """``"torch.sin"`` for ``"aten.sin"`` where that torch function exists (to name in errors)."""
+    name = op[5:] if op.startswith("aten.") else None
+    return f"torch.{name}" if name and callable(getattr(torch, name, None)) else None
 
 
 # ----------------------------------------------------------------------------- planning

@@ -84,16 +84,19 @@ class strict:
         return f"strict({self.enabled})"
 
 
-def fallback_error(op: str, layout_names: Tuple[str, ...], registrable: bool) -> SparseFallbackError:
-    """The error strict mode raises for a dense fallback of ``op`` on arguments of ``layout_names``."""
+def fallback_error(op: str, layout_names: Tuple[str, ...], registrable: bool,
+                   torch_fn: Optional[str] = None) -> SparseFallbackError:
+    """The error strict mode raises for a dense fallback of ``op`` on arguments of ``layout_names``;
+    ``torch_fn`` names the torch function (``"torch.sin"``) an implementation can be registered for."""
     sparse = [n for n in layout_names if n != "dense"]
-    if registrable:
-        how = (f"register an implementation with @sparsa.implements({op!r}, <one layout class per tensor "
+    if registrable or torch_fn:
+        target = repr(op) if registrable else torch_fn
+        how = (f"register an implementation with @sparsa.implements({target}, <one layout class per tensor "
                f"argument, matching {layout_names}>), or convert the sparse argument first with "
                "sparsa.to_dense(x)")
     else:
-        how = (f"{op!r} is not a dispatchable op (sparsa.ops.OPS lists those that sparsa.implements can "
-               "register), so convert the sparse argument first with sparsa.to_dense(x)")
+        how = (f"{op!r} has no torch function sparsa.implements could register, so convert the sparse "
+               "argument first with sparsa.to_dense(x)")
     return SparseFallbackError(
         f"sparsa strict mode: no sparse implementation of {op!r} for argument layouts {layout_names} "
         f"(sparse: {', '.join(sparse) or 'none'}); it would run densely. To fix: {how}; or allow dense "
