@@ -4,8 +4,10 @@ Kernels are plain C++ (no torch headers, so a build takes seconds) exposing ``ex
 that take raw pointers. They are built with :func:`torch.utils.cpp_extension.load` (ninja) into a cache directory
 keyed by the source hash, under an exclusive file lock on that directory, and a library is opened with
 :mod:`ctypes` only once its build has finished (a ``.done`` marker written after the link), so
-processes starting together never load a half-written ``.so``. Python wrappers register them as ``torch.library``
-custom ops.
+processes starting together never load a half-written ``.so``. On opening, the library's typed table in
+:mod:`sparsa.kernels.abi` is bound (argument and return types); a function the table names but the library
+lacks is a RuntimeError naming the library and the fix. Python wrappers register the kernels as
+``torch.library`` custom ops, their only callers.
 
 - ``SPARSA_NO_NATIVE=1`` (or ``SPARSA_ISA=portable``) forces the pure-PyTorch fallbacks.
 - ``SPARSA_CACHE_DIR`` overrides the cache (default ``~/.cache/sparsa/kernels``).
@@ -15,7 +17,7 @@ Example::
 
     >>> from sparsa.kernels import loader
     >>> lib = loader.load("spmm")          # doctest: +SKIP
-    >>> lib is None or hasattr(lib, "sparsa_version")  # doctest: +SKIP
+    >>> lib is None or lib.sparsa_probe_version() == 1  # doctest: +SKIP
     True
 """
 from __future__ import annotations
@@ -91,7 +93,7 @@ def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.
     """Build (if needed) and open the native library ``name``; None means "use the fallback".
 
     ``sources`` are file names under ``csrc/`` (default ``[name + ".cpp"]``); headers in ``csrc/``
-    are part of the hash.
+    are part of the hash. The functions of ``abi.SIGNATURES[name]`` are typed before it is returned.
     """
     if not native_enabled():
         return None
@@ -109,8 +111,26 @@ def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.
             _warn_once(name, f"sparsa: could not build native kernels {name!r} ({type(e).__name__}); "
                              "using the pure-PyTorch fallback (slower). Install a C++ compiler and "
                              "`pip install ninja` to enable them.")
+        if lib is not None:
+            _bind(name, lib)    # outside the fallback: a stale library is an error to fix, not to hide
         _LIBS[name] = lib
         return lib
+
+
+def _bind(name: str, lib: ctypes.CDLL) -> None:
+    """Set the argument and return types of every function of ``abi.SIGNATURES[name]`` on ``lib``."""
+    from .abi import SIGNATURES
+    for fn, sig in SIGNATURES.get(name, {}).items():
+        try:
+            f = getattr(lib, fn)
+        except AttributeError:
+            where = _INFO.get(name, {}).get("path", "?")
+            raise RuntimeError(f"sparsa: native library {name!r} ({where}) has no function {fn!r} that "
+                               f"sparsa.kernels.abi declares; the cached build is stale or incomplete. Delete "
+                               f"{Path(where).parent if where != '?' else cache_dir()} (or the whole cache "
+                               f"{cache_dir()}) and run again to rebuild it.") from None
+        f.restype = sig.restype
+        f.argtypes = [t for _, t in sig.args]
 
 
 def _build(name: str, sources: Sequence[str]) -> ctypes.CDLL:
