@@ -123,7 +123,7 @@ def test_conv_igrad_dy_matches_dense(threads, cl, dy_zeros):
             x = x.contiguous(memory_format=torch.channels_last)
         w = torch.randn(O, C, k, k, generator=torch.Generator().manual_seed(k))
         geo = K.geometry(x.shape, w.shape, (1, 1), (p, p), (d, d), 8)
-        dyn = _sparse((N, O, geo[7], geo[8]), dy_zeros, p + d + k)
+        dyn = _sparse((N, O, geo.Ho, geo.Wo), dy_zeros, p + d + k)
         cnt, idx, _ = K.compact(x, 8)
         gc, gi, gv = K.compact_signed(dyn, 16)
         dx = K.conv_igrad_dy(gc, gi, gv, K.packed_weight_flipped(w), cnt, idx, geo, 16, cl)
@@ -143,15 +143,15 @@ def test_igrad_dy_geometry_float64(backend, p, d, k):
     x = torch.randn(N, C, H, W, dtype=torch.float64, generator=g)
     w = torch.randn(O, C, k, k, dtype=torch.float64, generator=g)
     geo = K.geometry(x.shape, w.shape, (1, 1), (p, p), (d, d), 4)
-    dyn = _sparse((N, O, geo[7], geo[8]), 0.5, k, dtype=torch.float64)
+    dyn = _sparse((N, O, geo.Ho, geo.Wo), 0.5, k, dtype=torch.float64)
     g2 = K.igrad_dy_geometry(geo, 4)
-    assert g2[7:9] == [H, W]
+    assert (g2.Ho, g2.Wo) == (H, W)
     gc, gi, gv = K._compact_reference(dyn, 4, signed=True)
     wflip = w.transpose(0, 1).flip(2, 3)
-    if g2[11] >= 0:   # the conv_fwd op (float64: its pure-PyTorch path) with the dY geometry
+    if g2.ph >= 0:   # the conv_fwd op (float64: its pure-PyTorch path) with the dY geometry
         y = K.conv_fwd(gc, gi, gv, wflip.permute(2, 3, 1, 0).contiguous(), None, g2)
     else:             # negative padding': a crop of the unpadded conv
-        q = -g2[11]
+        q = -g2.ph
         y = F.conv2d(K.densify(gc, gi, gv, g2), wflip, dilation=d)[:, :, q:q + H, q:q + W].permute(0, 2, 3, 1)
     ref = torch.nn.grad.conv2d_input(x.shape, w, dyn, padding=p, dilation=d)
     torch.testing.assert_close(y.permute(0, 3, 1, 2) * (x > 0), ref * (x > 0), atol=1e-10, rtol=1e-10)

@@ -74,7 +74,7 @@ def _dy_density(g: Tensor) -> float:
 
 def _dy_path_pays(g: Tensor, cnt: Tensor, geo: Sequence[int], need_dw: bool = True) -> bool:
     """The cost model above: True when the dY path should compute the input gradient."""
-    C, O = geo[1], geo[4]
+    C, O = geo.C, geo.O
     numel_dy = g.numel()
     nnz_x = int(cnt.sum())
     nnz_dy = _dy_density(g) * numel_dy
@@ -111,11 +111,11 @@ def dy_path_supported(x: Tensor, weight: Tensor, stride: IntOr2 = 1, padding: In
 class _ReluConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, geo, stats, nonnegative):
-        cnt, idx, val = _k.compact(x.detach(), geo[15])
+        cnt, idx, val = _k.compact(x.detach(), geo.slice)
         b = None if bias is None else bias.detach()
         # native fast path: the weight packed once per parameter version (cached), dY padding and the
         # weight gradient's [O, C, KH, KW] layout inside the stride-1 backward kernel
-        packed = _k.packed_supported(x, weight, bias) and geo[4] % 8 == 0
+        packed = _k.packed_supported(x, weight, bias) and geo.O % 8 == 0
         if packed:
             wf, wc = _k.packed_weight(weight)
             y = _k.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
@@ -132,12 +132,12 @@ class _ReluConv2d(torch.autograd.Function):
         ctx.packed = packed
         ctx.w_stride = tuple(weight.stride())
         # the dY path packs the flipped weight in backward: only if the weight still holds these values
-        ctx.w_ref = weakref.ref(weight) if packed and _k._stride1(geo) and geo[1] % 8 == 0 else None
+        ctx.w_ref = weakref.ref(weight) if packed and geo.stride1 and geo.C % 8 == 0 else None
         ctx.w_key = (weight._version, weight.data_ptr())
         # the dY-driven weight gradient reads relu(x) densely: keep x (no copy; not via save_for_backward,
         # so a later in-place change of x only turns that path off instead of failing the backward)
         ctx.x_keep = None
-        if ctx.w_ref is not None and geo[11] <= geo[13] * (geo[5] - 1) and geo[12] <= geo[14] * (geo[6] - 1):
+        if ctx.w_ref is not None and geo.ph <= geo.dh * (geo.KH - 1) and geo.pw <= geo.dw * (geo.KW - 1):
             ctx.x_keep = (x.detach(), x._version, nonnegative)
         ctx.save_for_backward(cnt, idx, val, wsave)
         return y
@@ -152,7 +152,7 @@ class _ReluConv2d(torch.autograd.Function):
             weight = ctx.w_ref() if ctx.w_ref is not None else None
             if (need_dx and weight is not None and (weight._version, weight.data_ptr()) == ctx.w_key
                     and g.numel() and _dy_path_pays(g, cnt, ctx.geo, need_dw)):
-                S = ctx.geo[15]
+                S = ctx.geo.slice
                 gc, gi, gv = _k.compact_signed(g.permute(0, 3, 1, 2), S)
                 dx = _k.conv_igrad_dy(gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S,
                                       ctx.channels_last)
@@ -195,11 +195,11 @@ def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[
         return None
     x, version, nonnegative = ctx.x_keep
     geo = ctx.geo
-    C, O = geo[1], geo[4]
+    C, O = geo.C, geo.O
     if x._version != version or int(gc.sum()) * C >= _DW_DY_RATIO * int(cnt.sum()) * O:
         return None
     xr = x if nonnegative else x.clamp_min(0)
-    dw = _k.conv_wgrad_dy(gc, gi, gv, xr.permute(0, 2, 3, 1), geo, geo[15], ctx.w_stride)
+    dw = _k.conv_wgrad_dy(gc, gi, gv, xr.permute(0, 2, 3, 1), geo, geo.slice, ctx.w_stride)
     backward_paths_dw["dy"] += 1
     return dw
 
@@ -219,6 +219,13 @@ def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride
         raise ValueError(f"weight must be 4-D [O, C, KH, KW], got shape {tuple(weight.shape)}")
     geo = _k.geometry(x.shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"),
                       _pair(dilation, "dilation"), slice)
+    return _step(x, weight, bias, geo, stats, bool(nonnegative))
+
+
+# The step picks its kernels from measured densities and keys weight packs by tensor identity and version
+# (data-dependent, not traceable): under torch.compile it runs exactly as in eager, behind a graph break.
+@torch.compiler.disable
+def _step(x: Tensor, weight: Tensor, bias: Optional[Tensor], geo, stats: Optional[dict], nonnegative: bool) -> Tensor:
     if union_path_supported(x, weight, bias):
         return UnionReluConv2d.apply(x, weight, bias, geo, stats)
-    return _ReluConv2d.apply(x, weight, bias, geo, stats, bool(nonnegative))
+    return _ReluConv2d.apply(x, weight, bias, geo, stats, nonnegative)

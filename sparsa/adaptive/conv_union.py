@@ -39,13 +39,14 @@ from __future__ import annotations
 import os
 from collections import Counter
 import weakref
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..kernels import adaptive_union as _u
 from ..kernels.adaptive import _conv_args, igrad_dy_geometry
+from ..kernels.geometry import ConvGeometry
 
 __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_paths", "KERNELS"]
 
@@ -112,7 +113,7 @@ def kernels_setting() -> str:
 
 def union_path_supported(x: Tensor, weight: Tensor, bias) -> bool:
     """Whether ``relu_conv2d`` runs this path for these tensors."""
-    if kernels_setting() == "list" or torch.compiler.is_compiling():
+    if kernels_setting() == "list":
         return False
     for t in (x, weight, bias):
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
@@ -128,8 +129,8 @@ def kernel_family(kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor] =
     return "union" if union_path_supported(x, weight, bias) else "list"
 
 
-def _stride1(geo: Sequence[int]) -> bool:
-    return geo[9] == 1 and geo[10] == 1
+def _stride1(geo: ConvGeometry) -> bool:
+    return geo.stride1
 
 
 class UnionReluConv2d(torch.autograd.Function):
@@ -141,12 +142,12 @@ class UnionReluConv2d(torch.autograd.Function):
         # weight-pack caches when ``weight`` itself is a fresh view each call (relu_linear's 1x1 view)
         weight = weight if pack_src is None else pack_src
         op = _u.union_operand(x.detach())
-        C = geo[1]
+        C = geo.C
         d_x = op.nnz / max(1, op.values.numel())
         ctx.stride1 = _stride1(geo)
         # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that its side of the
         # input gradient wins whatever dY's density (it reads the forward pack)
-        ctx.x_dx = _dx_x_certain(d_x, C, geo[4])
+        ctx.x_dx = _dx_x_certain(d_x, C, geo.O)
         # a channels-last weight is read in place by the dY-driven input gradient (no flipped pack), as long as
         # it still holds the forward's values in backward (else the list side runs, from the forward pack)
         in_place = ctx.stride1 and _u.reads_weight_in_place(weight)
@@ -158,7 +159,7 @@ class UnionReluConv2d(torch.autograd.Function):
         # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
         # reuse; 2x2 tiles of larger images waste less and stay ahead (figures in docs/benchmarks.md)
         ratio = ctx.x_ratio = op.union_ratio()
-        tiles = geo[7] % 2 == 0 and geo[8] % 2 == 0 and geo[7] >= 16 and geo[8] >= 16
+        tiles = geo.Ho % 2 == 0 and geo.Wo % 2 == 0 and geo.Ho >= 16 and geo.Wo >= 16
         group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
         y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
         union_paths[f"fwd_g{group}"] += 1
@@ -191,10 +192,10 @@ class UnionReluConv2d(torch.autograd.Function):
             g = g.contiguous()
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        C, O = geo[1], geo[4]
+        C, O = geo.C, geo.O
         d_x = op.nnz / max(1, values.numel())
         g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
-        dy_ok = g2 is not None and g2[11] >= 0 and g2[12] >= 0
+        dy_ok = g2 is not None and g2.ph >= 0 and g2.pw >= 0
         # dY's operand only when a dY-driven kernel may win: the input gradient's unless relu(x)'s side wins for
         # any dY, the weight gradient's unless the relu(x)-driven kernels cost less than its minimum (0.45)
         want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or \
@@ -212,7 +213,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if need_dw:
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio)
         if dx_side == "x":
-            dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo[5], geo[6]))
+            dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
         if dx_side is not None:
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has

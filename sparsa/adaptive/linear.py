@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive as _k
+from ..kernels.geometry import ConvGeometry
 from .compaction import DEFAULT_SLICE
 from .conv_union import UnionReluConv2d, union_path_supported
 
@@ -32,8 +33,10 @@ def linear_supported(weight: Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[0] % 8 == 0
 
 
-def _geo(P: int, K: int, O: int, slice: int):
-    return [1, K, P, 1, O, 1, 1, P, 1, 1, 1, 0, 0, 1, 1, slice]
+def _geo(P: int, K: int, O: int, slice: int) -> ConvGeometry:
+    """A linear layer as a 1x1 conv of the input ``[1, K, P, 1]``."""
+    return ConvGeometry(N=1, C=K, H=P, W=1, O=O, KH=1, KW=1, Ho=P, Wo=1, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1,
+                        slice=slice)
 
 
 class _ReluLinear(torch.autograd.Function):
@@ -56,7 +59,7 @@ class _ReluLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         cnt, idx, val, wt = ctx.saved_tensors
-        P, K, O = ctx.geo[2], ctx.geo[1], ctx.geo[4]
+        P, K, O = ctx.geo.H, ctx.geo.C, ctx.geo.O
         g = gy.contiguous().view(1, P, 1, O)
         dx = dw = db = None
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
@@ -102,9 +105,14 @@ def relu_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}; "
                          "pass matching shapes")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] and union_path_supported(x2.unsqueeze(0).unsqueeze(0), weight.unsqueeze(-1).unsqueeze(-1), bias):
-        y = _union_linear(x2.contiguous(), weight, bias, int(slice), stats)
-    else:
-        y = _ReluLinear.apply(x2, weight, bias, int(slice), stats)
+    y = _step(x.reshape(-1, x.shape[-1]), weight, bias, int(slice), stats)
     return y.reshape(*lead, weight.shape[0])
+
+
+# As relu_conv2d's step: the kernel family is picked by a native probe and the union kernels key weight packs by
+# tensor identity and version (not traceable), so under torch.compile the step runs as in eager, behind a graph break.
+@torch.compiler.disable
+def _step(x2: Tensor, weight: Tensor, bias: Optional[Tensor], slice: int, stats: Optional[dict]) -> Tensor:
+    if x2.shape[0] and union_path_supported(x2.unsqueeze(0).unsqueeze(0), weight.unsqueeze(-1).unsqueeze(-1), bias):
+        return _union_linear(x2.contiguous(), weight, bias, slice, stats)
+    return _ReluLinear.apply(x2, weight, bias, slice, stats)

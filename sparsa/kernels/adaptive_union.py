@@ -12,6 +12,7 @@ registers. They cover all three training GEMMs of ``conv2d(relu(x), W)``:
 - :func:`union_conv_igrad`: a stride-1 input gradient as the forward of the flipped conv over dY's
   mask, stored only where relu(x) != 0.
 
+The native kernels run as the ``sparsa::adaptive_union_*`` ops of :mod:`sparsa.kernels.adaptive_union_ops`.
 Each function has a pure-PyTorch fallback (dense ops, same results), used when the native library
 or AVX-512 is unavailable (``SPARSA_NO_NATIVE=1``, ``SPARSA_NO_AVX512=1``) or the channel counts do
 not fit the kernels (:func:`union_supported`).
@@ -37,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .adaptive import (_cached_pack, _conv_args, _dense_strides, _nthreads, _pick_ob, geometry, igrad_dy_geometry,
-                       native_library)
+from . import adaptive_union_ops as _ops
+from .adaptive import _cached_pack, _conv_args, _dense_strides, _pick_ob, geometry, igrad_dy_geometry, native_library
+from .geometry import ConvGeometry
 
 __all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "union_operand", "union_conv_fwd",
            "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_conv_igrad_x", "union_wc",
@@ -46,33 +48,7 @@ __all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "un
 
 
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = native_library()
-    if lib is not None and not getattr(lib, "_sparsa_union_typed", False):
-        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.sparsa_union_supported.argtypes = []
-        lib.sparsa_union_supported.restype = ci
-        lib.sparsa_union_compact_f32.argtypes = [vp] + [i64] * 8 + [ci, vp, vp, vp, ci]
-        lib.sparsa_union_compact_f32.restype = i64
-        lib.sparsa_union_conv_fwd_f32.argtypes = [vp] * 7 + [ci, ci, ci]
-        lib.sparsa_union_conv_fwd_f32.restype = ci
-        lib.sparsa_union_conv_igrad_x_f32.argtypes = [vp] * 5 + [ci]
-        lib.sparsa_union_conv_igrad_x_f32.restype = ci
-        lib.sparsa_union_conv_igrad_w_f32.argtypes = [vp] * 7 + [ci, ci]
-        lib.sparsa_union_conv_igrad_w_f32.restype = ci
-        lib.sparsa_union_conv_wgrad_f32.argtypes = [vp] * 6 + [i64, ci, ci]
-        lib.sparsa_union_conv_wgrad_f32.restype = ci
-        lib.sparsa_union_conv_wgrad_lists_f32.argtypes = [vp] * 6 + [ci]
-        lib.sparsa_union_conv_wgrad_lists_f32.restype = ci
-        lib.sparsa_union_pack_f32.argtypes = [vp, vp] + [i64] * 4 + [vp, vp, ci]
-        lib.sparsa_union_pack_f32.restype = ci
-        lib.sparsa_union_wc_from_wf_f32.argtypes = [vp, i64, i64, i64, vp, ci]
-        lib.sparsa_union_wc_from_wf_f32.restype = None
-        lib.sparsa_union_transpose_f32.argtypes = [vp, i64, i64, vp, ci]
-        lib.sparsa_union_transpose_f32.restype = None
-        lib.sparsa_union_transpose_batched_f32.argtypes = [vp, i64, i64, i64, vp, ci]
-        lib.sparsa_union_transpose_batched_f32.restype = None
-        lib._sparsa_union_typed = True
-    return lib
+    return native_library()    # typed by abi.SIGNATURES["adaptive"]; the kernels run as ops (adaptive_union_ops)
 
 
 def union_native() -> bool:
@@ -136,17 +112,10 @@ def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -
     lib = _lib() if native is not False and x.device.type == "cpu" else None
     if lib is not None and lib.sparsa_union_supported():
         nhwc = x.permute(0, 2, 3, 1)
-        view = not relu and nhwc.is_contiguous()
-        values = nhwc if view else torch.empty(N, H, W, C, dtype=torch.float32)
-        mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
-        sn, sc, sh, sw = x.stride()
-        u4 = ctypes.c_int64(0)
-        nnz = lib.sparsa_union_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, int(relu),
-                                           None if view else values.data_ptr(), mask.data_ptr(),
-                                           ctypes.byref(u4), _nthreads())
-        if nnz < 0:
-            raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
-        return UnionOperand(values, mask, int(nnz), int(u4.value))
+        view = not relu and nhwc.is_contiguous()   # dY read in place: the op writes only the mask
+        values, mask, counts = _ops.union_compact(x, bool(relu), not view)
+        nnz, u4 = counts.tolist()
+        return UnionOperand(nhwc if view else values, mask, nnz, u4)
     keep = x > 0 if relu else x != 0
     values = torch.where(keep, x, torch.zeros((), dtype=x.dtype)).permute(0, 2, 3, 1).contiguous()
     return UnionOperand(values, None, int(keep.sum()))
@@ -161,27 +130,14 @@ def _native_for(op: UnionOperand, C: int, O: int) -> Optional[ctypes.CDLL]:
     return _lib() if op.mask is not None and union_supported(C, O) else None
 
 
-def _empty_cl(N: int, C: int, H: int, W: int) -> Tensor:
-    return torch.empty(N, C, H, W, dtype=torch.float32, memory_format=torch.channels_last)
-
-
 # id(weight) -> (weakref, key, [wf, wfl]): the union path's weight packs, once per weight version (wfl
 # filled in when first asked for)
 _UNION_PACKS: dict = {}
 
 
 def _union_pack(w: Tensor, want_wf: bool, want_wfl: bool):
-    O, C, KH, KW = w.shape
-    w = w.float()
-    wf = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wf else None
-    wfl = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wfl else None
-    ws = torch.tensor(w.stride(), dtype=torch.int64)
-    rc = _lib().sparsa_union_pack_f32(w.data_ptr(), ws.data_ptr(), O, C, KH, KW,
-                                      None if wf is None else wf.data_ptr(), None if wfl is None else wfl.data_ptr(),
-                                      _nthreads())
-    if rc:
-        raise ValueError(f"union_packs: weight {tuple(w.shape)} needs in and out channels that are multiples of 8")
-    return wf, wfl
+    wf, wfl = _ops.union_pack(w, want_wf, want_wfl)
+    return (wf if want_wf else None), (wfl if want_wfl else None)
 
 
 def union_packs(weight: Tensor, flipped: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
@@ -202,9 +158,7 @@ def union_wc(wf: Tensor, O: int, C: int, KH: int, KW: int) -> Tensor:
     """The list kernels' input-gradient pack (``[C, KH, KW, O]``, as
     :func:`~sparsa.kernels.adaptive.packed_weight`'s ``wc``) rebuilt from the forward pack ``wf`` by row
     copies: the weight the forward used, whatever happened to the weight since."""
-    wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
-    _lib().sparsa_union_wc_from_wf_f32(wf.data_ptr(), O, C, KH * KW, wc.data_ptr(), _nthreads())
-    return wc
+    return _ops.union_wc(wf, [O, C, KH, KW])
 
 
 def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo: Sequence[int],
@@ -213,20 +167,13 @@ def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo
     weight's forward pack (:func:`union_packs`) when already at hand. ``group``: output pixels per kernel
     group (4, 2 or 1; fewer waste less on channels nonzero in only some of them)."""
     _check_group(group)
-    N, C, H, W, O, KH, KW, Ho, Wo = (int(v) for v in geo[:9])
-    lib = _native_for(op, C, O)
+    G = ConvGeometry.of(geo)
+    lib = _native_for(op, G.C, G.O)
     if lib is None:
         y = F.conv2d(op.nchw(), weight.detach().float(), None if bias is None else bias.detach(), **_conv_args(geo))
         return y.contiguous(memory_format=torch.channels_last)
     wf = union_packs(weight, flipped=False)[0] if wf is None else wf
-    b = None if bias is None else bias.detach().float().contiguous()
-    y = _empty_cl(N, O, Ho, Wo)
-    g = torch.tensor(list(geo), dtype=torch.int64)
-    rc = lib.sparsa_union_conv_fwd_f32(g.data_ptr(), op.values.data_ptr(), op.mask.data_ptr(), wf.data_ptr(),
-                                       None if b is None else b.data_ptr(), y.data_ptr(), None, 1, group, _nthreads())
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {list(geo)}")
-    return y
+    return _ops.union_conv_fwd(op.values, op.mask, wf, None if bias is None else bias.detach(), G, None, 1, group)
 
 
 def reads_weight_in_place(weight: Optional[Tensor]) -> bool:
@@ -245,9 +192,10 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
     without it a channels-last float32 ``weight`` (:func:`reads_weight_in_place`) is read in place, any
     other is packed. ``group``: as in :func:`union_conv_fwd` (over dY's mask)."""
     _check_group(group)
-    N, C, H, W, O = (int(v) for v in geo[:5])
-    if geo[9] != 1 or geo[10] != 1:
-        raise ValueError(f"union_conv_igrad needs a stride-1 geometry, got {list(geo)}")
+    G = ConvGeometry.of(geo)
+    C, O = G.C, G.O
+    if not G.stride1:
+        raise ValueError(f"union_conv_igrad needs a stride-1 geometry, got {G}")
     if weight is None and wflip is None:
         raise ValueError("union_conv_igrad needs weight or wflip")
     lib = _native_for(gop, C, O) if xop.mask is not None else None
@@ -259,22 +207,11 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
             gop.nchw(), xop.nchw(), weight.detach().float(), None, a["stride"], a["padding"], a["dilation"],
             False, (0, 0), 1, [True, False, False])[0]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
-    g2 = torch.tensor(igrad_dy_geometry(geo), dtype=torch.int64)
-    dx = _empty_cl(N, C, H, W)
+    g2 = igrad_dy_geometry(G)
     if wflip is None and reads_weight_in_place(weight):
-        w = weight.detach()
-        ws = torch.tensor(w.stride(), dtype=torch.int64)
-        rc = lib.sparsa_union_conv_igrad_w_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(),
-                                               w.data_ptr(), ws.data_ptr(), dx.data_ptr(), xop.mask.data_ptr(),
-                                               group, _nthreads())
-    else:
-        wfl = wflip if wflip is not None else union_packs(weight)[1]
-        rc = lib.sparsa_union_conv_fwd_f32(g2.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(),
-                                           wfl.data_ptr(), None, dx.data_ptr(), xop.mask.data_ptr(), 0, group,
-                                           _nthreads())
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_fwd_f32 (input gradient) failed ({rc}) for geometry {list(geo)}")
-    return dx
+        return _ops.union_conv_igrad_w(gop.values, gop.mask, weight.detach(), g2, xop.mask, group)
+    wfl = wflip if wflip is not None else union_packs(weight)[1]
+    return _ops.union_conv_fwd(gop.values, gop.mask, wfl, None, g2, xop.mask, 0, group)
 
 
 def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None,
@@ -284,7 +221,8 @@ def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], w
     (``wc``: the ``[C, KH, KW, O]`` pack of :func:`union_wc`; built from ``weight`` when not given). Work
     follows relu(x)'s nonzeros (4-pixel unions), not dY's: for a dense dY and a sparse relu(x). Returns
     ``[N, C, H, W]`` with channels-last strides."""
-    N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
+    G = ConvGeometry.of(geo)
+    C, O, KH, KW = G.C, G.O, G.KH, G.KW
     if wc is None and weight is None:
         raise ValueError("union_conv_igrad_x needs weight or wc")
     lib = _native_for(xop, C, O)
@@ -298,14 +236,7 @@ def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], w
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = union_wc(union_packs(weight, flipped=False)[0], O, C, KH, KW)
-    dy = dy_nhwc.contiguous()
-    dx = _empty_cl(N, C, H, W)
-    g = torch.tensor(list(geo), dtype=torch.int64)
-    rc = lib.sparsa_union_conv_igrad_x_f32(g.data_ptr(), xop.mask.data_ptr(), dy.data_ptr(), wc.data_ptr(),
-                                           dx.data_ptr(), _nthreads())
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_igrad_x_f32 failed ({rc}) for geometry {list(geo)}")
-    return dx
+    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
 
 
 def _dw_empty(shape, w_stride: Optional[Sequence[int]]) -> Tensor:
@@ -315,12 +246,12 @@ def _dw_empty(shape, w_stride: Optional[Sequence[int]]) -> Tensor:
 
 
 def _wgrad_reference(xnchw: Tensor, dy_nhwc: Tensor, geo: Sequence[int], w_stride) -> Tensor:
-    N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
-    a = _conv_args(geo)
+    G = ConvGeometry.of(geo)
+    a = _conv_args(G)
     dw = torch.ops.aten.convolution_backward(
-        dy_nhwc.permute(0, 3, 1, 2), xnchw, torch.empty(O, C, KH, KW), None, a["stride"], a["padding"],
+        dy_nhwc.permute(0, 3, 1, 2), xnchw, torch.empty(G.O, G.C, G.KH, G.KW), None, a["stride"], a["padding"],
         a["dilation"], False, (0, 0), 1, [False, True, False])[1]
-    out = _dw_empty((O, C, KH, KW), w_stride)
+    out = _dw_empty((G.O, G.C, G.KH, G.KW), w_stride)
     return out.copy_(dw)
 
 
@@ -331,38 +262,12 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
     autograd keeps it without a copy). ``lists=True`` runs the per-channel list kernel
     (``csrc/adaptive_wgrad_lists.cpp``: its work follows nnz(relu(x)) exactly, no 4-pixel unions)
     instead of the union kernel; same result."""
-    N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
-    lib = _native_for(xop, C, O)
+    G = ConvGeometry.of(geo)
+    lib = _native_for(xop, G.C, G.O)
     if lib is None:
-        return _wgrad_reference(xop.nchw(), dy_nhwc, geo, w_stride)
-    dy = dy_nhwc.contiguous()
-    dw = _dw_empty((O, C, KH, KW), w_stride)
-    g = torch.tensor(list(geo), dtype=torch.int64)
-    if lists:  # written straight into dw's layout
-        ws = torch.tensor(dw.stride(), dtype=torch.int64)
-        rc = lib.sparsa_union_conv_wgrad_lists_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
-                                                   dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), _nthreads())
-        if rc:
-            raise RuntimeError(f"sparsa_union_conv_wgrad_lists_f32 failed ({rc}) for geometry {list(geo)}")
-        return dw
-    K2 = KH * KW
-    s0, s1, s2, s3 = dw.stride()
-    if s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C:    # [O, KH, KW, C]: rows (kh, kw, c)
-        rs = (1, KW * C, C, 0)
-    elif s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1:     # [O, C, KH, KW]: rows (c, kh, kw)
-        rs = (K2, KW, 1, 0)
-    else:
-        rs = None
-    S = torch.empty(C * K2, O, dtype=torch.float32)
-    rst = torch.tensor(rs or (K2, KW, 1, 0), dtype=torch.int64)
-    rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), xop.values.data_ptr(), xop.mask.data_ptr(),
-                                         dy.data_ptr(), S.data_ptr(), rst.data_ptr(), O, 1, _nthreads())
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {list(geo)}")
-    if rs is None:
-        return dw.copy_(S.view(C, KH, KW, O).permute(3, 0, 1, 2))
-    lib.sparsa_union_transpose_f32(S.data_ptr(), C * K2, O, dw.data_ptr(), _nthreads())
-    return dw
+        return _wgrad_reference(xop.nchw(), dy_nhwc, G, w_stride)
+    return _ops.union_conv_wgrad(xop.values, xop.mask, dy_nhwc, G, None if w_stride is None else list(w_stride),
+                                 bool(lists))
 
 
 def union_conv_wgrad_dy(gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int],
@@ -370,29 +275,11 @@ def union_conv_wgrad_dy(gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int],
     """``dW`` of a stride-1 ``conv2d(relu(x), W)`` over dY's mask (operand ``gop``, ``relu=False``):
     the flipped conv's weight gradient with ``relu(x)`` (``xr_nhwc``, ``[N, H, W, C]``) in the place of
     its output gradient. Needs ``padding <= dilation * (kernel - 1)``."""
-    N, C, H, W, O, KH, KW = (int(v) for v in geo[:7])
-    g2 = igrad_dy_geometry(geo)
-    if g2[11] < 0 or g2[12] < 0:
-        raise ValueError(f"union_conv_wgrad_dy needs padding <= dilation * (kernel - 1), got geometry {list(geo)}")
-    lib = _native_for(gop, C, O)
+    G = ConvGeometry.of(geo)
+    g2 = igrad_dy_geometry(G)
+    if g2.ph < 0 or g2.pw < 0:
+        raise ValueError(f"union_conv_wgrad_dy needs padding <= dilation * (kernel - 1), got geometry {G}")
+    lib = _native_for(gop, G.C, G.O)
     if lib is None:
-        return _wgrad_reference(xr_nhwc.permute(0, 3, 1, 2), gop.values, geo, w_stride)
-    xr = xr_nhwc.contiguous()
-    dw = _dw_empty((O, C, KH, KW), w_stride)
-    K2 = KH * KW
-    s0, s1, s2, s3 = dw.stride()
-    # the flipped conv's (c' = o, kh, kw) row is dW[o, :, KH-1-kh, KW-1-kw]
-    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
-    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
-    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
-    rst = torch.tensor((K2, -KW, -1, K2 - 1), dtype=torch.int64)
-    g = torch.tensor(g2, dtype=torch.int64)
-    rc = lib.sparsa_union_conv_wgrad_f32(g.data_ptr(), gop.values.data_ptr(), gop.mask.data_ptr(), xr.data_ptr(),
-                                         S.data_ptr(), rst.data_ptr(), C, 0, _nthreads())
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 (dY-driven) failed ({rc}) for geometry {list(geo)}")
-    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
-        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
-    elif not direct:
-        dw.copy_(S.permute(0, 3, 1, 2))
-    return dw
+        return _wgrad_reference(xr_nhwc.permute(0, 3, 1, 2), gop.values, G, w_stride)
+    return _ops.union_conv_wgrad_dy(gop.values, gop.mask, xr_nhwc, G, None if w_stride is None else list(w_stride))

@@ -41,9 +41,10 @@ from .. import cpu
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
+from .opdef import kernel_op
 
-__all__ = ["bitmask_linear", "bitmask_linear_impl", "bitmask_linear_reference", "bitmask_dense_weight",
-           "choose_strategy", "native_library", "STRATEGIES"]
+__all__ = ["bitmask_linear", "bitmask_linear_kernel", "bitmask_linear_impl", "bitmask_linear_reference",
+           "bitmask_dense_weight", "choose_strategy", "native_library", "STRATEGIES"]
 
 _SOURCES = ["bitmask_linear.cpp"]
 STRATEGIES = ("stream", "expand")
@@ -52,21 +53,12 @@ STRATEGIES = ("stream", "expand")
 STREAM_MAX_TOKENS = 8
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
-_TYPED: set = set()   # libraries whose ctypes signatures are set (a set: CDLL attribute misses are slow)
 
 
 def native_library() -> Optional[ctypes.CDLL]:
-    """The native kernel library, or None when the fallback must run."""
-    lib = loader.load("bitmask_linear", _SOURCES)
-    if lib is not None and lib not in _TYPED:
-        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.sparsa_bitmask_linear_f32.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ci]
-        lib.sparsa_bitmask_linear_bf16.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ci, vp, ci]
-        lib.sparsa_bitmask_expand.argtypes = [vp, vp, vp, ci, i64, i64, i64, i64, vp, ci, ci]
-        for f in (lib.sparsa_bitmask_linear_f32, lib.sparsa_bitmask_linear_bf16, lib.sparsa_bitmask_expand):
-            f.restype = ci
-        _TYPED.add(lib)
-    return lib
+    """The native kernel library (typed by ``abi.SIGNATURES["bitmask_linear"]``), or None when the
+    fallback must run."""
+    return loader.load("bitmask_linear", _SOURCES)
 
 
 def bitmask_dense_weight(bits: Tensor, row_ptr: Tensor, values: Tensor, in_features: int,
@@ -165,8 +157,14 @@ def bitmask_linear(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bia
 
 
 @bitmask_linear.register_fake
-def _(x, bits, row_ptr, values, bias, out_features):
+def _forward_fake(x, bits, row_ptr, values, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
+bitmask_linear_kernel = kernel_op(
+    "bitmask_linear_kernel(Tensor x, Tensor bits, Tensor row_ptr, Tensor values, Tensor? bias, int out_features) "
+    "-> Tensor", bitmask_linear_impl, _forward_fake)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

@@ -47,9 +47,11 @@ from torch import Tensor
 
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind as spmm_native_kind
+from .opdef import kernel_op
 
 __all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm",
-           "grouped_nm_sddmm", "spmm_reference", "sddmm_reference", "native_library", "spmm_native_kind"]
+           "grouped_nm_sddmm", "grouped_nm_spmm_kernel", "grouped_nm_sddmm_kernel", "spmm_reference",
+           "sddmm_reference", "native_library", "spmm_native_kind"]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
 #: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
@@ -62,22 +64,7 @@ _REF_CHUNK = 1 << 23
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    lib = loader.load("grouped_nm_linear", _SOURCES)
-    if lib is not None and not getattr(lib, "_sparsa_typed", False):
-        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        f = lib.sparsa_gnm_spmm_f32
-        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, i64, ci,
-                      i64, ci, ci, vp, i64]
-        f.restype = ci
-        f = lib.sparsa_gnm_spmm_bf16
-        f.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, i64, i64, i64, i64, i64, i64, vp, ci, vp, i64, ci,
-                      i64, ci, ci, vp, i64]
-        f.restype = ci
-        f = lib.sparsa_gnm_sddmm_f32
-        f.argtypes = [vp, i64, vp, i64, i64, i64, i64, vp, vp, i64, i64, i64, i64, i64, i64, i64, vp, ci, i64]
-        f.restype = ci
-        lib._sparsa_typed = True
-    return lib
+    return loader.load("grouped_nm_linear", _SOURCES)   # typed by abi.SIGNATURES["grouped_nm_linear"]
 
 
 @dataclass(frozen=True)
@@ -382,8 +369,17 @@ def grouped_nm_spmm(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias
 
 
 @grouped_nm_spmm.register_fake
-def _(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets=None):
+def _spmm_fake(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved,
+               offsets=None):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# forward-only, low per-call cost (see kernels/opdef.py): spmm()/sddmm() run inside the autograd.Function of
+# sparsa/ops/native_grouped_nm.py, which owns the backward
+grouped_nm_spmm_kernel = kernel_op(
+    "grouped_nm_spmm_kernel(Tensor x, Tensor idx, Tensor vals, Tensor out_rows, Tensor? bias, int out_features, "
+    "int units, int unit_entries, int unit_span, int gpb, int rpb, bool interleaved, Tensor? offsets=None) -> Tensor",
+    _spmm_impl, _spmm_fake)
 
 
 def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
@@ -418,8 +414,13 @@ def grouped_nm_sddmm(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units
 
 
 @grouped_nm_sddmm.register_fake
-def _(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
+def _sddmm_fake(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
     return x.new_empty(idx.shape[0], idx.shape[1], out_rows.shape[1])
+
+
+grouped_nm_sddmm_kernel = kernel_op(
+    "grouped_nm_sddmm_kernel(Tensor x, Tensor gy, Tensor idx, Tensor out_rows, int units, int unit_entries, "
+    "int unit_span, int out_pad) -> Tensor", _sddmm_impl, _sddmm_fake)
 
 
 # -------------------------------------------------------------------------------------------- autograd
@@ -543,15 +544,11 @@ def _sddmm_backward(ctx, ggv):
 grouped_nm_sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup_context)
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def spmm(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
     """Run the plan on ``x[..., K]`` (native when possible): ``y[..., out_features]``."""
     args = (x, plan.idx, plan.vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries,
             plan.unit_span, plan.gpb, plan.rpb, plan.interleaved, plan.offsets)
-    return grouped_nm_spmm(*args) if _compiling() else _spmm_impl(*args)
+    return grouped_nm_spmm_kernel(*args)
 
 
 def sddmm(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
@@ -560,4 +557,4 @@ def sddmm(x: Tensor, gy: Tensor, plan: Plan) -> Tensor:
     if plan.interleaved or plan.offsets is not None:
         raise ValueError("sddmm: needs a pattern_plan (one group per row block and pattern), got an interleaved plan")
     args = (x, gy, plan.idx, plan.out_rows, plan.units, plan.unit_entries, plan.unit_span, plan.out_pad)
-    return grouped_nm_sddmm(*args) if _compiling() else _sddmm_impl(*args)
+    return grouped_nm_sddmm_kernel(*args)

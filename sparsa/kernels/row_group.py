@@ -30,9 +30,10 @@ from torch import Tensor
 from . import loader
 from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
 from .operands import REDUCED_DTYPES, native_kind
+from .opdef import kernel_op
 
-__all__ = ["row_group_linear", "row_group_linear_impl", "row_group_linear_reference", "native_library",
-           "native_kind", "ACTIVATIONS"]
+__all__ = ["row_group_linear", "row_group_linear_kernel", "row_group_linear_impl", "row_group_linear_reference",
+           "native_library", "native_kind", "ACTIVATIONS"]
 
 
 _SOURCES = ["row_group_linear.cpp"]
@@ -40,14 +41,7 @@ _SOURCES = ["row_group_linear.cpp"]
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    lib = loader.load("row_group_linear", _SOURCES)
-    if lib is not None and not getattr(lib, "_sparsa_typed", False):
-        i64, vp = ctypes.c_int64, ctypes.c_void_p
-        for f in (lib.sparsa_row_group_linear_f32, lib.sparsa_row_group_linear_bf16):
-            f.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, ctypes.c_int]
-            f.restype = ctypes.c_int
-        lib._sparsa_typed = True
-    return lib
+    return loader.load("row_group_linear", _SOURCES)   # typed by abi.SIGNATURES["row_group_linear"]
 
 
 def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
@@ -120,8 +114,14 @@ def row_group_linear(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[
 
 
 @row_group_linear.register_fake
-def _(x, columns, values, bias, out_features, row_perm=None, activation="none"):
+def _forward_fake(x, columns, values, bias, out_features, row_perm=None, activation="none"):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
+row_group_linear_kernel = kernel_op(
+    "row_group_linear_kernel(Tensor x, Tensor columns, Tensor values, Tensor? bias, int out_features, "
+    "Tensor? row_perm=None, str activation='none') -> Tensor", row_group_linear_impl, _forward_fake)
 
 
 def _slot_grads(g2: Tensor, n_groups: int, group: int, row_perm: Optional[Tensor]) -> Tensor:

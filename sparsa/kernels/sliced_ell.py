@@ -37,26 +37,17 @@ from torch import Tensor
 from . import loader
 from .epilogue import activate, activation_backward, activation_code
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
+from .opdef import kernel_op
 
-__all__ = ["sliced_ell_linear", "sliced_ell_linear_impl", "sliced_ell_linear_reference", "sliced_ell_grad_input",
-           "sliced_ell_grad_values", "native_library", "native_kind"]
+__all__ = ["sliced_ell_linear", "sliced_ell_linear_kernel", "sliced_ell_linear_impl", "sliced_ell_linear_reference",
+           "sliced_ell_grad_input", "sliced_ell_grad_values", "native_library", "native_kind"]
 
 _SOURCES = ["sliced_ell_linear.cpp"]
 
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    lib = loader.load("sliced_ell_linear", _SOURCES)
-    if lib is not None and not getattr(lib, "_sparsa_typed", False):
-        f = lib.sparsa_sliced_ell_linear_f32
-        i64, vp = ctypes.c_int64, ctypes.c_void_p
-        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, vp, ctypes.c_int, ctypes.c_int]
-        f.restype = ctypes.c_int
-        f = lib.sparsa_sliced_ell_linear_bf16
-        f.argtypes = [vp, i64, i64, vp, vp, vp, i64, vp, ctypes.c_int, vp, ctypes.c_int, ctypes.c_int]
-        f.restype = ctypes.c_int
-        lib._sparsa_typed = True
-    return lib
+    return loader.load("sliced_ell_linear", _SOURCES)   # typed by abi.SIGNATURES["sliced_ell_linear"]
 
 
 def _entry_rows(slice_ptr: Tensor, n_entries: int) -> Tensor:
@@ -132,8 +123,14 @@ def sliced_ell_linear(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Ten
 
 
 @sliced_ell_linear.register_fake
-def _(x, slice_ptr, columns, values, bias, out_features, activation="none"):
+def _forward_fake(x, slice_ptr, columns, values, bias, out_features, activation="none"):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+# forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
+sliced_ell_linear_kernel = kernel_op(
+    "sliced_ell_linear_kernel(Tensor x, Tensor slice_ptr, Tensor columns, Tensor values, Tensor? bias, "
+    "int out_features, str activation='none') -> Tensor", sliced_ell_linear_impl, _forward_fake)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

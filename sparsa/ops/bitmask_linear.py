@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels import bitmask as _bm
 from ..layouts.bitmask import Bitmask
 from ..layouts.dense import Dense
-from .native_linear import _call, _check_input
+from .native_linear import _check_input
 from .registry import implements
 
 __all__ = ["BitmaskLinear"]
@@ -35,7 +35,7 @@ class BitmaskLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: Bitmask, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _call(_bm.bitmask_linear, _bm.bitmask_linear_impl, x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
+        y = _bm.bitmask_linear_kernel(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
         ctx.save_for_backward(x, w.bits, w.row_ptr, w.values)
         ctx.weight_shape = tuple(w.shape)
         return y

@@ -41,7 +41,7 @@ def _torch_sparse(w: Layout, transpose: bool):
     """A cached torch.sparse form of ``w`` (or its transpose) when that is the route taken, else None.
 
     Under ``torch.compile`` the dense route is taken (torch.sparse tensors cannot be traced)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():   # stays: torch.sparse tensors cannot be traced (no native kernel here)
         return None
     if isinstance(w, CSR) and w.values.numel():
         return w.torch_csr_t() if transpose else w.torch_csr()
@@ -77,6 +77,7 @@ def mm_w(x: Tensor, w: Layout) -> Tensor:
 
 def masked_mm(w: Layout, a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` (R, N) @ (N, K) kept only on the stored pattern of ``w``; a dense (R, K) tensor."""
+    # stays: torch.sparse CSR tensors cannot be traced, so under torch.compile the dense route runs
     if isinstance(w, CSR) and w.values.numel() and a.numel() and b.numel() and not torch.compiler.is_compiling():
         return torch.sparse.sampled_addmm(w.torch_csr(), a, b, beta=0.0).to_dense()
     if isinstance(w, COO) and a.shape[1] and w.values.numel() * a.shape[1] <= (1 << 24):

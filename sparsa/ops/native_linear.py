@@ -8,15 +8,15 @@ Registered with the dispatcher, so ``F.linear(x, sparse_weight, bias)`` runs the
     >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().T, atol=1e-4)
     True
 
-Forward calls the ``sparsa::row_group_linear`` / ``sparsa::sliced_ell_linear`` custom ops (while
-``torch.compile`` traces) or their eager implementation directly (the same function, without the
-op-dispatch overhead per call). Backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the
+Forward calls the forward-only kernel ops ``sparsa::row_group_linear_kernel`` /
+``sparsa::sliced_ell_linear_kernel``, eager and under ``torch.compile`` alike (low per-call cost:
+:mod:`sparsa.kernels.opdef`); this class owns the backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the
 kept pattern only (a dense tensor of W's shape, zero elsewhere), each computed only when needed;
 sparse formulations (gather + batched matmul) are used where they beat the dense matmul.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -43,12 +43,6 @@ def _check_input(x: Tensor, w, bias: Optional[Tensor]) -> None:
         raise ValueError(f"linear: bias must have shape ({R},), got {tuple(bias.shape)}")
 
 
-def _call(op: Callable, impl: Callable, *args) -> Tensor:
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return impl(*args)
-
-
 def _grad_bias(g2: Tensor) -> Tensor:
     return g2.sum(0)
 
@@ -60,8 +54,7 @@ class RowGroupLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: RowGroup, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _call(_rg.row_group_linear, _rg.row_group_linear_impl, x, w.columns, w.values, bias, w.shape[0],
-                  w.row_perm)
+        y = _rg.row_group_linear_kernel(x, w.columns, w.values, bias, w.shape[0], w.row_perm)
         ctx.save_for_backward(x, w.columns, w.values, w.row_perm)
         ctx.weight_shape = tuple(w.shape)
         return y
@@ -112,8 +105,7 @@ class SlicedELLLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: SlicedELL, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _call(_se.sliced_ell_linear, _se.sliced_ell_linear_impl, x, w.slice_ptr, w.columns, w.values, bias,
-                  w.shape[0])
+        y = _se.sliced_ell_linear_kernel(x, w.slice_ptr, w.columns, w.values, bias, w.shape[0])
         ctx.save_for_backward(x, w.slice_ptr, w.columns, w.values, w.row_nnz)
         ctx.weight_shape = tuple(w.shape)
         return y
@@ -141,7 +133,7 @@ def _se_grad_input(g2: Tensor, w: SlicedELL) -> Tensor:
     if w.density > _SPARSE_BACKWARD_DENSITY / 1.5 or g2.dtype not in (torch.float32, torch.bfloat16):
         return g2 @ dense
     wt = SlicedELL.from_dense(dense.t(), mask=w.mask().t())
-    return _se.sliced_ell_linear_impl(g2, wt.slice_ptr, wt.columns, wt.values, None, w.shape[1])
+    return _se.sliced_ell_linear_kernel(g2, wt.slice_ptr, wt.columns, wt.values, None, w.shape[1])
 
 
 def _se_grad_weight(g2: Tensor, x2: Tensor, w: SlicedELL, chunk: int = 1 << 22) -> Tensor:

@@ -1,0 +1,266 @@
+"""The union ("bitmask operand") kernels of ``csrc/adaptive_union*.cpp`` as ``sparsa::`` kernel ops.
+
+Native only (AVX-512): the functions of :mod:`sparsa.kernels.adaptive_union` call them after checking
+:func:`~sparsa.kernels.adaptive_union.union_supported` and run their pure-PyTorch fallback otherwise.
+Every op is forward-only: ``UnionReluConv2d`` (:mod:`sparsa.adaptive.conv_union`) owns the backward.
+A gradient not asked for, or values the caller reads in place, come back as an empty ``[0]`` tensor
+(an op may not return a view of its input).
+
+- ``adaptive_union_compact(x, relu, write_values) -> (values [N,H,W,C], mask, counts [nnz, union4])``
+- ``adaptive_union_pack(w, want_wf, want_wfl) -> (wf, wfl)``;
+  ``adaptive_union_wc(wf, w_shape) -> wc``
+- ``adaptive_union_conv_fwd(values, mask, wp, bias, geo, omask, tiles, group)``: ``[N, O, Ho, Wo]``
+  channels-last (the forward; with ``omask`` and the dY geometry, the input gradient over dY's mask)
+- ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
+- ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
+  the input and weight gradients over relu(x)'s or dY's mask
+
+Example::
+
+    >>> import torch
+    >>> from sparsa.kernels import adaptive_union_ops
+    >>> torch.ops.sparsa.adaptive_union_conv_fwd.default.name()
+    'sparsa::adaptive_union_conv_fwd'
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .adaptive import _dense_strides, _i64s, _native_only, _nthreads
+from .geometry import ConvGeometry
+from .opdef import kernel_op
+
+__all__ = ["union_compact", "union_pack", "union_wc", "union_conv_fwd", "union_conv_igrad_w", "union_conv_igrad_x",
+           "union_conv_wgrad", "union_conv_wgrad_dy"]
+
+
+def _empty_cl(N: int, C: int, H: int, W: int, like: Optional[Tensor] = None) -> Tensor:
+    dev = like.device if like is not None else None
+    return torch.empty(N, C, H, W, dtype=torch.float32, device=dev, memory_format=torch.channels_last)
+
+
+def _none0(t: Optional[Tensor], like: Optional[Tensor] = None) -> Tensor:
+    """``t``, or an empty ``[0]`` float32 tensor for an output not produced."""
+    if t is not None:
+        return t
+    return torch.empty(0, dtype=torch.float32, device=like.device if like is not None else None)
+
+
+def _dw_empty(shape: Sequence[int], w_stride: Optional[Sequence[int]], like: Optional[Tensor] = None) -> Tensor:
+    dev = like.device if like is not None else None
+    if w_stride is not None and _dense_strides(shape, w_stride):
+        return torch.empty_strided(tuple(shape), tuple(w_stride), dtype=torch.float32, device=dev)
+    return torch.empty(tuple(shape), dtype=torch.float32, device=dev)
+
+
+# ------------------------------------------------------------------------------------------ operand
+def _compact_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    lib = _native_only("adaptive_union_compact")
+    if x.dim() != 4 or x.dtype != torch.float32:
+        raise TypeError(f"adaptive_union_compact needs a 4-D float32 x, got {x.dtype} {tuple(x.shape)}")
+    N, C, H, W = x.shape
+    values = torch.empty(N, H, W, C, dtype=torch.float32) if write_values else torch.empty(0, dtype=torch.float32)
+    mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
+    sn, sc, sh, sw = x.stride()
+    u4 = ctypes.c_int64(0)
+    nnz = lib.sparsa_union_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, int(relu),
+                                       values.data_ptr() if write_values else None, mask.data_ptr(),
+                                       ctypes.byref(u4), _nthreads())
+    if nnz < 0:
+        raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
+    return values, mask, torch.tensor([nnz, u4.value], dtype=torch.int64)
+
+
+def _compact_fake(x, relu, write_values):
+    N, C, H, W = x.shape
+    values = x.new_empty(N, H, W, C) if write_values else x.new_empty(0)
+    return values, x.new_empty(N * H * W, (C + 63) // 64, dtype=torch.int64), x.new_empty(2, dtype=torch.int64)
+
+
+union_compact = kernel_op("adaptive_union_compact(Tensor x, bool relu, bool write_values) "
+                          "-> (Tensor, Tensor, Tensor)", _compact_impl, _compact_fake)
+
+
+# ------------------------------------------------------------------------------------------ weight packs
+def _pack_impl(w: Tensor, want_wf: bool, want_wfl: bool) -> Tuple[Tensor, Tensor]:
+    lib = _native_only("adaptive_union_pack")
+    O, C, KH, KW = w.shape
+    w = w.float()
+    wf = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wf else None
+    wfl = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wfl else None
+    rc = lib.sparsa_union_pack_f32(w.data_ptr(), _i64s(*w.stride()), O, C, KH, KW,
+                                   None if wf is None else wf.data_ptr(), None if wfl is None else wfl.data_ptr(),
+                                   _nthreads())
+    if rc:
+        raise ValueError(f"union_packs: weight {tuple(w.shape)} needs in and out channels that are multiples of 8")
+    return _none0(wf), _none0(wfl)
+
+
+def _pack_fake(w, want_wf, want_wfl):
+    n = w.numel()
+    return w.new_empty(n if want_wf else 0, dtype=torch.float32), w.new_empty(n if want_wfl else 0, dtype=torch.float32)
+
+
+union_pack = kernel_op("adaptive_union_pack(Tensor w, bool want_wf, bool want_wfl) -> (Tensor, Tensor)",
+                       _pack_impl, _pack_fake)
+
+
+def _wc_impl(wf: Tensor, w_shape: List[int]) -> Tensor:
+    lib = _native_only("adaptive_union_wc")
+    O, C, KH, KW = (int(v) for v in w_shape)
+    if wf.numel() != O * C * KH * KW:
+        raise ValueError(f"adaptive_union_wc: wf holds {wf.numel()} values, the weight {list(w_shape)} needs "
+                         f"{O * C * KH * KW}; pass the forward pack of that weight")
+    wf = wf.contiguous()
+    wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
+    lib.sparsa_union_wc_from_wf_f32(wf.data_ptr(), O, C, KH * KW, wc.data_ptr(), _nthreads())
+    return wc
+
+
+union_wc = kernel_op("adaptive_union_wc(Tensor wf, int[] w_shape) -> Tensor", _wc_impl,
+                     lambda wf, w_shape: wf.new_empty(wf.numel()))
+
+
+# ------------------------------------------------------------------------------------------ convs
+def _fwd_impl(values: Tensor, mask: Tensor, wp: Tensor, bias: Optional[Tensor], geo: List[int],
+              omask: Optional[Tensor], tiles: int, group: int) -> Tensor:
+    lib = _native_only("adaptive_union_conv_fwd")
+    G = ConvGeometry.of(geo)
+    b = None if bias is None else bias.float().contiguous()
+    y = _empty_cl(G.N, G.O, G.Ho, G.Wo)
+    rc = lib.sparsa_union_conv_fwd_f32(G.c(), values.data_ptr(), mask.data_ptr(), wp.data_ptr(),
+                                       None if b is None else b.data_ptr(), y.data_ptr(),
+                                       None if omask is None else omask.data_ptr(), tiles, group, _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {G}")
+    return y
+
+
+def _fwd_fake(values, mask, wp, bias, geo, omask, tiles, group):
+    G = ConvGeometry.of(geo)
+    return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values)
+
+
+union_conv_fwd = kernel_op("adaptive_union_conv_fwd(Tensor values, Tensor mask, Tensor wp, Tensor? bias, int[] geo, "
+                           "Tensor? omask, int tiles, int group) -> Tensor", _fwd_impl, _fwd_fake)
+
+
+def _igrad_w_impl(values: Tensor, mask: Tensor, w: Tensor, geo: List[int], omask: Tensor, group: int) -> Tensor:
+    lib = _native_only("adaptive_union_conv_igrad_w")
+    G = ConvGeometry.of(geo)   # the dY geometry (igrad_dy_geometry)
+    dx = _empty_cl(G.N, G.O, G.Ho, G.Wo)
+    rc = lib.sparsa_union_conv_igrad_w_f32(G.c(), values.data_ptr(), mask.data_ptr(), w.data_ptr(),
+                                           _i64s(*w.stride()), dx.data_ptr(), omask.data_ptr(), group, _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_igrad_w_f32 failed ({rc}) for geometry {G}")
+    return dx
+
+
+def _igrad_w_fake(values, mask, w, geo, omask, group):
+    G = ConvGeometry.of(geo)
+    return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values)
+
+
+union_conv_igrad_w = kernel_op("adaptive_union_conv_igrad_w(Tensor values, Tensor mask, Tensor w, int[] geo, "
+                               "Tensor omask, int group) -> Tensor", _igrad_w_impl, _igrad_w_fake)
+
+
+def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
+    lib = _native_only("adaptive_union_conv_igrad_x")
+    G = ConvGeometry.of(geo)
+    dy = dy.contiguous()
+    dx = _empty_cl(G.N, G.C, G.H, G.W)
+    rc = lib.sparsa_union_conv_igrad_x_f32(G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(),
+                                           _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_igrad_x_f32 failed ({rc}) for geometry {G}")
+    return dx
+
+
+def _igrad_x_fake(mask, dy, wc, geo):
+    G = ConvGeometry.of(geo)
+    return _empty_cl(G.N, G.C, G.H, G.W, like=dy)
+
+
+union_conv_igrad_x = kernel_op("adaptive_union_conv_igrad_x(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor",
+                               _igrad_x_impl, _igrad_x_fake)
+
+
+def _wgrad_impl(values: Tensor, mask: Tensor, dy: Tensor, geo: List[int], w_stride: Optional[List[int]],
+                lists: bool) -> Tensor:
+    lib = _native_only("adaptive_union_conv_wgrad")
+    G = ConvGeometry.of(geo)
+    C, O, KH, KW = G.C, G.O, G.KH, G.KW
+    dy = dy.contiguous()
+    dw = _dw_empty((O, C, KH, KW), w_stride)
+    if lists:  # written straight into dw's layout
+        rc = lib.sparsa_union_conv_wgrad_lists_f32(G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(),
+                                                   dw.data_ptr(), _i64s(*dw.stride()), _nthreads())
+        if rc:
+            raise RuntimeError(f"sparsa_union_conv_wgrad_lists_f32 failed ({rc}) for geometry {G}")
+        return dw
+    K2 = KH * KW
+    s0, s1, s2, s3 = dw.stride()
+    if s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C:    # [O, KH, KW, C]: rows (kh, kw, c)
+        rs = (1, KW * C, C, 0)
+    elif s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1:     # [O, C, KH, KW]: rows (c, kh, kw)
+        rs = (K2, KW, 1, 0)
+    else:
+        rs = None
+    S = torch.empty(C * K2, O, dtype=torch.float32)
+    rc = lib.sparsa_union_conv_wgrad_f32(G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(), S.data_ptr(),
+                                         _i64s(*(rs or (K2, KW, 1, 0))), O, 1, _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {G}")
+    if rs is None:
+        return dw.copy_(S.view(C, KH, KW, O).permute(3, 0, 1, 2))
+    lib.sparsa_union_transpose_f32(S.data_ptr(), C * K2, O, dw.data_ptr(), _nthreads())
+    return dw
+
+
+def _wgrad_fake(values, mask, dy, geo, w_stride, lists):
+    G = ConvGeometry.of(geo)
+    return _dw_empty((G.O, G.C, G.KH, G.KW), w_stride, like=dy)
+
+
+union_conv_wgrad = kernel_op("adaptive_union_conv_wgrad(Tensor values, Tensor mask, Tensor dy, int[] geo, "
+                             "int[]? w_stride, bool lists) -> Tensor", _wgrad_impl, _wgrad_fake)
+
+
+def _wgrad_dy_impl(gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[int],
+                   w_stride: Optional[List[int]]) -> Tensor:
+    lib = _native_only("adaptive_union_conv_wgrad_dy")
+    from .adaptive import igrad_dy_geometry
+    G = ConvGeometry.of(geo)
+    C, O, KH, KW = G.C, G.O, G.KH, G.KW
+    g2 = igrad_dy_geometry(G)
+    xr = xr_nhwc.contiguous()
+    dw = _dw_empty((O, C, KH, KW), w_stride)
+    K2 = KH * KW
+    s0, s1, s2, s3 = dw.stride()
+    # the flipped conv's (c' = o, kh, kw) row is dW[o, :, KH-1-kh, KW-1-kw]
+    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
+    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
+    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
+    rc = lib.sparsa_union_conv_wgrad_f32(g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), S.data_ptr(),
+                                         _i64s(K2, -KW, -1, K2 - 1), C, 0, _nthreads())
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 (dY-driven) failed ({rc}) for geometry {G}")
+    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
+        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
+    elif not direct:
+        dw.copy_(S.permute(0, 3, 1, 2))
+    return dw
+
+
+def _wgrad_dy_fake(gvalues, gmask, xr_nhwc, geo, w_stride):
+    G = ConvGeometry.of(geo)
+    return _dw_empty((G.O, G.C, G.KH, G.KW), w_stride, like=xr_nhwc)
+
+
+union_conv_wgrad_dy = kernel_op("adaptive_union_conv_wgrad_dy(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, "
+                                "int[] geo, int[]? w_stride) -> Tensor", _wgrad_dy_impl, _wgrad_dy_fake)
