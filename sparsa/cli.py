@@ -165,18 +165,23 @@ def _cmd_cost(a: argparse.Namespace) -> int:
     cm = default_cost_model()
     info = cpu.cpu_info()
     print(f"cpu: {info['model']} ({info['class']}, kernel path {info['isa']})")
-    print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm)} entries")
     from .adaptive.calibration import default_calibration
     cal = default_calibration()
-    print(f"adaptive calibration: {cal.path}: {len(cal)} entries")
+    print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm.keys())} timed keys, "
+          f"{len(cm.fit_keys())} fitted models")
+    print(f"adaptive calibration: {len(cal)} layer models" + (f" (in {cal.path})" if cal.path != cm.path else ""))
     if a.clear:
         cm.clear()
         cal.clear()
-        print("cleared both")
+        print("cleared")
         return 0
     for key in cm.keys():
         costs = cm.lookup(key) or {}
         print(key + ": " + ", ".join(f"{o} {ms:.3f} ms" for o, ms in sorted(costs.items(), key=lambda kv: kv[1])))
+    for key in cm.fit_keys():
+        params = cm.fit(key) or {}
+        print(key + ": " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in params.items() if v is not None))
     return 0
 
 

@@ -6,7 +6,9 @@ the medians in a JSON table under ``~/.cache/sparsa/cost/`` (``SPARSA_COST_DIR``
 ``SPARSA_COST_DIR=off`` keeps it in memory only). A second run on the same machine answers from the
 table at once; ``sparsa cost`` lists it and ``sparsa cost --clear`` (or :meth:`CostModel.clear`) forgets it.
 Measurements made in real use can be fed back with :meth:`CostModel.observe`, which moves the stored figure
-towards them.
+towards them. Cost *models* fitted from such timings (e.g. the adaptive runtime's per-layer
+``fixed + slope * density``) are kept in the same table with :meth:`CostModel.set_fit`, so one file per
+CPU holds every answer to "which implementation is fastest here", and one command lists or clears it.
 
 Example::
 
@@ -26,7 +28,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, Optional
 
 import torch
 
@@ -59,20 +61,55 @@ class CostModel:
         self.path = path
         self._lock = threading.Lock()
         self._table: Dict[str, Dict[str, float]] = {}
+        self._fits: Dict[str, Dict[str, Any]] = {}
         if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text())
                 if data.get("version") == _VERSION:
                     self._table = {k: {o: float(ms) for o, ms in v.items()} for k, v in data["entries"].items()}
+                    self._fits = {k: dict(v) for k, v in data.get("fits", {}).items()}
             except (ValueError, KeyError, TypeError, AttributeError):
-                self._table = {}  # a damaged table is re-measured, never trusted
+                self._table, self._fits = {}, {}  # a damaged table is re-measured, never trusted
 
     def __len__(self) -> int:
-        return len(self._table)
+        """Timed keys plus fitted models."""
+        return len(self._table) + len(self._fits)
 
     def keys(self):
-        """The measured keys, sorted."""
+        """The timed keys, sorted."""
         return sorted(self._table)
+
+    def fit_keys(self, prefix: str = ""):
+        """The keys of the fitted models that start with ``prefix``, sorted."""
+        return sorted(k for k in self._fits if k.startswith(prefix))
+
+    def fit(self, key: str) -> Optional[Dict[str, Any]]:
+        """The fitted model stored under ``key`` (a copy of its parameters), or None."""
+        v = self._fits.get(key)
+        return dict(v) if v is not None else None
+
+    def set_fit(self, key: str, params: Dict[str, Any], save: bool = True) -> None:
+        """Store a model fitted from timings on this machine (JSON-serialisable parameters)."""
+        if not isinstance(params, dict):
+            raise TypeError(f"set_fit: params must be a dict of the model's parameters, got {type(params).__name__}")
+        with self._lock:
+            self._fits[key] = dict(params)
+        if save:
+            self.save()
+
+    def forget(self, prefix: str) -> int:
+        """Forget the timings and fitted models whose key starts with ``prefix``; returns how many."""
+        if not prefix:
+            raise ValueError("forget: prefix must be non-empty (use clear() to forget everything)")
+        with self._lock:
+            gone = [k for k in self._table if k.startswith(prefix)]
+            gone_fits = [k for k in self._fits if k.startswith(prefix)]
+            for k in gone:
+                del self._table[k]
+            for k in gone_fits:
+                del self._fits[k]
+        self.save()
+        return len(gone) + len(gone_fits)
 
     def lookup(self, key: str) -> Optional[Dict[str, float]]:
         """The stored costs of ``key`` (a copy), or None."""
@@ -118,18 +155,22 @@ class CostModel:
         return min(names, key=lambda o: costs[o])
 
     def clear(self) -> None:
-        """Forget every measurement (and the file)."""
+        """Forget every measurement and fitted model (and the file)."""
         with self._lock:
             self._table.clear()
+            self._fits.clear()
         if self.path is not None and self.path.exists():
             self.path.unlink()
 
     def save(self) -> None:
-        """Write the table atomically (no-op in memory-only mode)."""
+        """Write the table atomically (no-op in memory-only mode; an empty table removes the file)."""
         if self.path is None:
             return
         with self._lock:
-            data = {"version": _VERSION, "cpu": cpu.cpu_info()["model"], "entries": self._table}
+            if not self._table and not self._fits:
+                self.path.unlink(missing_ok=True)
+                return
+            data = {"version": _VERSION, "cpu": cpu.cpu_info()["model"], "entries": self._table, "fits": self._fits}
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".cost-")
             with os.fdopen(fd, "w") as f:

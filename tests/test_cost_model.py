@@ -79,18 +79,49 @@ def test_cli_lists_and_clears(tmp_path, monkeypatch, capsys):
     assert len(cost_model.default_cost_model()) == 0 and not cost_model.cost_path().exists()
 
 
-def test_cli_clears_the_adaptive_calibration_too(tmp_path, monkeypatch, capsys):
+def test_one_table_holds_the_adaptive_calibration(tmp_path, monkeypatch, capsys):
     from sparsa.adaptive import calibration
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
-    cal = calibration.Calibration(tmp_path / "adaptive.json")
+    cal = calibration.default_calibration()
+    assert cal.store is cost_model.default_cost_model() and cal.path == cost_model.cost_path()
     cal._table["conv2d|x"] = calibration.CostEntry(dense_ms=2.0, fixed_ms=0.1, slope_ms=1.0)
     cal.save()
-    monkeypatch.setattr(calibration, "_DEFAULT", cal)
+    assert json.loads(cost_model.cost_path().read_text())["fits"]["adaptive|conv2d|x"]["dense_ms"] == 2.0
+    fresh = calibration.Calibration(cost_model=CostModel(cost_model.cost_path()))   # as a new process reads it
+    assert fresh.get("conv2d|x") == cal.get("conv2d|x")
     assert cli.main(["cost"]) == 0
     out = capsys.readouterr().out
-    assert "adaptive calibration:" in out and "adaptive.json: 1 entries" in out
+    assert "adaptive calibration: 1 layer models" in out and "adaptive|conv2d|x: dense_ms 2.000" in out
     assert cli.main(["cost", "--clear"]) == 0
-    assert len(cal) == 0 and not (tmp_path / "adaptive.json").exists()
+    assert len(cal) == 0 and not cost_model.cost_path().exists()
+
+
+def test_calibration_clear_keeps_the_other_timings(tmp_path):
+    from sparsa.adaptive.calibration import Calibration, CostEntry
+    cm = CostModel(tmp_path / "t.json")
+    cm.observe("linear|x", "sparse", 1.0)
+    cal = Calibration(cost_model=cm)
+    cal._table["k"] = CostEntry(dense_ms=1.0, fixed_ms=0.1, slope_ms=1.0)
+    cal.save()
+    assert cm.fit_keys() == ["adaptive|k"] and len(cm) == 2
+    cal.clear()
+    assert cm.fit_keys() == [] and cm.lookup("linear|x") == {"sparse": 1.0}
+    with pytest.raises(ValueError, match="not both"):
+        Calibration(tmp_path / "c.json", cost_model=cm)
+
+
+def test_fits_persist_and_bad_fits_are_rejected(tmp_path):
+    p = tmp_path / "t.json"
+    cm = CostModel(p)
+    cm.set_fit("m|a", {"fixed_ms": 1.0, "slope_ms": 2.0})
+    assert CostModel(p).fit("m|a") == {"fixed_ms": 1.0, "slope_ms": 2.0} and CostModel(p).fit("m|b") is None
+    with pytest.raises(TypeError, match="params must be a dict"):
+        cm.set_fit("m|a", [1.0])
+    with pytest.raises(ValueError, match="prefix"):
+        cm.forget("")
+    assert cm.forget("m|") == 1 and not p.exists()          # an empty table leaves no file behind
+    p.write_text(json.dumps({"version": 1, "entries": {}, "fits": {"k": "oops"}}))
+    assert len(CostModel(p)) == 0
 
 
 def test_adaptive_calibration_key_names_the_cpu():

@@ -6,10 +6,11 @@ it (the same activation with its smallest values zeroed, so the zero pattern sta
 sparse time is modelled as ``fixed + slope * density``; the predicted speedup at density ``d`` is
 ``dense / (fixed + slope * d)``. Convolutions with the dY-driven backward (stride 1) are also timed
 with output gradients of 30% and 10% density, fitting ``dy_fixed + slope * d / 3 + dy_slope * g``;
-at a monitored dY density ``g`` the cheaper of the two models counts. Entries are cached in a JSON file keyed by
-CPU model and kernel ISA, shape, memory format, thread count and kernel version
-(``<sparsa cache>/adaptive_calibration.json``), so a cache carried to another CPU is not reused there;
-``sparsa cost --clear``, :meth:`Calibration.clear` or ``enable(..., recalibrate=True)`` measures again.
+at a monitored dY density ``g`` the cheaper of the two models counts. Entries are fitted models of sparsa's
+one cost table (:class:`sparsa.cost_model.CostModel`, one file per CPU model; ``SPARSA_COST_DIR`` moves it),
+keyed by CPU model and kernel ISA, shape, memory format, thread count and kernel version, so a cache carried
+to another CPU is not reused there; ``sparsa cost`` lists them, and ``sparsa cost --clear``,
+:meth:`Calibration.clear` or ``enable(..., recalibrate=True)`` measures again.
 
 Example::
 
@@ -23,7 +24,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import cpu
+from ..cost_model import CostModel, default_cost_model
 from ..kernels import loader
 from ..timing import round_robin_ms
 from .autocast import autocast_bf16, sparse_under_autocast
@@ -133,19 +134,33 @@ def _union_ratio(kind: str, a: Tensor, weight: Tensor) -> Optional[float]:
 
 
 class Calibration:
-    """The per-machine cost table (JSON-cached); :meth:`entry` measures missing layers."""
+    """The per-machine cost models of adaptive layers; :meth:`entry` measures missing layers.
 
-    def __init__(self, path: Optional[os.PathLike] = None, reps: int = 2):
-        self.path = Path(path) if path is not None else loader.cache_dir().parent / "adaptive_calibration.json"
+    Entries live in a :class:`~sparsa.cost_model.CostModel` under keys starting with ``adaptive|``: the
+    process's default table (:func:`sparsa.cost_model.default_cost_model`), or a table of their own at
+    ``path`` (tests, or a calibration kept apart).
+    """
+
+    PREFIX = "adaptive|"
+
+    def __init__(self, path: Optional[os.PathLike] = None, reps: int = 2, *, cost_model: Optional[CostModel] = None):
+        if path is not None and cost_model is not None:
+            raise ValueError("Calibration: pass path or cost_model, not both")
+        self.store = cost_model if cost_model is not None else (
+            CostModel(Path(path)) if path is not None else default_cost_model())
         self.reps = int(reps)
         self._lock = threading.Lock()
         self._table: Dict[str, CostEntry] = {}
-        if self.path.exists():
+        for k in self.store.fit_keys(self.PREFIX):
             try:
-                raw = json.loads(self.path.read_text())
-                self._table = {k: CostEntry(**v) for k, v in raw.items()}
-            except (ValueError, TypeError):
-                self._table = {}
+                self._table[k[len(self.PREFIX):]] = CostEntry(**self.store.fit(k))
+            except TypeError:
+                pass  # written by another version of CostEntry: measured again when needed
+
+    @property
+    def path(self) -> Optional[Path]:
+        """The file behind the table (None when it is kept in memory only)."""
+        return self.store.path
 
     def __len__(self) -> int:
         return len(self._table)
@@ -154,18 +169,17 @@ class Calibration:
         return self._table.get(key)
 
     def clear(self) -> None:
-        """Forget every entry (and the cache file): the next use measures again."""
+        """Forget every entry: the next use measures again (other timings in the table stay)."""
         with self._lock:
             self._table.clear()
-            if self.path.exists():
-                self.path.unlink()
+        self.store.forget(self.PREFIX)
 
     def save(self) -> None:
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({k: asdict(v) for k, v in self._table.items()}, indent=1))
-            os.replace(tmp, self.path)
+            items = list(self._table.items())
+        for k, v in items:
+            self.store.set_fit(self.PREFIX + k, asdict(v), save=False)
+        self.store.save()
 
     def entry(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
               slice: int) -> CostEntry:
@@ -242,12 +256,13 @@ class Calibration:
         return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope, union_ratio=ur)
 
 
-_DEFAULT: Optional[Calibration] = None
+_DEFAULT: Dict[int, Calibration] = {}
 
 
 def default_calibration() -> Calibration:
-    """The process-wide calibration table backed by the cache file."""
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = Calibration()
-    return _DEFAULT
+    """The process-wide calibration: the adaptive entries of :func:`sparsa.cost_model.default_cost_model`."""
+    cm = default_cost_model()
+    cal = _DEFAULT.get(id(cm))
+    if cal is None:
+        cal = _DEFAULT[id(cm)] = Calibration(cost_model=cm)
+    return cal
