@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import sparsa
 import sparsa.cpu
-from sparsa.methods import owl_sparsities, outlier_ratios, uniform_sparsities, wanda, weighted_mean_sparsity
+from sparsa.methods import Wanda, owl_sparsities, outlier_ratios, uniform_sparsities, weighted_mean_sparsity
 from sparsa.sparsifiers import Magnitude
 
 TARGET = 0.7
@@ -55,6 +55,7 @@ def run(quick: bool) -> Dict[str, Any]:
     calib = sorted(calib_text, key=len)
     batches = [tokenize(tok, calib[i:i + 32]) for i in range(0, n_cal, 32)]
     fwd = lambda m, b: m(**b)  # noqa: E731
+    keep = set(names)
     ref = embed(model, tok, held_out)
 
     t0 = time.perf_counter()
@@ -76,7 +77,9 @@ def run(quick: bool) -> Dict[str, Any]:
                 sparsa.sparsify(m, [sparsa.Rule(sparsifier=Magnitude(s, per="row"), layout="masked", names=n)
                                     for n, s in alloc.items()])
             else:
-                wanda(m, batches, Magnitude(TARGET, per="row"), "masked", names, forward=fwd, sparsities=alloc)
+                # "unstructured": Magnitude(TARGET, per="row") in the masked layout; alloc overrides per layer
+                sparsa.sparsify(m, Wanda(TARGET, pattern="unstructured", calibration=batches, forward=fwd,
+                                         sparsities=alloc), lambda mod, name: name in keep)
             ws = [m.get_submodule(n).weight for n in names]
             overall = sum(w.numel() - w.nnz for w in ws) / sum(w.numel() for w in ws)
             cos = F.cosine_similarity(embed(m, tok, held_out), ref).mean().item()

@@ -47,7 +47,7 @@ import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from bert_inference import results_dir  # noqa: E402
 from sparsa.data.text import MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
-from sparsa.methods import named_pattern, sparsegpt, wanda  # noqa: E402
+from sparsa.methods import SparseGPT, Wanda, named_pattern  # noqa: E402
 from sparsa.methods.perplexity import text_windows, window_perplexity  # noqa: E402
 from sparsa.sparsifiers import Magnitude  # noqa: E402
 
@@ -97,10 +97,10 @@ def _prune(model: nn.Module, method: str, pattern: str, batches: List[torch.Tens
         sparsa.sparsify(model, [sparsa.Rule(sparsifier=Magnitude(0.5, per="row"), layout=LAYOUT, names=names)])
         return
     sp, _ = named_pattern(pattern, 0.5)
-    if method == "sparsegpt":
-        sparsegpt(model, batches, sp, LAYOUT, names=names, blockwise=True)
-    else:
-        wanda(model, batches, sp, LAYOUT, names=names, blockwise=True)
+    config = SparseGPT if method == "sparsegpt" else Wanda
+    keep = set(names)
+    sparsa.sparsify(model, config(sparsifier=sp, layout=LAYOUT, calibration=batches, blockwise=True),
+                    lambda mod, name: name in keep)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import sparsa
-from sparsa.methods import GradualPruning, RigL, distill, erk_sparsities, named_pattern, sparsegpt, wanda
+from sparsa.methods import GradualPruning, RigL, SparseGPT, Wanda, distill, erk_sparsities, named_pattern
 from sparsa.sparsifiers import CubicSchedule, KeepAll, Random
 
 # SPARSA_RESULTS_DIR redirects the output (so a timing run or a test keeps the committed results intact)
@@ -58,6 +58,8 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
     perm = torch.randperm(len(distill_batches), generator=torch.Generator().manual_seed(0)).tolist()
     distill_batches = [distill_batches[i] for i in perm]
     fwd = lambda m, b: m(**b)  # noqa: E731
+    keep = set(names)
+    in_names = lambda mod, name: name in keep  # noqa: E731  (sparsify's filter_fn)
     ref = embed(model, tok, held_out)
 
     def score(m: nn.Module) -> float:
@@ -86,9 +88,10 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
                 if method == "magnitude":
                     sparsa.sparsify(m, [sparsa.Rule(sparsifier=sp, layout=layout, names=n) for n in names])
                 elif method == "wanda":
-                    wanda(m, batches, sp, layout, names, forward=fwd)
+                    sparsa.sparsify(m, Wanda(sparsifier=sp, layout=layout, calibration=batches, forward=fwd), in_names)
                 else:
-                    sparsegpt(m, batches, sp, layout, names, forward=fwd)
+                    sparsa.sparsify(m, SparseGPT(sparsifier=sp, layout=layout, calibration=batches, forward=fwd),
+                                    in_names)
                     gpt_model = m
             secs = time.perf_counter() - t0
             sparsity = sum(m.get_submodule(n).weight.numel() - m.get_submodule(n).weight.nnz for n in names) / \

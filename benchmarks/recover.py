@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import sparsa
 import sparsa.cpu
-from sparsa.methods import sparsegpt
+from sparsa.methods import SparseGPT
 from sparsa.methods.recover import pattern_sparsifier
 
 
@@ -85,7 +85,9 @@ def main() -> None:
     one_shot = None
     if layout != "grouped_nm":      # SparseGPT's column-window masks cannot be stored as grouped N:M
         t = time.perf_counter()
-        m = sparsegpt(copy.deepcopy(dense), calib_batches, sp, layout, names, forward=lambda m, b: m(**b))
+        config = SparseGPT(sparsifier=sp, layout=layout, calibration=calib_batches, forward=lambda m, b: m(**b))
+        keep = set(names)
+        m = sparsa.sparsify(copy.deepcopy(dense), config, lambda mod, name: name in keep)
         one_shot = score(m)
         row["one_shot_sparsegpt_s"] = round(time.perf_counter() - t, 1)
         del m
