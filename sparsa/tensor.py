@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .layouts.base import Layout, get_layout
+from .sparsifiers.base import check_sparsifier
 # the dispatcher imports only tensor_base (below both), never this module: no import cycle
 from .ops.aten_fallback import handle as _aten_handle
 from .ops.dispatch import dispatch as _dispatch
@@ -137,6 +138,7 @@ def to_sparse(dense: Tensor, layout: Union[str, Type[Layout]] = "masked", *, mas
         dense = dense.to_dense()
     check_float(dense, "dense")
     cls = get_layout(layout) if isinstance(layout, str) else layout
+    check_sparsifier(sparsifier)
     if mask is None and sparsifier is not None:
         mask = sparsifier.mask(dense.detach())
     lay = cls.from_dense(dense.detach(), mask=mask, **params)

@@ -182,9 +182,6 @@ def _rejection(call):
     return type(e.value), str(e.value)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="to_sparse (sparsa/tensor.py, not this change's file) calls sparsifier.mask directly; "
-                          "it should call sparsa.sparsifiers.check_sparsifier(sparsifier) first")
 def test_non_sparsifier_rejected_by_rule_and_to_sparse_with_the_same_message():
     by_rule = _rejection(lambda: sparsa.Rule(sparsifier=0.5))
     by_to_sparse = _rejection(lambda: sparsa.to_sparse(torch.randn(4, 4), "masked", sparsifier=0.5))
