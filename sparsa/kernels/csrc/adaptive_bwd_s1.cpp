@@ -34,6 +34,7 @@
 #include <omp.h>
 #include <vector>
 
+#include "adaptive_geo.h"
 #include "adaptive_transpose.h"
 
 namespace {
@@ -56,7 +57,7 @@ inline int64_t tile_rows(int64_t H, int64_t W) {
 
 void build_csc(const int64_t* g, const int32_t* cnt, const int32_t* idx, const float* val,
                const int64_t* pads, const int64_t* das, int nthreads, Csc& cs) {
-    const int64_t N = g[0], C = g[1], H = g[2], W = g[3], ph = g[11], pw = g[12], CS = g[15];
+    const int64_t N = g[kGeoN], C = g[kGeoC], H = g[kGeoH], W = g[kGeoW], ph = g[kGeoPh], pw = g[kGeoPw], CS = g[kGeoCS];
     const int64_t S = (C + CS - 1) / CS;
     const int64_t pt = pads[0], pl = pads[1], Hp = pads[2], Wp = pads[3];
     cs.R = tile_rows(H, W);
@@ -185,7 +186,7 @@ inline void wg_col(const float* dy, int64_t O, const int32_t* pos, const float* 
 template <int NV, int KWG>
 void wg_range(const int64_t* g, const Csc& cs, const float* dyo, int64_t ldy, float* base, int64_t sc,
               int64_t skh, int64_t skw, int64_t c0, int64_t c1, const int64_t* pads) {
-    const int64_t C = g[1], KH = g[5], KW = g[6], dh = g[13], dw = g[14];
+    const int64_t C = g[kGeoC], KH = g[kGeoKH], KW = g[kGeoKW], dh = g[kGeoDh], dw = g[kGeoDw];
     const int64_t Wp = pads[3];
     for (int64_t t = 0; t < cs.T; ++t) {
         const bool first = t == 0;
@@ -281,8 +282,8 @@ template <int NV>
 void ig_tile_blocked(const int64_t* g, const Csc& cs, const float* dyb, const float* wb, float* part, float* da,
                      const int64_t* das, int64_t t, int64_t c0, int64_t c1, const int64_t* pads) {
     constexpr int64_t OB = 8 * NV;
-    const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6], dh = g[13], dw = g[14];
-    const int64_t Wp = pads[3], NP = g[0] * pads[2] * Wp, K2 = KH * KW;
+    const int64_t C = g[kGeoC], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW], dh = g[kGeoDh], dw = g[kGeoDw];
+    const int64_t Wp = pads[3], NP = g[kGeoN] * pads[2] * Wp, K2 = KH * KW;
     for (int64_t ob = 0; ob < O; ob += OB) {
         const bool first = ob == 0;
         const float* dyo = dyb + ob * NP;
@@ -309,7 +310,7 @@ void ig_tile_blocked(const int64_t* g, const Csc& cs, const float* dyb, const fl
 // Channels [c0, c1) of tile t.
 void ig_tile(const int64_t* g, const Csc& cs, const float* dy, const float* wt, float* da,
              const int64_t* das, int64_t t, int64_t c0, int64_t c1, const int64_t* pads) {
-    const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6], dh = g[13], dw = g[14];
+    const int64_t C = g[kGeoC], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW], dh = g[kGeoDh], dw = g[kGeoDw];
     const int64_t Wp = pads[3];
     for (int64_t c = c0; c < c1; ++c) {
         const int64_t b = cs.start[t * C + c], end = cs.start[t * C + c + 1];
@@ -351,7 +352,7 @@ inline int64_t ig_block_width(int64_t KW) { (void)KW; return 32; }
 // The input gradient runs output-channel block by block over the block-major dY copy when a tile's
 // block of dY rows fits in L1, else over the plain padded dY (figures in docs/benchmarks.md).
 inline bool ig_use_blocked(const int64_t* g, const int64_t* pads) {
-    const int64_t H = g[2], W = g[3], O = g[4], KH = g[5], KW = g[6], dh = g[13];
+    const int64_t H = g[kGeoH], W = g[kGeoW], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW], dh = g[kGeoDh];
     const int64_t OB = ig_block_width(KW);
     if (OB != wg_block(KW) || O % OB) return false;
     const int64_t R = tile_rows(H, W);
@@ -366,8 +367,8 @@ inline bool ig_use_blocked(const int64_t* g, const int64_t* pads) {
 void bwd_core(const int64_t* g, const int32_t* cnt, const int32_t* idx, const float* val, const float* dyp,
               const float* dyb, const int64_t* pads, const float* wc, float* dwt, float* da, const int64_t* das,
               int nthreads, Csc& cs, std::vector<float>* part = nullptr, float* dwo = nullptr) {
-    const int64_t NP = g[0] * pads[2] * pads[3];
-    const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6];
+    const int64_t NP = g[kGeoN] * pads[2] * pads[3];
+    const int64_t C = g[kGeoC], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW];
     build_csc(g, cnt, idx, val, pads, da ? das : nullptr, nthreads, cs);
     // dwo (when set, instead of dwt): the weight gradient in the dense [O, C, KH, KW] layout; each
     // task then accumulates its slice in a small per-thread buffer and transposes it into dwo while
@@ -468,8 +469,8 @@ int sparsa_adaptive_conv_bwd_s1_f32(const int64_t* g, const int32_t* cnt, const 
                                     const float* val, const float* dyp, const int64_t* pads,
                                     const float* wt, float* dwt, float* da, const int64_t* das,
                                     int nthreads) {
-    const int64_t C = g[1], O = g[4], KH = g[5], KW = g[6];
-    if (O % 8 || g[9] != 1 || g[10] != 1) return 1;
+    const int64_t C = g[kGeoC], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW];
+    if (O % 8 || g[kGeoSh] != 1 || g[kGeoSw] != 1) return 1;
     Scratch& sc = scratch();
     float* wc = nullptr;
     if (da) {
@@ -493,9 +494,9 @@ int sparsa_adaptive_conv_bwd_s1_f32(const int64_t* g, const int32_t* cnt, const 
 int sparsa_adaptive_conv_bwd_s1_v2_f32(const int64_t* g, const int32_t* cnt, const int32_t* idx,
                                        const float* val, const float* dy, const float* wc, float* dw,
                                        const int64_t* dws, float* da, const int64_t* das, int nthreads) {
-    const int64_t N = g[0], C = g[1], H = g[2], W = g[3], O = g[4], KH = g[5], KW = g[6], Ho = g[7],
-                  Wo = g[8], ph = g[11], pw = g[12], dh = g[13], dwl = g[14];
-    if (O % 8 || g[9] != 1 || g[10] != 1) return 1;
+    const int64_t N = g[kGeoN], C = g[kGeoC], H = g[kGeoH], W = g[kGeoW], O = g[kGeoO], KH = g[kGeoKH], KW = g[kGeoKW], Ho = g[kGeoHo],
+                  Wo = g[kGeoWo], ph = g[kGeoPh], pw = g[kGeoPw], dh = g[kGeoDh], dwl = g[kGeoDw];
+    if (O % 8 || g[kGeoSh] != 1 || g[kGeoSw] != 1) return 1;
     Scratch& sc = scratch();
     const int64_t pt = std::max<int64_t>(0, (KH - 1) * dh - ph), pl = std::max<int64_t>(0, (KW - 1) * dwl - pw);
     const int64_t Hp = pt + std::max(Ho, H + ph), Wp = pl + std::max(Wo, W + pw);

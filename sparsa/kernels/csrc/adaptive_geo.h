@@ -3,16 +3,22 @@
 #include <cstdint>
 #include <vector>
 
+// Geometry g[]: N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS (CS: channel slice of the
+// list operand; S = number of slices). The same fields in the same order as Python's ConvGeometry and
+// ConvGeoC (sparsa/kernels/geometry.py); code reads g[] through these names, never by number.
+enum GeoField : int {
+    kGeoN = 0, kGeoC, kGeoH, kGeoW, kGeoO, kGeoKH, kGeoKW, kGeoHo, kGeoWo,
+    kGeoSh, kGeoSw, kGeoPh, kGeoPw, kGeoDh, kGeoDw, kGeoCS, kGeoFields
+};
+
 namespace sparsa_adaptive {
 
-// Geometry g[]: N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS (CS: channel slice of the
-// list operand; S = number of slices).
 struct Geo {
     int64_t N, C, H, W, O, KH, KW, Ho, Wo, sh, sw, ph, pw, dh, dw, CS, S;
     explicit Geo(const int64_t* g)
-        : N(g[0]), C(g[1]), H(g[2]), W(g[3]), O(g[4]), KH(g[5]), KW(g[6]), Ho(g[7]), Wo(g[8]),
-          sh(g[9]), sw(g[10]), ph(g[11]), pw(g[12]), dh(g[13]), dw(g[14]), CS(g[15]),
-          S((g[1] + g[15] - 1) / g[15]) {}
+        : N(g[kGeoN]), C(g[kGeoC]), H(g[kGeoH]), W(g[kGeoW]), O(g[kGeoO]), KH(g[kGeoKH]), KW(g[kGeoKW]),
+          Ho(g[kGeoHo]), Wo(g[kGeoWo]), sh(g[kGeoSh]), sw(g[kGeoSw]), ph(g[kGeoPh]), pw(g[kGeoPw]),
+          dh(g[kGeoDh]), dw(g[kGeoDw]), CS(g[kGeoCS]), S((g[kGeoC] + g[kGeoCS] - 1) / g[kGeoCS]) {}
 };
 
 // Output-channel block: the largest multiple of 8 up to 64 that divides O (O % 8 == 0).
