@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 import sparsa
-from sparsa.methods import owl_sparsities, outlier_ratios, sparsegpt, uniform_sparsities, wanda, weighted_mean_sparsity
+from sparsa.methods import (SparseGPT, Wanda, owl_sparsities, outlier_ratios, uniform_sparsities,
+                            weighted_mean_sparsity)
 from sparsa.methods.allocation import MAX_SPARSITY
 from sparsa.sparsifiers import NM, Magnitude
 
@@ -65,23 +66,28 @@ def test_owl_names_none_means_every_linear_used():
 def test_one_shot_methods_take_per_layer_sparsities(method):
     model = _model()
     alloc = owl_sparsities(model, NAMES, _batches(), 0.75)
-    fn = wanda if method == "wanda" else sparsegpt
-    fn(model, _batches(), Magnitude(0.75, per="row"), "masked", NAMES, sparsities=alloc)
+    config = Wanda if method == "wanda" else SparseGPT
+    in_names = lambda m, name: name in NAMES  # noqa: E731
+    sparsa.sparsify(model, config(sparsifier=Magnitude(0.75, per="row"), layout="masked", calibration=_batches(),
+                                  sparsities=alloc), in_names)
     for n in NAMES:
         w = model.get_submodule(n).weight
         cols = w.shape[1]
         assert w.sparse_layout.mask().sum(1).eq(cols - round(alloc[n] * cols)).all(), n
     # layers left out of sparsities keep the sparsifier's own
     other = _model()
-    fn(other, _batches(), Magnitude(0.5, per="row"), "masked", NAMES, sparsities={"2": 0.25})
+    sparsa.sparsify(other, config(sparsifier=Magnitude(0.5, per="row"), layout="masked", calibration=_batches(),
+                                  sparsities={"2": 0.25}), in_names)
     assert other[2].weight.sparsity == pytest.approx(0.25) and other[0].weight.sparsity == pytest.approx(0.5)
 
 
 def test_per_layer_sparsities_errors():
     with pytest.raises(ValueError, match="sparsities"):
-        wanda(_model(), _batches(), Magnitude(0.5), "masked", NAMES, sparsities={"1": 0.5})
+        sparsa.sparsify(_model(), Wanda(sparsifier=Magnitude(0.5), layout="masked", calibration=_batches(),
+                                        sparsities={"1": 0.5}), lambda m, name: name in NAMES)
     with pytest.raises(ValueError, match="sparsities"):
-        sparsegpt(_model(), _batches(), NM(2, 4), "nm", NAMES, sparsities={"0": 0.5})
+        sparsa.sparsify(_model(), SparseGPT(sparsifier=NM(2, 4), layout="nm", calibration=_batches(),
+                                            sparsities={"0": 0.5}), lambda m, name: name in NAMES)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -8,6 +8,7 @@ import torch.nn as nn
 import sparsa
 from sparsa.kernels import row_group as rg
 from sparsa.kernels import sliced_ell as se
+from sparsa.methods import OneShot
 from sparsa.nn.fuse import LinearGELU, fuse_gelu, is_exact_gelu
 
 
@@ -24,7 +25,7 @@ LAYOUTS = [("row_group", dict(group=8)), ("sliced_ell", {})]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, layout, 0.75, **kw)
+    sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
     m = m.to(dtype)
     x = torch.randn(5, 48).to(dtype)
     with torch.no_grad():
@@ -42,7 +43,7 @@ def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
     ("sliced_ell", {}, se, "sliced_ell_linear_impl", 6)])
 def test_fused_epilogue_runs_in_inference(monkeypatch, layout, kw, module, fn, at):
     m = _mlp()
-    sparsa.sparsify_linears(m, layout, 0.75, **kw)
+    sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
     fuse_gelu(m)
     seen = []
     real = getattr(module, fn)
@@ -55,7 +56,7 @@ def test_fused_epilogue_runs_in_inference(monkeypatch, layout, kw, module, fn, a
 @pytest.mark.parametrize("layout, kw", LAYOUTS)
 def test_training_through_a_fused_model_matches(layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, layout, 0.75, **kw)
+    sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
     f = copy.deepcopy(m)
     fuse_gelu(f)
     x = torch.randn(4, 48)
@@ -70,7 +71,7 @@ def test_training_through_a_fused_model_matches(layout, kw):
 def test_dense_linears_and_state_dict_untouched():
     m = _mlp()
     assert fuse_gelu(m) == 0                      # nothing sparse: nothing to gain
-    sparsa.sparsify_linears(m, "row_group", 0.75, group=8)
+    sparsa.sparsify(m, OneShot(0.75, layout="row_group", layout_params={"group": 8}))
     keys = list(m.state_dict())
     fuse_gelu(m)
     assert list(m.state_dict()) == keys
@@ -97,7 +98,7 @@ def test_bert_intermediate_is_fused():
 @pytest.mark.parametrize("layout, kw", LAYOUTS)
 def test_compiled_fused_model_matches(layout, kw):
     m = _mlp()
-    sparsa.sparsify_linears(m, layout, 0.75, **kw)
+    sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
     fuse_gelu(m)
     x = torch.randn(6, 48)
     with torch.no_grad():
@@ -109,5 +110,5 @@ def test_compiled_fused_model_matches(layout, kw):
 
 def test_layouts_without_an_epilogue_stay_unfused():
     m = _mlp()
-    sparsa.sparsify_linears(m, "grouped_nm", 0.5)
+    sparsa.sparsify(m, OneShot(0.5, layout="grouped_nm"))
     assert fuse_gelu(m) == 0 and type(m[0]) is nn.Linear and isinstance(m[1], nn.GELU)

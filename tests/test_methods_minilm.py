@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import sparsa
 from sparsa.data.text import calibration_and_evaluation, stdlib_sentences
-from sparsa.methods import named_pattern, wanda
+from sparsa.methods import Wanda, named_pattern
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
 
@@ -72,7 +72,8 @@ def test_wanda_on_one_minilm_layer_beats_magnitude(minilm):
     x = captured[0]
     ref = layer(x).detach()
     sp, lay = named_pattern("unstructured", 0.5)
-    w_model = wanda(copy.deepcopy(model), [tokenize(tok, calib)], sp, lay, names=[name], forward=lambda m, b: m(**b))
+    w_model = sparsa.sparsify(copy.deepcopy(model), Wanda(sparsifier=sp, layout=lay, calibration=[tokenize(tok, calib)],
+                                                          forward=lambda m, b: m(**b)), lambda m, n: n == name)
     m_model = sparsa.sparsify(copy.deepcopy(model), sparsa.Rule(sparsifier=sp, layout=lay, names=name))
     err_w = (w_model.get_submodule(name)(x) - ref).pow(2).mean()
     err_m = (m_model.get_submodule(name)(x) - ref).pow(2).mean()

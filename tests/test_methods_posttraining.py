@@ -8,8 +8,8 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import sparsa
-from sparsa.methods import (RowGroupSparsifier, Wanda, collect_input_stats, distill, forward_groups, named_pattern,
-                            sparsegpt, sparsegpt_weight, wanda)
+from sparsa.methods import (RowGroupSparsifier, SparseGPT, Wanda, WandaSparsifier, collect_input_stats, distill,
+                            forward_groups, named_pattern, sparsegpt_weight)
 from sparsa.sparsifiers import Magnitude
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -65,7 +65,7 @@ def test_wanda_mask_is_base_on_scaled_weight(rows, cols, seed, pattern):
     w = torch.randn(rows, cols, generator=g)
     norm = torch.rand(cols, generator=g) * 3
     base, _ = named_pattern(pattern, 0.5)
-    got = Wanda(base, norm).mask(w)
+    got = WandaSparsifier(base, norm).mask(w)
     assert torch.equal(got, base.mask(w.abs() * norm))
     if pattern == "unstructured":  # the paper's rule: per output row, keep the largest |w| * ||x||
         score = w.abs() * norm
@@ -79,7 +79,7 @@ def test_wanda_model_level_layouts():
     x = _correlated_inputs()
     for pattern in ("unstructured", "2:4", "row_group8"):
         sp, layout = named_pattern(pattern, 0.5)
-        model = wanda(_mlp(), [x], sp, layout)
+        model = sparsa.sparsify(_mlp(), Wanda(sparsifier=sp, layout=layout, calibration=[x]))
         assert model[0].weight.layout_name == layout
         assert abs(model[0].weight.density - 0.5) < 1e-6
         model(x)  # runs
@@ -106,7 +106,7 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_layer_reconstruction(pattern):
         assert torch.all(keep.view(4, 4, 32) == keep.view(4, 4, 32)[:, :1])  # rows of a group share columns
     err_gpt = _layer_error(w_gpt, w, x)
     err_mag = _layer_error(sp(w), w, x)
-    err_wanda = _layer_error(Wanda(sp, x.norm(dim=0))(w), w, x)
+    err_wanda = _layer_error(WandaSparsifier(sp, x.norm(dim=0))(w), w, x)
     assert err_gpt < err_wanda <= err_mag * 1.01
 
 
@@ -124,7 +124,8 @@ def test_sparsegpt_model_sequential_and_layouts():
     ref_model = _mlp()
     ref = ref_model(x).detach()
     sp, layout = named_pattern("2:4", 0.5)
-    model = sparsegpt(copy.deepcopy(ref_model), [x[:128], x[128:]], sp, layout, block=16)
+    model = sparsa.sparsify(copy.deepcopy(ref_model),
+                            SparseGPT(sparsifier=sp, layout=layout, calibration=[x[:128], x[128:]], block=16))
     assert model[0].weight.layout_name == "nm" and model[2].weight.layout_name == "nm"
     mag = sparsa.sparsify(copy.deepcopy(ref_model), sparsa.Rule(sparsifier=sp, layout=layout, module_types=nn.Linear))
     assert (model(x) - ref).pow(2).mean() < (mag(x) - ref).pow(2).mean()
@@ -182,12 +183,13 @@ def test_sparsegpt_one_pass_and_sequential_agree_on_a_single_layer():
     x = [_correlated_inputs(64)]
     one = nn.Sequential(nn.Linear(16, 8))
     seq = copy.deepcopy(one)
-    sparsegpt(one, x, Magnitude(0.5, per="row"), sequential=False)
-    sparsegpt(seq, x, Magnitude(0.5, per="row"))
+    sparsa.sparsify(one, SparseGPT(sparsifier=Magnitude(0.5, per="row"), calibration=x, sequential=False))
+    sparsa.sparsify(seq, SparseGPT(sparsifier=Magnitude(0.5, per="row"), calibration=x))
     torch.testing.assert_close(one[0].weight.to_dense(), seq[0].weight.to_dense())
     with pytest.raises(ValueError, match="never called"):
-        sparsegpt(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)), x, Magnitude(0.5), names=["1"],
-                  forward=lambda m, b: m[0](b), sequential=False)
+        sparsa.sparsify(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)),
+                        SparseGPT(sparsifier=Magnitude(0.5), calibration=x, forward=lambda m, b: m[0](b),
+                                  sequential=False), lambda m, name: name == "1")
 
 
 def test_distillation_loss_checks_output_count():

@@ -7,7 +7,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import sparsa
-from sparsa.methods import GradualPruning, IterativeSchedule, one_shot, reset_optimizer_state, set_pattern
+from sparsa.methods import GradualPruning, IterativeSchedule, OneShot, reset_optimizer_state, set_pattern
 from sparsa.sparsifiers import CubicSchedule, KeepAll, Magnitude, NM
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -119,7 +119,7 @@ def test_iterative_prune_and_finetune_with_gradual_callback():
 def test_one_shot_equals_magnitude_reference():
     model = _dense_model()
     w = model[0].weight.detach().clone()
-    one_shot(model, Magnitude(0.5, per="row"))
+    sparsa.sparsify(model, OneShot(sparsifier=Magnitude(0.5, per="row")))
     ref = Magnitude(0.5, per="row").mask(w)
     assert torch.equal(model[0].weight.pattern(), ref)
     torch.testing.assert_close(model[0].weight.to_dense(), w * ref)

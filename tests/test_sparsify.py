@@ -230,8 +230,8 @@ def test_keep_pattern_when_changing_layout():
 
 
 def test_report_and_format():
-    model, rows = sparsa.sparsify(_net(), Rule(sparsifier=Magnitude(0.75), layout="csr", module_types=nn.Linear),
-                                  report=True)
+    model = sparsa.sparsify(_net(), Rule(sparsifier=Magnitude(0.75), layout="csr", module_types=nn.Linear))
+    rows = sparsa.sparsity_report(model)
     by = {r["name"]: r for r in rows}
     assert set(by) >= {"enc.0.weight", "enc.0.bias", "head.weight", "norm.weight"}
     r = by["enc.0.weight"]
