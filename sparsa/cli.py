@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "shape. Both are measured when first needed.")
     c.add_argument("--clear", action="store_true",
                    help="forget every measurement of both tables (they are re-timed when next needed)")
+    c.add_argument("--refit", action="store_true",
+                   help="measure the sparse backward kernels' density crossovers on this CPU (a few seconds) "
+                        "and store them in the table")
     return p
 
 
@@ -165,6 +168,8 @@ def _cmd_cost(a: argparse.Namespace) -> int:
     cm = default_cost_model()
     info = cpu.cpu_info()
     print(f"cpu: {info['model']} ({info['class']}, kernel path {info['isa']})")
+    if a.clear and a.refit:
+        raise UsageError("sparsa cost: pass --clear or --refit, not both")
     from .adaptive.calibration import default_calibration
     cal = default_calibration()
     print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm.keys())} timed keys, "
@@ -175,6 +180,10 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         cal.clear()
         print("cleared")
         return 0
+    if a.refit:
+        from .ops import crossover_refit, crossovers
+        for name, d in crossover_refit.refit(cm).items():
+            print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.CROSSOVERS[name].default:g})")
     for key in cm.keys():
         costs = cm.lookup(key) or {}
         print(key + ": " + ", ".join(f"{o} {ms:.3f} ms" for o, ms in sorted(costs.items(), key=lambda kv: kv[1])))

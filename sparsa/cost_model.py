@@ -179,11 +179,17 @@ class CostModel:
 
 
 _DEFAULT: Dict[Optional[Path], CostModel] = {}
+_BY_ENV: Dict[tuple, CostModel] = {}
 
 
 def default_cost_model() -> CostModel:
     """The process's cost model for :func:`cost_path` (one per path, so tests can point it elsewhere)."""
-    p = cost_path()
-    if p not in _DEFAULT:
-        _DEFAULT[p] = CostModel(p)
-    return _DEFAULT[p]
+    # the path depends only on these variables (and the CPU): skip rebuilding it on every call
+    env = (os.environ.get("SPARSA_COST_DIR", ""), os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", ""))
+    cm = _BY_ENV.get(env)
+    if cm is None:
+        p = cost_path()
+        if p not in _DEFAULT:
+            _DEFAULT[p] = CostModel(p)
+        cm = _BY_ENV[env] = _DEFAULT[p]
+    return cm

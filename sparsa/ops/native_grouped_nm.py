@@ -29,14 +29,12 @@ from torch import Tensor
 from ..kernels import grouped_nm as _k
 from ..layouts.dense import Dense
 from ..layouts.grouped_nm import GroupedNM
+from .crossovers import crossover
 from .registry import implements
 
 __all__ = ["GroupedNMLinear"]
 
 _CACHE_KEY = "native_linear_plans"
-# above this density (n/m) the dense grad_y.T @ x (BLAS) then masking beats the sddmm kernel
-# (figures in docs/benchmarks.md)
-_SDDMM_MAX_DENSITY = 0.15
 
 
 def _plans(w: GroupedNM) -> dict:
@@ -96,10 +94,20 @@ class GroupedNMLinear:
 
 def _grad_weight(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
     """``grad_y.T @ x`` on the stored entries only, as a dense ``(R, K)`` tensor zero elsewhere."""
+    # above the crossover density (n/m) dense BLAS then masking beats the sddmm kernel
+    if w.n / w.m > crossover("grouped_nm.grad_weight"):
+        return _grad_weight_dense(w, g2, x2)
+    return _grad_weight_sparse(w, g2, x2)
+
+
+def _grad_weight_dense(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
+    dtype = torch.promote_types(g2.dtype, x2.dtype)
+    return (g2.to(dtype).t() @ x2.to(dtype)) * w.mask()
+
+
+def _grad_weight_sparse(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
     B, C, P, g, n = w.values.shape
     dtype = torch.promote_types(g2.dtype, x2.dtype)
-    if w.n / w.m > _SDDMM_MAX_DENSITY:
-        return (g2.to(dtype).t() @ x2.to(dtype)) * w.mask()
     gv = _k.sddmm(x2.to(dtype), g2.to(dtype), _plan(w, "pattern"))  # (B*P, C*g, n)
     gv = gv.view(B, P, C, g, n).permute(0, 2, 1, 3, 4).contiguous()
     return w._scatter(gv)

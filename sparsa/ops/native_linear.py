@@ -26,13 +26,10 @@ from ..kernels import sliced_ell as _se
 from ..layouts.dense import Dense
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
+from .crossovers import crossover
 from .registry import implements
 
 __all__ = ["RowGroupLinear", "SlicedELLLinear"]
-
-# below this density the gather + batched-matmul backward beats MKL on the dense weight (measured)
-_SPARSE_BACKWARD_DENSITY = 0.15
-
 
 def _check_input(x: Tensor, w, bias: Optional[Tensor]) -> None:
     R, K = w.shape
@@ -66,7 +63,7 @@ class RowGroupLinear:
         R, K = ctx.weight_shape
         ng, k, G = values.shape
         g2 = gy.reshape(-1, R)
-        sparse = k / max(K, 1) <= _SPARSE_BACKWARD_DENSITY
+        sparse = k / max(K, 1) <= crossover("row_group.backward")  # measured per CPU (sparsa cost --refit)
         w = RowGroup(columns, values, (R, K), row_perm, validate=False)
         gx = gw = gb = None
         if nx:
@@ -130,7 +127,7 @@ class SlicedELLLinear:
 def _se_grad_input(g2: Tensor, w: SlicedELL) -> Tensor:
     """``grad_y @ W``: the forward kernel on the transposed pattern when sparse enough, else dense."""
     dense = w.to_dense().to(g2.dtype)
-    if w.density > _SPARSE_BACKWARD_DENSITY / 1.5 or g2.dtype not in (torch.float32, torch.bfloat16):
+    if w.density > crossover("sliced_ell.grad_input") or g2.dtype not in (torch.float32, torch.bfloat16):
         return g2 @ dense
     wt = SlicedELL.from_dense(dense.t(), mask=w.mask().t())
     return _se.sliced_ell_linear_kernel(g2, wt.slice_ptr, wt.columns, wt.values, None, w.shape[1])

@@ -1,0 +1,87 @@
+"""sparsa.ops.crossovers: the sparse backward kernels' density crossovers are data, refitted per CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparsa
+from sparsa import cli, cost_model
+from sparsa.cost_model import CostModel
+from sparsa.layouts import GroupedNM, RowGroup, SlicedELL
+from sparsa.ops import crossover_refit, crossovers
+from sparsa.ops import native_grouped_nm, native_linear
+
+
+@pytest.fixture
+def table(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    return cost_model.default_cost_model()
+
+
+def test_defaults_until_refitted(table):
+    for name, c in crossovers.CROSSOVERS.items():
+        assert crossovers.crossover(name) == c.default
+    table.set_fit(crossovers.PREFIX + "row_group.backward", {"max_density": 0.4})
+    assert crossovers.crossover("row_group.backward") == 0.4
+    with pytest.raises(ValueError, match="unknown name"):
+        crossovers.crossover("nope")
+
+
+def _grads(w, x, gy):
+    x = x.clone().requires_grad_(True)
+    p = w.clone().requires_grad_(True) if isinstance(w, torch.Tensor) and not isinstance(w, sparsa.SparseTensor) else w
+    F.linear(x, p).backward(gy)
+    return x.grad
+
+
+CASES = {
+    "row_group.backward": (lambda d: sparsa.to_sparse(d, RowGroup, group=4, sparsity=0.75), native_linear,
+                           "_rg_grad_input"),
+    "sliced_ell.grad_input": (lambda d: sparsa.to_sparse(d, SlicedELL, sparsity=0.9), native_linear,
+                              "_se_grad_input"),
+    "grouped_nm.grad_weight": (lambda d: sparsa.to_sparse(d, GroupedNM, n=1, m=8, g=4), native_grouped_nm,
+                               "_grad_weight_sparse"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_stored_crossover_picks_the_path_and_both_paths_agree(table, name, monkeypatch):
+    make, module, _ = CASES[name]
+    torch.manual_seed(0)
+    w = make(torch.randn(24, 32)).requires_grad_(True)
+    x, gy = torch.randn(10, 32), torch.randn(10, 24)
+    dense_w = w.to_dense().detach().requires_grad_(True)
+    x_ref = x.clone().requires_grad_(True)
+    F.linear(x_ref, dense_w).backward(gy)
+    results = {}
+    for forced in (1.0, 0.0):   # sparse side everywhere, then dense side everywhere
+        table.set_fit(crossovers.PREFIX + name, {"max_density": forced})
+        xi = x.clone().requires_grad_(True)
+        w.grad = None
+        F.linear(xi, w).backward(gy)
+        results[forced] = (xi.grad, w.grad.to_dense() if isinstance(w.grad, sparsa.SparseTensor) else w.grad)
+        torch.testing.assert_close(xi.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
+    for a, b in zip(results[1.0], results[0.0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
+    cm = CostModel(tmp_path / "t.json")
+    out = crossover_refit.refit(cm, densities=(0.125, 0.25), shape=(64, 64), tokens=32, rounds=1)
+    assert set(out) == set(crossovers.CROSSOVERS)
+    for name, d in out.items():
+        fit = CostModel(tmp_path / "t.json").fit(crossovers.PREFIX + name)
+        assert fit["max_density"] == d and (d == 0.0 or str(d) in fit["ratios"]) and len(fit["ratios"]) == 2
+        assert crossovers.crossover(name, cm) == d
+    with pytest.raises(ValueError, match="densities"):
+        crossover_refit.refit(cm, densities=(1.5,))
+    with pytest.raises(ValueError, match="unknown name"):
+        crossover_refit.refit(cm, names=["nope"])
+
+
+def test_cli_refit_and_clear(table, monkeypatch, capsys):
+    monkeypatch.setattr(crossover_refit, "refit", lambda cm: {n: 0.2 for n in crossovers.CROSSOVERS})
+    assert cli.main(["cost", "--refit"]) == 0
+    assert "crossover row_group.backward: sparse at density <= 0.2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["cost", "--clear", "--refit"])
+    assert e.value.code == 2 and "not both" in capsys.readouterr().err
