@@ -39,8 +39,8 @@ def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
 
 
 @pytest.mark.parametrize("layout, kw, module, fn, at", [
-    ("row_group", dict(group=8), rg, "row_group_linear_impl", 6),
-    ("sliced_ell", {}, se, "sliced_ell_linear_impl", 6)])
+    ("row_group", dict(group=8), rg, "row_group_linear_kernel", 6),
+    ("sliced_ell", {}, se, "sliced_ell_linear_kernel", 6)])
 def test_fused_epilogue_runs_in_inference(monkeypatch, layout, kw, module, fn, at):
     m = _mlp()
     sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))

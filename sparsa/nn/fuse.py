@@ -61,15 +61,15 @@ class LinearGELU(nn.Linear):
             raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
                              f"dimension of {self.in_features}")
         bias = None if self.bias is None else self.bias.detach()
-        compiling = torch.compiler.is_compiling()
-        # the layout's components, by the names SparseTensor.__tensor_flatten__ gives them
+        # the forward-only kernel ops: the same call in eager and under torch.compile (no grad is needed here);
+        # the layout's components by the names SparseTensor.__tensor_flatten__ gives them
         if kind == "row_group":
             from ..kernels import row_group as rg
-            op = rg.row_group_linear if compiling else rg.row_group_linear_impl
-            return op(x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm, "gelu")
+            return rg.row_group_linear_kernel(x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm,
+                                              "gelu")
         from ..kernels import sliced_ell as se
-        op = se.sliced_ell_linear if compiling else se.sliced_ell_linear_impl
-        return op(x, w._c_slice_ptr, w._c_columns, w._c_values, bias, self.out_features, "gelu")
+        return se.sliced_ell_linear_kernel(x, w._c_slice_ptr, w._c_columns, w._c_values, bias, self.out_features,
+                                           "gelu")
 
 
 def fuse_gelu(model: nn.Module) -> int:
