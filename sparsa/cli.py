@@ -157,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--clear", action="store_true",
                    help="forget every measurement of both tables (they are re-timed when next needed)")
     c.add_argument("--refit", action="store_true",
-                   help="measure the sparse backward kernels' density crossovers on this CPU (a few seconds) "
-                        "and store them in the table")
+                   help="measure the sparse backward kernels' density crossovers and the adaptive conv backward's "
+                        "cost models on this CPU (well under a minute) and store them in the table; kernels this "
+                        "CPU cannot run are skipped, with the reason")
     return p
 
 
@@ -180,18 +181,41 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         cal.clear()
         print("cleared")
         return 0
+    from .adaptive import cost_fits
+    from .ops import crossovers
     if a.refit:
-        from .ops import crossover_refit, crossovers
+        from .adaptive import cost_fits_refit
+        from .ops import crossover_refit
         for name, d in crossover_refit.refit(cm).items():
             print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.CROSSOVERS[name].default:g})")
+        fitted, skipped = cost_fits_refit.refit(cm)
+        for name, c in fitted.items():
+            print(f"cost fit {name}: {_coeffs(c)} (default {_coeffs(cost_fits.COST_FITS[name].defaults)})")
+        for why in dict.fromkeys(skipped.values()):
+            print(f"skipped {', '.join(n for n, w in skipped.items() if w == why)}: {why}")
     for key in cm.keys():
         costs = cm.lookup(key) or {}
         print(key + ": " + ", ".join(f"{o} {ms:.3f} ms" for o, ms in sorted(costs.items(), key=lambda kv: kv[1])))
+    named = (crossovers.PREFIX, cost_fits.PREFIX)   # listed below with their defaults
     for key in cm.fit_keys():
+        if key.startswith(named):
+            continue
         params = cm.fit(key) or {}
         print(key + ": " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in params.items() if v is not None))
+    print("named crossovers and cost models (`sparsa cost --refit` measures them on this CPU):")
+    for name, c in crossovers.CROSSOVERS.items():
+        measured = cm.fit(crossovers.PREFIX + name) is not None
+        print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({'refitted' if measured else 'default'})")
+    for name in cost_fits.COST_FITS:
+        measured = cost_fits.stored(name, cm) is not None
+        print(f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} "
+              f"({'refitted' if measured else 'default'})")
     return 0
+
+
+def _coeffs(c) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in c.items())
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:

@@ -62,6 +62,7 @@ class CostModel:
         self._lock = threading.Lock()
         self._table: Dict[str, Dict[str, float]] = {}
         self._fits: Dict[str, Dict[str, Any]] = {}
+        self._fits_version = 0
         if path is not None and path.is_file():
             try:
                 data = json.loads(path.read_text())
@@ -74,6 +75,11 @@ class CostModel:
     def __len__(self) -> int:
         """Timed keys plus fitted models."""
         return len(self._table) + len(self._fits)
+
+    @property
+    def fits_version(self) -> int:
+        """Changes whenever a fitted model is stored or forgotten, so readers can cache what they derive."""
+        return self._fits_version
 
     def keys(self):
         """The timed keys, sorted."""
@@ -94,6 +100,7 @@ class CostModel:
             raise TypeError(f"set_fit: params must be a dict of the model's parameters, got {type(params).__name__}")
         with self._lock:
             self._fits[key] = dict(params)
+            self._fits_version += 1
         if save:
             self.save()
 
@@ -108,6 +115,7 @@ class CostModel:
                 del self._table[k]
             for k in gone_fits:
                 del self._fits[k]
+            self._fits_version += 1
         self.save()
         return len(gone) + len(gone_fits)
 
@@ -159,6 +167,7 @@ class CostModel:
         with self._lock:
             self._table.clear()
             self._fits.clear()
+            self._fits_version += 1
         if self.path is not None and self.path.exists():
             self.path.unlink()
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive as _k
+from . import cost_fits as _fits
 from .compaction import DEFAULT_SLICE
 from .conv_union import UnionReluConv2d, union_path_supported
 
@@ -45,14 +46,15 @@ backward_paths: Counter = Counter()
 
 # Sparse-dY input gradient (stride 1, C % 8 == 0): dx = mask_{x>0}(conv2d(dY, W flipped, transposed)),
 # a forward conv over the compacted dY (work ~ nnz(dY) * C) instead of dot products at the nonzeros of
-# relu(x) (work ~ nnz(x) * O). Cost model (fitted with benchmarks/adaptive_igrad_dy.py), in units of the
-# x-sparse kernel's time ``nnz(x) * O``: the dY path costs ``_DY_PER_NNZ * nnz(dY) * C`` plus
-# ``_DY_FIXED * numel(dY) * O`` (compacting dY, applying the ReLU mask), times sqrt(C / O) when C > O, where
-# it ran slower than predicted. It is taken below ``_DY_MARGIN``, or ``_DY_MARGIN_WITH_DW`` when the weight
-# gradient is needed too: the x path then computes both in one call that shares its per-channel view of
-# the operand and the padded dY. Crossovers and fit conditions: docs/benchmarks.md.
-_DY_PER_NNZ, _DY_FIXED = 0.375, 0.0625
-_DY_MARGIN, _DY_MARGIN_WITH_DW = 0.8, 0.6
+# relu(x) (work ~ nnz(x) * O). Cost model ``conv_list.dx.dy`` of :mod:`sparsa.adaptive.cost_fits` (refitted
+# by ``sparsa cost --refit``), in units of the x-sparse kernel's time ``nnz(x) * O``: the dY path costs
+# ``per_nnz * nnz(dY) * C`` plus ``fixed * numel(dY) * O`` (compacting dY, applying the ReLU mask), times
+# sqrt(C / O) when C > O, where it ran slower than predicted. It is taken below ``margin``, or
+# ``margin_with_dw`` when the weight gradient is needed too: the x path then computes both in one call that
+# shares its per-channel view of the operand and the padded dY. Fit conditions: docs/benchmarks.md.
+# The defaults stay module attributes so a test or benchmark can force a path by overriding them.
+_DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW = (
+    _fits.COST_FITS["conv_list.dx.dy"].defaults[k] for k in ("per_nnz", "fixed", "margin", "margin_with_dw"))
 _DY_SAMPLE_ELEMENTS = 16384
 _SAMPLE_BASE: Dict[Tuple[int, int, int], Tensor] = {}
 
@@ -74,12 +76,18 @@ def _dy_density(g: Tensor) -> float:
 
 def _dy_path_pays(g: Tensor, cnt: Tensor, geo: Sequence[int], need_dw: bool = True) -> bool:
     """The cost model above: True when the dY path should compute the input gradient."""
-    C, O = geo.C, geo.O
     numel_dy = g.numel()
-    nnz_x = int(cnt.sum())
-    nnz_dy = _dy_density(g) * numel_dy
-    new = (_DY_PER_NNZ * nnz_dy * C + _DY_FIXED * numel_dy * O) * max(1.0, C / O) ** 0.5
-    return new < (_DY_MARGIN_WITH_DW if need_dw else _DY_MARGIN) * nnz_x * O
+    return _dy_rule(int(cnt.sum()), _dy_density(g) * numel_dy, numel_dy, geo.C, geo.O, need_dw)
+
+
+def _dy_rule(nnz_x: int, nnz_dy: float, numel_dy: int, C: int, O: int, need_dw: bool) -> bool:
+    fit = _fits.stored("conv_list.dx.dy")
+    if fit is None:
+        per_nnz, fixed, margin, margin_dw = _DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW
+    else:
+        per_nnz, fixed, margin, margin_dw = fit["per_nnz"], fit["fixed"], fit["margin"], fit["margin_with_dw"]
+    new = (per_nnz * nnz_dy * C + fixed * numel_dy * O) * max(1.0, C / O) ** 0.5
+    return new < (margin_dw if need_dw else margin) * nnz_x * O
 
 
 IntOr2 = Union[int, Sequence[int]]
@@ -184,8 +192,9 @@ class _ReluConv2d(torch.autograd.Function):
 # dX, weight W'[c, o] = W[o, c] flipped) taken with relu(x) in the place of its output gradient, so the
 # stride-1 weight-gradient kernel runs over dY's compacted nonzeros (work ~ nnz(dY) * C) instead of
 # relu(x)'s (~ nnz(x) * O). Per nonzero it is slower than the x-driven kernel, so it is taken only when dY
-# is clearly the sparser side: nnz(dY) * C < _DW_DY_RATIO * nnz(x) * O (figures in docs/benchmarks.md).
-_DW_DY_RATIO = 0.75
+# is clearly the sparser side: nnz(dY) * C < ratio * nnz(x) * O, cost model ``conv_list.dw.dy`` (default
+# kept as a module attribute like the ones above; figures in docs/benchmarks.md).
+_DW_DY_RATIO = _fits.COST_FITS["conv_list.dw.dy"].defaults["ratio"]
 backward_paths_dw: Counter = Counter()
 
 
@@ -196,7 +205,9 @@ def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[
     x, version, nonnegative = ctx.x_keep
     geo = ctx.geo
     C, O = geo.C, geo.O
-    if x._version != version or int(gc.sum()) * C >= _DW_DY_RATIO * int(cnt.sum()) * O:
+    fit = _fits.stored("conv_list.dw.dy")
+    ratio = _DW_DY_RATIO if fit is None else fit["ratio"]
+    if x._version != version or int(gc.sum()) * C >= ratio * int(cnt.sum()) * O:
         return None
     xr = x if nonnegative else x.clamp_min(0)
     dw = _k.conv_wgrad_dy(gc, gi, gv, xr.permute(0, 2, 3, 1), geo, geo.slice, ctx.w_stride)

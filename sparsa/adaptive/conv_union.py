@@ -47,6 +47,7 @@ from torch import Tensor
 from ..kernels import adaptive_union as _u
 from ..kernels.adaptive import _conv_args, igrad_dy_geometry
 from ..kernels.geometry import ConvGeometry
+from . import cost_fits as _fits
 
 __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_paths", "KERNELS"]
 
@@ -60,47 +61,64 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 union_paths: Counter = Counter()
 
 
-# Which kernel computes each backward GEMM. Costs are relative to the dense (oneDNN) GEMM, linear fits in d_x,
-# d_g (the densities of relu(x) and dY) from `python benchmarks/adaptive_union.py` on VGG-16 activations (fit
-# conditions in docs/benchmarks.md). Input gradient: "x" at relu(x)'s nonzeros (dot products over 4-pixel
-# unions, any stride; includes rebuilding the weight rows from the forward pack, dearer for the largest
-# weights); "dy" over dY's mask (stride 1, the flipped conv's forward, stored where relu(x) != 0); "dense" for
-# strided convs (then masked).
-def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool) -> dict:
-    cost = {"x": 0.2 + 1.6 * d_x + (0.1 if C * O >= 512 * 256 else 0.0)}
+# Which kernel computes each backward GEMM: the linear cost models ``conv_union.*`` of
+# :mod:`sparsa.adaptive.cost_fits` in d_x, d_g (the densities of relu(x) and dY), relative to the dense
+# (oneDNN) GEMM; defaults until ``sparsa cost --refit`` refits them on this CPU (fit conditions in
+# docs/benchmarks.md). Input gradient: "x" at relu(x)'s nonzeros (dot products over 4-pixel unions, any
+# stride; includes rebuilding the weight rows from the forward pack, dearer for the largest weights); "dy"
+# over dY's mask (stride 1, the flipped conv's forward, stored where relu(x) != 0); "dense" for strided
+# convs (then masked).
+# ``fits``: the models' coefficients (``cost_fits.table()``), read once per decision by the callers below.
+def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None) -> dict:
+    fits = _fits.table() if fits is None else fits
+    fx = fits["conv_union.dx.x"]
+    cost = {"x": fx["base"] + fx["per_dx"] * d_x + (fx["big_weight"] if C * O >= _fits.BIG_WEIGHT else 0.0)}
     if not stride1:
-        cost["dense"] = 1.03
+        cost["dense"] = fits["conv_union.dx.dense"]["base"]
     elif d_g is not None:
-        cost["dy"] = 0.5 + 0.65 * d_g
+        fy = fits["conv_union.dx.dy"]
+        cost["dy"] = fy["base"] + fy["per_dg"] * d_g
     return cost
 
 
-def _dx_side(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool) -> str:
-    cost = _dx_costs(d_x, d_g, C, O, stride1)
+def _dy_floor(name: str, fits=None) -> float:
+    """The least a dY-driven kernel (``conv_union.dx.dy`` / ``dw.dy``) costs at any dY density."""
+    f = (_fits.table() if fits is None else fits)[name]
+    return f["base"] + min(0.0, f["per_dg"])
+
+
+def _dx_side(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None) -> str:
+    cost = _dx_costs(d_x, d_g, C, O, stride1, fits)
     return min(cost, key=cost.get)
 
 
 def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
-    """Whether the relu(x) side wins the input gradient whatever dY's density (the dY side costs >= 0.5)."""
-    return _dx_costs(d_x, None, C, O, True)["x"] < 0.5
+    """Whether the relu(x) side wins the input gradient whatever dY's density."""
+    fits = _fits.table()
+    return _dx_costs(d_x, None, C, O, True, fits)["x"] < _dy_floor("conv_union.dx.dy", fits)
 
 
-# Weight gradient, fitted the same way: "lists", the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its
+# Weight gradient, priced the same way: "lists", the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its
 # work is exactly nnz(relu(x)) x KH*KW x O FMAs, one dY row load each; dearer at C <= 64 and for the largest
 # weights, 4x4 images whose lists are short per block of output channels); "x", the union kernel over relu(x)'s
 # mask (its work is the 4-pixel unions, so it scales with relu(x)'s union_ratio r, 2 when unknown); "dy", over
 # dY's mask (the flipped conv's weight gradient).
-def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> dict:
+def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None, fits=None) -> dict:
+    fits = _fits.table() if fits is None else fits
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
-    lists = 0.04 + 1.45 * d_x + (0.08 if C <= 64 else 0.0) + (0.12 if C * O >= 512 * 256 else 0.0)
-    cost = {"lists": lists, "x": 0.3 + 0.65 * d_x * r - (0.1 if C * O >= 512 * 256 else 0.0)}
+    big = C * O >= _fits.BIG_WEIGHT
+    fl, fx = fits["conv_union.dw.lists"], fits["conv_union.dw.x"]
+    lists = (fl["base"] + fl["per_dx"] * d_x + (fl["small_c"] if C <= _fits.SMALL_C else 0.0)
+             + (fl["big_weight"] if big else 0.0))
+    cost = {"lists": lists, "x": fx["base"] + fx["per_dx_ratio"] * d_x * r + (fx["big_weight"] if big else 0.0)}
     if d_g is not None:
-        cost["dy"] = 0.45 + 0.75 * d_g
+        fy = fits["conv_union.dw.dy"]
+        cost["dy"] = fy["base"] + fy["per_dg"] * d_g
     return cost
 
 
-def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None) -> str:
-    cost = _dw_costs(d_x, d_g, C, O, ratio)
+def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None, fits=None) -> str:
+    cost = _dw_costs(d_x, d_g, C, O, ratio, fits)
     return min(cost, key=cost.get)
 
 
@@ -197,21 +215,23 @@ class UnionReluConv2d(torch.autograd.Function):
         g2 = igrad_dy_geometry(geo) if ctx.stride1 else None
         dy_ok = g2 is not None and g2.ph >= 0 and g2.pw >= 0
         # dY's operand only when a dY-driven kernel may win: the input gradient's unless relu(x)'s side wins for
-        # any dY, the weight gradient's unless the relu(x)-driven kernels cost less than its minimum (0.45)
-        want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or \
-            (need_dw and dy_ok and min(_dw_costs(d_x, None, C, O, ctx.x_ratio).values()) > 0.45)
+        # any dY, the weight gradient's unless the relu(x)-driven kernels cost less than its minimum
+        fits = _fits.table()
+        want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or (
+            need_dw and dy_ok and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits).values())
+            > _dy_floor("conv_union.dw.dy", fits))
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if want_g else None
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
         w_now = None
         if need_dx:
-            dx_side = "x" if ctx.x_dx else _dx_side(d_x, d_g, C, O, ctx.stride1)
+            dx_side = "x" if ctx.x_dx else _dx_side(d_x, d_g, C, O, ctx.stride1, fits)
             if dx_side == "dy" and extra is None:
                 w_now = ctx.w_ref() if ctx.w_ref is not None else None
                 if w_now is None or (w_now._version, w_now.data_ptr()) != ctx.w_key:
                     dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
-            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio)
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits)
         if dx_side == "x":
             dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
         if dx_side is not None:

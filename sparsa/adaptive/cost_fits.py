@@ -1,0 +1,148 @@
+"""Cost models of the activation-sparse conv backward: fitted coefficients as data, refitted per CPU.
+
+``relu_conv2d``'s backward picks a kernel per GEMM from linear cost models in the densities of relu(x)
+(``d_x``) and of dY (``d_g``). Each model is named here with the coefficients it was first fitted with as
+its default; ``sparsa cost --refit`` (:func:`sparsa.adaptive.cost_fits_refit.refit`) times the kernels on
+this CPU and stores new coefficients in the one cost table (:mod:`sparsa.cost_model`, a fitted model under
+``costfit|<name>``), which then override the default; ``sparsa cost --clear`` forgets them again.
+
+- ``conv_union.*``: the union (bitmask-operand) kernels, costs relative to the dense (oneDNN) GEMM;
+  ``big_weight`` applies when ``C * O >= BIG_WEIGHT``, ``small_c`` when ``C <= SMALL_C``.
+- ``conv_list.*``: the list kernels' dY-driven input and weight gradients, in units of the x-driven
+  kernel's work (see :mod:`sparsa.adaptive.conv`).
+
+Example::
+
+    >>> from sparsa.adaptive import cost_fits
+    >>> from sparsa.cost_model import CostModel
+    >>> cm = CostModel(None)
+    >>> cost_fits.coefficients("conv_union.dx.dy", cm)["per_dg"]
+    0.65
+    >>> cm.set_fit(cost_fits.PREFIX + "conv_union.dx.dy", {"base": 0.4, "per_dg": 0.5})
+    >>> cost_fits.coefficients("conv_union.dx.dy", cm)["per_dg"]
+    0.5
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Dict, Mapping, Optional
+
+from ..cost_model import CostModel, default_cost_model
+
+__all__ = ["CostFit", "COST_FITS", "coefficients", "stored", "table", "PREFIX", "BIG_WEIGHT", "SMALL_C"]
+
+PREFIX = "costfit|"
+
+#: size classes of the union fits: weights with ``C * O`` at least this, inputs with at most ``SMALL_C`` channels
+BIG_WEIGHT = 512 * 256
+SMALL_C = 64
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """A named cost model: its coefficients' defaults, what it prices and which kernels it needs."""
+
+    defaults: Mapping[str, float]
+    decides: str
+    #: "union" (native union kernels: AVX-512) or "list" (the list kernels: any native build)
+    kernels: str
+
+
+def _fit(kernels: str, decides: str, **defaults: float) -> CostFit:
+    return CostFit(MappingProxyType(dict(defaults)), decides, kernels)
+
+
+COST_FITS: Dict[str, CostFit] = {
+    "conv_union.dx.x": _fit(
+        "union",
+        "input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
+        base=0.2,
+        per_dx=1.6,
+        big_weight=0.1,
+    ),
+    "conv_union.dx.dy": _fit(
+        "union", "input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.5, per_dg=0.65
+    ),
+    "conv_union.dx.dense": _fit("union", "strided input gradient, dense then masked: base", base=1.03),
+    "conv_union.dw.lists": _fit(
+        "union",
+        "weight gradient, per-channel lists of relu(x)'s nonzeros: base + per_dx d_x (+ small_c, + big_weight)",
+        base=0.04,
+        per_dx=1.45,
+        small_c=0.08,
+        big_weight=0.12,
+    ),
+    "conv_union.dw.x": _fit(
+        "union",
+        "weight gradient over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r "
+        "(r: union ratio, 2 when unknown; + big_weight)",
+        base=0.3,
+        per_dx_ratio=0.65,
+        big_weight=-0.1,
+    ),
+    "conv_union.dw.dy": _fit("union", "weight gradient over dY's mask: base + per_dg d_g", base=0.45, per_dg=0.75),
+    "conv_list.dx.dy": _fit(
+        "list",
+        "input gradient over dY's nonzeros when (per_nnz nnz(dY) C + fixed numel(dY) O)"
+        " sqrt(max(1, C/O)) < margin (margin_with_dw) nnz(x) O",
+        per_nnz=0.375,
+        fixed=0.0625,
+        margin=0.8,
+        margin_with_dw=0.6,
+    ),
+    "conv_list.dw.dy": _fit("list", "weight gradient over dY's nonzeros when nnz(dY) C < ratio nnz(x) O", ratio=0.75),
+}
+
+
+def _check_name(name: str) -> CostFit:
+    f = COST_FITS.get(name)
+    if f is None:
+        raise ValueError(f"cost fit: unknown name {name!r}; known: {sorted(COST_FITS)}")
+    return f
+
+
+def _from_table(name: str, cm: CostModel) -> Optional[Mapping[str, float]]:
+    fit = cm.fit(PREFIX + name)
+    if fit is None:
+        return None
+    try:
+        got = {k: float(fit[k]) for k in COST_FITS[name].defaults}
+    except (KeyError, TypeError, ValueError):
+        return None  # a fit missing a coefficient (an older model) is not trusted: the default stands
+    return MappingProxyType(got)
+
+
+# id(cost model) -> (the model, its fits_version, {name: stored coefficients or None}, {name: in effect}): the
+# backward reads the coefficients on every call, the table changes only on a refit
+_CACHE: Dict[int, tuple] = {}
+
+
+def _tables(cm: Optional[CostModel]) -> tuple:
+    cm = cm if cm is not None else default_cost_model()
+    hit = _CACHE.get(id(cm))
+    if hit is None or hit[0] is not cm or hit[1] != cm.fits_version:
+        if len(_CACHE) > 16:
+            _CACHE.clear()
+        got = {n: _from_table(n, cm) for n in COST_FITS}
+        used = {n: (c if c is not None else COST_FITS[n].defaults) for n, c in got.items()}
+        hit = _CACHE[id(cm)] = (cm, cm.fits_version, MappingProxyType(got), MappingProxyType(used))
+    return hit
+
+
+def table(cost_model: Optional[CostModel] = None) -> Mapping[str, Mapping[str, float]]:
+    """The coefficients in effect for every model by name (read-only; one cached lookup for a whole decision)."""
+    return _tables(cost_model)[3]
+
+
+def stored(name: str, cost_model: Optional[CostModel] = None) -> Optional[Mapping[str, float]]:
+    """The refitted coefficients of ``name`` from the cost table (read-only), or None when not refitted."""
+    _check_name(name)
+    return _tables(cost_model)[2][name]
+
+
+def coefficients(name: str, cost_model: Optional[CostModel] = None) -> Mapping[str, float]:
+    """The coefficients of ``name`` in effect: refitted on this CPU if stored, else the defaults."""
+    _check_name(name)
+    return _tables(cost_model)[3][name]

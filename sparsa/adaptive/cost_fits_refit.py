@@ -1,0 +1,265 @@
+"""Refit the conv backward cost models of :mod:`sparsa.adaptive.cost_fits` on this CPU (``sparsa cost --refit``).
+
+Each family of kernels is timed side by side (round robin, median) on one synthetic stride-1 3x3 conv with
+clustered zeros at a few densities of relu(x) and dY, and the coefficients of its models are fitted by least
+squares and stored in the cost table. The size-class terms (``big_weight``, ``small_c``) are not varied by the
+measurement and keep their defaults. Only kernels this CPU runs are timed: the union kernels need AVX-512 and
+the native build, the list kernels the native build; the others are reported as skipped, with the reason.
+
+Example::
+
+    >>> from sparsa.cost_model import CostModel
+    >>> from sparsa.adaptive.cost_fits_refit import refit
+    >>> fitted, skipped = refit(CostModel(None), names=["conv_list.dw.dy"], shape=(2, 16, 8, 8), rounds=1)
+    >>> sorted(fitted) + sorted(skipped)
+    ['conv_list.dw.dy']
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..cost_model import CostModel, default_cost_model
+from ..kernels import adaptive as _k
+from ..kernels import adaptive_union as _u
+from ..timing import round_robin_ms
+from . import cost_fits as _fits
+from .compaction import DEFAULT_SLICE
+
+__all__ = ["refit", "skip_reason"]
+
+CL = torch.channels_last
+#: relu(x) and dY densities timed (3 points per fitted line)
+DENSITIES = (0.1, 0.25, 0.5)
+
+
+def skip_reason(kernels: str) -> Optional[str]:
+    """Why this CPU cannot time the ``kernels`` family ("union" / "list"), or None when it can."""
+    if not _k.native_available():
+        return "the native adaptive kernels are not built here (no compiler, or SPARSA_NO_NATIVE is set)"
+    if kernels == "union" and not _u.union_native():
+        return "the union kernels need AVX-512 (this CPU runs the list kernels instead)"
+    return None
+
+
+def _clustered(shape: Sequence[int], density: float, gen: torch.Generator) -> Tensor:
+    """A mask with about ``density`` of ones whose zeros cluster per pixel, like a ReLU output's."""
+    N, C, H, W = shape
+    a = torch.randn(*shape, generator=gen) + 0.5 * torch.randn(N, 1, H, W, generator=gen)
+    flat = a.reshape(-1)[:200000]
+    t = flat.kthvalue(max(1, min(flat.numel(), round((1.0 - density) * flat.numel())))).values
+    return a > t
+
+
+def _lstsq(rows: List[List[float]], ys: List[float]) -> List[float]:
+    A = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+    return [float(v) for v in torch.linalg.lstsq(A, y).solution.squeeze(1)]
+
+
+def _through_origin(xs: List[float], ys: List[float]) -> float:
+    """Slope of the least-squares line through the origin."""
+    return sum(x * y for x, y in zip(xs, ys)) / max(1e-30, sum(x * x for x in xs))
+
+
+def _inputs(shape, densities, gen):
+    """Per density, relu(x) (channels-last, >= 0) and dY (channels-last, signed) with clustered zeros."""
+    N, C, H, W = shape
+    xs = {
+        d: (torch.randn(*shape, generator=gen).abs() * _clustered(shape, d, gen)).contiguous(memory_format=CL)
+        for d in densities
+    }
+    gys = {
+        d: (torch.randn(N, C, H, W, generator=gen) * _clustered((N, C, H, W), d, gen)).contiguous(memory_format=CL)
+        for d in densities
+    }
+    return xs, gys
+
+
+def _refit_list(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
+    """``conv_list.dx.dy`` and ``conv_list.dw.dy`` from the list kernels (C = O, so no sqrt(C / O) term)."""
+    gen = torch.Generator().manual_seed(0)
+    N, C, H, W = shape
+    O, S = C, DEFAULT_SLICE
+    w = torch.randn(O, C, 3, 3, generator=gen) * 0.05
+    geo = _k.geometry(shape, w.shape, (1, 1), (1, 1), (1, 1), S)
+    _, wc = _k.packed_weight(w)
+    wfl = _k.packed_weight_flipped(w)
+    xs, gys = _inputs(shape, densities, gen)
+    g_dense = torch.randn(N, H, W, O, generator=gen)
+    x_unit, x_work, both_share = [], [], []  # x path: time and work nnz(x) * O; (both - dW) / dx
+    dy_rows, dy_t = [], []  # dY input gradient: [nnz(dY) C, numel(dY) O], time
+    dwx_work, dwx_t, dwdy_work, dwdy_t = [], [], [], []
+    for dx_ in densities:
+        x = xs[dx_]
+        cnt, idx, val = _k.compact(x, S)
+        nnz_x = int(cnt.sum())
+        fns: Dict[str, Callable[[], object]] = {
+            "x": lambda: _k.conv_bwd_packed(cnt, idx, val, g_dense, wc, geo, True, True, False),
+            "both": lambda: _k.conv_bwd_packed(cnt, idx, val, g_dense, wc, geo, True, True, True, w.stride()),
+            "dw_x": lambda: _k.conv_bwd_packed(cnt, idx, val, g_dense, wc, geo, True, False, True, w.stride()),
+        }
+        nnz_g = {}
+        for dg in densities:
+            gn = gys[dg]
+            gc, gi, gv = _k.compact_signed(gn, S)
+            nnz_g[dg] = int(gc.sum())
+
+            def dy(gn=gn, cnt=cnt, idx=idx):  # compacting dY is part of the path's cost
+                gc, gi, gv = _k.compact_signed(gn, S)
+                return _k.conv_igrad_dy(gc, gi, gv, wfl, cnt, idx, geo, S, True)
+
+            fns[f"dy{dg}"] = dy
+            fns[f"dwdy{dg}"] = lambda gc=gc, gi=gi, gv=gv, x=x: _k.conv_wgrad_dy(
+                gc, gi, gv, x.permute(0, 2, 3, 1), geo, S, w.stride()
+            )
+        with torch.no_grad():
+            t = round_robin_ms(fns, rounds)
+        x_work.append(nnz_x * O)
+        x_unit.append(t["x"])
+        both_share.append((t["both"] - t["dw_x"]) / t["x"])
+        dwx_work.append(nnz_x * O)
+        dwx_t.append(t["dw_x"])
+        for dg in densities:
+            dy_rows.append([nnz_g[dg] * C, N * H * W * O])
+            dy_t.append(t[f"dy{dg}"])
+            dwdy_work.append(nnz_g[dg] * C)
+            dwdy_t.append(t[f"dwdy{dg}"])
+    u = _through_origin(x_work, x_unit)  # ms per unit of the x path's work
+    per_nnz, fixed = (max(0.0, v) for v in _lstsq(dy_rows, [ti / u for ti in dy_t]))
+    margin = _fits.COST_FITS["conv_list.dx.dy"].defaults["margin"]  # a safety factor, not measured
+    share = min(1.0, max(0.05, statistics.median(both_share)))
+    ratio = _through_origin(dwx_work, dwx_t) / max(1e-30, _through_origin(dwdy_work, dwdy_t))
+    return {
+        "conv_list.dx.dy": {"per_nnz": per_nnz, "fixed": fixed, "margin": margin, "margin_with_dw": margin * share},
+        "conv_list.dw.dy": {"ratio": ratio},
+    }
+
+
+def _refit_union(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
+    """The ``conv_union.*`` models: each kernel's time over the dense GEMM's, against d_x or d_g."""
+    gen = torch.Generator().manual_seed(0)
+    N, C, H, W = shape
+    O = C
+    native = _u.union_native()
+    w = torch.randn(O, C, 3, 3, generator=gen) * 0.05
+    geo = _k.geometry(shape, w.shape, (1, 1), (1, 1), (1, 1), DEFAULT_SLICE)
+    wf, wfl = _u.union_packs(w) if native else (None, None)
+    xs, gys = _inputs(shape, densities, gen)
+    g_dense = torch.randn(N, O, H, W, generator=gen).contiguous(memory_format=CL)
+    gd = g_dense.permute(0, 2, 3, 1)  # NHWC, contiguous: what the backward passes the kernels
+    pts: Dict[str, List[Tuple[float, float]]] = {k: [] for k in ("dx.x", "dx.dy", "dw.lists", "dw.x", "dw.dy")}
+
+    def bw(x, mask, stride=1, gy=g_dense):
+        return torch.ops.aten.convolution_backward(gy, x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, mask)
+
+    for dx_ in densities:
+        x = xs[dx_]
+        op = _u.union_operand(x)
+        r = op.union_ratio()
+        r = 2.0 if r is None else min(4.0, max(1.0, r))
+        wc = _u.union_wc(wf, O, C, 3, 3) if native else None
+        fns: Dict[str, Callable[[], object]] = {
+            "dx_dense": lambda: bw(x, [True, False, False]),
+            "dw_dense": lambda: bw(x, [False, True, False]),
+            # the backward rebuilds the weight rows from the forward pack each time: part of the cost
+            "dx_x": lambda: _u.union_conv_igrad_x(
+                op, gd, geo, weight=w, wc=_u.union_wc(wf, O, C, 3, 3) if native else None
+            ),
+            "dw_lists": lambda: _u.union_conv_wgrad(op, gd, geo, w.stride(), lists=True),
+            "dw_x": lambda: _u.union_conv_wgrad(op, gd, geo, w.stride()),
+        }
+        del wc
+        for dg in densities:
+            g = gys[dg]
+            fns[f"dx_dy{dg}"] = lambda g=g: _u.union_conv_igrad(_u.union_operand(g, relu=False), w, op, geo, wflip=wfl)
+            fns[f"dw_dy{dg}"] = lambda g=g: _u.union_conv_wgrad_dy(
+                _u.union_operand(g, relu=False), op.values, geo, w.stride()
+            )
+        with torch.no_grad():
+            t = round_robin_ms(fns, rounds)
+        pts["dx.x"].append((dx_, t["dx_x"] / t["dx_dense"]))
+        pts["dw.lists"].append((dx_, t["dw_lists"] / t["dw_dense"]))
+        pts["dw.x"].append((dx_ * r, t["dw_x"] / t["dw_dense"]))
+        for dg in densities:
+            pts["dx.dy"].append((dg, t[f"dx_dy{dg}"] / t["dx_dense"]))
+            pts["dw.dy"].append((dg, t[f"dw_dy{dg}"] / t["dw_dense"]))
+    # strided convs: the dense input gradient, then masked by relu(x) != 0, against the dense one alone
+    x = xs[sorted(densities)[len(densities) // 2]]
+    g2 = torch.randn(N, O, (H + 1) // 2, (W + 1) // 2, generator=gen).contiguous(memory_format=CL)
+    nz = x != 0
+    with torch.no_grad():
+        t = round_robin_ms(
+            {
+                "plain": lambda: bw(x, [True, False, False], 2, g2),
+                "masked": lambda: bw(x, [True, False, False], 2, g2)[0].mul_(nz),
+            },
+            rounds,
+        )
+    out: Dict[str, Dict[str, float]] = {"conv_union.dx.dense": {"base": t["masked"] / t["plain"]}}
+    for short, slope in (
+        ("dx.x", "per_dx"),
+        ("dx.dy", "per_dg"),
+        ("dw.lists", "per_dx"),
+        ("dw.x", "per_dx_ratio"),
+        ("dw.dy", "per_dg"),
+    ):
+        name = "conv_union." + short
+        base, k = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])
+        c = dict(_fits.COST_FITS[name].defaults)  # size-class terms: not varied here, defaults kept
+        c.update(base=base, **{slope: k})
+        out[name] = c
+    return out
+
+
+_FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Dict[str, float]]], Tuple[int, int, int, int]]] = {
+    "list": (_refit_list, (16, 64, 32, 32)),
+    "union": (_refit_union, (16, 128, 16, 16)),
+}
+
+
+def refit(
+    cost_model: Optional[CostModel] = None,
+    names: Optional[Sequence[str]] = None,
+    shape: Optional[Tuple[int, int, int, int]] = None,
+    densities: Sequence[float] = DENSITIES,
+    rounds: int = 5,
+    force: Sequence[str] = (),
+) -> Tuple[Dict[str, Mapping[str, float]], Dict[str, str]]:
+    """Time the kernels of the cost models ``names`` (default: all) this CPU runs, fit and store their
+    coefficients; returns ``(fitted, skipped)``: the coefficients by name, and why each other name was not
+    timed. ``shape`` ``(N, C, H, W)`` (C = O) replaces each family's representative conv; ``force`` names
+    families ("union", "list") to time even where the native kernels are missing (their PyTorch fallbacks
+    then run: for tests of the procedure, not figures to keep)."""
+    cm = cost_model if cost_model is not None else default_cost_model()
+    names = list(_fits.COST_FITS) if names is None else list(names)
+    for n in names:
+        _fits._check_name(n)  # a ValueError names an unknown model
+    if not densities or not all(0 < d <= 1 for d in densities) or len(set(densities)) < 2:
+        raise ValueError(f"refit: densities must be two or more distinct fractions in (0, 1], got {list(densities)}")
+    fitted: Dict[str, Mapping[str, float]] = {}
+    skipped: Dict[str, str] = {}
+    for family, (run, default_shape) in _FAMILIES.items():
+        mine = [n for n in names if _fits.COST_FITS[n].kernels == family]
+        if not mine:
+            continue
+        why = None if family in force else skip_reason(family)
+        if why is not None:
+            skipped.update({n: why for n in mine})
+            continue
+        shp = tuple(shape) if shape is not None else default_shape
+        threads = torch.get_num_threads()
+        for n, c in run(shp, tuple(sorted(densities)), rounds).items():
+            if n in mine:
+                cm.set_fit(
+                    _fits.PREFIX + n,
+                    {**{k: round(v, 4) for k, v in c.items()}, "shape": list(shp), "threads": threads},
+                    save=False,
+                )
+                fitted[n] = _fits.coefficients(n, cm)
+    cm.save()
+    return fitted, skipped
