@@ -8,7 +8,13 @@ calls and ``torch.compile`` take the same op at the cost of one dispatcher round
 
 Kernel ops are forward-only: their backward belongs to the caller (an ``autograd.Function``, or a
 ``custom_op`` with ``register_autograd`` built on them). Called with inputs that require grad under
-grad mode, autograd's fallback marks the output so that a backward through it raises.
+grad mode, they take the op, whose autograd fallback warns on a backward through it.
+
+:func:`kernel_op` returns a :class:`KernelOp`: calling it runs the op. On plain tensors outside any
+tracing (no ``torch.compile``, ``torch.jit`` trace, dispatch mode or tensor subclass, no input that
+requires grad) it calls the op's registered implementation directly, the same function the dispatcher
+would run, without the dispatcher's round trip into Python, which costs a small decode-sized kernel
+call about as much as the kernel itself. Everything else takes the op.
 
 Example (``sparsa::adaptive_compact`` is one)::
 
@@ -20,24 +26,60 @@ Example (``sparsa::adaptive_compact`` is one)::
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
-__all__ = ["kernel_op", "NAMESPACE"]
+__all__ = ["kernel_op", "KernelOp", "NAMESPACE"]
 
 NAMESPACE = "sparsa"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def kernel_op(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+class KernelOp:
+    """A kernel op: ``op`` (``torch.ops.sparsa.<name>.default``) and ``impl``, its implementation.
+
+    Calling it runs ``impl`` directly when nothing could observe the difference (see the module docs),
+    else ``op``. Other attributes (``_schema``, ``name``, ...) are the op's."""
+
+    def __init__(self, op: torch._ops.OpOverload, impl: Callable):
+        self.op, self.impl = op, impl
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and _direct(args) and _direct(kwargs.values()):
+            return self.impl(*args, **kwargs)
+        return self.op(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.op, name)
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self.op})"
+
+
+def _direct(values: Any) -> bool:
+    """Whether a call with these arguments may skip the dispatcher: plain tensors only, nothing that
+    records autograd, and no tracer (jit trace, dispatch modes) that must see the op."""
+    grad = torch.is_grad_enabled()
+    for v in values:
+        if isinstance(v, Tensor):
+            if type(v) is not Tensor or (grad and v.requires_grad):
+                return False
+        elif isinstance(v, (list, tuple)) and any(isinstance(t, Tensor) for t in v):
+            return False
+    return not (torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None)
+
+
+def kernel_op(schema: str, impl: Callable, fake: Callable) -> KernelOp:
     """Define ``sparsa::<schema>`` (e.g. ``"name(Tensor x, int n) -> Tensor"``) with ``impl`` for every
-    backend and ``fake`` for tracing; returns the op (``torch.ops.sparsa.<name>.default``). A name that
-    is already defined is an error (the registry rule: no silent replacement)."""
+    backend and ``fake`` for tracing; returns the :class:`KernelOp` (its ``op`` is
+    ``torch.ops.sparsa.<name>.default``). A name that is already defined is an error (the registry
+    rule: no silent replacement)."""
     name = schema.split("(", 1)[0].strip()
     if not name.isidentifier():
         raise ValueError(f"kernel_op: schema must start with the op name, got {schema!r}")
     _LIB.define(schema)   # raises if sparsa::<name> exists
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    return KernelOp(getattr(getattr(torch.ops, NAMESPACE), name).default, impl)
