@@ -196,17 +196,39 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*_densify(args), **_densify(kwargs))
     targs, rest = norm
-    # property reads on a SparseTensor would re-enter __torch_function__: a few microseconds each, on
-    # every call of a decode loop
+    # One pass over the arguments. Property reads on a SparseTensor would re-enter __torch_function__:
+    # a few microseconds each, on every call of a decode loop.
+    grad = torch.is_grad_enabled()
+    needs_grad = empty = False
+    dtype = None
+    mixed = False
+    layouts = []
     with torch._C.DisableTorchFunctionSubclass():
-        if call.same_dtype:
+        for a in targs:
+            if isinstance(a, Tensor):
+                if grad and a.requires_grad:
+                    needs_grad = True
+                if isinstance(a, SparseTensorBase):
+                    layouts.append(type(a._layout))
+                    if a.numel() == 0:
+                        empty = True
+                else:
+                    layouts.append(Dense)
+                if dtype is None:
+                    dtype = a.dtype
+                elif a.dtype != dtype:
+                    mixed = True
+            else:
+                layouts.append(Dense)
+    if mixed and call.same_dtype:
+        with torch._C.DisableTorchFunctionSubclass():
             _check_dtypes(call, targs)
-        needs_grad = torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in targs)
-        empty = any(isinstance(a, SparseTensorBase) and a.numel() == 0 for a in targs)
     if empty:  # nothing to compute (and not a fallback to count): the dense op handles zero-size shapes
         return _dense_call(call, func, args, kwargs, targs, rest)
-    layouts = tuple(_layout_of(a) for a in targs)
-    plan = _plan(call.name, layouts, needs_grad)
+    layouts = tuple(layouts)
+    plan = _PLANS.get((call.name, layouts, needs_grad))
+    if plan is None or plan.version != registry._VERSION[0]:
+        plan = _plan(call.name, layouts, needs_grad)
     if plan.fallback:
         record_fallback(call.name, tuple(l.name for l in layouts))
         return _dense_call(call, func, args, kwargs, targs, rest)
