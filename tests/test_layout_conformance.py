@@ -55,6 +55,11 @@ def _thinned(mask: Tensor, gen: torch.Generator) -> Tensor:
     return mask
 
 
+def _positive(x, p, gen):
+    """Any pattern of positive values (a ReLU output's pattern)."""
+    return _random_mask(x, p, gen) & (x > 0)
+
+
 def _nm(x, p, gen):
     return _thinned(nm_mask(_scores(x, gen), p["n"], p["m"]), gen)
 
@@ -103,6 +108,7 @@ SPECS: Dict[str, Spec] = {
                        exact=False, any_mask=False),
     "row_group": Spec(variants=({"group": 4}, {"group": 8}), mask=_row_group, exact=False, any_mask=False,
                       auto={"sparsity": 0.5}),
+    "relu_compact": Spec(variants=({"slice": 128}, {"slice": 3}), mask=_positive, ndims=(2, 4)),
 }
 
 #: (layout, capability) -> a bug this suite found and did not fix here; the test is xfail(strict=True)
@@ -115,7 +121,15 @@ EXCEPTIONS: Dict[Tuple[str, str], str] = {
     ("dense", "structured_target"): "Dense stores every position: converting it to a structured layout passes "
                                     "the full pattern, which the target rejects with a ValueError naming the "
                                     "mask unless it fits (e.g. RowGroup, or N:M with fewer than n+1 columns)",
+    ("relu_compact", "negative_values"): "ReluCompact stores relu(x): from_dense without a mask keeps the positive "
+                                         "values (not every nonzero); a mask, a refill (so an optimizer step) or a "
+                                         "conversion that would store a negative value raises a ValueError naming "
+                                         "the mask. The suite checks that, and the value properties on data >= 0",
 }
+
+
+def _relu_only(name: str) -> bool:
+    return (name, "negative_values") in EXCEPTIONS
 
 
 def _library_layouts() -> Dict[str, type]:
@@ -210,6 +224,11 @@ class TestLayoutConformance:
         assert torch.equal(again.to_dense(), d) and torch.equal(again.mask(), pattern)
         # refill keeps the pattern and takes new values
         y = torch.randn(x.shape, generator=gen)
+        if _relu_only(name):
+            if bool((y < 0)[pattern].any()):
+                with pytest.raises(ValueError, match="mask"):
+                    lay.refill(y)
+            y = y.abs()
         r = lay.refill(y)
         r.validate()
         assert type(r) is cls and torch.equal(r.mask(), pattern)
@@ -229,7 +248,9 @@ class TestLayoutConformance:
         lay.validate()
         pattern = lay.mask()
         assert torch.equal(lay.to_dense(), x * pattern)
-        if spec.exact and not spec.auto:
+        if _relu_only(name):
+            assert torch.equal(pattern, x > 0), "without a mask relu(x) is stored"
+        elif spec.exact and not spec.auto:
             assert torch.equal(pattern, x != 0), "without a mask the nonzeros are kept"
 
     @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
@@ -307,6 +328,17 @@ class TestLayoutConformance:
                 assert convert(lay, cls) is lay
                 continue
             dst_spec = SPECS[dst_name]
+            if _relu_only(dst_name):
+                src = lay
+                if bool((dense < 0).any()):
+                    with pytest.raises(ValueError, match="mask"):
+                        convert(lay, dst)
+                    src = cls.from_dense(x.abs(), mask=mask, **params)  # the same pattern, values >= 0
+                out = convert(src, dst)
+                out.validate()
+                assert type(out) is dst and torch.equal(out.to_dense(), src.to_dense()), dst_name
+                assert torch.equal(out.mask(), src.to_dense() > 0), "relu(x) stores no explicit zeros"
+                continue
             if conversion_path(cls, dst) is not None or dst_spec.any_mask:
                 out = convert(lay, dst)
                 out.validate()
@@ -332,11 +364,12 @@ class TestLayoutConformance:
                 continue
             if not SPECS[name].any_mask:
                 continue  # two structured layouts with no edge: no common pattern to build on
-            dmask = dst_spec.mask(x, dst_params, gen)
-            src = cls.from_dense(x, mask=dmask, **params)
+            xs = x.abs() + 0.5 if _relu_only(name) else x  # positive: every kept position is stored
+            dmask = dst_spec.mask(xs, dst_params, gen)
+            src = cls.from_dense(xs, mask=dmask, **params)
             out = convert(src, dst, **dst_params)
             out.validate()
-            assert type(out) is dst and torch.equal(out.to_dense(), x * dmask), dst_name
+            assert type(out) is dst and torch.equal(out.to_dense(), xs * dmask), dst_name
             _check_pattern(dst_name, out, dmask)
 
     @SETTINGS
@@ -382,6 +415,12 @@ class TestLayoutConformance:
         torch.testing.assert_close(g * pattern, wd.grad * pattern, rtol=1e-4, atol=1e-5)
         assert not bool(g[~pattern].any()), "no weight gradient outside the stored pattern"
         # an optimizer step trains the stored values and keeps the pattern and layout
+        if _relu_only(name):
+            step = (lay.to_dense() - 0.5 * g) * pattern
+            if bool((step < 0).any()):
+                with pytest.raises(ValueError, match="mask"):
+                    torch.optim.SGD([p], lr=0.5).step()
+                return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
             torch.optim.SGD([p], lr=0.5).step()

@@ -12,3 +12,4 @@ from .bsr import BSR  # noqa: F401
 from .nm import NM, nm_mask  # noqa: F401
 from .grouped_nm import GroupedNM, grouped_nm_mask  # noqa: F401
 from . import conversions  # noqa: F401
+from .relu_compact import ReluCompact  # noqa: F401

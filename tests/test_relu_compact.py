@@ -1,0 +1,113 @@
+"""The relu_compact layout: relu(x) compacted per (pixel, channel slice); building, reading, validation,
+conversions and the sparsa.adaptive helpers that return it."""
+
+import pytest
+import torch
+
+import sparsa
+import sparsa.adaptive as sa
+from sparsa.layouts import Masked, ReluCompact, convert
+
+
+# ----------------------------------------------------------------------------- the layout
+@pytest.mark.parametrize("shape", [(2, 5, 3, 4), (7, 9), (1, 130, 2, 2), (0, 4), (3, 0)])
+@pytest.mark.parametrize("slice", [1, 3, 128])
+def test_from_dense_is_relu_and_components_are_canonical(shape, slice):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    a = ReluCompact.from_dense(x, slice=slice)
+    a.validate()
+    assert a.shape == x.shape and a.params() == {"slice": slice}
+    assert torch.equal(a.to_dense(), x.relu()) and a.nnz == int((x > 0).sum())
+    assert torch.equal(a.mask(), x > 0)
+    # the same activation gives the same components, bit for bit (nothing undefined past the counts)
+    b = ReluCompact.from_dense(x.clone(), slice=slice)
+    for k, t in a.components().items():
+        assert torch.equal(t, b.components()[k]), k
+
+
+def test_matrix_and_image_forms_share_components():
+    x = torch.randn(6, 20)
+    m, img = ReluCompact.from_dense(x, slice=8), sa.compact_matrix(x, slice=8)
+    assert img.shape == (1, 20, 6, 1) and m.shape == (6, 20)
+    for k in ("cnt", "idx", "val"):
+        assert torch.equal(m.components()[k], img.components()[k])
+
+
+def test_mask_keeping_a_negative_value_is_an_error():
+    x = torch.tensor([[1.0, -2.0], [0.0, 3.0]])
+    with pytest.raises(ValueError, match="mask keeps negative values"):
+        ReluCompact.from_dense(x, mask=torch.ones(2, 2, dtype=torch.bool))
+    a = ReluCompact.from_dense(x, mask=torch.tensor([[True, False], [True, False]]))
+    assert torch.equal(a.to_dense(), torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match="mask"):
+        a.refill(torch.full((2, 2), -1.0))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(shape=(2, 3, 4)), "N, C, H, W"),
+        (dict(slice=0), "slice"),
+        (dict(dtype=torch.int64), "floating-point"),
+    ],
+)
+def test_from_dense_rejects_bad_arguments(bad, match):
+    x = torch.randn(bad.get("shape", (2, 3))).to(bad.get("dtype", torch.float32))
+    with pytest.raises((ValueError, TypeError), match=match):
+        ReluCompact.from_dense(x, slice=bad.get("slice", 4))
+
+
+def _broken(what):
+    a = ReluCompact.from_dense(torch.tensor([[1.0, 2.0, -1.0, 3.0]]), slice=4)
+    c = {k: v.clone() for k, v in a.components().items()}
+    if what == "negative":
+        c["val"][0] = -1.0
+    elif what == "padding":
+        c["val"][3] = 5.0
+    elif what == "order":
+        c["idx"][0], c["idx"][1] = 1, 0
+    elif what == "slice":
+        c["idx"][2] = 7
+    elif what == "count":
+        c["cnt"][0] = 5
+    elif what == "dtype":
+        c["cnt"] = c["cnt"].long()
+    return c, a.shape
+
+
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("negative", "positive"),
+        ("padding", "past a count"),
+        ("order", "increasing"),
+        ("slice", "slice"),
+        ("count", "cnt"),
+        ("dtype", "int32"),
+    ],
+)
+def test_validate_names_the_malformed_component(what, match):
+    comps, shape = _broken(what)
+    with pytest.raises(ValueError, match=match):
+        ReluCompact.from_components(comps, shape, slice=4)
+
+
+def test_compact_helpers_return_the_layout():
+    assert sa.CompactActivation is ReluCompact
+    x = torch.randn(2, 3, 4, 5)
+    a = sa.compact(x, slice=2)
+    assert isinstance(a, ReluCompact) and a.slice == 2 and torch.equal(a.to_dense(), x.relu())
+    assert a.density == pytest.approx(float((x > 0).float().mean()))
+
+
+def test_masked_conversions():
+    x = torch.randn(5, 12)
+    a = ReluCompact.from_dense(x, slice=5)
+    m = convert(a, Masked)
+    assert torch.equal(m.values, x.relu()) and torch.equal(m.mask(), x > 0)
+    back = convert(m, ReluCompact)
+    assert torch.equal(back.to_dense(), x.relu())
+    with pytest.raises(ValueError, match="mask keeps negative values"):
+        convert(Masked.from_dense(x), ReluCompact)
+    t = sparsa.to_sparse(x, "relu_compact").to_layout("masked")
+    assert t.layout_name == "masked" and torch.equal(t.to_dense(), x.relu())
