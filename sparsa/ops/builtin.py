@@ -9,3 +9,4 @@ from . import linear, matmul, pointwise  # noqa: F401
 from . import native_linear, bitmask_linear  # noqa: F401
 from . import native_grouped_nm  # noqa: F401  (after linear: replaces its grouped_nm linear)
 from . import gpu_impls  # noqa: F401
+from . import activation_impls  # noqa: F401  (F.conv2d / F.linear with a relu_compact input)

@@ -1,0 +1,159 @@
+"""F.conv2d / F.linear with a relu_compact input (sparsa.ops.activation_impls), against the dense reference
+(relu(x), then the dense op): forward, gradients of input, weight and bias, gradcheck in float64."""
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import sparsa
+from sparsa.layouts import ReluCompact
+from sparsa.ops import activation_impls
+
+FAST = settings(max_examples=20, deadline=None)
+
+
+def _count_calls(monkeypatch, name):
+    calls = []
+    real = getattr(activation_impls, name)
+
+    def spy(*a, **k):
+        calls.append(name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(activation_impls, name, spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------- the ops
+def _dense_ref(op, z, w, b, **kw):
+    z, w = z.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    y = op(z.relu(), w, b, **kw)
+    return y, (z, w, b)
+
+
+def _sparse(op, z, w, b, slice, **kw):
+    z, w = z.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    b = None if b is None else b.detach().clone().requires_grad_()
+    with sparsa.strict():
+        y = op(sparsa.to_sparse(z, "relu_compact", slice=slice), w, b, **kw)
+    return y, (z, w, b)
+
+
+def _compare(op, z, w, b, slice, gen, **kw):
+    y, leaves = _sparse(op, z, w, b, slice, **kw)
+    yr, ref = _dense_ref(op, z, w, b, **kw)
+    assert type(y) is torch.Tensor and y.shape == yr.shape
+    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    gy = torch.randn(yr.shape, generator=gen)
+    with sparsa.strict():
+        y.backward(gy)
+    yr.backward(gy)
+    for got, want in zip(leaves, ref):
+        if want is not None:
+            torch.testing.assert_close(got.grad, want.grad, atol=1e-3, rtol=1e-4)
+
+
+@FAST
+@given(
+    N=st.integers(1, 3),
+    C=st.integers(1, 20),
+    H=st.integers(1, 7),
+    W=st.integers(1, 7),
+    O=st.sampled_from([8, 16, 5]),
+    k=st.sampled_from([1, 3]),
+    stride=st.sampled_from([1, 2]),
+    padding=st.sampled_from([0, 1]),
+    dilation=st.sampled_from([1, 2]),
+    bias=st.booleans(),
+    slice=st.sampled_from([3, 8, 128]),
+    cl=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_conv2d_matches_relu_then_dense_conv(N, C, H, W, O, k, stride, padding, dilation, bias, slice, cl, seed):
+    if H + 2 * padding < dilation * (k - 1) + 1 or W + 2 * padding < dilation * (k - 1) + 1:
+        return  # no output pixel: the dense op rejects it too
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, C, H, W, generator=gen)
+    if cl:
+        z = z.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(O, C, k, k, generator=gen)
+    b = torch.randn(O, generator=gen) if bias else None
+    _compare(F.conv2d, z, w, b, slice, gen, stride=stride, padding=padding, dilation=dilation)
+
+
+@FAST
+@given(
+    P=st.integers(1, 30),
+    K=st.integers(1, 70),
+    O=st.sampled_from([8, 24, 3]),
+    bias=st.booleans(),
+    slice=st.sampled_from([4, 16, 128]),
+    seed=st.integers(0, 1000),
+)
+def test_linear_matches_relu_then_dense_linear(P, K, O, bias, slice, seed):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(P, K, generator=gen)
+    w = torch.randn(O, K, generator=gen)
+    b = torch.randn(O, generator=gen) if bias else None
+    _compare(F.linear, z, w, b, slice, gen)
+
+
+def test_the_activation_sparse_kernels_run(monkeypatch):
+    conv_calls = _count_calls(monkeypatch, "relu_conv2d")
+    lin_calls = _count_calls(monkeypatch, "relu_linear")
+    gen = torch.Generator().manual_seed(3)
+    _compare(
+        F.conv2d,
+        torch.randn(2, 8, 5, 5, generator=gen),
+        torch.randn(16, 8, 3, 3, generator=gen),
+        torch.randn(16, generator=gen),
+        4,
+        gen,
+        padding=1,
+    )
+    _compare(F.linear, torch.randn(6, 10, generator=gen), torch.randn(8, 10, generator=gen), None, 4, gen)
+    assert conv_calls == ["relu_conv2d"] and lin_calls == ["relu_linear"]
+    # shapes the kernels do not take run the dense op on relu(x): same result, no fallback counted
+    _compare(
+        F.conv2d, torch.randn(1, 4, 5, 5, generator=gen), torch.randn(4, 2, 3, 3, generator=gen), None, 4, gen, groups=2
+    )
+    assert conv_calls == ["relu_conv2d"]
+
+
+def test_without_gradients():
+    gen = torch.Generator().manual_seed(5)
+    z, w = torch.randn(2, 8, 4, 4, generator=gen), torch.randn(8, 8, 3, 3, generator=gen)
+    with torch.no_grad(), sparsa.strict():
+        y = F.conv2d(sparsa.to_sparse(z, "relu_compact"), w, padding=1)
+    torch.testing.assert_close(y, F.conv2d(z.relu(), w, padding=1), atol=1e-4, rtol=1e-4)
+    assert not y.requires_grad
+
+
+def test_gradcheck_conv2d_float64():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(8, 3, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(8, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def fn(z, w, b):
+        return F.conv2d(sparsa.to_sparse(z, "relu_compact", slice=2), w, b, stride=2, padding=1)
+
+    assert torch.autograd.gradcheck(fn, (z, w, b), fast_mode=True)
+
+
+def test_gradcheck_linear_float64():
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(5, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(16, 10, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(16, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def fn(z, w, b):
+        return F.linear(sparsa.to_sparse(z, "relu_compact", slice=4), w, b)
+
+    assert torch.autograd.gradcheck(fn, (z, w, b), fast_mode=True)
+
+
+def test_explain_names_the_implementations():
+    assert sparsa.ops.explain("conv2d", ReluCompact, None, None, needs_grad=True).endswith("ReluCompactConv2d")
+    assert sparsa.ops.explain("linear", ReluCompact, None, None, needs_grad=True).endswith("ReluCompactLinear")
