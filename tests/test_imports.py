@@ -3,9 +3,9 @@
 Importing any ``sparsa.x.y`` first runs ``sparsa/__init__.py`` to the end, so "each module alone in a
 fresh interpreter" is: ``import sparsa`` in a fresh interpreter, then every module it did not load,
 each in a process forked from that state (a fresh ``python -c "import sparsa.x.y"`` per module would
-cost a torch import each). An import cycle that only works from some entry point fails here.
+cost a torch import each). An import cycle that only works from some entry point fails here. The import
+graph itself (module-level and deferred imports, no cycles) is checked in ``tests/test_import_graph.py``.
 """
-import ast
 import os
 import subprocess
 import sys
@@ -102,49 +102,3 @@ def test_import_sparsa_and_adaptive_builds_nothing_and_sets_no_environment():
             "assert 'torch.utils.cpp_extension' not in sys.modules, 'a native build module was imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def _import_graph():
-    """Module -> sparsa modules it imports at module level (not inside functions)."""
-    mods = {}
-    for name in _module_names():
-        p = ROOT / (name.replace(".", "/") + ".py")
-        mods[name] = (p if p.exists() else ROOT / name.replace(".", "/") / "__init__.py")
-    graph = {}
-    for name, path in mods.items():
-        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        stack, found = list(ast.parse(path.read_text(encoding="utf-8")).body), set()
-        while stack:
-            n = stack.pop()
-            if isinstance(n, (ast.If, ast.Try, ast.With)):
-                stack += n.body + getattr(n, "orelse", []) + getattr(n, "finalbody", [])
-                stack += [s for h in getattr(n, "handlers", []) for s in h.body]
-            elif isinstance(n, ast.Import):
-                found.update(a.name for a in n.names)
-            elif isinstance(n, ast.ImportFrom):
-                if n.level:
-                    parts = pkg.split(".")
-                    base = ".".join(parts[:len(parts) - n.level + 1] + ([n.module] if n.module else []))
-                else:
-                    base = n.module or ""
-                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in n.names)
-        graph[name] = sorted(t for t in found if t in mods and t != name)
-    return graph
-
-
-def test_module_level_import_graph_has_no_cycles():
-    graph, state, cycles = _import_graph(), {}, []
-
-    def visit(v, path):
-        state[v] = 1
-        for w in graph[v]:
-            if state.get(w) == 1:
-                cycles.append(path[path.index(w):] + [w])
-            elif w not in state:
-                visit(w, path + [w])
-        state[v] = 2
-
-    for v in graph:
-        if v not in state:
-            visit(v, [v])
-    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

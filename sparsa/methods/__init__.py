@@ -23,7 +23,7 @@ See ``docs/methods.md`` for each method's size against a public reference implem
 """
 from .pattern import set_pattern, reset_optimizer_state, RowGroupSparsifier, named_pattern, resolve_pattern  # noqa: F401
 from .gradual import GradualPruning, IterativeSchedule, Gradual, one_shot  # noqa: F401
-from .one_shot_config import OneShot  # noqa: F401
+from ..nn.one_shot import OneShot  # noqa: F401
 from .rigl import DynamicSparsity, RigL, SET, erk_sparsities  # noqa: F401
 from .movement import MovementPruning  # noqa: F401
 from .calibration import InputStats, collect_input_stats, forward_groups  # noqa: F401

@@ -13,13 +13,14 @@ DDP and any hooks keep pointing at it.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
-from ..sparsifiers.base import Sparsifier, check_sparsifier
+from ..sparsifiers.base import Sparsifier
 from ..sparsifiers.pattern_names import parse_pattern
+from ..sparsifiers.resolve import resolve_pattern  # noqa: F401  (shared with sparsa.nn.one_shot)
 from ..sparsifiers.row_group import RowGroupSparsifier  # noqa: F401  (its home before sparsa.sparsifiers)
 from ..tensor import SparseTensor
 
@@ -81,25 +82,6 @@ def named_pattern(name: str, sparsity: float = 0.5) -> Tuple[Sparsifier, str]:
     """
     p = parse_pattern(name, sparsity)
     return p.sparsifier, p.layout
-
-
-def resolve_pattern(sparsity: float, pattern: Optional[str], layout: Optional[str], sparsifier: Any,
-                    default_pattern: str = "unstructured") -> Tuple[Any, str]:
-    """``(sparsifier, layout)`` of a method config: its ``sparsifier`` (stored in ``layout``, default
-    ``"masked"``) or else its ``pattern`` (default ``default_pattern``) at ``sparsity`` (stored in
-    ``layout``, default the pattern's natural layout). Both given is a ``ValueError``.
-
-    >>> resolve_pattern(0.5, "2:4", None, None)
-    (NM(n=2, m=4), 'nm')
-    """
-    if sparsifier is not None:
-        check_sparsifier(sparsifier, "sparsifier")
-        if pattern is not None:
-            raise ValueError(f"pass pattern= or sparsifier=, not both (got pattern={pattern!r}, "
-                             f"sparsifier={sparsifier!r})")
-        return sparsifier, layout or "masked"
-    p = parse_pattern(default_pattern if pattern is None else pattern, sparsity, layout)
-    return p.sparsifier, layout or p.layout
 
 
 def _iter_sparse(params: Iterable[Tensor], arg: str = "params") -> List[SparseTensor]:

@@ -3,7 +3,8 @@ from .rule import Rule  # noqa: F401
 from .sparsify import sparsify, densify, sparse_parameters  # noqa: F401
 from .report import sparsity_report, format_report  # noqa: F401
 from .hooks import OutputSparsifier, GradLayout  # noqa: F401
-from .linears import sparsify_linears, default_sparsifier, dense_where_slower  # noqa: F401
+from .linears import default_sparsifier, dense_where_slower  # noqa: F401
+from .one_shot import sparsify_linears  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
 from .config import SparsifyConfig  # noqa: F401
 

@@ -1,5 +1,5 @@
 """Every ``nn.Linear`` of a model in a layout at a sparsity, kept sparse only where that is faster:
-the machinery behind :class:`sparsa.methods.OneShot` (and the deprecated :func:`sparsify_linears`).
+the machinery behind :class:`sparsa.methods.OneShot` (:mod:`sparsa.nn.one_shot`).
 
 >>> import torch.nn as nn, sparsa
 >>> from sparsa.methods import OneShot
@@ -29,15 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cost_model import CostModel, default_cost_model
-from ..layouts.base import check_fraction, get_layout
 from ..sparsifiers import BlockMagnitude, GroupedNM, Magnitude, NM, RowGroupSparsifier, Sparsifier
 from ..tensor import SparseTensor
 from .cast_linear import CastLinear
-from .report import PATH_ATTR, sparsity_report
+from .report import PATH_ATTR
 from .rule import NamePattern, Rule
-from .sparsify import sparsify
 
-__all__ = ["sparsify_linears", "default_sparsifier", "dense_where_slower", "speedup_vs_dense", "linear_costs",
+__all__ = ["default_sparsifier", "dense_where_slower", "speedup_vs_dense", "linear_costs",
            "DEFAULT_TOKENS", "MARGIN", "DENSE_OPTIONS"]
 
 #: the dense paths every sparse layer is measured against, by option name
@@ -252,35 +250,3 @@ def annotate_paths(rows: List[Dict[str, Any]], chosen: Dict[str, Dict[str, Any]]
         if r["target"] == "weight" and r["name"] in chosen:
             r.update(chosen[r["name"]])
     return rows
-
-
-def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: float = 0.5, *,
-                     sparsifier: Optional[Sparsifier] = None, names: Optional[Sequence[str]] = None,
-                     only_if_faster: Union[bool, int] = False, dtypes: Optional[Sequence[torch.dtype]] = None,
-                     **params: Any) -> List[Dict[str, Any]]:
-    """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.OneShot(sparsity, layout=layout,
-    layout_params=params, only_if_faster=...), filter_fn)`` and then :func:`sparsa.sparsity_report`.
-
-    Converts every ``nn.Linear`` weight of ``model`` (or those named by ``names`` globs) to ``layout``
-    at ``sparsity`` with one-shot magnitude pruning (or ``sparsifier``); returns the per-layer report
-    (:func:`sparsa.sparsity_report` rows, with ``path``, ``ratio_vs_dense``, ``ratio_vs_best_dense`` and
-    ``best_dense`` on the converted weights). See :class:`sparsa.methods.OneShot` for the knobs.
-
-    >>> import warnings, torch.nn as nn, sparsa
-    >>> with warnings.catch_warnings():
-    ...     warnings.simplefilter("ignore", DeprecationWarning)
-    ...     rows = sparsa.sparsify_linears(nn.Linear(16, 8), "nm", 0.5)
-    >>> rows[0]["layout"], rows[0]["path"]
-    ('nm', 'sparse')
-    """
-    warnings.warn("sparsa.sparsify_linears is deprecated: use model = sparsa.sparsify(model, "
-                  "sparsa.methods.OneShot(sparsity, layout=..., layout_params={...}, only_if_faster=...), filter_fn) "
-                  "and rows = sparsa.sparsity_report(model)", DeprecationWarning, stacklevel=2)
-    from ..methods.one_shot_config import OneShot
-    get_layout(layout)
-    check_fraction(sparsity, "sparsity")
-    select = Rule(names=list(names), module_types=nn.Linear) if names else None
-    config = OneShot(sparsity, layout=layout, sparsifier=sparsifier, layout_params=params,
-                     only_if_faster=only_if_faster, dtypes=dtypes)
-    sparsify(model, config, None if select is None else (lambda m, n: select.matches(n, m)))
-    return sparsity_report(model)
