@@ -13,7 +13,8 @@ The public API (``__all__``):
   model), ``Rule``, ``densify``, ``sparsity_report`` (the reports), ``format_report``, ``fuse_gelu``,
   ``recover``, ``sparsify_linears`` (deprecated: ``sparsify(model, methods.OneShot(...))``);
   checkpoints: ``save``, ``load``;
-* activation sparsity: ``adaptive.enable(model)`` (the one way to turn it on);
+* activation sparsity: ``sparsify(model, ActivationSparsity(...))`` (the one way to turn it on;
+  ``adaptive.enable(model)`` is the lower-level call, ``adaptive.runtime_of(model)`` its runtime);
 * dispatcher: ``implements``, ``fallback_counts``, ``reset_fallback_counts``,
   ``SparseFallbackWarning``, ``strict``, ``is_strict``, ``SparseFallbackError``.
 
@@ -36,6 +37,7 @@ from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsif
 from .io import save, load
 from . import methods
 from .methods.recover import recover  # noqa: F401
+from .methods.activation import ActivationSparsity
 from . import adaptive
 
 __version__ = "0.1.0"
@@ -48,6 +50,8 @@ __all__ = [
     # models and checkpoints
     "Rule", "sparsify", "densify", "sparsity_report", "format_report", "sparsify_linears", "fuse_gelu", "recover",
     "save", "load",
+    # activation sparsity
+    "ActivationSparsity",
     # dispatcher
     "implements", "fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "strict", "is_strict",
     "SparseFallbackError",

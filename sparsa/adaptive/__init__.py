@@ -22,4 +22,4 @@ from .policy import Policy  # noqa: F401
 from .calibration import Calibration, CostEntry, default_calibration  # noqa: F401
 from .modules import AdaptiveConv2d, AdaptiveLinear, LayerState  # noqa: F401
 from .report import report, format_report  # noqa: F401
-from .enable import enable, AdaptiveRuntime  # noqa: F401
+from .enable import enable, AdaptiveRuntime, runtime_of  # noqa: F401

@@ -5,7 +5,9 @@ It replaces every ``nn.Conv2d`` / ``nn.Linear`` by an adaptive layer sharing the
 zero-preserving modules (max/avg pooling, dropout, flatten, identity), and returns a runtime handle
 with the per-layer report. A layer whose input is not a tagged ReLU output always runs dense, so the
 pairing is found at run time whatever the model's forward does (Sequential or hand-written, as in a
-ResNet block). ``runtime.disable()`` restores the original modules.
+ResNet block). ``runtime.disable()`` restores the original modules. :func:`runtime_of` finds the
+runtime of a model again (e.g. after ``sparsa.sparsify(model, ActivationSparsity())``, which calls
+:func:`enable`).
 
 Example::
 
@@ -20,7 +22,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from torch import nn
 
@@ -33,7 +35,10 @@ from .policy import Policy
 from .report import report as _report, format_report
 from .step_guard import StepGuard
 
-__all__ = ["enable", "AdaptiveRuntime", "ZERO_PRESERVING"]
+__all__ = ["enable", "AdaptiveRuntime", "ZERO_PRESERVING", "runtime_of"]
+
+# the model attribute that holds its runtime (a plain attribute: not a parameter, buffer or state-dict entry)
+_RUNTIME_ATTR = "_sparsa_adaptive_runtime"
 
 #: modules whose output is zero wherever all the inputs it reads are zero, and nonnegative for a
 #: nonnegative input: a ReLU tag survives them
@@ -95,12 +100,36 @@ class AdaptiveRuntime:
         for parent, attr, original, _ in self._replaced:
             setattr(parent, attr, original)
         self._replaced.clear()
+        if self.model.__dict__.get(_RUNTIME_ATTR) is self:
+            del self.model.__dict__[_RUNTIME_ATTR]
+
+    def __deepcopy__(self, memo: dict) -> None:
+        # hooks and replaced modules belong to the original model: a deep copy of the model keeps its
+        # adaptive layers and ReLU hooks but has no runtime handle (runtime_of(copy) is None)
+        return None
+
+
+def runtime_of(model: nn.Module) -> Optional[AdaptiveRuntime]:
+    """The :class:`AdaptiveRuntime` that :func:`enable` (or ``sparsa.sparsify(model, ActivationSparsity())``)
+    returned for ``model``; None when activation sparsity is not on (or was disabled).
+
+    >>> import torch, sparsa
+    >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    >>> net = sparsa.sparsify(net, sparsa.ActivationSparsity())
+    >>> sparsa.adaptive.runtime_of(net).layers.keys()
+    dict_keys(['0', '2'])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    rt = model.__dict__.get(_RUNTIME_ATTR)
+    return rt if isinstance(rt, AdaptiveRuntime) else None
 
 
 def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
            calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
            recalibrate: bool = False, retain_memory: bool = False,
-           guard: Union[bool, StepGuard] = True) -> AdaptiveRuntime:
+           guard: Union[bool, StepGuard] = True,
+           filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> AdaptiveRuntime:
     """Make ``model`` sparsity-adaptive in place and return the runtime handle.
 
     ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
@@ -111,7 +140,9 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
     the dense layers stop page-faulting every step; it changes the allocator of the whole process for
     its lifetime, so it is off by default; ``guard``: time whole training steps and run the
     model dense while its adaptive steps are slower than its dense ones (:mod:`sparsa.adaptive.step_guard`;
-    ``True``: the default :class:`StepGuard`, ``False``: none; never with a forced policy).
+    ``True``: the default :class:`StepGuard`, ``False``: none; never with a forced policy);
+    ``filter_fn(module, name) -> bool``: only the ``nn.Conv2d`` / ``nn.Linear`` modules it accepts become
+    adaptive (a filter that accepts none is a ValueError). :func:`runtime_of` returns the runtime later.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -119,6 +150,8 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
         raise ValueError("model is already adaptive; call runtime.disable() before enabling again")
     if not isinstance(guard, (bool, StepGuard)):
         raise TypeError(f"guard must be True, False or a StepGuard, got {type(guard).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be a callable filter_fn(module, name) -> bool or None, got {filter_fn!r}")
     policy = policy if policy is not None else Policy()
     if guard is True and policy.force is None:
         guard = StepGuard()
@@ -136,8 +169,14 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
         elif isinstance(mod, ZERO_PRESERVING):
             handles.append(mod.register_forward_hook(_carry_hook))
         for attr, child in mod.named_children():
-            if type(child) in (nn.Conv2d, nn.Linear):
-                targets.append((mod, attr, child, f"{name}.{attr}" if name else attr))
+            full = f"{name}.{attr}" if name else attr
+            if type(child) in (nn.Conv2d, nn.Linear) and (filter_fn is None or filter_fn(child, full)):
+                targets.append((mod, attr, child, full))
+    if filter_fn is not None and not targets:
+        for h in handles:
+            h.remove()
+        raise ValueError("filter_fn accepts none of the model's nn.Conv2d / nn.Linear modules; fix it so it returns "
+                         "True for the layers to make activation-sparse")
     layers: Dict[str, LayerState] = {}
     replaced = []
     for parent, attr, child, full in targets:
@@ -153,4 +192,6 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
         layers[full] = st
     if guard is not None:
         guard.attach(model)
-    return AdaptiveRuntime(model, layers, handles, replaced, guard)
+    rt = AdaptiveRuntime(model, layers, handles, replaced, guard)
+    model.__dict__[_RUNTIME_ATTR] = rt
+    return rt

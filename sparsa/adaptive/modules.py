@@ -17,6 +17,7 @@ Example::
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -85,6 +86,15 @@ class LayerState:
     model_speedup: Optional[float] = None
     #: the runtime's whole-step guard (shared by every layer); while it is suspended the layer runs dense
     guard: Optional[StepGuard] = None
+
+    def __deepcopy__(self, memo: dict) -> "LayerState":
+        # the calibration is the machine's shared cost table (it holds a lock): a copied layer uses it too
+        memo.setdefault(id(self.calibration), self.calibration)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        return new
 
     def predicted_ms(self, path: str) -> Optional[float]:
         """The calibrated forward+backward time of ``path`` at the monitored sparsity (None before both exist)."""
