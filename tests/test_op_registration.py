@@ -137,3 +137,51 @@ def test_registration_errors_name_the_fix():
     with pytest.raises(ValueError, match="takes 1 tensor"):
         sparsa.implements(torch.sin, (Masked, Masked))(MaskedSin)
     assert "sin" not in sparsa.ops.OPS
+
+
+# ----------------------------------------------------------------------------- aten rules
+def _is_sign(func, args, kwargs):
+    return func is torch.ops.aten.sign.default
+
+
+def test_register_rule_returns_a_handle_that_removes_it():
+    from sparsa.ops import aten_fallback as A
+
+    s = _masked()
+    h = A.register_rule("sign7", _is_sign)
+
+    @h
+    def seven(func, args, kwargs):
+        return torch.full(s.shape, 7.0)
+
+    assert seven.__name__ == "seven" and "sign7" in A.registered_rules() and "active" in repr(h)
+    try:
+        torch.testing.assert_close(torch.sign(s), torch.full(s.shape, 7.0))
+        assert sparsa.fallback_counts() == {}
+    finally:
+        h.remove()
+    assert "sign7" not in A.registered_rules() and "removed" in repr(h)
+    h.remove()  # a second remove does nothing
+    with pytest.warns(sparsa.SparseFallbackWarning):
+        torch.testing.assert_close(torch.sign(s), torch.sign(s.to_dense()))
+    h(seven)  # a removed handle may register again
+    assert A.registered_rules().count("sign7") == 1
+    h.remove()
+    with pytest.raises(ValueError, match="nothing to remove"):
+        A.register_rule("never", _is_sign).remove()
+
+
+def test_register_rule_as_a_context_manager_restores_the_replaced_rule():
+    from sparsa.ops import aten_fallback as A
+
+    before = A.registered_rules()
+    refill = next(r for r in A._RULES if r.name == "refill")
+    with A.register_rule("refill", lambda func, args, kwargs: False, replace=True) as h:
+        h(lambda func, args, kwargs: None)
+        assert A.registered_rules() == before and next(r for r in A._RULES if r.name == "refill") is h.rule
+        with pytest.raises(ValueError, match="already registered a handler"):
+            h(lambda func, args, kwargs: None)
+    assert A.registered_rules() == before and next(r for r in A._RULES if r.name == "refill") is refill
+    with A.register_rule("sign7", _is_sign) as h:
+        pass  # never decorated: nothing to undo
+    assert A.registered_rules() == before

@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.utils._pytree import tree_map
@@ -100,23 +100,78 @@ class AtenRule:
 _RULES: List[AtenRule] = []
 
 
-def register_rule(name: str, applies: Callable[[Any, tuple, dict], bool], *, replace: bool = False):
-    """Decorator: register ``handler(func, args, kwargs)`` as the aten rule ``name``.
+class RuleHandle:
+    """What :func:`register_rule` returns: the decorator that registers the handler (returning it unchanged)
+    and then the handle of that registration, as :func:`sparsa.implements` is. ``remove()`` unregisters the
+    rule (putting back the rule it replaced, if any; a later replacement stays), and as a context manager
+    the rule is removed at the end of the ``with`` block::
+
+        with register_rule("mine", applies) as rule:
+            rule(handler)
+            ...                              # the rule applies here
+    """
+
+    __slots__ = ("name", "applies", "replace", "rule", "_replaced", "removed")
+
+    def __init__(self, name: str, applies: Callable[[Any, tuple, dict], bool], replace: bool):
+        self.name, self.applies, self.replace = name, applies, replace
+        self.rule: Optional[AtenRule] = None
+        self._replaced: Optional[AtenRule] = None
+        self.removed = False
+
+    def __call__(self, handler: Callable[[Any, tuple, dict], Any]) -> Callable[[Any, tuple, dict], Any]:
+        if self.rule is not None and not self.removed:
+            raise ValueError(f"this register_rule({self.name!r}, ...) already registered a handler; call .remove() "
+                             "first or make a new one")
+        rule = AtenRule(self.name, self.applies, handler)
+        for i, r in enumerate(_RULES):
+            if r.name == self.name:
+                if not self.replace:
+                    raise ValueError(f"an aten rule named {self.name!r} is already registered; pass replace=True "
+                                     "to replace it")
+                self._replaced, _RULES[i] = r, rule
+                break
+        else:
+            self._replaced = None
+            _RULES.append(rule)
+        self.rule, self.removed = rule, False
+        return handler
+
+    def remove(self) -> None:
+        """Unregister the rule (again: nothing happens)."""
+        if self.rule is None:
+            raise ValueError(f"nothing to remove: register_rule({self.name!r}, ...) has not decorated a handler yet")
+        if self.removed:
+            return
+        self.removed = True
+        for i, r in enumerate(_RULES):
+            if r is self.rule:
+                if self._replaced is not None:
+                    _RULES[i] = self._replaced
+                else:
+                    del _RULES[i]
+                return
+
+    def __enter__(self) -> "RuleHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.rule is not None:
+            self.remove()
+
+    def __repr__(self) -> str:
+        state = "not registered" if self.rule is None else "removed" if self.removed else "active"
+        return f"RuleHandle({self.name!r}, {state})"
+
+
+def register_rule(name: str, applies: Callable[[Any, tuple, dict], bool], *, replace: bool = False) -> RuleHandle:
+    """Decorator: register ``handler(func, args, kwargs)`` as the aten rule ``name``, tried where
+    ``applies(func, args, kwargs)`` holds. Returns a :class:`RuleHandle`: after decorating,
+    ``.remove()`` (or the end of its ``with`` block) unregisters the rule.
 
     A second rule of the same name is an error unless ``replace=True`` (it then takes the old one's
-    place); :func:`unregister_rule` removes one."""
-    def deco(handler: Callable[[Any, tuple, dict], Any]) -> Callable[[Any, tuple, dict], Any]:
-        rule = AtenRule(name, applies, handler)
-        for i, r in enumerate(_RULES):
-            if r.name == name:
-                if not replace:
-                    raise ValueError(f"an aten rule named {name!r} is already registered; pass replace=True "
-                                     "to replace it")
-                _RULES[i] = rule
-                return handler
-        _RULES.append(rule)
-        return handler
-    return deco
+    place until removed); :func:`unregister_rule` removes one by name."""
+    return RuleHandle(name, applies, replace)
 
 
 def unregister_rule(name: str) -> None:
