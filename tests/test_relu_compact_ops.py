@@ -157,3 +157,33 @@ def test_gradcheck_linear_float64():
 def test_explain_names_the_implementations():
     assert sparsa.ops.explain("conv2d", ReluCompact, None, None, needs_grad=True).endswith("ReluCompactConv2d")
     assert sparsa.ops.explain("linear", ReluCompact, None, None, needs_grad=True).endswith("ReluCompactLinear")
+
+
+def test_the_gpu_route_runs_the_masked_implementations(monkeypatch):
+    """On a GPU the layout converts to masked and ActSparseConv2d / ActSparseLinear run (their Triton kernels
+    on CUDA); here the route is forced on the CPU, where they run their PyTorch reference."""
+    monkeypatch.setattr(activation_impls, "_on_gpu", lambda x: True)
+    seen = []
+    for cls in (activation_impls.ActSparseConv2d, activation_impls.ActSparseLinear):
+        real = cls.forward
+        monkeypatch.setattr(cls, "forward", staticmethod(lambda *a, real=real, **k: seen.append(1) or real(*a, **k)))
+    gen = torch.Generator().manual_seed(11)
+    _compare(
+        F.conv2d,
+        torch.randn(2, 4, 5, 5, generator=gen),
+        torch.randn(8, 4, 3, 3, generator=gen),
+        torch.randn(8, generator=gen),
+        4,
+        gen,
+        stride=2,
+        padding=1,
+    )
+    _compare(
+        F.linear,
+        torch.randn(6, 10, generator=gen),
+        torch.randn(5, 10, generator=gen),
+        torch.randn(5, generator=gen),
+        4,
+        gen,
+    )
+    assert len(seen) == 2

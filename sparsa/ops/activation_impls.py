@@ -44,6 +44,11 @@ __all__ = ["ReluCompactLinear", "ReluCompactConv2d"]
 _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
+def _on_gpu(x: ReluCompact) -> bool:
+    """Whether the call takes the GPU route (the Masked implementations)."""
+    return x.val.device.type != "cpu"
+
+
 def _needs(ctx: Any, i: int) -> bool:
     n = getattr(ctx, "needs_input_grad", ())
     return len(n) > i and bool(n[i])
@@ -90,7 +95,7 @@ class ReluCompactLinear:
 
     @staticmethod
     def forward(ctx: Any, x: ReluCompact, w: Tensor, b: Optional[Tensor] = None) -> Tensor:
-        if x.val.device.type != "cpu":
+        if _on_gpu(x):
             ctx.sparsa_delegate = ActSparseLinear
             return ActSparseLinear.forward(ctx, relu_compact_to_masked(x), w, b)
         a = x.to_dense()
@@ -108,7 +113,7 @@ class ReluCompactConv2d:
     def forward(
         ctx: Any, x: ReluCompact, w: Tensor, b: Optional[Tensor] = None, stride=1, padding=0, dilation=1, groups=1
     ) -> Tensor:
-        if x.val.device.type != "cpu":
+        if _on_gpu(x):
             ctx.sparsa_delegate = ActSparseConv2d
             return ActSparseConv2d.forward(ctx, relu_compact_to_masked(x), w, b, stride, padding, dilation, groups)
         a = x.to_dense()
