@@ -22,18 +22,17 @@ As a :func:`sparsa.sparsify` config: :class:`SparseGPT`, carrying its calibratio
 from __future__ import annotations
 
 import warnings
-from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import KW_ONLY, dataclass
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from ..layouts.base import check_fraction
 from ..nn import Rule
-from ..nn.config import FilterFn, SparsifyConfig, selected_linears
 from ..sparsifiers.base import Sparsifier
 from ..tensor import to_dense, to_sparse
 from .blockwise import blockwise_prune
+from .calibrated_config import CalibratedConfig
 from .calibration import collect_input_stats, forward_groups, layer_sparsifiers
 
 __all__ = ["SparseGPT", "sparsegpt_weight", "sparsegpt"]
@@ -82,7 +81,7 @@ def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, 
 
 
 @dataclass
-class SparseGPT(SparsifyConfig):
+class SparseGPT(CalibratedConfig):
     """SparseGPT as a :func:`sparsa.sparsify` config: prune the ``nn.Linear`` layers (those ``filter_fn``
     accepts; default: all the forward uses, or every Linear inside the transformer blocks) to
     ``pattern`` at ``sparsity`` (or by ``sparsifier``), updating the remaining weights, calibrated on
@@ -97,31 +96,16 @@ class SparseGPT(SparsifyConfig):
     'nm'
     """
 
-    sparsity: float = 0.5
+    method: ClassVar[str] = "SparseGPT"
+
     _: KW_ONLY
-    pattern: Optional[str] = None
-    calibration: Any = field(default=None, repr=False)   # batches: too large to print
-    layout: Optional[str] = None
-    sparsifier: Optional[Sparsifier] = None
-    forward: Optional[Callable[[nn.Module, Any], Any]] = None
     sequential: bool = True
     block: int = 128
     damp: float = 0.01
-    blockwise: Optional[bool] = None
-    blocks: Union[None, str, nn.ModuleList] = None
-    sparsities: Optional[Mapping[str, float]] = None
-    progress: bool = False
 
-    def __post_init__(self) -> None:
-        from .wanda import check_calibration
-        check_fraction(self.sparsity, "sparsity")
-        self.calibration = check_calibration(self.calibration, "SparseGPT")
-
-    def apply(self, model: nn.Module, filter_fn: Optional[FilterFn] = None) -> None:
-        from .pattern import resolve_pattern
-        sp, layout = resolve_pattern(self.sparsity, self.pattern, self.layout, self.sparsifier)
-        _sparsegpt(model, self.calibration, sp, layout, selected_linears(model, filter_fn), self.forward,
-                   self.sequential, self.block, self.damp, self.progress, self.blockwise, self.blocks, self.sparsities)
+    def prune(self, model: nn.Module, sparsifier: Sparsifier, layout: str, names: Optional[Sequence[str]]) -> None:
+        _sparsegpt(model, self.calibration, sparsifier, layout, names, self.forward, self.sequential, self.block,
+                   self.damp, self.progress, self.blockwise, self.blocks, self.sparsities)
 
 
 def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",

@@ -15,16 +15,15 @@ output row), ``"2:4"`` its N:M variant, and ``"row_group16"`` the fast CPU layou
 from __future__ import annotations
 
 import warnings
-from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from ..layouts.base import check_fraction
 from ..nn import Rule, sparsify
-from ..nn.config import FilterFn, SparsifyConfig, selected_linears
 from ..sparsifiers.base import Sparsifier, check_sparsifier, is_sparsifier, layout_params_of
 from .blockwise import blockwise_prune
+from .calibrated_config import CalibratedConfig, check_calibration
 from .calibration import collect_input_stats, layer_sparsifiers
 
 __all__ = ["Wanda", "WandaSparsifier", "wanda", "check_calibration"]
@@ -54,20 +53,8 @@ class WandaSparsifier(Sparsifier):
         return {"base": self.base}
 
 
-def check_calibration(calibration: Any, method: str) -> list:
-    """``calibration`` as a list of model inputs; ``ValueError`` naming the argument when it is empty."""
-    if calibration is None or isinstance(calibration, (str, bytes)):
-        raise TypeError(f"{method}: calibration must be an iterable of model inputs (e.g. [tokenized batch, ...]), "
-                        f"got {type(calibration).__name__}")
-    batches = list(calibration)
-    if not batches:
-        raise ValueError(f"{method}: calibration is empty; pass calibration=[batch, ...] (model inputs, e.g. "
-                         "a few tokenized batches of representative text)")
-    return batches
-
-
 @dataclass
-class Wanda(SparsifyConfig):
+class Wanda(CalibratedConfig):
     """Wanda as a :func:`sparsa.sparsify` config: prune the ``nn.Linear`` layers (those ``filter_fn``
     accepts; default: all the forward uses, or every Linear inside the transformer blocks) by
     ``|W| * ||X||`` calibrated on ``calibration`` (each batch fed as ``forward(model, batch)``,
@@ -85,17 +72,7 @@ class Wanda(SparsifyConfig):
     ('masked', 0.5)
     """
 
-    sparsity: float = 0.5
-    _: KW_ONLY
-    pattern: Optional[str] = None
-    calibration: Any = field(default=None, repr=False)   # batches: too large to print
-    layout: Optional[str] = None
-    sparsifier: Optional[Sparsifier] = None
-    forward: Optional[Callable[[nn.Module, Any], Any]] = None
-    blockwise: Optional[bool] = None
-    blocks: Union[None, str, nn.ModuleList] = None
-    sparsities: Optional[Mapping[str, float]] = None
-    progress: bool = False
+    method: ClassVar[str] = "Wanda"
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # the old sparsifier spelling Wanda(base, input_norm): users have code that builds it
@@ -107,15 +84,9 @@ class Wanda(SparsifyConfig):
             return WandaSparsifier(*args, **kwargs)
         return super().__new__(cls)
 
-    def __post_init__(self) -> None:
-        check_fraction(self.sparsity, "sparsity")
-        self.calibration = check_calibration(self.calibration, "Wanda")
-
-    def apply(self, model: nn.Module, filter_fn: Optional[FilterFn] = None) -> None:
-        from .pattern import resolve_pattern
-        sp, layout = resolve_pattern(self.sparsity, self.pattern, self.layout, self.sparsifier)
-        _wanda(model, self.calibration, sp, layout, selected_linears(model, filter_fn), self.forward,
-               self.blockwise, self.blocks, self.progress, self.sparsities)
+    def prune(self, model: nn.Module, sparsifier: Sparsifier, layout: str, names: Optional[Sequence[str]]) -> None:
+        _wanda(model, self.calibration, sparsifier, layout, names, self.forward, self.blockwise, self.blocks,
+               self.progress, self.sparsities)
 
 
 def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
