@@ -17,7 +17,11 @@ ReLU output, for Linear and (through ``unfold``) Conv2d, forward and both gradie
 
 Dense rows/columns cost nothing extra beyond the index lists, so the kernels stay correct at any
 sparsity; they pay where zeros come in runs (dead channels, zero pixels in a panel). The choice of
-sparse vs dense is the caller's policy (see :func:`sparsa.gpu.monitor.sampled_density`).
+sparse vs dense is the caller's policy; :class:`sparsa.adaptive.SparsityMonitor` estimates the density
+on the device with the sampled-count kernel of this module (no host sync).
+
+The panel compaction is private (``_compact_panels``): the public compaction of sparsa is
+:func:`sparsa.adaptive.compact` (the ``relu_compact`` layout); ``compact`` here is its former name.
 
 Example (on a GPU, or on the CPU with ``TRITON_INTERPRET=1``)::
 
@@ -39,7 +43,7 @@ from ._triton import LazyKernel, interpreting, require_triton
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
-__all__ = ["Compacted", "compact", "act_sparse_mm", "act_sparse_grad_input", "act_sparse_grad_weight",
+__all__ = ["Compacted", "act_sparse_mm", "act_sparse_grad_input", "act_sparse_grad_weight",
            "act_sparse_linear", "act_sparse_conv2d"]
 
 
@@ -60,6 +64,25 @@ def _compact_kernel(a_ptr, idx_ptr, cnt_ptr, R, C, stride_r, stride_c,
         tl.store(idx_ptr + p.to(tl.int64) * C + slot, cc.to(tl.int32), mask=active != 0)
         total += tl.sum(active, axis=0)
     tl.store(cnt_ptr + p, total)
+
+
+@LazyKernel
+def _sampled_count_kernel(x_ptr, out_ptr, numel, n_samples, stride, offset, BLOCK: tl.constexpr):
+    """Adds (nonzeros, samples) of ``x[offset + i * stride]``, ``i < n_samples``, into ``out``."""
+    pid = tl.program_id(0)
+    i = (pid * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    idx = i * stride + offset
+    ok = (i < n_samples) & (idx < numel)
+    v = tl.load(x_ptr + idx, mask=ok, other=0)
+    tl.atomic_add(out_ptr, tl.sum(((v != 0) & ok).to(tl.int32), axis=0))
+    tl.atomic_add(out_ptr + 1, tl.sum(ok.to(tl.int32), axis=0))
+
+
+def _sampled_count(flat: Tensor, out: Tensor, numel: int, n_samples: int, stride: int, offset: int) -> None:
+    """Launch :func:`_sampled_count_kernel` (the device path of :func:`sparsa.adaptive.monitor.sampled_counts`)."""
+    block = 1024
+    _sampled_count_kernel[(triton.cdiv(n_samples, block),)](flat, out, numel, n_samples, stride, offset,
+                                                            BLOCK=block, **launch_opts(4, 1))
 
 
 @LazyKernel
@@ -174,11 +197,11 @@ def _as_pattern(active: Tensor) -> Tensor:
     return active.view(torch.uint8) if active.dtype == torch.bool else active
 
 
-def compact(active: Tensor, block_m: Optional[int] = None, block_k: Optional[int] = None,
-            need_rows: bool = True) -> Compacted:
+def _compact_panels(active: Tensor, block_m: Optional[int] = None, block_k: Optional[int] = None,
+                    need_rows: bool = True) -> Compacted:
     """Index lists of the nonzeros of the 2-D ``active`` (an activation, or a bool mask), by panel.
 
-    >>> # c = compact(torch.relu(torch.randn(64, 32)))   # on a GPU or under TRITON_INTERPRET=1
+    >>> # c = _compact_panels(torch.relu(torch.randn(64, 32)))   # on a GPU or under TRITON_INTERPRET=1
     """
     if not isinstance(active, Tensor) or active.dim() != 2:
         raise ValueError(f"active must be a 2-D tensor (rows, cols), got "
@@ -200,6 +223,10 @@ def compact(active: Tensor, block_m: Optional[int] = None, block_k: Optional[int
     return Compacted(cols, ccnt, rows, rcnt, bm, bk)
 
 
+#: the former public name of :func:`_compact_panels` (kept so old imports work)
+compact = _compact_panels
+
+
 # =============================================================================== the three GEMMs
 def _check(a: Tensor, w: Tensor) -> None:
     check_kernel_tensor(a, "a")
@@ -218,7 +245,7 @@ def act_sparse_mm(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     a, weight = a.contiguous(), weight.contiguous()
     m, k = a.shape
     n = weight.shape[0]
-    c = compacted if compacted is not None else compact(a, need_rows=False)
+    c = compacted if compacted is not None else _compact_panels(a, need_rows=False)
     y = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0 or n == 0:
         return y
@@ -270,7 +297,7 @@ class _ActSparseLinear(torch.autograd.Function):
     def forward(ctx, a: Tensor, weight: Tensor, bias: Optional[Tensor],  # type: ignore[override]
                 active: Optional[Tensor] = None) -> Tensor:
         act = a if active is None else active
-        c = compact(act, need_rows=ctx.needs_input_grad[1])
+        c = _compact_panels(act, need_rows=ctx.needs_input_grad[1])
         ctx.compacted = c
         ctx.save_for_backward(a, weight, act)
         ctx.has_bias = bias is not None

@@ -172,8 +172,8 @@ class ActSparseLinear:
         ctx.fast = _act_linear_applies(x, w, b)
         ctx.x_shape, ctx.has_bias = a.shape, b is not None
         if ctx.fast:
-            from ..gpu.act_sparse import act_sparse_mm, compact
-            c = ctx.compacted = compact(act2, need_rows=_needs(ctx, 1))
+            from ..gpu.act_sparse import _compact_panels, act_sparse_mm
+            c = ctx.compacted = _compact_panels(act2, need_rows=_needs(ctx, 1))
             y = act_sparse_mm(a2, w, b, c)
         else:
             y = F.linear(a2, w, b)
