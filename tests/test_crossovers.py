@@ -80,6 +80,8 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
 
 def test_cli_refit_and_clear(table, monkeypatch, capsys):
     monkeypatch.setattr(crossover_refit, "refit", lambda cm: {n: 0.2 for n in crossovers.CROSSOVERS})
+    from sparsa.adaptive import cost_fits_refit
+    monkeypatch.setattr(cost_fits_refit, "refit", lambda cm: ({}, {}))  # tests/test_adaptive_cost_fits.py
     assert cli.main(["cost", "--refit"]) == 0
     assert "crossover row_group.backward: sparse at density <= 0.2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
