@@ -1,16 +1,19 @@
 """Refit the conv backward cost models of :mod:`sparsa.adaptive.cost_fits` on this CPU (``sparsa cost --refit``).
 
-Each family of kernels is timed side by side (round robin, median) on one synthetic stride-1 3x3 conv with
-clustered zeros at a few densities of relu(x) and dY, and the coefficients of its models are fitted by least
-squares and stored in the cost table. The size-class terms (``big_weight``, ``small_c``) are not varied by the
-measurement and keep their defaults. Only kernels this CPU runs are timed: the union kernels need AVX-512 and
-the native build, the list kernels the native build; the others are reported as skipped, with the reason.
+Each family of kernels is timed side by side (round robin, the fastest of a few rounds) on one synthetic
+stride-1 3x3 conv with clustered zeros at a few densities of relu(x) and dY, and the coefficients of its
+models are fitted by least squares and stored in the cost table, unless the timings fit too poorly (a busy
+machine): such a model keeps its coefficients and is reported as skipped. The size-class terms
+(``big_weight``, ``small_c``) are not varied by the measurement and keep their defaults. Only kernels this
+CPU runs are timed: the union kernels need AVX-512 and the native build, the list kernels the native build;
+the others are reported as skipped, with the reason.
 
 Example::
 
     >>> from sparsa.cost_model import CostModel
     >>> from sparsa.adaptive.cost_fits_refit import refit
-    >>> fitted, skipped = refit(CostModel(None), names=["conv_list.dw.dy"], shape=(2, 16, 8, 8), rounds=1)
+    >>> fitted, skipped = refit(CostModel(None), names=["conv_list.dw.dy"], shape=(2, 16, 8, 8), rounds=1,
+    ...                         max_residual=float("inf"))
     >>> sorted(fitted) + sorted(skipped)
     ['conv_list.dw.dy']
 """
@@ -18,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +30,6 @@ from torch import Tensor
 from ..cost_model import CostModel, default_cost_model
 from ..kernels import adaptive as _k
 from ..kernels import adaptive_union as _u
-from ..timing import round_robin_ms
 from . import cost_fits as _fits
 from .compaction import DEFAULT_SLICE
 
@@ -35,6 +38,10 @@ __all__ = ["refit", "skip_reason"]
 CL = torch.channels_last
 #: relu(x) and dY densities timed (3 points per fitted line)
 DENSITIES = (0.1, 0.25, 0.5)
+#: a refit whose timings stray further than this from its line (RMS over the mean) is not stored
+MAX_RESIDUAL = 0.3
+#: a model's coefficients and the relative residual of the fit behind them
+Fit = Tuple[Dict[str, float], float]
 
 
 def skip_reason(kernels: str) -> Optional[str]:
@@ -46,6 +53,21 @@ def skip_reason(kernels: str) -> Optional[str]:
     return None
 
 
+def _fastest_ms(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+    """Fastest ms per call of each function over ``rounds`` round-robin rounds, after one warm-up call each.
+    The fastest rather than the median: other work on the machine only ever adds time, and a fit needs the
+    kernels' own cost ratios, steady from one refit to the next."""
+    for fn in fns.values():
+        fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(max(1, rounds)):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def _clustered(shape: Sequence[int], density: float, gen: torch.Generator) -> Tensor:
     """A mask with about ``density`` of ones whose zeros cluster per pixel, like a ReLU output's."""
     N, C, H, W = shape
@@ -55,15 +77,19 @@ def _clustered(shape: Sequence[int], density: float, gen: torch.Generator) -> Te
     return a > t
 
 
-def _lstsq(rows: List[List[float]], ys: List[float]) -> List[float]:
+def _lstsq(rows: List[List[float]], ys: List[float]) -> Tuple[List[float], float]:
+    """Least-squares coefficients, and the RMS residual relative to the mean of ``ys`` (how well they fit)."""
     A = torch.tensor(rows, dtype=torch.float64)
     y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-    return [float(v) for v in torch.linalg.lstsq(A, y).solution.squeeze(1)]
+    coef = torch.linalg.lstsq(A, y).solution
+    rel = float((A @ coef - y).pow(2).mean().sqrt() / y.abs().mean().clamp_min(1e-30))
+    return [float(v) for v in coef.squeeze(1)], rel
 
 
-def _through_origin(xs: List[float], ys: List[float]) -> float:
-    """Slope of the least-squares line through the origin."""
-    return sum(x * y for x, y in zip(xs, ys)) / max(1e-30, sum(x * x for x in xs))
+def _through_origin(xs: List[float], ys: List[float]) -> Tuple[float, float]:
+    """Slope of the least-squares line through the origin, and its relative residual (as :func:`_lstsq`)."""
+    (k,), rel = _lstsq([[x] for x in xs], ys)
+    return k, rel
 
 
 def _inputs(shape, densities, gen):
@@ -80,7 +106,7 @@ def _inputs(shape, densities, gen):
     return xs, gys
 
 
-def _refit_list(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
+def _refit_list(shape, densities, rounds) -> Dict[str, Fit]:
     """``conv_list.dx.dy`` and ``conv_list.dw.dy`` from the list kernels (C = O, so no sqrt(C / O) term)."""
     gen = torch.Generator().manual_seed(0)
     N, C, H, W = shape
@@ -118,7 +144,7 @@ def _refit_list(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
                 gc, gi, gv, x.permute(0, 2, 3, 1), geo, S, w.stride()
             )
         with torch.no_grad():
-            t = round_robin_ms(fns, rounds)
+            t = _fastest_ms(fns, rounds)
         x_work.append(nnz_x * O)
         x_unit.append(t["x"])
         both_share.append((t["both"] - t["dw_x"]) / t["x"])
@@ -129,18 +155,26 @@ def _refit_list(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
             dy_t.append(t[f"dy{dg}"])
             dwdy_work.append(nnz_g[dg] * C)
             dwdy_t.append(t[f"dwdy{dg}"])
-    u = _through_origin(x_work, x_unit)  # ms per unit of the x path's work
-    per_nnz, fixed = (max(0.0, v) for v in _lstsq(dy_rows, [ti / u for ti in dy_t]))
+    u, r_x = _through_origin(x_work, x_unit)  # ms per unit of the x path's work
+    (per_nnz, fixed), r_dy = _lstsq(dy_rows, [ti / u for ti in dy_t])
     margin = _fits.COST_FITS["conv_list.dx.dy"].defaults["margin"]  # a safety factor, not measured
     share = min(1.0, max(0.05, statistics.median(both_share)))
-    ratio = _through_origin(dwx_work, dwx_t) / max(1e-30, _through_origin(dwdy_work, dwdy_t))
+    (a, r_a), (b, r_b) = _through_origin(dwx_work, dwx_t), _through_origin(dwdy_work, dwdy_t)
     return {
-        "conv_list.dx.dy": {"per_nnz": per_nnz, "fixed": fixed, "margin": margin, "margin_with_dw": margin * share},
-        "conv_list.dw.dy": {"ratio": ratio},
+        "conv_list.dx.dy": (
+            {
+                "per_nnz": max(0.0, per_nnz),
+                "fixed": max(0.0, fixed),
+                "margin": margin,
+                "margin_with_dw": margin * share,
+            },
+            max(r_x, r_dy),
+        ),
+        "conv_list.dw.dy": ({"ratio": a / max(1e-30, b)}, max(r_a, r_b)),
     }
 
 
-def _refit_union(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
+def _refit_union(shape, densities, rounds) -> Dict[str, Fit]:
     """The ``conv_union.*`` models: each kernel's time over the dense GEMM's, against d_x or d_g."""
     gen = torch.Generator().manual_seed(0)
     N, C, H, W = shape
@@ -181,7 +215,7 @@ def _refit_union(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
                 _u.union_operand(g, relu=False), op.values, geo, w.stride()
             )
         with torch.no_grad():
-            t = round_robin_ms(fns, rounds)
+            t = _fastest_ms(fns, rounds)
         pts["dx.x"].append((dx_, t["dx_x"] / t["dx_dense"]))
         pts["dw.lists"].append((dx_, t["dw_lists"] / t["dw_dense"]))
         pts["dw.x"].append((dx_ * r, t["dw_x"] / t["dw_dense"]))
@@ -193,14 +227,14 @@ def _refit_union(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
     g2 = torch.randn(N, O, (H + 1) // 2, (W + 1) // 2, generator=gen).contiguous(memory_format=CL)
     nz = x != 0
     with torch.no_grad():
-        t = round_robin_ms(
+        t = _fastest_ms(
             {
                 "plain": lambda: bw(x, [True, False, False], 2, g2),
                 "masked": lambda: bw(x, [True, False, False], 2, g2)[0].mul_(nz),
             },
             rounds,
         )
-    out: Dict[str, Dict[str, float]] = {"conv_union.dx.dense": {"base": t["masked"] / t["plain"]}}
+    out: Dict[str, Fit] = {"conv_union.dx.dense": ({"base": t["masked"] / t["plain"]}, 0.0)}
     for short, slope in (
         ("dx.x", "per_dx"),
         ("dx.dy", "per_dg"),
@@ -209,14 +243,14 @@ def _refit_union(shape, densities, rounds) -> Dict[str, Dict[str, float]]:
         ("dw.dy", "per_dg"),
     ):
         name = "conv_union." + short
-        base, k = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])
+        (base, k), rel = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])
         c = dict(_fits.COST_FITS[name].defaults)  # size-class terms: not varied here, defaults kept
         c.update(base=base, **{slope: k})
-        out[name] = c
+        out[name] = (c, rel)
     return out
 
 
-_FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Dict[str, float]]], Tuple[int, int, int, int]]] = {
+_FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Fit]], Tuple[int, int, int, int]]] = {
     "list": (_refit_list, (16, 64, 32, 32)),
     "union": (_refit_union, (16, 128, 16, 16)),
 }
@@ -229,12 +263,14 @@ def refit(
     densities: Sequence[float] = DENSITIES,
     rounds: int = 5,
     force: Sequence[str] = (),
+    max_residual: float = MAX_RESIDUAL,
 ) -> Tuple[Dict[str, Mapping[str, float]], Dict[str, str]]:
     """Time the kernels of the cost models ``names`` (default: all) this CPU runs, fit and store their
     coefficients; returns ``(fitted, skipped)``: the coefficients by name, and why each other name was not
     timed. ``shape`` ``(N, C, H, W)`` (C = O) replaces each family's representative conv; ``force`` names
     families ("union", "list") to time even where the native kernels are missing (their PyTorch fallbacks
-    then run: for tests of the procedure, not figures to keep)."""
+    then run: for tests of the procedure, not figures to keep). A model whose timings fit its line worse than
+    ``max_residual`` (RMS residual over the mean) is not stored: it is skipped as too unsteady."""
     cm = cost_model if cost_model is not None else default_cost_model()
     names = list(_fits.COST_FITS) if names is None else list(names)
     for n in names:
@@ -253,13 +289,21 @@ def refit(
             continue
         shp = tuple(shape) if shape is not None else default_shape
         threads = torch.get_num_threads()
-        for n, c in run(shp, tuple(sorted(densities)), rounds).items():
-            if n in mine:
-                cm.set_fit(
-                    _fits.PREFIX + n,
-                    {**{k: round(v, 4) for k, v in c.items()}, "shape": list(shp), "threads": threads},
-                    save=False,
+        for n, (c, rel) in run(shp, tuple(sorted(densities)), rounds).items():
+            if n not in mine:
+                continue
+            if rel > max_residual:
+                skipped[n] = (
+                    f"the timings were too unsteady to fit (residual {rel:.0%} of the mean time, above "
+                    f"{max_residual:.0%}): rerun on an idle machine"
                 )
-                fitted[n] = _fits.coefficients(n, cm)
+                continue
+            params = {k: round(v, 4) for k, v in c.items()}
+            cm.set_fit(
+                _fits.PREFIX + n,
+                {**params, "residual": round(rel, 4), "shape": list(shp), "threads": threads},
+                save=False,
+            )
+            fitted[n] = _fits.coefficients(n, cm)
     cm.save()
     return fitted, skipped
