@@ -115,3 +115,25 @@ def test_thread_splits_match(path, threads, T):
     finally:
         torch.set_num_threads(old)
     _check(y, x.double() @ wd.T, x.double().abs() @ wd.abs().T, torch.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["f32", "bf16"])
+@pytest.mark.parametrize("act", ["none", "gelu"])
+def test_one_token_path_split_across_threads(path, threads, dtype, act):
+    """One token takes the scalar decode path, split by row blocks once the weight has enough entries
+    (here ~150k over 517 rows, an odd count: the last slice has one real row)."""
+    gen = torch.Generator().manual_seed(threads)
+    sp, cols, vals, wd = _layout(517, 1200, 0.75, gen, shuffle=True, dtype=dtype)
+    x = torch.randn(1, 1200, generator=gen).to(dtype)
+    b = torch.randn(517, generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = se.sliced_ell_linear(x, sp, cols, vals, b, 517, act)
+    finally:
+        torch.set_num_threads(old)
+    ref = x.double() @ wd.T + b.double()
+    if act == "gelu":
+        ref = torch.nn.functional.gelu(ref)
+    _check(y, ref, x.double().abs() @ wd.abs().T + b.double().abs(), dtype)

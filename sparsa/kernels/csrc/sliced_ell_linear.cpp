@@ -7,6 +7,8 @@
 // transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
 // processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in chunks that
 // keep the panel's rows being read in L1 (see panel_rows). OpenMP over (token panel, row chunk).
+// A single token (decode) takes a scalar path instead (one_token): same products, each row summed in two
+// interleaved partial sums, so its rounding differs slightly from the panel path's.
 //
 // bfloat16 (sparsa_sliced_ell_linear_bf16): the same kernel with bf16 X, weight values and Y. X is widened
 // to fp32 while its panel is transposed into xt, each weight is widened (a shift) as it is broadcast,
@@ -266,6 +268,66 @@ void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __
     }
 }
 
+// One token: the panel path would spend a 32-byte load of mostly idle lanes on every kept weight. Instead
+// each weight multiplies its scalar X value; each row sums its even and odd slots in two chains (latency),
+// then adds them. Not auto-vectorised: gcc would turn the indexed loads into gathers, which are slower
+// than scalar loads on AMD Zen.
+template <typename XT, typename WT, typename YT>
+__attribute__((optimize("no-tree-vectorize"))) void one_token(const XT* __restrict x, const int64_t* __restrict sptr,
+                                                               const int32_t* __restrict cols,
+                                                               const WT* __restrict vals, int64_t s0, int64_t s1,
+                                                               int64_t R, const float* __restrict bias,
+                                                               YT* __restrict y, bool act) {
+    alignas(64) float out[2 * SBLOCK];
+    for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
+        const int64_t se = std::min(s1, sb + SBLOCK);
+        for (int64_t s = sb; s < se; ++s) {
+            const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+            const int32_t* c = cols + p0;
+            const WT* w = vals + p0;
+            float e0 = 0.f, e1 = 0.f, o0 = 0.f, o1 = 0.f;
+            int64_t j = 0;
+            for (; j + 2 <= L; j += 2) {
+                const int32_t* cj = c + 2 * j;
+                const WT* wj = w + 2 * j;
+                e0 += to_f32(wj[0]) * to_f32(x[cj[0]]);
+                o0 += to_f32(wj[1]) * to_f32(x[cj[1]]);
+                e1 += to_f32(wj[2]) * to_f32(x[cj[2]]);
+                o1 += to_f32(wj[3]) * to_f32(x[cj[3]]);
+            }
+            if (j < L) {
+                e0 += to_f32(w[2 * j]) * to_f32(x[c[2 * j]]);
+                o0 += to_f32(w[2 * j + 1]) * to_f32(x[c[2 * j + 1]]);
+            }
+            out[2 * (s - sb)] = e0 + e1;
+            out[2 * (s - sb) + 1] = o0 + o1;
+        }
+        const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
+        if (bias)
+            for (int64_t r = 0; r < nr; ++r) out[r] += bias[r0 + r];
+        if (act) sparsa_gelu_inplace(out, nr);
+        for (int64_t r = 0; r < nr; ++r) store_y(y + r0 + r, out[r]);
+    }
+}
+
+template <typename XT, typename WT, typename YT>
+void run_one_token(const XT* x, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
+                   const float* bias, YT* y, int nthreads, bool act) {
+    const int64_t ns = (R + 1) / 2, nblk = (ns + SBLOCK - 1) / SBLOCK;
+    // whole blocks per thread, and fewer threads when there are too few weights to pay for waking them
+    const int64_t by_work = std::max<int64_t>(1, slice_ptr[ns] / (1 << 15));
+    const int nth = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)nthreads, nblk, by_work}));
+    if (nth == 1) {
+        one_token(x, slice_ptr, cols, vals, 0, ns, R, bias, y, act);
+        return;
+    }
+#pragma omp parallel for num_threads(nth) schedule(static)
+    for (int i = 0; i < nth; ++i) {
+        const int64_t s0 = nblk * i / nth * SBLOCK, s1 = std::min(ns, nblk * (i + 1) / nth * SBLOCK);
+        if (s0 < s1) one_token(x, slice_ptr, cols, vals, s0, s1, R, bias, y, act);
+    }
+}
+
 template <typename WT, typename YT>
 using PanelFn = void (*)(const float*, int, int64_t, const int64_t*, const int32_t*, const WT*, int64_t, int64_t,
                          int64_t, const float*, YT*, bool);
@@ -273,6 +335,7 @@ using PanelFn = void (*)(const float*, int, int64_t, const int64_t*, const int32
 template <typename XT, typename WT, typename YT>
 void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
          const float* bias, YT* y, int nthreads, bool act) {
+    if (T == 1) return run_one_token(x, slice_ptr, cols, vals, R, bias, y, nthreads, act);
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
     int64_t nrc = 1;  // row chunks per panel
@@ -334,7 +397,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 5; }
+int sparsa_sliced_ell_version() { return 6; }
 
 // x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R];
 // act: 0 none, 1 GELU (erf form) after the bias.
