@@ -9,10 +9,11 @@ Model: SmolLM2-135M-Instruct (Llama architecture, 30 decoder blocks), from the P
 - ``sparsegpt`` and ``wanda``, block by block (``sparsa.methods.blockwise``), at 50% unstructured
   (per output row), 2:4 and 4:8.
 
-Calibration: windows of English prose, standard-library docstring sentences
-(``sparsa.data.text``). Held out, disjoint from calibration: ``prose``, other sentences of the same
-pool; ``code``, the Python source of standard-library modules whose docstrings are not in the
-pool. Perplexity: ``exp`` of the mean next-token loss over non-overlapping windows
+Calibration (``--calibration``): ``prose`` (default), windows of English prose, standard-library
+docstring sentences (``sparsa.data.text``); ``mixed``, half of those windows and half from the Python
+source of the modules those docstrings come from. Held out, disjoint from calibration: ``prose``,
+other sentences of the same pool; ``code``, the Python source of standard-library modules whose
+docstrings are not in the pool. Perplexity: ``exp`` of the mean next-token loss over non-overlapping windows
 (``sparsa.methods.perplexity``).
 
 Writes ``benchmarks/results/<cpu class>/llm_quality.json`` (``$SPARSA_RESULTS_DIR`` or ``--out``
@@ -76,6 +77,14 @@ def code_files(max_chars: int) -> List[Path]:
     return out
 
 
+def calibration_code_files() -> List[Path]:
+    """The ``.py`` files of the calibration pool's modules (``sparsa.data.text.MODULES``): disjoint from
+    :func:`code_files`, which skips those modules."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = [lib / (m.replace(".", "/") + ".py") for m in MODULES]
+    return [f for f in files if f.is_file()]
+
+
 def _windows(tok: Any, texts: Sequence[str], seq_len: int, n: int, what: str) -> torch.Tensor:
     w = text_windows(tok, texts, seq_len, n)
     if w.shape[0] < n:
@@ -115,6 +124,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--patterns", default=None,
                     help=f"comma-separated subset of {','.join(PATTERNS)} for sparsegpt and wanda "
                          f"(default: all; {','.join(QUICK_PATTERNS)} with --quick)")
+    ap.add_argument("--calibration", choices=("prose", "mixed"), default="prose",
+                    help="calibration text: docstring prose (default), or half prose and half Python source "
+                         "of the same modules")
     args = ap.parse_args(argv)
     args.patterns = args.patterns or ",".join(QUICK_PATTERNS if args.quick else PATTERNS)
     patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
@@ -138,6 +150,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     calib_text, prose_text = calibration_and_evaluation(len(pool) - HELD_OUT_SENTENCES, HELD_OUT_SENTENCES)
     files = code_files(max_chars=n_eval * seq_len * 8)
     calib = _windows(tok, calib_text, seq_len, n_calib, "calibration")
+    if args.calibration == "mixed":
+        source = [f.read_text(encoding="utf-8", errors="replace") for f in calibration_code_files()]
+        half = n_calib // 2
+        calib = torch.cat([calib[:n_calib - half], _windows(tok, source, seq_len, half, "calibration (code)")])
     batches = [calib[i:i + per_batch] for i in range(0, n_calib, per_batch)]
     domains = {"prose": _windows(tok, prose_text, seq_len, n_eval, "prose"),
                "code": _windows(tok, [f.read_text(encoding="utf-8", errors="replace") for f in files], seq_len,
@@ -181,7 +197,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
            "pruned": f"the {len(names)} nn.Linear layers of the decoder blocks (tied embedding/head dense)",
            "layout": LAYOUT, "seq_len": seq_len, "patterns": patterns,
            "calibration": {"text": "standard-library docstring sentences (sparsa.data.text), disjoint from the "
-                                   "held-out prose", "windows": n_calib, "tokens": n_calib * seq_len,
+                                   "held-out prose"
+                                   + ("; half the windows from the Python source of the same modules (disjoint "
+                                      "from the code domain)" if args.calibration == "mixed" else ""),
+                           "kind": args.calibration, "windows": n_calib, "tokens": n_calib * seq_len,
                            "windows_per_batch": per_batch},
            "domains": {"prose": f"{HELD_OUT_SENTENCES} held-out standard-library docstring sentences",
                        "code": "Python source of standard-library modules outside the calibration pool: "
