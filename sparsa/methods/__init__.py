@@ -35,6 +35,7 @@ from .distill import distill, distillation_loss  # noqa: F401
 from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
 from .allocation import owl_sparsities, outlier_ratios, uniform_sparsities, weighted_mean_sparsity  # noqa: F401
 from .recover import RecoverReport, recover  # noqa: F401
+from .activation import ActivationSparsity  # noqa: F401
 
 __all__ = ["OneShot", "Gradual", "Wanda", "SparseGPT", "WandaSparsifier", "resolve_pattern",
            "set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
@@ -43,4 +44,4 @@ __all__ = ["OneShot", "Gradual", "Wanda", "SparseGPT", "WandaSparsifier", "resol
            "collect_input_stats", "forward_groups", "BlockwiseReport", "blockwise_prune", "find_blocks", "perplexity",
            "text_windows", "window_perplexity", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
            "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync", "owl_sparsities", "outlier_ratios",
-           "uniform_sparsities", "weighted_mean_sparsity", "RecoverReport", "recover"]
+           "uniform_sparsities", "weighted_mean_sparsity", "RecoverReport", "recover", "ActivationSparsity"]
