@@ -5,7 +5,13 @@ on the whole batch: same values, same patterns, patterns identical on both ranks
 """
 import os
 import socket
+import sys
+import time
+import traceback
 import warnings
+from datetime import timedelta
+
+import pytest
 
 import torch
 import torch.distributed as dist
@@ -53,11 +59,15 @@ def _state(model: nn.Module):
             for n, p in model.named_parameters()}
 
 
+#: seconds the two ranks get in all (they take a few here); past it the test fails instead of hanging
+DEADLINE = 240
+
+
 def _worker(rank: int, port: int, out_path: str) -> None:
     warnings.simplefilter("ignore")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
         model = _model(seed=rank)  # deliberately different on each rank
         assert broadcast_sparse_parameters(model) == 2  # DDP broadcasts only the dense ones
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -69,13 +79,27 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         in_sync = patterns_in_sync(model)
         if rank == 0:
             torch.save({"state": _state(model), "in_sync": in_sync}, out_path)
-    finally:
-        dist.destroy_process_group()
+        dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # Leave without destroy_process_group: ProcessGroupGloo's destructor joins its run-loop thread while
+    # holding the GIL, and that thread can be waiting for the GIL (a deadlock seen in CI).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_ddp_matches_single_process_with_rigl(tmp_path):
     out = str(tmp_path / "rank0.pt")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=WORLD, join=True)
+    ctx = mp.start_processes(_worker, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
+    end = time.monotonic() + DEADLINE
+    while not ctx.join(timeout=2):  # raises if a rank failed
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the {WORLD} DDP ranks did not finish within {DEADLINE} s")
     got = torch.load(out, weights_only=False)
     assert got["in_sync"]
 
