@@ -47,7 +47,7 @@ class KernelOp:
         self.op, self.impl = op, impl
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and _direct(args) and _direct(kwargs.values()):
+        if not torch.compiler.is_compiling() and _direct(args, kwargs):
             return self.impl(*args, **kwargs)
         return self.op(*args, **kwargs)
 
@@ -58,17 +58,19 @@ class KernelOp:
         return f"KernelOp({self.op})"
 
 
-def _direct(values: Any) -> bool:
+def _direct(args: tuple, kwargs: dict) -> bool:
     """Whether a call with these arguments may skip the dispatcher: plain tensors only, nothing that
     records autograd, and no tracer (jit trace, dispatch modes) that must see the op."""
+    if torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None:
+        return False
     grad = torch.is_grad_enabled()
-    for v in values:
+    for v in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(v, Tensor):
             if type(v) is not Tensor or (grad and v.requires_grad):
                 return False
         elif isinstance(v, (list, tuple)) and any(isinstance(t, Tensor) for t in v):
             return False
-    return not (torch._C._len_torch_dispatch_stack() or torch._C._get_tracing_state() is not None)
+    return True
 
 
 def kernel_op(schema: str, impl: Callable, fake: Callable) -> KernelOp:
