@@ -72,6 +72,16 @@ class CostModel:
             except (ValueError, KeyError, TypeError, AttributeError):
                 self._table, self._fits = {}, {}  # a damaged table is re-measured, never trusted
 
+    def __getstate__(self) -> Dict[str, Any]:
+        # a lock cannot be pickled; the copy gets its own
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def __len__(self) -> int:
         """Timed keys plus fitted models."""
         return len(self._table) + len(self._fits)

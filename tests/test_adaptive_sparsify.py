@@ -114,3 +114,27 @@ def test_not_inplace_and_deepcopy(tmp_path):
 def test_bad_settings_are_named(kwargs, err, match):
     with pytest.raises(err, match=match):
         ActivationSparsity(**kwargs)
+
+
+@pytest.mark.parametrize("where", ["file", "memory", "default"])
+def test_torch_save_and_load_an_activation_sparse_model(tmp_path, monkeypatch, where):
+    # the cost table is the machine's: it is not pickled, the loaded model uses the loading side's table
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path / "cost"))
+    from sparsa.cost_model import CostModel
+
+    cal = {"file": Calibration(tmp_path / "c.json"), "memory": Calibration(cost_model=CostModel()),
+           "default": None}[where]
+    model = sparsa.sparsify(_net(), ActivationSparsity(calibration=cal, policy=sa.Policy(force="sparse")))
+    x, y = torch.randn(2, 3, 6, 6), torch.tensor([1, 5])
+    _steps(model, x, y, steps=1)
+    torch.save(model, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert type(loaded[2]) is sa.AdaptiveConv2d
+    state, state_l = model[2].sparsa_state, loaded[2].sparsa_state
+    if where == "file":
+        assert state_l.calibration.path == tmp_path / "c.json"
+    elif where == "default":
+        assert state_l.calibration is sa.calibration.default_calibration()
+    before = state_l.sparse_calls
+    torch.testing.assert_close(_steps(loaded, x, y, steps=2), _steps(model, x, y, steps=2))
+    assert state_l.sparse_calls > before and state.sparse_calls > 0

@@ -157,6 +157,15 @@ class Calibration:
             except TypeError:
                 pass  # written by another version of CostEntry: measured again when needed
 
+    def __reduce__(self):
+        # A saved model must not carry one machine's timings to another: the process-wide table is
+        # restored as the loading process's own, a file-backed one is re-read from its file there.
+        if self.store is default_cost_model():
+            return (default_calibration, ())
+        if self.store.path is not None:
+            return (Calibration, (self.store.path, self.reps))
+        return (_calibration_in_memory, (self.store, self.reps))
+
     @property
     def path(self) -> Optional[Path]:
         """The file behind the table (None when it is kept in memory only)."""
@@ -254,6 +263,10 @@ class Calibration:
         dy_slope = max(0.0, (u1 - u2) / (g1 - g2))
         dy_fixed = max(0.0, u1 - dy_slope * g1 - slope * d1 / 3.0)
         return CostEntry(dense_ms, fixed, slope, True, dy_fixed, dy_slope, union_ratio=ur)
+
+
+def _calibration_in_memory(store: CostModel, reps: int) -> Calibration:
+    return Calibration(reps=reps, cost_model=store)
 
 
 _DEFAULT: Dict[int, Calibration] = {}
