@@ -2,7 +2,8 @@
 
 Tiny shapes (so the kernel itself costs ~1-2 us) make the Python dispatch cost visible. Reports the
 median over repetitions of the per-call difference, for inference (no grad) and training (grad
-recorded: includes autograd.Function bookkeeping). Writes benchmarks/results/dispatch_overhead.json.
+recorded: includes autograd.Function bookkeeping). Writes
+benchmarks/results/<cpu class>/dispatch_overhead.json.
 
     python benchmarks/dispatch_overhead.py [--quick]
 """
@@ -25,7 +26,8 @@ from sparsa.ops import registry
 from sparsa.ops.dispatch import _Ctx
 
 # SPARSA_RESULTS_DIR redirects the output (the docs test uses it to keep the committed results intact)
-OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results")) / "dispatch_overhead.json"
+OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class())
+           ) / "dispatch_overhead.json"
 
 
 def _per_call(fn, n):
@@ -71,7 +73,8 @@ def main() -> None:
             "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
             "overhead_us": round(statistics.median(diffs) * 1e6, 2),
         })
-    res = {"benchmark": "dispatch_overhead", "target_us": 20.0, "torch": torch.__version__,
+    res = {"benchmark": "dispatch_overhead", "cpu": sparsa.cpu.cpu_info(), "target_us": 20.0,
+           "torch": torch.__version__,
            "python": platform.python_version(), "rows": rows,
            "note": "overhead = median(dispatched - direct) per call; training includes autograd.Function."}
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -161,11 +161,17 @@ def _wrap(cls: type, out: Any) -> Any:
 
 
 class _Run(torch.autograd.Function):
+    # ``spec`` = (cls, impl, conversions, rest) in one argument: autograd inspects each argument of apply
     @staticmethod
-    def forward(ctx, cls, impl, convs, rest, *targs):  # type: ignore[override]
+    def forward(ctx, spec, *targs):  # type: ignore[override]
+        cls, impl, convs, rest = spec
         ctx.impl = impl
-        ctx.needs_input_grad = ctx.needs_input_grad[4:]  # per tensor argument, what implementations read
-        args = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
+        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # per tensor argument, what implementations read
+        if convs:
+            args = [_unwrap(a, convs[i]) for i, a in enumerate(targs)]
+        else:
+            args = [a._layout if isinstance(a, SparseTensorBase) else a for a in targs]
+            args = [a.values if isinstance(a, Dense) else a for a in args]
         return _wrap(cls, impl.forward(ctx, *args, **rest))
 
     @staticmethod
@@ -174,7 +180,7 @@ class _Run(torch.autograd.Function):
         gin = ctx.impl.backward(ctx, *grads)
         if not isinstance(gin, tuple):
             gin = (gin,)
-        return (None, None, None, None) + tuple(gin)
+        return (None,) + tuple(gin)
 
 
 def _plan(op: str, layouts: Tuple[type, ...], needs_grad: bool) -> _Plan:
@@ -233,7 +239,7 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
         record_fallback(call.name, tuple(l.name for l in layouts))
         return _dense_call(call, func, args, kwargs, targs, rest)
     if needs_grad:
-        return _Run.apply(cls, plan.impl, plan.conversions, rest, *targs)
+        return _Run.apply((cls, plan.impl, plan.conversions, rest), *targs)
     convs = plan.conversions
     uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
     return _wrap(cls, plan.impl.forward(_Ctx(), *uargs, **rest))
