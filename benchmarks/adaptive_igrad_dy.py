@@ -11,6 +11,7 @@ The dY path's time includes compacting dY (it runs in every backward that takes 
 
 Writes ``$SPARSA_RESULTS_DIR/adaptive_igrad_dy.json`` (default ``benchmarks/results``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--slice", type=int, default=128)
-    ap.add_argument("--no-retain", action="store_true",
-                    help="leave glibc's malloc thresholds alone (enable() raises them: freed buffers are reused)")
+    ap.add_argument(
+        "--no-retain",
+        action="store_true",
+        help="leave glibc's malloc thresholds alone (enable() raises them: freed buffers are reused)",
+    )
     args = ap.parse_args()
     retained = False if args.no_retain else retain_freed_memory()
     if not K.native_available():
@@ -71,11 +75,15 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     rows = []
     print(f"threads={args.threads} slice={args.slice} retain_freed_memory={retained}; ms (median of {reps}).")
-    print("Input gradient: old = x-sparse kernel,"
-          " new = dY path (incl. compacting dY), dnn = oneDNN. both = input + weight gradient (old: one call;"
-          " new: dY path + weight-gradient-only call). rule = what relu_conv2d's backward picks")
-    print(f"{'shape':>18} {'x_sp':>5} {'dy_sp':>5} {'nnz dY/x':>8} {'old':>7} {'new':>7} {'onednn':>7}"
-          f" {'old/new':>7} {'dnn/new':>7} {'dnn/old':>7} {'both o/n':>8} {'rule':>4}")
+    print(
+        "Input gradient: old = x-sparse kernel,"
+        " new = dY path (incl. compacting dY), dnn = oneDNN. both = input + weight gradient (old: one call;"
+        " new: dY path + weight-gradient-only call). rule = what relu_conv2d's backward picks"
+    )
+    print(
+        f"{'shape':>18} {'x_sp':>5} {'dy_sp':>5} {'nnz dY/x':>8} {'old':>7} {'new':>7} {'onednn':>7}"
+        f" {'old/new':>7} {'dnn/new':>7} {'dnn/old':>7} {'both o/n':>8} {'rule':>4}"
+    )
     for shape in shapes:
         N, C, H, W = shape
         O = C
@@ -87,7 +95,7 @@ def main() -> None:
             x = (torch.randn(*shape, generator=gen).abs() * clustered_mask(shape, xs, gen)).contiguous(memory_format=CL)
             cnt, idx, val = K.compact(x, args.slice)
             for ds in sps:
-                gy = (torch.randn(N, O, H, W, generator=gen) * clustered_mask((N, O, H, W), ds, gen))
+                gy = torch.randn(N, O, H, W, generator=gen) * clustered_mask((N, O, H, W), ds, gen)
                 gy = gy.contiguous(memory_format=CL)
                 g = gy.permute(0, 2, 3, 1).contiguous()
                 gn = g.permute(0, 3, 1, 2)
@@ -101,8 +109,9 @@ def main() -> None:
                     return K.conv_igrad_dy(gc, gi, gv, wfl, cnt, idx, geo, args.slice, True)
 
                 def dnn():
-                    return torch.ops.aten.convolution_backward(gy, x, w, None, [1, 1], [1, 1], [1, 1], False,
-                                                               [0, 0], 1, [True, False, False])[0]
+                    return torch.ops.aten.convolution_backward(
+                        gy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]
+                    )[0]
 
                 def old_both():
                     return K.conv_bwd_packed(cnt, idx, val, g, wc, geo, True, True, True, w.stride())
@@ -117,18 +126,44 @@ def main() -> None:
                 tbo, tbn = alternate([old_both, new_both], max(3, reps // 2))
                 rule = "dy" if M._dy_path_pays(g, cnt, geo) else "x"
                 r = nnz_g / max(1, nnz_x)
-                rows.append(dict(shape=list(shape), x_sparsity=xs, dy_sparsity=ds, nnz_ratio=round(r, 4),
-                                 old_ms=round(to, 3), new_ms=round(tn, 3), onednn_ms=round(td, 3),
-                                 old_over_new=round(to / tn, 3), onednn_over_new=round(td / tn, 3),
-                                 onednn_over_old=round(td / to, 3), both_old_ms=round(tbo, 3),
-                                 both_new_ms=round(tbn, 3), rule=rule))
-                print(f"{str(shape):>18} {xs:5.2f} {ds:5.2f} {r:8.3f} {to:7.2f} {tn:7.2f} {td:7.2f}"
-                      f" {to / tn:7.2f} {td / tn:7.2f} {td / to:7.2f} {tbo / tbn:8.2f} {rule:>4}", flush=True)
+                rows.append(
+                    dict(
+                        shape=list(shape),
+                        x_sparsity=xs,
+                        dy_sparsity=ds,
+                        nnz_ratio=round(r, 4),
+                        old_ms=round(to, 3),
+                        new_ms=round(tn, 3),
+                        onednn_ms=round(td, 3),
+                        old_over_new=round(to / tn, 3),
+                        onednn_over_new=round(td / tn, 3),
+                        onednn_over_old=round(td / to, 3),
+                        both_old_ms=round(tbo, 3),
+                        both_new_ms=round(tbn, 3),
+                        rule=rule,
+                    )
+                )
+                print(
+                    f"{str(shape):>18} {xs:5.2f} {ds:5.2f} {r:8.3f} {to:7.2f} {tn:7.2f} {td:7.2f}"
+                    f" {to / tn:7.2f} {td / tn:7.2f} {td / to:7.2f} {tbo / tbn:8.2f} {rule:>4}",
+                    flush=True,
+                )
     out = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results")) / "adaptive_igrad_dy.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(threads=args.threads, slice=args.slice, quick=args.quick, reps=reps,
-                                   retain_freed_memory=retained,
-                                   torch=torch.__version__, rows=rows), indent=1))
+    out.write_text(
+        json.dumps(
+            dict(
+                threads=args.threads,
+                slice=args.slice,
+                quick=args.quick,
+                reps=reps,
+                retain_freed_memory=retained,
+                torch=torch.__version__,
+                rows=rows,
+            ),
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

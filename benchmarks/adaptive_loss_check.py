@@ -8,6 +8,7 @@ perturbed-dense control, the divergence is the model's sensitivity to rounding, 
 
     python benchmarks/adaptive_loss_check.py [--model vgg16] [--steps 40] [--batch 16]
 """
+
 import argparse
 import copy
 import sys

@@ -20,6 +20,7 @@ Writes ``benchmarks/results/<cpu class>/adaptive_training.json`` with the keys `
 ``layers``, ``sweep``, ``models`` (plus ``config``, ``dtypes`` and ``compaction``).
 Run under ``flock /tmp/sparsa-bench.lock``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ ALL_MODELS = ["vgg16", "vgg16_bn", "resnet18", "alexnet"]
 # ------------------------------------------------------------------------------------------ data
 def digits_batches(batch: int, steps: int, size: int = 32, seed: int = 0):
     from sklearn.datasets import load_digits
+
     d = load_digits()
     x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
@@ -73,8 +75,9 @@ def digits_batches(batch: int, steps: int, size: int = 32, seed: int = 0):
 
 # ------------------------------------------------------------------------------------------ helpers
 def _fmt(t):
-    return CL if t.dim() == 4 and t.is_contiguous(memory_format=CL) and not t.is_contiguous() \
-        else torch.contiguous_format
+    return (
+        CL if t.dim() == 4 and t.is_contiguous(memory_format=CL) and not t.is_contiguous() else torch.contiguous_format
+    )
 
 
 def train_step(model, opt, x, y):
@@ -96,11 +99,16 @@ def capture_inputs(model: nn.Module, x, labels=None) -> dict:
         def hook(mod, inp, out):
             if out.requires_grad:
                 out.register_hook(lambda g: grads.__setitem__(name, g.detach().clone()))
+
         return hook
+
     for name, m in model.named_modules():
         if isinstance(m, (sa.AdaptiveConv2d, sa.AdaptiveLinear)):
-            hooks.append(m.register_forward_pre_hook(
-                lambda mod, inp, name=name: acts.__setitem__(name, (mod, inp[0].detach().clone()))))
+            hooks.append(
+                m.register_forward_pre_hook(
+                    lambda mod, inp, name=name: acts.__setitem__(name, (mod, inp[0].detach().clone()))
+                )
+            )
             if labels is not None:
                 hooks.append(m.register_forward_hook(keep_grad(name)))
     if labels is None:
@@ -133,6 +141,7 @@ def fwd_bwd(kind, mod, a, sparse: bool, gy=None):
             w.mul_(1.0)  # a new weight version each call, as after an optimizer step (both paths)
         t = a.detach().requires_grad_(True)
         f(t).backward(gy)
+
     return run
 
 
@@ -183,7 +192,7 @@ def dense_steps_ms(base, data, steps, step):
     models = {f: copy.deepcopy(base).to(memory_format=m) for f, m in FORMATS.items()}
     opts = {f: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for f, m in models.items()}
     t = {f: [] for f in FORMATS}
-    for i, (x, y) in enumerate(data[:steps + 1]):
+    for i, (x, y) in enumerate(data[: steps + 1]):
         for f, fmt in FORMATS.items():
             t0 = time.perf_counter()
             step(models[f], opts[f], x.contiguous(memory_format=fmt), y)
@@ -243,36 +252,57 @@ def run_model(name, batch, steps, warm, res, dtype="fp32", bf16_steps=3, retain_
     dense_all.update({f"{other}_{f}": v for f, v in mo.items()})
     best_dense = min(dense_all, key=dense_all.get)
     g = rts[adaptive_fmt].guard
-    row = {"model": name, "dtype": dtype, "batch": batch, "steps": steps, "dense_format": dense_fmt,
-           "adaptive_format": adaptive_fmt, "dense_step_ms": md[dense_fmt], "adaptive_step_ms": ma[adaptive_fmt],
-           # the faster adaptive format against the faster dense one, all four timed side by side
-           "step_speedup_vs_dense": md[dense_fmt] / ma[adaptive_fmt],
-           # ... and against the fastest dense path of either dtype and format
-           "best_dense": best_dense, "best_dense_step_ms": dense_all[best_dense],
-           "step_speedup_vs_best_dense": dense_all[best_dense] / ma[adaptive_fmt],
-           "dense_step_ms_all": dense_all, "other_dtype_steps": bf16_steps,
-           "step_ms": {f"{k}_{f}": v[f] for k, v in (("dense", md), ("adaptive", ma)) for f in FORMATS},
-           "step_speedup_same_format": {f: md[f] / ma[f] for f in FORMATS},
-           "loss_dense": ld[-1], "loss_adaptive": la[-1],
-           "loss_abs_diff": abs(ld[-1] - la[-1]), "loss_first": ld[0],
-           # the same dense training from rounding-perturbed weights: how far float noise alone moves the loss
-           "loss_dense_perturbed": lp[-1], "loss_float_band": abs(ld[-1] - lp[-1]),
-           "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ld, la)),
-           "loss_max_float_band": max(abs(a - b) for a, b in zip(ld, lp)),
-           "sparse_layers": sum(1 for r in rts[adaptive_fmt].report() if r["path"] == "sparse"),
-           "adaptive_layers": len(rts[adaptive_fmt].layers),
-           "guard": None if g is None else g.summary()}
+    row = {
+        "model": name,
+        "dtype": dtype,
+        "batch": batch,
+        "steps": steps,
+        "dense_format": dense_fmt,
+        "adaptive_format": adaptive_fmt,
+        "dense_step_ms": md[dense_fmt],
+        "adaptive_step_ms": ma[adaptive_fmt],
+        # the faster adaptive format against the faster dense one, all four timed side by side
+        "step_speedup_vs_dense": md[dense_fmt] / ma[adaptive_fmt],
+        # ... and against the fastest dense path of either dtype and format
+        "best_dense": best_dense,
+        "best_dense_step_ms": dense_all[best_dense],
+        "step_speedup_vs_best_dense": dense_all[best_dense] / ma[adaptive_fmt],
+        "dense_step_ms_all": dense_all,
+        "other_dtype_steps": bf16_steps,
+        "step_ms": {f"{k}_{f}": v[f] for k, v in (("dense", md), ("adaptive", ma)) for f in FORMATS},
+        "step_speedup_same_format": {f: md[f] / ma[f] for f in FORMATS},
+        "loss_dense": ld[-1],
+        "loss_adaptive": la[-1],
+        "loss_abs_diff": abs(ld[-1] - la[-1]),
+        "loss_first": ld[0],
+        # the same dense training from rounding-perturbed weights: how far float noise alone moves the loss
+        "loss_dense_perturbed": lp[-1],
+        "loss_float_band": abs(ld[-1] - lp[-1]),
+        "loss_max_abs_diff": max(abs(a - b) for a, b in zip(ld, la)),
+        "loss_max_float_band": max(abs(a - b) for a, b in zip(ld, lp)),
+        "sparse_layers": sum(1 for r in rts[adaptive_fmt].report() if r["path"] == "sparse"),
+        "adaptive_layers": len(rts[adaptive_fmt].layers),
+        "guard": None if g is None else g.summary(),
+    }
     res["models"].append(row)
-    print(f"[model] {name} {dtype}: dense {md[dense_fmt]:.0f} ms ({dense_fmt}), adaptive {ma[adaptive_fmt]:.0f} ms "
-          f"({adaptive_fmt}), speedup {row['step_speedup_vs_dense']:.2f}x (same format: "
-          + ", ".join(f"{f} {md[f]:.0f} -> {ma[f]:.0f} ms" for f in FORMATS)
-          + f"); best dense {best_dense} {dense_all[best_dense]:.0f} ms: {row['step_speedup_vs_best_dense']:.2f}x "
-          f"(all dense: " + ", ".join(f"{k} {v:.0f}" for k, v in dense_all.items())
-          + f"), loss {row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f} (dense from perturbed weights "
-          f"{row['loss_dense_perturbed']:.4f})", flush=True)
+    print(
+        f"[model] {name} {dtype}: dense {md[dense_fmt]:.0f} ms ({dense_fmt}), adaptive {ma[adaptive_fmt]:.0f} ms "
+        f"({adaptive_fmt}), speedup {row['step_speedup_vs_dense']:.2f}x (same format: "
+        + ", ".join(f"{f} {md[f]:.0f} -> {ma[f]:.0f} ms" for f in FORMATS)
+        + f"); best dense {best_dense} {dense_all[best_dense]:.0f} ms: {row['step_speedup_vs_best_dense']:.2f}x "
+        f"(all dense: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in dense_all.items())
+        + f"), loss {row['loss_dense']:.4f} vs {row['loss_adaptive']:.4f} (dense from perturbed weights "
+        f"{row['loss_dense_perturbed']:.4f})",
+        flush=True,
+    )
     print(rts[adaptive_fmt].format(), flush=True)
-    return adaptive[adaptive_fmt], rts[adaptive_fmt], data[-1][0].contiguous(memory_format=FORMATS[adaptive_fmt]), \
-        data[-1][1]
+    return (
+        adaptive[adaptive_fmt],
+        rts[adaptive_fmt],
+        data[-1][0].contiguous(memory_format=FORMATS[adaptive_fmt]),
+        data[-1][1],
+    )
 
 
 def layer_rows(name, model, rt, x, labels, reps, res):
@@ -282,20 +312,37 @@ def layer_rows(name, model, rt, x, labels, reps, res):
         if not st.paired_calls or not st.supported:
             continue
         kind = st.kind
-        c = compare(fwd_bwd(kind, mod, a, False, gy), fwd_bwd(kind, mod, a, True, gy), reps=reps, warmup=1,
-                    min_seconds=0)
+        c = compare(
+            fwd_bwd(kind, mod, a, False, gy), fwd_bwd(kind, mod, a, True, gy), reps=reps, warmup=1, min_seconds=0
+        )
         sp = 1.0 - float((a != 0).float().mean())
         gsp = None if gy is None else 1.0 - float((gy != 0).float().mean())
         ratio = c.ratio if st.path == "sparse" else 1.0
         fb = st.feedback
-        res["layers"].append({"model": name, "layer": lname, "kind": kind, "shape": list(a.shape),
-                              "activation_sparsity": sp, "grad_sparsity": gsp, "path": st.path,
-                              "ratio_vs_dense": ratio, "model_speedup": st.model_speedup, "kappa": fb.kappa(),
-                              "measured_in_training": fb.measured_speedup(), "probes": fb.probes,
-                              "sparse_kernel_ratio": c.ratio, "dense_ms": c.baseline_s * 1e3,
-                              "sparse_ms": c.candidate_s * 1e3})
-        print(f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} "
-              f"path {st.path:6s} sparse/dense {c.ratio:.2f}x", flush=True)
+        res["layers"].append(
+            {
+                "model": name,
+                "layer": lname,
+                "kind": kind,
+                "shape": list(a.shape),
+                "activation_sparsity": sp,
+                "grad_sparsity": gsp,
+                "path": st.path,
+                "ratio_vs_dense": ratio,
+                "model_speedup": st.model_speedup,
+                "kappa": fb.kappa(),
+                "measured_in_training": fb.measured_speedup(),
+                "probes": fb.probes,
+                "sparse_kernel_ratio": c.ratio,
+                "dense_ms": c.baseline_s * 1e3,
+                "sparse_ms": c.candidate_s * 1e3,
+            }
+        )
+        print(
+            f"[layer] {name} {lname:14s} {kind} {tuple(a.shape)} sparsity {sp:.3f} dY {gsp or 0:.3f} "
+            f"path {st.path:6s} sparse/dense {c.ratio:.2f}x",
+            flush=True,
+        )
     return acts
 
 
@@ -319,9 +366,16 @@ def compaction_rows(acts, res, limit):
             tc = median_time(lambda: K.compact(a, 64), reps=5, min_seconds=0)
             tf = median_time(lambda: K.conv_fwd(cnt, idx, val, wt, None, geo, 1), reps=5, min_seconds=0)
             kernels = "list"
-        res["compaction"].append({"layer": lname, "shape": list(a.shape), "kernels": kernels,
-                                  "compaction_ms": tc * 1e3, "forward_gemm_ms": tf * 1e3,
-                                  "compaction_vs_gemm": tc / tf})
+        res["compaction"].append(
+            {
+                "layer": lname,
+                "shape": list(a.shape),
+                "kernels": kernels,
+                "compaction_ms": tc * 1e3,
+                "forward_gemm_ms": tf * 1e3,
+                "compaction_vs_gemm": tc / tf,
+            }
+        )
 
 
 def sweep(acts, names, sparsities, reps, res):
@@ -337,11 +391,22 @@ def sweep(acts, names, sparsities, reps, res):
             for dy, g in (("real", gy), ("random", None)):
                 if dy == "random" and (gy is None or s not in (0.75, 0.9)):
                     continue
-                c = compare(fwd_bwd(kind, mod, at, False, g), fwd_bwd(kind, mod, at, True, g), reps=reps,
-                            warmup=1, min_seconds=0)
-                res["sweep"].append({"shape": f"{lname} x{list(a.shape)} w{list(mod.weight.shape)}",
-                                     "activation_sparsity": real, "dy": dy if g is not None else "random",
-                                     "grad_sparsity": gsp if g is not None else 0.0, "ratio_vs_dense": c.ratio})
+                c = compare(
+                    fwd_bwd(kind, mod, at, False, g),
+                    fwd_bwd(kind, mod, at, True, g),
+                    reps=reps,
+                    warmup=1,
+                    min_seconds=0,
+                )
+                res["sweep"].append(
+                    {
+                        "shape": f"{lname} x{list(a.shape)} w{list(mod.weight.shape)}",
+                        "activation_sparsity": real,
+                        "dy": dy if g is not None else "random",
+                        "grad_sparsity": gsp if g is not None else 0.0,
+                        "ratio_vs_dense": c.ratio,
+                    }
+                )
                 print(f"[sweep] {lname} {tuple(a.shape)} sparsity {real:.2f} dY {dy} ratio {c.ratio:.2f}x", flush=True)
 
 
@@ -359,6 +424,7 @@ def monitor_numbers(acts, every, res):
     def sample():
         for m, a in zip(mons, xs):
             m.observe(a)
+
     t_full = median_time(full, reps=7, min_seconds=0.02)
     t_sample = median_time(sample, reps=7, min_seconds=0.02)
     errs = []
@@ -366,29 +432,49 @@ def monitor_numbers(acts, every, res):
         exact = 1.0 - float((a != 0).float().mean())
         errs.append(abs(m.sparsity - exact) * 100)
     per_step = t_sample / every
-    res["monitor"] = {"speedup_vs_full_count": t_full / per_step, "abs_error_pp": max(errs),
-                      "mean_abs_error_pp": statistics.mean(errs), "refresh_every": every, "sample_pixels": 512,
-                      "sample_elements": mons[0].elements,
-                      "full_count_ms_per_step": t_full * 1e3, "monitor_ms_per_step": per_step * 1e3,
-                      "monitor_ms_per_refresh": t_sample * 1e3, "layers": len(xs),
-                      "note": "layers on the sparse path get the exact count for free from compaction"}
+    res["monitor"] = {
+        "speedup_vs_full_count": t_full / per_step,
+        "abs_error_pp": max(errs),
+        "mean_abs_error_pp": statistics.mean(errs),
+        "refresh_every": every,
+        "sample_pixels": 512,
+        "sample_elements": mons[0].elements,
+        "full_count_ms_per_step": t_full * 1e3,
+        "monitor_ms_per_step": per_step * 1e3,
+        "monitor_ms_per_refresh": t_sample * 1e3,
+        "layers": len(xs),
+        "note": "layers on the sparse path get the exact count for free from compaction",
+    }
     print(f"[monitor] {res['monitor']}", flush=True)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one model, fewer steps (< 3 minutes)")
-    ap.add_argument("--models", nargs="+", choices=ALL_MODELS, default=None,
-                    help="models to train (default: all four; --quick: vgg16)")
-    ap.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=None,
-                    help="training dtypes (default: fp32, plus bf16 autocast where the CPU has bf16 hardware)")
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        choices=ALL_MODELS,
+        default=None,
+        help="models to train (default: all four; --quick: vgg16)",
+    )
+    ap.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="training dtypes (default: fp32, plus bf16 autocast where the CPU has bf16 hardware)",
+    )
     # SPARSA_RESULTS_DIR redirects the default output (keeps the committed results intact)
-    results = Path(os.environ.get("SPARSA_RESULTS_DIR",
-                                  Path(__file__).parent / "results" / sparsa.cpu.cpu_class()))
+    results = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results" / sparsa.cpu.cpu_class()))
     ap.add_argument("--out", default=str(results / "adaptive_training.json"))
-    ap.add_argument("--no-retain-memory", dest="retain_memory", action="store_false",
-                    help="do not opt in to enable(retain_memory=True) (glibc mallopt: freed heap memory stays in "
-                         "the process, so per-step buffers stop page-faulting, dense and adaptive alike)")
+    ap.add_argument(
+        "--no-retain-memory",
+        dest="retain_memory",
+        action="store_false",
+        help="do not opt in to enable(retain_memory=True) (glibc mallopt: freed heap memory stays in "
+        "the process, so per-step buffers stop page-faulting, dense and adaptive alike)",
+    )
     args = ap.parse_args(argv)
     t_start = time.time()
     quick = args.quick
@@ -398,32 +484,56 @@ def main(argv=None):
     steps = 12 if quick else 100
     warm = 3
     reps = 2 if quick else 9
-    res = {"config": {"quick": quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "machine": platform.processor() or platform.machine(), "batch": batch, "steps": steps,
-                      "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels", "native": K.native_available(),
-                      "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads, the faster of "
-                                        "NCHW and channels-last (both timed side by side)",
-                      "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
-                      if U.union_native() and conv_union.kernels_setting() != "list" else "list",
-                      # enable()'s default is off since issue #17; this benchmark opts in explicitly (as its
-                      # results before then did by default): it holds from the first model's enable() on
-                      "retain_memory": args.retain_memory},
-           "cpu": sparsa.cpu.cpu_info(), "dtypes": dtypes,
-           "monitor": {}, "layers": [], "sweep": [], "models": [], "compaction": []}
+    res = {
+        "config": {
+            "quick": quick,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "batch": batch,
+            "steps": steps,
+            "image": "sklearn digits 8x8 -> bilinear 32x32, 3 channels",
+            "native": K.native_available(),
+            "dense_baseline": "PyTorch conv2d/linear fwd+bwd (oneDNN/MKL), same threads, the faster of "
+            "NCHW and channels-last (both timed side by side)",
+            "conv_kernels": "union (bitmask operand, AVX-512) where supported, else list"
+            if U.union_native() and conv_union.kernels_setting() != "list"
+            else "list",
+            # enable()'s default is off since issue #17; this benchmark opts in explicitly (as its
+            # results before then did by default): it holds from the first model's enable() on
+            "retain_memory": args.retain_memory,
+        },
+        "cpu": sparsa.cpu.cpu_info(),
+        "dtypes": dtypes,
+        "monitor": {},
+        "layers": [],
+        "sweep": [],
+        "models": [],
+        "compaction": [],
+    }
     default_calibration()
     ref = res["config"]["dense_reference_ms"] = {}
 
     def reference(stage):
         ref[stage] = dense_reference_ms()
         print(f"[reference] {stage}: dense conv fwd+bwd {ref[stage]:.1f} ms", flush=True)
+
     reference("start")
     for name in models:
         for dt in dtypes[1:]:
-            run_model(name, batch, steps, warm, res, dtype=dt, bf16_steps=3 if quick else 10,
-                      retain_memory=args.retain_memory)
-        model, rt, x, labels = run_model(name, batch, steps, warm, res, dtype=dtypes[0],
-                                         bf16_steps=(3 if quick else 10) if _bf16_hardware() else 3,
-                                         retain_memory=args.retain_memory)
+            run_model(
+                name, batch, steps, warm, res, dtype=dt, bf16_steps=3 if quick else 10, retain_memory=args.retain_memory
+            )
+        model, rt, x, labels = run_model(
+            name,
+            batch,
+            steps,
+            warm,
+            res,
+            dtype=dtypes[0],
+            bf16_steps=(3 if quick else 10) if _bf16_hardware() else 3,
+            retain_memory=args.retain_memory,
+        )
         reference(f"{name} layers")
         acts = layer_rows(name, model, rt, x, labels, reps, res)
         if name == "vgg16":

@@ -17,6 +17,7 @@ ratio is dense time / sparse time measured side by side in this run.
     python benchmarks/adaptive_union.py            # 6 layers, 3 sparsities, 9 repetitions
     python benchmarks/adaptive_union.py --quick    # 3 layers, < 1 minute
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,12 +75,17 @@ def layer_rows(lname, a, gy, reps):
         "dw_union_dy": lambda: U.union_conv_wgrad_dy(U.union_operand(g, relu=False), op.values, geo, w.stride()),
     }
     t = round_robin_ms(fns, reps, min_seconds=0)
-    row = {"layer": lname, "shape": list(a.shape), "out_channels": O,
-           "activation_sparsity": 1.0 - op.nnz / ar.numel(), "grad_sparsity": 1.0 - gop.nnz / g.numel(),
-           # fraction of (run of 4 pixels, channel) pairs with a nonzero: what the 4-pixel kernels still
-           # compute (independent zeros at density d would give 1 - (1 - d)^4)
-           "union4_density": op.union4 / (N * ((H * W + 3) // 4) * C),
-           "ms": t}
+    row = {
+        "layer": lname,
+        "shape": list(a.shape),
+        "out_channels": O,
+        "activation_sparsity": 1.0 - op.nnz / ar.numel(),
+        "grad_sparsity": 1.0 - gop.nnz / g.numel(),
+        # fraction of (run of 4 pixels, channel) pairs with a nonzero: what the 4-pixel kernels still
+        # compute (independent zeros at density d would give 1 - (1 - d)^4)
+        "union4_density": op.union4 / (N * ((H * W + 3) // 4) * C),
+        "ms": t,
+    }
     for gemm in ("fwd", "dx", "dw"):
         for k in t:
             if k.startswith(gemm + "_") and k != gemm + "_dense":
@@ -119,13 +125,23 @@ def main(argv=None):
             r = layer_rows(lname, at, gy, reps)
             r["thresholded_to"] = s
             rows.append(r)
-            print(f"[{lname} x{tuple(a.shape)} sparsity {r['activation_sparsity']:.2f} dY {r['grad_sparsity']:.2f}] "
-                  + " ".join(f"{k[:-9]} {v:.2f}x" for k, v in r.items() if k.endswith("_vs_dense")), flush=True)
-    res = {"config": {"threads": args.threads, "quick": args.quick, "torch": torch.__version__,
-                      "machine": platform.processor() or platform.machine(), "batch": 32,
-                      "data": "VGG-16 (no BN) after 30 SGD steps on sklearn digits upsampled to 32x32",
-                      "seconds": time.time() - t0},
-           "rows": rows}
+            print(
+                f"[{lname} x{tuple(a.shape)} sparsity {r['activation_sparsity']:.2f} dY {r['grad_sparsity']:.2f}] "
+                + " ".join(f"{k[:-9]} {v:.2f}x" for k, v in r.items() if k.endswith("_vs_dense")),
+                flush=True,
+            )
+    res = {
+        "config": {
+            "threads": args.threads,
+            "quick": args.quick,
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "batch": 32,
+            "data": "VGG-16 (no BN) after 30 SGD steps on sklearn digits upsampled to 32x32",
+            "seconds": time.time() - t0,
+        },
+        "rows": rows,
+    }
     B.write_results(res, args.out)
 
 

@@ -16,6 +16,7 @@ Writes ``benchmarks/results/<cpu class>/allocation.json`` (``sparsa.cpu.cpu_clas
 
 ``--quick`` (64 calibration and 128 held-out sentences) runs in under 3 minutes on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,10 +51,10 @@ def run(quick: bool) -> Dict[str, Any]:
 
     n_cal, n_eval = (64, 128) if quick else (128, 384)
     model, tok = load_minilm()
-    calib_text, held_out = calibration_and_evaluation(n_cal, n_eval)   # disjoint
+    calib_text, held_out = calibration_and_evaluation(n_cal, n_eval)  # disjoint
     names = encoder_linears(model)
     calib = sorted(calib_text, key=len)
-    batches = [tokenize(tok, calib[i:i + 32]) for i in range(0, n_cal, 32)]
+    batches = [tokenize(tok, calib[i : i + 32]) for i in range(0, n_cal, 32)]
     fwd = lambda m, b: m(**b)  # noqa: E731
     keep = set(names)
     ref = embed(model, tok, held_out)
@@ -64,8 +65,9 @@ def run(quick: bool) -> Dict[str, Any]:
     allocations = {"uniform": uniform_sparsities(names, TARGET)}
     for per in ("layer", "block"):
         for lam in LAMS:
-            allocations[f"owl_{per}_lam{lam}"] = owl_sparsities(model, names, batches, TARGET, forward=fwd, lam=lam,
-                                                                per=per)
+            allocations[f"owl_{per}_lam{lam}"] = owl_sparsities(
+                model, names, batches, TARGET, forward=fwd, lam=lam, per=per
+            )
     owl_s = round(time.perf_counter() - t0, 2)
 
     rows: List[Dict[str, Any]] = []
@@ -74,25 +76,44 @@ def run(quick: bool) -> Dict[str, Any]:
             t = time.perf_counter()
             m = copy.deepcopy(model)
             if method == "magnitude":
-                sparsa.sparsify(m, [sparsa.Rule(sparsifier=Magnitude(s, per="row"), layout="masked", names=n)
-                                    for n, s in alloc.items()])
+                sparsa.sparsify(
+                    m,
+                    [
+                        sparsa.Rule(sparsifier=Magnitude(s, per="row"), layout="masked", names=n)
+                        for n, s in alloc.items()
+                    ],
+                )
             else:
                 # "unstructured": Magnitude(TARGET, per="row") in the masked layout; alloc overrides per layer
-                sparsa.sparsify(m, Wanda(TARGET, pattern="unstructured", calibration=batches, forward=fwd,
-                                         sparsities=alloc), lambda mod, name: name in keep)
+                sparsa.sparsify(
+                    m,
+                    Wanda(TARGET, pattern="unstructured", calibration=batches, forward=fwd, sparsities=alloc),
+                    lambda mod, name: name in keep,
+                )
             ws = [m.get_submodule(n).weight for n in names]
             overall = sum(w.numel() - w.nnz for w in ws) / sum(w.numel() for w in ws)
             cos = F.cosine_similarity(embed(m, tok, held_out), ref).mean().item()
-            row = {"method": method, "allocation": alloc_name, "target": TARGET,
-                   "weighted_mean_target": round(weighted_mean_sparsity(model, alloc), 6),
-                   "sparsity": round(overall, 4), "mean_cosine": round(cos, 4),
-                   "seconds": round(time.perf_counter() - t, 1)}
+            row = {
+                "method": method,
+                "allocation": alloc_name,
+                "target": TARGET,
+                "weighted_mean_target": round(weighted_mean_sparsity(model, alloc), 6),
+                "sparsity": round(overall, 4),
+                "mean_cosine": round(cos, 4),
+                "seconds": round(time.perf_counter() - t, 1),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
-    return {"rows": rows, "outlier_ratios": {n: round(v, 5) for n, v in ratios.items()},
-            "block_outlier_ratios": {n: round(v, 5) for n, v in block_ratios.items()},
-            "sparsities": {k: {n: round(v, 4) for n, v in a.items()} for k, a in allocations.items() if k != "uniform"},
-            "owl_seconds": owl_s, "n_calibration": n_cal, "n_eval": n_eval, "layers": len(names)}
+    return {
+        "rows": rows,
+        "outlier_ratios": {n: round(v, 5) for n, v in ratios.items()},
+        "block_outlier_ratios": {n: round(v, 5) for n, v in block_ratios.items()},
+        "sparsities": {k: {n: round(v, 4) for n, v in a.items()} for k, a in allocations.items() if k != "uniform"},
+        "owl_seconds": owl_s,
+        "n_calibration": n_cal,
+        "n_eval": n_eval,
+        "layers": len(names),
+    }
 
 
 def main() -> None:
@@ -103,10 +124,19 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    result = {"meta": {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                       "sparsa": sparsa.__version__, "model": "all-MiniLM-L6-v2", "pattern": "unstructured (per row)",
-                       "lam": list(LAMS), "M": 5},
-              "cpu": sparsa.cpu.cpu_info()}
+    result = {
+        "meta": {
+            "quick": args.quick,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "sparsa": sparsa.__version__,
+            "model": "all-MiniLM-L6-v2",
+            "pattern": "unstructured (per row)",
+            "lam": list(LAMS),
+            "M": 5,
+        },
+        "cpu": sparsa.cpu.cpu_info(),
+    }
     result.update(run(args.quick))
     result["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(args.out) if args.out else _out_dir() / "allocation.json"

@@ -23,6 +23,7 @@ Writes ``benchmarks/results/<cpu class>/bert_inference.json`` and ``bert_inferen
     python benchmarks/bert_inference.py            # full
     python benchmarks/bert_inference.py --quick    # subset, a few minutes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 SEQ = 128
 #: the keys of every speed row (dense baselines and sparse models alike)
-ROW_KEYS = ("layout", "dtype", "compiled", "sparsity", "batch", "seq", "threads", "speedup_vs_dense",
-            "speedup_vs_best_dense", "max_rel_err")
+ROW_KEYS = (
+    "layout",
+    "dtype",
+    "compiled",
+    "sparsity",
+    "batch",
+    "seq",
+    "threads",
+    "speedup_vs_dense",
+    "speedup_vs_best_dense",
+    "max_rel_err",
+)
 #: sparse rows also say whether GELU ran in the kernels' epilogue (``fused``) and, for fused/compiled
 #: rows, ``speedup_vs_eager_sparse`` (the same sparse model run eagerly, unfused / the fused variant)
 #: keys sparse rows add
@@ -63,14 +74,18 @@ def results_dir() -> Path:
     return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
-def _layouts(sparsity: float, quick: bool, only: Optional[Sequence[str]] = None
-             ) -> List[Tuple[str, Any, str, Dict[str, Any]]]:
+def _layouts(
+    sparsity: float, quick: bool, only: Optional[Sequence[str]] = None
+) -> List[Tuple[str, Any, str, Dict[str, Any]]]:
     """(label, sparsifier, layout, layout params) to benchmark at ``sparsity``; ``only`` keeps those whose
     label or layout name is listed (``row_group`` keeps both row_group16 and row_group4)."""
     from sparsa.methods.pattern import RowGroupSparsifier
     from sparsa.sparsifiers import GroupedNM, Magnitude
-    out = [("row_group16", RowGroupSparsifier(sparsity, group=16), "row_group", {}),
-           ("row_group4", RowGroupSparsifier(sparsity, group=4), "row_group", {})]
+
+    out = [
+        ("row_group16", RowGroupSparsifier(sparsity, group=16), "row_group", {}),
+        ("row_group4", RowGroupSparsifier(sparsity, group=4), "row_group", {}),
+    ]
     if not quick or only:
         out.append(("sliced_ell", Magnitude(sparsity, per="row"), "sliced_ell", {}))
         nm = {0.5: (2, 4), 0.75: (1, 4), 0.9: (1, 10)}.get(sparsity)
@@ -79,6 +94,7 @@ def _layouts(sparsity: float, quick: bool, only: Optional[Sequence[str]] = None
     if only:
         out = [o for o in out if o[0] in only or o[2] in only]
     return out
+
 
 def _linear_names(model: nn.Module) -> List[str]:
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layer." in n]
@@ -109,9 +125,9 @@ def _inputs(batch: int) -> torch.Tensor:
     return torch.randint(0, 30522, (batch, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def dense_baselines(dense: nn.Module, batches: Sequence[int], threads: int, reps: int, use_compile: bool
-                    ) -> Tuple[Dict[int, Dict[str, Callable[[], object]]], Dict[int, Dict[str, float]],
-                               List[Dict[str, Any]]]:
+def dense_baselines(
+    dense: nn.Module, batches: Sequence[int], threads: int, reps: int, use_compile: bool
+) -> Tuple[Dict[int, Dict[str, Callable[[], object]]], Dict[int, Dict[str, float]], List[Dict[str, Any]]]:
     """Time dense fp32 and bf16 eager per batch, compile the faster; returns per batch the baseline
     functions and their median ms, and one row per baseline."""
     dense16 = copy.deepcopy(dense).to(torch.bfloat16)
@@ -122,8 +138,9 @@ def dense_baselines(dense: nn.Module, batches: Sequence[int], threads: int, reps
     for batch in batches:
         ids = _inputs(batch)
         # ids bound per batch: these functions are timed again later, after the loop moved on
-        fns: Dict[str, Callable[[], object]] = {dense_label(dt): (lambda m=m, ids=ids: m(ids))
-                                                for dt, m in models.items()}
+        fns: Dict[str, Callable[[], object]] = {
+            dense_label(dt): (lambda m=m, ids=ids: m(ids)) for dt, m in models.items()
+        }
         compile_s = None
         with torch.no_grad():
             ref = dense(ids).last_hidden_state
@@ -142,14 +159,26 @@ def dense_baselines(dense: nn.Module, batches: Sequence[int], threads: int, reps
         for label, t in ms.items():
             compiled_flag = label.startswith("compiled_")
             dt = "float32" if label.endswith("fp32") else "bfloat16"
-            row = {"layout": "dense", "dtype": dt, "compiled": compiled_flag, "sparsity": 0.0, "batch": batch,
-                   "seq": SEQ, "threads": threads, "speedup_vs_dense": round(ms["fp32"] / t, 3),
-                   "speedup_vs_best_dense": round(ms[best] / t, 3), "max_rel_err": errs[label], "ms": round(t, 1)}
+            row = {
+                "layout": "dense",
+                "dtype": dt,
+                "compiled": compiled_flag,
+                "sparsity": 0.0,
+                "batch": batch,
+                "seq": SEQ,
+                "threads": threads,
+                "speedup_vs_dense": round(ms["fp32"] / t, 3),
+                "speedup_vs_best_dense": round(ms[best] / t, 3),
+                "max_rel_err": errs[label],
+                "ms": round(t, 1),
+            }
             if compiled_flag:
                 row["compile_s"] = compile_s
             rows.append(row)
-        print(f"dense batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()) + f" (best {best})",
-              flush=True)
+        print(
+            f"dense batch {batch}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()) + f" (best {best})",
+            flush=True,
+        )
     return fns_by_batch, ms_by_batch, rows
 
 
@@ -167,11 +196,19 @@ def _variants(model: nn.Module, label: str, dtype: str, compile_sparse: Sequence
     return out
 
 
-def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[str] = tuple(DTYPES),
-               only: Optional[Sequence[str]] = None, sparsities: Optional[Sequence[float]] = None,
-               batches: Optional[Sequence[int]] = None, layers: int = 12,
-               compile_sparse: Sequence[str] = ()) -> List[Dict[str, Any]]:
+def speed_rows(
+    quick: bool,
+    threads: int,
+    use_compile: bool,
+    dtypes: Sequence[str] = tuple(DTYPES),
+    only: Optional[Sequence[str]] = None,
+    sparsities: Optional[Sequence[float]] = None,
+    batches: Optional[Sequence[int]] = None,
+    layers: int = 12,
+    compile_sparse: Sequence[str] = (),
+) -> List[Dict[str, Any]]:
     from transformers import BertConfig, BertModel
+
     torch.manual_seed(0)
     dense = BertModel(BertConfig(num_hidden_layers=layers)).eval()
     sparsities = sparsities or ([0.5, 0.9] if quick else [0.5, 0.75, 0.9])
@@ -209,24 +246,38 @@ def speed_rows(quick: bool, threads: int, use_compile: bool, dtypes: Sequence[st
                         ms = _side_by_side(dict(dense_fns, **sparse_fns), rounds, warmup=warm)
                     for name in variants:
                         timed = {k: v for k, v in ms.items() if k in dense_fns or k == name}
-                        row = {"layout": label, "dtype": dt, "compiled": name == "compiled",
-                               "fused": name != "eager", "sparsity": sp, "batch": batch, "seq": SEQ,
-                               "threads": threads, **speedups(timed, name), "max_rel_err": errs[name]}
+                        row = {
+                            "layout": label,
+                            "dtype": dt,
+                            "compiled": name == "compiled",
+                            "fused": name != "eager",
+                            "sparsity": sp,
+                            "batch": batch,
+                            "seq": SEQ,
+                            "threads": threads,
+                            **speedups(timed, name),
+                            "max_rel_err": errs[name],
+                        }
                         if name != "eager":
                             row["speedup_vs_eager_sparse"] = round(ms["eager"] / ms[name], 3)
                         rows.append(row)
-                        print(f"{label:>16} {SHORT[dt]} {name:>8} {sp:5.0%} batch {batch}: "
-                              f"{row['speedup_vs_dense']:.2f}x vs fp32 eager, {row['speedup_vs_best_dense']:.2f}x vs "
-                              f"the best dense ({row['best_dense']})  (err {errs[name]:.1e})", flush=True)
+                        print(
+                            f"{label:>16} {SHORT[dt]} {name:>8} {sp:5.0%} batch {batch}: "
+                            f"{row['speedup_vs_dense']:.2f}x vs fp32 eager, {row['speedup_vs_best_dense']:.2f}x vs "
+                            f"the best dense ({row['best_dense']})  (err {errs[name]:.1e})",
+                            flush=True,
+                        )
                 del variants
             del model
     return rows
 
 
-def quality_rows(quick: bool, only: Optional[Sequence[str]] = None,
-                 sparsities: Optional[Sequence[float]] = None) -> List[Dict[str, Any]]:
+def quality_rows(
+    quick: bool, only: Optional[Sequence[str]] = None, sparsities: Optional[Sequence[float]] = None
+) -> List[Dict[str, Any]]:
     from sparsa.data.text import calibration_and_evaluation
     from sparsa.models.minilm import embed, encoder_linears, load_minilm
+
     dense, tok = load_minilm()
     _, held = calibration_and_evaluation(1, 64 if quick else 256)
     e_dense = embed(dense, tok, held)
@@ -240,8 +291,16 @@ def quality_rows(quick: bool, only: Optional[Sequence[str]] = None,
             kept = sum(float(model.get_submodule(n).weight.to_dense().detach().norm() ** 2) for n in names)
             frac = (kept / float(sum(before.values()))) ** 0.5
             cos = torch.nn.functional.cosine_similarity(e_dense, embed(model, tok, held)).mean().item()
-            rows.append({"layout": label, "sparsity": sp, "weight_norm_kept": round(frac, 4),
-                         "mean_cosine": round(cos, 4), "method": "one-shot magnitude", "model": "MiniLM-L6"})
+            rows.append(
+                {
+                    "layout": label,
+                    "sparsity": sp,
+                    "weight_norm_kept": round(frac, 4),
+                    "mean_cosine": round(cos, 4),
+                    "method": "one-shot magnitude",
+                    "model": "MiniLM-L6",
+                }
+            )
             print(f"quality {label:>16} {sp:5.0%}: norm kept {frac:.3f}, cosine {cos:.3f}", flush=True)
     return rows
 
@@ -249,18 +308,26 @@ def quality_rows(quick: bool, only: Optional[Sequence[str]] = None,
 def plot(rows: List[Dict[str, Any]], path: Path) -> None:
     """Speed-up vs the best dense path per layout/dtype/batch (dashed: vs dense fp32 eager)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     rows = [r for r in rows if r["layout"] != "dense"]
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (label, dt, batch) in sorted({(r["layout"], r.get("dtype", "float32"), r["batch"]) for r in rows}):
-        sel = sorted((r for r in rows if (r["layout"], r.get("dtype", "float32"), r["batch"]) == (label, dt, batch)),
-                     key=lambda r: r["sparsity"])
+    for label, dt, batch in sorted({(r["layout"], r.get("dtype", "float32"), r["batch"]) for r in rows}):
+        sel = sorted(
+            (r for r in rows if (r["layout"], r.get("dtype", "float32"), r["batch"]) == (label, dt, batch)),
+            key=lambda r: r["sparsity"],
+        )
         xs = [r["sparsity"] * 100 for r in sel]
-        line, = ax.plot(xs, [r.get("speedup_vs_best_dense", r["speedup_vs_dense"]) for r in sel], marker="o",
-                        label=f"{label} {SHORT.get(dt, dt)}, batch {batch}")
+        (line,) = ax.plot(
+            xs,
+            [r.get("speedup_vs_best_dense", r["speedup_vs_dense"]) for r in sel],
+            marker="o",
+            label=f"{label} {SHORT.get(dt, dt)}, batch {batch}",
+        )
         ax.plot(xs, [r["speedup_vs_dense"] for r in sel], ls="--", lw=0.8, color=line.get_color())
     ax.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax.set_xlabel("sparsity (%)")
@@ -275,24 +342,42 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="subset: 50%% and 90%%, row_group16/4, batch 8, no compile")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output JSON; the PNG goes next to it (default: $SPARSA_RESULTS_DIR or "
-                         "benchmarks/results/<cpu class>, file bert_inference.json)")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="filter: dtypes of the sparse models (default float32,bfloat16); the dense fp32 and bf16 "
-                         "baselines always run")
-    ap.add_argument("--layouts", help="filter: comma-separated labels or layouts, e.g. row_group16,grouped_nm "
-                                      "(row_group keeps row_group16 and row_group4)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output JSON; the PNG goes next to it (default: $SPARSA_RESULTS_DIR or "
+        "benchmarks/results/<cpu class>, file bert_inference.json)",
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="filter: dtypes of the sparse models (default float32,bfloat16); the dense fp32 and bf16 "
+        "baselines always run",
+    )
+    ap.add_argument(
+        "--layouts",
+        help="filter: comma-separated labels or layouts, e.g. row_group16,grouped_nm "
+        "(row_group keeps row_group16 and row_group4)",
+    )
     ap.add_argument("--sparsities", help="filter: comma-separated sparsities, e.g. 0.9")
     ap.add_argument("--batches", help="filter: comma-separated batch sizes, e.g. 1")
     ap.add_argument("--layers", type=int, default=12, help="encoder layers (12 = BERT-base; fewer for smoke tests)")
-    ap.add_argument("--compile", dest="compile", action="store_true", default=None,
-                    help="time the torch.compile dense baseline (default: on, off with --quick)")
+    ap.add_argument(
+        "--compile",
+        dest="compile",
+        action="store_true",
+        default=None,
+        help="time the torch.compile dense baseline (default: on, off with --quick)",
+    )
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     ap.add_argument("--no-quality", action="store_true", help="skip the MiniLM quality rows")
-    ap.add_argument("--compile-sparse", default=None,
-                    help="comma-separated layout labels whose float32 sparse model is also timed under "
-                         "torch.compile (default: row_group16 when the compiled baseline runs, else none)")
+    ap.add_argument(
+        "--compile-sparse",
+        default=None,
+        help="comma-separated layout labels whose float32 sparse model is also timed under "
+        "torch.compile (default: row_group16 when the compiled baseline runs, else none)",
+    )
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
@@ -305,24 +390,44 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     cpu = sparsa.cpu.cpu_info()
     t0 = time.perf_counter()
     sparsities = [float(v) for v in args.sparsities.split(",")] if args.sparsities else None
-    compile_sparse = ([v.strip() for v in args.compile_sparse.split(",") if v.strip()]
-                      if args.compile_sparse is not None else (["row_group16"] if use_compile else []))
-    rows = speed_rows(args.quick, args.threads, use_compile, dtypes, only, sparsities,
-                      [int(v) for v in args.batches.split(",")] if args.batches else None, args.layers,
-                      compile_sparse)
+    compile_sparse = (
+        [v.strip() for v in args.compile_sparse.split(",") if v.strip()]
+        if args.compile_sparse is not None
+        else (["row_group16"] if use_compile else [])
+    )
+    rows = speed_rows(
+        args.quick,
+        args.threads,
+        use_compile,
+        dtypes,
+        only,
+        sparsities,
+        [int(v) for v in args.batches.split(",")] if args.batches else None,
+        args.layers,
+        compile_sparse,
+    )
     quality = [] if args.no_quality else quality_rows(args.quick, only, sparsities)
-    res = {"benchmark": "bert_inference", "cpu": cpu,
-           "model": "BertModel(BertConfig()) (BERT-base, random weights)" if args.layers == 12 else
-                    f"BertModel(BertConfig(num_hidden_layers={args.layers})) (BERT-base with {args.layers} encoder "
-                    "layers, random weights)",
-           "quick": args.quick, "threads": args.threads, "torch": torch.__version__, "dtypes": dtypes,
-           "compiled_baseline": use_compile,
-           "baselines": "dense fp32 eager, dense bf16 eager (copy.deepcopy(dense).to(torch.bfloat16))"
-                        + (", torch.compile(dynamic=False) of the faster of the two" if use_compile else ""),
-           "timing": "warm-up, then median of round-robin rounds of dense fp32, the fastest dense baseline and "
-                     "the sparse model; speed-up = dense time / sparse time",
-           "method": "one-shot magnitude (row_group: group column norms)", "rows": rows, "quality": quality,
-           "seconds": round(time.perf_counter() - t0, 1)}
+    res = {
+        "benchmark": "bert_inference",
+        "cpu": cpu,
+        "model": "BertModel(BertConfig()) (BERT-base, random weights)"
+        if args.layers == 12
+        else f"BertModel(BertConfig(num_hidden_layers={args.layers})) (BERT-base with {args.layers} encoder "
+        "layers, random weights)",
+        "quick": args.quick,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "dtypes": dtypes,
+        "compiled_baseline": use_compile,
+        "baselines": "dense fp32 eager, dense bf16 eager (copy.deepcopy(dense).to(torch.bfloat16))"
+        + (", torch.compile(dynamic=False) of the faster of the two" if use_compile else ""),
+        "timing": "warm-up, then median of round-robin rounds of dense fp32, the fastest dense baseline and "
+        "the sparse model; speed-up = dense time / sparse time",
+        "method": "one-shot magnitude (row_group: group column norms)",
+        "rows": rows,
+        "quality": quality,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     plot(rows, out.with_suffix(".png"))

@@ -41,6 +41,7 @@ conflicts with the project's pins, so this runs from its own virtual environment
 
 Run without those packages (e.g. with ``.venv``'s python), it prints how to create the venv and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,12 +90,16 @@ def _args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per engine (default 7; quick 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per engine before timing")
-    ap.add_argument("--layouts", default="sliced_ell",
-                    help="comma list of sparsa layouts that can hold the exact mask: sliced_ell (default), "
-                         "and the pure-PyTorch masked, coo, csr (csr: fp32 only)")
+    ap.add_argument(
+        "--layouts",
+        default="sliced_ell",
+        help="comma list of sparsa layouts that can hold the exact mask: sliced_ell (default), "
+        "and the pure-PyTorch masked, coo, csr (csr: fp32 only)",
+    )
     ap.add_argument("--no-deepsparse", action="store_true", help="skip the DeepSparse engine")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default benchmarks/results/<cpu class>/deepsparse_h2h.json)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="JSON path (default benchmarks/results/<cpu class>/deepsparse_h2h.json)"
+    )
     a = ap.parse_args(argv)
     if a.sparsities is None:
         a.sparsities = [0.9] if a.quick else [0.75, 0.9]
@@ -115,6 +120,7 @@ def _args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def _dense_model():
     import torch
     from transformers import BertConfig, BertModel
+
     torch.manual_seed(0)
     cfg = BertConfig()
     cfg._attn_implementation = "eager"  # plain matmul + softmax attention: what the ONNX export traces
@@ -124,6 +130,7 @@ def _dense_model():
 
 def _encoder_linears(model) -> List[str]:
     import torch.nn as nn
+
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layer." in n]
 
 
@@ -131,6 +138,7 @@ def _prune(dense, sparsity: float):
     """A pruned copy (row-balanced magnitude on every encoder Linear) and its masks by module name."""
     import torch
     from sparsa.sparsifiers import Magnitude
+
     model = copy.deepcopy(dense)
     sparsifier = Magnitude(sparsity, per="row")
     masks = {}
@@ -149,6 +157,7 @@ def _prune(dense, sparsity: float):
 def _digest(model) -> str:
     """sha256 of the model's state dict (names, dtypes, shapes and bytes), in key order."""
     import torch
+
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         t = v.detach().contiguous().cpu()
@@ -177,9 +186,11 @@ def _sparsa_model(pruned, masks: Dict[str, Any], layout: str):
     weights equal the pruned dense ones exactly."""
     import torch
     import sparsa
+
     model = copy.deepcopy(pruned)
-    rules = [sparsa.Rule(sparsifier=_exact_mask_sparsifier(m), layout=layout, names=[name])
-             for name, m in masks.items()]
+    rules = [
+        sparsa.Rule(sparsifier=_exact_mask_sparsifier(m), layout=layout, names=[name]) for name, m in masks.items()
+    ]
     sparsa.sparsify(model, rules)
     for name, m in masks.items():
         w = model.get_submodule(name).weight
@@ -194,10 +205,14 @@ def _sparsa_model(pruned, masks: Dict[str, Any], layout: str):
 
 def _inputs(batch: int) -> Dict[str, Any]:
     import torch
+
     g = torch.Generator().manual_seed(1000 + batch)
     ids = torch.randint(0, VOCAB, (batch, SEQ), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones(batch, SEQ, dtype=torch.long),
-            "token_type_ids": torch.zeros(batch, SEQ, dtype=torch.long)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(batch, SEQ, dtype=torch.long),
+        "token_type_ids": torch.zeros(batch, SEQ, dtype=torch.long),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- DeepSparse
@@ -229,6 +244,7 @@ class DeepSparse:
         if enabled:
             try:
                 import deepsparse
+
                 self.status.update({"version": deepsparse.__version__, "status": "ok", "engines": []})
             except Exception as e:  # the engine refuses unsupported CPUs at import
                 self._fail("import", e)
@@ -244,21 +260,32 @@ class DeepSparse:
         if not self.ok:
             return None
         import torch
+
         path = self.workdir / f"bert_{int(round(sparsity * 100))}.onnx"
         try:
             t0 = time.perf_counter()
             kw = _inputs(1)
             with warnings.catch_warnings(), torch.no_grad():
                 warnings.simplefilter("ignore")
-                torch.onnx.export(_KeywordCall(pruned), (), str(path), kwargs=kw, dynamo=False, opset_version=14,
-                                  input_names=list(kw), output_names=["last_hidden_state", "pooler_output"],
-                                  dynamic_axes={k: {0: "batch"} for k in list(kw) + ["last_hidden_state",
-                                                                                      "pooler_output"]},
-                                  do_constant_folding=True)
+                torch.onnx.export(
+                    _KeywordCall(pruned),
+                    (),
+                    str(path),
+                    kwargs=kw,
+                    dynamo=False,
+                    opset_version=14,
+                    input_names=list(kw),
+                    output_names=["last_hidden_state", "pooler_output"],
+                    dynamic_axes={k: {0: "batch"} for k in list(kw) + ["last_hidden_state", "pooler_output"]},
+                    do_constant_folding=True,
+                )
             pruned.eval()
             zeros = _onnx_zero_count(path)
-            print(f"  exported ONNX ({path.stat().st_size / 2**20:.0f} MiB, {zeros} zero weights) "
-                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"  exported ONNX ({path.stat().st_size / 2**20:.0f} MiB, {zeros} zero weights) "
+                f"in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
             self.status.setdefault("onnx_zero_weights", {})[str(sparsity)] = zeros
             return path
         except Exception as e:
@@ -270,17 +297,25 @@ class DeepSparse:
             return None
         try:
             from deepsparse import compile_model
+
             t0 = time.perf_counter()
             engine = compile_model(str(path), batch_size=batch, num_cores=self.threads)
             dt = time.perf_counter() - t0
-            info = {"sparsity": sparsity, "batch": batch, "compile_s": round(dt, 1),
-                    "cpu_avx_type": getattr(engine, "cpu_avx_type", None),
-                    "cpu_vnni": getattr(engine, "cpu_vnni", None),
-                    "fraction_of_supported_ops": getattr(engine, "fraction_of_supported_ops", None),
-                    "num_cores": getattr(engine, "num_cores", None)}
+            info = {
+                "sparsity": sparsity,
+                "batch": batch,
+                "compile_s": round(dt, 1),
+                "cpu_avx_type": getattr(engine, "cpu_avx_type", None),
+                "cpu_vnni": getattr(engine, "cpu_vnni", None),
+                "fraction_of_supported_ops": getattr(engine, "fraction_of_supported_ops", None),
+                "num_cores": getattr(engine, "num_cores", None),
+            }
             self.status["engines"].append(info)
-            print(f"  DeepSparse compiled for batch {batch} in {dt:.1f} s ({info['cpu_avx_type']}, "
-                  f"fraction of ops supported {info['fraction_of_supported_ops']})", flush=True)
+            print(
+                f"  DeepSparse compiled for batch {batch} in {dt:.1f} s ({info['cpu_avx_type']}, "
+                f"fraction of ops supported {info['fraction_of_supported_ops']})",
+                flush=True,
+            )
             return engine
         except Exception as e:
             self._fail("compile", e)
@@ -291,6 +326,7 @@ def _onnx_zero_count(path: Path) -> int:
     """Exact zeros in the ONNX model's 2-D float initializers (the Linear weights)."""
     import onnx
     from onnx import numpy_helper
+
     m = onnx.load(str(path))
     n = 0
     for init in m.graph.initializer:
@@ -301,6 +337,7 @@ def _onnx_zero_count(path: Path) -> int:
 
 def _deepsparse_fn(engine, kw: Dict[str, Any]) -> Callable[[], Any]:
     import numpy as np
+
     names = list(getattr(engine, "input_names", None) or kw)
     arrays = [np.ascontiguousarray(kw[n].numpy()) for n in names]
     return lambda: engine.run(arrays)
@@ -309,6 +346,7 @@ def _deepsparse_fn(engine, kw: Dict[str, Any]) -> Callable[[], Any]:
 # ---------------------------------------------------------------------------------------------- main
 def _rel_err(out, ref) -> float:
     import torch
+
     out = torch.as_tensor(out).float()
     return float((out - ref).abs().max() / ref.abs().max())
 
@@ -331,8 +369,11 @@ def run(a: argparse.Namespace) -> int:
             versions[p] = None
     dense = _dense_model()
     names = _encoder_linears(dense)
-    print(f"BERT-base, {len(names)} encoder Linears, seq {SEQ}, {a.threads} threads, sparsities {a.sparsities}, "
-          f"batches {a.batches}, layouts {a.layouts}, {a.rounds} rounds", flush=True)
+    print(
+        f"BERT-base, {len(names)} encoder Linears, seq {SEQ}, {a.threads} threads, sparsities {a.sparsities}, "
+        f"batches {a.batches}, layouts {a.layouts}, {a.rounds} rounds",
+        flush=True,
+    )
     rows: List[Dict[str, Any]] = []
     weights: Dict[str, Any] = {}
     failures: List[str] = []
@@ -345,14 +386,20 @@ def run(a: argparse.Namespace) -> int:
             pruned, masks = _prune(dense, sp)
             digest = _digest(pruned)
             zeros = int(sum(int((~m).sum()) for m in masks.values()))
-            weights[str(sp)] = {"sha256": digest, "encoder_linear_zeros": zeros,
-                                "encoder_linear_weights": int(sum(m.numel() for m in masks.values()))}
-            print(f"sparsity {sp:.0%}: pruned in {time.perf_counter() - t0:.1f} s, weights sha256 {digest[:16]}",
-                  flush=True)
+            weights[str(sp)] = {
+                "sha256": digest,
+                "encoder_linear_zeros": zeros,
+                "encoder_linear_weights": int(sum(m.numel() for m in masks.values())),
+            }
+            print(
+                f"sparsity {sp:.0%}: pruned in {time.perf_counter() - t0:.1f} s, weights sha256 {digest[:16]}",
+                flush=True,
+            )
             tag = f"sha256:{digest[:16]}"
-            models: Dict[str, Tuple[Any, str]] = {"pytorch_dense_fp32": (pruned, "fp32"),
-                                                  "pytorch_dense_bf16": (copy.deepcopy(pruned).to(torch.bfloat16),
-                                                                         "bf16")}
+            models: Dict[str, Tuple[Any, str]] = {
+                "pytorch_dense_fp32": (pruned, "fp32"),
+                "pytorch_dense_bf16": (copy.deepcopy(pruned).to(torch.bfloat16), "bf16"),
+            }
             for layout in a.layouts:
                 sm = _sparsa_model(pruned, masks, layout)
                 models[f"sparsa_{layout}_fp32"] = (sm, "fp32")
@@ -362,8 +409,12 @@ def run(a: argparse.Namespace) -> int:
                 models[f"sparsa_{layout}_bf16"] = (copy.deepcopy(sm).to(torch.bfloat16), "bf16")
             onnx_path = ds.export(pruned, sp)
             if onnx_path is not None and ds.status["onnx_zero_weights"][str(sp)] < zeros:
-                ds._fail("onnx export", RuntimeError(
-                    f"the ONNX file has {ds.status['onnx_zero_weights'][str(sp)]} zero weights, expected >= {zeros}"))
+                ds._fail(
+                    "onnx export",
+                    RuntimeError(
+                        f"the ONNX file has {ds.status['onnx_zero_weights'][str(sp)]} zero weights, expected >= {zeros}"
+                    ),
+                )
             for batch in a.batches:
                 kw = _inputs(batch)
                 fns: Dict[str, Callable[[], Any]] = {}
@@ -380,7 +431,7 @@ def run(a: argparse.Namespace) -> int:
                             skipped[f"{eng} sparsity {sp} batch {batch}"] = msg
                             print(f"  {eng} not timed: {msg}", flush=True)
                             continue
-                        fns[eng] = (lambda m=model: m(**kw))
+                        fns[eng] = lambda m=model: m(**kw)
                         precision[eng] = prec
                     engine = ds.compile(onnx_path, sp, batch)
                     if engine is not None:
@@ -405,28 +456,50 @@ def run(a: argparse.Namespace) -> int:
                     if not errs[eng] <= tol:
                         failures.append(f"{eng} sparsity {sp} batch {batch}: max_rel_err {errs[eng]:.2e} > {tol:g}")
                         print(f"CHECK FAILED: {failures[-1]}", flush=True)
-                    rows.append({"engine": eng, "sparsity": sp, "batch": batch, "seq": SEQ, "threads": a.threads,
-                                 "median_ms": round(ms[eng], 2),
-                                 "speedup_vs_fp32_eager": round(fp32 / ms[eng], 3),
-                                 "speedup_vs_best_dense": round(best_dense / ms[eng], 3),
-                                 "max_rel_err": float(f"{errs[eng]:.3g}"),
-                                 "weights": f"{tag} {precision[eng]}"})
+                    rows.append(
+                        {
+                            "engine": eng,
+                            "sparsity": sp,
+                            "batch": batch,
+                            "seq": SEQ,
+                            "threads": a.threads,
+                            "median_ms": round(ms[eng], 2),
+                            "speedup_vs_fp32_eager": round(fp32 / ms[eng], 3),
+                            "speedup_vs_best_dense": round(best_dense / ms[eng], 3),
+                            "max_rel_err": float(f"{errs[eng]:.3g}"),
+                            "weights": f"{tag} {precision[eng]}",
+                        }
+                    )
                     r = rows[-1]
-                    print(f"  {eng:>24} {sp:4.0%} batch {batch}: {r['median_ms']:9.2f} ms  "
-                          f"{r['speedup_vs_fp32_eager']:5.2f}x vs fp32 eager  {r['speedup_vs_best_dense']:5.2f}x vs "
-                          f"best dense  (err {errs[eng]:.1e})", flush=True)
+                    print(
+                        f"  {eng:>24} {sp:4.0%} batch {batch}: {r['median_ms']:9.2f} ms  "
+                        f"{r['speedup_vs_fp32_eager']:5.2f}x vs fp32 eager  {r['speedup_vs_best_dense']:5.2f}x vs "
+                        f"best dense  (err {errs[eng]:.1e})",
+                        flush=True,
+                    )
                 del engine
             del models, pruned, masks
-    res = {"benchmark": "deepsparse_h2h",
-           "model": "BertModel(BertConfig()) (BERT-base, random weights, seed 0, eager attention)",
-           "pruning": "row-balanced magnitude, sparsa.sparsifiers.Magnitude(s, per='row'), every encoder Linear",
-           "inputs": "random token ids, all-ones attention mask, zero token types",
-           "timing": f"round robin in one process, {a.warmup} warm-up calls each, median of {a.rounds} rounds",
-           "quick": a.quick, "seq": SEQ, "threads": a.threads, "layouts": a.layouts,
-           "tolerances": {"fp32": TOL_FP32, "bf16": TOL_BF16},
-           "cpu": cpu.cpu_info(), "versions": versions, "deepsparse": ds.status, "weights": weights,
-           "sparsa_fallbacks": fallbacks, "not_timed": skipped, "check_failures": failures, "rows": rows,
-           "seconds": round(time.perf_counter() - t_start, 1)}
+    res = {
+        "benchmark": "deepsparse_h2h",
+        "model": "BertModel(BertConfig()) (BERT-base, random weights, seed 0, eager attention)",
+        "pruning": "row-balanced magnitude, sparsa.sparsifiers.Magnitude(s, per='row'), every encoder Linear",
+        "inputs": "random token ids, all-ones attention mask, zero token types",
+        "timing": f"round robin in one process, {a.warmup} warm-up calls each, median of {a.rounds} rounds",
+        "quick": a.quick,
+        "seq": SEQ,
+        "threads": a.threads,
+        "layouts": a.layouts,
+        "tolerances": {"fp32": TOL_FP32, "bf16": TOL_BF16},
+        "cpu": cpu.cpu_info(),
+        "versions": versions,
+        "deepsparse": ds.status,
+        "weights": weights,
+        "sparsa_fallbacks": fallbacks,
+        "not_timed": skipped,
+        "check_failures": failures,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(res, indent=2) + "\n")
     print(f"wrote {out_path} in {res['seconds']} s" + (f"; {len(failures)} output checks FAILED" if failures else ""))
@@ -437,8 +510,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = _args(argv)
     missing = _missing_packages()
     if missing:
-        print(f"deepsparse_h2h: needs {', '.join(missing)}, kept out of .venv (conflicting pins): create its venv "
-              "with `make deepsparse-venv`, then run `make bench-deepsparse`")
+        print(
+            f"deepsparse_h2h: needs {', '.join(missing)}, kept out of .venv (conflicting pins): create its venv "
+            "with `make deepsparse-venv`, then run `make bench-deepsparse`"
+        )
         return 0
     sys.path.insert(0, str(ROOT))
     return run(a)

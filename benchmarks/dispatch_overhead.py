@@ -7,6 +7,7 @@ benchmarks/results/<cpu class>/dispatch_overhead.json.
 
     python benchmarks/dispatch_overhead.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ from sparsa.ops import registry
 from sparsa.ops.dispatch import _Ctx
 
 # SPARSA_RESULTS_DIR redirects the output (the docs test uses it to keep the committed results intact)
-OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class())
-           ) / "dispatch_overhead.json"
+OUT = (
+    Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()))
+    / "dispatch_overhead.json"
+)
 
 
 def _per_call(fn, n):
@@ -67,21 +70,33 @@ def main() -> None:
                 diffs.append(b - a)
                 d_times.append(a)
                 s_times.append(b)
-        rows.append({
-            "mode": mode, "shape_x": list(x.shape), "shape_w": list(w.shape), "threads": 1,
-            "direct_us": round(statistics.median(d_times) * 1e6, 2),
-            "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
-            "overhead_us": round(statistics.median(diffs) * 1e6, 2),
-        })
-    res = {"benchmark": "dispatch_overhead", "cpu": sparsa.cpu.cpu_info(), "target_us": 20.0,
-           "torch": torch.__version__,
-           "python": platform.python_version(), "rows": rows,
-           "note": "overhead = median(dispatched - direct) per call; training includes autograd.Function."}
+        rows.append(
+            {
+                "mode": mode,
+                "shape_x": list(x.shape),
+                "shape_w": list(w.shape),
+                "threads": 1,
+                "direct_us": round(statistics.median(d_times) * 1e6, 2),
+                "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
+                "overhead_us": round(statistics.median(diffs) * 1e6, 2),
+            }
+        )
+    res = {
+        "benchmark": "dispatch_overhead",
+        "cpu": sparsa.cpu.cpu_info(),
+        "target_us": 20.0,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "rows": rows,
+        "note": "overhead = median(dispatched - direct) per call; training includes autograd.Function.",
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=2))
     for r in rows:
-        print(f"{r['mode']:>9}: direct {r['direct_us']:.1f} us, dispatched {r['dispatched_us']:.1f} us, "
-              f"overhead {r['overhead_us']:.1f} us (target < 20)")
+        print(
+            f"{r['mode']:>9}: direct {r['direct_us']:.1f} us, dispatched {r['dispatched_us']:.1f} us, "
+            f"overhead {r['overhead_us']:.1f} us (target < 20)"
+        )
 
 
 if __name__ == "__main__":

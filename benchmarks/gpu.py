@@ -17,6 +17,7 @@ Run (on a machine with an NVIDIA GPU)::
 
     python benchmarks/gpu.py            # or: python benchmarks/gpu.py --quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,14 @@ T0 = time.time()
 
 #: device and case lists (module-level so a CPU smoke run under TRITON_INTERPRET=1 can shrink them)
 DEV = "cuda"
-WEIGHT_SHAPES = [("bert_qkv_768x768", 768, 768, 4096), ("bert_ffn_up_3072x768", 3072, 768, 4096),
-                 ("bert_ffn_down_768x3072", 768, 3072, 4096), ("llm_4096x4096_8k", 4096, 4096, 8192),
-                 ("llm_4096x4096_16k", 4096, 4096, 16384), ("llm_4096x4096_decode16", 4096, 4096, 16)]
+WEIGHT_SHAPES = [
+    ("bert_qkv_768x768", 768, 768, 4096),
+    ("bert_ffn_up_3072x768", 3072, 768, 4096),
+    ("bert_ffn_down_768x3072", 768, 3072, 4096),
+    ("llm_4096x4096_8k", 4096, 4096, 8192),
+    ("llm_4096x4096_16k", 4096, 4096, 16384),
+    ("llm_4096x4096_decode16", 4096, 4096, 16),
+]
 WEIGHT_SPARSITIES = [0.5, 0.75, 0.9, 0.95]
 BLOCK = 64
 ACT_SWEEP = [0.0, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99]
@@ -126,6 +132,7 @@ def bench_weight_sparse(quick: bool) -> List[dict]:
     import sparsa
     from sparsa.gpu.semi_structured import semi_structured_supported
     from sparsa.layouts import NM, BSR  # noqa: F401
+
     shapes = WEIGHT_SHAPES if not quick else [WEIGHT_SHAPES[0], WEIGHT_SHAPES[3]]
     sparsities = WEIGHT_SPARSITIES
     nm_for = {0.5: (2, 4), 0.75: (1, 4), 0.9: (1, 10), 0.95: (1, 20)}
@@ -143,9 +150,17 @@ def bench_weight_sparse(quick: bool) -> List[dict]:
                 cases = [(f"bsr{BLOCK}", sparsa.to_sparse(dense_w, "bsr", blocksize=(BLOCK, BLOCK)))]
                 if s < 0.92 or tokens <= 16 or not quick:
                     nn_, mm_ = nm_for[s]
-                    cases.append((f"nm{nn_}:{mm_}", sparsa.to_sparse(
-                        torch.randn(n, k, device=DEV, dtype=dtype, generator=gen) / math.sqrt(k), "nm",
-                        n=nn_, m=mm_)))
+                    cases.append(
+                        (
+                            f"nm{nn_}:{mm_}",
+                            sparsa.to_sparse(
+                                torch.randn(n, k, device=DEV, dtype=dtype, generator=gen) / math.sqrt(k),
+                                "nm",
+                                n=nn_,
+                                m=mm_,
+                            ),
+                        )
+                    )
                 for kind, w in cases:
                     wd = w.to_dense()
                     with torch.no_grad():
@@ -154,22 +169,52 @@ def bench_weight_sparse(quick: bool) -> List[dict]:
                         err = _rel_err(out, ref)
                         td, ts = _time_pair(lambda: F.linear(x, wd), lambda: F.linear(x, w))
                     route = sparsa.ops.explain("linear", None, type(w.sparse_layout)).split(": ")[1]
-                    rows.append({"shape": name, "out": n, "in": k, "tokens": tokens, "dtype": str(dtype)[6:],
-                                 "kernel": kind, "sparsity": round(1 - w.density, 4), "dense_ms": td,
-                                 "sparse_ms": ts, "speedup": td / ts, "rel_err": err, "route": route})
-                    print(f"  {name:24s} {str(dtype)[6:]:8s} {kind:7s} s={1 - w.density:.2f} dense {td:7.3f} ms  "
-                          f"sparse {ts:7.3f} ms  x{td / ts:5.2f}  err {err:.1e}", flush=True)
+                    rows.append(
+                        {
+                            "shape": name,
+                            "out": n,
+                            "in": k,
+                            "tokens": tokens,
+                            "dtype": str(dtype)[6:],
+                            "kernel": kind,
+                            "sparsity": round(1 - w.density, 4),
+                            "dense_ms": td,
+                            "sparse_ms": ts,
+                            "speedup": td / ts,
+                            "rel_err": err,
+                            "route": route,
+                        }
+                    )
+                    print(
+                        f"  {name:24s} {str(dtype)[6:]:8s} {kind:7s} s={1 - w.density:.2f} dense {td:7.3f} ms  "
+                        f"sparse {ts:7.3f} ms  x{td / ts:5.2f}  err {err:.1e}",
+                        flush=True,
+                    )
             if dtype == torch.bfloat16 and semi_ok:  # PyTorch's 2:4 path, for comparison
                 w = sparsa.to_sparse(torch.randn(n, k, device=DEV, dtype=dtype, generator=gen), "nm", n=2, m=4)
                 wd = w.to_dense()
                 with torch.no_grad():
                     err = _rel_err(F.linear(x, w), F.linear(x, wd))
                     td, ts = _time_pair(lambda: F.linear(x, wd), lambda: F.linear(x, w))
-                rows.append({"shape": name, "out": n, "in": k, "tokens": tokens, "dtype": "bfloat16",
-                             "kernel": "semi_structured_2:4", "sparsity": 0.5, "dense_ms": td, "sparse_ms": ts,
-                             "speedup": td / ts, "rel_err": err})
-                print(f"  {name:24s} bfloat16 2:4-semi s=0.50 dense {td:7.3f} ms  sparse {ts:7.3f} ms  x{td / ts:5.2f}",
-                      flush=True)
+                rows.append(
+                    {
+                        "shape": name,
+                        "out": n,
+                        "in": k,
+                        "tokens": tokens,
+                        "dtype": "bfloat16",
+                        "kernel": "semi_structured_2:4",
+                        "sparsity": 0.5,
+                        "dense_ms": td,
+                        "sparse_ms": ts,
+                        "speedup": td / ts,
+                        "rel_err": err,
+                    }
+                )
+                print(
+                    f"  {name:24s} bfloat16 2:4-semi s=0.50 dense {td:7.3f} ms  sparse {ts:7.3f} ms  x{td / ts:5.2f}",
+                    flush=True,
+                )
     if not semi_ok:
         rows.append({"kernel": "semi_structured_2:4", "skipped": semi_why})
     return rows
@@ -189,11 +234,12 @@ def _sparse_act(shape, sparsity: float, pattern: str, dtype, gen, panel: int = 6
 
 def bench_act_sparse(quick: bool) -> Dict[str, List[dict]]:
     from sparsa.gpu.act_sparse import act_sparse_conv2d, act_sparse_linear
+
     gen = torch.Generator(device=DEV).manual_seed(1)
     sweep = ACT_SWEEP if not quick else [0.5, 0.9]
     lin, conv = [], []
     for dtype in (torch.bfloat16, torch.float32):
-        for (m, k, n) in (ACT_LINEAR if not quick else [(4096, 1024, 1024)]):
+        for m, k, n in ACT_LINEAR if not quick else [(4096, 1024, 1024)]:
             for pattern in ("random", "channel"):
                 for s in sweep:
                     if _left() < 45:
@@ -208,16 +254,32 @@ def bench_act_sparse(quick: bool) -> Dict[str, List[dict]]:
 
                     def sparse():
                         act_sparse_linear(asp, w).backward(g)
+
                     y_ref, y = F.linear(a, w), act_sparse_linear(a, w)
                     err = _rel_err(y, y_ref)
                     td, ts = _time_pair(dense, sparse, reps=7, inner=2)
-                    lin.append({"tokens": m, "in": k, "out": n, "dtype": str(dtype)[6:], "pattern": pattern,
-                                "act_sparsity": s, "measured_sparsity": float((a == 0).float().mean()),
-                                "dense_fwd_bwd_ms": td, "sparse_fwd_bwd_ms": ts, "speedup": td / ts, "rel_err": err})
-                    print(f"  linear {m}x{k}->{n} {str(dtype)[6:]:8s} {pattern:7s} s={s:.2f} dense {td:7.2f} ms "
-                          f"sparse {ts:7.2f} ms x{td / ts:5.2f} err {err:.1e}", flush=True)
+                    lin.append(
+                        {
+                            "tokens": m,
+                            "in": k,
+                            "out": n,
+                            "dtype": str(dtype)[6:],
+                            "pattern": pattern,
+                            "act_sparsity": s,
+                            "measured_sparsity": float((a == 0).float().mean()),
+                            "dense_fwd_bwd_ms": td,
+                            "sparse_fwd_bwd_ms": ts,
+                            "speedup": td / ts,
+                            "rel_err": err,
+                        }
+                    )
+                    print(
+                        f"  linear {m}x{k}->{n} {str(dtype)[6:]:8s} {pattern:7s} s={s:.2f} dense {td:7.2f} ms "
+                        f"sparse {ts:7.2f} ms x{td / ts:5.2f} err {err:.1e}",
+                        flush=True,
+                    )
         # conv layers (VGG-16 middle layers at batch 64, 32x32 CIFAR-sized inputs)
-        for name, nb, c, hw, o in (ACT_CONV if not quick else ACT_CONV[:1]):
+        for name, nb, c, hw, o in ACT_CONV if not quick else ACT_CONV[:1]:
             for pattern in ("random", "channel"):
                 for s in sweep:
                     if _left() < 45:
@@ -225,7 +287,7 @@ def bench_act_sparse(quick: bool) -> Dict[str, List[dict]]:
                     if pattern == "random":
                         x = _sparse_act((nb, c, hw, hw), s, "random", dtype, gen)
                     else:  # whole channels dead per image
-                        keep = (torch.rand(nb, c, 1, 1, device=DEV, generator=gen) >= s)
+                        keep = torch.rand(nb, c, 1, 1, device=DEV, generator=gen) >= s
                         x = (torch.rand(nb, c, hw, hw, device=DEV, generator=gen, dtype=dtype) + 0.1) * keep
                     w = (torch.randn(o, c, 3, 3, device=DEV, dtype=dtype, generator=gen) * 0.05).requires_grad_()
                     xd, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -236,13 +298,30 @@ def bench_act_sparse(quick: bool) -> Dict[str, List[dict]]:
 
                     def sparse():
                         act_sparse_conv2d(xs, w, None, 1, 1).backward(gy)
+
                     err = _rel_err(act_sparse_conv2d(x, w, None, 1, 1), F.conv2d(x, w, None, 1, 1))
                     td, ts = _time_pair(dense, sparse, reps=7, inner=2)
-                    conv.append({"layer": name, "batch": nb, "in_ch": c, "hw": hw, "out_ch": o,
-                                 "dtype": str(dtype)[6:], "pattern": pattern, "act_sparsity": s,
-                                 "dense_fwd_bwd_ms": td, "sparse_fwd_bwd_ms": ts, "speedup": td / ts, "rel_err": err})
-                    print(f"  conv {name} {str(dtype)[6:]:8s} {pattern:7s} s={s:.2f} cuDNN {td:7.2f} ms "
-                          f"sparse {ts:7.2f} ms x{td / ts:5.2f} err {err:.1e}", flush=True)
+                    conv.append(
+                        {
+                            "layer": name,
+                            "batch": nb,
+                            "in_ch": c,
+                            "hw": hw,
+                            "out_ch": o,
+                            "dtype": str(dtype)[6:],
+                            "pattern": pattern,
+                            "act_sparsity": s,
+                            "dense_fwd_bwd_ms": td,
+                            "sparse_fwd_bwd_ms": ts,
+                            "speedup": td / ts,
+                            "rel_err": err,
+                        }
+                    )
+                    print(
+                        f"  conv {name} {str(dtype)[6:]:8s} {pattern:7s} s={s:.2f} cuDNN {td:7.2f} ms "
+                        f"sparse {ts:7.2f} ms x{td / ts:5.2f} err {err:.1e}",
+                        flush=True,
+                    )
     return {"linear": lin, "conv": conv}
 
 
@@ -259,6 +338,7 @@ class _PolicyConv(nn.Module):
 
     def forward(self, x):
         from sparsa.gpu.act_sparse import act_sparse_conv2d
+
         c = self.conv
         args = (c.stride, c.padding, c.dilation)
         if self.use_sparse is None:
@@ -268,8 +348,12 @@ class _PolicyConv(nn.Module):
                 xd = x.detach().clone().requires_grad_()
                 wd = c.weight.detach().clone().requires_grad_()
                 gy = torch.randn_like(F.conv2d(xd, wd, None, *args))
-                td, ts = _time_pair(lambda: F.conv2d(xd, wd, None, *args).backward(gy),
-                                    lambda: act_sparse_conv2d(xd, wd, None, *args).backward(gy), reps=5, inner=1)
+                td, ts = _time_pair(
+                    lambda: F.conv2d(xd, wd, None, *args).backward(gy),
+                    lambda: act_sparse_conv2d(xd, wd, None, *args).backward(gy),
+                    reps=5,
+                    inner=1,
+                )
                 self.ratio = td / ts
                 self.use_sparse = ts < td
         if self.use_sparse:
@@ -295,6 +379,7 @@ def bench_training(quick: bool) -> List[dict]:
     except ImportError as e:
         return [{"skipped": f"examples.convnets not available ({e})"}]
     import copy
+
     rows = []
     for name, builder, batch, kw in TRAIN:
         build = getattr(convnets, builder)
@@ -314,14 +399,27 @@ def bench_training(quick: bool) -> List[dict]:
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(m(x), y).backward()
                 opt.step()
+
             step(sparse, opts[1])  # calibration (per-layer timing) happens here
             td, ts = _time_pair(lambda: step(dense, opts[0]), lambda: step(sparse, opts[1]), reps=7, inner=1)
-            rows.append({"model": name, "batch": batch, "dtype": str(dtype)[6:], "dense_step_ms": td,
-                         "sparsa_step_ms": ts, "speedup": td / ts,
-                         "layers_sparse": sum(bool(w.use_sparse) for w in wrapped), "layers": len(wrapped),
-                         "layer_ratios": [None if w.ratio is None else round(w.ratio, 3) for w in wrapped]})
-            print(f"  train {name} b={batch} {str(dtype)[6:]} dense {td:7.2f} ms sparsa {ts:7.2f} ms x{td / ts:5.2f} "
-                  f"({rows[-1]['layers_sparse']}/{len(wrapped)} layers sparse)", flush=True)
+            rows.append(
+                {
+                    "model": name,
+                    "batch": batch,
+                    "dtype": str(dtype)[6:],
+                    "dense_step_ms": td,
+                    "sparsa_step_ms": ts,
+                    "speedup": td / ts,
+                    "layers_sparse": sum(bool(w.use_sparse) for w in wrapped),
+                    "layers": len(wrapped),
+                    "layer_ratios": [None if w.ratio is None else round(w.ratio, 3) for w in wrapped],
+                }
+            )
+            print(
+                f"  train {name} b={batch} {str(dtype)[6:]} dense {td:7.2f} ms sparsa {ts:7.2f} ms x{td / ts:5.2f} "
+                f"({rows[-1]['layers_sparse']}/{len(wrapped)} layers sparse)",
+                flush=True,
+            )
     return rows
 
 
@@ -329,29 +427,45 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few cases only (smoke run)")
     p.add_argument("--out", default=str(OUT))
-    p.add_argument("--budget", type=float, default=BUDGET_S,
-                   help="seconds for the whole run, shared 45/30/25%% by the three sections (default %(default)s)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        help="seconds for the whole run, shared 45/30/25%% by the three sections (default %(default)s)",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured, "
-              "no JSON written. Run it on a machine with an NVIDIA GPU.")
+        print(
+            "benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured, "
+            "no JSON written. Run it on a machine with an NVIDIA GPU."
+        )
         return 0
     import sparsa.gpu as sg
+
     if not sg.triton_available():
         print(f"benchmarks/gpu.py needs Triton: {sg.why_unavailable()}")
         return 0
     os.environ.pop("TRITON_INTERPRET", None)
-    torch.backends.cuda.matmul.allow_tf32 = True   # fp32 rows are TF32 on both sides, like cuBLAS defaults
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 rows are TF32 on both sides, like cuBLAS defaults
     torch.backends.cudnn.allow_tf32 = True
     import triton
-    res = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
-           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "note": "speedup = dense / sparse time (median, alternated, CUDA events); fp32 means TF32 on both"}
+
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "note": "speedup = dense / sparse time (median, alternated, CUDA events); fp32 means TF32 on both",
+    }
     end = T0
-    for key, fn, share in (("weight_sparse", bench_weight_sparse, 0.45), ("act_sparse", bench_act_sparse, 0.30),
-                           ("training_step", bench_training, 0.25)):
+    for key, fn, share in (
+        ("weight_sparse", bench_weight_sparse, 0.45),
+        ("act_sparse", bench_act_sparse, 0.30),
+        ("training_step", bench_training, 0.25),
+    ):
         end += share * args.budget
-        _SECTION_END[0] = max(end, time.time() + 50)   # each section gets its share (and at least one case)
+        _SECTION_END[0] = max(end, time.time() + 50)  # each section gets its share (and at least one case)
         print(f"[{key}] ({time.time() - T0:.0f} s elapsed)", flush=True)
         try:
             res[key] = fn(args.quick)

@@ -18,6 +18,7 @@ Writes ``benchmarks/results/<cpu class>/linear_kernels.json`` (``sparsa.cpu.cpu_
     flock /tmp/sparsa-bench.lock python benchmarks/linear_kernels.py --quick   # a few minutes
     flock /tmp/sparsa-bench.lock python benchmarks/linear_kernels.py           # full grid
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,22 @@ BLOCK = 16  # torch.sparse BSR block size (and the block mask it uses)
 #: may have before it is flagged: bf16 keeps 8 significant bits, its inputs alone are rounded by 2**-9
 REL_TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 #: the keys of every row (dense baselines and sparse rows alike); sparse rows add SPARSE_KEYS
-ROW_KEYS = ("layout", "dtype", "compiled", "out_features", "in_features", "tokens", "sparsity", "threads", "ms",
-            "ratio_vs_dense", "ratio_vs_best_dense", "max_rel_err", "rel_tol", "accurate")
+ROW_KEYS = (
+    "layout",
+    "dtype",
+    "compiled",
+    "out_features",
+    "in_features",
+    "tokens",
+    "sparsity",
+    "threads",
+    "ms",
+    "ratio_vs_dense",
+    "ratio_vs_best_dense",
+    "max_rel_err",
+    "rel_tol",
+    "accurate",
+)
 SPARSE_KEYS = ("dense_ms", "best_dense", "best_dense_ms", "max_abs_err")
 
 
@@ -77,7 +92,8 @@ def block_mask(w: torch.Tensor, sparsity: float, block: int = BLOCK) -> torch.Te
 def nm_for(sparsity: float) -> Tuple[int, int]:
     """An N:M pattern with (about) the requested sparsity."""
     return {0.5: (2, 4), 0.75: (1, 4), 0.875: (1, 8), 0.9: (1, 10), 0.95: (1, 20)}.get(
-        sparsity, (1, max(2, int(round(1 / (1 - sparsity))))))
+        sparsity, (1, max(2, int(round(1 / (1 - sparsity)))))
+    )
 
 
 def build_layout(name: str, w: torch.Tensor, sparsity: float) -> torch.Tensor:
@@ -109,7 +125,7 @@ def dense_label(dtype: str, compiled: bool = False) -> str:
 def parse_dense_label(label: str) -> Tuple[str, bool]:
     """Inverse of :func:`dense_label`: ``(dtype, compiled)``."""
     compiled = label.startswith("compiled_")
-    short = label[len("compiled_"):] if compiled else label
+    short = label[len("compiled_") :] if compiled else label
     return {"fp32": "float32", "bf16": "bfloat16"}[short], compiled
 
 
@@ -131,9 +147,14 @@ def sparse_ratios(ms: Dict[str, float], candidate: str = "sparse") -> Dict[str, 
     dense = {k: v for k, v in ms.items() if k != candidate}
     best = pick_best(dense)
     c = ms[candidate]
-    return {"ms": round(c, 4), "dense_ms": round(ms["fp32"], 4), "best_dense": best,
-            "best_dense_ms": round(dense[best], 4), "ratio_vs_dense": round(ms["fp32"] / c, 3),
-            "ratio_vs_best_dense": round(dense[best] / c, 3)}
+    return {
+        "ms": round(c, 4),
+        "dense_ms": round(ms["fp32"], 4),
+        "best_dense": best,
+        "best_dense_ms": round(dense[best], 4),
+        "ratio_vs_dense": round(ms["fp32"] / c, 3),
+        "ratio_vs_best_dense": round(dense[best] / c, 3),
+    }
 
 
 def dense_rows(ms: Dict[str, float], errs: Dict[str, float], common: Dict[str, object]) -> List[dict]:
@@ -143,9 +164,21 @@ def dense_rows(ms: Dict[str, float], errs: Dict[str, float], common: Dict[str, o
     for label, t in ms.items():
         dtype, compiled = parse_dense_label(label)
         err = errs.get(label, float("nan"))
-        rows.append(dict(layout="dense", dtype=dtype, compiled=compiled, **common, sparsity=0.0, ms=round(t, 4),
-                         ratio_vs_dense=round(ms["fp32"] / t, 3), ratio_vs_best_dense=round(best / t, 3),
-                         max_rel_err=err, rel_tol=REL_TOL[dtype], accurate=bool(err <= REL_TOL[dtype])))
+        rows.append(
+            dict(
+                layout="dense",
+                dtype=dtype,
+                compiled=compiled,
+                **common,
+                sparsity=0.0,
+                ms=round(t, 4),
+                ratio_vs_dense=round(ms["fp32"] / t, 3),
+                ratio_vs_best_dense=round(best / t, 3),
+                max_rel_err=err,
+                rel_tol=REL_TOL[dtype],
+                accurate=bool(err <= REL_TOL[dtype]),
+            )
+        )
     return rows
 
 
@@ -161,8 +194,9 @@ def _compiled_linear(w: torch.Tensor) -> Callable:
     return torch.compile(lambda x: F.linear(x, w), dynamic=False)
 
 
-def _side_by_side(fns: Dict[str, Callable[[], object]], reps: int, slow: bool,
-                  warmup: Optional[int] = None) -> Dict[str, float]:
+def _side_by_side(
+    fns: Dict[str, Callable[[], object]], reps: int, slow: bool, warmup: Optional[int] = None
+) -> Dict[str, float]:
     """Warm up, then median ms of each function timed round-robin (alternating, same machine state)."""
     for _ in range((1 if slow else 2) if warmup is None else warmup):
         for fn in fns.values():
@@ -170,8 +204,9 @@ def _side_by_side(fns: Dict[str, Callable[[], object]], reps: int, slow: bool,
     return round_robin_ms(fns, rounds=reps, min_seconds=0.002 if slow else 0.005)
 
 
-def dense_baselines(x: torch.Tensor, w: torch.Tensor, reps: int, use_compile: bool
-                    ) -> Tuple[Dict[str, Callable[[], object]], Dict[str, float], Dict[str, float], float]:
+def dense_baselines(
+    x: torch.Tensor, w: torch.Tensor, reps: int, use_compile: bool
+) -> Tuple[Dict[str, Callable[[], object]], Dict[str, float], Dict[str, float], float]:
     """Dense fp32 and bf16 eager, then torch.compile of the faster: (fns, ms, max_rel_err, compile seconds)."""
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     fns: Dict[str, Callable[[], object]] = {"fp32": lambda: F.linear(x, w), "bf16": lambda: F.linear(xb, wb)}
@@ -193,8 +228,9 @@ def dense_baselines(x: torch.Tensor, w: torch.Tensor, reps: int, use_compile: bo
     return fns, ms, errs, compile_s
 
 
-def candidates(w: torch.Tensor, sparsity: float, layouts: List[str], dtypes: Sequence[str]
-               ) -> List[Tuple[str, str, Callable, torch.Tensor]]:
+def candidates(
+    w: torch.Tensor, sparsity: float, layouts: List[str], dtypes: Sequence[str]
+) -> List[Tuple[str, str, Callable, torch.Tensor]]:
     """(name, dtype, fn(x) -> y, the fp32 dense weight it represents) for every layout and dtype."""
     out: List[Tuple[str, str, Callable, torch.Tensor]] = []
     for name in layouts:
@@ -221,8 +257,9 @@ def candidates(w: torch.Tensor, sparsity: float, layouts: List[str], dtypes: Seq
     return out
 
 
-def measure(fn: Callable, x: torch.Tensor, x32: torch.Tensor, ref_w: torch.Tensor, dense: Dict[str, Callable],
-            reps: int) -> Optional[Dict[str, object]]:
+def measure(
+    fn: Callable, x: torch.Tensor, x32: torch.Tensor, ref_w: torch.Tensor, dense: Dict[str, Callable], reps: int
+) -> Optional[Dict[str, object]]:
     """Accuracy and side-by-side times of one candidate against the dense baselines in ``dense``
     (``fp32`` and the fastest); ``{"skip": reason}`` when the candidate cannot run this dtype."""
     with torch.no_grad():
@@ -243,8 +280,16 @@ def measure(fn: Callable, x: torch.Tensor, x32: torch.Tensor, ref_w: torch.Tenso
     return dict(sparse_ratios(ms), max_abs_err=abs_err, max_rel_err=rel_err(y, ref64))
 
 
-def run(shapes, tokens, sparsities, threads, reps: int, layouts: Optional[List[str]] = None,
-        dtypes: Sequence[str] = tuple(DTYPES), use_compile: bool = True) -> List[dict]:
+def run(
+    shapes,
+    tokens,
+    sparsities,
+    threads,
+    reps: int,
+    layouts: Optional[List[str]] = None,
+    dtypes: Sequence[str] = tuple(DTYPES),
+    use_compile: bool = True,
+) -> List[dict]:
     layouts = sparsa_layouts() if layouts is None else layouts
     print(f"layouts: {layouts} + torch_csr, torch_bsr; dtypes: {list(dtypes)}; compile: {use_compile}", flush=True)
     rows = []
@@ -252,7 +297,7 @@ def run(shapes, tokens, sparsities, threads, reps: int, layouts: Optional[List[s
     for nt in threads:
         torch.set_num_threads(nt)
         for R, K in shapes:
-            w = torch.randn(R, K, generator=gen) / K ** 0.5
+            w = torch.randn(R, K, generator=gen) / K**0.5
             for T in tokens:
                 x = torch.randn(T, K, generator=gen)
                 xs = {"float32": x, "bfloat16": x.to(torch.bfloat16)}
@@ -265,8 +310,12 @@ def run(shapes, tokens, sparsities, threads, reps: int, layouts: Optional[List[s
                 rows += drows
                 best = pick_best(ms)
                 dense = {"fp32": fns["fp32"], best: fns[best]}
-                print(f"threads={nt} {R}x{K} T={T:<5} dense ms: "
-                      + " ".join(f"{k}={v:.3f}" for k, v in ms.items()) + f" (best {best})", flush=True)
+                print(
+                    f"threads={nt} {R}x{K} T={T:<5} dense ms: "
+                    + " ".join(f"{k}={v:.3f}" for k, v in ms.items())
+                    + f" (best {best})",
+                    flush=True,
+                )
                 for s in sparsities:
                     line = []
                     for name, dt, fn, ref_w in candidates(w, s, layouts, dtypes):
@@ -276,12 +325,26 @@ def run(shapes, tokens, sparsities, threads, reps: int, layouts: Optional[List[s
                             continue
                         ok = m["max_rel_err"] <= REL_TOL[dt]
                         if not ok:
-                            print(f"  WARNING {name} {dt} s={s}: max_rel_err {m['max_rel_err']:.2e} above "
-                                  f"{REL_TOL[dt]:.0e}", file=sys.stderr)
-                        rows.append(dict(layout=name, dtype=dt, compiled=False, **common, sparsity=s, **m,
-                                         rel_tol=REL_TOL[dt], accurate=bool(ok)))
-                        line.append(f"{name}/{dense_label(dt)}="
-                                    f"{m['ratio_vs_dense']:.2f}|{m['ratio_vs_best_dense']:.2f}")
+                            print(
+                                f"  WARNING {name} {dt} s={s}: max_rel_err {m['max_rel_err']:.2e} above "
+                                f"{REL_TOL[dt]:.0e}",
+                                file=sys.stderr,
+                            )
+                        rows.append(
+                            dict(
+                                layout=name,
+                                dtype=dt,
+                                compiled=False,
+                                **common,
+                                sparsity=s,
+                                **m,
+                                rel_tol=REL_TOL[dt],
+                                accurate=bool(ok),
+                            )
+                        )
+                        line.append(
+                            f"{name}/{dense_label(dt)}={m['ratio_vs_dense']:.2f}|{m['ratio_vs_best_dense']:.2f}"
+                        )
                     print(f"threads={nt} {R}x{K} T={T:<5} s={s:<6} " + " ".join(line), flush=True)
     return rows
 
@@ -299,8 +362,11 @@ def summary(rows: List[dict]) -> str:
         lines.append("dense ms: " + ", ".join(f"{dense_label(r['dtype'], r['compiled'])} {r['ms']:.3f}" for r in dense))
         lines.append(f"{'layout':<20}" + "".join(f"{s:>13}" for s in sps))
         for name, dt in dict.fromkeys((r["layout"], r["dtype"]) for r in sub):
-            vals = {r["sparsity"]: f"{r['ratio_vs_dense']:.2f}|{r['ratio_vs_best_dense']:.2f}"
-                    for r in sub if (r["layout"], r["dtype"]) == (name, dt)}
+            vals = {
+                r["sparsity"]: f"{r['ratio_vs_dense']:.2f}|{r['ratio_vs_best_dense']:.2f}"
+                for r in sub
+                if (r["layout"], r["dtype"]) == (name, dt)
+            }
             lines.append(f"{name + '/' + dt:<20}" + "".join(f"{vals.get(s, '-'):>13}" for s in sps))
     return "\n".join(lines)
 
@@ -308,18 +374,27 @@ def summary(rows: List[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small subset (one shape, 1 thread, 3 sparsities)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output JSON (default: $SPARSA_RESULTS_DIR or benchmarks/results/<cpu class>, "
-                         "file linear_kernels.json)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output JSON (default: $SPARSA_RESULTS_DIR or benchmarks/results/<cpu class>, file linear_kernels.json)",
+    )
     ap.add_argument("--shapes", help="filter: comma-separated OUTxIN shapes, e.g. 768x3072")
     ap.add_argument("--tokens", help="filter: comma-separated token counts, e.g. 1024")
     ap.add_argument("--sparsities", help="filter: comma-separated sparsities, e.g. 0.75,0.9")
     ap.add_argument("--threads", help="filter: comma-separated thread counts, e.g. 1")
-    ap.add_argument("--layouts", help="filter: comma-separated sparsa layouts, e.g. row_group,grouped_nm "
-                                      "(torch_csr/torch_bsr baselines always run)")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="filter: dtypes of the sparse rows (default float32,bfloat16); the dense fp32, bf16 "
-                         "and compiled baselines always run")
+    ap.add_argument(
+        "--layouts",
+        help="filter: comma-separated sparsa layouts, e.g. row_group,grouped_nm "
+        "(torch_csr/torch_bsr baselines always run)",
+    )
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="filter: dtypes of the sparse rows (default float32,bfloat16); the dense fp32, bf16 "
+        "and compiled baselines always run",
+    )
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     args = ap.parse_args(argv)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -344,15 +419,22 @@ def main(argv=None) -> None:
     cpu = sparsa.cpu.cpu_info()
     t0 = time.perf_counter()
     rows = run(**grid, dtypes=dtypes, use_compile=not args.no_compile)
-    meta = dict(torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
-                processor=platform.processor(), quick=args.quick, seconds=round(time.perf_counter() - t0, 1),
-                dtypes=dtypes, compile=not args.no_compile,
-                timing="warm-up, then median of round-robin repetitions of dense fp32, the fastest dense baseline "
-                       "and the sparse candidate; ratio = dense time / sparse time",
-                baseline="torch.nn.functional.linear (MKL/oneDNN) on the dense weight: fp32 eager, bf16 eager "
-                         "(input and weight in bfloat16), torch.compile of the faster of the two",
-                accuracy="max_rel_err: max |y - y64| / max |y64|, y64 = float64 F.linear of the fp32 input and "
-                         "the fp32 weight the layout represents; rel_tol per dtype")
+    meta = dict(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        machine=platform.machine(),
+        processor=platform.processor(),
+        quick=args.quick,
+        seconds=round(time.perf_counter() - t0, 1),
+        dtypes=dtypes,
+        compile=not args.no_compile,
+        timing="warm-up, then median of round-robin repetitions of dense fp32, the fastest dense baseline "
+        "and the sparse candidate; ratio = dense time / sparse time",
+        baseline="torch.nn.functional.linear (MKL/oneDNN) on the dense weight: fp32 eager, bf16 eager "
+        "(input and weight in bfloat16), torch.compile of the faster of the two",
+        accuracy="max_rel_err: max |y - y64| / max |y64|, y64 = float64 F.linear of the fp32 input and "
+        "the fp32 weight the layout represents; rel_tol per dtype",
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu, "meta": meta, "rows": rows}, indent=1))
     print(summary(rows))

@@ -21,6 +21,7 @@ threads, peak RSS and, when ``llm_quality.json`` exists beside it, the perplexit
 
 Writes ``benchmarks/results/<cpu class>/llm_decode.json`` (``--out`` or ``$SPARSA_RESULTS_DIR`` move it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,9 +57,18 @@ def results_dir() -> Path:
 
 def build_model(name: str, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     h, i, n, heads, kv, vocab = CONFIGS[name]
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.device("cpu"):
         model = LlamaForCausalLM(cfg)
@@ -78,16 +88,20 @@ def linear_bytes(model) -> int:
 def prune_copy(dense, spec: str):
     """A bitmask copy of ``dense``'s block linears: ``spec`` is a sparsity ("0.5") or "2:4"."""
     import copy
+
     sparsifier = NM(2, 4) if spec == "2:4" else Magnitude(float(spec), per="row")
     model = copy.deepcopy(dense)
-    sparsa.sparsify(model, [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*",
-                                        module_types=torch.nn.Linear)])
+    sparsa.sparsify(
+        model,
+        [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*", module_types=torch.nn.Linear)],
+    )
     return model
 
 
 def decode_fn(model, batch: int, prompt: int, steps: int, forward=None) -> Callable[[], None]:
     """``steps`` greedy decode steps on a cache holding ``prompt`` tokens, cut back afterwards."""
     from transformers import DynamicCache
+
     fwd = forward or model
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -101,6 +115,7 @@ def decode_fn(model, batch: int, prompt: int, steps: int, forward=None) -> Calla
             for _ in range(steps):
                 tok = fwd(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         cache.crop(-steps)
+
     return run
 
 
@@ -110,6 +125,7 @@ def prefill_fn(model, batch: int, prompt: int) -> Callable[[], None]:
     def run():
         with torch.no_grad():
             model(ids, use_cache=True)
+
     return run
 
 
@@ -132,16 +148,37 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="decode steps per timed round (default 8; quick 4)")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; quick 3)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time torch.compile of the dense decode step (default: on, off with --quick)")
-    p.add_argument("--prefill-batches", nargs="*", type=int, default=None,
-                   help="batches whose prefill is timed too (default: batch 1 only; none: decode only)")
-    p.add_argument("--compile-batches", nargs="*", type=int, default=[1],
-                   help="batches whose decode is also timed under torch.compile (default: 1)")
-    p.add_argument("--compile-sparse", nargs="*", default=[],
-                   help="sparsities (as in --sparsities) whose bitmask model is also timed compiled (decode)")
-    p.add_argument("--append", action="store_true",
-                   help="merge into an existing JSON (rows of the same model, dtype, batch, phase and engine replaced)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time torch.compile of the dense decode step (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--prefill-batches",
+        nargs="*",
+        type=int,
+        default=None,
+        help="batches whose prefill is timed too (default: batch 1 only; none: decode only)",
+    )
+    p.add_argument(
+        "--compile-batches",
+        nargs="*",
+        type=int,
+        default=[1],
+        help="batches whose decode is also timed under torch.compile (default: 1)",
+    )
+    p.add_argument(
+        "--compile-sparse",
+        nargs="*",
+        default=[],
+        help="sparsities (as in --sparsities) whose bitmask model is also timed compiled (decode)",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="merge into an existing JSON (rows of the same model, dtype, batch, phase and engine replaced)",
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     q = a.quick
@@ -197,8 +234,9 @@ def main(argv=None) -> int:
                                 fc = make(m, torch.compile(m.forward, dynamic=True))
                                 fc()
                                 fns[f"bitmask@{s}+compiled"] = fc
-                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = \
+                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = (
                                     f"{time.perf_counter() - t0:.1f}"
+                                )
                             except Exception as e:  # pragma: no cover - depends on torch/transformers
                                 notes[f"{name}/{dname}/b{batch}/sparse{s}_compile"] = f"{type(e).__name__}: {e}"[:300]
                     # a prefill is seconds long and steadier than a decode step: fewer rounds
@@ -209,26 +247,43 @@ def main(argv=None) -> int:
                         base = k.replace("+compiled", "")
                         spec = engines[base][1] if base in engines else None
                         toks = batch * (steps if phase == "decode" else a.prompt)
-                        rows.append({
-                            "model": name, "params": params, "dtype": dname,
-                            "layout": ("bitmask" if spec else k) + ("+compiled" if spec and base != k else ""),
-                            "sparsity": spec, "batch": batch, "phase": phase,
-                            "ms": round(t / per, 3), "tokens_per_s": round(toks / (t / 1e3), 2),
-                            "speedup_vs_dense": round(ms["dense"] / t, 3),
-                            "speedup_vs_best_dense": round(best / t, 3),
-                            "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
-                        })
+                        rows.append(
+                            {
+                                "model": name,
+                                "params": params,
+                                "dtype": dname,
+                                "layout": ("bitmask" if spec else k) + ("+compiled" if spec and base != k else ""),
+                                "sparsity": spec,
+                                "batch": batch,
+                                "phase": phase,
+                                "ms": round(t / per, 3),
+                                "tokens_per_s": round(toks / (t / 1e3), 2),
+                                "speedup_vs_dense": round(ms["dense"] / t, 3),
+                                "speedup_vs_best_dense": round(best / t, 3),
+                                "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
+                            }
+                        )
                         r = rows[-1]
-                        print(f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
-                              f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
-                              f"bytes {r['weight_bytes_ratio']:.3f}", flush=True)
+                        print(
+                            f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
+                            f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
+                            f"bytes {r['weight_bytes_ratio']:.3f}",
+                            flush=True,
+                        )
             del engines, dense, comp
             gc.collect()
     res = {
-        "benchmark": "llm_decode", "cpu": sparsa.cpu.cpu_info(), "threads": a.threads, "prompt": a.prompt,
-        "decode_steps_per_round": steps, "rounds": rounds, "quick": q,
+        "benchmark": "llm_decode",
+        "cpu": sparsa.cpu.cpu_info(),
+        "threads": a.threads,
+        "prompt": a.prompt,
+        "decode_steps_per_round": steps,
+        "rounds": rounds,
+        "quick": q,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "seconds": round(time.time() - t_start, 1), "notes": notes, "rows": rows,
+        "seconds": round(time.time() - t_start, 1),
+        "notes": notes,
+        "rows": rows,
     }
     if a.append and out.is_file():
         old = json.loads(out.read_text())

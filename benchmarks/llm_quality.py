@@ -22,6 +22,7 @@ redirect it), with the CPU under ``cpu``.
     python benchmarks/llm_quality.py            # full: tens of minutes on 2 cores
     python benchmarks/llm_quality.py --quick    # fewer calibration samples and eval tokens, 2 patterns
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,25 +109,38 @@ def _prune(model: nn.Module, method: str, pattern: str, batches: List[torch.Tens
     sp, _ = named_pattern(pattern, 0.5)
     config = SparseGPT if method == "sparsegpt" else Wanda
     keep = set(names)
-    sparsa.sparsify(model, config(sparsifier=sp, layout=LAYOUT, calibration=batches, blockwise=True),
-                    lambda mod, name: name in keep)
+    sparsa.sparsify(
+        model, config(sparsifier=sp, layout=LAYOUT, calibration=batches, blockwise=True), lambda mod, name: name in keep
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="8 calibration windows and 4 eval windows per domain of 128 tokens, patterns unstructured "
-                         "and 2:4 (a few minutes)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 calibration windows and 4 eval windows per domain of 128 tokens, patterns unstructured "
+        "and 2:4 (a few minutes)",
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None,
-                    help="output JSON (default: $SPARSA_RESULTS_DIR or "
-                         "benchmarks/results/<cpu class>/llm_quality.json)")
-    ap.add_argument("--patterns", default=None,
-                    help=f"comma-separated subset of {','.join(PATTERNS)} for sparsegpt and wanda "
-                         f"(default: all; {','.join(QUICK_PATTERNS)} with --quick)")
-    ap.add_argument("--calibration", choices=("prose", "mixed"), default="prose",
-                    help="calibration text: docstring prose (default), or half prose and half Python source "
-                         "of the same modules")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output JSON (default: $SPARSA_RESULTS_DIR or benchmarks/results/<cpu class>/llm_quality.json)",
+    )
+    ap.add_argument(
+        "--patterns",
+        default=None,
+        help=f"comma-separated subset of {','.join(PATTERNS)} for sparsegpt and wanda "
+        f"(default: all; {','.join(QUICK_PATTERNS)} with --quick)",
+    )
+    ap.add_argument(
+        "--calibration",
+        choices=("prose", "mixed"),
+        default="prose",
+        help="calibration text: docstring prose (default), or half prose and half Python source of the same modules",
+    )
     args = ap.parse_args(argv)
     args.patterns = args.patterns or ",".join(QUICK_PATTERNS if args.quick else PATTERNS)
     patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
@@ -153,15 +167,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.calibration == "mixed":
         source = [f.read_text(encoding="utf-8", errors="replace") for f in calibration_code_files()]
         half = n_calib // 2
-        calib = torch.cat([calib[:n_calib - half], _windows(tok, source, seq_len, half, "calibration (code)")])
-    batches = [calib[i:i + per_batch] for i in range(0, n_calib, per_batch)]
-    domains = {"prose": _windows(tok, prose_text, seq_len, n_eval, "prose"),
-               "code": _windows(tok, [f.read_text(encoding="utf-8", errors="replace") for f in files], seq_len,
-                                n_eval, "code")}
+        calib = torch.cat([calib[: n_calib - half], _windows(tok, source, seq_len, half, "calibration (code)")])
+    batches = [calib[i : i + per_batch] for i in range(0, n_calib, per_batch)]
+    domains = {
+        "prose": _windows(tok, prose_text, seq_len, n_eval, "prose"),
+        "code": _windows(
+            tok, [f.read_text(encoding="utf-8", errors="replace") for f in files], seq_len, n_eval, "code"
+        ),
+    }
     eval_tokens = n_eval * (seq_len - 1)
     names = block_linears(dense)
-    print(f"{MODEL}: {len(names)} Linear layers in {len(dense.model.layers)} blocks; calibration {n_calib} x "
-          f"{seq_len} tokens; eval {eval_tokens} predicted tokens per domain; {args.threads} threads", flush=True)
+    print(
+        f"{MODEL}: {len(names)} Linear layers in {len(dense.model.layers)} blocks; calibration {n_calib} x "
+        f"{seq_len} tokens; eval {eval_tokens} predicted tokens per domain; {args.threads} threads",
+        flush=True,
+    )
 
     runs = [("dense", None), ("magnitude", "unstructured")]
     runs += [(m, p) for p in patterns for m in ("sparsegpt", "wanda")]
@@ -179,40 +199,71 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ppl = window_perplexity(model, windows)
             if method == "dense":
                 dense_ppl[domain] = ppl
-            row = {"model": MODEL, "method": method, "pattern": pattern or "dense", "sparsity": round(sparsity, 4),
-                   "domain": domain, "perplexity": round(ppl, 3),
-                   "ppl_ratio_vs_dense": round(ppl / dense_ppl[domain], 4),
-                   "calib_samples": 0 if method in ("dense", "magnitude") else n_calib,
-                   "eval_tokens": eval_tokens, "prune_seconds": round(prune_s, 1),
-                   "eval_seconds": round(time.perf_counter() - t1, 1)}
+            row = {
+                "model": MODEL,
+                "method": method,
+                "pattern": pattern or "dense",
+                "sparsity": round(sparsity, 4),
+                "domain": domain,
+                "perplexity": round(ppl, 3),
+                "ppl_ratio_vs_dense": round(ppl / dense_ppl[domain], 4),
+                "calib_samples": 0 if method in ("dense", "magnitude") else n_calib,
+                "eval_tokens": eval_tokens,
+                "prune_seconds": round(prune_s, 1),
+                "eval_seconds": round(time.perf_counter() - t1, 1),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
         del model
 
-    res = {"benchmark": "llm_quality", "cpu": sparsa.cpu.cpu_info(), "threads": args.threads, "quick": args.quick,
-           "torch": torch.__version__, "transformers": importlib.import_module("transformers").__version__,
-           "python": platform.python_version(),
-           "model": f"{MODEL} (PyPI {SMOLLM2_WHEEL}: GGUF Q4_1, dequantised to float32), Llama architecture, "
-                    f"{len(dense.model.layers)} decoder blocks",
-           "pruned": f"the {len(names)} nn.Linear layers of the decoder blocks (tied embedding/head dense)",
-           "layout": LAYOUT, "seq_len": seq_len, "patterns": patterns,
-           "calibration": {"text": "standard-library docstring sentences (sparsa.data.text), disjoint from the "
-                                   "held-out prose"
-                                   + ("; half the windows from the Python source of the same modules (disjoint "
-                                      "from the code domain)" if args.calibration == "mixed" else ""),
-                           "kind": args.calibration, "windows": n_calib, "tokens": n_calib * seq_len,
-                           "windows_per_batch": per_batch},
-           "domains": {"prose": f"{HELD_OUT_SENTENCES} held-out standard-library docstring sentences",
-                       "code": "Python source of standard-library modules outside the calibration pool: "
-                               + ", ".join(f.name for f in files)},
-           "perplexity": "exp(mean next-token cross-entropy) over non-overlapping windows of seq_len tokens; "
-                         "eval_tokens = predicted tokens per domain",
-           "methods": "magnitude: 50% per output row; sparsegpt, wanda: block by block "
-                      "(sparsa.methods.blockwise), unstructured = 50% per output row",
-           "target": {"what": "SparseGPT at 50% unstructured within 10% of dense perplexity on held-out text",
-                      "ppl_ratio_vs_dense": {r["domain"]: r["ppl_ratio_vs_dense"] for r in rows
-                                             if r["method"] == "sparsegpt" and r["pattern"] == "unstructured"}},
-           "load_seconds": round(load_s, 1), "rows": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+    res = {
+        "benchmark": "llm_quality",
+        "cpu": sparsa.cpu.cpu_info(),
+        "threads": args.threads,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "transformers": importlib.import_module("transformers").__version__,
+        "python": platform.python_version(),
+        "model": f"{MODEL} (PyPI {SMOLLM2_WHEEL}: GGUF Q4_1, dequantised to float32), Llama architecture, "
+        f"{len(dense.model.layers)} decoder blocks",
+        "pruned": f"the {len(names)} nn.Linear layers of the decoder blocks (tied embedding/head dense)",
+        "layout": LAYOUT,
+        "seq_len": seq_len,
+        "patterns": patterns,
+        "calibration": {
+            "text": "standard-library docstring sentences (sparsa.data.text), disjoint from the "
+            "held-out prose"
+            + (
+                "; half the windows from the Python source of the same modules (disjoint from the code domain)"
+                if args.calibration == "mixed"
+                else ""
+            ),
+            "kind": args.calibration,
+            "windows": n_calib,
+            "tokens": n_calib * seq_len,
+            "windows_per_batch": per_batch,
+        },
+        "domains": {
+            "prose": f"{HELD_OUT_SENTENCES} held-out standard-library docstring sentences",
+            "code": "Python source of standard-library modules outside the calibration pool: "
+            + ", ".join(f.name for f in files),
+        },
+        "perplexity": "exp(mean next-token cross-entropy) over non-overlapping windows of seq_len tokens; "
+        "eval_tokens = predicted tokens per domain",
+        "methods": "magnitude: 50% per output row; sparsegpt, wanda: block by block "
+        "(sparsa.methods.blockwise), unstructured = 50% per output row",
+        "target": {
+            "what": "SparseGPT at 50% unstructured within 10% of dense perplexity on held-out text",
+            "ppl_ratio_vs_dense": {
+                r["domain"]: r["ppl_ratio_vs_dense"]
+                for r in rows
+                if r["method"] == "sparsegpt" and r["pattern"] == "unstructured"
+            },
+        },
+        "load_seconds": round(load_s, 1),
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out} in {res['seconds']} s")

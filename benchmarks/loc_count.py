@@ -14,6 +14,7 @@ Prints one line per definition and the total (code / raw). ``--skip`` leaves out
 implement features the other side lacks (to count like for like; say which in the docs), and
 ``--show`` prints every counted line with its number, to choose them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,16 +30,28 @@ def _docstring_lines(node: ast.AST) -> Set[int]:
     lines: Set[int] = set()
     for n in ast.walk(node):
         body = getattr(n, "body", None)
-        if isinstance(n, (ast.Module,) + DEFS) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        if (
+            isinstance(n, (ast.Module,) + DEFS)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             lines.update(range(body[0].lineno, body[0].end_lineno + 1))
     return lines
 
 
 def _code_lines(source: str) -> Set[int]:
     """Lines holding at least one token other than comments, newlines and indentation."""
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-            tokenize.ENDMARKER, tokenize.ENCODING}
+    skip = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+        tokenize.ENCODING,
+    }
     lines: Set[int] = set()
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type not in skip:
@@ -57,15 +70,17 @@ def _find(tree: ast.Module, dotted: str) -> ast.AST:
     return node
 
 
-def count(source: str, names: Optional[Sequence[str]] = None, skip: Set[int] = frozenset(),
-          show: bool = False) -> List[Tuple[str, int, int]]:
+def count(
+    source: str, names: Optional[Sequence[str]] = None, skip: Set[int] = frozenset(), show: bool = False
+) -> List[Tuple[str, int, int]]:
     """``(name, code_lines, raw_lines)`` for each of ``names`` (default: every top-level definition),
     leaving out the line numbers in ``skip`` from the code lines."""
     tree = ast.parse(source)
     code, docs = _code_lines(source) - set(skip), _docstring_lines(tree)
     text = source.splitlines()
-    nodes: Dict[str, ast.AST] = ({n: _find(tree, n) for n in names} if names else
-                                 {n.name: n for n in tree.body if isinstance(n, DEFS)})
+    nodes: Dict[str, ast.AST] = (
+        {n: _find(tree, n) for n in names} if names else {n.name: n for n in tree.body if isinstance(n, DEFS)}
+    )
     rows = []
     for name, node in nodes.items():
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])

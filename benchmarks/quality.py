@@ -16,6 +16,7 @@ Writes benchmarks/results/quality.json, or $SPARSA_RESULTS_DIR/quality.json when
 
     flock /tmp/sparsa-bench.lock python benchmarks/quality.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,15 +47,18 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
     from sparsa.models.minilm import embed, encoder_linears, load_minilm, mean_pool, tokenize
 
     n_cal, n_train, n_eval, epochs = (64, 256, 96, 1) if quick else (128, 1280, 384, 2)
-    patterns = (["unstructured", "2:4", "4:8", "row_group16"] if quick else
-                ["unstructured", "2:4", "4:8", "row_group16", "row_group8", "row_group4"])
+    patterns = (
+        ["unstructured", "2:4", "4:8", "row_group16"]
+        if quick
+        else ["unstructured", "2:4", "4:8", "row_group16", "row_group8", "row_group4"]
+    )
     model, tok = load_minilm()
     train, held_out = calibration_and_evaluation(n_train, n_eval)  # disjoint
     names = encoder_linears(model)
     calib = sorted(train[:n_cal], key=len)  # length-sorted batches: little padding
-    batches = [tokenize(tok, calib[i:i + 32]) for i in range(0, n_cal, 32)]
+    batches = [tokenize(tok, calib[i : i + 32]) for i in range(0, n_cal, 32)]
     by_len = sorted(train, key=len)
-    distill_batches = [tokenize(tok, by_len[i:i + 16], max_length=48) for i in range(0, n_train, 16)]
+    distill_batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, n_train, 16)]
     perm = torch.randperm(len(distill_batches), generator=torch.Generator().manual_seed(0)).tolist()
     distill_batches = [distill_batches[i] for i in perm]
     fwd = lambda m, b: m(**b)  # noqa: E731
@@ -78,8 +82,9 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
             t0 = time.perf_counter()
             if method == "sparsegpt+distill":
                 if gpt_model is None:
-                    raise RuntimeError("sparsegpt+distill needs the sparsegpt model of the same pattern; "
-                                       "run 'sparsegpt' before it")
+                    raise RuntimeError(
+                        "sparsegpt+distill needs the sparsegpt model of the same pattern; run 'sparsegpt' before it"
+                    )
                 m = gpt_model
                 m.embeddings.requires_grad_(False)
                 losses = distill(m, model, distill_batches, forward=outputs, lr=2e-4, epochs=epochs)
@@ -90,14 +95,22 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
                 elif method == "wanda":
                     sparsa.sparsify(m, Wanda(sparsifier=sp, layout=layout, calibration=batches, forward=fwd), in_names)
                 else:
-                    sparsa.sparsify(m, SparseGPT(sparsifier=sp, layout=layout, calibration=batches, forward=fwd),
-                                    in_names)
+                    sparsa.sparsify(
+                        m, SparseGPT(sparsifier=sp, layout=layout, calibration=batches, forward=fwd), in_names
+                    )
                     gpt_model = m
             secs = time.perf_counter() - t0
-            sparsity = sum(m.get_submodule(n).weight.numel() - m.get_submodule(n).weight.nnz for n in names) / \
-                sum(m.get_submodule(n).weight.numel() for n in names)
-            row = {"method": method, "pattern": pattern, "sparsity": round(sparsity, 4),
-                   "mean_cosine": round(score(m), 4), "layout": layout, "seconds": round(secs, 1)}
+            sparsity = sum(m.get_submodule(n).weight.numel() - m.get_submodule(n).weight.nnz for n in names) / sum(
+                m.get_submodule(n).weight.numel() for n in names
+            )
+            row = {
+                "method": method,
+                "pattern": pattern,
+                "sparsity": round(sparsity, 4),
+                "mean_cosine": round(score(m), 4),
+                "layout": layout,
+                "seconds": round(secs, 1),
+            }
             if method == "sparsegpt+distill":
                 row["distill_steps"], row["distill_loss"] = len(losses), [round(losses[0], 4), round(losses[-1], 4)]
             rows.append(row)
@@ -109,6 +122,7 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
 def _digits():
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
+
     d = load_digits()
     xtr, xte, ytr, yte = train_test_split(d.data / 16.0, d.target, test_size=0.3, random_state=0, stratify=d.target)
     t = lambda a, dt=torch.float32: torch.tensor(a, dtype=dt)  # noqa: E731
@@ -163,15 +177,24 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
         dense = build()
         _train(dense, xtr, ytr, epochs, 1e-3)
         dense_acc = _accuracy(dense, xte, yte)
-        rows.append({"model": name, "method": "dense", "sparsity": 0.0, "accuracy": round(dense_acc, 4),
-                     "dense_accuracy": round(dense_acc, 4), "epochs": epochs})
+        rows.append(
+            {
+                "model": name,
+                "method": "dense",
+                "sparsity": 0.0,
+                "accuracy": round(dense_acc, 4),
+                "dense_accuracy": round(dense_acc, 4),
+                "epochs": epochs,
+            }
+        )
         rule = sparsa.Rule(sparsifier=KeepAll(), module_types=(nn.Linear, nn.Conv2d))
 
         # gradual magnitude pruning (cubic) from the trained dense model, then fine-tuning
         gmp = sparsa.sparsify(copy.deepcopy(dense), rule)
         params = [p for _, p in sparsa.nn.sparse_parameters(gmp)]
-        pruner = GradualPruning(params, CubicSchedule(0.0, 0.9, start_step=0, end_step=int(0.6 * steps),
-                                                      every=max(1, steps // 60)))
+        pruner = GradualPruning(
+            params, CubicSchedule(0.0, 0.9, start_step=0, end_step=int(0.6 * steps), every=max(1, steps // 60))
+        )
         _train(gmp, xtr, ytr, epochs, 5e-4, lambda s, o, w: w == "after_step" and pruner.step(s), seed=1)
         rows.append({**_digit_row(name, "gradual_magnitude", gmp, xte, yte, dense_acc), "epochs": epochs})
 
@@ -180,8 +203,13 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
         rl = build()
         layers = [(n, m) for n, m in rl.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
         per_layer = erk_sparsities([m.weight.shape for _, m in layers], 0.9)
-        sparsa.sparsify(rl, [sparsa.Rule(sparsifier=Random(s, seed=i), names=n) for i, ((n, _), s) in
-                             enumerate(zip(layers, per_layer))])
+        sparsa.sparsify(
+            rl,
+            [
+                sparsa.Rule(sparsifier=Random(s, seed=i), names=n)
+                for i, ((n, _), s) in enumerate(zip(layers, per_layer))
+            ],
+        )
         holder: Dict[str, Any] = {}
 
         def rigl_cb(s, o, when):
@@ -191,8 +219,13 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
                 holder["rigl"].step(s)
 
         _train(rl, xtr, ytr, 2 * epochs, 3e-3, rigl_cb)
-        rows.append({**_digit_row(name, "rigl", rl, xte, yte, dense_acc), "epochs": 2 * epochs,
-                     "per_layer_sparsity": [round(v, 3) for v in per_layer]})
+        rows.append(
+            {
+                **_digit_row(name, "rigl", rl, xte, yte, dense_acc),
+                "epochs": 2 * epochs,
+                "per_layer_sparsity": [round(v, 3) for v in per_layer],
+            }
+        )
         for r in rows[-3:]:
             print(json.dumps(r), flush=True)
     return rows
@@ -201,8 +234,13 @@ def digits_rows(quick: bool) -> List[Dict[str, Any]]:
 def _digit_row(model_name, method, model, x, y, dense_acc):
     ps = [p for _, p in sparsa.nn.sparse_parameters(model)]
     sparsity = sum(p.numel() - p.nnz for p in ps) / sum(p.numel() for p in ps)
-    return {"model": model_name, "method": method, "sparsity": round(sparsity, 4),
-            "accuracy": round(_accuracy(model, x, y), 4), "dense_accuracy": round(dense_acc, 4)}
+    return {
+        "model": model_name,
+        "method": method,
+        "sparsity": round(sparsity, 4),
+        "accuracy": round(_accuracy(model, x, y), 4),
+        "dense_accuracy": round(dense_acc, 4),
+    }
 
 
 def main() -> None:
@@ -215,8 +253,13 @@ def main() -> None:
     old = json.loads(OUT.read_text()) if OUT.exists() and args.only else {}
     t0 = time.perf_counter()
     result = {
-        "meta": {"quick": args.quick, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                 "machine": platform.machine(), "sparsa": sparsa.__version__},
+        "meta": {
+            "quick": args.quick,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "sparsa": sparsa.__version__,
+        },
         "minilm": minilm_rows(args.quick) if args.only in (None, "minilm") else old.get("minilm", []),
         "digits": digits_rows(args.quick) if args.only in (None, "digits") else old.get("digits", []),
     }

@@ -13,6 +13,7 @@ redirect it), one row per run appended to the existing ones, with the CPU under 
 
     flock /tmp/sparsa-bench.lock python benchmarks/recover.py --pattern unstructured --sparsity 0.75 --budget 180
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,9 @@ def main() -> None:
     train, held_out = calibration_and_evaluation(args.n_train, args.n_eval)
     names = encoder_linears(dense)
     calib = sorted(train[:64], key=len)
-    calib_batches = [tokenize(tok, calib[i:i + 32]) for i in range(0, len(calib), 32)]
+    calib_batches = [tokenize(tok, calib[i : i + 32]) for i in range(0, len(calib), 32)]
     by_len = sorted(train, key=len)
-    batches = [tokenize(tok, by_len[i:i + 16], max_length=48) for i in range(0, len(by_len), 16)]
+    batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, len(by_len), 16)]
     perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [batches[i] for i in perm]
     ref = embed(dense, tok, held_out)
@@ -79,11 +80,19 @@ def main() -> None:
         keep = b["attention_mask"].bool()
         return [mean_pool(o.last_hidden_state, b["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
 
-    row = {"pattern": args.pattern, "layout": args.layout, "sparsity": args.sparsity, "budget_s": args.budget,
-           "init": args.init, "allocation": args.allocation, "lr": args.lr, "threads": torch.get_num_threads()}
+    row = {
+        "pattern": args.pattern,
+        "layout": args.layout,
+        "sparsity": args.sparsity,
+        "budget_s": args.budget,
+        "init": args.init,
+        "allocation": args.allocation,
+        "lr": args.lr,
+        "threads": torch.get_num_threads(),
+    }
     sp, layout = pattern_sparsifier(args.pattern, args.sparsity, args.layout)
     one_shot = None
-    if layout != "grouped_nm":      # SparseGPT's column-window masks cannot be stored as grouped N:M
+    if layout != "grouped_nm":  # SparseGPT's column-window masks cannot be stored as grouped N:M
         t = time.perf_counter()
         config = SparseGPT(sparsifier=sp, layout=layout, calibration=calib_batches, forward=lambda m, b: m(**b))
         keep = set(names)
@@ -94,19 +103,43 @@ def main() -> None:
     row["one_shot_sparsegpt_cosine"] = one_shot
     model = copy.deepcopy(dense)
     model.embeddings.requires_grad_(False)
-    rep = sparsa.recover(model, dense, batches, target_sparsity=args.sparsity, pattern=args.pattern,
-                         layout=args.layout, time_budget=args.budget, names=names, forward=outputs, lr=args.lr,
-                         init=None if args.init == "none" else args.init, calibration=calib_batches,
-                         allocation=args.allocation, progress=False)
-    row.update({"layout": rep.layout, "recovered_cosine": score(model), "steps": rep.steps,
-                "final_step": rep.final_step, "seconds": rep.seconds, "init_seconds": rep.init_seconds,
-                "overall_sparsity": round(rep.overall_sparsity, 4),
-                "loss_first_last": [round(rep.losses[0], 4), round(rep.losses[-1], 4)] if rep.losses else None})
+    rep = sparsa.recover(
+        model,
+        dense,
+        batches,
+        target_sparsity=args.sparsity,
+        pattern=args.pattern,
+        layout=args.layout,
+        time_budget=args.budget,
+        names=names,
+        forward=outputs,
+        lr=args.lr,
+        init=None if args.init == "none" else args.init,
+        calibration=calib_batches,
+        allocation=args.allocation,
+        progress=False,
+    )
+    row.update(
+        {
+            "layout": rep.layout,
+            "recovered_cosine": score(model),
+            "steps": rep.steps,
+            "final_step": rep.final_step,
+            "seconds": rep.seconds,
+            "init_seconds": rep.init_seconds,
+            "overall_sparsity": round(rep.overall_sparsity, 4),
+            "loss_first_last": [round(rep.losses[0], 4), round(rep.losses[-1], 4)] if rep.losses else None,
+        }
+    )
     print(json.dumps(row), flush=True)
     out = _out_path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
-    result = {"cpu": sparsa.cpu.cpu_info(), "model": "all-MiniLM-L6-v2", "n_eval": args.n_eval,
-              "rows": old.get("rows", []) + [row]}
+    result = {
+        "cpu": sparsa.cpu.cpu_info(),
+        "model": "all-MiniLM-L6-v2",
+        "n_eval": args.n_eval,
+        "rows": old.get("rows", []) + [row],
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -9,6 +9,7 @@ saying which CPU class it comes from, so the tables always come from the scripts
 
     python benchmarks/tables.py
 """
+
 from __future__ import annotations
 
 import json
@@ -20,16 +21,18 @@ RESULTS = ROOT / "benchmarks" / "results"
 #: flags named in every CPU heading, present or not (the ones that decide the dense and sparse paths)
 KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 #: (JSON name, section title, command) in the order the sections appear
-BENCHES = (("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks/linear_kernels.py"),
-           ("bert_inference", "BERT-base end to end", "python benchmarks/bert_inference.py"),
-           ("adaptive_training", "Adaptive activation-sparse training", "python benchmarks/adaptive_training.py"),
-           ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
-           ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
-           ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
-           ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
-           ("quality", "Pruning quality", "python benchmarks/quality.py"),
-           ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
-           ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"))
+BENCHES = (
+    ("linear_kernels", "Sparse-weight Linear kernels", "python benchmarks/linear_kernels.py"),
+    ("bert_inference", "BERT-base end to end", "python benchmarks/bert_inference.py"),
+    ("adaptive_training", "Adaptive activation-sparse training", "python benchmarks/adaptive_training.py"),
+    ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
+    ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
+    ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
+    ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
+    ("quality", "Pruning quality", "python benchmarks/quality.py"),
+    ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
+    ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"),
+)
 
 
 def _load(d: Path, name: str) -> Optional[Dict[str, Any]]:
@@ -70,9 +73,12 @@ def cpu_heading(cls: str, cpu: Dict[str, Any]) -> str:
     parts = [f"CPU class `{cls}`: {cpu.get('model', 'model not recorded')}"]
     if cpu.get("cores"):
         parts[0] += f", {cpu['cores']} cores"
-    parts.append("flags: " + (", ".join(have) or "none recorded")
-                 + (f"; lacks {', '.join(lacks)}" if lacks else "")
-                 + (f"; not recorded: {', '.join(unknown)}" if unknown else ""))
+    parts.append(
+        "flags: "
+        + (", ".join(have) or "none recorded")
+        + (f"; lacks {', '.join(lacks)}" if lacks else "")
+        + (f"; not recorded: {', '.join(unknown)}" if unknown else "")
+    )
     versions = [f"{k} {cpu[k]}" for k in ("torch", "onednn", "mkl") if cpu.get(k)]
     if versions:
         parts.append(", ".join(versions))
@@ -83,8 +89,9 @@ def cpu_heading(cls: str, cpu: Dict[str, Any]) -> str:
     return "; ".join(parts) + "."
 
 
-def _md(rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str]] = None,
-        drop_empty: bool = True) -> str:
+def _md(
+    rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str]] = None, drop_empty: bool = True
+) -> str:
     """A markdown table; columns no row has are left out (old and new results differ in columns)."""
     fmt = fmt or {}
     if drop_empty:
@@ -133,8 +140,14 @@ def best_per_point(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return sorted(best.values(), key=lambda r: (r["out_features"], r["in_features"], r["sparsity"]))
 
 
-LIN_FMT = {"ratio_vs_dense": ".2f", "ratio_vs_best_dense": ".2f", "max_abs_err": ".1e", "max_rel_err": ".1e",
-           "sparsity": ".3g", "ms": ".3f"}
+LIN_FMT = {
+    "ratio_vs_dense": ".2f",
+    "ratio_vs_best_dense": ".2f",
+    "max_abs_err": ".1e",
+    "max_rel_err": ".1e",
+    "sparsity": ".3g",
+    "ms": ".3f",
+}
 
 
 def linear_section(d: Dict[str, Any], summary: bool) -> str:
@@ -144,32 +157,102 @@ def linear_section(d: Dict[str, Any], summary: bool) -> str:
     dense = [r for r in sel if r.get("layout") == "dense"]
     if summary:
         best_cols = any("ratio_vs_best_dense" in r for r in sel)
-        head = (f"Best layout per shape and sparsity, {T} tokens, {nt} thread{'s' if nt > 1 else ''} "
-                "(ratio = dense time / sparse time; ratio_vs_dense: against dense fp32 `F.linear`"
-                + (", ratio_vs_best_dense: against the fastest of dense fp32, bf16 and torch.compile, best_dense "
-                   "says which" if best_cols else "") + "):\n\n")
-        s = head + _md(best_per_point(sel), ["out_features", "in_features", "sparsity", "layout", "dtype",
-                                             "ratio_vs_dense", "ratio_vs_best_dense", "best_dense"], LIN_FMT)
+        head = (
+            f"Best layout per shape and sparsity, {T} tokens, {nt} thread{'s' if nt > 1 else ''} "
+            "(ratio = dense time / sparse time; ratio_vs_dense: against dense fp32 `F.linear`"
+            + (
+                ", ratio_vs_best_dense: against the fastest of dense fp32, bf16 and torch.compile, best_dense "
+                "says which"
+                if best_cols
+                else ""
+            )
+            + "):\n\n"
+        )
+        s = head + _md(
+            best_per_point(sel),
+            [
+                "out_features",
+                "in_features",
+                "sparsity",
+                "layout",
+                "dtype",
+                "ratio_vs_dense",
+                "ratio_vs_best_dense",
+                "best_dense",
+            ],
+            LIN_FMT,
+        )
         if dense:
-            s += "\n\nDense baselines (ms): " + "; ".join(
-                f"{R}x{K}: " + ", ".join(f"{_dense_name(r)} {r['ms']:.3f}" for r in dense
-                                         if (r["out_features"], r["in_features"]) == (R, K))
-                for R, K in dict.fromkeys((r["out_features"], r["in_features"]) for r in dense)) + "."
+            s += (
+                "\n\nDense baselines (ms): "
+                + "; ".join(
+                    f"{R}x{K}: "
+                    + ", ".join(
+                        f"{_dense_name(r)} {r['ms']:.3f}"
+                        for r in dense
+                        if (r["out_features"], r["in_features"]) == (R, K)
+                    )
+                    for R, K in dict.fromkeys((r["out_features"], r["in_features"]) for r in dense)
+                )
+                + "."
+            )
         return s + ("\n\n_(quick run)_" if d.get("meta", {}).get("quick") else "")
-    dense_all = sorted((r for r in rows if r.get("layout") == "dense"),
-                       key=lambda r: (r["out_features"], r["in_features"], r["tokens"], r["threads"]))
-    sparse = sorted((r for r in rows if r.get("layout") != "dense"),
-                    key=lambda r: (r["layout"], r.get("dtype", ""), r["out_features"], r["in_features"], r["tokens"],
-                                   r["threads"], r["sparsity"]))
+    dense_all = sorted(
+        (r for r in rows if r.get("layout") == "dense"),
+        key=lambda r: (r["out_features"], r["in_features"], r["tokens"], r["threads"]),
+    )
+    sparse = sorted(
+        (r for r in rows if r.get("layout") != "dense"),
+        key=lambda r: (
+            r["layout"],
+            r.get("dtype", ""),
+            r["out_features"],
+            r["in_features"],
+            r["tokens"],
+            r["threads"],
+            r["sparsity"],
+        ),
+    )
     parts = []
     if dense_all:
-        parts.append("Dense baselines (ratio_vs_dense: dense fp32 eager time / this one's):\n\n" + _md(
-            [dict(r, baseline=_dense_name(r)) for r in dense_all],
-            ["out_features", "in_features", "tokens", "threads", "baseline", "ms", "ratio_vs_dense", "max_rel_err",
-             "compile_s"], LIN_FMT))
-    parts.append(_md(sparse, ["layout", "dtype", "out_features", "in_features", "tokens", "threads", "sparsity",
-                              "ratio_vs_dense", "ratio_vs_best_dense", "best_dense", "max_abs_err", "max_rel_err"],
-                     LIN_FMT))
+        parts.append(
+            "Dense baselines (ratio_vs_dense: dense fp32 eager time / this one's):\n\n"
+            + _md(
+                [dict(r, baseline=_dense_name(r)) for r in dense_all],
+                [
+                    "out_features",
+                    "in_features",
+                    "tokens",
+                    "threads",
+                    "baseline",
+                    "ms",
+                    "ratio_vs_dense",
+                    "max_rel_err",
+                    "compile_s",
+                ],
+                LIN_FMT,
+            )
+        )
+    parts.append(
+        _md(
+            sparse,
+            [
+                "layout",
+                "dtype",
+                "out_features",
+                "in_features",
+                "tokens",
+                "threads",
+                "sparsity",
+                "ratio_vs_dense",
+                "ratio_vs_best_dense",
+                "best_dense",
+                "max_abs_err",
+                "max_rel_err",
+            ],
+            LIN_FMT,
+        )
+    )
     return "\n\n".join(parts)
 
 
@@ -178,8 +261,14 @@ def _dense_name(r: Dict[str, Any]) -> str:
     return ("compiled_" if r.get("compiled") else "") + short
 
 
-BERT_FMT = {"speedup_vs_dense": ".2f", "speedup_vs_compiled_dense": ".2f", "speedup_vs_best_dense": ".2f",
-            "speedup_vs_eager_sparse": ".2f", "max_rel_err": ".1e", "ms": ".1f"}
+BERT_FMT = {
+    "speedup_vs_dense": ".2f",
+    "speedup_vs_compiled_dense": ".2f",
+    "speedup_vs_best_dense": ".2f",
+    "speedup_vs_eager_sparse": ".2f",
+    "max_rel_err": ".1e",
+    "ms": ".1f",
+}
 
 
 def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, quality: bool = True) -> str:
@@ -189,115 +278,234 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
     sparse = [r for r in rows if r.get("layout") != "dense"]
     model = d.get("model", "")
     s = f"Model: {model}.\n\n" if model and not model.startswith("BertModel(BertConfig())") else ""
-    s += ("speedup_vs_dense: dense fp32 eager time / sparse time; speedup_vs_best_dense: the fastest of dense fp32, "
-         "bf16 and torch.compile (best_dense) / sparse time; max_rel_err against the same pruned weights run "
-         "densely in fp32.\n\n" if any("speedup_vs_best_dense" in r for r in sparse) else "")
+    s += (
+        "speedup_vs_dense: dense fp32 eager time / sparse time; speedup_vs_best_dense: the fastest of dense fp32, "
+        "bf16 and torch.compile (best_dense) / sparse time; max_rel_err against the same pruned weights run "
+        "densely in fp32.\n\n"
+        if any("speedup_vs_best_dense" in r for r in sparse)
+        else ""
+    )
     if any(r.get("fused") for r in sparse):
-        s += ("fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`); compiled: `torch.compile` of the "
-              "fused model; speedup_vs_eager_sparse: the same sparse model run eagerly and unfused / this row.\n\n")
-    s += _md(sparse, ["layout", "dtype", "fused", "compiled", "sparsity", "batch", "seq", "threads",
-                      "speedup_vs_dense", "speedup_vs_compiled_dense", "speedup_vs_best_dense", "best_dense",
-                      "speedup_vs_eager_sparse", "max_rel_err"], BERT_FMT)
+        s += (
+            "fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`); compiled: `torch.compile` of the "
+            "fused model; speedup_vs_eager_sparse: the same sparse model run eagerly and unfused / this row.\n\n"
+        )
+    s += _md(
+        sparse,
+        [
+            "layout",
+            "dtype",
+            "fused",
+            "compiled",
+            "sparsity",
+            "batch",
+            "seq",
+            "threads",
+            "speedup_vs_dense",
+            "speedup_vs_compiled_dense",
+            "speedup_vs_best_dense",
+            "best_dense",
+            "speedup_vs_eager_sparse",
+            "max_rel_err",
+        ],
+        BERT_FMT,
+    )
     if dense:
-        s += "\n\nDense baselines:\n\n" + _md(dense, ["baseline", "batch", "seq", "threads", "ms",
-                                                      "speedup_vs_dense", "max_rel_err", "compile_s"], BERT_FMT)
+        s += "\n\nDense baselines:\n\n" + _md(
+            dense,
+            ["baseline", "batch", "seq", "threads", "ms", "speedup_vs_dense", "max_rel_err", "compile_s"],
+            BERT_FMT,
+        )
     if quality and d.get("quality"):
         s += "\n\nQuality next to speed (real pretrained MiniLM-L6, one-shot magnitude, held-out text):\n\n"
-        s += _md(d["quality"], ["layout", "sparsity", "weight_norm_kept", "mean_cosine"],
-                 {"weight_norm_kept": ".3f", "mean_cosine": ".3f"})
+        s += _md(
+            d["quality"],
+            ["layout", "sparsity", "weight_norm_kept", "mean_cosine"],
+            {"weight_norm_kept": ".3f", "mean_cosine": ".3f"},
+        )
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
-H2H_FMT = {"median_ms": ".1f", "speedup_vs_fp32_eager": ".2f", "speedup_vs_best_dense": ".2f",
-           "vs_deepsparse": ".2f", "max_rel_err": ".1e"}
+H2H_FMT = {
+    "median_ms": ".1f",
+    "speedup_vs_fp32_eager": ".2f",
+    "speedup_vs_best_dense": ".2f",
+    "vs_deepsparse": ".2f",
+    "max_rel_err": ".1e",
+}
 
 
 def h2h_section(d: Dict[str, Any]) -> str:
     """Every engine on the same pruned BERT-base weights, with each engine's speed relative to DeepSparse."""
     ds = {(r["sparsity"], r["batch"]): r["median_ms"] for r in d["rows"] if r["engine"] == "deepsparse"}
-    rows = [dict(r, vs_deepsparse=ds[(r["sparsity"], r["batch"])] / r["median_ms"])
-            if (r["sparsity"], r["batch"]) in ds else dict(r) for r in d["rows"]]
+    rows = [
+        dict(r, vs_deepsparse=ds[(r["sparsity"], r["batch"])] / r["median_ms"])
+        if (r["sparsity"], r["batch"]) in ds
+        else dict(r)
+        for r in d["rows"]
+    ]
     st = d.get("deepsparse") or {}
-    s = (f"{d.get('model', '')}; {d.get('pruning', '')}; {d.get('timing', '')}. DeepSparse "
-         f"{st.get('version', '?')}: {st.get('status', '?')}. vs_deepsparse: DeepSparse time / this engine's time "
-         "(above 1: faster than DeepSparse).\n\n")
-    return s + _md(rows, ["engine", "sparsity", "batch", "seq", "threads", "median_ms", "speedup_vs_fp32_eager",
-                          "speedup_vs_best_dense", "vs_deepsparse", "max_rel_err"], H2H_FMT)
+    s = (
+        f"{d.get('model', '')}; {d.get('pruning', '')}; {d.get('timing', '')}. DeepSparse "
+        f"{st.get('version', '?')}: {st.get('status', '?')}. vs_deepsparse: DeepSparse time / this engine's time "
+        "(above 1: faster than DeepSparse).\n\n"
+    )
+    return s + _md(
+        rows,
+        [
+            "engine",
+            "sparsity",
+            "batch",
+            "seq",
+            "threads",
+            "median_ms",
+            "speedup_vs_fp32_eager",
+            "speedup_vs_best_dense",
+            "vs_deepsparse",
+            "max_rel_err",
+        ],
+        H2H_FMT,
+    )
 
 
 def adaptive_union_section(d: Dict[str, Any]) -> str:
     rows = []
     for r in d["rows"]:
-        row = {"layer": r["layer"], "shape": "x".join(str(v) for v in r["shape"]), "O": r["out_channels"],
-               "x_sparsity": r["activation_sparsity"], "dy_sparsity": r["grad_sparsity"],
-               "union4_density": r.get("union4_density")}
-        row.update({k[:-len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
+        row = {
+            "layer": r["layer"],
+            "shape": "x".join(str(v) for v in r["shape"]),
+            "O": r["out_channels"],
+            "x_sparsity": r["activation_sparsity"],
+            "dy_sparsity": r["grad_sparsity"],
+            "union4_density": r.get("union4_density"),
+        }
+        row.update({k[: -len("_vs_dense")]: v for k, v in r.items() if k.endswith("_vs_dense")})
         rows.append(row)
-    cols = ["layer", "shape", "O", "x_sparsity", "dy_sparsity", "union4_density", "fwd_list", "fwd_union", "fwd_union2",
-            "dx_list", "dx_union_dy", "dx_union_dy2", "dx_union_x", "dw_list", "dw_lists", "dw_union_x", "dw_union_dy"]
+    cols = [
+        "layer",
+        "shape",
+        "O",
+        "x_sparsity",
+        "dy_sparsity",
+        "union4_density",
+        "fwd_list",
+        "fwd_union",
+        "fwd_union2",
+        "dx_list",
+        "dx_union_dy",
+        "dx_union_dy2",
+        "dx_union_x",
+        "dw_list",
+        "dw_lists",
+        "dw_union_x",
+        "dw_union_dy",
+    ]
     fmt = {c: ".2f" for c in cols[3:]}
-    return (f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
-            f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
-            f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / "
-            f"dx_union_dy2: the union kernels on 2-pixel groups; dx_union_x: the input gradient at relu(x)'s "
-            f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt))
+    return (
+        f"Dense time / sparse time per GEMM ({d['config']['threads']} threads, batch {d['config']['batch']}, "
+        f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
+        f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / "
+        f"dx_union_dy2: the union kernels on 2-pixel groups; dx_union_x: the input gradient at relu(x)'s "
+        f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt)
+    )
 
 
 def adaptive_section(d: Dict[str, Any]) -> str:
     parts = []
     ref = d.get("config", {}).get("dense_reference_ms")
     if ref:
-        parts.append("Machine speed during the run (a fixed dense conv forward+backward, [32, 64, 32, 32] 64->64 3x3, "
-                     "ms; a slow phase inflates the dense/sparse ratios measured in it): "
-                     + ", ".join(f"{k} {v:.1f}" for k, v in ref.items()) + ".")
+        parts.append(
+            "Machine speed during the run (a fixed dense conv forward+backward, [32, 64, 32, 32] 64->64 3x3, "
+            "ms; a slow phase inflates the dense/sparse ratios measured in it): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in ref.items())
+            + "."
+        )
     if d.get("monitor"):
         m = d["monitor"]
-        parts.append(f"Monitor: {m.get('speedup_vs_full_count', 0):.1f}x cheaper than a full count, "
-                     f"{m.get('abs_error_pp', 0):.2f} pp largest absolute error over the layers "
-                     f"({m.get('mean_abs_error_pp', 0):.2f} pp mean).")
+        parts.append(
+            f"Monitor: {m.get('speedup_vs_full_count', 0):.1f}x cheaper than a full count, "
+            f"{m.get('abs_error_pp', 0):.2f} pp largest absolute error over the layers "
+            f"({m.get('mean_abs_error_pp', 0):.2f} pp mean)."
+        )
     if d.get("models"):
         cols = ["model", "step_speedup_vs_dense", "loss_dense", "loss_adaptive"]
         rows = d["models"]
         if any("step_ms" in r for r in rows):  # both memory formats timed side by side
-            rows = [dict(r, **r.get("step_ms", {}),
-                         **{f"same_format_{k}": v for k, v in r.get("step_speedup_same_format", {}).items()})
-                    for r in rows]
-            cols = ["model", "step_speedup_vs_dense", "dense_format", "adaptive_format", "dense_nchw",
-                    "dense_channels_last", "adaptive_nchw", "adaptive_channels_last", "same_format_nchw",
-                    "same_format_channels_last", "loss_dense", "loss_adaptive"]
+            rows = [
+                dict(
+                    r,
+                    **r.get("step_ms", {}),
+                    **{f"same_format_{k}": v for k, v in r.get("step_speedup_same_format", {}).items()},
+                )
+                for r in rows
+            ]
+            cols = [
+                "model",
+                "step_speedup_vs_dense",
+                "dense_format",
+                "adaptive_format",
+                "dense_nchw",
+                "dense_channels_last",
+                "adaptive_nchw",
+                "adaptive_channels_last",
+                "same_format_nchw",
+                "same_format_channels_last",
+                "loss_dense",
+                "loss_adaptive",
+            ]
         if any("step_speedup_vs_best_dense" in r for r in d["models"]):
             rows = [dict(r, guard_verdict=(r.get("guard") or {}).get("decision") or "-") for r in rows]
             cols[1:1] = ["dtype", "step_speedup_vs_best_dense", "best_dense"]
             cols.insert(cols.index("loss_dense"), "guard_verdict")
         if any("loss_dense_perturbed" in r for r in d["models"]):
             cols += ["loss_dense_perturbed", "loss_max_abs_diff", "loss_max_float_band"]
-        fmts = {"step_speedup_vs_dense": ".2f", "step_speedup_vs_best_dense": ".2f", "loss_dense": ".4f",
-                "loss_adaptive": ".4f",
-                "loss_dense_perturbed": ".4f", "loss_max_abs_diff": ".4f", "loss_max_float_band": ".4f",
-                "dense_nchw": ".0f", "dense_channels_last": ".0f", "adaptive_nchw": ".0f",
-                "adaptive_channels_last": ".0f", "same_format_nchw": ".2f", "same_format_channels_last": ".2f"}
+        fmts = {
+            "step_speedup_vs_dense": ".2f",
+            "step_speedup_vs_best_dense": ".2f",
+            "loss_dense": ".4f",
+            "loss_adaptive": ".4f",
+            "loss_dense_perturbed": ".4f",
+            "loss_max_abs_diff": ".4f",
+            "loss_max_float_band": ".4f",
+            "dense_nchw": ".0f",
+            "dense_channels_last": ".0f",
+            "adaptive_nchw": ".0f",
+            "adaptive_channels_last": ".0f",
+            "same_format_nchw": ".2f",
+            "same_format_channels_last": ".2f",
+        }
         parts.append(_md(rows, cols, fmts))
         if any("step_ms" in r for r in d["models"]):
-            parts.append("step_speedup_vs_dense: the faster adaptive format's median training step against the faster "
-                         "dense format's; dense_* / adaptive_*: median step ms in each format (all four trained side "
-                         "by side, one step of each in turn); same_format_*: dense / adaptive within one format. "
-                         "Losses: the channels-last pair.")
+            parts.append(
+                "step_speedup_vs_dense: the faster adaptive format's median training step against the faster "
+                "dense format's; dense_* / adaptive_*: median step ms in each format (all four trained side "
+                "by side, one step of each in turn); same_format_*: dense / adaptive within one format. "
+                "Losses: the channels-last pair."
+            )
         if any("step_speedup_vs_best_dense" in r for r in d["models"]):
-            parts.append("step_speedup_vs_best_dense: the same adaptive step against the fastest dense step of either "
-                         "format in fp32 or bf16 autocast (best_dense names it; the dtype not trained in the row is "
-                         "timed for a few steps on the same batches); guard_verdict: the step guard's last verdict "
-                         "(it times whole steps, here interleaved with the other trainings of the round, so its "
-                         "ratio is diluted; - when it had not compared yet).")
-        parts.append("loss_dense_perturbed: the same dense training from weights moved by a relative 1e-7 "
-                     "(rounding-sized); loss_max_abs_diff / loss_max_float_band: the largest per-step loss "
-                     "difference of the adaptive run / of that control from dense. Losses can drift far beyond "
-                     "rounding when a model sits on a plateau (VGG-16 without BatchNorm escapes it at a different "
-                     "step in each run); the control shows how far rounding alone moves them.")
+            parts.append(
+                "step_speedup_vs_best_dense: the same adaptive step against the fastest dense step of either "
+                "format in fp32 or bf16 autocast (best_dense names it; the dtype not trained in the row is "
+                "timed for a few steps on the same batches); guard_verdict: the step guard's last verdict "
+                "(it times whole steps, here interleaved with the other trainings of the round, so its "
+                "ratio is diluted; - when it had not compared yet)."
+            )
+        parts.append(
+            "loss_dense_perturbed: the same dense training from weights moved by a relative 1e-7 "
+            "(rounding-sized); loss_max_abs_diff / loss_max_float_band: the largest per-step loss "
+            "difference of the adaptive run / of that control from dense. Losses can drift far beyond "
+            "rounding when a model sits on a plateau (VGG-16 without BatchNorm escapes it at a different "
+            "step in each run); the control shows how far rounding alone moves them."
+        )
     if d.get("sweep"):
-        cols = ["shape", "activation_sparsity", "dy", "grad_sparsity", "ratio_vs_dense"] \
-            if any("dy" in r for r in d["sweep"]) else ["shape", "activation_sparsity", "ratio_vs_dense"]
-        parts.append(_md(d["sweep"], cols, {"ratio_vs_dense": ".2f", "activation_sparsity": ".2f",
-                                            "grad_sparsity": ".2f"}))
+        cols = (
+            ["shape", "activation_sparsity", "dy", "grad_sparsity", "ratio_vs_dense"]
+            if any("dy" in r for r in d["sweep"])
+            else ["shape", "activation_sparsity", "ratio_vs_dense"]
+        )
+        parts.append(
+            _md(d["sweep"], cols, {"ratio_vs_dense": ".2f", "activation_sparsity": ".2f", "grad_sparsity": ".2f"})
+        )
     if d.get("layers"):
         cols = ["model", "layer", "kind", "activation_sparsity", "path", "ratio_vs_dense"]
         if any(r.get("grad_sparsity") is not None for r in d["layers"]):
@@ -305,99 +513,180 @@ def adaptive_section(d: Dict[str, Any]) -> str:
             cols.append("sparse_kernel_ratio")
         if any("kappa" in r for r in d["layers"]):
             cols += ["model_speedup", "kappa", "measured_in_training"]
-        parts.append(_md(d["layers"], cols, {"ratio_vs_dense": ".2f", "activation_sparsity": ".2f",
-                                             "grad_sparsity": ".2f", "sparse_kernel_ratio": ".2f",
-                                             "model_speedup": ".2f", "kappa": ".2f", "measured_in_training": ".2f"}))
-        parts.append("ratio_vs_dense: forward+backward of the layer on the path the policy chose (1.0 where dense), "
-                     "timed side by side after training; model_speedup: the cost model's prediction; kappa: the "
-                     "correction from times measured in training (layers predicted below 1.3x; - when not "
-                     "measured); measured_in_training: median dense over sparse time measured in training.")
+        parts.append(
+            _md(
+                d["layers"],
+                cols,
+                {
+                    "ratio_vs_dense": ".2f",
+                    "activation_sparsity": ".2f",
+                    "grad_sparsity": ".2f",
+                    "sparse_kernel_ratio": ".2f",
+                    "model_speedup": ".2f",
+                    "kappa": ".2f",
+                    "measured_in_training": ".2f",
+                },
+            )
+        )
+        parts.append(
+            "ratio_vs_dense: forward+backward of the layer on the path the policy chose (1.0 where dense), "
+            "timed side by side after training; model_speedup: the cost model's prediction; kappa: the "
+            "correction from times measured in training (layers predicted below 1.3x; - when not "
+            "measured); measured_in_training: median dense over sparse time measured in training."
+        )
     return "\n\n".join(parts)
 
 
 def quality_section(d: Dict[str, Any]) -> str:
     parts = []
     if d.get("minilm"):
-        parts.append(_md(d["minilm"], ["method", "pattern", "sparsity", "mean_cosine"],
-                         {"mean_cosine": ".3f", "sparsity": ".3g"}))
+        parts.append(
+            _md(
+                d["minilm"], ["method", "pattern", "sparsity", "mean_cosine"], {"mean_cosine": ".3f", "sparsity": ".3g"}
+            )
+        )
     if d.get("digits"):
-        parts.append(_md(d["digits"], ["model", "method", "sparsity", "accuracy", "dense_accuracy"],
-                         {"accuracy": ".4f", "dense_accuracy": ".4f"}))
+        parts.append(
+            _md(
+                d["digits"],
+                ["model", "method", "sparsity", "accuracy", "dense_accuracy"],
+                {"accuracy": ".4f", "dense_accuracy": ".4f"},
+            )
+        )
     return "\n\n".join(parts)
 
 
-PARETO_FMT = {"sparsity": ".2f", "quality_cosine": ".3f", "cosine_docstrings": ".3f", "cosine_readme": ".3f",
-              "quality_top1": ".3f", "speedup_vs_best_dense": ".2f", "speedup_vs_dense": ".2f"}
-PARETO_COLS = ["method", "label", "sparsity", "quality_cosine", "cosine_docstrings", "cosine_readme", "quality_top1",
-               "speedup_vs_best_dense", "best_dense"]
+PARETO_FMT = {
+    "sparsity": ".2f",
+    "quality_cosine": ".3f",
+    "cosine_docstrings": ".3f",
+    "cosine_readme": ".3f",
+    "quality_top1": ".3f",
+    "speedup_vs_best_dense": ".2f",
+    "speedup_vs_dense": ".2f",
+}
+PARETO_COLS = [
+    "method",
+    "label",
+    "sparsity",
+    "quality_cosine",
+    "cosine_docstrings",
+    "cosine_readme",
+    "quality_top1",
+    "speedup_vs_best_dense",
+    "best_dense",
+]
 
 
 def _pareto_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Rows sorted by speed, the method column saying ``+recover`` for recovered rows."""
-    return [dict(r, method=r["method"] + ("+recover" if r.get("recovered") else ""),
-                 label=r.get("label", r.get("layout")))
-            for r in sorted(rows, key=lambda r: (-r["speedup_vs_best_dense"], -r["quality_cosine"]))]
+    return [
+        dict(r, method=r["method"] + ("+recover" if r.get("recovered") else ""), label=r.get("label", r.get("layout")))
+        for r in sorted(rows, key=lambda r: (-r["speedup_vs_best_dense"], -r["quality_cosine"]))
+    ]
 
 
 def pareto_section(d: Dict[str, Any], frontier_only: bool = False) -> str:
     """The frontier of the MiniLM quality-speed grid (and, unless ``frontier_only``, every row)."""
     rows = d.get("rows", [])
     front = [r for r in rows if r.get("on_frontier")]
-    s = (f"all-MiniLM-L6-v2, every block Linear pruned; speed: batch {d.get('batch', 8)}, seq {d.get('seq', 128)}, "
-         f"{d.get('threads')} threads, against the fastest dense path of the run ({d.get('best_dense', '-')}: "
-         + ", ".join(f"{k} {v} ms" for k, v in (d.get("dense_ms") or {}).items()) + "); quality: mean cosine to the "
-         "dense sentence embeddings (and top-1 nearest-neighbour agreement) on held-out stdlib docstrings and "
-         "README prose, averaged. label: the layout (unstructured = sliced_ell). The frontier: rows no other row "
-         "(nor the best dense path) beats in both speed and cosine.\n\n")
+    s = (
+        f"all-MiniLM-L6-v2, every block Linear pruned; speed: batch {d.get('batch', 8)}, seq {d.get('seq', 128)}, "
+        f"{d.get('threads')} threads, against the fastest dense path of the run ({d.get('best_dense', '-')}: "
+        + ", ".join(f"{k} {v} ms" for k, v in (d.get("dense_ms") or {}).items())
+        + "); quality: mean cosine to the "
+        "dense sentence embeddings (and top-1 nearest-neighbour agreement) on held-out stdlib docstrings and "
+        "README prose, averaged. label: the layout (unstructured = sliced_ell). The frontier: rows no other row "
+        "(nor the best dense path) beats in both speed and cosine.\n\n"
+    )
     s += _md(_pareto_rows(front), PARETO_COLS, PARETO_FMT)
     if not frontier_only:
-        s += ("\n\n<details><summary>All rows</summary>\n\n" + _md(_pareto_rows(rows), PARETO_COLS, PARETO_FMT)
-              + "\n\n</details>")
+        s += (
+            "\n\n<details><summary>All rows</summary>\n\n"
+            + _md(_pareto_rows(rows), PARETO_COLS, PARETO_FMT)
+            + "\n\n</details>"
+        )
         if d.get("skipped"):
             reasons = "; ".join(sorted({x["reason"] for x in d["skipped"]}))
             s += f"\n\nSkipped: {len(d['skipped'])} rows ({reasons})."
     return s + (f"\n\n_(quick run, {d.get('seconds')} s)_" if d.get("quick") else f"\n\n_({d.get('seconds')} s)_")
 
 
-LLM_FMT = {"ms": ".1f", "tokens_per_s": ".1f", "speedup_vs_dense": ".2f", "speedup_vs_best_dense": ".2f",
-           "weight_bytes_ratio": ".3f"}
+LLM_FMT = {
+    "ms": ".1f",
+    "tokens_per_s": ".1f",
+    "speedup_vs_dense": ".2f",
+    "speedup_vs_best_dense": ".2f",
+    "weight_bytes_ratio": ".3f",
+}
 
 
 def llm_decode_section(d: Dict[str, Any]) -> str:
     """Decode (ms per step) and prefill (ms per prompt) of each engine, per model, dtype and batch."""
     rows = [dict(r, engine=(f"{r['layout']} {r['sparsity']}" if r.get("sparsity") else r["layout"])) for r in d["rows"]]
-    s = (f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
-         f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
-         "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
-         "speedup_vs_best_dense: the faster of dense eager and its torch.compile / this engine. weight_bytes_ratio: "
-         f"bytes of the decoder blocks' linear weights against dense. Both ratios are within one dtype; rows of "
-         "another dtype or model may come from a separate run (`--append`), so compare across them only "
-         "loosely (on an AVX2-only CPU dense bf16 decoding, half the bytes, can beat sparse fp32). "
-         f"Peak RSS {d.get('peak_rss_mb')} MB.\n\n")
-    s += _md(rows, ["model", "dtype", "batch", "phase", "engine", "ms", "tokens_per_s", "speedup_vs_dense",
-                    "speedup_vs_best_dense", "weight_bytes_ratio"], LLM_FMT)
+    s = (
+        f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
+        f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
+        "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
+        "speedup_vs_best_dense: the faster of dense eager and its torch.compile / this engine. weight_bytes_ratio: "
+        f"bytes of the decoder blocks' linear weights against dense. Both ratios are within one dtype; rows of "
+        "another dtype or model may come from a separate run (`--append`), so compare across them only "
+        "loosely (on an AVX2-only CPU dense bf16 decoding, half the bytes, can beat sparse fp32). "
+        f"Peak RSS {d.get('peak_rss_mb')} MB.\n\n"
+    )
+    s += _md(
+        rows,
+        [
+            "model",
+            "dtype",
+            "batch",
+            "phase",
+            "engine",
+            "ms",
+            "tokens_per_s",
+            "speedup_vs_dense",
+            "speedup_vs_best_dense",
+            "weight_bytes_ratio",
+        ],
+        LLM_FMT,
+    )
     if d.get("notes"):
         s += "\n\nNotes: " + "; ".join(f"{k}: {v}" for k, v in d["notes"].items())
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
 def llm_quality_section(d: Dict[str, Any]) -> str:
-    cols = [c for c in ("model", "method", "pattern", "sparsity", "domain", "perplexity", "ppl_ratio_vs_dense")
-            if any(c in r for r in d.get("rows", []))]
+    cols = [
+        c
+        for c in ("model", "method", "pattern", "sparsity", "domain", "perplexity", "ppl_ratio_vs_dense")
+        if any(c in r for r in d.get("rows", []))
+    ]
     return _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + (
-        "\n\n_(quick run)_" if d.get("quick") else "")
+        "\n\n_(quick run)_" if d.get("quick") else ""
+    )
 
 
 def dispatch_section(d: Dict[str, Any]) -> str:
     return _md(d["rows"], ["mode", "direct_us", "dispatched_us", "overhead_us"])
 
 
-SECTIONS = {"linear_kernels": lambda d: (linear_section(d, True) + "\n\n<details><summary>All rows</summary>\n\n"
-                                          + linear_section(d, False) + "\n\n</details>"),
-            "bert_inference": bert_section, "adaptive_training": adaptive_section,
-            "adaptive_union": adaptive_union_section, "quality": quality_section, "deepsparse_h2h": h2h_section,
-            "dispatch_overhead": dispatch_section, "llm_decode": llm_decode_section,
-            "llm_quality": llm_quality_section, "pareto": pareto_section}
+SECTIONS = {
+    "linear_kernels": lambda d: (
+        linear_section(d, True)
+        + "\n\n<details><summary>All rows</summary>\n\n"
+        + linear_section(d, False)
+        + "\n\n</details>"
+    ),
+    "bert_inference": bert_section,
+    "adaptive_training": adaptive_section,
+    "adaptive_union": adaptive_union_section,
+    "quality": quality_section,
+    "deepsparse_h2h": h2h_section,
+    "dispatch_overhead": dispatch_section,
+    "llm_decode": llm_decode_section,
+    "llm_quality": llm_quality_section,
+    "pareto": pareto_section,
+}
 
 
 def class_section(d: Path) -> str:
@@ -427,25 +716,34 @@ def readme_summary(root: Path = RESULTS) -> str:
     dirs = class_dirs(root)
     parts = []
     for d in _summary_dirs(dirs, "linear_kernels"):
-        parts.append(f"**Per layer.** {cpu_heading(d.name, cpu_of(d))}\n\n"
-                     f"{linear_section(_load(d, 'linear_kernels'), True)}")
+        parts.append(
+            f"**Per layer.** {cpu_heading(d.name, cpu_of(d))}\n\n{linear_section(_load(d, 'linear_kernels'), True)}"
+        )
     for d in _summary_dirs(dirs, "bert_inference"):
         data = _load(d, "bert_inference")
         batches = sorted({r["batch"] for r in data["rows"]})
         sel = batches[-1:] if len(batches) > 1 else None
-        parts.append(f"**BERT-base end to end{f', batch {batches[-1]}' if sel else ''}.** "
-                     f"{cpu_heading(d.name, cpu_of(d))}\n\n{bert_section(data, sel)}")
+        parts.append(
+            f"**BERT-base end to end{f', batch {batches[-1]}' if sel else ''}.** "
+            f"{cpu_heading(d.name, cpu_of(d))}\n\n{bert_section(data, sel)}"
+        )
     for d in _summary_dirs(dirs, "deepsparse_h2h"):
-        parts.append(f"**Against DeepSparse, same weights.** {cpu_heading(d.name, cpu_of(d))}\n\n"
-                     f"{h2h_section(_load(d, 'deepsparse_h2h'))}")
+        parts.append(
+            f"**Against DeepSparse, same weights.** {cpu_heading(d.name, cpu_of(d))}\n\n"
+            f"{h2h_section(_load(d, 'deepsparse_h2h'))}"
+        )
     for d in _summary_dirs(dirs, "llm_decode"):
         data = _load(d, "llm_decode")
         rows = [r for r in data["rows"] if r["batch"] == 1]
-        parts.append(f"**LLM decoding, batch 1 (bitmask layout).** {cpu_heading(d.name, cpu_of(d))}\n\n"
-                     f"{llm_decode_section(dict(data, rows=rows))}")
+        parts.append(
+            f"**LLM decoding, batch 1 (bitmask layout).** {cpu_heading(d.name, cpu_of(d))}\n\n"
+            f"{llm_decode_section(dict(data, rows=rows))}"
+        )
     for d in _summary_dirs(dirs, "pareto"):
-        parts.append(f"**Quality against speed (MiniLM-L6 frontier).** {cpu_heading(d.name, cpu_of(d))}\n\n"
-                     f"{pareto_section(_load(d, 'pareto'), frontier_only=True)}")
+        parts.append(
+            f"**Quality against speed (MiniLM-L6 frontier).** {cpu_heading(d.name, cpu_of(d))}\n\n"
+            f"{pareto_section(_load(d, 'pareto'), frontier_only=True)}"
+        )
     if not parts:
         return "_No linear_kernels or bert_inference results yet: run the benchmark scripts._"
     return "\n\n".join(parts)
@@ -488,7 +786,7 @@ HAND_WRITTEN = "## Design measurements behind the kernels"
 def main() -> None:
     doc = ROOT / "docs" / "benchmarks.md"
     old = doc.read_text() if doc.is_file() else ""
-    kept = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
+    kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""
     doc.write_text(render(RESULTS) + ("\n" + kept if kept else ""))
     readme = ROOT / "README.md"
     text = readme.read_text()

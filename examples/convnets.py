@@ -11,6 +11,7 @@ Example::
     >>> [m(torch.randn(2, 3, 32, 32)).shape[-1] for m in (vgg16(), vgg16(batch_norm=True), resnet18(), alexnet())]
     [10, 10, 10, 10]
 """
+
 from __future__ import annotations
 
 from typing import List, Union
@@ -20,8 +21,7 @@ from torch import nn
 
 __all__ = ["alexnet", "vgg16", "resnet18", "BasicBlock", "build"]
 
-_VGG16: List[Union[int, str]] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-                                 512, 512, 512, "M"]
+_VGG16: List[Union[int, str]] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 
 
 def _init(model: nn.Module) -> nn.Module:
@@ -36,8 +36,9 @@ def _init(model: nn.Module) -> nn.Module:
     return model
 
 
-def vgg16(num_classes: int = 10, batch_norm: bool = False, width: float = 1.0, in_channels: int = 3,
-          image_size: int = 32) -> nn.Sequential:
+def vgg16(
+    num_classes: int = 10, batch_norm: bool = False, width: float = 1.0, in_channels: int = 3, image_size: int = 32
+) -> nn.Sequential:
     """VGG-16 (13 3x3 convs, 5 max-pools, 3 Linear), optionally with BatchNorm; ``width`` scales channels."""
     layers: List[nn.Module] = []
     c = in_channels
@@ -53,27 +54,49 @@ def vgg16(num_classes: int = 10, batch_norm: bool = False, width: float = 1.0, i
         c = o
     spatial = image_size // 32
     hidden = max(8, int(round(512 * width / 8)) * 8)
-    layers += [nn.Flatten(), nn.Linear(c * spatial * spatial, hidden), nn.ReLU(inplace=True),
-               nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes)]
+    layers += [
+        nn.Flatten(),
+        nn.Linear(c * spatial * spatial, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, num_classes),
+    ]
     return _init(nn.Sequential(*layers))
 
 
 def alexnet(num_classes: int = 10, width: float = 1.0, in_channels: int = 3, image_size: int = 32) -> nn.Sequential:
     """AlexNet-style: 5 convs (5x5 then 3x3), 3 max-pools, 3 Linear; no BatchNorm."""
+
     def w(v: int) -> int:
         return max(8, int(round(v * width / 8)) * 8)
+
     c1, c2, c3, c4, c5 = w(64), w(192), w(384), w(256), w(256)
     spatial = image_size // 8
     feats = [
-        nn.Conv2d(in_channels, c1, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-        nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(inplace=True),
-        nn.Conv2d(c3, c4, 3, padding=1), nn.ReLU(inplace=True),
-        nn.Conv2d(c4, c5, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(in_channels, c1, 5, padding=2),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(c1, c2, 5, padding=2),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Conv2d(c2, c3, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(c3, c4, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(c4, c5, 3, padding=1),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
     ]
     hidden = w(1024)
-    head = [nn.Flatten(), nn.Linear(c5 * spatial * spatial, hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Linear(hidden, num_classes)]
+    head = [
+        nn.Flatten(),
+        nn.Linear(c5 * spatial * spatial, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(inplace=True),
+        nn.Linear(hidden, num_classes),
+    ]
     return _init(nn.Sequential(*feats, *head))
 
 
@@ -101,11 +124,14 @@ class BasicBlock(nn.Module):
 class _ResNet(nn.Module):
     def __init__(self, num_classes: int, width: float, in_channels: int):
         super().__init__()
+
         def w(v: int) -> int:
             return max(8, int(round(v * width / 8)) * 8)
+
         c = w(64)
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c),
-                                  nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, c, 3, 1, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)
+        )
         blocks = []
         for i, v in enumerate((64, 128, 256, 512)):
             o = w(v)
@@ -128,8 +154,12 @@ def resnet18(num_classes: int = 10, width: float = 1.0, in_channels: int = 3) ->
 
 def build(name: str, **kwargs) -> nn.Module:
     """Model by name: ``alexnet``, ``vgg16``, ``vgg16_bn``, ``resnet18``."""
-    table = {"alexnet": alexnet, "vgg16": vgg16, "vgg16_bn": lambda **k: vgg16(batch_norm=True, **k),
-             "resnet18": resnet18}
+    table = {
+        "alexnet": alexnet,
+        "vgg16": vgg16,
+        "vgg16_bn": lambda **k: vgg16(batch_norm=True, **k),
+        "resnet18": resnet18,
+    }
     if name not in table:
         raise ValueError(f"name must be one of {sorted(table)}, got {name!r}")
     return table[name](**kwargs)

@@ -7,6 +7,7 @@ Steps: train a dense 64-256-128-10 MLP, apply magnitude sparsity to its Linear w
 accuracy, the per-layer :func:`sparsa.sparsity_report`, and the checkpoint sizes of a dense
 ``torch.save`` against :func:`sparsa.save` in CSR. Seeds are fixed, so runs are reproducible.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ def load_digits_split(seed: int = 0, test_size: float = 0.25) -> Data:
     """Digits (8x8 images, 10 classes) as float tensors scaled to [0, 1]: ``(Xtr, ytr, Xte, yte)``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
+
     X, y = load_digits(return_X_y=True)
     Xtr, Xte, ytr, yte = train_test_split(X, y, test_size=test_size, random_state=seed, stratify=y)
     f = lambda a: torch.tensor(a, dtype=torch.float32) / 16.0  # noqa: E731
@@ -53,11 +55,21 @@ def _batches(n: int, batch: int, gen: torch.Generator) -> Iterator[Tensor]:
     while True:
         perm = torch.randperm(n, generator=gen)
         for i in range(0, n - batch + 1, batch):
-            yield perm[i:i + batch]
+            yield perm[i : i + batch]
 
 
-def train(model: nn.Module, X: Tensor, y: Tensor, steps: int, *, lr: float = 1e-3, batch: int = 64, seed: int = 0,
-          optimizer: Optional[torch.optim.Optimizer] = None, progress: Optional[str] = None) -> torch.optim.Optimizer:
+def train(
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    steps: int,
+    *,
+    lr: float = 1e-3,
+    batch: int = 64,
+    seed: int = 0,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    progress: Optional[str] = None,
+) -> torch.optim.Optimizer:
     """``steps`` minibatch Adam steps (cross-entropy); returns the optimizer. ``progress``: a tqdm label."""
     opt = optimizer or torch.optim.Adam(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
@@ -65,6 +77,7 @@ def train(model: nn.Module, X: Tensor, y: Tensor, steps: int, *, lr: float = 1e-
     bar = None
     if progress is not None:
         from tqdm import tqdm
+
         bar = tqdm(total=steps, desc=progress, unit="step", leave=True, dynamic_ncols=True)
     model.train()
     for _ in range(steps):
@@ -115,8 +128,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     Xtr, ytr, Xte, yte = load_digits_split(args.seed)
     steps_per_epoch = len(Xtr) // 64
     label = lambda s: None if args.no_progress else s  # noqa: E731
-    print(f"digits: {len(Xtr)} train / {len(Xte)} test samples; MLP 64-256-128-10; "
-          f"torch threads: {torch.get_num_threads()}")
+    print(
+        f"digits: {len(Xtr)} train / {len(Xte)} test samples; MLP 64-256-128-10; "
+        f"torch threads: {torch.get_num_threads()}"
+    )
 
     dense = make_mlp(args.seed)
     opt = train(dense, Xtr, ytr, args.epochs * steps_per_epoch, seed=args.seed, progress=label("dense training"))
@@ -125,22 +140,37 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     baseline = copy.deepcopy(dense)
     base_opt = torch.optim.Adam(baseline.parameters(), lr=1e-3)
     base_opt.load_state_dict(opt.state_dict())
-    train(baseline, Xtr, ytr, args.finetune_epochs * steps_per_epoch, seed=args.seed + 1, optimizer=base_opt,
-          progress=label("dense (same budget)"))
+    train(
+        baseline,
+        Xtr,
+        ytr,
+        args.finetune_epochs * steps_per_epoch,
+        seed=args.seed + 1,
+        optimizer=base_opt,
+        progress=label("dense (same budget)"),
+    )
     acc_dense = accuracy(baseline, Xte, yte)
 
     rule = sparsa.Rule(sparsifier=Magnitude(args.sparsity), layout=args.layout, module_types=nn.Linear)
     sparse = sparsa.sparsify(copy.deepcopy(dense), rule)
     acc_pruned = accuracy(sparse, Xte, yte)
-    train(sparse, Xtr, ytr, args.finetune_epochs * steps_per_epoch, seed=args.seed + 1,
-          progress=label(f"sparse fine-tuning ({args.layout})"))
+    train(
+        sparse,
+        Xtr,
+        ytr,
+        args.finetune_epochs * steps_per_epoch,
+        seed=args.seed + 1,
+        progress=label(f"sparse fine-tuning ({args.layout})"),
+    )
     acc_sparse = accuracy(sparse, Xte, yte)
 
     sparsa.sparsify(sparse, sparsa.Rule(layout="csr", module_types=nn.Linear))  # same pattern, CSR storage
     assert accuracy(sparse, Xte, yte) == acc_sparse
     print()
-    print(f"test accuracy  dense: {acc_dense:.2f}%   after pruning to {100 * args.sparsity:.0f}%: {acc_pruned:.2f}%   "
-          f"sparse fine-tuned: {acc_sparse:.2f}%   (dense before the extra epochs: {acc_pruned_dense_only:.2f}%)")
+    print(
+        f"test accuracy  dense: {acc_dense:.2f}%   after pruning to {100 * args.sparsity:.0f}%: {acc_pruned:.2f}%   "
+        f"sparse fine-tuned: {acc_sparse:.2f}%   (dense before the extra epochs: {acc_pruned_dense_only:.2f}%)"
+    )
     print()
     print(sparsa.format_report(sparsa.sparsity_report(sparse)))
     print()
@@ -150,13 +180,22 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         sparse_size = sparsa.save(sparse, path)
         reloaded = sparsa.load(make_mlp(args.seed + 99), path)
         same = torch.equal(reloaded(Xte), sparse(Xte))
-    print(f"checkpoint  dense torch.save: {dense_size / 1024:.1f} KiB   "
-          f"sparsa.save (CSR): {sparse_size / 1024:.1f} KiB   "
-          f"({dense_size / sparse_size:.2f}x smaller; reloaded model identical: {same})")
+    print(
+        f"checkpoint  dense torch.save: {dense_size / 1024:.1f} KiB   "
+        f"sparsa.save (CSR): {sparse_size / 1024:.1f} KiB   "
+        f"({dense_size / sparse_size:.2f}x smaller; reloaded model identical: {same})"
+    )
     elapsed = time.perf_counter() - t0
     print(f"total time {elapsed:.1f} s")
-    return {"acc_dense": acc_dense, "acc_pruned": acc_pruned, "acc_sparse": acc_sparse, "dense_bytes": dense_size,
-            "sparse_bytes": sparse_size, "reload_identical": same, "seconds": elapsed}
+    return {
+        "acc_dense": acc_dense,
+        "acc_pruned": acc_pruned,
+        "acc_sparse": acc_sparse,
+        "dense_bytes": dense_size,
+        "sparse_bytes": sparse_size,
+        "reload_identical": same,
+        "seconds": elapsed,
+    }
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Run from the repository root: ``python -m examples.flagship [--quick] [--threads
 
 Every figure is measured now, side by side in this process (dense and sparse alternating, medians).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,17 +75,24 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
     from sparsa.methods import SparseGPT
     from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
 
-    _line(f"1. MiniLM-L6 (pretrained): SparseGPT one-shot -> row_group{cfg.minilm_group} at "
-          f"{cfg.minilm_sparsity:.0%}")
+    _line(f"1. MiniLM-L6 (pretrained): SparseGPT one-shot -> row_group{cfg.minilm_group} at {cfg.minilm_sparsity:.0%}")
     dense, tok = load_minilm()
     calib, held = calibration_and_evaluation(32 if cfg.quick else 64, 64 if cfg.quick else 128)
     sparse = copy.deepcopy(dense)
-    batches = [tokenize(tok, calib[i:i + 16]) for i in range(0, len(calib), 16)]
+    batches = [tokenize(tok, calib[i : i + 16]) for i in range(0, len(calib), 16)]
     t0 = time.perf_counter()
     encoder = set(encoder_linears(sparse))
-    sparsify(sparse, SparseGPT(cfg.minilm_sparsity, pattern=f"row_group{cfg.minilm_group}", calibration=batches,
-                               forward=lambda m, b: m(**b), progress=cfg.progress),
-             filter_fn=lambda module, name: name in encoder)
+    sparsify(
+        sparse,
+        SparseGPT(
+            cfg.minilm_sparsity,
+            pattern=f"row_group{cfg.minilm_group}",
+            calibration=batches,
+            forward=lambda m, b: m(**b),
+            progress=cfg.progress,
+        ),
+        filter_fn=lambda module, name: name in encoder,
+    )
     prune_s = time.perf_counter() - t0
     e_dense = embed(dense, tok, held)
     e_sparse = embed(sparse, tok, held)
@@ -96,8 +104,10 @@ def _minilm(cfg: DemoConfig) -> Dict[str, Any]:
     sparse_b = _size_of(lambda p: save(sparse, p))
     print(f"held-out sentences: {len(held)} (calibration: {len(calib)}, disjoint)   pruning took {prune_s:.1f} s")
     print(f"mean cosine(dense, sparse) embeddings: {cos:.3f}")
-    print(f"speed-up vs dense (8 sentences): {c.ratio:.2f}x   checkpoint: dense {dense_b / 2**20:.1f} MiB, "
-          f"sparsa {sparse_b / 2**20:.1f} MiB ({dense_b / sparse_b:.2f}x smaller)")
+    print(
+        f"speed-up vs dense (8 sentences): {c.ratio:.2f}x   checkpoint: dense {dense_b / 2**20:.1f} MiB, "
+        f"sparsa {sparse_b / 2**20:.1f} MiB ({dense_b / sparse_b:.2f}x smaller)"
+    )
     return {"mean_cosine": cos, "speedup": c.ratio, "dense_bytes": dense_b, "sparse_bytes": sparse_b}
 
 
@@ -108,13 +118,18 @@ def _bert(cfg: DemoConfig) -> Dict[str, Any]:
     from sparsa.methods import OneShot
 
     batch, seq = (cfg.bert_batch, cfg.bert_seq) if not cfg.quick else (2, 128)
-    _line(f"2. BERT-base (from config): every encoder Linear -> row_group{cfg.bert_group} at "
-          f"{cfg.bert_sparsity:.0%}, batch {batch}, seq {seq}")
+    _line(
+        f"2. BERT-base (from config): every encoder Linear -> row_group{cfg.bert_group} at "
+        f"{cfg.bert_sparsity:.0%}, batch {batch}, seq {seq}"
+    )
     torch.manual_seed(0)
     dense = BertModel(BertConfig()).eval()
     sparse = copy.deepcopy(dense)
-    sparsify(sparse, OneShot(cfg.bert_sparsity, pattern=f"row_group{cfg.bert_group}"),
-             filter_fn=lambda module, name: name.startswith("encoder."))
+    sparsify(
+        sparse,
+        OneShot(cfg.bert_sparsity, pattern=f"row_group{cfg.bert_group}"),
+        filter_fn=lambda module, name: name.startswith("encoder."),
+    )
     ids = torch.randint(0, 30522, (batch, seq))
     with torch.no_grad():
         ref = dense(ids).last_hidden_state
@@ -123,12 +138,15 @@ def _bert(cfg: DemoConfig) -> Dict[str, Any]:
     # correctness of the fast path: same model with the sparse weights run densely
     check = copy.deepcopy(sparse)
     from sparsa import densify
+
     densify(check)
     with torch.no_grad():
         exp = check(ids).last_hidden_state
     err = ((out - exp).abs().max() / exp.abs().max()).item()
-    print(f"end-to-end speed-up vs dense PyTorch eager ({torch.get_num_threads()} threads): {c.ratio:.2f}x  "
-          f"(dense {c.baseline_s * 1e3:.0f} ms, sparse {c.candidate_s * 1e3:.0f} ms per batch)")
+    print(
+        f"end-to-end speed-up vs dense PyTorch eager ({torch.get_num_threads()} threads): {c.ratio:.2f}x  "
+        f"(dense {c.baseline_s * 1e3:.0f} ms, sparse {c.candidate_s * 1e3:.0f} ms per batch)"
+    )
     print(f"max relative error vs the same pruned weights run densely: {err:.1e}")
     del ref
     return {"speedup": c.ratio, "max_rel_err": err}
@@ -166,20 +184,24 @@ def _adaptive(cfg: DemoConfig) -> Dict[str, Any]:
     # 6th call the output-gradient sparsity is known too and every layer is on its chosen path
     for _ in range(3 if cfg.quick else 7):
         step(dense, opt_d), step(adaptive, opt_a)
-    c = compare(lambda: step(dense, opt_d), lambda: step(adaptive, opt_a), reps=cfg.train_steps, warmup=0,
-                min_seconds=0.0)
+    c = compare(
+        lambda: step(dense, opt_d), lambda: step(adaptive, opt_a), reps=cfg.train_steps, warmup=0, min_seconds=0.0
+    )
     rows = rt.report()
     keys = [k for k in ("layer", "kind", "sparsity", "path", "ratio_vs_dense", "time_ms") if any(k in r for r in rows)]
     print(rt.format() if hasattr(rt, "format") else _table(rows, keys))
     n_sparse = sum(1 for r in rows if r.get("path") == "sparse")
-    print(f"training-step speed-up vs dense: {c.ratio:.2f}x over {cfg.train_steps} timed steps, {n_sparse} of "
-          f"{len(rows)} layers on the sparse kernels (batch {batch}, sklearn digits upsampled to 32x32)")
+    print(
+        f"training-step speed-up vs dense: {c.ratio:.2f}x over {cfg.train_steps} timed steps, {n_sparse} of "
+        f"{len(rows)} layers on the sparse kernels (batch {batch}, sklearn digits upsampled to 32x32)"
+    )
     return {"step_speedup": c.ratio, "sparse_layers": n_sparse}
 
 
 def _digits_images(batch: int):
     """``batch`` scikit-learn digits (real, bundled) upsampled to 3 x 32 x 32 and standardised."""
     from sklearn.datasets import load_digits
+
     d = load_digits()
     g = torch.Generator().manual_seed(0)
     i = torch.randint(0, len(d.target), (batch,), generator=g)
@@ -235,23 +257,41 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p = argparse.ArgumentParser(
         prog="python -m examples.flagship",
         description="Prune the real pretrained MiniLM-L6 (SparseGPT, one-shot) and a BERT-base built from its "
-                    "config into sparsa's fast row_group layout; print speed-up, embedding quality and checkpoint "
-                    "sizes; then train a VGG-style net with adaptive activation sparsity. Every figure is measured "
-                    "in this run.")
+        "config into sparsa's fast row_group layout; print speed-up, embedding quality and checkpoint "
+        "sizes; then train a VGG-style net with adaptive activation sparsity. Every figure is measured "
+        "in this run.",
+    )
     p.add_argument("--quick", action="store_true", help="smaller inputs (about a minute)")
     p.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
     p.add_argument("--minilm-sparsity", type=_fraction, default=0.5, help="MiniLM sparsity (default 0.5)")
-    p.add_argument("--minilm-group", type=_positive_int, default=16,
-                   help="rows sharing a pattern in MiniLM's row_group layout (default 16)")
+    p.add_argument(
+        "--minilm-group",
+        type=_positive_int,
+        default=16,
+        help="rows sharing a pattern in MiniLM's row_group layout (default 16)",
+    )
     p.add_argument("--bert-sparsity", type=_fraction, default=0.9, help="BERT-base sparsity (default 0.9)")
-    p.add_argument("--bert-group", type=_positive_int, default=16,
-                   help="rows sharing a pattern in BERT-base's row_group layout (default 16)")
-    p.add_argument("--skip", action="append", choices=["minilm", "bert", "adaptive"], default=[],
-                   help="skip a part (repeatable)")
+    p.add_argument(
+        "--bert-group",
+        type=_positive_int,
+        default=16,
+        help="rows sharing a pattern in BERT-base's row_group layout (default 16)",
+    )
+    p.add_argument(
+        "--skip", action="append", choices=["minilm", "bert", "adaptive"], default=[], help="skip a part (repeatable)"
+    )
     a = p.parse_args(argv)
-    return run_demo(DemoConfig(threads=a.threads, minilm_sparsity=a.minilm_sparsity, minilm_group=a.minilm_group,
-                               bert_sparsity=a.bert_sparsity, bert_group=a.bert_group, quick=a.quick,
-                               skip=tuple(a.skip)))
+    return run_demo(
+        DemoConfig(
+            threads=a.threads,
+            minilm_sparsity=a.minilm_sparsity,
+            minilm_group=a.minilm_group,
+            bert_sparsity=a.bert_sparsity,
+            bert_group=a.bert_group,
+            quick=a.quick,
+            skip=tuple(a.skip),
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,11 +27,19 @@ Example::
     >>> y.shape
     torch.Size([3, 4])
 """
+
 from . import layouts
 from .tensor import SparseTensor, to_sparse, to_dense
 from . import ops
-from .ops import (fallback_counts, reset_fallback_counts, SparseFallbackWarning, implements, strict, is_strict,
-                  SparseFallbackError)
+from .ops import (
+    fallback_counts,
+    reset_fallback_counts,
+    SparseFallbackWarning,
+    implements,
+    strict,
+    is_strict,
+    SparseFallbackError,
+)
 from . import sparsifiers
 from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu
 from .io import save, load
@@ -44,15 +52,34 @@ __version__ = "0.1.0"
 
 __all__ = [
     # subpackages
-    "layouts", "sparsifiers", "ops", "methods", "adaptive",
+    "layouts",
+    "sparsifiers",
+    "ops",
+    "methods",
+    "adaptive",
     # tensors
-    "SparseTensor", "to_sparse", "to_dense",
+    "SparseTensor",
+    "to_sparse",
+    "to_dense",
     # models and checkpoints
-    "Rule", "sparsify", "densify", "sparsity_report", "format_report", "sparsify_linears", "fuse_gelu", "recover",
-    "save", "load",
+    "Rule",
+    "sparsify",
+    "densify",
+    "sparsity_report",
+    "format_report",
+    "sparsify_linears",
+    "fuse_gelu",
+    "recover",
+    "save",
+    "load",
     # activation sparsity
     "ActivationSparsity",
     # dispatcher
-    "implements", "fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "strict", "is_strict",
+    "implements",
+    "fallback_counts",
+    "reset_fallback_counts",
+    "SparseFallbackWarning",
+    "strict",
+    "is_strict",
     "SparseFallbackError",
 ]

@@ -9,6 +9,7 @@
 Bad arguments print one line starting with ``sparsa: error:`` and exit with status 2; a failure
 while running prints one line and exits with status 1 (``--debug`` shows the traceback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,101 +81,167 @@ def build_parser() -> argparse.ArgumentParser:
 
     # The demo is an example, not part of the package (issue #17): it lives in examples/ of a source
     # checkout. The subcommand stays only to say where it went.
-    sub.add_parser("demo", help="moved: run `make demo` (or `python -m examples.flagship`) in a source checkout",
-                   description="The flagship demo is no longer part of the installed package. In a source "
-                               "checkout of sparsa run `make demo`, or `python -m examples.flagship [--quick]` "
-                               "from the repository root.")
+    sub.add_parser(
+        "demo",
+        help="moved: run `make demo` (or `python -m examples.flagship`) in a source checkout",
+        description="The flagship demo is no longer part of the installed package. In a source "
+        "checkout of sparsa run `make demo`, or `python -m examples.flagship [--quick]` "
+        "from the repository root.",
+    )
 
-    pr = sub.add_parser("prune", help="prune a Hugging Face model directory offline and save it compressed",
-                        description="Prune every Linear of the transformer blocks of MODEL_DIR (a Hugging Face "
-                                    "model directory, or one written by `sparsa prune`; encoders such as BERT "
-                                    "and causal LMs such as Llama, Mistral or Qwen2, whose LM head and "
-                                    "embeddings stay dense) and write OUT: config, tokenizer and the compressed "
-                                    "sparse checkpoint. OUT is written in a temporary sibling directory and "
-                                    "moved into place at the end: an interrupted run leaves no partial OUT.")
+    pr = sub.add_parser(
+        "prune",
+        help="prune a Hugging Face model directory offline and save it compressed",
+        description="Prune every Linear of the transformer blocks of MODEL_DIR (a Hugging Face "
+        "model directory, or one written by `sparsa prune`; encoders such as BERT "
+        "and causal LMs such as Llama, Mistral or Qwen2, whose LM head and "
+        "embeddings stay dense) and write OUT: config, tokenizer and the compressed "
+        "sparse checkpoint. OUT is written in a temporary sibling directory and "
+        "moved into place at the end: an interrupted run leaves no partial OUT.",
+    )
     pr.add_argument("model", metavar="MODEL_DIR", help="Hugging Face model directory (with config.json)")
     pr.add_argument("-o", "--out", required=True, help="output directory")
-    pr.add_argument("--method", choices=["magnitude", "wanda", "sparsegpt"], default="magnitude",
-                    help="one-shot method (wanda/sparsegpt calibrate on built-in offline text; default magnitude)")
+    pr.add_argument(
+        "--method",
+        choices=["magnitude", "wanda", "sparsegpt"],
+        default="magnitude",
+        help="one-shot method (wanda/sparsegpt calibrate on built-in offline text; default magnitude)",
+    )
     pr.add_argument("--sparsity", type=_fraction, default=None, help="fraction of weights removed (default 0.5)")
-    pr.add_argument("--pattern", default=None,
-                    help="'unstructured', 'N:M' (e.g. 2:4), 'grouped_N:M' (e.g. grouped_2:4), 'grouped_nm' (the "
-                         "grouped N:M nearest --sparsity) or 'row_group<G>' (e.g. row_group16; fast on CPU), as "
-                         "sparsa.sparsifiers.parse_pattern reads them (default unstructured; with --target-quality: "
-                         "a comma-separated list to search, default all of unstructured,2:4,4:8,grouped_nm,"
-                         "row_group4,row_group8,row_group16)")
-    pr.add_argument("--layout", default=None,
-                    help="storage layout (default: the pattern's natural one: masked, nm, grouped_nm or row_group; "
-                         "for a causal LM with an unstructured or N:M pattern, bitmask where available)")
+    pr.add_argument(
+        "--pattern",
+        default=None,
+        help="'unstructured', 'N:M' (e.g. 2:4), 'grouped_N:M' (e.g. grouped_2:4), 'grouped_nm' (the "
+        "grouped N:M nearest --sparsity) or 'row_group<G>' (e.g. row_group16; fast on CPU), as "
+        "sparsa.sparsifiers.parse_pattern reads them (default unstructured; with --target-quality: "
+        "a comma-separated list to search, default all of unstructured,2:4,4:8,grouped_nm,"
+        "row_group4,row_group8,row_group16)",
+    )
+    pr.add_argument(
+        "--layout",
+        default=None,
+        help="storage layout (default: the pattern's natural one: masked, nm, grouped_nm or row_group; "
+        "for a causal LM with an unstructured or N:M pattern, bitmask where available)",
+    )
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
-    pr.add_argument("--data", metavar="FILE|DIR", default=None,
-                    help="calibration text for wanda/sparsegpt: a UTF-8 file (one passage per line) or a "
-                         "directory of *.txt files (default: built-in offline sentences); with --target-quality it "
-                         "is split disjointly into calibration and held-out evaluation text")
-    pr.add_argument("--target-quality", type=_quality, default=None, metavar="Q",
-                    help="search patterns, layouts and sparsities for the fastest configuration whose held-out "
-                         "mean cosine to the dense model's embeddings is >= Q (encoders only); prints the "
-                         "candidates tried; exits 1 without writing OUT if none reaches Q")
-    pr.add_argument("--no-compile", action="store_true",
-                    help="with --target-quality: skip the torch.compile dense baseline (a faster search; speed-ups "
-                         "then against dense fp32 and bf16 eager only)")
-    pr.add_argument("--only-if-faster", action="store_true",
-                    help="keep a layer's sparse layout only where it is measured faster than dense on this "
-                         "machine (at the current thread count); save the others dense (same values)")
-    pr.add_argument("--timing-tokens", type=_positive_int, default=None, metavar="N",
-                    help="input rows (tokens) to time each layer at with --only-if-faster (default 128)")
+    pr.add_argument(
+        "--data",
+        metavar="FILE|DIR",
+        default=None,
+        help="calibration text for wanda/sparsegpt: a UTF-8 file (one passage per line) or a "
+        "directory of *.txt files (default: built-in offline sentences); with --target-quality it "
+        "is split disjointly into calibration and held-out evaluation text",
+    )
+    pr.add_argument(
+        "--target-quality",
+        type=_quality,
+        default=None,
+        metavar="Q",
+        help="search patterns, layouts and sparsities for the fastest configuration whose held-out "
+        "mean cosine to the dense model's embeddings is >= Q (encoders only); prints the "
+        "candidates tried; exits 1 without writing OUT if none reaches Q",
+    )
+    pr.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="with --target-quality: skip the torch.compile dense baseline (a faster search; speed-ups "
+        "then against dense fp32 and bf16 eager only)",
+    )
+    pr.add_argument(
+        "--only-if-faster",
+        action="store_true",
+        help="keep a layer's sparse layout only where it is measured faster than dense on this "
+        "machine (at the current thread count); save the others dense (same values)",
+    )
+    pr.add_argument(
+        "--timing-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="input rows (tokens) to time each layer at with --only-if-faster (default 128)",
+    )
 
-    g = sub.add_parser("generate", help="greedy generation with a (pruned) causal LM; prints prefill and decode speed",
-                       description="Load a causal-LM directory (dense, or written by `sparsa prune`), generate "
-                                   "greedily with the KV cache and print the text, then one timing line (after a short "
-                                   "warm-up run): prefill = from the prompt's hand-over to the model (just before "
-                                   "its forward pass) to the first new token; decode = the tokens after the "
-                                   "first, per second.")
+    g = sub.add_parser(
+        "generate",
+        help="greedy generation with a (pruned) causal LM; prints prefill and decode speed",
+        description="Load a causal-LM directory (dense, or written by `sparsa prune`), generate "
+        "greedily with the KV cache and print the text, then one timing line (after a short "
+        "warm-up run): prefill = from the prompt's hand-over to the model (just before "
+        "its forward pass) to the first new token; decode = the tokens after the "
+        "first, per second.",
+    )
     g.add_argument("model", metavar="MODEL_DIR", help="causal-LM directory (config.json, tokenizer, weights)")
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=32,
-                   help="tokens to generate at most (stops early at end of sequence; default 32)")
+    g.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=32,
+        help="tokens to generate at most (stops early at end of sequence; default 32)",
+    )
     g.add_argument("--threads", type=_positive_int, default=2, help="torch threads (default: 2)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="compute dtype of the model (default float32)")
+    g.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="compute dtype of the model (default float32)",
+    )
 
-    i = sub.add_parser("inspect", help="per-layer layout, sparsity and bytes of a sparsa checkpoint",
-                       description="Read a sparsa checkpoint (a .safetensors file or a directory written by "
-                                   "`sparsa prune`) and print per-layer layout, sparsity and bytes.")
+    i = sub.add_parser(
+        "inspect",
+        help="per-layer layout, sparsity and bytes of a sparsa checkpoint",
+        description="Read a sparsa checkpoint (a .safetensors file or a directory written by "
+        "`sparsa prune`) and print per-layer layout, sparsity and bytes.",
+    )
     i.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint file or pruned model directory")
 
-    b = sub.add_parser("bench", help="run a benchmark script (writes JSON and PNG under benchmarks/results)",
-                       description="Run one of the benchmark scripts of a source checkout.")
+    b = sub.add_parser(
+        "bench",
+        help="run a benchmark script (writes JSON and PNG under benchmarks/results)",
+        description="Run one of the benchmark scripts of a source checkout.",
+    )
     b.add_argument("which", choices=sorted(BENCHES), help="which benchmark")
     b.add_argument("--quick", action="store_true", help="the quick subset")
 
-    c = sub.add_parser("cost", help="show or clear the measured per-CPU cost tables (only_if_faster's timings and "
-                                    "the adaptive-training calibration)",
-                       description="The cost table caches side-by-side timings of sparse kernels and dense paths "
-                                   "per CPU model, shape and thread count; the adaptive-training calibration caches "
-                                   "dense and activation-sparse conv/linear training times per CPU model and layer "
-                                   "shape. Both are measured when first needed.")
-    c.add_argument("--clear", action="store_true",
-                   help="forget every measurement of both tables (they are re-timed when next needed)")
-    c.add_argument("--refit", action="store_true",
-                   help="measure the sparse backward kernels' density crossovers and the adaptive conv backward's "
-                        "cost models on this CPU (well under a minute) and store them in the table; kernels this "
-                        "CPU cannot run are skipped, with the reason")
+    c = sub.add_parser(
+        "cost",
+        help="show or clear the measured per-CPU cost tables (only_if_faster's timings and "
+        "the adaptive-training calibration)",
+        description="The cost table caches side-by-side timings of sparse kernels and dense paths "
+        "per CPU model, shape and thread count; the adaptive-training calibration caches "
+        "dense and activation-sparse conv/linear training times per CPU model and layer "
+        "shape. Both are measured when first needed.",
+    )
+    c.add_argument(
+        "--clear",
+        action="store_true",
+        help="forget every measurement of both tables (they are re-timed when next needed)",
+    )
+    c.add_argument(
+        "--refit",
+        action="store_true",
+        help="measure the sparse backward kernels' density crossovers and the adaptive conv backward's "
+        "cost models on this CPU (well under a minute) and store them in the table; kernels this "
+        "CPU cannot run are skipped, with the reason",
+    )
     return p
 
 
 def _cmd_cost(a: argparse.Namespace) -> int:
     from . import cpu
     from .cost_model import default_cost_model
+
     cm = default_cost_model()
     info = cpu.cpu_info()
     print(f"cpu: {info['model']} ({info['class']}, kernel path {info['isa']})")
     if a.clear and a.refit:
         raise UsageError("sparsa cost: pass --clear or --refit, not both")
     from .adaptive.calibration import default_calibration
+
     cal = default_calibration()
-    print(f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm.keys())} timed keys, "
-          f"{len(cm.fit_keys())} fitted models")
+    print(
+        f"table: {cm.path or 'in memory only (SPARSA_COST_DIR=off)'}: {len(cm.keys())} timed keys, "
+        f"{len(cm.fit_keys())} fitted models"
+    )
     print(f"adaptive calibration: {len(cal)} layer models" + (f" (in {cal.path})" if cal.path != cm.path else ""))
     if a.clear:
         cm.clear()
@@ -183,9 +250,11 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         return 0
     from .adaptive import cost_fits
     from .ops import crossovers
+
     if a.refit:
         from .adaptive import cost_fits_refit
         from .ops import crossover_refit
+
         for name, d in crossover_refit.refit(cm).items():
             print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.CROSSOVERS[name].default:g})")
         fitted, skipped = cost_fits_refit.refit(cm)
@@ -196,21 +265,27 @@ def _cmd_cost(a: argparse.Namespace) -> int:
     for key in cm.keys():
         costs = cm.lookup(key) or {}
         print(key + ": " + ", ".join(f"{o} {ms:.3f} ms" for o, ms in sorted(costs.items(), key=lambda kv: kv[1])))
-    named = (crossovers.PREFIX, cost_fits.PREFIX)   # listed below with their defaults
+    named = (crossovers.PREFIX, cost_fits.PREFIX)  # listed below with their defaults
     for key in cm.fit_keys():
         if key.startswith(named):
             continue
         params = cm.fit(key) or {}
-        print(key + ": " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                      for k, v in params.items() if v is not None))
+        print(
+            key
+            + ": "
+            + ", ".join(
+                f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in params.items() if v is not None
+            )
+        )
     print("named crossovers and cost models (`sparsa cost --refit` measures them on this CPU):")
     for name, c in crossovers.CROSSOVERS.items():
         measured = cm.fit(crossovers.PREFIX + name) is not None
         print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({'refitted' if measured else 'default'})")
     for name in cost_fits.COST_FITS:
         measured = cost_fits.stored(name, cm) is not None
-        print(f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} "
-              f"({'refitted' if measured else 'default'})")
+        print(
+            f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} ({'refitted' if measured else 'default'})"
+        )
     return 0
 
 
@@ -219,13 +294,16 @@ def _coeffs(c) -> str:
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    raise UsageError("`sparsa demo` moved out of the package: in a source checkout of sparsa run `make demo`, "
-                     "or `python -m examples.flagship [--quick]` from the repository root")
+    raise UsageError(
+        "`sparsa demo` moved out of the package: in a source checkout of sparsa run `make demo`, "
+        "or `python -m examples.flagship [--quick]` from the repository root"
+    )
 
 
 def _quiet_transformers() -> None:
     """No weight-loading progress bars: the command's output stays its own."""
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
 
 
@@ -239,6 +317,7 @@ def _check_model_dir(path: str) -> None:
 def _cmd_prune(a: argparse.Namespace) -> int:
     from .nn.report import format_report
     from .prune import CHECKPOINT, check_pattern_layout, default_layout, is_causal_lm, prune_model_dir
+
     _check_model_dir(a.model)
     if a.target_quality is not None:
         return _cmd_prune_target(a)
@@ -248,9 +327,10 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     a.pattern = a.pattern or "unstructured"
     if a.layout is not None:
         from .layouts.base import registered_layouts
+
         if a.layout not in registered_layouts():
             raise UsageError(f"unknown --layout {a.layout!r}; choose one of {', '.join(sorted(registered_layouts()))}")
-    causal = is_causal_lm(a.model)   # a config.json that is no JSON fails here (exit 1)
+    causal = is_causal_lm(a.model)  # a config.json that is no JSON fails here (exit 1)
     try:
         layout = a.layout or default_layout(a.pattern, causal)
     except ValueError as e:
@@ -271,8 +351,17 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     only_if_faster = (a.timing_tokens or True) if a.only_if_faster else False
     _quiet_transformers()
     print(f"pruning {a.model} with {a.method} to {a.sparsity:.0%} ({a.pattern}, layout {layout}) ...", flush=True)
-    rows = prune_model_dir(a.model, a.out, method=a.method, sparsity=a.sparsity, pattern=a.pattern,
-                           layout=layout, calib=a.calib, only_if_faster=only_if_faster, data=a.data)
+    rows = prune_model_dir(
+        a.model,
+        a.out,
+        method=a.method,
+        sparsity=a.sparsity,
+        pattern=a.pattern,
+        layout=layout,
+        calib=a.calib,
+        only_if_faster=only_if_faster,
+        data=a.data,
+    )
     print(format_report(rows))
     print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
     return 0
@@ -283,14 +372,23 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
     from .frontier import pattern_config
     from .nn.report import format_report
     from .prune import CHECKPOINT, TargetNotReached, is_causal_lm, search_target_quality
-    for flag, given in (("--sparsity", a.sparsity is not None), ("--layout", a.layout is not None),
-                        ("--only-if-faster", a.only_if_faster), ("--timing-tokens", a.timing_tokens is not None)):
+
+    for flag, given in (
+        ("--sparsity", a.sparsity is not None),
+        ("--layout", a.layout is not None),
+        ("--only-if-faster", a.only_if_faster),
+        ("--timing-tokens", a.timing_tokens is not None),
+    ):
         if given:
-            raise UsageError(f"{flag} cannot be combined with --target-quality (the search chooses the sparsity and "
-                             "layout); drop one of them")
+            raise UsageError(
+                f"{flag} cannot be combined with --target-quality (the search chooses the sparsity and "
+                "layout); drop one of them"
+            )
     if is_causal_lm(a.model):
-        raise UsageError("--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
-                         "encoders such as BERT or MiniLM); prune with --sparsity instead")
+        raise UsageError(
+            "--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
+            "encoders such as BERT or MiniLM); prune with --sparsity instead"
+        )
     patterns = [p.strip() for p in a.pattern.split(",") if p.strip()] if a.pattern else None
     for p in patterns or ():
         try:
@@ -303,8 +401,16 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
         raise UsageError(f"--out {a.out!r} exists and is not a directory")
     _quiet_transformers()
     try:
-        res = search_target_quality(a.model, a.out, a.target_quality, method=a.method, data=a.data,
-                                    patterns=patterns, calib=a.calib, use_compile=not a.no_compile)
+        res = search_target_quality(
+            a.model,
+            a.out,
+            a.target_quality,
+            method=a.method,
+            data=a.data,
+            patterns=patterns,
+            calib=a.calib,
+            use_compile=not a.no_compile,
+        )
     except TargetNotReached as e:
         print(e.result.table())
         print(e.result.summary() + f"; {a.out} not written", file=sys.stderr)
@@ -333,15 +439,19 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     import torch
 
     from .prune import _TOKENIZER_FILES, is_causal_lm, load_pruned
+
     _check_model_dir(a.model)
     if not is_causal_lm(a.model):
-        raise UsageError(f"MODEL_DIR {a.model!r} is not a causal LM (its config.json architectures must end "
-                         "in ForCausalLM, e.g. LlamaForCausalLM)")
+        raise UsageError(
+            f"MODEL_DIR {a.model!r} is not a causal LM (its config.json architectures must end "
+            "in ForCausalLM, e.g. LlamaForCausalLM)"
+        )
     if not any((Path(a.model) / f).is_file() for f in _TOKENIZER_FILES):
         raise UsageError(f"MODEL_DIR {a.model!r} has no tokenizer files")
     if not a.prompt.strip():
         raise UsageError("--prompt is empty")
     from transformers import AutoTokenizer
+
     _quiet_transformers()
     torch.set_num_threads(a.threads)
     tok = AutoTokenizer.from_pretrained(a.model, local_files_only=True)
@@ -357,17 +467,27 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     with torch.inference_mode():
         # warm-up on the prompt's first tokens: lazy initialisation and kernel builds stay out of the timing
         model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=pad)
-        out = model.generate(input_ids=ids, attention_mask=enc.get("attention_mask"), max_new_tokens=a.max_new_tokens,
-                             do_sample=False, use_cache=True, streamer=timer, pad_token_id=pad)
-    new = out[0, ids.shape[1]:]
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=enc.get("attention_mask"),
+            max_new_tokens=a.max_new_tokens,
+            do_sample=False,
+            use_cache=True,
+            streamer=timer,
+            pad_token_id=pad,
+        )
+    new = out[0, ids.shape[1] :]
     full = tok.decode(out[0], skip_special_tokens=True)
     head = tok.decode(ids[0], skip_special_tokens=True)
-    print(a.prompt + (full[len(head):] if full.startswith(head) else " " + tok.decode(new, skip_special_tokens=True)))
+    print(a.prompt + (full[len(head) :] if full.startswith(head) else " " + tok.decode(new, skip_special_tokens=True)))
     # times[0]: the prompt, handed over just before its forward pass; times[k]: new token k
     n = len(timer.times) - 1
     prefill_ms = (timer.times[1] - timer.times[0]) * 1e3 if n >= 1 else float("nan")
-    decode = (f"decode {(n - 1) / (timer.times[-1] - timer.times[1]):.1f} tokens/s ({n - 1} tokens after the first)"
-              if n >= 2 else "decode n/a (one new token)")
+    decode = (
+        f"decode {(n - 1) / (timer.times[-1] - timer.times[1]):.1f} tokens/s ({n - 1} tokens after the first)"
+        if n >= 2
+        else "decode n/a (one new token)"
+    )
     print(f"prefill {prefill_ms:.1f} ms ({ids.shape[1]} prompt tokens), {decode}; {a.threads} threads, {a.dtype}")
     return 0
 
@@ -376,12 +496,15 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
     from .io import load_state
     from .nn.report import _row, format_report
     from .prune import CHECKPOINT
+
     path = Path(a.checkpoint)
     if path.is_dir():
         path = path / CHECKPOINT
     if not path.is_file():
-        raise UsageError(f"CHECKPOINT {a.checkpoint!r}: no such file (expected a .safetensors file or a "
-                         f"directory containing {CHECKPOINT})")
+        raise UsageError(
+            f"CHECKPOINT {a.checkpoint!r}: no such file (expected a .safetensors file or a "
+            f"directory containing {CHECKPOINT})"
+        )
     state = load_state(str(path))
     rows = [_row(k, v, "weight") for k, v in state.items()]
     print(format_report(rows))
@@ -406,8 +529,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "demo":  # `sparsa demo ANY OPTIONS` gets the one line saying where it went
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    cmd = {"demo": _cmd_demo, "prune": _cmd_prune, "generate": _cmd_generate, "inspect": _cmd_inspect,
-           "bench": _cmd_bench, "cost": _cmd_cost}[args.command]
+    cmd = {
+        "demo": _cmd_demo,
+        "prune": _cmd_prune,
+        "generate": _cmd_generate,
+        "inspect": _cmd_inspect,
+        "bench": _cmd_bench,
+        "cost": _cmd_cost,
+    }[args.command]
     try:
         return cmd(args)
     except UsageError as e:

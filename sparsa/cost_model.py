@@ -20,6 +20,7 @@ Example::
     >>> cm.measure("demo", {"a": None, "b": None}) == costs   # cached: nothing runs again
     True
 """
+
 from __future__ import annotations
 
 import json
@@ -134,8 +135,9 @@ class CostModel:
         v = self._table.get(key)
         return dict(v) if v is not None else None
 
-    def measure(self, key: str, options: Dict[str, Optional[Callable[[], object]]], rounds: int = 5
-                ) -> Dict[str, float]:
+    def measure(
+        self, key: str, options: Dict[str, Optional[Callable[[], object]]], rounds: int = 5
+    ) -> Dict[str, float]:
         """Median ms per call of each option, from the table when every option of ``key`` is there,
         else timed side by side now (round robin, warm-up first) and stored."""
         if not options:

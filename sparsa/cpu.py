@@ -17,6 +17,7 @@ Example::
     >>> isinstance(cpu.cpu_info()["flags"]["avx2"], bool)
     True
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,14 +28,35 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["ISA_LEVELS", "FLAGS", "cpu_info", "cpu_class", "cpu_model", "cpu_flags", "isa", "hardware_isa",
-           "check_isa_env"]
+__all__ = [
+    "ISA_LEVELS",
+    "FLAGS",
+    "cpu_info",
+    "cpu_class",
+    "cpu_model",
+    "cpu_flags",
+    "isa",
+    "hardware_isa",
+    "check_isa_env",
+]
 
 #: kernel paths from lowest to highest
 ISA_LEVELS: Tuple[str, ...] = ("portable", "avx2", "avx512", "amx")
 #: the CPU flags every results JSON records (True/False each)
-FLAGS: Tuple[str, ...] = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                          "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+FLAGS: Tuple[str, ...] = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,8 +67,10 @@ def _proc_cpuinfo() -> Tuple[str, frozenset]:
         return platform.processor() or platform.machine(), frozenset()
     model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-    return (model.group(1).strip() if model else platform.machine(),
-            frozenset(flags.group(1).split()) if flags else frozenset())
+    return (
+        model.group(1).strip() if model else platform.machine(),
+        frozenset(flags.group(1).split()) if flags else frozenset(),
+    )
 
 
 def cpu_model() -> str:
@@ -74,8 +98,10 @@ def check_isa_env() -> str:
     """The ``SPARSA_ISA`` value ('' when unset), raising a one-line error for an unknown one."""
     v = os.environ.get("SPARSA_ISA", "").strip().lower()
     if v and v not in ISA_LEVELS:
-        raise ValueError(f"SPARSA_ISA={v!r} is not a kernel path; use one of {', '.join(ISA_LEVELS)} "
-                         "(or unset it to use the best this CPU has)")
+        raise ValueError(
+            f"SPARSA_ISA={v!r} is not a kernel path; use one of {', '.join(ISA_LEVELS)} "
+            "(or unset it to use the best this CPU has)"
+        )
     return v
 
 
@@ -116,7 +142,15 @@ def _mkl_version() -> str:
 
 def cpu_info() -> Dict[str, object]:
     """The CPU facts every results JSON records: model, class, flags, cores, ISA path in force, versions."""
-    return {"model": _proc_cpuinfo()[0], "class": cpu_class(), "flags": cpu_flags(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "isa": isa(),
-            "hardware_isa": hardware_isa(), "torch": torch.__version__, "onednn": _onednn_version(),
-            "mkl": _mkl_version()}
+    return {
+        "model": _proc_cpuinfo()[0],
+        "class": cpu_class(),
+        "flags": cpu_flags(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "isa": isa(),
+        "hardware_isa": hardware_isa(),
+        "torch": torch.__version__,
+        "onednn": _onednn_version(),
+        "mkl": _mkl_version(),
+    }

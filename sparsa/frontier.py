@@ -20,6 +20,7 @@ Example::
     >>> highest_passing([0.5, 0.6, 0.7, 0.8, 0.9], lambda s: s <= 0.7)
     0.7
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,9 +36,23 @@ from torch import Tensor, nn
 from .nn.blocks import prunable_linears
 from .sparsifiers.pattern_names import grouped_nm_for, parse_pattern
 
-__all__ = ["PATTERNS", "FIXED_SPARSITY", "PatternConfig", "pattern_config", "grouped_nm_for", "prune_copy",
-           "check_method_layout", "top1_agreement", "embedding_quality", "DenseBaselines", "pareto_frontier",
-           "highest_passing", "encoder_inputs", "SEQ", "BATCH"]
+__all__ = [
+    "PATTERNS",
+    "FIXED_SPARSITY",
+    "PatternConfig",
+    "pattern_config",
+    "grouped_nm_for",
+    "prune_copy",
+    "check_method_layout",
+    "top1_agreement",
+    "embedding_quality",
+    "DenseBaselines",
+    "pareto_frontier",
+    "highest_passing",
+    "encoder_inputs",
+    "SEQ",
+    "BATCH",
+]
 
 #: the pattern families of the frontier, in the order tables list them
 PATTERNS: Tuple[str, ...] = ("unstructured", "2:4", "4:8", "grouped_nm", "row_group4", "row_group8", "row_group16")
@@ -91,18 +106,26 @@ def check_method_layout(method: str, layout: str, arg: str = "method") -> None:
     >>> check_method_layout("wanda", "grouped_nm")
     """
     if method == "sparsegpt" and layout == "grouped_nm":
-        raise ValueError(f"{arg} sparsegpt cannot produce grouped_nm masks (its N:M choice is per row, the layout "
-                         "shares it across row groups); use magnitude or wanda for grouped_nm, or another layout")
+        raise ValueError(
+            f"{arg} sparsegpt cannot produce grouped_nm masks (its N:M choice is per row, the layout "
+            "shares it across row groups); use magnitude or wanda for grouped_nm, or another layout"
+        )
 
 
-def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: Sequence[Dict[str, Tensor]] = (),
-               names: Optional[Sequence[str]] = None) -> nn.Module:
+def prune_copy(
+    dense: nn.Module,
+    method: str,
+    cfg: PatternConfig,
+    calibration: Sequence[Dict[str, Tensor]] = (),
+    names: Optional[Sequence[str]] = None,
+) -> nn.Module:
     """A copy of the encoder ``dense`` with its block Linears pruned by ``method`` (``magnitude``,
     ``wanda`` or ``sparsegpt``; the last two calibrate on ``calibration``, tokenized batches) into
     ``cfg``'s layout. Raises ``ValueError`` for a combination that cannot be stored (SparseGPT's
     column-block masks do not keep grouped N:M's row groups)."""
     from . import Rule, sparsify
     from .methods import SparseGPT, Wanda
+
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     check_method_layout(method, cfg.layout)
@@ -112,8 +135,9 @@ def prune_copy(dense: nn.Module, method: str, cfg: PatternConfig, calibration: S
         return sparsify(model, [Rule(sparsifier=cfg.sparsifier, layout=cfg.layout, names=names)])
     if not calibration:
         raise ValueError(f"method {method!r} needs calibration batches (tokenized text), got none")
-    config = (Wanda if method == "wanda" else SparseGPT)(cfg.sparsity, sparsifier=cfg.sparsifier, layout=cfg.layout,
-                                                         calibration=calibration, forward=lambda m, b: m(**b))
+    config = (Wanda if method == "wanda" else SparseGPT)(
+        cfg.sparsity, sparsifier=cfg.sparsifier, layout=cfg.layout, calibration=calibration, forward=lambda m, b: m(**b)
+    )
     wanted = set(names)
     return sparsify(model, config, lambda m, n: n in wanted)
 
@@ -128,8 +152,10 @@ def top1_agreement(reference: Tensor, embeddings: Tensor) -> float:
     1.0
     """
     if reference.shape != embeddings.shape or reference.dim() != 2 or reference.shape[0] < 2:
-        raise ValueError(f"top1_agreement needs two (n >= 2, dim) tensors of one shape, got "
-                         f"{tuple(reference.shape)} and {tuple(embeddings.shape)}")
+        raise ValueError(
+            f"top1_agreement needs two (n >= 2, dim) tensors of one shape, got "
+            f"{tuple(reference.shape)} and {tuple(embeddings.shape)}"
+        )
 
     def nearest(e: Tensor) -> Tensor:
         e = F.normalize(e.double(), dim=1)
@@ -140,13 +166,19 @@ def top1_agreement(reference: Tensor, embeddings: Tensor) -> float:
     return float((nearest(reference) == nearest(embeddings)).double().mean())
 
 
-def embedding_quality(model: nn.Module, tokenizer: Any, texts: Dict[str, Sequence[str]],
-                      reference: Dict[str, Tensor], max_length: int = 128) -> Dict[str, float]:
+def embedding_quality(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: Dict[str, Sequence[str]],
+    reference: Dict[str, Tensor],
+    max_length: int = 128,
+) -> Dict[str, float]:
     """Mean cosine and top-1 agreement of ``model``'s sentence embeddings (masked mean of the last
     hidden states) against ``reference`` (the dense model's, per domain) on the held-out ``texts`` of
     each domain: ``{"cosine_<domain>", "top1_<domain>", "quality_cosine", "quality_top1"}`` (the last
     two: the mean over the domains)."""
     from .models.minilm import embed
+
     out: Dict[str, float] = {}
     for dom, tx in texts.items():
         e = embed(model, tokenizer, list(tx), max_length=max_length)
@@ -168,9 +200,16 @@ class DenseBaselines:
     ``torch.compile`` of the faster, timed side by side once (``ms``, ``best``, ``compile_s``).
     :meth:`speedup` times a sparse model against dense fp32 and the fastest of them."""
 
-    def __init__(self, dense: nn.Module, inputs: Tensor, use_compile: bool = True, reps: int = 5,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        dense: nn.Module,
+        inputs: Tensor,
+        use_compile: bool = True,
+        reps: int = 5,
+        log: Callable[[str], None] = print,
+    ):
         from .timing import best_dense, round_robin_ms
+
         self.inputs, self.reps = inputs, reps
         models = {"fp32": dense, "bf16": copy.deepcopy(dense).to(torch.bfloat16)}
         self.fns: Dict[str, Callable[[], object]] = {k: (lambda m=m: m(input_ids=inputs)) for k, m in models.items()}
@@ -188,17 +227,24 @@ class DenseBaselines:
                 self.fns["compiled_" + faster] = lambda c=compiled: c(input_ids=inputs)
                 self.ms = round_robin_ms(self.fns, rounds=reps, min_seconds=0.0)
         self.best = best_dense(self.ms)
-        log("dense baselines: " + ", ".join(f"{k} {v:.1f} ms" for k, v in self.ms.items()) + f" (best {self.best}"
-            + (f"; compiled in {self.compile_s} s" if self.compile_s is not None else "") + ")")
+        log(
+            "dense baselines: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in self.ms.items())
+            + f" (best {self.best}"
+            + (f"; compiled in {self.compile_s} s" if self.compile_s is not None else "")
+            + ")"
+        )
 
     def speedup(self, model: nn.Module, reps: Optional[int] = None) -> Dict[str, Any]:
         """``model`` timed round-robin with dense fp32 and the fastest dense path:
         :func:`sparsa.timing.speedups` (``speedup_vs_dense``, ``speedup_vs_best_dense``, ...)."""
         from .timing import round_robin_ms, speedups
+
         keep = {k: f for k, f in self.fns.items() if k in ("fp32", self.best)}
         with torch.no_grad():
-            ms = round_robin_ms(dict(keep, sparse=lambda: model(input_ids=self.inputs)), rounds=reps or self.reps,
-                                min_seconds=0.0)
+            ms = round_robin_ms(
+                dict(keep, sparse=lambda: model(input_ids=self.inputs)), rounds=reps or self.reps, min_seconds=0.0
+            )
         return speedups(ms)
 
 
@@ -206,8 +252,7 @@ def pareto_frontier(points: Sequence[Tuple[float, float]]) -> List[int]:
     """Indices (ascending) of the points ``(speed, quality)`` that no other point dominates (at
     least as fast and as good, and better in one); higher is better in both."""
     pts = list(points)
-    return [i for i, (s, q) in enumerate(pts)
-            if not any(s2 >= s and q2 >= q and (s2 > s or q2 > q) for s2, q2 in pts)]
+    return [i for i, (s, q) in enumerate(pts) if not any(s2 >= s and q2 >= q and (s2 > s or q2 > q) for s2, q2 in pts)]
 
 
 def highest_passing(grid: Sequence[float], passes: Callable[[float], bool]) -> Optional[float]:
@@ -219,7 +264,7 @@ def highest_passing(grid: Sequence[float], passes: Callable[[float], bool]) -> O
         return None
     if sorted(grid) != grid:
         raise ValueError(f"grid must be ascending, got {grid}")
-    lo, hi = -1, len(grid)           # grid[lo] passes (or lo = -1), grid[hi] fails (or hi = len)
+    lo, hi = -1, len(grid)  # grid[lo] passes (or lo = -1), grid[hi] fails (or hi = len)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if passes(grid[mid]):

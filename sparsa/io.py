@@ -17,6 +17,7 @@ Example::
     >>> fresh.weight.layout_name
     'masked'
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -64,8 +65,9 @@ def _state_of(model_or_state: Union[nn.Module, Mapping[str, Any]]) -> Mapping[st
         return model_or_state.state_dict()
     if isinstance(model_or_state, Mapping):
         return model_or_state
-    raise TypeError(f"model_or_state must be an nn.Module or a mapping of name -> tensor, "
-                    f"got {type(model_or_state).__name__}")
+    raise TypeError(
+        f"model_or_state must be an nn.Module or a mapping of name -> tensor, got {type(model_or_state).__name__}"
+    )
 
 
 _NARROW = (torch.uint8, torch.int16, torch.int32)
@@ -109,14 +111,21 @@ def _flatten(state: Mapping[str, Any]) -> Tuple[Dict[str, Tensor], Dict[str, Any
                 if small.dtype != c.dtype:
                     casts[cname] = str(c.dtype).replace("torch.", "")
                 put(f"{key}{_SEP}{cname}", small)
-            sparse[key] = {"layout": type(lay).name, "params": lay.params(), "shape": list(lay.shape),
-                           "dtype": str(lay.dtype).replace("torch.", ""), "components": list(comps),
-                           "casts": casts}
+            sparse[key] = {
+                "layout": type(lay).name,
+                "params": lay.params(),
+                "shape": list(lay.shape),
+                "dtype": str(lay.dtype).replace("torch.", ""),
+                "components": list(comps),
+                "casts": casts,
+            }
         elif isinstance(val, Tensor):
             put(key, val)
         else:
-            raise TypeError(f"cannot save state entry {key!r} of type {type(val).__name__}: only tensors "
-                            "are stored (safetensors); drop it or convert it to a tensor")
+            raise TypeError(
+                f"cannot save state entry {key!r} of type {type(val).__name__}: only tensors "
+                "are stored (safetensors); drop it or convert it to a tensor"
+            )
     return tensors, sparse
 
 
@@ -144,8 +153,14 @@ def save(model_or_state: Union[nn.Module, Mapping[str, Any]], path: Union[str, o
     path = os.fspath(path)
     tensors, sparse = _flatten(_state_of(model_or_state))
     try:
-        meta_json = json.dumps({"format": _FORMAT, "version": _VERSION, "sparse": sparse,
-                                "digests": {k: _digest(v) for k, v in tensors.items()}})
+        meta_json = json.dumps(
+            {
+                "format": _FORMAT,
+                "version": _VERSION,
+                "sparse": sparse,
+                "digests": {k: _digest(v) for k, v in tensors.items()},
+            }
+        )
     except TypeError as e:
         raise ValueError(f"layout parameters must be JSON-serialisable to be saved: {e}") from None
     directory = os.path.dirname(os.path.abspath(path))
@@ -155,7 +170,7 @@ def save(model_or_state: Union[nn.Module, Mapping[str, Any]], path: Union[str, o
         _st.save_file(tensors, tmp, metadata={_FORMAT: meta_json})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp's 0600 would make the checkpoint private, unlike open()
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would make the checkpoint private, unlike open()
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -185,8 +200,9 @@ def _read(path: str, verify: bool) -> Tuple[Dict[str, Tensor], Dict[str, Any], D
             # can depend on alignment; a loaded model must compute exactly what the saved one did)
             tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for truncation/garbage
-        raise CheckpointError(f"{path}: not a readable safetensors checkpoint (truncated or corrupted?): "
-                              f"{type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors checkpoint (truncated or corrupted?): {type(e).__name__}: {e}"
+        ) from None
     info: Dict[str, Any] = {"sparse": {}, "digests": {}}
     if _FORMAT in meta:
         try:
@@ -196,8 +212,9 @@ def _read(path: str, verify: bool) -> Tuple[Dict[str, Tensor], Dict[str, Any], D
         except ValueError as e:
             raise CheckpointError(f"{path}: corrupted sparsa metadata: {e}") from None
         if int(info.get("version", 0)) > _VERSION:
-            raise CheckpointError(f"{path}: written by a newer sparsa (format version {info['version']}); "
-                                  "upgrade sparsa to load it")
+            raise CheckpointError(
+                f"{path}: written by a newer sparsa (format version {info['version']}); upgrade sparsa to load it"
+            )
     if verify:
         for k, d in info.get("digests", {}).items():
             if k not in tensors:
@@ -221,8 +238,9 @@ def load_state(path: Union[str, os.PathLike], *, verify: bool = True) -> Dict[st
         try:
             cls = get_layout(spec["layout"])
         except ValueError as e:
-            raise CheckpointError(f"{path}: key {key!r} uses an unknown layout: {e} (import the module that "
-                                  "registers it before loading)") from None
+            raise CheckpointError(
+                f"{path}: key {key!r} uses an unknown layout: {e} (import the module that registers it before loading)"
+            ) from None
         except (KeyError, TypeError):
             raise CheckpointError(f"{path}: key {key!r} has malformed sparse metadata") from None
         names = [f"{key}{_SEP}{c}" for c in spec.get("components", [])]
@@ -256,8 +274,14 @@ def _owner(model: nn.Module, key: str) -> Tuple[nn.Module, str]:
     return (model.get_submodule(prefix) if prefix else model), attr
 
 
-def load(model: nn.Module, path: Union[str, os.PathLike], strict: bool = True, *, verify: bool = True,
-         return_keys: bool = False):
+def load(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    strict: bool = True,
+    *,
+    verify: bool = True,
+    return_keys: bool = False,
+):
     """Load ``path`` into ``model`` (typically a freshly built, dense one) and return the model.
 
     Entries saved sparse become ``nn.Parameter(SparseTensor)`` in their saved layout (on the
@@ -274,12 +298,16 @@ def load(model: nn.Module, path: Union[str, os.PathLike], strict: bool = True, *
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if strict and (missing or unexpected):
-        raise CheckpointError(f"{path}: checkpoint does not match the model: missing keys {missing}, "
-                              f"unexpected keys {unexpected} (pass strict=False to load the rest)")
+        raise CheckpointError(
+            f"{path}: checkpoint does not match the model: missing keys {missing}, "
+            f"unexpected keys {unexpected} (pass strict=False to load the rest)"
+        )
     for k, v in state.items():
         if k in expected and tuple(expected[k].shape) != tuple(v.shape):
-            raise CheckpointError(f"{path}: key {k!r} has shape {tuple(v.shape)} in the checkpoint but "
-                                  f"{tuple(expected[k].shape)} in the model (a model of another size?)")
+            raise CheckpointError(
+                f"{path}: key {k!r} has shape {tuple(v.shape)} in the checkpoint but "
+                f"{tuple(expected[k].shape)} in the model (a model of another size?)"
+            )
     memo: Dict[int, Tensor] = {}
     with torch.no_grad():
         for k, v in state.items():

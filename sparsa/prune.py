@@ -24,6 +24,7 @@ configuration whose held-out embedding cosine to the dense model reaches a targe
     ...                             data="my_texts.txt")                 # doctest: +SKIP
     >>> print(res.table()); res.chosen["label"], res.chosen["sparsity"]  # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import json
@@ -43,18 +44,41 @@ from . import frontier
 from .nn.blocks import prunable_linears
 from .sparsifiers.pattern_names import PATTERN_SPELLINGS
 
-__all__ = ["prune_model_dir", "load_pruned", "is_causal_lm", "prunable_linears", "check_pattern_layout",
-           "default_layout", "CHECKPOINT", "METHODS", "PATTERNS_HELP", "search_target_quality", "split_texts",
-           "TargetQualityResult", "TargetNotReached", "SEARCH_SPARSITIES"]
+__all__ = [
+    "prune_model_dir",
+    "load_pruned",
+    "is_causal_lm",
+    "prunable_linears",
+    "check_pattern_layout",
+    "default_layout",
+    "CHECKPOINT",
+    "METHODS",
+    "PATTERNS_HELP",
+    "search_target_quality",
+    "split_texts",
+    "TargetQualityResult",
+    "TargetNotReached",
+    "SEARCH_SPARSITIES",
+]
 
 CHECKPOINT = "model.sparsa.safetensors"
 METHODS = ("magnitude", "wanda", "sparsegpt")
 PATTERNS_HELP = ", ".join(PATTERN_SPELLINGS)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json",
-                    "merges.txt", "vocab.json", "sentencepiece.bpe.model", "spiece.model", "tokenizer.model",
-                    "added_tokens.json", "chat_template.jinja")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.txt",
+    "special_tokens_map.json",
+    "merges.txt",
+    "vocab.json",
+    "sentencepiece.bpe.model",
+    "spiece.model",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 _EXTRA_FILES = ("generation_config.json",)
-_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")   # LMHeadModel: GPT-2 style names
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # LMHeadModel: GPT-2 style names
 
 
 def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
@@ -77,6 +101,7 @@ def load_pruned(path: str) -> nn.Module:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .io import load
+
     p = Path(path)
     if not p.is_dir() or not (p / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a model directory (expected a config.json inside)")
@@ -84,15 +109,16 @@ def load_pruned(path: str) -> nn.Module:
     if (p / CHECKPOINT).is_file():
         model = auto.from_config(AutoConfig.from_pretrained(str(p), local_files_only=True))
         load(model, str(p / CHECKPOINT))
-        if hasattr(model, "tie_weights"):   # the checkpoint holds a tied head as a copy; tie it again
+        if hasattr(model, "tie_weights"):  # the checkpoint holds a tied head as a copy; tie it again
             model.tie_weights()
     else:
         model = auto.from_pretrained(str(p), local_files_only=True)
     return model.float().eval()
 
 
-def _pattern_sparsifier(pattern: str, sparsity: float, layout: Optional[str] = None,
-                        arg: str = "--pattern") -> Tuple[Any, str]:
+def _pattern_sparsifier(
+    pattern: str, sparsity: float, layout: Optional[str] = None, arg: str = "--pattern"
+) -> Tuple[Any, str]:
     """``(sparsifier, natural layout)`` of ``pattern`` (one of :data:`PATTERNS_HELP`) for ``layout``:
     :func:`sparsa.sparsifiers.parse_pattern`, errors naming ``arg``.
 
@@ -101,6 +127,7 @@ def _pattern_sparsifier(pattern: str, sparsity: float, layout: Optional[str] = N
     rows of a block per column, the pattern shared by ``g`` columns), so that layout cannot store it.
     ``'grouped_nm'`` is the grouped N:M nearest ``sparsity`` (:func:`sparsa.frontier.grouped_nm_for`)."""
     from .sparsifiers.pattern_names import parse_pattern
+
     p = parse_pattern(pattern, sparsity, layout, arg=arg)
     return p.sparsifier, parse_pattern(pattern, sparsity, arg=arg).layout
 
@@ -114,6 +141,7 @@ def default_layout(pattern: str, causal_lm: bool = False) -> str:
     ('nm', 'grouped_nm', 'row_group')
     """
     from .layouts.base import get_layout
+
     _, natural = _pattern_sparsifier(pattern, 0.5, arg="pattern")
     if causal_lm and natural in ("masked", "nm"):
         try:
@@ -125,9 +153,12 @@ def default_layout(pattern: str, causal_lm: bool = False) -> str:
 
 
 #: one example of each pattern family, as the error for a layout that cannot store a pattern lists them
-_PATTERN_EXAMPLES = (("unstructured", "'unstructured'"), ("2:4", "N:M (e.g. 2:4)"),
-                     ("grouped_2:4", "grouped_N:M (e.g. grouped_2:4)"),
-                     ("row_group16", "row_group<G> (e.g. row_group16)"))
+_PATTERN_EXAMPLES = (
+    ("unstructured", "'unstructured'"),
+    ("2:4", "N:M (e.g. 2:4)"),
+    ("grouped_2:4", "grouped_N:M (e.g. grouped_2:4)"),
+    ("row_group16", "row_group<G> (e.g. row_group16)"),
+)
 
 
 def _probe() -> nn.Linear:
@@ -140,6 +171,7 @@ def _probe() -> nn.Linear:
 def _stores(pattern: str, sparsity: float, layout: str) -> bool:
     """Whether ``layout`` stores ``pattern`` at ``sparsity`` (tried on a small random weight)."""
     from . import Rule, sparsify
+
     try:
         sparsifier, _ = _pattern_sparsifier(pattern, sparsity, layout)
         sparsify(_probe(), Rule(sparsifier=sparsifier, layout=layout))
@@ -152,14 +184,17 @@ def _layout_fix(pattern: str, sparsity: float, layout: str) -> str:
     """What to pass instead when ``layout`` cannot store ``pattern``: the patterns ``layout`` stores
     and the layouts that store ``pattern`` (both found by trying them)."""
     from .layouts.base import registered_layouts
+
     fits = [say for p, say in _PATTERN_EXAMPLES if p != pattern and _stores(p, sparsity, layout)]
     where = [lay for lay in sorted(registered_layouts()) if lay != layout and _stores(pattern, sparsity, lay)]
     out = []
     if fits:
         out.append(f"--layout {layout} stores --pattern {' or '.join(fits)}")
     if where:
-        out.append(f"--pattern {pattern} can be stored with --layout {', '.join(where)} "
-                   f"(default {_pattern_sparsifier(pattern, sparsity)[1]}: omit --layout)")
+        out.append(
+            f"--pattern {pattern} can be stored with --layout {', '.join(where)} "
+            f"(default {_pattern_sparsifier(pattern, sparsity)[1]}: omit --layout)"
+        )
     return "; ".join(out)
 
 
@@ -174,6 +209,7 @@ def check_pattern_layout(pattern: str, sparsity: float, layout: str) -> Any:
     """
     from . import Rule, sparsify
     from .layouts.base import check_fraction, get_layout
+
     check_fraction(sparsity, "--sparsity")
     sparsifier, _ = _pattern_sparsifier(pattern, sparsity, layout)
     try:
@@ -185,8 +221,10 @@ def check_pattern_layout(pattern: str, sparsity: float, layout: str) -> Any:
     except (ValueError, TypeError) as e:
         why = str(e).splitlines()[0].split("; use ")[0] if str(e) else type(e).__name__
         fix = _layout_fix(pattern, sparsity, layout)
-        raise ValueError(f"--layout {layout!r} cannot store --pattern {pattern!r} at --sparsity {sparsity} ({why})"
-                         + (f"; {fix}" if fix else "")) from None
+        raise ValueError(
+            f"--layout {layout!r} cannot store --pattern {pattern!r} at --sparsity {sparsity} ({why})"
+            + (f"; {fix}" if fix else "")
+        ) from None
     return sparsifier
 
 
@@ -208,15 +246,17 @@ def _read_texts(data: Union[str, os.PathLike], n: int) -> List[str]:
     return out[:n]
 
 
-def _calibration(path: Path, n: int, causal_lm: bool = False,
-                 data: Optional[Union[str, os.PathLike]] = None) -> Optional[Tuple[Any, List[Dict[str, torch.Tensor]]]]:
+def _calibration(
+    path: Path, n: int, causal_lm: bool = False, data: Optional[Union[str, os.PathLike]] = None
+) -> Optional[Tuple[Any, List[Dict[str, torch.Tensor]]]]:
     from transformers import AutoTokenizer
 
     from .data.text import calibration_and_evaluation
+
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    if tok.pad_token is None:   # many causal-LM tokenizers have none; padded positions are masked anyway
+    if tok.pad_token is None:  # many causal-LM tokenizers have none; padded positions are masked anyway
         tok.pad_token = tok.eos_token or tok.unk_token
     calib = _read_texts(data, n) if data is not None else calibration_and_evaluation(n, 1)[0]
     return tok, _tokenized(tok, calib, causal_lm)
@@ -224,8 +264,10 @@ def _calibration(path: Path, n: int, causal_lm: bool = False,
 
 def _tokenized(tok: Any, texts: Sequence[str], causal_lm: bool = False) -> List[Dict[str, torch.Tensor]]:
     """Batches of 16 texts, padded, truncated to 128 tokens (decoders get no token_type_ids)."""
-    batches = [dict(tok(list(texts[i:i + 16]), padding=True, truncation=True, max_length=128, return_tensors="pt"))
-               for i in range(0, len(texts), 16)]
+    batches = [
+        dict(tok(list(texts[i : i + 16]), padding=True, truncation=True, max_length=128, return_tensors="pt"))
+        for i in range(0, len(texts), 16)
+    ]
     if causal_lm:
         batches = [{k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} for b in batches]
     return batches
@@ -233,6 +275,7 @@ def _tokenized(tok: Any, texts: Sequence[str], causal_lm: bool = False) -> List[
 
 def _save(model: nn.Module, path: Path) -> None:
     from .io import save
+
     save(model, str(path))
 
 
@@ -265,7 +308,7 @@ def _write_out(out: Path, write: Callable[[Path], None]) -> None:
     tmp = None
     try:
         tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        tmp.mkdir()   # not mkdtemp: OUT gets the usual (umask) permissions, not 0700
+        tmp.mkdir()  # not mkdtemp: OUT gets the usual (umask) permissions, not 0700
         write(tmp)
         with _NoInterrupt():
             if out.is_dir() and not any(out.iterdir()):
@@ -280,7 +323,7 @@ def _write_out(out: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:   # innermost first
+        for d in made:  # innermost first
             try:
                 d.rmdir()
             except OSError:
@@ -288,10 +331,19 @@ def _write_out(out: Path, write: Callable[[Path], None]) -> None:
         raise
 
 
-def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: float = 0.5,
-                    pattern: str = "unstructured", layout: Optional[str] = None, calib: int = 64,
-                    progress: bool = True, only_if_faster: Union[bool, int] = False,
-                    data: Optional[Union[str, os.PathLike]] = None) -> List[Dict[str, Any]]:
+def prune_model_dir(
+    src: str,
+    out: str,
+    *,
+    method: str = "magnitude",
+    sparsity: float = 0.5,
+    pattern: str = "unstructured",
+    layout: Optional[str] = None,
+    calib: int = 64,
+    progress: bool = True,
+    only_if_faster: Union[bool, int] = False,
+    data: Optional[Union[str, os.PathLike]] = None,
+) -> List[Dict[str, Any]]:
     """Prune the Linear layers of the transformer blocks of the model in ``src`` (see
     :func:`prunable_linears`) and write ``out``.
 
@@ -322,23 +374,29 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
     model = load_pruned(src)
     names = prunable_linears(model)
     if not names:
-        raise ValueError(f"MODEL_DIR {src!r}: the model has no nn.Linear layers to prune (only nn.Linear "
-                         "weights are pruned; GPT-2 style Conv1D layers are not)")
+        raise ValueError(
+            f"MODEL_DIR {src!r}: the model has no nn.Linear layers to prune (only nn.Linear "
+            "weights are pruned; GPT-2 style Conv1D layers are not)"
+        )
     if method == "magnitude":
         sparsify(model, [Rule(sparsifier=sparsifier, layout=layout, names=names)])
     else:
         cal = _calibration(srcp, calib, causal, data)
         if cal is None:
-            raise ValueError(f"--method {method} needs calibration text, but {src} has no tokenizer files; "
-                             "use --method magnitude")
+            raise ValueError(
+                f"--method {method} needs calibration text, but {src} has no tokenizer files; use --method magnitude"
+            )
         _, batches = cal
         # causal LMs: run the base model only (the LM head's logits are not needed and can be huge)
         fwd = (lambda m, b: m.base_model(**b, use_cache=False)) if causal else (lambda m, b: m(**b))
         wanted = set(names)
-        config = (Wanda(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd)
-                  if method == "wanda" else
-                  SparseGPT(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd,
-                            progress=progress))
+        config = (
+            Wanda(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd)
+            if method == "wanda"
+            else SparseGPT(
+                sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd, progress=progress
+            )
+        )
         sparsify(model, config, lambda m, n: n in wanted)
     if tokens:
         chosen = dense_where_slower(model, tokens, names=names)
@@ -351,22 +409,25 @@ def prune_model_dir(src: str, out: str, *, method: str = "magnitude", sparsity: 
 
 def _writer(srcp: Path, model: nn.Module) -> Callable[[Path], None]:
     """What :func:`_write_out` runs: config, extra and tokenizer files of ``srcp``, then the checkpoint."""
+
     def write(tmp: Path) -> None:
         for f in ("config.json",) + _EXTRA_FILES + _TOKENIZER_FILES:
             if (srcp / f).is_file():
                 shutil.copy2(srcp / f, tmp / f)
         _save(model, tmp / CHECKPOINT)
+
     return write
 
 
 # ----------------------------------------------------------------------------- --target-quality
 #: the sparsities :func:`search_target_quality` bisects over, per pattern whose sparsity is free
-SEARCH_SPARSITIES: Tuple[float, ...] = tuple(round(0.3 + 0.05 * i, 2) for i in range(14))   # 0.30 .. 0.95
+SEARCH_SPARSITIES: Tuple[float, ...] = tuple(round(0.3 + 0.05 * i, 2) for i in range(14))  # 0.30 .. 0.95
 _MAX_EVAL = 128
 
 
-def split_texts(texts: Sequence[str], n_calibration: int, n_evaluation: Optional[int] = None,
-                seed: int = 0) -> Tuple[List[str], List[str]]:
+def split_texts(
+    texts: Sequence[str], n_calibration: int, n_evaluation: Optional[int] = None, seed: int = 0
+) -> Tuple[List[str], List[str]]:
     """Split ``texts`` disjointly into (calibration, evaluation): de-duplicated, shuffled with
     ``seed`` (deterministic), ``n_evaluation`` held out (default: up to 128, at least a quarter, and
     whatever the calibration's ``n_calibration`` leaves), then up to ``n_calibration`` of the rest.
@@ -377,14 +438,17 @@ def split_texts(texts: Sequence[str], n_calibration: int, n_evaluation: Optional
     (12, 8, True)
     """
     import random
+
     uniq = list(dict.fromkeys(t for t in texts if t.strip()))
     if len(uniq) < 8:
-        raise ValueError(f"--data holds {len(uniq)} distinct passage(s); --target-quality needs at least 8 (one per "
-                         "line) to split into calibration and held-out evaluation text")
+        raise ValueError(
+            f"--data holds {len(uniq)} distinct passage(s); --target-quality needs at least 8 (one per "
+            "line) to split into calibration and held-out evaluation text"
+        )
     random.Random(seed).shuffle(uniq)
     n_eval = n_evaluation or min(_MAX_EVAL, max(len(uniq) // 4, len(uniq) - n_calibration))
     n_eval = max(2, min(n_eval, len(uniq) - 1))
-    return uniq[n_eval:n_eval + n_calibration], uniq[:n_eval]
+    return uniq[n_eval : n_eval + n_calibration], uniq[:n_eval]
 
 
 @dataclass
@@ -413,13 +477,18 @@ class TargetQualityResult:
             if "skipped" in c:
                 lines.append(f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%}  skipped: {c['skipped']}")
                 continue
-            lines.append(f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%} {c['quality_cosine']:>7.3f} "
-                         f"{c['quality_top1']:>6.3f} {c['speedup_vs_best_dense']:>7.2f}x  "
-                         f"{'yes' if c['passes'] else 'no'}{'  <-' if c is self.chosen else ''}")
-        lines.append(f"speedup: vs the best dense path here ({self.best_dense}: "
-                     + ", ".join(f"{k} {v:.1f} ms" for k, v in self.dense_ms.items()) + f"), batch 8, seq 128; "
-                     f"cosine / top-1: held-out embeddings vs the dense model on {self.n_evaluation} texts "
-                     f"(calibration on {self.n_calibration} others)")
+            lines.append(
+                f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%} {c['quality_cosine']:>7.3f} "
+                f"{c['quality_top1']:>6.3f} {c['speedup_vs_best_dense']:>7.2f}x  "
+                f"{'yes' if c['passes'] else 'no'}{'  <-' if c is self.chosen else ''}"
+            )
+        lines.append(
+            f"speedup: vs the best dense path here ({self.best_dense}: "
+            + ", ".join(f"{k} {v:.1f} ms" for k, v in self.dense_ms.items())
+            + f"), batch 8, seq 128; "
+            f"cosine / top-1: held-out embeddings vs the dense model on {self.n_evaluation} texts "
+            f"(calibration on {self.n_calibration} others)"
+        )
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -428,15 +497,22 @@ class TargetQualityResult:
         ok = [c for c in tried if c["passes"]]
         if self.chosen is None:
             best = max(tried, key=lambda c: c["quality_cosine"], default=None)
-            return (f"no configuration reached cosine >= {self.target:g} with {self.method} ({len(tried)} tried"
-                    + (f"; the closest: {best['label']} at {best['sparsity']:.0%}, cosine {best['quality_cosine']:.3f}"
-                       if best else "") + "); lower --target-quality, try --method sparsegpt, or prune by --sparsity")
+            return (
+                f"no configuration reached cosine >= {self.target:g} with {self.method} ({len(tried)} tried"
+                + (
+                    f"; the closest: {best['label']} at {best['sparsity']:.0%}, cosine {best['quality_cosine']:.3f}"
+                    if best
+                    else ""
+                )
+                + "); lower --target-quality, try --method sparsegpt, or prune by --sparsity"
+            )
         c = self.chosen
-        return (f"chose {c['label']} ({c['layout']}) at {c['sparsity']:.0%} with {self.method}: the fastest of the "
-                f"{len(ok)} configurations (of {len(tried)} tried) with held-out cosine >= {self.target:g}: "
-                f"cosine {c['quality_cosine']:.3f}, {c['speedup_vs_best_dense']:.2f}x vs the best dense path "
-                f"({self.best_dense})" + ("; note: it is slower than dense here" if c["speedup_vs_best_dense"] < 1
-                                          else ""))
+        return (
+            f"chose {c['label']} ({c['layout']}) at {c['sparsity']:.0%} with {self.method}: the fastest of the "
+            f"{len(ok)} configurations (of {len(tried)} tried) with held-out cosine >= {self.target:g}: "
+            f"cosine {c['quality_cosine']:.3f}, {c['speedup_vs_best_dense']:.2f}x vs the best dense path "
+            f"({self.best_dense})" + ("; note: it is slower than dense here" if c["speedup_vs_best_dense"] < 1 else "")
+        )
 
 
 class TargetNotReached(ValueError):
@@ -447,11 +523,20 @@ class TargetNotReached(ValueError):
         self.result = result
 
 
-def search_target_quality(src: str, out: str, target_quality: float, *, method: str = "magnitude",
-                          data: Optional[Union[str, os.PathLike]] = None, patterns: Optional[Sequence[str]] = None,
-                          sparsities: Sequence[float] = SEARCH_SPARSITIES, calib: int = 64,
-                          use_compile: bool = True, reps: int = 3,
-                          log: Optional[Callable[[str], None]] = print) -> TargetQualityResult:
+def search_target_quality(
+    src: str,
+    out: str,
+    target_quality: float,
+    *,
+    method: str = "magnitude",
+    data: Optional[Union[str, os.PathLike]] = None,
+    patterns: Optional[Sequence[str]] = None,
+    sparsities: Sequence[float] = SEARCH_SPARSITIES,
+    calib: int = 64,
+    use_compile: bool = True,
+    reps: int = 3,
+    log: Optional[Callable[[str], None]] = print,
+) -> TargetQualityResult:
     """Prune the encoder in ``src`` into the fastest configuration whose held-out embedding quality
     (mean cosine of mean-pooled last hidden states to the dense model's) is at least
     ``target_quality``, and write it to ``out`` as :func:`prune_model_dir` does.
@@ -471,11 +556,16 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     from . import sparsity_report
     from .data.text import calibration_and_evaluation
     from .models.minilm import embed
+
     say = log or (lambda _: None)
-    if isinstance(target_quality, bool) or not isinstance(target_quality, (int, float)) \
-            or not 0.0 < float(target_quality) <= 1.0:
-        raise ValueError(f"--target-quality must be in (0, 1] (a mean cosine to the dense model), "
-                         f"got {target_quality!r}")
+    if (
+        isinstance(target_quality, bool)
+        or not isinstance(target_quality, (int, float))
+        or not 0.0 < float(target_quality) <= 1.0
+    ):
+        raise ValueError(
+            f"--target-quality must be in (0, 1] (a mean cosine to the dense model), got {target_quality!r}"
+        )
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     srcp, outp = Path(src), Path(out)
@@ -484,8 +574,10 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     if not (srcp / "config.json").is_file():
         raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
     if is_causal_lm(srcp):
-        raise ValueError("--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
-                         "encoders such as BERT or MiniLM); prune with --sparsity instead")
+        raise ValueError(
+            "--target-quality is not supported for causal LMs yet (it scores sentence embeddings of "
+            "encoders such as BERT or MiniLM); prune with --sparsity instead"
+        )
     patterns = list(patterns or frontier.PATTERNS)
     for p in patterns:
         try:
@@ -498,6 +590,7 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     if not any((srcp / f).is_file() for f in _TOKENIZER_FILES):
         raise ValueError(f"--target-quality scores the model on held-out text, but {src} has no tokenizer files")
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(srcp), local_files_only=True)
     if data is not None:
         cal_texts, eval_texts = split_texts(_read_texts(data, calib + _MAX_EVAL), calib)
@@ -510,8 +603,9 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
     calibration = _tokenized(tok, cal_texts) if method != "magnitude" else []
     held = {"data": eval_texts}
     ref = {"data": embed(dense, tok, eval_texts, max_length=128)}
-    baselines = frontier.DenseBaselines(dense, frontier.encoder_inputs(dense), use_compile=use_compile, reps=reps,
-                                        log=say)
+    baselines = frontier.DenseBaselines(
+        dense, frontier.encoder_inputs(dense), use_compile=use_compile, reps=reps, log=say
+    )
 
     tried: Dict[Tuple[str, float], Dict[str, Any]] = {}
     candidates: List[Dict[str, Any]] = []
@@ -521,8 +615,12 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
         cfg = frontier.pattern_config(pattern, sparsity)
         key = (cfg.label, cfg.sparsity)
         if key not in tried:
-            row: Dict[str, Any] = {"pattern": pattern, "label": cfg.label, "layout": cfg.layout,
-                                   "sparsity": cfg.sparsity}
+            row: Dict[str, Any] = {
+                "pattern": pattern,
+                "label": cfg.label,
+                "layout": cfg.layout,
+                "sparsity": cfg.sparsity,
+            }
             try:
                 model = frontier.prune_copy(dense, method, cfg, calibration, names)
             except ValueError as e:
@@ -532,27 +630,39 @@ def search_target_quality(src: str, out: str, target_quality: float, *, method: 
                 row.update(frontier.embedding_quality(model, tok, held, ref))
                 row.update(baselines.speedup(model))
                 row["passes"] = row["quality_cosine"] >= target_quality
-                say(f"  {cfg.label} at {cfg.sparsity:.0%}: cosine {row['quality_cosine']:.3f}, "
-                    f"{row['speedup_vs_best_dense']:.2f}x vs the best dense" + (" (passes)" if row["passes"] else ""))
-                if row["passes"] and (best["row"] is None or
-                                      row["speedup_vs_best_dense"] > best["row"]["speedup_vs_best_dense"]):
+                say(
+                    f"  {cfg.label} at {cfg.sparsity:.0%}: cosine {row['quality_cosine']:.3f}, "
+                    f"{row['speedup_vs_best_dense']:.2f}x vs the best dense" + (" (passes)" if row["passes"] else "")
+                )
+                if row["passes"] and (
+                    best["row"] is None or row["speedup_vs_best_dense"] > best["row"]["speedup_vs_best_dense"]
+                ):
                     best["row"], best["model"] = row, model
                 del model
             tried[key] = row
             candidates.append(row)
         return bool(tried[key]["passes"])
 
-    say(f"searching {', '.join(patterns)} for cosine >= {target_quality:g} with {method} "
-        f"({len(cal_texts)} calibration / {len(eval_texts)} held-out texts)")
+    say(
+        f"searching {', '.join(patterns)} for cosine >= {target_quality:g} with {method} "
+        f"({len(cal_texts)} calibration / {len(eval_texts)} held-out texts)"
+    )
     for p in patterns:
         if p in frontier.FIXED_SPARSITY or (":" in p and not p.startswith("grouped")):
             evaluate(p, frontier.pattern_config(p, 0.5).sparsity)
         else:
             frontier.highest_passing(grid, lambda s, p=p: evaluate(p, s))
     candidates.sort(key=lambda c: (patterns.index(c["pattern"]), c["sparsity"]))
-    result = TargetQualityResult(float(target_quality), method, candidates, best["row"],
-                                 {k: round(v, 1) for k, v in baselines.ms.items()}, baselines.best,
-                                 len(cal_texts), len(eval_texts))
+    result = TargetQualityResult(
+        float(target_quality),
+        method,
+        candidates,
+        best["row"],
+        {k: round(v, 1) for k, v in baselines.ms.items()},
+        baselines.best,
+        len(cal_texts),
+        len(eval_texts),
+    )
     if best["row"] is None:
         raise TargetNotReached(result)
     _write_out(outp, _writer(srcp, best["model"]))

@@ -14,6 +14,7 @@ Example::
     (torch.Size([4, 8]), 'nm', 0.5)
     >>> y = torch.nn.functional.linear(torch.randn(3, 8), w)   # dispatched to the N:M implementation
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from .layouts.base import Layout, get_layout
 from .sparsifiers.base import check_sparsifier
+
 # the dispatcher imports only tensor_base (below both), never this module: no import cycle
 from .ops.aten_fallback import handle as _aten_handle
 from .ops.dispatch import dispatch as _dispatch
@@ -47,6 +49,7 @@ class SparseTensor(SparseTensorBase):
     def to_layout(self, layout: Union[str, Type[Layout]], **params: Any) -> "SparseTensor":
         """Convert to another layout (through the conversion graph); keeps ``requires_grad``."""
         from .layouts.base import convert
+
         dst = get_layout(layout) if isinstance(layout, str) else layout
         out = SparseTensor(convert(self._layout, dst, **params), requires_grad=self.requires_grad)
         out.inline_sparsifier = self.inline_sparsifier
@@ -82,6 +85,7 @@ class SparseTensor(SparseTensorBase):
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         cls, shape, params, names = ctx
         from .layouts.base import unchecked
+
         comps = {n: inner[f"_c_{n}"] for n in names}
         with unchecked():
             return SparseTensor(cls.from_components(comps, shape, **params))
@@ -119,8 +123,15 @@ class _FromDense(torch.autograd.Function):
         return g * ctx.layout.mask().to(g.dtype), None
 
 
-def to_sparse(dense: Tensor, layout: Union[str, Type[Layout]] = "masked", *, mask: Optional[Tensor] = None,
-              sparsifier: Any = None, requires_grad: Optional[bool] = None, **params: Any) -> SparseTensor:
+def to_sparse(
+    dense: Tensor,
+    layout: Union[str, Type[Layout]] = "masked",
+    *,
+    mask: Optional[Tensor] = None,
+    sparsifier: Any = None,
+    requires_grad: Optional[bool] = None,
+    **params: Any,
+) -> SparseTensor:
     """Store ``dense`` in ``layout`` (a class or registered name).
 
     ``mask`` (bool, same shape) or ``sparsifier`` (a :class:`sparsa.sparsifiers.Sparsifier`) choose the
@@ -134,6 +145,7 @@ def to_sparse(dense: Tensor, layout: Union[str, Type[Layout]] = "masked", *, mas
     2
     """
     from .layouts.base import check_float
+
     if isinstance(dense, SparseTensor):
         dense = dense.to_dense()
     check_float(dense, "dense")

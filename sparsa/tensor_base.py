@@ -6,6 +6,7 @@ The dispatcher (:mod:`sparsa.ops`) needs to recognise and read sparse tensors, a
 the subclass with the hooks and imports the dispatcher; the dispatcher imports only this module and
 builds its outputs with the class it was called through.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -35,10 +36,13 @@ class SparseTensorBase(Tensor):
     @staticmethod
     def __new__(cls, layout: Layout, requires_grad: bool = False):
         if not isinstance(layout, Layout):
-            raise TypeError(f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
-                            "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor")
-        t = Tensor._make_wrapper_subclass(cls, layout.shape, dtype=layout.dtype, device=layout.device,
-                                          requires_grad=requires_grad)
+            raise TypeError(
+                f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
+                "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor"
+            )
+        t = Tensor._make_wrapper_subclass(
+            cls, layout.shape, dtype=layout.dtype, device=layout.device, requires_grad=requires_grad
+        )
         t._layout = layout
         t.inline_sparsifier = None
         return t
@@ -86,8 +90,10 @@ class SparseTensorBase(Tensor):
         lay = self._layout
         grad = ", requires_grad=True" if self.requires_grad else ""
         params = "".join(f", {k}={v}" for k, v in lay.params().items())
-        return (f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
-                f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})")
+        return (
+            f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
+            f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})"
+        )
 
     def __getattr__(self, name: str):
         if name.startswith("_c_"):

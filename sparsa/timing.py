@@ -12,6 +12,7 @@ Example::
     >>> c.ratio > 0            # baseline time / candidate time (> 1: candidate is faster)
     True
 """
+
 from __future__ import annotations
 
 import statistics
@@ -58,8 +59,14 @@ def median_time(fn: Callable[[], object], *, reps: int = 7, warmup: int = 2, min
     return statistics.median(_sample(fn, n) for _ in range(reps))
 
 
-def compare(baseline: Callable[[], object], candidate: Callable[[], object], *, reps: int = 7, warmup: int = 2,
-            min_seconds: float = 0.005) -> Comparison:
+def compare(
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    *,
+    reps: int = 7,
+    warmup: int = 2,
+    min_seconds: float = 0.005,
+) -> Comparison:
     """Time ``baseline`` and ``candidate`` alternately; medians over ``reps`` samples each.
 
     Each sample runs a function enough times back to back to last ``min_seconds`` (so tiny calls
@@ -116,6 +123,11 @@ def speedups(ms: Dict[str, float], candidate: str = "sparse") -> Dict[str, Any]:
     dense = {k: v for k, v in ms.items() if k != candidate}
     best = best_dense(dense)
     c = ms[candidate]
-    return {"speedup_vs_dense": round(ms["fp32"] / c, 3), "speedup_vs_best_dense": round(dense[best] / c, 3),
-            "best_dense": best, "dense_ms": round(ms["fp32"], 1), "best_dense_ms": round(dense[best], 1),
-            "sparse_ms": round(c, 1)}
+    return {
+        "speedup_vs_dense": round(ms["fp32"] / c, 3),
+        "speedup_vs_best_dense": round(dense[best] / c, 3),
+        "best_dense": best,
+        "dense_ms": round(ms["fp32"], 1),
+        "best_dense_ms": round(dense[best], 1),
+        "sparse_ms": round(c, 1),
+    }

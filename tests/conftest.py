@@ -1,4 +1,5 @@
 """Shared test setup: every test starts with empty dense-fallback counters."""
+
 import pytest
 
 import sparsa
@@ -14,6 +15,7 @@ def _fresh_fallback_counts():
 def _private_cost_table(tmp_path_factory):
     """Timings the tests make go to a table of their own, not the user's cache."""
     import os
+
     old = os.environ.get("SPARSA_COST_DIR")
     os.environ["SPARSA_COST_DIR"] = str(tmp_path_factory.mktemp("cost"))
     yield

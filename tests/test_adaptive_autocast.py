@@ -1,4 +1,5 @@
 """Adaptive training under bf16 autocast: the sparse path returns what autocast's own ops return."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,16 @@ SPARSE = sa.Policy(enter=1e-6, exit=1e-6, verify_below=0)  # sparse wherever the
 
 def _net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 16))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 64),
+        nn.ReLU(),
+        nn.Linear(64, 16),
+    )
 
 
 def _grads(net):
@@ -35,8 +44,9 @@ def test_autocast_helpers():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_bf16()
         seen = []
-        y = sparse_under_autocast(lambda t: seen.append((t.dtype, autocast_bf16())) or t + 1,
-                                  torch.zeros(3, dtype=torch.bfloat16))
+        y = sparse_under_autocast(
+            lambda t: seen.append((t.dtype, autocast_bf16())) or t + 1, torch.zeros(3, dtype=torch.bfloat16)
+        )
         assert seen == [(torch.float32, False)] and y.dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.float16):
         assert not autocast_bf16()

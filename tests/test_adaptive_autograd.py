@@ -1,4 +1,5 @@
 """relu_conv2d / relu_linear: gradcheck (float64, fallback path) and float32 native vs dense autograd."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,18 @@ def _grads(f, *ts):
 
 
 @settings(max_examples=25, deadline=None)
-@given(N=st.integers(1, 3), C=st.one_of(st.integers(1, 40), st.sampled_from([16, 32, 48])), H=st.integers(2, 6),
-       O=st.sampled_from([8, 32]), k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), cl=st.booleans(),
-       bias=st.booleans(), seed=st.integers(0, 50), kernels=st.sampled_from(["auto", "list"]))
+@given(
+    N=st.integers(1, 3),
+    C=st.one_of(st.integers(1, 40), st.sampled_from([16, 32, 48])),
+    H=st.integers(2, 6),
+    O=st.sampled_from([8, 32]),
+    k=st.sampled_from([1, 3]),
+    stride=st.sampled_from([1, 2]),
+    cl=st.booleans(),
+    bias=st.booleans(),
+    seed=st.integers(0, 50),
+    kernels=st.sampled_from(["auto", "list"]),
+)
 def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, seed, kernels):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, C, H, H, generator=g)
@@ -57,8 +67,13 @@ def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, see
 
 
 @settings(max_examples=20, deadline=None)
-@given(P=st.integers(1, 40), K=st.one_of(st.integers(1, 150), st.sampled_from([16, 64, 96])),
-       O=st.sampled_from([8, 16, 40, 64]), seed=st.integers(0, 50), kernels=st.sampled_from(["auto", "list"]))
+@given(
+    P=st.integers(1, 40),
+    K=st.one_of(st.integers(1, 150), st.sampled_from([16, 64, 96])),
+    O=st.sampled_from([8, 16, 40, 64]),
+    seed=st.integers(0, 50),
+    kernels=st.sampled_from(["auto", "list"]),
+)
 def test_native_linear_autograd_matches_dense(P, K, O, seed, kernels):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(P, K, generator=g)

@@ -1,6 +1,7 @@
 """The input gradient of relu_conv2d over the nonzeros of dY (stride 1): a forward conv of the
 compacted dY with the flipped, transposed weight, masked by relu(x)'s nonzeros; the signed compaction
 it reads; the cached flipped weight pack; and the rule in relu_conv2d's backward that picks the path."""
+
 import itertools
 
 import pytest
@@ -59,10 +60,10 @@ def _entries(cnt, idx, val, shape, slice):
     for q in range(P):
         for s in range(S):
             base = q * C + s * slice
-            ii = idx[base:base + int(c[q, s])].long()
+            ii = idx[base : base + int(c[q, s])].long()
             assert torch.all(ii[1:] > ii[:-1]), "channel indices ascend within a slice"
             assert torch.all((ii >= s * slice) & (ii < min(C, (s + 1) * slice)))
-            vals[q, ii] = val[base:base + int(c[q, s])]
+            vals[q, ii] = val[base : base + int(c[q, s])]
             kept[q, ii] = True
     return vals, kept
 
@@ -148,11 +149,11 @@ def test_igrad_dy_geometry_float64(backend, p, d, k):
     assert (g2.Ho, g2.Wo) == (H, W)
     gc, gi, gv = K._compact_reference(dyn, 4, signed=True)
     wflip = w.transpose(0, 1).flip(2, 3)
-    if g2.ph >= 0:   # the conv_fwd op (float64: its pure-PyTorch path) with the dY geometry
+    if g2.ph >= 0:  # the conv_fwd op (float64: its pure-PyTorch path) with the dY geometry
         y = K.conv_fwd(gc, gi, gv, wflip.permute(2, 3, 1, 0).contiguous(), None, g2)
-    else:             # negative padding': a crop of the unpadded conv
+    else:  # negative padding': a crop of the unpadded conv
         q = -g2.ph
-        y = F.conv2d(K.densify(gc, gi, gv, g2), wflip, dilation=d)[:, :, q:q + H, q:q + W].permute(0, 2, 3, 1)
+        y = F.conv2d(K.densify(gc, gi, gv, g2), wflip, dilation=d)[:, :, q : q + H, q : q + W].permute(0, 2, 3, 1)
     ref = torch.nn.grad.conv2d_input(x.shape, w, dyn, padding=p, dilation=d)
     torch.testing.assert_close(y.permute(0, 3, 1, 2) * (x > 0), ref * (x > 0), atol=1e-10, rtol=1e-10)
 
@@ -191,8 +192,9 @@ def test_relu_conv2d_grads_match_dense(backend, threads, monkeypatch, C, O, forc
     monkeypatch.setattr(M, "_DY_MARGIN", 1e9 if force == "dy" else 0.0)
     monkeypatch.setattr(M, "_DY_MARGIN_WITH_DW", 1e9 if force == "dy" else 0.0)
     native = backend == "native"
-    for (p, d, k), cl, dy_zeros in itertools.product([(1, 1, 3), (0, 2, 3), (2, 1, 5), (2, 1, 1)], [True, False],
-                                                    [0.0, 0.5, 0.9, 1.0]):
+    for (p, d, k), cl, dy_zeros in itertools.product(
+        [(1, 1, 3), (0, 2, 3), (2, 1, 5), (2, 1, 1)], [True, False], [0.0, 0.5, 0.9, 1.0]
+    ):
         x = _sparse((2, C, 7, 6), 0.0, C + O + k) - 0.2
         if cl:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -263,8 +265,12 @@ def test_weight_gradient_only_runs_neither_input_path():
     before = M.backward_paths.copy()
     relu_conv2d(x, w, None, padding=1).backward(_sparse((2, 16, 6, 6), 0.9, 1))
     assert M.backward_paths == before
-    torch.testing.assert_close(w.grad, torch.nn.grad.conv2d_weight(x.relu(), w.shape, _sparse((2, 16, 6, 6), 0.9, 1),
-                                                                   padding=1), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(
+        w.grad,
+        torch.nn.grad.conv2d_weight(x.relu(), w.shape, _sparse((2, 16, 6, 6), 0.9, 1), padding=1),
+        atol=1e-3,
+        rtol=1e-4,
+    )
 
 
 def test_gradcheck_float64_fallback():
@@ -311,8 +317,9 @@ def test_weight_gradient_over_dy_matches_dense(threads, monkeypatch, C, O, nonne
     _native_only()
     monkeypatch.setattr(M, "_DY_MARGIN_WITH_DW", 1e9)
     monkeypatch.setattr(M, "_DW_DY_RATIO", 1e9)
-    for (p, d, k), cl, dy_zeros in itertools.product([(1, 1, 3), (0, 2, 3), (2, 1, 5), (0, 1, 1), (2, 1, 1)],
-                                                    [True, False], [0.0, 0.6, 0.95]):
+    for (p, d, k), cl, dy_zeros in itertools.product(
+        [(1, 1, 3), (0, 2, 3), (2, 1, 5), (0, 1, 1), (2, 1, 1)], [True, False], [0.0, 0.6, 0.95]
+    ):
         x = _sparse((3, C, 8, 7), 0.3, C * O + k + p) - (0.0 if nonneg else 0.3)
         if nonneg:
             x = x.relu()
@@ -354,5 +361,4 @@ def test_weight_gradient_over_dy_rule_and_inplace_x(monkeypatch):
     before = M.backward_paths_dw.copy()
     y.backward(gy)
     assert M.backward_paths_dw == before
-    torch.testing.assert_close(wl.grad, torch.nn.grad.conv2d_weight(x0, wl.shape, gy, padding=1),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(wl.grad, torch.nn.grad.conv2d_weight(x0, wl.shape, gy, padding=1), atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
 """sparsa.adaptive.feedback: measured forward+backward times correcting a layer's cost model."""
+
 import time
 
 import pytest
@@ -15,22 +16,22 @@ real_relu_conv2d = modules.relu_conv2d  # before any test patches it
 
 def test_kappa_needs_two_samples_a_side_and_drops_the_first():
     fb = Feedback()
-    fb.add("dense", 100.0, 10.0)   # first call: dropped
+    fb.add("dense", 100.0, 10.0)  # first call: dropped
     fb.add("dense", 10.0, 10.0)
     fb.add("sparse", 100.0, 5.0)
     fb.add("sparse", 10.0, 5.0)
     assert fb.kappa() is None and fb.measured_speedup() is None
     fb.add("dense", 10.0, 10.0)
     fb.add("sparse", 10.0, 5.0)
-    assert fb.kappa() == pytest.approx(0.5)       # predicted 2x, measured 1x
+    assert fb.kappa() == pytest.approx(0.5)  # predicted 2x, measured 1x
     assert fb.measured_speedup() == pytest.approx(1.0)
     for _ in range(5):
         fb.add("sparse", 100.0, 5.0)
-    assert fb.kappa() == pytest.approx(0.5)       # clamped (really 0.05)
+    assert fb.kappa() == pytest.approx(0.5)  # clamped (really 0.05)
     for _ in range(5):
         fb.add("sparse", 1.0, 5.0)
-    assert fb.kappa() == pytest.approx(2.0)       # clamped (really 5)
-    fb.add("dense", 1.0, None)                    # no prediction: not recorded
+    assert fb.kappa() == pytest.approx(2.0)  # clamped (really 5)
+    fb.add("dense", 1.0, None)  # no prediction: not recorded
     assert len(fb.errors["dense"]) == 2
 
 
@@ -85,22 +86,24 @@ def _slow_sparse(monkeypatch, seconds):
     def slow(*a, **k):
         time.sleep(seconds)
         return real(*a, **k)
+
     monkeypatch.setattr(modules, "relu_conv2d", slow)
 
 
 def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
     net = _net()
-    rt = sa.enable(net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3),
-                   guard=False)  # per-layer feedback alone (the step guard would take the whole model dense)
+    rt = sa.enable(
+        net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3), guard=False
+    )  # per-layer feedback alone (the step guard would take the whole model dense)
     st = rt.layers["2"]
-    st.cost = CostEntry(dense_ms=1.0, fixed_ms=0.8, slope_ms=0.0)   # predicts 1.25x at any sparsity
-    _slow_sparse(monkeypatch, 0.01)                                 # but the sparse path is slow
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=0.8, slope_ms=0.0)  # predicts 1.25x at any sparsity
+    _slow_sparse(monkeypatch, 0.01)  # but the sparse path is slow
     x = torch.randn(2, 3, 8, 8)
     ref = _net()
     for _ in range(30):
         net(x).sum().backward()
         ref(x).sum().backward()
-    assert st.switches >= 2 and st.path == "dense"        # went sparse on the model, back on the measurements
+    assert st.switches >= 2 and st.path == "dense"  # went sparse on the model, back on the measurements
     assert st.feedback.probes >= 1 and st.feedback.kappa() < 0.9
     assert st.speedup == pytest.approx(st.model_speedup * st.feedback.kappa())
     row = next(r for r in rt.report() if r["layer"] == "2")
@@ -116,6 +119,7 @@ def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
     def slow(self, *a):
         time.sleep(0.02)
         return slow_dense(self, *a)
+
     monkeypatch.setattr(modules.AdaptiveConv2d, "_conv_forward", slow)
     for _ in range(120):
         net(x).sum().backward()
@@ -139,15 +143,17 @@ def test_no_timing_when_turned_off_or_confident(monkeypatch):
 def test_an_underrated_dense_layer_is_explored_and_goes_sparse(monkeypatch):
     """Predicted 1.0x (dense), really much faster sparse: the sparse probes find it."""
     net = _net()
-    rt = sa.enable(net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3, explore_above=0.85),
-                   guard=False)
+    rt = sa.enable(
+        net, every=1, policy=sa.Policy(enter=1.1, exit=1.02, verify_below=1.3, explore_above=0.85), guard=False
+    )
     st = rt.layers["2"]
-    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.0, slope_ms=0.0)   # predicts 1.0x: below enter
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.0, slope_ms=0.0)  # predicts 1.0x: below enter
     slow_dense = modules.AdaptiveConv2d._conv_forward
 
     def slow(self, *a):
         time.sleep(0.02)
         return slow_dense(self, *a)
+
     monkeypatch.setattr(modules.AdaptiveConv2d, "_conv_forward", slow)
     x = torch.randn(2, 3, 8, 8)
     for _ in range(150):
@@ -163,7 +169,7 @@ def test_no_exploring_far_below_break_even_or_when_off(policy):
     net = _net()
     rt = sa.enable(net, every=1, policy=policy, guard=False)
     st = rt.layers["2"]
-    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.1, slope_ms=0.0)   # predicts 0.91x
+    st.cost = CostEntry(dense_ms=1.0, fixed_ms=1.1, slope_ms=0.0)  # predicts 0.91x
     x = torch.randn(2, 3, 8, 8)
     for _ in range(12):
         net(x).sum().backward()

@@ -1,4 +1,5 @@
 """sparsa.kernels.adaptive: compaction and the three conv GEMMs vs dense PyTorch, native and fallback."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,10 +31,20 @@ def _act(N, C, H, W, sparsity, channels_last, seed):
 
 
 conv_cases = st.tuples(
-    st.integers(1, 3), st.integers(1, 70), st.integers(1, 7), st.integers(1, 7),  # N C H W
-    st.sampled_from([8, 16, 24, 72]), st.sampled_from([1, 2, 3]),  # O k
-    st.sampled_from([1, 2]), st.integers(0, 2), st.sampled_from([1, 2]),  # stride pad dil
-    st.sampled_from([0.0, 0.5, 0.9]), st.booleans(), st.sampled_from([8, 16, 64]), st.integers(0, 99))
+    st.integers(1, 3),
+    st.integers(1, 70),
+    st.integers(1, 7),
+    st.integers(1, 7),  # N C H W
+    st.sampled_from([8, 16, 24, 72]),
+    st.sampled_from([1, 2, 3]),  # O k
+    st.sampled_from([1, 2]),
+    st.integers(0, 2),
+    st.sampled_from([1, 2]),  # stride pad dil
+    st.sampled_from([0.0, 0.5, 0.9]),
+    st.booleans(),
+    st.sampled_from([8, 16, 64]),
+    st.integers(0, 99),
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -75,10 +86,10 @@ def test_compact_layout_is_sorted_per_slice(backend):
         h, w = divmod(rem, 3)
         for s in range(S):
             c = int(cnt[q * S + s])
-            ids = idx[q * C + s * 8: q * C + s * 8 + c].tolist()
+            ids = idx[q * C + s * 8 : q * C + s * 8 + c].tolist()
             want = [ch for ch in range(s * 8, min(C, s * 8 + 8)) if x[n, ch, h, w] > 0]
             assert ids == want
-            assert torch.equal(val[q * C + s * 8: q * C + s * 8 + c], x[n, want, h, w])
+            assert torch.equal(val[q * C + s * 8 : q * C + s * 8 + c], x[n, want, h, w])
 
 
 def test_matrix_view_strides(backend):
@@ -110,6 +121,7 @@ def test_geometry_rejects_mismatched_channels():
 
 def test_fake_impls_trace_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         x = torch.empty(2, 16, 5, 5)
         cnt, idx, val = K.compact(x, 8)
@@ -121,10 +133,19 @@ def test_fake_impls_trace_shapes():
 
 
 s1_cases = st.tuples(
-    st.integers(1, 3), st.integers(1, 70), st.integers(1, 9), st.integers(1, 9),  # N C H W
-    st.sampled_from([8, 24, 72]), st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
-    st.integers(0, 2), st.sampled_from([1, 2]), st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
-    st.booleans(), st.sampled_from([8, 64]), st.integers(0, 99))
+    st.integers(1, 3),
+    st.integers(1, 70),
+    st.integers(1, 9),
+    st.integers(1, 9),  # N C H W
+    st.sampled_from([8, 24, 72]),
+    st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
+    st.integers(0, 2),
+    st.sampled_from([1, 2]),
+    st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
+    st.booleans(),
+    st.sampled_from([8, 64]),
+    st.integers(0, 99),
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -141,8 +162,7 @@ def test_conv_bwd_stride1_matches_dense(backend, case):
     a = x.relu()
     wt = w.permute(2, 3, 1, 0).contiguous()
     ref = F.conv2d(a, w, stride=1, padding=p, dilation=d)
-    torch.testing.assert_close(K.conv_fwd(cnt, idx, val, wt, None, geo), ref.permute(0, 2, 3, 1),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(K.conv_fwd(cnt, idx, val, wt, None, geo), ref.permute(0, 2, 3, 1), atol=1e-4, rtol=1e-4)
     dyn = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 2))
     dy = dyn.permute(0, 2, 3, 1).contiguous()
     dx, dwt = K.conv_bwd(cnt, idx, val, dy, wt, geo, cl)
@@ -154,10 +174,20 @@ def test_conv_bwd_stride1_matches_dense(backend, case):
 
 
 packed_cases = st.tuples(
-    st.integers(1, 3), st.integers(1, 70), st.integers(1, 9), st.integers(1, 9),  # N C H W
-    st.sampled_from([8, 24, 72, 128]), st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
-    st.integers(0, 2), st.sampled_from([1, 2]), st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
-    st.booleans(), st.booleans(), st.sampled_from([8, 128]), st.integers(0, 99))  # cl, weight cl, slice
+    st.integers(1, 3),
+    st.integers(1, 70),
+    st.integers(1, 9),
+    st.integers(1, 9),  # N C H W
+    st.sampled_from([8, 24, 72, 128]),
+    st.sampled_from([(1, 1), (3, 3), (1, 3), (2, 2)]),  # O (KH, KW)
+    st.integers(0, 2),
+    st.sampled_from([1, 2]),
+    st.sampled_from([0.0, 0.6, 0.95]),  # pad dil sparsity
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([8, 128]),
+    st.integers(0, 99),
+)  # cl, weight cl, slice
 
 
 @settings(max_examples=30, deadline=None)
@@ -204,17 +234,23 @@ def test_packed_weight_kernels_match_dense(case):
         w.mul_(2.0)  # a new version: re-packed
     wf2, wc2 = K.packed_weight(w)
     assert wf2 is not wf
-    torch.testing.assert_close(K.conv_fwd_packed(cnt, idx, val, wf2, None, geo, 0),
-                               F.conv2d(a, w, None, stride=1, padding=p, dilation=d).permute(0, 2, 3, 1),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        K.conv_fwd_packed(cnt, idx, val, wf2, None, geo, 0),
+        F.conv2d(a, w, None, stride=1, padding=p, dilation=d).permute(0, 2, 3, 1),
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
-@pytest.mark.parametrize("shape,O,k,d,threads", [
-    ((2, 40, 16, 16), 64, 3, 1, 2),    # several tiles; the block-major input gradient; a partial channel chunk
-    ((3, 24, 17, 13), 96, 3, 2, 3),    # dilation, odd sizes, three threads
-    ((16, 64, 4, 4), 128, 3, 1, 2),    # one tile over all images (plain-layout input gradient)
-    ((2, 21, 9, 11), 40, 1, 1, 2),     # 1x1: 64-wide weight-gradient blocks, a partial last block
-])
+@pytest.mark.parametrize(
+    "shape,O,k,d,threads",
+    [
+        ((2, 40, 16, 16), 64, 3, 1, 2),  # several tiles; the block-major input gradient; a partial channel chunk
+        ((3, 24, 17, 13), 96, 3, 2, 3),  # dilation, odd sizes, three threads
+        ((16, 64, 4, 4), 128, 3, 1, 2),  # one tile over all images (plain-layout input gradient)
+        ((2, 21, 9, 11), 40, 1, 1, 2),  # 1x1: 64-wide weight-gradient blocks, a partial last block
+    ],
+)
 def test_packed_backward_paths_match_dense(shape, O, k, d, threads):
     # the paths of the stride-1 backward chosen by geometry: input gradient over the block-major dY
     # or the plain padded dY; weight gradient written straight into [O, C, KH, KW] by the tasks
@@ -248,8 +284,20 @@ def test_packed_backward_paths_match_dense(shape, O, k, d, threads):
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2"])
-@pytest.mark.parametrize("C,O,sp", [(96, 64, 0.1), (96, 64, 0.8), (40, 48, 0.3), (24, 16, 0.0), (72, 32, 0.5),
-                                    (16, 128, 0.6), (32, 8, 0.2), (40, 24, 0.4), (200, 80, 0.2)])
+@pytest.mark.parametrize(
+    "C,O,sp",
+    [
+        (96, 64, 0.1),
+        (96, 64, 0.8),
+        (40, 48, 0.3),
+        (24, 16, 0.0),
+        (72, 32, 0.5),
+        (16, 128, 0.6),
+        (32, 8, 0.2),
+        (40, 24, 0.4),
+        (200, 80, 0.2),
+    ],
+)
 def test_forward_isa_paths_match_dense(monkeypatch, isa, C, O, sp):
     # AVX-512 lists for 16-wide output blocks (one or two accumulator sets: lists >= 32 and shorter),
     # the AVX2 lists for the rest and whenever SPARSA_NO_AVX512 is set

@@ -1,4 +1,5 @@
 """sparsa.adaptive runtime: monitor, policy, calibration, enable/report, models."""
+
 import pytest
 import torch
 from torch import nn
@@ -53,12 +54,14 @@ def test_calibration_measures_caches_and_clears(tmp_path):
     if sa.conv.dy_path_supported(x, w):
         assert e.dy_path and e.dy_fixed_ms >= 0 and e.dy_slope_ms >= 0
         assert e.sparse_ms(0.5, 0.1) <= e.sparse_ms(0.5) + 1e-9  # the cheaper of the two paths
-        assert e.sparse_ms(0.5, 0.1) == pytest.approx(min(
-            e.fixed_ms + e.slope_ms * 0.5, e.dy_fixed_ms + e.slope_ms * 0.5 / 3 + e.dy_slope_ms * 0.1))
+        assert e.sparse_ms(0.5, 0.1) == pytest.approx(
+            min(e.fixed_ms + e.slope_ms * 0.5, e.dy_fixed_ms + e.slope_ms * 0.5 / 3 + e.dy_slope_ms * 0.1)
+        )
     else:
         assert not e.dy_path and e.sparse_ms(0.5, 0.1) == e.sparse_ms(0.5)
-    e2 = cal.entry("conv2d", x, torch.randn(16, 16, 3, 3), None, dict(stride=(2, 2), padding=(1, 1),
-                                                                      dilation=(1, 1)), 64)
+    e2 = cal.entry(
+        "conv2d", x, torch.randn(16, 16, 3, 3), None, dict(stride=(2, 2), padding=(1, 1), dilation=(1, 1)), 64
+    )
     assert not e2.dy_path and e2.dy_fixed_ms is None
 
 
@@ -74,8 +77,15 @@ def _train_steps(model, x, y, steps, lr=0.05):
     return losses
 
 
-@pytest.mark.parametrize("factory", [lambda: vgg16(width=0.125), lambda: vgg16(width=0.125, batch_norm=True),
-                                     lambda: resnet18(width=0.125), lambda: alexnet(width=0.125)])
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda: vgg16(width=0.125),
+        lambda: vgg16(width=0.125, batch_norm=True),
+        lambda: resnet18(width=0.125),
+        lambda: alexnet(width=0.125),
+    ],
+)
 def test_forced_sparse_training_matches_dense(factory, tmp_path):
     torch.manual_seed(0)
     dense = factory()
@@ -142,13 +152,15 @@ def test_enable_twice_is_an_error(tmp_path):
 def test_enable_leaves_the_allocator_alone_unless_asked(tmp_path, monkeypatch):
     """glibc mallopt (retain_freed_memory) is opt-in: enable() does not call it by default (issue #17)."""
     import importlib
+
     mod = importlib.import_module("sparsa.adaptive.enable")  # the module (sa.enable is the function)
     calls = []
     monkeypatch.setattr(mod, "retain_freed_memory", lambda: calls.append(1) or True)
     sa.enable(nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), calibration=Calibration(tmp_path / "c.json"))
     assert calls == []
-    sa.enable(nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), calibration=Calibration(tmp_path / "c.json"),
-              retain_memory=True)
+    sa.enable(
+        nn.Sequential(nn.ReLU(), nn.Linear(8, 8)), calibration=Calibration(tmp_path / "c.json"), retain_memory=True
+    )
     assert calls == [1]
 
 
@@ -166,8 +178,15 @@ def test_output_gradient_sparsity_is_monitored_and_drives_the_policy(tmp_path):
     # conv -> ReLU -> conv -> ReLU -> maxpool: dY of the second conv is zero wherever its ReLU was
     # inactive or the pool did not pick the pixel; the monitor samples it in backward on refresh calls
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
-                        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 8 * 8, 10),
+    )
     cal = Calibration(tmp_path / "c.json", reps=1)
     rt = sa.enable(net, every=2, calibration=cal)
     x = torch.randn(8, 3, 16, 16)
@@ -176,6 +195,7 @@ def test_output_gradient_sparsity_is_monitored_and_drives_the_policy(tmp_path):
     def keep(m, i, out):
         if out.requires_grad:
             out.register_hook(lambda g: grads.__setitem__("dy", g.detach().clone()))
+
     net[2].register_forward_hook(keep)
     net(x).sum().backward()
     st = rt.layers["2"]

@@ -122,8 +122,9 @@ def test_torch_save_and_load_an_activation_sparse_model(tmp_path, monkeypatch, w
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path / "cost"))
     from sparsa.cost_model import CostModel
 
-    cal = {"file": Calibration(tmp_path / "c.json"), "memory": Calibration(cost_model=CostModel()),
-           "default": None}[where]
+    cal = {"file": Calibration(tmp_path / "c.json"), "memory": Calibration(cost_model=CostModel()), "default": None}[
+        where
+    ]
     model = sparsa.sparsify(_net(), ActivationSparsity(calibration=cal, policy=sa.Policy(force="sparse")))
     x, y = torch.randn(2, 3, 6, 6), torch.tensor([1, 5])
     _steps(model, x, y, steps=1)

@@ -1,4 +1,5 @@
 """The step guard: whole-step timing that sends an adaptive model back to dense when it is slower."""
+
 import pytest
 import torch
 from torch import nn
@@ -48,15 +49,15 @@ class TestStateMachine:
         _feed(g, 12.0, 2)
         _feed(g, 10.0, 2)
         assert g.decision == "dense"
-        _feed(g, 10.0, 4)          # hold, dense
+        _feed(g, 10.0, 4)  # hold, dense
         assert g.phase == "adaptive" and not g.suspended
-        _feed(g, 7.0, 2)           # sparsity rose: adaptive got faster
-        assert g.suspended         # the dense window
+        _feed(g, 7.0, 2)  # sparsity rose: adaptive got faster
+        assert g.suspended  # the dense window
         _feed(g, 10.0, 2)
         assert g.decision == "adaptive" and not g.suspended
         assert len(g.comparisons) == 2
         _feed(g, 7.0, 5)
-        assert g.phase == "hold"   # the next hold is min(2 * 4, 6) = 6 steps
+        assert g.phase == "hold"  # the next hold is min(2 * 4, 6) = 6 steps
         g.record(7.0)
         assert g.phase == "adaptive"
 
@@ -74,8 +75,9 @@ class TestStateMachine:
         g.record(10.0)
         assert seen == [True]  # the dense window; the verdict keeps it dense, no second switch
 
-    @pytest.mark.parametrize("kw", [dict(window=0), dict(warmup=-1), dict(recheck=0), dict(margin=0.0),
-                                    dict(window=2.5)])
+    @pytest.mark.parametrize(
+        "kw", [dict(window=0), dict(warmup=-1), dict(recheck=0), dict(margin=0.0), dict(window=2.5)]
+    )
     def test_bad_arguments(self, kw):
         with pytest.raises(ValueError, match=next(iter(kw))):
             StepGuard(**kw)
@@ -83,8 +85,14 @@ class TestStateMachine:
 
 def _net():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 8 * 8, 10),
+    )
 
 
 class TestWiring:
@@ -101,7 +109,7 @@ class TestWiring:
         with torch.no_grad():
             net(x)
         net.train()
-        net(x).sum().backward()   # the chain was broken by the evaluation: no step
+        net(x).sum().backward()  # the chain was broken by the evaluation: no step
         assert g.steps == 2
         net(x).sum().backward()
         assert g.steps == 3
@@ -157,11 +165,13 @@ def test_a_slow_sparse_path_ends_dense_end_to_end(monkeypatch):
     """Every layer predicted faster, every step slower: the guard measures it and the model runs dense."""
     import time
     from sparsa.adaptive import modules
+
     real = modules.relu_conv2d
 
     def slow(*a, **k):
         time.sleep(0.03)
         return real(*a, **k)
+
     monkeypatch.setattr(modules, "relu_conv2d", slow)
     net = _net()
     g = StepGuard(warmup=2, window=3, recheck=1000)
@@ -180,12 +190,14 @@ def test_a_slow_sparse_path_ends_dense_end_to_end(monkeypatch):
 
 def test_a_fast_sparse_path_stays_adaptive_end_to_end(monkeypatch):
     import time
+
     net = _net()
     real_forward = nn.Conv2d._conv_forward
 
     def slow_dense(self, *a):
         time.sleep(0.03)
         return real_forward(self, *a)
+
     g = StepGuard(warmup=2, window=3, recheck=1000)
     rt = sa.enable(net, guard=g, policy=SPARSE)
     monkeypatch.setattr(nn.Conv2d, "_conv_forward", slow_dense)  # only the conv fed by a ReLU has a sparse path
@@ -204,6 +216,7 @@ def test_step_time_is_forward_and_backward_only():
         def record(self, ms):
             self.seen.append(ms)
             super().record(ms)
+
     g = Recording(warmup=100, window=1)
     g.seen = []
     net = _net()
@@ -211,7 +224,7 @@ def test_step_time_is_forward_and_backward_only():
     x = torch.randn(2, 3, 8, 8)
     for _ in range(5):
         net(x).sum().backward()
-        time.sleep(0.2)   # e.g. loading the next batch
+        time.sleep(0.2)  # e.g. loading the next batch
     assert len(g.seen) == 3 and max(g.seen) < 150, g.seen
     # a frozen model has no gradient hooks: the step runs to the next forward
     frozen = _net().requires_grad_(False)

@@ -1,4 +1,5 @@
 """The bitmask-operand ("union") kernels and relu_conv2d's union path vs dense PyTorch, native and fallback."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,8 +75,9 @@ def test_operand_signed_keeps_negatives_nan_and_inf(native, channels_last):
     keep = x != 0
     keep[0, 2, 2, 2] = True
     assert op.nnz == int(keep.sum())
-    assert torch.equal(torch.nan_to_num(op.nchw(), nan=7.0),
-                       torch.nan_to_num(torch.where(keep, x, torch.zeros(())), nan=7.0))
+    assert torch.equal(
+        torch.nan_to_num(op.nchw(), nan=7.0), torch.nan_to_num(torch.where(keep, x, torch.zeros(())), nan=7.0)
+    )
     if native:
         assert torch.equal(_bits(op.mask, 20), keep.permute(0, 2, 3, 1).reshape(-1, 20))
         if channels_last:  # dY in channels-last is read in place
@@ -99,10 +101,20 @@ def test_operand_rejects_bad_input():
 
 # ------------------------------------------------------------------------------------------ kernels
 cases = st.tuples(
-    st.integers(1, 3), st.sampled_from([16, 32, 48, 64, 80, 128, 136]), st.integers(1, 9), st.integers(1, 9),  # N C H W
-    st.sampled_from([16, 32, 48, 64, 96, 128, 40]), st.sampled_from([1, 2, 3]),  # O k
-    st.sampled_from([1, 2]), st.integers(0, 2), st.sampled_from([1, 2]),  # stride pad dil
-    st.sampled_from([0.0, 0.5, 0.8, 0.97]), st.booleans(), st.booleans(), st.integers(0, 99))
+    st.integers(1, 3),
+    st.sampled_from([16, 32, 48, 64, 80, 128, 136]),
+    st.integers(1, 9),
+    st.integers(1, 9),  # N C H W
+    st.sampled_from([16, 32, 48, 64, 96, 128, 40]),
+    st.sampled_from([1, 2, 3]),  # O k
+    st.sampled_from([1, 2]),
+    st.integers(0, 2),
+    st.sampled_from([1, 2]),  # stride pad dil
+    st.sampled_from([0.0, 0.5, 0.8, 0.97]),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 99),
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -172,9 +184,11 @@ def test_weight_gradient_layouts(layout, threads):
     op = U.union_operand(x)
     dy = torch.randn(2, 48, 6, 7).contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, padding=1)
-    for dw in (U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()),
-               U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True),
-               U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride())):
+    for dw in (
+        U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()),
+        U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True),
+        U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride()),
+    ):
         torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
         assert dw.stride() == w.stride()
 
@@ -201,16 +215,18 @@ def test_weight_gradient_lists_store_into_any_layout(layout, C, nthreads):
             rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy * scale, padding=1)
             poison = torch.full((w.numel(),), float("nan"))
             del poison
-            dw = U.union_conv_wgrad(U.union_operand(x), (dy * scale).permute(0, 2, 3, 1).contiguous(), geo, w.stride(),
-                                    lists=True)
+            dw = U.union_conv_wgrad(
+                U.union_operand(x), (dy * scale).permute(0, 2, 3, 1).contiguous(), geo, w.stride(), lists=True
+            )
             torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
             assert dw.stride() == w.stride()
     finally:
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("k,stride,pad,dil,O", [(5, 1, 2, 1, 48), (7, 2, 3, 1, 16), (5, 1, 4, 2, 80), (11, 3, 5, 1, 32),
-                                                 (1, 2, 0, 1, 144)])
+@pytest.mark.parametrize(
+    "k,stride,pad,dil,O", [(5, 1, 2, 1, 48), (7, 2, 3, 1, 16), (5, 1, 4, 2, 80), (11, 3, 5, 1, 32), (1, 2, 0, 1, 144)]
+)
 def test_weight_gradient_lists_any_kernel_size(native, threads, k, stride, pad, dil, O):
     # the per-channel list kernel runs kernel offsets in runs of up to 9 and output blocks of 16-64 channels
     x = _act((2, 24, 13, 11), 0.7, True, k)
@@ -226,6 +242,7 @@ def test_weight_gradient_lists_any_kernel_size(native, threads, k, stride, pad, 
 @needs_native
 def test_wc_from_forward_pack_equals_the_list_pack():
     from sparsa.kernels import adaptive as K
+
     for w in (torch.randn(48, 32, 3, 3), torch.randn(128, 16, 3, 3).contiguous(memory_format=torch.channels_last)):
         O, C, KH, KW = w.shape
         wf = U.union_packs(w, flipped=False)[0]
@@ -289,10 +306,10 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
 
 def test_input_gradient_side_rules():
     side = conv_union._dx_side
-    assert side(0.5, 0.13, 64, 64, True) == "dy"       # behind a max-pool: dY much sparser
-    assert side(0.5, 1.0, 64, 64, True) == "x"         # dense dY (BatchNorm): relu(x)'s side
+    assert side(0.5, 0.13, 64, 64, True) == "dy"  # behind a max-pool: dY much sparser
+    assert side(0.5, 1.0, 64, 64, True) == "x"  # dense dY (BatchNorm): relu(x)'s side
     assert side(0.25, 0.49, 256, 256, True) == "x"
-    assert side(0.9, None, 64, 64, False) == "dense"   # strided and nearly dense: dense, masked
+    assert side(0.9, None, 64, 64, False) == "dense"  # strided and nearly dense: dense, masked
     assert side(0.3, None, 64, 64, False) == "x"
     assert conv_union._dx_x_certain(0.1, 128, 128) and not conv_union._dx_x_certain(0.3, 128, 128)
 
@@ -316,8 +333,10 @@ def test_strided_input_gradient_side(zeros, side):
 
 
 @needs_native
-@pytest.mark.parametrize("x_zeros,dy_density,side,C", [(0.3, 0.05, "dw_dy", 32), (0.5, 1.0, "dw_x", 32),
-                                                        (0.995, 1.0, "dw_lists", 128), (0.9, 1.0, "dw_lists", 32)])
+@pytest.mark.parametrize(
+    "x_zeros,dy_density,side,C",
+    [(0.3, 0.05, "dw_dy", 32), (0.5, 1.0, "dw_x", 32), (0.995, 1.0, "dw_lists", 128), (0.9, 1.0, "dw_lists", 32)],
+)
 def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C):
     w0 = torch.randn(32, C, 3, 3)
     x = _act((2, C, 6, 6), x_zeros, True, 4)
@@ -406,8 +425,9 @@ def test_kernel_setting_list_and_bad_value(monkeypatch):
     w = torch.randn(16, 16, 3, 3)
     monkeypatch.setattr(conv_union, "KERNELS", "list")
     assert not conv_union.union_path_supported(x, w, None)
-    torch.testing.assert_close(relu_conv2d(x, w, None, padding=1), F.conv2d(x.relu(), w, padding=1),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        relu_conv2d(x, w, None, padding=1), F.conv2d(x.relu(), w, padding=1), atol=1e-4, rtol=1e-4
+    )
     monkeypatch.setattr(conv_union, "KERNELS", "fast")
     with pytest.raises(ValueError, match="auto, union or list"):
         relu_conv2d(x, w, None, padding=1)
@@ -441,8 +461,16 @@ def test_input_gradient_side_follows_the_sparser_operand(channels_last):
         assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
-@pytest.mark.parametrize("shape,stride,pad", [((2, 32, 16, 16), 1, 1), ((1, 48, 18, 20), 1, 1), ((1, 16, 33, 32), 2, 1),
-                                              ((2, 16, 16, 17), 1, 1), ((1, 16, 16, 16), 1, 0)])
+@pytest.mark.parametrize(
+    "shape,stride,pad",
+    [
+        ((2, 32, 16, 16), 1, 1),
+        ((1, 48, 18, 20), 1, 1),
+        ((1, 16, 33, 32), 2, 1),
+        ((2, 16, 16, 17), 1, 1),
+        ((1, 16, 16, 16), 1, 0),
+    ],
+)
 def test_large_images_2x2_pixel_groups(native, threads, shape, stride, pad):
     # images of 16x16 and more (even-sized outputs) run the x-driven kernels on 2x2 pixel groups
     x = _act(shape, 0.6, True, 11)
@@ -453,14 +481,16 @@ def test_large_images_2x2_pixel_groups(native, threads, shape, stride, pad):
     torch.testing.assert_close(U.union_conv_fwd(op, w, None, geo), ref, atol=1e-4, rtol=1e-4)
     dy = (torch.randn(ref.shape) * (torch.rand(ref.shape) < 0.4)).contiguous(memory_format=torch.channels_last)
     rdw = torch.nn.grad.conv2d_weight(x.relu(), w.shape, dy, stride=stride, padding=pad)
-    torch.testing.assert_close(U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw,
-                               atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(
+        U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()), rdw, atol=1e-3, rtol=1e-4
+    )
 
 
 @needs_native
 def test_relu_linear_runs_the_union_kernels(threads):
     from sparsa.adaptive import relu_linear
-    x0 = torch.randn(2, 25, 96) - 0.3    # 50 rows: a tail group of 2
+
+    x0 = torch.randn(2, 25, 96) - 0.3  # 50 rows: a tail group of 2
     w0, b0 = torch.randn(64, 96) * 0.1, torch.randn(64)
     x, w, b = x0.clone().requires_grad_(), w0.clone().requires_grad_(), b0.clone().requires_grad_()
     before = conv_union.union_paths.copy()
@@ -481,26 +511,28 @@ def test_relu_linear_runs_the_union_kernels(threads):
 @needs_native
 def test_relu_linear_sees_in_place_weight_updates():
     from sparsa.adaptive import relu_linear
+
     x = torch.randn(8, 32) - 0.2
     w = torch.nn.Parameter(torch.randn(32, 32) * 0.1)
     first = relu_linear(x, w)
     with torch.no_grad():
-        w.add_(0.5)                      # the weight packs are cached per version: this must re-pack
+        w.add_(0.5)  # the weight packs are cached per version: this must re-pack
     torch.testing.assert_close(relu_linear(x, w), F.linear(x.relu(), w), atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        w.data = torch.randn(32, 32)     # new storage
+        w.data = torch.randn(32, 32)  # new storage
     torch.testing.assert_close(relu_linear(x, w), F.linear(x.relu(), w), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(first, relu_linear(x, w))
 
 
 def test_union_ratio_rescales_the_calibrated_cost():
     from sparsa.adaptive import CostEntry
+
     e = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=10.0, union_ratio=2.0)
     base = e.speedup(0.5)
     assert e.speedup(0.5, None, 2.0) == pytest.approx(base)
-    assert e.speedup(0.5, None, 3.0) < base < e.speedup(0.5, None, 1.5)   # less clustered zeros: slower
+    assert e.speedup(0.5, None, 3.0) < base < e.speedup(0.5, None, 1.5)  # less clustered zeros: slower
     assert e.sparse_ms(0.5, None, 100.0) == pytest.approx(e.sparse_ms(0.5, None, 4.0))  # clamped at 2x
-    assert CostEntry(10.0, 1.0, 10.0).speedup(0.5, None, 3.0) == pytest.approx(base)   # no calibration ratio
+    assert CostEntry(10.0, 1.0, 10.0).speedup(0.5, None, 3.0) == pytest.approx(base)  # no calibration ratio
 
 
 @needs_native
@@ -516,10 +548,10 @@ def test_operand_union_ratio_measures_clustering():
     assert U.union_operand(x).union_ratio() == pytest.approx(4.0)
     # runs go on across rows: a [P, K] matrix seen as a P x 1 image (Linear) is measured over 4 rows
     rows = torch.zeros(1, 16, 8, 1)
-    rows[:, :8] = 1.0                    # every row has the same 8 channels
+    rows[:, :8] = 1.0  # every row has the same 8 channels
     op = U.union_operand(rows)
     assert op.union4 == 2 * 8 and op.union_ratio() == pytest.approx(1.0)
-    ragged = torch.rand(2, 20, 3, 3)     # 9 pixels an image: runs of 4, 4, 1; all channels nonzero
+    ragged = torch.rand(2, 20, 3, 3)  # 9 pixels an image: runs of 4, 4, 1; all channels nonzero
     assert U.union_operand(ragged).union4 == 2 * 3 * 20
 
 
@@ -527,6 +559,7 @@ def test_operand_union_ratio_measures_clustering():
 def test_runtime_keeps_the_union_ratio_of_sparse_layers():
     import torch.nn as nn
     import sparsa.adaptive as sa
+
     net = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1))
     rt = sa.enable(net, every=1, policy=sa.Policy(force="sparse"))
     for _ in range(3):
@@ -542,6 +575,7 @@ def test_runtime_keeps_the_union_ratio_of_sparse_layers():
 @pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
 def test_union_packs_equal_the_list_packs(layout):
     from sparsa.kernels import adaptive as K
+
     w = torch.randn(96, 48, 3, 3)
     if layout == "ohwi":
         w = w.contiguous(memory_format=torch.channels_last)
@@ -549,7 +583,7 @@ def test_union_packs_equal_the_list_packs(layout):
         w = torch.randn(3, 3, 96, 48).permute(2, 3, 0, 1)
     wf, wfl = U.union_packs(w)
     assert torch.equal(wf, K.packed_weight(w)[0]) and torch.equal(wfl, K.packed_weight_flipped(w))
-    assert U.union_packs(w)[0] is wf          # cached while the weight is unchanged
+    assert U.union_packs(w)[0] is wf  # cached while the weight is unchanged
     with torch.no_grad():
         w.mul_(2.0)
     assert torch.equal(U.union_packs(w)[0], 2 * wf)
@@ -559,5 +593,3 @@ def test_union_packs_equal_the_list_packs(layout):
     assert none is None and torch.equal(wf2, wf)
     wf3, wfl3 = U.union_packs(w)
     assert wf3 is wf2 and torch.equal(wfl3, wfl)
-
-

@@ -3,6 +3,7 @@
 Pure functions (ratios against the best dense baseline, which baseline that is) and the JSON schema of a
 tiny linear_kernels grid, rendered by tables.py into a fake per-class results tree. No timing assertions.
 """
+
 import json
 import math
 import sys
@@ -47,8 +48,9 @@ def test_pick_best_and_dense_rows():
     assert linear_kernels.pick_best(ms) == "compiled_bf16" == bert_inference.best_dense(ms)
     with pytest.raises(ValueError):
         linear_kernels.pick_best({})
-    rows = linear_kernels.dense_rows(ms, {"fp32": 1e-7, "bf16": 1e-3, "compiled_bf16": 0.5},
-                                     dict(out_features=8, in_features=8, tokens=2, threads=1))
+    rows = linear_kernels.dense_rows(
+        ms, {"fp32": 1e-7, "bf16": 1e-3, "compiled_bf16": 0.5}, dict(out_features=8, in_features=8, tokens=2, threads=1)
+    )
     by = {linear_kernels.dense_label(r["dtype"], r["compiled"]): r for r in rows}
     assert by["fp32"]["ratio_vs_dense"] == 1.0 and by["fp32"]["ratio_vs_best_dense"] == pytest.approx(0.25)
     assert by["compiled_bf16"]["ratio_vs_best_dense"] == 1.0 and by["compiled_bf16"]["ratio_vs_dense"] == 4.0
@@ -68,8 +70,16 @@ def tiny_grid():
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
-        rows = linear_kernels.run([(32, 32)], [4], [0.5], [1], reps=1, layouts=["row_group"],
-                                  dtypes=("float32", "bfloat16"), use_compile=False)
+        rows = linear_kernels.run(
+            [(32, 32)],
+            [4],
+            [0.5],
+            [1],
+            reps=1,
+            layouts=["row_group"],
+            dtypes=("float32", "bfloat16"),
+            use_compile=False,
+        )
     finally:
         torch.set_num_threads(threads)
     return rows
@@ -85,8 +95,12 @@ def test_linear_rows_schema(tiny_grid):
     dense = {(r["dtype"], r["compiled"]) for r in rows if r["layout"] == "dense"}
     assert dense == {("float32", False), ("bfloat16", False)}
     sparse = [r for r in rows if r["layout"] != "dense"]
-    assert {(r["layout"], r["dtype"]) for r in sparse} >= {("row_group", "float32"), ("row_group", "bfloat16"),
-                                                          ("torch_csr", "float32"), ("torch_bsr", "float32")}
+    assert {(r["layout"], r["dtype"]) for r in sparse} >= {
+        ("row_group", "float32"),
+        ("row_group", "bfloat16"),
+        ("torch_csr", "float32"),
+        ("torch_bsr", "float32"),
+    }
     for r in sparse:
         assert all(k in r for k in linear_kernels.SPARSE_KEYS), r
         assert r["best_dense"] in ("fp32", "bf16")
@@ -99,19 +113,39 @@ def test_linear_rows_schema(tiny_grid):
 def _fake_cpu(cls):
     flags = {f: False for f in tables.KEY_FLAGS}
     flags.update(avx2=True, fma=True)
-    return {"model": "Fake CPU 9000", "class": cls, "flags": flags, "cores": 2, "threads": 2, "isa": "avx2",
-            "torch": torch.__version__, "onednn": "x", "mkl": "y"}
+    return {
+        "model": "Fake CPU 9000",
+        "class": cls,
+        "flags": flags,
+        "cores": 2,
+        "threads": 2,
+        "isa": "avx2",
+        "torch": torch.__version__,
+        "onednn": "x",
+        "mkl": "y",
+    }
 
 
 def test_tables_render_per_cpu_class(tiny_grid, tmp_path):
     new = tmp_path / "fake-avx2"
     new.mkdir()
-    (new / "linear_kernels.json").write_text(json.dumps({"cpu": _fake_cpu("fake-avx2"), "meta": {"quick": True},
-                                                         "rows": tiny_grid}))
+    (new / "linear_kernels.json").write_text(
+        json.dumps({"cpu": _fake_cpu("fake-avx2"), "meta": {"quick": True}, "rows": tiny_grid})
+    )
     legacy = tmp_path / "legacy-avx512"
     legacy.mkdir()
-    old = [dict(layout="row_group", out_features=32, in_features=32, tokens=4, threads=1, sparsity=0.5,
-                ratio_vs_dense=3.0, max_abs_err=1e-6)]
+    old = [
+        dict(
+            layout="row_group",
+            out_features=32,
+            in_features=32,
+            tokens=4,
+            threads=1,
+            sparsity=0.5,
+            ratio_vs_dense=3.0,
+            max_abs_err=1e-6,
+        )
+    ]
     (legacy / "linear_kernels.json").write_text(json.dumps({"meta": {}, "rows": old}))
     (legacy / "cpu.json").write_text(json.dumps({"model": "Old CPU", "flags": {"avx512f": True}}))
     assert [d.name for d in tables.class_dirs(tmp_path)] == ["fake-avx2", "legacy-avx512"]
@@ -133,14 +167,48 @@ def test_tables_render_per_cpu_class(tiny_grid, tmp_path):
 
 
 def test_bert_section_columns():
-    d = {"model": "BertModel(BertConfig()) (BERT-base, random weights)", "rows": [
-        {"layout": "dense", "dtype": "float32", "compiled": False, "sparsity": 0.0, "batch": 1, "seq": 128,
-         "threads": 2, "speedup_vs_dense": 1.0, "speedup_vs_best_dense": 0.5, "max_rel_err": 0.0, "ms": 10.0},
-        {"layout": "dense", "dtype": "float32", "compiled": True, "sparsity": 0.0, "batch": 1, "seq": 128,
-         "threads": 2, "speedup_vs_dense": 2.0, "speedup_vs_best_dense": 1.0, "max_rel_err": 0.0, "ms": 5.0},
-        {"layout": "row_group16", "dtype": "bfloat16", "compiled": False, "sparsity": 0.9, "batch": 1, "seq": 128,
-         "threads": 2, **bert_inference.speedups({"fp32": 10.0, "compiled_fp32": 5.0, "sparse": 2.0}),
-         "max_rel_err": 1e-2}]}
+    d = {
+        "model": "BertModel(BertConfig()) (BERT-base, random weights)",
+        "rows": [
+            {
+                "layout": "dense",
+                "dtype": "float32",
+                "compiled": False,
+                "sparsity": 0.0,
+                "batch": 1,
+                "seq": 128,
+                "threads": 2,
+                "speedup_vs_dense": 1.0,
+                "speedup_vs_best_dense": 0.5,
+                "max_rel_err": 0.0,
+                "ms": 10.0,
+            },
+            {
+                "layout": "dense",
+                "dtype": "float32",
+                "compiled": True,
+                "sparsity": 0.0,
+                "batch": 1,
+                "seq": 128,
+                "threads": 2,
+                "speedup_vs_dense": 2.0,
+                "speedup_vs_best_dense": 1.0,
+                "max_rel_err": 0.0,
+                "ms": 5.0,
+            },
+            {
+                "layout": "row_group16",
+                "dtype": "bfloat16",
+                "compiled": False,
+                "sparsity": 0.9,
+                "batch": 1,
+                "seq": 128,
+                "threads": 2,
+                **bert_inference.speedups({"fp32": 10.0, "compiled_fp32": 5.0, "sparse": 2.0}),
+                "max_rel_err": 1e-2,
+            },
+        ],
+    }
     s = tables.bert_section(d)
     table = s.split("\n\nDense baselines")[0]
     assert "| row_group16 | bfloat16 | False | 0.9 |" in table and "| 5.00 | 2.50 | compiled_fp32 |" in table
@@ -151,6 +219,7 @@ def test_bert_section_columns():
 def test_bert_dense_baselines_keep_their_batch():
     # the baseline functions are timed again per sparse model: each must still run its own batch
     import torch.nn as nn
+
     seen = []
 
     class Probe(nn.Module):

@@ -17,8 +17,8 @@ from sparsa.kernels import sliced_ell as se
 from sparsa.layouts import GroupedNM, SlicedELL
 
 BF = torch.bfloat16
-RTOL = 2.0 ** -8     # half a bf16 ulp, relative
-ATOL_REL = 1e-4      # of sum_k |x||w| + |b| per element: fp32 accumulation (far below) + denormal room
+RTOL = 2.0**-8  # half a bf16 ulp, relative
+ATOL_REL = 1e-4  # of sum_k |x||w| + |b| per element: fp32 accumulation (far below) + denormal room
 
 # kernel paths: the CPU flags each needs (SPARSA_ISA forces it; "default" = the best this CPU has)
 _NEEDS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq")}
@@ -65,8 +65,10 @@ def _check(y, x, wd, bias):
     err = (y2 - ref).abs()
     tol = RTOL * ref.abs() + ATOL_REL * scale + 1e-30
     bad = err > tol
-    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} outside bf16 tolerance; worst err "
-                           f"{float((err / tol).max()):.3g} x tol, max |y - ref| {float(err.max()):.4g}")
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.numel()} outside bf16 tolerance; worst err "
+        f"{float((err / tol).max()):.3g} x tol, max |y - ref| {float(err.max()):.4g}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- SlicedELL
@@ -94,8 +96,15 @@ def test_sliced_ell_bf16_matches_float64(path, T, R, K, bias_kind, sparsity):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 80), R=st.integers(1, 40), K=st.integers(1, 150), sparsity=st.sampled_from([0.0, 0.7, 0.95]),
-       bias_kind=st.sampled_from([None, "f32", "bf16"]), lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 99))
+@given(
+    T=st.integers(1, 80),
+    R=st.integers(1, 40),
+    K=st.integers(1, 150),
+    sparsity=st.sampled_from([0.0, 0.7, 0.95]),
+    bias_kind=st.sampled_from([None, "f32", "bf16"]),
+    lead=st.sampled_from([(), (2,)]),
+    seed=st.integers(0, 99),
+)
 def test_sliced_ell_bf16_property(path, T, R, K, sparsity, bias_kind, lead, seed):
     gen = torch.Generator().manual_seed(seed)
     e, vb, wd = _se_weight(R, K, sparsity, gen)
@@ -127,8 +136,9 @@ def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
     x = torch.randn(3, 45, 85, generator=gen).to(BF)
     for b in (None, _bias("f32", 37, gen), _bias("bf16", 37, gen)):
         assert se.native_kind(x, vb, b) == "bf16"
-        exp = se.sliced_ell_linear_impl(x.float(), e.slice_ptr, e.columns, vb.float(),
-                                        None if b is None else b.float(), 37).to(BF)
+        exp = se.sliced_ell_linear_impl(
+            x.float(), e.slice_ptr, e.columns, vb.float(), None if b is None else b.float(), 37
+        ).to(BF)
         with monkeypatch.context() as m:
             m.setattr(se, "sliced_ell_linear_reference", _no_reference)
             y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 37)
@@ -238,8 +248,15 @@ def test_grouped_nm_bf16_plans_and_threads(path, plan_kind, T, R, K, threads):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 80), R=st.integers(1, 40), K=st.integers(1, 150), nmg=st.sampled_from(GNM_NMG + [(2, 6, 1)]),
-       bias_kind=st.sampled_from([None, "bf16"]), lead=st.sampled_from([(), (2,)]), seed=st.integers(0, 99))
+@given(
+    T=st.integers(1, 80),
+    R=st.integers(1, 40),
+    K=st.integers(1, 150),
+    nmg=st.sampled_from(GNM_NMG + [(2, 6, 1)]),
+    bias_kind=st.sampled_from([None, "bf16"]),
+    lead=st.sampled_from([(), (2,)]),
+    seed=st.integers(0, 99),
+)
 def test_grouped_nm_bf16_property_through_f_linear(path, T, R, K, nmg, bias_kind, lead, seed):
     """F.linear (the dispatcher wants one dtype for input, weight and bias: no fp32 bias here)."""
     gen = torch.Generator().manual_seed(seed)
@@ -279,15 +296,27 @@ def test_grouped_nm_bf16_native_path_is_taken(monkeypatch):
             plan, plan32 = _gnm_plan(kind, vb, w), _gnm_plan(kind, vb.float(), w)
             xin = torch.randn(3, 45, 37, generator=gen).to(BF) if kind == "input_grad" else x
             nout = 85 if kind == "input_grad" else 37
-            for b in ((None,) if kind == "input_grad" else (None, _bias("f32", 37, gen), _bias("bf16", 37, gen))):
+            for b in (None,) if kind == "input_grad" else (None, _bias("f32", 37, gen), _bias("bf16", 37, gen)):
                 assert gk.spmm_native_kind(xin, plan.vals, b) == "bf16"
                 exp = gk.spmm(xin.float(), plan32, None if b is None else b.float(), nout).to(BF)
                 with monkeypatch.context() as mp:
                     mp.setattr(gk, "spmm_reference", _no_reference)
                     y = gk.spmm(xin, plan, b, nout)
-                    y_op = gk.grouped_nm_spmm(xin, plan.idx, plan.vals, plan.out_rows, b, nout, plan.units,
-                                              plan.unit_entries, plan.unit_span, plan.gpb, plan.rpb, plan.interleaved,
-                                              plan.offsets)
+                    y_op = gk.grouped_nm_spmm(
+                        xin,
+                        plan.idx,
+                        plan.vals,
+                        plan.out_rows,
+                        b,
+                        nout,
+                        plan.units,
+                        plan.unit_entries,
+                        plan.unit_span,
+                        plan.gpb,
+                        plan.rpb,
+                        plan.interleaved,
+                        plan.offsets,
+                    )
                 assert torch.equal(y, exp) and torch.equal(y_op, exp), (nmg, kind)
     assert gk.spmm_native_kind(x, vb.float(), None) is None and gk.spmm_native_kind(x.float(), vb, None) is None
 

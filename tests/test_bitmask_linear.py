@@ -3,6 +3,7 @@
 Every kernel path this CPU has runs: the native ``stream`` and ``expand`` strategies (AVX2) and the
 pure-PyTorch fallback; fp32 and bf16 (checked against float64 with a bf16 tolerance).
 """
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -33,6 +34,7 @@ def path(request, monkeypatch):
 
     def no_reference(*a, **k):
         raise AssertionError("the reference ran although the native kernel should have")
+
     monkeypatch.setattr(bm, "bitmask_linear_reference", no_reference)
     monkeypatch.setattr(bm, "choose_strategy", lambda tokens: request.param)
     return request.param
@@ -66,18 +68,21 @@ def test_from_dense_sparsity_is_per_row_and_bytes_shrink():
     assert torch.equal(b.row_ptr.diff(), torch.full((256,), 256))
     kept = w.abs() >= w.abs().kthvalue(257, dim=1, keepdim=True).values
     assert torch.equal(b.mask(), kept)
-    assert b.nbytes / (w.numel() * 4) < 0.54          # 0.5 values + 1/32 bits (+ row_ptr)
+    assert b.nbytes / (w.numel() * 4) < 0.54  # 0.5 values + 1/32 bits (+ row_ptr)
     bb = Bitmask.from_dense(w.to(BF), sparsity=0.5)
-    assert bb.nbytes / (w.numel() * 2) < 0.58         # 0.5 values + 1/16 bits + row_ptr
+    assert bb.nbytes / (w.numel() * 2) < 0.58  # 0.5 values + 1/16 bits + row_ptr
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda c: c.update(bits=c["bits"].to(torch.int32)), "bits must be uint8"),
-    (lambda c: c.update(row_ptr=c["row_ptr"][:-1]), "row_ptr must be int64 of shape"),
-    (lambda c: c.update(values=c["values"][:-1]), "end at len"),
-    (lambda c: c["bits"].__setitem__((0, -1), 255), "past column"),
-    (lambda c: c["bits"].__setitem__((0, 0), c["bits"][0, 0] ^ 1), "set bits of each row"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda c: c.update(bits=c["bits"].to(torch.int32)), "bits must be uint8"),
+        (lambda c: c.update(row_ptr=c["row_ptr"][:-1]), "row_ptr must be int64 of shape"),
+        (lambda c: c.update(values=c["values"][:-1]), "end at len"),
+        (lambda c: c["bits"].__setitem__((0, -1), 255), "past column"),
+        (lambda c: c["bits"].__setitem__((0, 0), c["bits"][0, 0] ^ 1), "set bits of each row"),
+    ],
+)
 def test_validate_names_the_bad_component(change, message):
     w = Bitmask.from_dense(torch.randn(4, 13), sparsity=0.5)
     comps = {k: v.clone() for k, v in w.components().items()}
@@ -94,8 +99,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="floating-point"):
         Bitmask.from_dense(torch.ones(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match="strategy"):
-        bm.bitmask_linear_impl(torch.randn(1, 3), *_components(Bitmask.from_dense(torch.randn(2, 3))), None, 2,
-                               "fast")
+        bm.bitmask_linear_impl(torch.randn(1, 3), *_components(Bitmask.from_dense(torch.randn(2, 3))), None, 2, "fast")
 
 
 def _components(w):
@@ -104,8 +108,15 @@ def _components(w):
 
 # ---------------------------------------------------------------------------------------------- kernels
 @SETTINGS
-@given(R=st.integers(1, 40), K=st.integers(1, 70), T=st.integers(1, 21), density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
-       dtype=st.sampled_from([torch.float32, BF]), bias=st.sampled_from([None, "same", "f32"]), seed=st.integers(0, 99))
+@given(
+    R=st.integers(1, 40),
+    K=st.integers(1, 70),
+    T=st.integers(1, 21),
+    density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    dtype=st.sampled_from([torch.float32, BF]),
+    bias=st.sampled_from([None, "same", "f32"]),
+    seed=st.integers(0, 99),
+)
 def test_matches_float64_reference(path, R, K, T, density, dtype, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(R, K, generator=gen)
@@ -127,7 +138,7 @@ def test_leading_dims_and_llm_shapes(path):
 def test_inf_in_input_reaches_every_row_like_dense(path):
     w = Bitmask.from_dense(torch.randn(5, 16), mask=torch.eye(5, 16, dtype=torch.bool))
     x = torch.randn(1, 16)
-    x[0, 15] = float("inf")          # column 15 is kept by no row
+    x[0, 15] = float("inf")  # column 15 is kept by no row
     y = bm.bitmask_linear_impl(x, *_components(w), None, 5)
     assert torch.isnan(y).all() and torch.isnan(torch.nn.functional.linear(x, w.to_dense())).all()
 
@@ -147,8 +158,9 @@ def test_threads_do_not_change_the_result(path):
 
 
 # ---------------------------------------------------------------------------------------------- op
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, BF),
-                                        (BF, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, BF), (BF, torch.float32)]
+)
 def test_opcheck(dtype, bias):
     w = Bitmask.from_dense(torch.randn(9, 21).to(dtype), sparsity=0.5)
     x = torch.randn(3, 21, dtype=dtype, requires_grad=True)

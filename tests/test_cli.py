@@ -1,4 +1,5 @@
 """The `sparsa` command: help, one-line errors with exit codes, prune -> inspect round trip."""
+
 import os
 import shutil
 import subprocess
@@ -14,8 +15,9 @@ SUBCOMMANDS = ["demo", "prune", "generate", "inspect", "bench"]
 
 def _run(*args, timeout=600):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "sparsa.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "sparsa.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.mark.parametrize("sub", [None] + SUBCOMMANDS)
@@ -35,19 +37,23 @@ def test_help_describes_every_option(sub, capsys):
 
 def argparse_suppress():
     import argparse
+
     return argparse.SUPPRESS
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["prune", "/definitely/not/here", "-o", "x"], "does not exist"),
-    (["prune", ".", "-o", "x", "--sparsity", "1.5"], "--sparsity"),
-    (["prune", ".", "-o", "x", "--method", "nope"], "--method"),
-    (["inspect", "/no/such/file.safetensors"], "no such file"),
-    (["bench", "nope"], "invalid choice"),
-    (["frobnicate"], "invalid choice"),
-    (["demo"], "make demo"),  # the demo moved to examples/: one line saying where (issue #17)
-    (["demo", "--quick", "--skip", "bert"], "python -m examples.flagship"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["prune", "/definitely/not/here", "-o", "x"], "does not exist"),
+        (["prune", ".", "-o", "x", "--sparsity", "1.5"], "--sparsity"),
+        (["prune", ".", "-o", "x", "--method", "nope"], "--method"),
+        (["inspect", "/no/such/file.safetensors"], "no such file"),
+        (["bench", "nope"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+        (["demo"], "make demo"),  # the demo moved to examples/: one line saying where (issue #17)
+        (["demo", "--quick", "--skip", "bert"], "python -m examples.flagship"),
+    ],
+)
 def test_bad_arguments_give_one_line_and_exit_2(args, needle):
     r = cli_main(args)
     assert r.returncode == 2, r.stderr
@@ -64,6 +70,7 @@ def tiny_model_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel
 
     from sparsa.models.minilm import model_dir
+
     d = tmp_path_factory.mktemp("tiny_bert")
     torch.manual_seed(0)
     cfg = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
@@ -75,14 +82,14 @@ def tiny_model_dir(tmp_path_factory):
 
 def test_prune_then_inspect_then_reload(tiny_model_dir, tmp_path):
     out = tmp_path / "pruned"
-    r = _run("prune", str(tiny_model_dir), "-o", str(out), "--method", "wanda", "--sparsity", "0.5",
-             "--calib", "16")
+    r = _run("prune", str(tiny_model_dir), "-o", str(out), "--method", "wanda", "--sparsity", "0.5", "--calib", "16")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "encoder.layer.0.attention.self.query.weight" in r.stdout and "masked" in r.stdout
     r2 = _run("inspect", str(out))
     assert r2.returncode == 0, r2.stderr
     assert "50.0%" in r2.stdout and "file size" in r2.stdout
     from sparsa.prune import load_pruned
+
     m = load_pruned(str(out))
     w = m.encoder.layer[0].attention.self.query.weight
     assert w.layout_name == "masked" and abs(w.sparsity - 0.5) < 1e-6
@@ -100,10 +107,13 @@ def test_runtime_failure_is_one_line_exit_1(tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--timing-tokens", "0"], "--timing-tokens"),
-    (["--timing-tokens", "8"], "--timing-tokens only applies with --only-if-faster"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--timing-tokens", "0"], "--timing-tokens"),
+        (["--timing-tokens", "8"], "--timing-tokens only applies with --only-if-faster"),
+    ],
+)
 def test_bad_only_if_faster_arguments(tiny_model_dir, tmp_path, args, needle):
     r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *args])
     assert r.returncode == 2, r.stderr
@@ -113,15 +123,33 @@ def test_bad_only_if_faster_arguments(tiny_model_dir, tmp_path, args, needle):
 @pytest.mark.parametrize("ratio, path", [(0.5, "dense"), (3.0, "sparse")])
 def test_prune_only_if_faster_follows_timing(tiny_model_dir, tmp_path, monkeypatch, capsys, ratio, path):
     import sparsa.nn.linears as linears
+
     calls = []
     monkeypatch.setattr(linears, "linear_costs", lambda w, b, tokens: calls.append(tokens) or ratio)
     out = tmp_path / "fast"
-    assert cli.main(["prune", str(tiny_model_dir), "-o", str(out), "--pattern", "row_group4", "--sparsity", "0.5",
-                     "--only-if-faster", "--timing-tokens", "8"]) == 0
+    assert (
+        cli.main(
+            [
+                "prune",
+                str(tiny_model_dir),
+                "-o",
+                str(out),
+                "--pattern",
+                "row_group4",
+                "--sparsity",
+                "0.5",
+                "--only-if-faster",
+                "--timing-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert calls and set(calls) == {8}
     assert ("sparse was 0.50x" in text) == (path == "dense")
     from sparsa.prune import load_pruned
+
     w = load_pruned(str(out)).encoder.layer[0].attention.self.query.weight
     if path == "dense":
         assert type(w) is torch.nn.Parameter and abs(float((w == 0).float().mean()) - 0.5) < 1e-6
@@ -134,19 +162,30 @@ def test_prune_nm_pattern_into_the_grouped_nm_layout(tiny_model_dir, tmp_path, c
     assert cli.main(["prune", str(tiny_model_dir), "-o", str(out), "--pattern", "2:4", "--layout", "grouped_nm"]) == 0
     assert "grouped_nm" in capsys.readouterr().out
     from sparsa.prune import load_pruned
+
     w = load_pruned(str(out)).encoder.layer[0].attention.self.query.weight
     assert w.layout_name == "grouped_nm" and (w.sparse_layout.n, w.sparse_layout.m) == (2, 4)
     assert abs(w.sparsity - 0.5) < 1e-6
 
 
-@pytest.mark.parametrize("args, needles", [
-    (["--pattern", "unstructured", "--layout", "grouped_nm"],
-     ["--layout 'grouped_nm' cannot store --pattern 'unstructured'", "--layout grouped_nm stores --pattern N:M",
-      "--layout bitmask"]),
-    (["--pattern", "2:4", "--layout", "row_group"], ["--layout row_group stores --pattern row_group<G>"]),
-    (["--pattern", "2:4", "--layout", "grouped_nm", "--method", "sparsegpt"],
-     ["--method sparsegpt cannot produce grouped_nm masks", "use magnitude or wanda"]),
-])
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (
+            ["--pattern", "unstructured", "--layout", "grouped_nm"],
+            [
+                "--layout 'grouped_nm' cannot store --pattern 'unstructured'",
+                "--layout grouped_nm stores --pattern N:M",
+                "--layout bitmask",
+            ],
+        ),
+        (["--pattern", "2:4", "--layout", "row_group"], ["--layout row_group stores --pattern row_group<G>"]),
+        (
+            ["--pattern", "2:4", "--layout", "grouped_nm", "--method", "sparsegpt"],
+            ["--method sparsegpt cannot produce grouped_nm masks", "use magnitude or wanda"],
+        ),
+    ],
+)
 def test_pattern_layout_mismatch_is_one_line_naming_the_fix(tiny_model_dir, tmp_path, args, needles):
     r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *args])
     assert r.returncode in (1, 2) and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
@@ -172,6 +211,11 @@ assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
 def test_prune_and_load_set_no_environment(tiny_model_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env["PYTHONWARNINGS"] = "ignore"
-    proc = subprocess.run([sys.executable, "-c", _NO_ENV_CHANGE, str(tiny_model_dir), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_ENV_CHANGE, str(tiny_model_dir), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

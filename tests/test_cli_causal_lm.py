@@ -1,4 +1,5 @@
 """`sparsa prune` / `sparsa generate` on a causal LM: a tiny random Llama with an offline tokenizer."""
+
 import json
 import os
 import re
@@ -15,13 +16,21 @@ PROMPT = "the value of the object is"
 def _tokenizer(sentences):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tk.normalizer = normalizers.Lowercase()
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk.train_from_iterator(sentences, trainers.WordLevelTrainer(vocab_size=300,
-                                                                special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_input_names=["input_ids", "attention_mask"])
+    tk.train_from_iterator(
+        sentences, trainers.WordLevelTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"])
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -30,12 +39,22 @@ def llama_dir(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sparsa.data.text import stdlib_sentences
+
     d = tmp_path_factory.mktemp("tiny_llama")
     tok = _tokenizer(stdlib_sentences()[:400])
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(d))
     tok.save_pretrained(str(d))
     return d
@@ -66,8 +85,10 @@ def _main(args, capsys):
 def pruned(request, llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"pruned_{request.param}") / "out"
     from sparsa.prune import prune_model_dir
-    prune_model_dir(str(llama_dir), str(out), method=request.param, sparsity=0.5, layout="masked", calib=16,
-                    progress=False)
+
+    prune_model_dir(
+        str(llama_dir), str(out), method=request.param, sparsity=0.5, layout="masked", calib=16, progress=False
+    )
     return request.param, out
 
 
@@ -75,6 +96,7 @@ def test_prune_causal_lm_writes_sparse_blocks_and_keeps_head(llama_dir, pruned):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     from sparsa.prune import CHECKPOINT, load_pruned
+
     _, out = pruned
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", CHECKPOINT):
         assert (out / f).is_file(), f
@@ -94,6 +116,7 @@ def _generates_as_dense_twin(llama_dir, out):
 
     from sparsa import to_dense
     from sparsa.prune import load_pruned
+
     m = load_pruned(str(out))
     dense = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
     with torch.no_grad():
@@ -113,6 +136,7 @@ def test_loaded_pruned_model_generates_as_its_dense_twin(llama_dir, pruned):
 def test_prune_with_the_default_layout(llama_dir, tmp_path, capsys):
     """bitmask where it is registered, else masked: either way generate matches the dense twin."""
     from sparsa.prune import default_layout
+
     out = tmp_path / "out"
     rc, _, err = _main(["prune", str(llama_dir), "-o", str(out)], capsys)
     assert rc == 0, err
@@ -128,8 +152,9 @@ def test_generate_prints_text_and_speed(llama_dir, pruned, capsys, which, dtype)
     if pruned[0] != "magnitude" and which == "dense":
         pytest.skip("the dense model needs one run only")
     d = llama_dir if which == "dense" else pruned[1]
-    rc, out, err = _main(["generate", str(d), "--prompt", PROMPT, "--max-new-tokens", "4", "--threads", "1",
-                          "--dtype", dtype], capsys)
+    rc, out, err = _main(
+        ["generate", str(d), "--prompt", PROMPT, "--max-new-tokens", "4", "--threads", "1", "--dtype", dtype], capsys
+    )
     assert rc == 0, err
     lines = out.strip().splitlines()
     assert lines[0].startswith(PROMPT) and len(lines[0]) > len(PROMPT)
@@ -139,6 +164,7 @@ def test_generate_prints_text_and_speed(llama_dir, pruned, capsys, which, dtype)
 def test_default_layout_is_bitmask_for_causal_lms_when_registered():
     from sparsa.layouts.base import registered_layouts
     from sparsa.prune import default_layout
+
     fast = "bitmask" in registered_layouts()
     assert default_layout("unstructured", True) == ("bitmask" if fast else "masked")
     assert default_layout("2:4", True) == ("bitmask" if fast else "nm")
@@ -171,6 +197,7 @@ def test_interrupted_prune_leaves_no_output(llama_dir, tmp_path, monkeypatch, ca
 
 def test_prune_into_existing_out_replaces_its_files_keeps_others(llama_dir, tmp_path, capsys):
     from sparsa.prune import CHECKPOINT
+
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -186,11 +213,29 @@ def test_prune_into_existing_out_replaces_its_files_keeps_others(llama_dir, tmp_
 def test_prune_with_data_file(llama_dir, tmp_path, capsys):
     from sparsa.data.text import stdlib_sentences
     from sparsa.prune import load_pruned
+
     data = tmp_path / "calib.txt"
     data.write_text("\n".join(stdlib_sentences()[400:424]))
     out = tmp_path / "out"
-    rc, _, err = _main(["prune", str(llama_dir), "-o", str(out), "--method", "wanda", "--pattern", "2:4",
-                        "--layout", "nm", "--data", str(data), "--calib", "8"], capsys)
+    rc, _, err = _main(
+        [
+            "prune",
+            str(llama_dir),
+            "-o",
+            str(out),
+            "--method",
+            "wanda",
+            "--pattern",
+            "2:4",
+            "--layout",
+            "nm",
+            "--data",
+            str(data),
+            "--calib",
+            "8",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     w = load_pruned(str(out)).model.layers[0].mlp.up_proj.weight
     assert w.layout_name == "nm" and abs(w.sparsity - 0.5) < 1e-6
@@ -200,6 +245,7 @@ def test_prune_with_data_file(llama_dir, tmp_path, capsys):
 def gpt2_dir(llama_dir, tmp_path_factory):
     """A causal LM without nn.Linear blocks (Conv1D) and a 16-token context."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     d = tmp_path_factory.mktemp("tiny_gpt2")
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=16)).save_pretrained(str(d))
@@ -215,18 +261,21 @@ def bert_like_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("case, needle, status", [
-    ("generate_not_causal", "MODEL_DIR", 2),
-    ("generate_missing", "does not exist", 2),
-    ("generate_zero_tokens", "--max-new-tokens", 2),
-    ("generate_no_prompt", "--prompt", 2),
-    ("generate_empty_prompt", "--prompt", 2),
-    ("generate_too_long", "index out of range", 1),
-    ("prune_layout_cannot_hold", "--layout 'nm' cannot store --pattern 'unstructured'", 2),
-    ("prune_bad_pattern", "--pattern", 2),
-    ("prune_data_with_magnitude", "--data", 2),
-    ("prune_no_linear", "MODEL_DIR", 1),
-])
+@pytest.mark.parametrize(
+    "case, needle, status",
+    [
+        ("generate_not_causal", "MODEL_DIR", 2),
+        ("generate_missing", "does not exist", 2),
+        ("generate_zero_tokens", "--max-new-tokens", 2),
+        ("generate_no_prompt", "--prompt", 2),
+        ("generate_empty_prompt", "--prompt", 2),
+        ("generate_too_long", "index out of range", 1),
+        ("prune_layout_cannot_hold", "--layout 'nm' cannot store --pattern 'unstructured'", 2),
+        ("prune_bad_pattern", "--pattern", 2),
+        ("prune_data_with_magnitude", "--data", 2),
+        ("prune_no_linear", "MODEL_DIR", 1),
+    ],
+)
 def test_bad_inputs_give_one_line(llama_dir, gpt2_dir, bert_like_dir, tmp_path, capsys, case, needle, status):
     out = str(tmp_path / "out")
     args = {

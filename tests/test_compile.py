@@ -1,4 +1,5 @@
 """torch.compile and deepcopy of sparsified models match eager outputs, for every layout."""
+
 import copy
 import warnings
 
@@ -8,9 +9,16 @@ import torch.nn as nn
 
 import sparsa
 
-LAYOUTS = [("masked", {}), ("coo", {}), ("csr", {}), ("bsr", {}), ("nm", dict(n=2, m=4)),
-           ("grouped_nm", dict(n=2, m=4, g=2)), ("row_group", dict(group=8, sparsity=0.5)),
-           ("sliced_ell", {})]
+LAYOUTS = [
+    ("masked", {}),
+    ("coo", {}),
+    ("csr", {}),
+    ("bsr", {}),
+    ("nm", dict(n=2, m=4)),
+    ("grouped_nm", dict(n=2, m=4, g=2)),
+    ("row_group", dict(group=8, sparsity=0.5)),
+    ("sliced_ell", {}),
+]
 
 
 def _model(layout, params):

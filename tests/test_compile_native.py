@@ -1,6 +1,7 @@
 """``torch.compile`` runs the native kernels through the same ``sparsa::`` ops as eager, with the same results:
 a sparse ``F.linear`` forward and training step (fullgraph where the layout allows), and the adaptive conv /
 linear training steps (behind a graph break: their kernel choices are data-dependent)."""
+
 import json
 import os
 import subprocess
@@ -18,8 +19,12 @@ from sparsa.kernels import loader
 ROOT = Path(__file__).resolve().parents[1]
 # (layout, params, fullgraph forward, fullgraph training step). Building a grouped_nm plan reads the pattern
 # (data-dependent sizes); the SlicedELL and Bitmask backwards pick their products from the weight's density.
-LINEAR = [("row_group", dict(group=8, sparsity=0.5), True, True), ("sliced_ell", dict(sparsity=0.8), True, False),
-          ("bitmask", dict(sparsity=0.5), True, False), ("grouped_nm", dict(n=2, m=4, g=2), False, False)]
+LINEAR = [
+    ("row_group", dict(group=8, sparsity=0.5), True, True),
+    ("sliced_ell", dict(sparsity=0.8), True, False),
+    ("bitmask", dict(sparsity=0.5), True, False),
+    ("grouped_nm", dict(n=2, m=4, g=2), False, False),
+]
 # Run in a child process: under pytest's log capture torch formats trace records whose payloads hold a
 # SparseTensor's repr, and its nnz reads data, which fails inside the trace.
 CHILD = """
@@ -59,8 +64,9 @@ def test_sparse_linear_forward_and_step_match_eager():
     if not loader.native_enabled():
         pytest.skip("native kernels disabled")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(LINEAR)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(LINEAR)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     diffs = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(diffs) == {p[0] for p in LINEAR}
@@ -85,6 +91,7 @@ def test_adaptive_conv_step_matches_eager(stride):
 
     def step(x, w, b):
         return relu_conv2d(x, w, b, stride=stride, padding=1)
+
     before = dict(aconv.backward_paths)
     ref = _grads(step, x, w, b)
     eager_paths = {k: v - before.get(k, 0) for k, v in aconv.backward_paths.items()}
@@ -93,7 +100,7 @@ def test_adaptive_conv_step_matches_eager(stride):
     compiled_paths = {k: v - before.get(k, 0) for k, v in aconv.backward_paths.items()}
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
-    assert compiled_paths == eager_paths   # the same kernels ran
+    assert compiled_paths == eager_paths  # the same kernels ran
 
 
 def test_adaptive_linear_step_matches_eager():
@@ -104,6 +111,7 @@ def test_adaptive_linear_step_matches_eager():
 
     def step(x, w, b):
         return relu_linear(x, w, b)
+
     ref = _grads(step, x, w, b)
     got = _grads(torch.compile(step, backend="aot_eager"), x, w, b)
     for g, r in zip(got, ref):

@@ -1,4 +1,5 @@
 """Conversions: direct edges, multi-hop paths and the dense route all give the same tensor."""
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -47,8 +48,10 @@ def test_paths_are_registered_with_costs():
         assert conversion_path(cls, Masked)[1] == (to_masked,)
 
 
-@pytest.mark.parametrize("layout,params", [(NM, {"n": 2, "m": 4}), (GroupedNM, {"n": 2, "m": 4, "g": 1}),
-                                           (COO, {}), (CSR, {}), (BSR, {"blocksize": (2, 2)})])
+@pytest.mark.parametrize(
+    "layout,params",
+    [(NM, {"n": 2, "m": 4}), (GroupedNM, {"n": 2, "m": 4, "g": 1}), (COO, {}), (CSR, {}), (BSR, {"blocksize": (2, 2)})],
+)
 def test_every_layout_to_masked_keeps_pattern(layout, params):
     x = _x((7, 9), 3)
     lay = layout.from_dense(x, **params)

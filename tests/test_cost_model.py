@@ -1,4 +1,5 @@
 """sparsa.cost_model: side-by-side measurements cached per CPU model, feedback, persistence."""
+
 import json
 
 import pytest
@@ -15,7 +16,7 @@ def test_measure_caches_and_persists(tmp_path):
     assert set(costs) == {"a", "b"} and calls
     n = len(calls)
     assert cm.measure("k", {"a": None, "b": None}) == costs and len(calls) == n  # nothing re-timed
-    assert CostModel(p).lookup("k") == costs                                      # a new process reads the file
+    assert CostModel(p).lookup("k") == costs  # a new process reads the file
     assert json.loads(p.read_text())["cpu"]
 
 
@@ -81,13 +82,14 @@ def test_cli_lists_and_clears(tmp_path, monkeypatch, capsys):
 
 def test_one_table_holds_the_adaptive_calibration(tmp_path, monkeypatch, capsys):
     from sparsa.adaptive import calibration
+
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
     cal = calibration.default_calibration()
     assert cal.store is cost_model.default_cost_model() and cal.path == cost_model.cost_path()
     cal._table["conv2d|x"] = calibration.CostEntry(dense_ms=2.0, fixed_ms=0.1, slope_ms=1.0)
     cal.save()
     assert json.loads(cost_model.cost_path().read_text())["fits"]["adaptive|conv2d|x"]["dense_ms"] == 2.0
-    fresh = calibration.Calibration(cost_model=CostModel(cost_model.cost_path()))   # as a new process reads it
+    fresh = calibration.Calibration(cost_model=CostModel(cost_model.cost_path()))  # as a new process reads it
     assert fresh.get("conv2d|x") == cal.get("conv2d|x")
     assert cli.main(["cost"]) == 0
     out = capsys.readouterr().out
@@ -98,6 +100,7 @@ def test_one_table_holds_the_adaptive_calibration(tmp_path, monkeypatch, capsys)
 
 def test_calibration_clear_keeps_the_other_timings(tmp_path):
     from sparsa.adaptive.calibration import Calibration, CostEntry
+
     cm = CostModel(tmp_path / "t.json")
     cm.observe("linear|x", "sparse", 1.0)
     cal = Calibration(cost_model=cm)
@@ -119,7 +122,7 @@ def test_fits_persist_and_bad_fits_are_rejected(tmp_path):
         cm.set_fit("m|a", [1.0])
     with pytest.raises(ValueError, match="prefix"):
         cm.forget("")
-    assert cm.forget("m|") == 1 and not p.exists()          # an empty table leaves no file behind
+    assert cm.forget("m|") == 1 and not p.exists()  # an empty table leaves no file behind
     p.write_text(json.dumps({"version": 1, "entries": {}, "fits": {"k": "oops"}}))
     assert len(CostModel(p)) == 0
 
@@ -127,5 +130,6 @@ def test_fits_persist_and_bad_fits_are_rejected(tmp_path):
 def test_adaptive_calibration_key_names_the_cpu():
     from sparsa import cpu
     from sparsa.adaptive.calibration import layer_key
+
     key = layer_key("conv2d", (1, 2, 3, 3), (2, 2, 3, 3), {"stride": (1, 1)}, False)
     assert key.startswith("-".join(cpu.cpu_model().split()) + "/" + cpu.isa() + "|conv2d|")

@@ -1,4 +1,5 @@
 """sparsa.ops.crossovers: the sparse backward kernels' density crossovers are data, refitted per CPU."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,12 +35,17 @@ def _grads(w, x, gy):
 
 
 CASES = {
-    "row_group.backward": (lambda d: sparsa.to_sparse(d, RowGroup, group=4, sparsity=0.75), native_linear,
-                           "_rg_grad_input"),
-    "sliced_ell.grad_input": (lambda d: sparsa.to_sparse(d, SlicedELL, sparsity=0.9), native_linear,
-                              "_se_grad_input"),
-    "grouped_nm.grad_weight": (lambda d: sparsa.to_sparse(d, GroupedNM, n=1, m=8, g=4), native_grouped_nm,
-                               "_grad_weight_sparse"),
+    "row_group.backward": (
+        lambda d: sparsa.to_sparse(d, RowGroup, group=4, sparsity=0.75),
+        native_linear,
+        "_rg_grad_input",
+    ),
+    "sliced_ell.grad_input": (lambda d: sparsa.to_sparse(d, SlicedELL, sparsity=0.9), native_linear, "_se_grad_input"),
+    "grouped_nm.grad_weight": (
+        lambda d: sparsa.to_sparse(d, GroupedNM, n=1, m=8, g=4),
+        native_grouped_nm,
+        "_grad_weight_sparse",
+    ),
 }
 
 
@@ -53,7 +59,7 @@ def test_the_stored_crossover_picks_the_path_and_both_paths_agree(table, name, m
     x_ref = x.clone().requires_grad_(True)
     F.linear(x_ref, dense_w).backward(gy)
     results = {}
-    for forced in (1.0, 0.0):   # sparse side everywhere, then dense side everywhere
+    for forced in (1.0, 0.0):  # sparse side everywhere, then dense side everywhere
         table.set_fit(crossovers.PREFIX + name, {"max_density": forced})
         xi = x.clone().requires_grad_(True)
         w.grad = None
@@ -81,6 +87,7 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
 def test_cli_refit_and_clear(table, monkeypatch, capsys):
     monkeypatch.setattr(crossover_refit, "refit", lambda cm: {n: 0.2 for n in crossovers.CROSSOVERS})
     from sparsa.adaptive import cost_fits_refit
+
     monkeypatch.setattr(cost_fits_refit, "refit", lambda cm: ({}, {}))  # tests/test_adaptive_cost_fits.py
     assert cli.main(["cost", "--refit"]) == 0
     assert "crossover row_group.backward: sparse at density <= 0.2" in capsys.readouterr().out

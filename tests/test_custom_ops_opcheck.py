@@ -5,6 +5,7 @@ here fails ``test_every_op_has_a_sample``, so a new op comes with its check.
 Ops whose outputs hold undefined entries (the list operand's slots past a count, the tail room for vector
 stores) skip the eager-vs-compiled value comparison (``test_aot_dispatch_dynamic``); their schema, fake
 (shapes, strides, dtypes) and autograd registration are checked all the same."""
+
 import pytest
 import torch
 
@@ -39,8 +40,20 @@ def _conv():
     cnt, idx, val = A.compact(x, 4)
     dy = torch.randn(2, 5, 5, 16, generator=g)
     gc, gi, gv = A.compact_signed(dy.relu().permute(0, 3, 1, 2), 4)
-    return dict(x=x, w=w, wt=w.permute(2, 3, 1, 0).contiguous(), geo=list(geo), cnt=cnt, idx=idx, val=val, dy=dy,
-                b=torch.randn(16, generator=g), gc=gc, gi=gi, gv=gv)
+    return dict(
+        x=x,
+        w=w,
+        wt=w.permute(2, 3, 1, 0).contiguous(),
+        geo=list(geo),
+        cnt=cnt,
+        idx=idx,
+        val=val,
+        dy=dy,
+        b=torch.randn(16, generator=g),
+        gc=gc,
+        gi=gi,
+        gv=gv,
+    )
 
 
 def _packed(c):
@@ -99,15 +112,20 @@ def _s_bwd_packed(native):
     c = _conv()
     wc = _packed(c)[1]
     args = (c["cnt"], c["idx"], c["val"], c["dy"], wc, c["geo"])
-    return [(args + (True, True, True, None), ALL), (args + (False, False, True, [72, 1, 24, 8]), ALL),
-            (args + (True, True, False, None), ALL)]
+    return [
+        (args + (True, True, True, None), ALL),
+        (args + (False, False, True, [72, 1, 24, 8]), ALL),
+        (args + (True, True, False, None), ALL),
+    ]
 
 
 def _s_wgrad_dy(native):
     c = _conv()
     xr = c["x"].relu().permute(0, 2, 3, 1).contiguous()
-    return [((c["gc"], c["gi"], c["gv"], xr, c["geo"], 4, None), ALL), ((c["gc"], c["gi"], c["gv"], xr, c["geo"], 4,
-                                                                        [72, 1, 24, 8]), ALL)]
+    return [
+        ((c["gc"], c["gi"], c["gv"], xr, c["geo"], 4, None), ALL),
+        ((c["gc"], c["gi"], c["gv"], xr, c["geo"], 4, [72, 1, 24, 8]), ALL),
+    ]
 
 
 def _s_igrad_dy(native):
@@ -147,8 +165,10 @@ def _s_u_wc(native):
 def _s_u_fwd(native):
     u = _union()
     g2 = list(A.igrad_dy_geometry(u["geo"]))
-    return [((u["xop"].values, u["xop"].mask, u["wf"], u["b"], u["geo"], None, 1, 4), ALL),
-            ((u["gop"].values, u["gop"].mask, u["wfl"], None, g2, u["xop"].mask, 0, 2), ALL)]
+    return [
+        ((u["xop"].values, u["xop"].mask, u["wf"], u["b"], u["geo"], None, 1, 4), ALL),
+        ((u["gop"].values, u["gop"].mask, u["wfl"], None, g2, u["xop"].mask, 0, 2), ALL),
+    ]
 
 
 def _s_u_igrad_w(native):
@@ -197,8 +217,10 @@ def _s_sliced_ell(native, grad=True):
     x, b, v = torch.randn(3, 40, generator=_gen(1)), torch.randn(9, generator=_gen(2)), lay.values.clone()
     if grad:
         x, v, b = x.requires_grad_(), v.requires_grad_(), b.requires_grad_()
-    return [((x, lay.slice_ptr, lay.columns, v, b, 9, "none"), ALL), ((x, lay.slice_ptr, lay.columns, v, None, 9,
-                                                                       "gelu"), ALL)]
+    return [
+        ((x, lay.slice_ptr, lay.columns, v, b, 9, "none"), ALL),
+        ((x, lay.slice_ptr, lay.columns, v, None, 9, "gelu"), ALL),
+    ]
 
 
 def _s_bitmask(native, grad=True):
@@ -224,8 +246,26 @@ def _s_spmm(native, grad=True):
         b = torch.randn(7, generator=_gen(2))
         if grad:
             x, v, b = x.requires_grad_(), v.requires_grad_(), b.requires_grad_()
-        out.append(((x, plan.idx, v, plan.out_rows, b, 7, plan.units, plan.unit_entries, plan.unit_span, plan.gpb,
-                     plan.rpb, plan.interleaved, plan.offsets), ALL))
+        out.append(
+            (
+                (
+                    x,
+                    plan.idx,
+                    v,
+                    plan.out_rows,
+                    b,
+                    7,
+                    plan.units,
+                    plan.unit_entries,
+                    plan.unit_span,
+                    plan.gpb,
+                    plan.rpb,
+                    plan.interleaved,
+                    plan.offsets,
+                ),
+                ALL,
+            )
+        )
     return out
 
 

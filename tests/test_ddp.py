@@ -3,6 +3,7 @@
 Each rank trains on its half of every global batch; the result must equal single-process training
 on the whole batch: same values, same patterns, patterns identical on both ranks.
 """
+
 import os
 import socket
 import sys
@@ -55,8 +56,10 @@ def _train(model: nn.Module, inner: nn.Module, xs, ys):
 
 
 def _state(model: nn.Module):
-    return {n: (p.to_dense().detach().clone(), p.pattern().clone() if isinstance(p, sparsa.SparseTensor) else None)
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.to_dense().detach().clone(), p.pattern().clone() if isinstance(p, sparsa.SparseTensor) else None)
+        for n, p in model.named_parameters()
+    }
 
 
 #: seconds the two ranks get in all (they take a few here); past it the test fails instead of hanging

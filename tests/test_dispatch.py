@@ -1,4 +1,5 @@
 """Dispatcher: exact match, conversion path, dense fallback (warn once + counted), autograd."""
+
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ from sparsa.ops.dispatch import explain
 
 class _Tagged(Masked):
     """A private copy of Masked used to test routing without touching built-in registrations."""
+
     name = "_test_tagged"
 
 
@@ -150,8 +152,10 @@ def test_layout_registry_errors():
         register_layout(int)
 
 
-@pytest.mark.parametrize("layout, params", [("masked", {}), ("csr", {}), ("nm", {"n": 2, "m": 4}),
-                                            ("row_group", {"group": 8, "sparsity": 0.5})])
+@pytest.mark.parametrize(
+    "layout, params",
+    [("masked", {}), ("csr", {}), ("nm", {"n": 2, "m": 4}), ("row_group", {"group": 8, "sparsity": 0.5})],
+)
 def test_bad_operands_get_clear_errors(layout, params):
     w = sparsa.to_sparse(torch.randn(16, 32), layout, **params)
     with pytest.raises(ValueError, match="32"):

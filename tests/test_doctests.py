@@ -1,4 +1,5 @@
 """The examples in sparsa's docstrings run (public API documented with a runnable example)."""
+
 import doctest
 import importlib
 import pkgutil
@@ -8,8 +9,9 @@ import pytest
 
 import sparsa
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(sparsa.__path__, "sparsa.")
-                 if not m.name.startswith("sparsa.gpu"))
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(sparsa.__path__, "sparsa.") if not m.name.startswith("sparsa.gpu")
+)
 
 
 @pytest.mark.parametrize("name", MODULES)

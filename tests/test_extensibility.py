@@ -1,5 +1,6 @@
 """Acceptance #8: a new layout + sparsifier + linear implementation, defined here, plug into sparsify
 and the dispatcher with no library change."""
+
 import torch
 import torch.nn as nn
 
@@ -11,6 +12,7 @@ from sparsa.sparsifiers import Sparsifier
 # ---------------------------------------------------------------- the user's code (~60 lines)
 class RowsKept(Layout):
     """Row sparsity: the indices of the kept rows and their values."""
+
     name = "rows_kept"
 
     def __init__(self, rows, values, shape):
@@ -43,6 +45,7 @@ register_layout(RowsKept, replace=True)
 
 class TopRows(Sparsifier):
     """Keep the ``k`` rows with the largest L2 norm."""
+
     def __init__(self, k):
         self.k = k
 
@@ -71,6 +74,8 @@ class RowsKeptLinear:
         gw = g.new_zeros(g.shape[-1], x.shape[-1])
         gw[rows] = g[..., rows].reshape(-1, len(rows)).T @ x.reshape(-1, x.shape[-1])
         return g[..., rows] @ values, gw, g.reshape(-1, g.shape[-1]).sum(0)
+
+
 # ---------------------------------------------------------------- end of the user's code
 
 

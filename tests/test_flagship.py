@@ -1,4 +1,5 @@
 """The flagship demo's adaptive-training part runs end to end (quick sizes) and reports its figures."""
+
 import math
 
 import torch

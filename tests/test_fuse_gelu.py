@@ -1,4 +1,5 @@
 """fuse_gelu: Linear -> GELU pairs run as one row_group kernel with a GELU epilogue, same results."""
+
 import copy
 
 import pytest
@@ -14,8 +15,7 @@ from sparsa.nn.fuse import LinearGELU, fuse_gelu, is_exact_gelu
 
 def _mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.GELU(approximate="tanh"),
-                         nn.Linear(48, 8))
+    return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.GELU(approximate="tanh"), nn.Linear(48, 8))
 
 
 LAYOUTS = [("row_group", dict(group=8)), ("sliced_ell", {})]
@@ -30,7 +30,7 @@ def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
     x = torch.randn(5, 48).to(dtype)
     with torch.no_grad():
         ref = m(x)
-        assert fuse_gelu(m) == 1                   # the tanh GELU is not the kernel's GELU: left alone
+        assert fuse_gelu(m) == 1  # the tanh GELU is not the kernel's GELU: left alone
         assert isinstance(m[0], LinearGELU) and isinstance(m[1], nn.Identity)
         assert isinstance(m[3], nn.GELU) and type(m[2]) is nn.Linear
         out = m(x)
@@ -38,9 +38,13 @@ def test_sequential_pairs_fuse_and_match(dtype, layout, kw):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("layout, kw, module, fn, at", [
-    ("row_group", dict(group=8), rg, "row_group_linear_kernel", 6),
-    ("sliced_ell", {}, se, "sliced_ell_linear_kernel", 6)])
+@pytest.mark.parametrize(
+    "layout, kw, module, fn, at",
+    [
+        ("row_group", dict(group=8), rg, "row_group_linear_kernel", 6),
+        ("sliced_ell", {}, se, "sliced_ell_linear_kernel", 6),
+    ],
+)
 def test_fused_epilogue_runs_in_inference(monkeypatch, layout, kw, module, fn, at):
     m = _mlp()
     sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
@@ -63,14 +67,17 @@ def test_training_through_a_fused_model_matches(layout, kw):
     m(x).square().sum().backward()
     f(x).square().sum().backward()
     for (n, p), (_, q) in zip(m.named_parameters(), f.named_parameters()):
-        torch.testing.assert_close(q.grad if not isinstance(q.grad, sparsa.SparseTensor) else q.grad.to_dense(),
-                                   p.grad if not isinstance(p.grad, sparsa.SparseTensor) else p.grad.to_dense(),
-                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            q.grad if not isinstance(q.grad, sparsa.SparseTensor) else q.grad.to_dense(),
+            p.grad if not isinstance(p.grad, sparsa.SparseTensor) else p.grad.to_dense(),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_dense_linears_and_state_dict_untouched():
     m = _mlp()
-    assert fuse_gelu(m) == 0                      # nothing sparse: nothing to gain
+    assert fuse_gelu(m) == 0  # nothing sparse: nothing to gain
     sparsa.sparsify(m, OneShot(0.75, layout="row_group", layout_params={"group": 8}))
     keys = list(m.state_dict())
     fuse_gelu(m)
@@ -79,13 +86,20 @@ def test_dense_linears_and_state_dict_untouched():
 
 def test_bert_intermediate_is_fused():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                  vocab_size=100)
+    cfg = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(cfg).eval()
     names = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear) and ".layer." in n]
-    sparsa.sparsify(model, [sparsa.Rule(sparsifier=sparsa.methods.pattern.RowGroupSparsifier(0.5, group=16),
-                                        layout="row_group", names=names)])
+    sparsa.sparsify(
+        model,
+        [
+            sparsa.Rule(
+                sparsifier=sparsa.methods.pattern.RowGroupSparsifier(0.5, group=16), layout="row_group", names=names
+            )
+        ],
+    )
     ids = torch.randint(0, 100, (2, 9))
     with torch.no_grad():
         ref = model(ids).last_hidden_state

@@ -6,6 +6,7 @@ while this module's tests run, and restored otherwise; sparsa's kernels are deco
 so nothing leaks into other tests. With CUDA the same tests run the compiled kernels on the GPU.
 Shapes are tiny (the interpreter runs every program in Python) and deliberately not tile multiples.
 """
+
 import os
 import sys
 
@@ -18,8 +19,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _OLD = os.environ.get("TRITON_INTERPRET")
 if DEV == "cpu":
     if "triton" in sys.modules and _OLD != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file in its own "
-                    "process (pytest tests/test_gpu_triton.py)", allow_module_level=True)
+        pytest.skip(
+            "triton was imported before TRITON_INTERPRET=1 could be set; run this file in its own "
+            "process (pytest tests/test_gpu_triton.py)",
+            allow_module_level=True,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 try:
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton); the GPU kernels need it")
@@ -53,11 +57,13 @@ def _interpret():
 
 def _ws():
     from sparsa.gpu import weight_sparse
+
     return weight_sparse
 
 
 def _act():
     from sparsa.gpu import act_sparse
+
     return act_sparse
 
 
@@ -77,9 +83,15 @@ def _block_weight(gen, n, k, bs, density, dtype):
 
 # ----------------------------------------------------------------------------- block-sparse weight
 @FAST
-@given(m=st.integers(1, 40), n=st.integers(1, 50), k=st.integers(1, 50), density=st.sampled_from([0.0, 0.3, 1.0]),
-       bs=st.sampled_from([(16, 16), (16, 32), (32, 16)]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 50),
+    k=st.integers(1, 50),
+    density=st.sampled_from([0.0, 0.3, 1.0]),
+    bs=st.sampled_from([(16, 16), (16, 32), (32, 16)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
 def test_bsr_kernels_match_dense(m, n, k, density, bs, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     lay = BSR.from_dense(_block_weight(gen, n, k, bs, density, dtype).to(DEV), blocksize=bs)
@@ -110,9 +122,14 @@ def test_bsr_small_blocks_are_rejected_with_a_fix():
 
 # ----------------------------------------------------------------------------- N:M weight
 @FAST
-@given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 60),
-       nm=st.sampled_from([(2, 4), (1, 4), (2, 8), (3, 5), (1, 16)]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    k=st.integers(1, 60),
+    nm=st.sampled_from([(2, 4), (1, 4), (2, 8), (3, 5), (1, 16)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
 def test_nm_kernels_match_dense(m, n, k, nm, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     lay = NM.from_dense(torch.randn(n, k, generator=gen).to(dtype).to(DEV), n=nm[0], m=nm[1])
@@ -141,8 +158,7 @@ def test_dispatcher_routes_to_triton_and_gradients_match(kind, monkeypatch):
     calls = []
     for name in ("forward", "grad_input", "grad_weight"):
         fn = getattr(ws, f"{kind}_linear_{name}")
-        monkeypatch.setattr(ws, f"{kind}_linear_{name}",
-                            lambda *a, _fn=fn, _n=name: (calls.append(_n), _fn(*a))[1])
+        monkeypatch.setattr(ws, f"{kind}_linear_{name}", lambda *a, _fn=fn, _n=name: (calls.append(_n), _fn(*a))[1])
     gen = torch.Generator().manual_seed(0)
     if kind == "bsr":
         dense = _block_weight(gen, 40, 48, (16, 16), 0.5, torch.float32)
@@ -176,8 +192,9 @@ def test_dispatcher_uses_cpu_implementation_without_interpreter(monkeypatch):
     ws = _ws()
     monkeypatch.setattr(ws, "bsr_linear_forward", lambda *a: pytest.fail("Triton kernel ran on the CPU path"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    w = sparsa.to_sparse(_block_weight(torch.Generator().manual_seed(0), 32, 32, (16, 16), 0.5, torch.float32),
-                         "bsr", blocksize=(16, 16))
+    w = sparsa.to_sparse(
+        _block_weight(torch.Generator().manual_seed(0), 32, 32, (16, 16), 0.5, torch.float32), "bsr", blocksize=(16, 16)
+    )
     x = torch.randn(3, 32)
     torch.testing.assert_close(F.linear(x, w), x @ w.to_dense().T)
 
@@ -212,17 +229,23 @@ def test_compaction_lists_exactly_the_active_columns_and_rows():
     a = torch.relu(_relu_input(gen, 37, 70, "dead_channels", torch.float32)).to(DEV)
     c = _act().compact(a, block_m=16, block_k=16)
     for p in range(c.col_counts.shape[0]):
-        want = (a[p * 16:(p + 1) * 16] != 0).any(0).nonzero().flatten().tolist()
+        want = (a[p * 16 : (p + 1) * 16] != 0).any(0).nonzero().flatten().tolist()
         assert c.cols[p, : int(c.col_counts[p])].tolist() == want
     for q in range(c.row_counts.shape[0]):
-        want = (a[:, q * 16:(q + 1) * 16] != 0).any(1).nonzero().flatten().tolist()
+        want = (a[:, q * 16 : (q + 1) * 16] != 0).any(1).nonzero().flatten().tolist()
         assert c.rows[q, : int(c.row_counts[q])].tolist() == want
 
 
 @FAST
-@given(m=st.integers(1, 40), n=st.integers(1, 40), k=st.integers(1, 70),
-       pattern=st.sampled_from(["random", "dead_channels", "dead_rows", "all_zero", "dense"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), bias=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    m=st.integers(1, 40),
+    n=st.integers(1, 40),
+    k=st.integers(1, 70),
+    pattern=st.sampled_from(["random", "dead_channels", "dead_rows", "all_zero", "dense"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_act_sparse_linear_forward_backward_match_dense(m, n, k, pattern, dtype, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     z = _relu_input(gen, m, k, pattern, dtype).to(DEV)
@@ -309,6 +332,7 @@ def test_masked_activation_reference_path_off_gpu(monkeypatch):
 # ----------------------------------------------------------------------------- monitor
 def test_sampled_density_matches_the_same_sample_in_torch(monkeypatch):
     from sparsa.gpu import monitor
+
     x = torch.relu(torch.randn(3001, generator=torch.Generator().manual_seed(0))).to(DEV)
     exact = monitor.sampled_density(x, samples=10_000)
     assert float(exact) == pytest.approx(float((x != 0).float().mean()))
@@ -320,11 +344,12 @@ def test_sampled_density_matches_the_same_sample_in_torch(monkeypatch):
 
 def test_monitor_refreshes_every_k_steps():
     from sparsa.gpu.monitor import SparsityMonitor
+
     mon = SparsityMonitor(every=2, samples=64)
     assert mon.density is None
     mon.observe(torch.zeros(100, device=DEV))
     assert mon.density == 0.0
-    mon.observe(torch.ones(100, device=DEV))          # not due: keeps the old estimate
+    mon.observe(torch.ones(100, device=DEV))  # not due: keeps the old estimate
     assert mon.density == 0.0
     mon.observe(torch.ones(100, device=DEV))
     assert mon.density == 1.0
@@ -335,6 +360,7 @@ def test_monitor_refreshes_every_k_steps():
 # ----------------------------------------------------------------------------- availability / routing
 def test_semi_structured_is_never_used_on_cpu():
     from sparsa.gpu.semi_structured import semi_structured_supported, semi_structured_weight
+
     ok, why = semi_structured_supported()
     if not torch.cuda.is_available():
         assert not ok and "CUDA" in why
@@ -356,8 +382,13 @@ def test_device_impl_routes_by_predicate_and_falls_back_to_plain_impl():
 
     calls = []
     registry.register_impl("relu", (_Lay,), lambda ctx, x: calls.append("plain") or torch.relu(x.values))
-    registry.register_device_impl("relu", (_Lay,), lambda ctx, x: calls.append("dev") or torch.relu(x.values),
-                                  applies=lambda x: bool(x.values.sum() > 0), name="_test_dev")
+    registry.register_device_impl(
+        "relu",
+        (_Lay,),
+        lambda ctx, x: calls.append("dev") or torch.relu(x.values),
+        applies=lambda x: bool(x.values.sum() > 0),
+        name="_test_dev",
+    )
     impl = registry.lookup("relu", (_Lay,))
     ctx = type("C", (), {})()
     impl.forward(ctx, _Lay(torch.ones(2), torch.ones(2, dtype=torch.bool)))

@@ -14,6 +14,7 @@ imports in class bodies), so it also covers the cycle check ``tests/test_imports
 
 Quick check by hand: ``python -X importtime -c "import sparsa, sparsa.adaptive"``.
 """
+
 import ast
 import os
 import subprocess
@@ -86,7 +87,7 @@ def import_graph(deferred: bool = False, skip: Iterable[Tuple[str, str]] = ()) -
                 continue
             if node.level:
                 parts = pkg.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
             targets.add(base)
@@ -147,8 +148,9 @@ def test_graph_sees_the_modules_and_their_package_edges():
 
 def test_module_level_imports_have_no_cycle():
     found = cycles(import_graph())
-    assert not found, "module-level import cycles (move the shared piece into a lower module):\n" + \
-        "\n".join(" <-> ".join(c) for c in found)
+    assert not found, "module-level import cycles (move the shared piece into a lower module):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
 
 
 def _with_deferred(skip: Iterable[Tuple[str, str]] = ()) -> Dict[str, Set[str]]:
@@ -160,8 +162,9 @@ def _with_deferred(skip: Iterable[Tuple[str, str]] = ()) -> Dict[str, Set[str]]:
 
 def test_deferred_imports_close_only_the_known_cycles():
     found = cycles(_with_deferred(skip=KNOWN_DEFERRED_CYCLES))
-    assert not found, "import cycles closed by an import inside a function (late binding):\n" + \
-        "\n".join(" <-> ".join(c) for c in found)
+    assert not found, "import cycles closed by an import inside a function (late binding):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
     # each listed exception must still be needed, or it would hide the next cycle through that import
     for edge in KNOWN_DEFERRED_CYCLES:
         rest = [e for e in KNOWN_DEFERRED_CYCLES if e != edge]
@@ -207,8 +210,9 @@ def test_each_module_imports_alone():
     names = sorted(_modules())
     assert set(OPTIONAL_DEPENDENCY) <= set(names), "OPTIONAL_DEPENDENCY names a module that no longer exists"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _CHECK, *names], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK, *names], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr
     outcome = dict(line.split("\t", 1) for line in proc.stdout.splitlines() if "\t" in line)
     assert sorted(outcome) == names, f"no answer for: {sorted(set(names) - set(outcome))}"

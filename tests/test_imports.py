@@ -6,6 +6,7 @@ each in a process forked from that state (a fresh ``python -c "import sparsa.x.y
 cost a torch import each). An import cycle that only works from some entry point fails here. The import
 graph itself (module-level and deferred imports, no cycles) is checked in ``tests/test_import_graph.py``.
 """
+
 import os
 import subprocess
 import sys
@@ -91,14 +92,17 @@ def test_each_module_imports_alone():
     names = _module_names()
     assert "sparsa.adaptive" in names and "sparsa.ops.dispatch" in names
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _CHECK, *names], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK, *names], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, f"modules that fail to import alone:\n{proc.stdout}{proc.stderr}"
 
 
 def test_import_sparsa_and_adaptive_builds_nothing_and_sets_no_environment():
-    code = ("import os, sys; before = dict(os.environ); import sparsa, sparsa.adaptive; "
-            "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
-            "assert 'torch.utils.cpp_extension' not in sys.modules, 'a native build module was imported'")
+    code = (
+        "import os, sys; before = dict(os.environ); import sparsa, sparsa.adaptive; "
+        "assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items()); "
+        "assert 'torch.utils.cpp_extension' not in sys.modules, 'a native build module was imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
 """sparsa.save / sparsa.load: round trips, compression, atomicity, clear errors, no pickle."""
+
 import os
 import pickle
 
@@ -22,8 +23,14 @@ def _mlp(seed=0, hidden=32):
     return m
 
 
-CASES = [("masked", Magnitude(0.75)), ("csr", Magnitude(0.75)), ("coo", Magnitude(0.75)), ("nm", NM(2, 4)),
-         ("bsr", BlockMagnitude(0.5, (4, 4))), ("grouped_nm", GroupedNM(2, 4, 4))]
+CASES = [
+    ("masked", Magnitude(0.75)),
+    ("csr", Magnitude(0.75)),
+    ("coo", Magnitude(0.75)),
+    ("nm", NM(2, 4)),
+    ("bsr", BlockMagnitude(0.5, (4, 4))),
+    ("grouped_nm", GroupedNM(2, 4, 4)),
+]
 
 
 @pytest.mark.parametrize("layout, sp", CASES)
@@ -96,6 +103,7 @@ def test_tied_weights_stay_tied(tmp_path):
         m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
         m[1].weight = m[0].weight
         return m
+
     model = sparsa.sparsify(make(0), Magnitude(0.5))
     sparsa.save(model, tmp_path / "t.safetensors")
     fresh = sparsa.load(make(1), tmp_path / "t.safetensors")
@@ -209,6 +217,7 @@ def test_saved_checkpoint_gets_the_usual_file_mode(tmp_path):
     import stat
     import torch
     import sparsa
+
     lin = torch.nn.Linear(8, 4)
     sparsa.sparsify(lin, [sparsa.Rule(sparsifier=sparsa.sparsifiers.Magnitude(0.5), layout="csr")])
     path = tmp_path / "m.safetensors"

@@ -1,5 +1,6 @@
 """KernelOp calls: eager calls on plain tensors run the implementation directly; anything that must
 see the op (autograd on its inputs, dispatch modes, fake tensors, jit tracing) gets the op."""
+
 from __future__ import annotations
 
 import pytest

@@ -11,6 +11,7 @@ so a new layout cannot escape the suite. What a layout legitimately cannot do is
 ``EXCEPTIONS`` (with the reason), and the suite checks the documented behaviour there instead of
 skipping.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,15 @@ from hypothesis import given, settings, strategies as st
 from torch import Tensor
 
 import sparsa
-from sparsa.layouts import (GroupedNM, conversion_path, convert, grouped_nm_mask, nm_mask, registered_layouts,
-                            row_group_mask)
+from sparsa.layouts import (
+    GroupedNM,
+    conversion_path,
+    convert,
+    grouped_nm_mask,
+    nm_mask,
+    registered_layouts,
+    row_group_mask,
+)
 
 SETTINGS = settings(max_examples=10, deadline=None)
 
@@ -102,12 +110,13 @@ SPECS: Dict[str, Spec] = {
     "bsr": Spec(variants=({"blocksize": (2, 3)}, {"blocksize": (4, 4)}, {"blocksize": (1, 1)})),
     "bitmask": Spec(),
     "sliced_ell": Spec(),
-    "nm": Spec(variants=({"n": 2, "m": 4}, {"n": 1, "m": 3}), mask=_nm, exact=False, any_mask=False,
-               ndims=(2, 3)),
-    "grouped_nm": Spec(variants=({"n": 2, "m": 4, "g": 2}, {"n": 1, "m": 3, "g": 3}), mask=_grouped_nm,
-                       exact=False, any_mask=False),
-    "row_group": Spec(variants=({"group": 4}, {"group": 8}), mask=_row_group, exact=False, any_mask=False,
-                      auto={"sparsity": 0.5}),
+    "nm": Spec(variants=({"n": 2, "m": 4}, {"n": 1, "m": 3}), mask=_nm, exact=False, any_mask=False, ndims=(2, 3)),
+    "grouped_nm": Spec(
+        variants=({"n": 2, "m": 4, "g": 2}, {"n": 1, "m": 3, "g": 3}), mask=_grouped_nm, exact=False, any_mask=False
+    ),
+    "row_group": Spec(
+        variants=({"group": 4}, {"group": 8}), mask=_row_group, exact=False, any_mask=False, auto={"sparsity": 0.5}
+    ),
     "relu_compact": Spec(variants=({"slice": 128}, {"slice": 3}), mask=_positive, ndims=(2, 4)),
 }
 
@@ -117,14 +126,14 @@ KNOWN_BUGS: Dict[Tuple[str, str], str] = {}
 #: (layout, capability) -> why the layout cannot do it; the test asserts the documented behaviour
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
     ("dense", "sparse_linear"): "Dense is the dispatcher's name for a plain tensor: no sparse kernel exists, so "
-                                "F.linear runs densely through the counted fallback (and raises in strict mode)",
+    "F.linear runs densely through the counted fallback (and raises in strict mode)",
     ("dense", "structured_target"): "Dense stores every position: converting it to a structured layout passes "
-                                    "the full pattern, which the target rejects with a ValueError naming the "
-                                    "mask unless it fits (e.g. RowGroup, or N:M with fewer than n+1 columns)",
+    "the full pattern, which the target rejects with a ValueError naming the "
+    "mask unless it fits (e.g. RowGroup, or N:M with fewer than n+1 columns)",
     ("relu_compact", "negative_values"): "ReluCompact stores relu(x): from_dense without a mask keeps the positive "
-                                         "values (not every nonzero); a mask, a refill (so an optimizer step) or a "
-                                         "conversion that would store a negative value raises a ValueError naming "
-                                         "the mask. The suite checks that, and the value properties on data >= 0",
+    "values (not every nonzero); a mask, a refill (so an optimizer step) or a "
+    "conversion that would store a negative value raises a ValueError naming "
+    "the mask. The suite checks that, and the value properties on data >= 0",
 }
 
 
@@ -142,8 +151,10 @@ NAMES = sorted(SPECS)
 
 def test_every_library_layout_has_a_spec():
     missing = sorted(set(_library_layouts()) - set(SPECS))
-    assert not missing, (f"layouts {missing} are registered but have no entry in SPECS of "
-                         f"{os.path.basename(__file__)}: add one so the conformance suite covers them")
+    assert not missing, (
+        f"layouts {missing} are registered but have no entry in SPECS of "
+        f"{os.path.basename(__file__)}: add one so the conformance suite covers them"
+    )
     stale = sorted(set(SPECS) - set(_library_layouts()))
     assert not stale, f"SPECS names layouts that are not registered: {stale}"
     bad = sorted(k for k in list(EXCEPTIONS) + list(KNOWN_BUGS) if k[0] not in SPECS)
@@ -487,14 +498,18 @@ def test_grouped_nm_accepts_a_sparser_mask():
     (the exact matching behind it finds the assignment)."""
     # 2:4, g=2, one 12-column chunk (7 columns + 5 padding), 6 patterns used twice each. ``full`` uses
     # (0,1) (0,1) (1,3) (0,2) (0,2) (1,3) (0,3) and the padding (0,3) (2,3) (2,3) (1,2) (1,2).
-    full = torch.tensor([[1, 1, 0, 1, 1, 0, 1],
-                         [1, 1, 1, 0, 0, 1, 0],
-                         [0, 0, 0, 1, 1, 0, 0],
-                         [0, 0, 1, 0, 0, 1, 1]], dtype=torch.bool)
-    sub = torch.tensor([[1, 1, 0, 1, 1, 0, 1],   # found by the suite (hypothesis), shrunk by a search
-                        [0, 0, 0, 0, 0, 0, 0],
-                        [0, 0, 0, 0, 1, 0, 0],
-                        [0, 0, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    full = torch.tensor(
+        [[1, 1, 0, 1, 1, 0, 1], [1, 1, 1, 0, 0, 1, 0], [0, 0, 0, 1, 1, 0, 0], [0, 0, 1, 0, 0, 1, 1]], dtype=torch.bool
+    )
+    sub = torch.tensor(
+        [
+            [1, 1, 0, 1, 1, 0, 1],  # found by the suite (hypothesis), shrunk by a search
+            [0, 0, 0, 0, 0, 0, 0],
+            [0, 0, 0, 0, 1, 0, 0],
+            [0, 0, 1, 0, 0, 1, 0],
+        ],
+        dtype=torch.bool,
+    )
     assert bool((full | ~sub).all()), "sub is a subset of full"
     x = torch.randn(full.shape)
     try:

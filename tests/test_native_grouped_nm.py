@@ -1,4 +1,5 @@
 """GroupedNM linear: native kernels and pure-PyTorch fallback, forward and backward, vs the dense reference."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,18 @@ def test_registered_over_the_pure_torch_implementation():
 # ---------------------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 40), R=st.integers(1, 45), K=st.integers(1, 70), nm=st.sampled_from(NMS),
-       g=st.integers(1, 4), bias=st.booleans(), three_d=st.booleans(), noncontig=st.booleans(),
-       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 40),
+    R=st.integers(1, 45),
+    K=st.integers(1, 70),
+    nm=st.sampled_from(NMS),
+    g=st.integers(1, 4),
+    bias=st.booleans(),
+    three_d=st.booleans(),
+    noncontig=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
 def test_forward_matches_dense(path, T, R, K, nm, g, bias, three_d, noncontig, threads, seed):
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)
@@ -120,8 +130,9 @@ def test_plans_token_remainders(path, nm, T, threads):
 
 
 @pytest.mark.parametrize("path", ["native-avx512", "native-avx2", "fallback"])
-@pytest.mark.parametrize("m,R,K,unit_cols", [(4, 13, 200, 0), (4, 16, 300, 64), (10, 25, 410, 80), (2, 7, 33, 0),
-                                             (3, 9, 61, 12)])
+@pytest.mark.parametrize(
+    "m,R,K,unit_cols", [(4, 13, 200, 0), (4, 16, 300, 64), (10, 25, 410, 80), (2, 7, 33, 0), (3, 9, 61, 12)]
+)
 def test_block_pair_plans(path, m, R, K, unit_cols, monkeypatch):
     """Block-pair plans (1:m rows of two blocks share an entry; odd block counts, several units, varying runs)."""
     if path == "fallback":
@@ -175,9 +186,19 @@ def test_wrong_input_width_names_the_fix():
 # --------------------------------------------------------------------------------------------- backward
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 30), R=st.integers(1, 30), K=st.integers(1, 50), nm=st.sampled_from(NMS),
-       g=st.integers(1, 3), bias=st.booleans(), three_d=st.booleans(), noncontig=st.booleans(),
-       needs=st.sampled_from(["all", "x", "w"]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 30),
+    R=st.integers(1, 30),
+    K=st.integers(1, 50),
+    nm=st.sampled_from(NMS),
+    g=st.integers(1, 3),
+    bias=st.booleans(),
+    three_d=st.booleans(),
+    noncontig=st.booleans(),
+    needs=st.sampled_from(["all", "x", "w"]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
 def test_backward_matches_dense(path, T, R, K, nm, g, bias, three_d, noncontig, needs, threads, seed):
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(seed)

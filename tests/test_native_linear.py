@@ -1,4 +1,5 @@
 """RowGroup / SlicedELL layouts and their native linear kernels, against the dense reference."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,9 +54,17 @@ def _layout(kind, w, sparsity, group):
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @pytest.mark.parametrize("kind", ["row_group", "sliced_ell"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 40), R=st.integers(1, 70), K=st.integers(1, 90), group=st.sampled_from(GROUP_SIZES),
-       sparsity=st.floats(0.0, 0.97), bias=st.booleans(), three_d=st.booleans(), noncontig=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 40),
+    R=st.integers(1, 70),
+    K=st.integers(1, 90),
+    group=st.sampled_from(GROUP_SIZES),
+    sparsity=st.floats(0.0, 0.97),
+    bias=st.booleans(),
+    three_d=st.booleans(),
+    noncontig=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_forward_matches_dense(path, kind, T, R, K, group, sparsity, bias, three_d, noncontig, seed):
     gen = torch.Generator().manual_seed(seed)
     w = _layout(kind, torch.randn(R, K, generator=gen), sparsity, group)
@@ -125,13 +134,15 @@ def test_empty_tokens(path):
 
 
 # ---------------------------------------------------------------------------------------------- backward
-@pytest.mark.parametrize("kind,sparsity", [("row_group", 0.5), ("row_group", 0.9), ("sliced_ell", 0.5),
-                                           ("sliced_ell", 0.98)])
+@pytest.mark.parametrize(
+    "kind,sparsity", [("row_group", 0.5), ("row_group", 0.9), ("sliced_ell", 0.5), ("sliced_ell", 0.98)]
+)
 def test_gradcheck_float64(kind, sparsity):
     gen = torch.Generator().manual_seed(0)
     wd = torch.randn(9, 13, generator=gen, dtype=torch.float64)
-    mask = (row_group_mask(wd, sparsity, 4) if kind == "row_group"
-            else SlicedELL.from_dense(wd, sparsity=sparsity).mask())
+    mask = (
+        row_group_mask(wd, sparsity, 4) if kind == "row_group" else SlicedELL.from_dense(wd, sparsity=sparsity).mask()
+    )
     params = {"group": 4} if kind == "row_group" else {}
     x = torch.randn(2, 2, 13, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(9, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -145,8 +156,10 @@ def test_gradcheck_float64(kind, sparsity):
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("kind,sparsity", [("row_group", 0.5), ("row_group", 0.92), ("sliced_ell", 0.6),
-                                           ("sliced_ell", 0.93), ("sliced_ell", 0.99)])
+@pytest.mark.parametrize(
+    "kind,sparsity",
+    [("row_group", 0.5), ("row_group", 0.92), ("sliced_ell", 0.6), ("sliced_ell", 0.93), ("sliced_ell", 0.99)],
+)
 @pytest.mark.parametrize("needs", ["all", "x", "w"])
 def test_backward_matches_dense_fp32(path, kind, sparsity, needs):
     gen = torch.Generator().manual_seed(1)
@@ -169,6 +182,7 @@ def test_backward_matches_dense_fp32(path, kind, sparsity, needs):
 
 def test_backward_only_computes_what_is_needed():
     w = sparsa.to_sparse(torch.randn(8, 6), "row_group", sparsity=0.5, group=4)
+
     class Ctx:
         def save_for_backward(self, *t):
             self.saved_tensors = t
@@ -197,6 +211,7 @@ def test_torch_compile_eager_backend(kind):
 
 def test_custom_ops_have_fake_impls():
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     rg = RowGroup.from_dense(torch.randn(20, 12), group=8, sparsity=0.5)
     e = SlicedELL.from_dense(torch.randn(20, 12), sparsity=0.5)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -207,8 +222,13 @@ def test_custom_ops_have_fake_impls():
 
 # ---------------------------------------------------------------------------------------------- layouts
 @settings(max_examples=30, deadline=None)
-@given(R=st.integers(1, 40), K=st.integers(1, 40), group=st.sampled_from(GROUP_SIZES), sparsity=st.floats(0, 0.95),
-       seed=st.integers(0, 2**16))
+@given(
+    R=st.integers(1, 40),
+    K=st.integers(1, 40),
+    group=st.sampled_from(GROUP_SIZES),
+    sparsity=st.floats(0, 0.95),
+    seed=st.integers(0, 2**16),
+)
 def test_row_group_layout_roundtrip(R, K, group, sparsity, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(R, K, generator=gen)
@@ -230,7 +250,7 @@ def test_row_group_mask_with_uneven_groups_pads_with_zeros():
     w = torch.randn(8, 6)
     mask = torch.zeros(8, 6, dtype=torch.bool)
     mask[:4, [0, 2, 5]] = True  # group 0 keeps 3 columns
-    mask[4:, [1]] = True        # group 1 keeps 1: padded to 3 with zero values
+    mask[4:, [1]] = True  # group 1 keeps 1: padded to 3 with zero values
     rg = RowGroup.from_dense(w, mask=mask, group=4)
     assert rg.kept == 3
     assert torch.equal(rg.to_dense(), w * mask)

@@ -3,6 +3,7 @@
 The decision is tested with a fake timer (``sparsa.nn.linears.linear_costs`` monkeypatched); real
 timing only runs to check that it returns a positive ratio, never how large it is.
 """
+
 import copy
 
 import pytest
@@ -116,8 +117,9 @@ def test_dense_where_slower_injectable_timer_and_margin():
     assert not any(isinstance(p, sparsa.SparseTensor) for p in m.parameters())
 
 
-@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-3, ValueError), (1.5, TypeError), ("yes", TypeError),
-                                      (None, TypeError)])
+@pytest.mark.parametrize(
+    "bad, exc", [(0, ValueError), (-3, ValueError), (1.5, TypeError), ("yes", TypeError), (None, TypeError)]
+)
 def test_bad_only_if_faster_names_the_argument(bad, exc):
     m = _model()
     with pytest.raises(exc, match="only_if_faster"):
@@ -125,8 +127,15 @@ def test_bad_only_if_faster_names_the_argument(bad, exc):
     assert not any(isinstance(p, sparsa.SparseTensor) for p in m.parameters())  # checked before converting
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(tokens=0), "tokens"), (dict(tokens=True), "tokens"),
-                                           (dict(margin=-0.1), "margin"), (dict(margin=float("nan")), "margin")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tokens=0), "tokens"),
+        (dict(tokens=True), "tokens"),
+        (dict(margin=-0.1), "margin"),
+        (dict(margin=float("nan")), "margin"),
+    ],
+)
 def test_bad_dense_where_slower_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         linears.dense_where_slower(_model(), **kwargs)
@@ -192,6 +201,7 @@ def test_bad_dtypes_names_the_argument(bad):
 
 def test_real_costs_are_cached_per_cpu_and_shape(tmp_path, monkeypatch):
     from sparsa import cost_model
+
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
     w = sparsa.to_sparse(torch.randn(16, 32), "row_group", sparsity=0.5, group=4)
     first = linears.linear_costs(w, None, 4)

@@ -1,5 +1,6 @@
 """One registration makes an op implementation reachable at the torch-function and the aten level, and
 its handle unregisters it (restoring what it replaced, invalidating the dispatch caches)."""
+
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ def _masked():
 
 class MaskedSin:
     """sin keeps the pattern: sin(0) = 0."""
+
     calls = 0
 
     @staticmethod
@@ -36,10 +38,10 @@ def test_a_torch_function_becomes_an_op_at_both_levels_and_goes_away_on_remove()
         assert sparsa.ops.OPS["sin"] == 1
         MaskedSin.calls = 0
         with sparsa.strict():
-            out = torch.sin(s)                                  # torch-function level
+            out = torch.sin(s)  # torch-function level
             assert out.layout_name == "masked" and MaskedSin.calls == 1
-            assert s.sin().layout_name == "masked"              # the method is the same op
-            with torch._C.DisableTorchFunctionSubclass():       # aten level: aten.sin.default
+            assert s.sin().layout_name == "masked"  # the method is the same op
+            with torch._C.DisableTorchFunctionSubclass():  # aten level: aten.sin.default
                 low = torch.sin(s)
             assert MaskedSin.calls == 3 and isinstance(low, sparsa.SparseTensor)
         torch.testing.assert_close(out.to_dense(), torch.sin(s.to_dense()))
@@ -67,6 +69,7 @@ def test_gradient_through_a_registered_torch_function():
 @sparsa.layouts.register_layout
 class _Unconvertible(Masked):
     """A layout with no registered conversion to any other."""
+
     name = "_test_reg_unconvertible"
 
 
@@ -107,8 +110,9 @@ def test_remove_of_a_new_registration_leaves_no_entry():
 
 def test_device_registration_handle():
     calls = []
-    reg = registry.register_device_impl("relu", (COO,), lambda ctx, x: calls.append(1) or x,
-                                        applies=lambda x: True, name="_test_dev")
+    reg = registry.register_device_impl(
+        "relu", (COO,), lambda ctx, x: calls.append(1) or x, applies=lambda x: True, name="_test_dev"
+    )
     s = sparsa.to_sparse(torch.tensor([0.0, 1.0]), COO)
     torch.relu(s)
     assert calls == [1]

@@ -1,4 +1,5 @@
 """The pure-PyTorch operator implementations against the dense reference (forward, backward, dispatch)."""
+
 import warnings
 
 import pytest
@@ -163,8 +164,10 @@ def test_matmul_family_gradcheck(layout, params):
     assert torch.autograd.gradcheck(lambda w, y: torch.matmul(sp(w), y), (w, torch.randn(7, **dd)))
     assert torch.autograd.gradcheck(lambda x, w: torch.mm(x, sp(w)), (torch.randn(3, 4, **dd), w))
     assert torch.autograd.gradcheck(lambda w, y: torch.mm(sp(w), y), (w, torch.randn(7, 2, **dd)))
-    assert torch.autograd.gradcheck(lambda i, x, w: torch.addmm(i, x, sp(w), beta=0.5, alpha=2.0),
-                                    (torch.randn(7, **dd), torch.randn(3, 4, **dd), w))
+    assert torch.autograd.gradcheck(
+        lambda i, x, w: torch.addmm(i, x, sp(w), beta=0.5, alpha=2.0),
+        (torch.randn(7, **dd), torch.randn(3, 4, **dd), w),
+    )
     assert sparsa.fallback_counts() == {}
 
 
@@ -199,8 +202,11 @@ def test_bmm_gradcheck(layout):
 
 @pytest.mark.parametrize("layout", POINTWISE)
 @SETTINGS
-@given(shape=st.lists(ODD, min_size=1, max_size=3), seed=st.integers(0, 999),
-       bshape=st.sampled_from(["same", "last", "scalar"]))
+@given(
+    shape=st.lists(ODD, min_size=1, max_size=3),
+    seed=st.integers(0, 999),
+    bshape=st.sampled_from(["same", "last", "scalar"]),
+)
 def test_pointwise_matches_dense(layout, shape, seed, bshape):
     torch.manual_seed(seed)
     a = torch.randn(shape)

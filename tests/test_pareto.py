@@ -1,5 +1,6 @@
 """benchmarks/pareto.py and sparsa.frontier: the grid's pieces on a tiny random BERT, the frontier on
 hand-made points, the pattern configurations and the README text domain. No timing assertions."""
+
 import json
 import os
 import sys
@@ -15,8 +16,15 @@ sys.path.insert(0, str(ROOT))
 import pareto  # noqa: E402
 import tables  # noqa: E402
 
-from sparsa.frontier import (DenseBaselines, grouped_nm_for, highest_passing, pareto_frontier,  # noqa: E402
-                             pattern_config, prune_copy, top1_agreement)
+from sparsa.frontier import (  # noqa: E402
+    DenseBaselines,
+    grouped_nm_for,
+    highest_passing,
+    pareto_frontier,
+    pattern_config,
+    prune_copy,
+    top1_agreement,
+)
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -28,9 +36,11 @@ def test_frontier_on_hand_made_points():
 
 
 def test_mark_frontier_counts_the_best_dense_point():
-    rows = [{"speedup_vs_best_dense": 0.9, "quality_cosine": 0.99},   # slower than dense and worse: off
-            {"speedup_vs_best_dense": 2.0, "quality_cosine": 0.80},
-            {"speedup_vs_best_dense": 1.5, "quality_cosine": 0.70}]
+    rows = [
+        {"speedup_vs_best_dense": 0.9, "quality_cosine": 0.99},  # slower than dense and worse: off
+        {"speedup_vs_best_dense": 2.0, "quality_cosine": 0.80},
+        {"speedup_vs_best_dense": 1.5, "quality_cosine": 0.70},
+    ]
     assert [r["on_frontier"] for r in pareto.mark_frontier(rows)] == [False, True, False]
 
 
@@ -66,12 +76,18 @@ def test_pattern_configs():
         with pytest.raises(ValueError):
             pattern_config(bad, 0.5)
     cfgs = pareto.configs(["2:4", "unstructured", "grouped_nm"], [0.5, 0.6])
-    assert [(c.label, c.sparsity) for c in cfgs] == [("2:4", 0.5), ("sliced_ell", 0.5), ("sliced_ell", 0.6),
-                                                     ("grouped_nm2:4", 0.5), ("grouped_nm2:5", 0.6)]
+    assert [(c.label, c.sparsity) for c in cfgs] == [
+        ("2:4", 0.5),
+        ("sliced_ell", 0.5),
+        ("sliced_ell", 0.6),
+        ("grouped_nm2:4", 0.5),
+        ("grouped_nm2:5", 0.6),
+    ]
 
 
 def test_readme_domain_is_deterministic_and_apart_from_docstrings():
     from sparsa.data.text import readme_sentences, stdlib_sentences
+
     a, b = readme_sentences(), readme_sentences()
     assert a == b and len(a) >= 50
     assert set(a).isdisjoint(stdlib_sentences())
@@ -89,9 +105,11 @@ def tiny():
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     from sparsa.models.minilm import model_dir
+
     torch.manual_seed(0)
-    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                 intermediate_size=64)).eval()
+    model = BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    ).eval()
     return model, AutoTokenizer.from_pretrained(str(model_dir()), local_files_only=True)
 
 
@@ -112,13 +130,20 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
     assert set(base.ms) == {"fp32", "bf16"} and base.best in base.ms
     speed = pareto.speed_rows(model, cfgs, base, log=lambda s: None)
     assert set(speed) == {("sliced_ell", 0.5), ("row_group4", 0.5)}
-    quality, skipped = pareto.quality_rows(model, tok, cfgs, ["magnitude", "wanda"], calibration, held,
-                                           log=lambda s: None)
+    quality, skipped = pareto.quality_rows(
+        model, tok, cfgs, ["magnitude", "wanda"], calibration, held, log=lambda s: None
+    )
     assert len(quality) == 4 and skipped == []
     rows = pareto.merge(quality, speed, "test-cpu")
     for r in rows:
-        for k in pareto.ROW_KEYS + ("cosine_docstrings", "cosine_readme", "top1_docstrings", "top1_readme",
-                                    "on_frontier", "label"):
+        for k in pareto.ROW_KEYS + (
+            "cosine_docstrings",
+            "cosine_readme",
+            "top1_docstrings",
+            "top1_readme",
+            "on_frontier",
+            "label",
+        ):
             assert k in r, k
         assert r["cpu"] == "test-cpu" and r["recovered"] is False and -1.0 <= r["quality_cosine"] <= 1.0
         assert 0.0 <= r["quality_top1"] <= 1.0 and r["speedup_vs_best_dense"] > 0
@@ -130,8 +155,7 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
     gnm = pareto.configs(["grouped_nm"], [0.75])
     q2, sk2 = pareto.quality_rows(model, tok, gnm, ["sparsegpt"], calibration, held, log=lambda s: None)
     assert q2 == [] and "grouped_nm" in sk2[0]["reason"]
-    q3, sk3 = pareto.quality_rows(model, tok, cfgs, ["magnitude"], calibration, held, deadline=0.0,
-                                  log=lambda s: None)
+    q3, sk3 = pareto.quality_rows(model, tok, cfgs, ["magnitude"], calibration, held, deadline=0.0, log=lambda s: None)
     assert q3 == [] and len(sk3) == 2 and all(s["reason"] == "--budget spent" for s in sk3)
 
 
@@ -146,20 +170,59 @@ def test_recovered_row_on_a_tiny_bert(tiny):
     model, tok = tiny
     cfgs = pareto.configs(["row_group4"], [0.5])
     cal, distill, held = pareto.texts(8, 6, 16)
-    q, sk = pareto.quality_rows(model, tok, cfgs, [], pareto._batches(tok, cal, 8), held, [("row_group4", 0.5)],
-                                ["magnitude"], pareto._batches(tok, distill, 8, 32), 2.0, log=lambda s: None)
+    q, sk = pareto.quality_rows(
+        model,
+        tok,
+        cfgs,
+        [],
+        pareto._batches(tok, cal, 8),
+        held,
+        [("row_group4", 0.5)],
+        ["magnitude"],
+        pareto._batches(tok, distill, 8, 32),
+        2.0,
+        log=lambda s: None,
+    )
     assert sk == [] and len(q) == 1 and q[0]["recovered"] is True and q[0]["recover_steps"] >= 1
 
 
 def test_tables_render_a_pareto_section(tmp_path):
     cls = tmp_path / "test-cpu"
     cls.mkdir()
-    rows = [dict(method="wanda", pattern="unstructured", layout="sliced_ell", label="sliced_ell", sparsity=0.5,
-                 recovered=False, quality_cosine=0.9, quality_top1=0.8, cosine_docstrings=0.91, cosine_readme=0.89,
-                 top1_docstrings=0.8, top1_readme=0.8, speedup_vs_best_dense=1.2, speedup_vs_dense=1.2,
-                 best_dense="fp32", cpu="test-cpu", on_frontier=True)]
-    (cls / "pareto.json").write_text(json.dumps({"benchmark": "pareto", "cpu": {"class": "test-cpu"}, "rows": rows,
-                                                 "skipped": [], "quick": True, "seconds": 1.0, "threads": 2}))
+    rows = [
+        dict(
+            method="wanda",
+            pattern="unstructured",
+            layout="sliced_ell",
+            label="sliced_ell",
+            sparsity=0.5,
+            recovered=False,
+            quality_cosine=0.9,
+            quality_top1=0.8,
+            cosine_docstrings=0.91,
+            cosine_readme=0.89,
+            top1_docstrings=0.8,
+            top1_readme=0.8,
+            speedup_vs_best_dense=1.2,
+            speedup_vs_dense=1.2,
+            best_dense="fp32",
+            cpu="test-cpu",
+            on_frontier=True,
+        )
+    ]
+    (cls / "pareto.json").write_text(
+        json.dumps(
+            {
+                "benchmark": "pareto",
+                "cpu": {"class": "test-cpu"},
+                "rows": rows,
+                "skipped": [],
+                "quick": True,
+                "seconds": 1.0,
+                "threads": 2,
+            }
+        )
+    )
     text = tables.render(tmp_path)
     assert "python benchmarks/pareto.py" in text and "sliced_ell" in text and "0.900" in text
     assert "test-cpu" in tables.readme_summary(tmp_path)

@@ -1,4 +1,5 @@
 """``sparsa prune``'s pattern x layout check, the grouped N:M fast paths and the frontier/prune split."""
+
 import ast
 from pathlib import Path
 
@@ -35,17 +36,25 @@ def test_every_pattern_layout_pair_works_or_names_the_fix(pattern, layout):
             return
         assert f"--layout {layout} stores --pattern" in msg
         assert f"--pattern {pattern} can be stored with --layout" in msg
-        assert "GroupedNMSparsifier" not in msg   # a Python-API hint does not help a command-line user
+        assert "GroupedNMSparsifier" not in msg  # a Python-API hint does not help a command-line user
         assert layout in ("nm", "grouped_nm", "row_group"), f"{layout} stores any mask: {msg}"
 
 
 def test_default_layouts():
-    assert [default_layout(p) for p in PATTERNS] == ["masked", "nm", "nm", "nm", "grouped_nm", "grouped_nm",
-                                                     "row_group"]
+    assert [default_layout(p) for p in PATTERNS] == [
+        "masked",
+        "nm",
+        "nm",
+        "nm",
+        "grouped_nm",
+        "grouped_nm",
+        "row_group",
+    ]
 
 
-@pytest.mark.parametrize("pattern, needle", [("2:x", "--pattern must be"), ("5:4", "--pattern '5:4'"),
-                                             ("blocky", "--pattern must be")])
+@pytest.mark.parametrize(
+    "pattern, needle", [("2:x", "--pattern must be"), ("5:4", "--pattern '5:4'"), ("blocky", "--pattern must be")]
+)
 def test_bad_pattern_names_the_argument(pattern, needle):
     with pytest.raises(ValueError, match=needle):
         check_pattern_layout(pattern, 0.5, "masked")
@@ -53,8 +62,14 @@ def test_bad_pattern_names_the_argument(pattern, needle):
 
 def _old_assign(monkeypatch):
     """The layout built by the greedy search alone (the forced-assignment fast path off)."""
-    monkeypatch.setattr(gnm, "_forced_assign", lambda kb, counts, n, g, pat: (
-        torch.zeros(kb.shape[:2], dtype=torch.int64), torch.zeros(kb.shape[0], dtype=torch.bool)))
+    monkeypatch.setattr(
+        gnm,
+        "_forced_assign",
+        lambda kb, counts, n, g, pat: (
+            torch.zeros(kb.shape[:2], dtype=torch.int64),
+            torch.zeros(kb.shape[0], dtype=torch.bool),
+        ),
+    )
 
 
 @pytest.mark.parametrize("shape", [(8, 24), (13, 30), (64, 50), (1, 5), (0, 7)])
@@ -65,7 +80,7 @@ def test_grouped_nm_fast_paths_match_the_search(shape, nmg, monkeypatch):
     for w in (torch.randn(shape), torch.randint(-1, 2, shape).float()):
         mask = gnm.grouped_nm_mask(w, n, m, g)
         fast = gnm.GroupedNM.from_dense(w, mask=mask, n=n, m=m, g=g)
-        assert torch.equal(fast.mask(), mask)   # grouped_nm_mask = the positions the layout keeps
+        assert torch.equal(fast.mask(), mask)  # grouped_nm_mask = the positions the layout keeps
         assert torch.equal(gnm.GroupedNM.from_dense(w, n=n, m=m, g=g).mask(), mask)
         partial = mask & (torch.rand(shape) > 0.3)
         with monkeypatch.context() as mp:
@@ -88,8 +103,11 @@ def _imports(path: Path):
     """(module-level?, module) of every ``from . import x`` / ``from .x import`` in ``path``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     top = {id(n) for n in tree.body}
-    return [(id(n) in top, n.module or ".".join(a.name for a in n.names))
-            for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
+    return [
+        (id(n) in top, n.module or ".".join(a.name for a in n.names))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.level
+    ]
 
 
 def test_frontier_and_prune_import_one_way():

@@ -1,5 +1,6 @@
 """sparsa.recover: gradual pruning + distillation ends in exactly the pattern at the target, for every
 pattern and layout; it beats one-shot pruning on a toy; bad arguments are named."""
+
 import copy
 
 import pytest
@@ -47,10 +48,10 @@ def _check_pattern(w, pattern, target):
     elif pattern in ("2:4", "4:8") and w.layout_name == "nm":
         n, m = (int(v) for v in pattern.split(":"))
         assert mask.reshape(rows, cols // m, m).sum(-1).eq(n).all()
-    elif "2:4" in pattern:           # grouped 2:4: in every block of 4 rows each column keeps 2
+    elif "2:4" in pattern:  # grouped 2:4: in every block of 4 rows each column keeps 2
         assert mask.reshape(rows // 4, 4, cols).sum(1).eq(2).all()
-    else:                             # row groups: consecutive rows share their columns
-        g = int(pattern[len("row_group"):])
+    else:  # row groups: consecutive rows share their columns
+        g = int(pattern[len("row_group") :])
         grouped = mask.reshape(rows // g, g, cols)
         assert grouped.eq(grouped[:, :1]).all()
         assert mask.sum(1).tolist() == [cols - round(target * cols)] * rows
@@ -63,8 +64,9 @@ def _check_pattern(w, pattern, target):
 def test_every_pattern_ends_exact(pattern, layout, target, layout_name):
     teacher = _mlp()
     model = copy.deepcopy(teacher)
-    rep = sparsa.recover(model, teacher, _batches(), target_sparsity=target, pattern=pattern, layout=layout,
-                         steps=10, progress=False)
+    rep = sparsa.recover(
+        model, teacher, _batches(), target_sparsity=target, pattern=pattern, layout=layout, steps=10, progress=False
+    )
     assert rep.steps == 10 and rep.final_step == 7 and len(rep.losses) == 10
     assert rep.layout == layout_name and sorted(rep.sparsity) == LINEARS
     for n in LINEARS:
@@ -84,8 +86,9 @@ def test_every_pattern_ends_exact(pattern, layout, target, layout_name):
 def test_one_shot_start(init, pattern, target):
     teacher = _mlp()
     model = copy.deepcopy(teacher)
-    rep = sparsa.recover(model, teacher, _batches(), target_sparsity=target, pattern=pattern, init=init, steps=6,
-                         progress=False)
+    rep = sparsa.recover(
+        model, teacher, _batches(), target_sparsity=target, pattern=pattern, init=init, steps=6, progress=False
+    )
     assert rep.init == init
     for n in LINEARS:
         _check_pattern(model.get_submodule(n).weight, pattern, target)
@@ -99,15 +102,16 @@ def _held_out_loss(model, teacher, xs):
 def test_recovery_beats_one_shot_and_fine_tuning_lowers_the_loss():
     teacher = _mlp(seed=3)
     train, held_out = _batches(8, seed=4), _batches(4, seed=5)
-    one_shot = sparsa.sparsify(copy.deepcopy(teacher), sparsa.Rule(sparsifier=Magnitude(0.9, per="row"),
-                                                                   module_types=nn.Linear))
+    one_shot = sparsa.sparsify(
+        copy.deepcopy(teacher), sparsa.Rule(sparsifier=Magnitude(0.9, per="row"), module_types=nn.Linear)
+    )
     model = copy.deepcopy(teacher)
     rep = sparsa.recover(model, teacher, train, target_sparsity=0.9, steps=200, lr=3e-3, progress=False)
     assert rep.overall_sparsity == pytest.approx(0.9, abs=0.01)
     recovered, pruned = _held_out_loss(model, teacher, held_out), _held_out_loss(one_shot, teacher, held_out)
     assert recovered < 0.5 * pruned, (recovered, pruned)
     # at the final pattern the loss falls while it fine-tunes
-    after_prune = sum(rep.losses[rep.final_step:rep.final_step + 8]) / 8
+    after_prune = sum(rep.losses[rep.final_step : rep.final_step + 8]) / 8
     assert sum(rep.losses[-8:]) / 8 < after_prune
 
 
@@ -115,8 +119,9 @@ def test_time_budget_progress_and_checkpoint(tmp_path, capsys):
     teacher = _mlp()
     model = copy.deepcopy(teacher)
     path = tmp_path / "m.safetensors"
-    rep = sparsa.recover(model, teacher, _batches(), target_sparsity=0.75, time_budget=0.3, checkpoint=path,
-                         progress=True)
+    rep = sparsa.recover(
+        model, teacher, _batches(), target_sparsity=0.75, time_budget=0.3, checkpoint=path, progress=True
+    )
     assert rep.steps >= 1 and rep.checkpoint == str(path) and path.exists()
     for n in LINEARS:
         _check_pattern(model.get_submodule(n).weight, "unstructured", 0.75)
@@ -129,11 +134,14 @@ def test_time_budget_progress_and_checkpoint(tmp_path, capsys):
 
 def test_continues_from_a_pruned_model_and_per_layer_allocation():
     teacher = _mlp()
-    model = sparsa.sparsify(copy.deepcopy(teacher), sparsa.Rule(sparsifier=Magnitude(0.5, per="row"), layout="masked",
-                                                                 module_types=nn.Linear))
+    model = sparsa.sparsify(
+        copy.deepcopy(teacher),
+        sparsa.Rule(sparsifier=Magnitude(0.5, per="row"), layout="masked", module_types=nn.Linear),
+    )
     alloc = {"0": 0.5, "2": 0.875, "4": 0.75}
-    rep = sparsa.recover(model, teacher, _batches(), target_sparsity=0.75, allocation=alloc, names=LINEARS,
-                         steps=8, progress=False)
+    rep = sparsa.recover(
+        model, teacher, _batches(), target_sparsity=0.75, allocation=alloc, names=LINEARS, steps=8, progress=False
+    )
     assert rep.targets == alloc
     for n, s in alloc.items():
         assert rep.sparsity[n] == pytest.approx(s)
@@ -143,29 +151,49 @@ def test_continues_from_a_pruned_model_and_per_layer_allocation():
 def test_owl_allocation_keeps_the_overall_target():
     teacher = _mlp()
     with torch.no_grad():
-        teacher[2].weight[:, :3] *= 30.0          # outliers in layer "2": OWL keeps more of it
+        teacher[2].weight[:, :3] *= 30.0  # outliers in layer "2": OWL keeps more of it
     model = copy.deepcopy(teacher)
     rep = sparsa.recover(model, teacher, _batches(), target_sparsity=0.7, allocation="owl", steps=6, progress=False)
     sizes = {n: model.get_submodule(n).weight.numel() for n in LINEARS}
     mean_target = sum(sizes[n] * rep.targets[n] for n in LINEARS) / sum(sizes.values())
     assert mean_target == pytest.approx(0.7, abs=1e-9)
-    assert rep.overall_sparsity == pytest.approx(0.7, abs=0.01)     # per-row rounding only
+    assert rep.overall_sparsity == pytest.approx(0.7, abs=0.01)  # per-row rounding only
     assert rep.targets["2"] < 0.7 - 0.05 and rep.targets["0"] > 0.7 and rep.targets["4"] > 0.7
 
 
 def test_tiny_bert_with_dict_batches():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     teacher = transformers.BertModel(cfg).eval()
     model = copy.deepcopy(teacher)
     g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, 100, (4, 12), generator=g),
-                "attention_mask": torch.ones(4, 12, dtype=torch.long)} for _ in range(3)]
+    batches = [
+        {
+            "input_ids": torch.randint(0, 100, (4, 12), generator=g),
+            "attention_mask": torch.ones(4, 12, dtype=torch.long),
+        }
+        for _ in range(3)
+    ]
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layer." in n]
-    rep = sparsa.recover(model, teacher, batches, target_sparsity=0.5, pattern="2:4", names=names, steps=4,
-                         init="sparsegpt", progress=False)
+    rep = sparsa.recover(
+        model,
+        teacher,
+        batches,
+        target_sparsity=0.5,
+        pattern="2:4",
+        names=names,
+        steps=4,
+        init="sparsegpt",
+        progress=False,
+    )
     assert sorted(rep.sparsity) == sorted(names)
     for n in names:
         _check_pattern(model.get_submodule(n).weight, "2:4", 0.5)
@@ -174,22 +202,25 @@ def test_tiny_bert_with_dict_batches():
         assert model(**batches[0]).last_hidden_state.shape == (4, 12, 32)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(target_sparsity=1.0), "target_sparsity"),
-    (dict(target_sparsity=-0.1), "target_sparsity"),
-    (dict(target_sparsity=0.5, pattern="diagonal"), "pattern"),
-    (dict(target_sparsity=0.5, time_budget=0), "time_budget"),
-    (dict(target_sparsity=0.5, time_budget=-3.0), "time_budget"),
-    (dict(target_sparsity=0.7, pattern="2:4"), "target_sparsity"),
-    (dict(target_sparsity=0.5, init="obs"), "init"),
-    (dict(target_sparsity=0.5, names=["1"]), "names"),
-    (dict(target_sparsity=0.5, allocation="erk"), "allocation"),
-    (dict(target_sparsity=0.5, allocation={"0": 0.5}), "allocation"),
-    (dict(target_sparsity=0.5, pattern="2:4", allocation="owl"), "allocation"),
-    (dict(target_sparsity=0.5, layout="nm"), "layout"),
-    (dict(target_sparsity=0.5, lr=0.0), "lr"),
-    (dict(target_sparsity=0.5, steps=0), "steps"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(target_sparsity=1.0), "target_sparsity"),
+        (dict(target_sparsity=-0.1), "target_sparsity"),
+        (dict(target_sparsity=0.5, pattern="diagonal"), "pattern"),
+        (dict(target_sparsity=0.5, time_budget=0), "time_budget"),
+        (dict(target_sparsity=0.5, time_budget=-3.0), "time_budget"),
+        (dict(target_sparsity=0.7, pattern="2:4"), "target_sparsity"),
+        (dict(target_sparsity=0.5, init="obs"), "init"),
+        (dict(target_sparsity=0.5, names=["1"]), "names"),
+        (dict(target_sparsity=0.5, allocation="erk"), "allocation"),
+        (dict(target_sparsity=0.5, allocation={"0": 0.5}), "allocation"),
+        (dict(target_sparsity=0.5, pattern="2:4", allocation="owl"), "allocation"),
+        (dict(target_sparsity=0.5, layout="nm"), "layout"),
+        (dict(target_sparsity=0.5, lr=0.0), "lr"),
+        (dict(target_sparsity=0.5, steps=0), "steps"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     teacher = _mlp()
     with pytest.raises(ValueError, match=match):
@@ -200,17 +231,18 @@ def test_teacher_and_data_errors():
     model = _mlp()
     with pytest.raises(ValueError, match="teacher is the same object"):
         sparsa.recover(model, model, _batches(1), target_sparsity=0.5)
-    shallow = nn.Sequential(*model)                      # shares the parameters
+    shallow = nn.Sequential(*model)  # shares the parameters
     with pytest.raises(ValueError, match="teacher shares"):
         sparsa.recover(model, shallow, _batches(1), target_sparsity=0.5)
     with pytest.raises(ValueError, match="batches is empty"):
         sparsa.recover(model, copy.deepcopy(model), [], target_sparsity=0.5)
-    assert not isinstance(model[0].weight, sparsa.SparseTensor)    # nothing was changed by a failed call
+    assert not isinstance(model[0].weight, sparsa.SparseTensor)  # nothing was changed by a failed call
 
 
 def test_progress_without_tqdm_prints_lines(monkeypatch, capsys):
     import sys
-    monkeypatch.setitem(sys.modules, "tqdm.auto", None)          # as if tqdm were not installed
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed
     teacher = _mlp()
     sparsa.recover(copy.deepcopy(teacher), teacher, _batches(), target_sparsity=0.5, steps=10, progress=True)
     err = capsys.readouterr().err

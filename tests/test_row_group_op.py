@@ -1,5 +1,6 @@
 """``sparsa::row_group_linear`` as a first-class op: float32 and bfloat16 operands, the fused GELU
 epilogue, every ISA path this CPU has plus the PyTorch fallback, autograd and ``opcheck``."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,11 +52,20 @@ def _check(y, ref, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["none", "gelu"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(group=st.sampled_from([4, 8, 16, 32]), out_features=st.integers(1, 70), in_features=st.integers(1, 2600),
-       tokens=st.sampled_from([0, 1, 2, 5, 7, 13, 33]), sparsity=st.sampled_from([0.5, 0.75, 0.9]),
-       permute=st.booleans(), bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_matches_float64_reference(path, dtype, activation, group, out_features, in_features, tokens, sparsity,
-                                   permute, bias, threads, seed):
+@given(
+    group=st.sampled_from([4, 8, 16, 32]),
+    out_features=st.integers(1, 70),
+    in_features=st.integers(1, 2600),
+    tokens=st.sampled_from([0, 1, 2, 5, 7, 13, 33]),
+    sparsity=st.sampled_from([0.5, 0.75, 0.9]),
+    permute=st.booleans(),
+    bias=st.booleans(),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_float64_reference(
+    path, dtype, activation, group, out_features, in_features, tokens, sparsity, permute, bias, threads, seed
+):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=gen)
     lay = RowGroup.from_dense(w, group=group, sparsity=sparsity, permute=permute)
@@ -78,11 +88,13 @@ def test_native_path_is_taken(path, monkeypatch):
     # a native run must never quietly become the reference
     def boom(*a, **k):
         raise AssertionError("reference ran although the native kernel is available")
+
     monkeypatch.setattr(rg, "row_group_linear_reference", boom)
     lay = RowGroup.from_dense(torch.randn(32, 40), group=16, sparsity=0.5)
     for dtype in (torch.float32, torch.bfloat16):
-        rg.row_group_linear_impl(torch.randn(3, 40).to(dtype), lay.columns, lay.values.to(dtype), None, 32,
-                                 lay.row_perm, "gelu")
+        rg.row_group_linear_impl(
+            torch.randn(3, 40).to(dtype), lay.columns, lay.values.to(dtype), None, 32, lay.row_perm, "gelu"
+        )
 
 
 def test_bf16_output_is_rounded_once():
@@ -93,7 +105,7 @@ def test_bf16_output_is_rounded_once():
     x = torch.randn(9, 64, generator=gen).bfloat16()
     want = F.linear(x.float(), RowGroup(lay.columns, v, lay.shape, lay.row_perm, validate=False).to_dense().float())
     got = rg.row_group_linear_impl(x, lay.columns, v, None, 48, lay.row_perm)
-    assert (got.float() - want).abs().max() <= want.abs().max() * 2 ** -8
+    assert (got.float() - want).abs().max() <= want.abs().max() * 2**-8
 
 
 @pytest.mark.parametrize("path", ["avx2", "fallback"], indirect=True)
@@ -102,7 +114,7 @@ def test_bf16_rounds_ties_to_even(path):
     # in the vector stores (first 16 outputs) and the scalar tail (3 more)
     R, G = 19, 16
     columns = torch.tensor([[0, 1], [0, 1]], dtype=torch.int32)
-    odd = torch.arange(R, dtype=torch.float32) * 2 + 1                 # 1, 3, 5, ... (exact in bf16)
+    odd = torch.arange(R, dtype=torch.float32) * 2 + 1  # 1, 3, 5, ... (exact in bf16)
     values = torch.zeros(2, 2, G)
     values[:, 0, :] = 1.0
     second = torch.zeros(2 * G)
@@ -111,7 +123,7 @@ def test_bf16_rounds_ties_to_even(path):
     lay = RowGroup(columns, values.bfloat16(), (R, 2), torch.arange(2 * G, dtype=torch.int32), validate=False)
     x = torch.tensor([[256.0, 1.0]]).bfloat16()
     y = rg.row_group_linear_impl(x, lay.columns, lay.values, None, R, lay.row_perm)
-    exact = 256 + odd                                                   # 257, 259, ...: all ties
+    exact = 256 + odd  # 257, 259, ...: all ties
     want = torch.where((exact.to(torch.int64) // 2) % 2 == 0, exact - 1, exact + 1)
     assert torch.equal(y.float()[0], want), (y.float()[0], want)
 
@@ -148,6 +160,7 @@ def test_isa_never_exceeds_the_cpu(monkeypatch):
     assert cpu.isa() in ("portable", "avx2")
     monkeypatch.setenv("SPARSA_ISA", "portable")
     from sparsa.kernels import loader
+
     assert not loader.native_enabled()
 
 
@@ -195,7 +208,9 @@ def test_opcheck(dtype, activation):
     x = torch.randn(5, 20, generator=gen).to(dtype).requires_grad_()
     v = lay.values.to(dtype).requires_grad_()
     b = torch.randn(24, generator=gen).to(dtype).requires_grad_()
-    torch.library.opcheck(torch.ops.sparsa.row_group_linear.default,
-                          (x, lay.columns, v, b, 24, lay.row_perm, activation))
-    torch.library.opcheck(torch.ops.sparsa.row_group_linear.default,
-                          (x.detach(), lay.columns, v.detach(), None, 24, None, activation))
+    torch.library.opcheck(
+        torch.ops.sparsa.row_group_linear.default, (x, lay.columns, v, b, 24, lay.row_perm, activation)
+    )
+    torch.library.opcheck(
+        torch.ops.sparsa.row_group_linear.default, (x.detach(), lay.columns, v.detach(), None, 24, None, activation)
+    )

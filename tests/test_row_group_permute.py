@@ -1,4 +1,5 @@
 """RowGroup with a row permutation: rows of similar column importance share a group."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,13 @@ def _clustered(R, K, clusters, gen, noise=0.3):
 
 # ---------------------------------------------------------------------------------------------- layout
 @settings(max_examples=30, deadline=None)
-@given(R=st.integers(1, 70), K=st.integers(1, 50), group=st.sampled_from(GROUP_SIZES), sparsity=st.floats(0.0, 0.95),
-       seed=st.integers(0, 2**16))
+@given(
+    R=st.integers(1, 70),
+    K=st.integers(1, 50),
+    group=st.sampled_from(GROUP_SIZES),
+    sparsity=st.floats(0.0, 0.95),
+    seed=st.integers(0, 2**16),
+)
 def test_permuted_layout_roundtrip(R, K, group, sparsity, seed):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(R, K, generator=gen)
@@ -128,7 +134,7 @@ def test_grouping_padding_and_edge_cases():
     assert perm.shape == (40,) and perm[37:].tolist() == [37, 38, 39]
     assert kept_importance(imp, perm, 8, 3) >= kept_importance(imp, torch.arange(40), 8, 3)
     assert group_rows(imp[:3], 8, 3).tolist() == list(range(8))  # one group: nothing to choose
-    assert group_rows(imp, 8, 10).tolist() == list(range(40))     # everything kept
+    assert group_rows(imp, 8, 10).tolist() == list(range(40))  # everything kept
     with pytest.raises(ValueError, match="2-D"):
         group_rows(torch.rand(4), 4, 2)
 
@@ -136,8 +142,16 @@ def test_grouping_padding_and_edge_cases():
 # ---------------------------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("path", PATHS, indirect=True)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 40), R=st.integers(1, 70), K=st.integers(1, 90), group=st.sampled_from(GROUP_SIZES),
-       sparsity=st.floats(0.0, 0.97), bias=st.booleans(), three_d=st.booleans(), seed=st.integers(0, 2**16))
+@given(
+    T=st.integers(1, 40),
+    R=st.integers(1, 70),
+    K=st.integers(1, 90),
+    group=st.sampled_from(GROUP_SIZES),
+    sparsity=st.floats(0.0, 0.97),
+    bias=st.booleans(),
+    three_d=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_permuted_forward_matches_dense(path, T, R, K, group, sparsity, bias, three_d, seed):
     gen = torch.Generator().manual_seed(seed)
     w = sparsa.to_sparse(torch.randn(R, K, generator=gen), "row_group", sparsity=sparsity, group=group, permute=True)

@@ -6,6 +6,7 @@ rest to the last chunk, so the cases here stress what that could get wrong: padd
 after larger columns) with nonzero values, rows whose columns are shuffled or repeated, rows with no
 entries, an odd number of rows, token counts that are not multiples of 8, bias and the GELU epilogue.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ def _layout(R, K, sparsity, gen, shuffle=False, repeat=False, empty_rows=(), dty
 
 
 def _check(y, ref, scale, dtype):
-    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    tol = 1e-5 if dtype == torch.float32 else 2.0**-7
     err = (y.double() - ref).abs()
     bad = err > tol * (ref.abs() + scale) + 1e-6
     assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} wrong; max |y - ref| {float(err.max()):.3g}"
@@ -80,8 +81,14 @@ def test_chunked_matches_float64(path, dtype, T, R, K, act):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(T=st.integers(1, 70), R=st.integers(1, 24), K=st.integers(1025, 3000),
-       sparsity=st.sampled_from([0.0, 0.75, 0.97]), shuffle=st.booleans(), seed=st.integers(0, 999))
+@given(
+    T=st.integers(1, 70),
+    R=st.integers(1, 24),
+    K=st.integers(1025, 3000),
+    sparsity=st.sampled_from([0.0, 0.75, 0.97]),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 999),
+)
 def test_chunked_property_fp32(path, T, R, K, sparsity, shuffle, seed):
     gen = torch.Generator().manual_seed(seed)
     sp, cols, vals, wd = _layout(R, K, sparsity, gen, shuffle=shuffle)

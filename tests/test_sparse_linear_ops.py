@@ -2,6 +2,7 @@
 ``opcheck`` (float32, bfloat16), ``gradcheck`` in float64 (the reference path), gradients of the native kernels
 (``SPARSA_ISA=avx2``) and of the fallback (``SPARSA_NO_NATIVE=1``) against dense autograd, and
 ``torch.compile(backend="aot_eager")`` forward + backward through the ops against eager."""
+
 import warnings
 
 import pytest
@@ -70,7 +71,7 @@ def _se_rows(slice_ptr):
     rows = torch.empty(sp[-1], dtype=torch.long)
     for s in range(len(sp) - 1):
         j = torch.arange(sp[s + 1] - sp[s])
-        rows[sp[s]:sp[s + 1]] = 2 * s + j % 2
+        rows[sp[s] : sp[s + 1]] = 2 * s + j % 2
     return rows
 
 
@@ -89,9 +90,11 @@ def se_branch(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, None),
-                                        (BF, BF), (BF, torch.float32)],
-                         ids=["f32", "f32-bias", "bf16", "bf16-bias", "bf16-f32bias"])
+@pytest.mark.parametrize(
+    "dtype,bias",
+    [(torch.float32, None), (torch.float32, torch.float32), (BF, None), (BF, BF), (BF, torch.float32)],
+    ids=["f32", "f32-bias", "bf16", "bf16-bias", "bf16-f32bias"],
+)
 def test_sliced_ell_opcheck(dtype, bias):
     sp, cols, v = _se_layout(0.8, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -137,11 +140,20 @@ def test_sliced_ell_gradients_match_dense_autograd(path, se_branch, dtype):
 # (plan kind, n, m, R, K): a pattern plan (n = 2), interleaved forward plans (1:4: Q = 2 rows per group; 1:3: Q = 3),
 # a block-pair plan (odd block count: one block paired with zero weights; empty groups between others), the
 # input-grad plan (interleaved, its indices are W's rows)
-PLANS = [("pattern", 2, 4, 7, 26), ("forward", 1, 4, 10, 40), ("forward", 1, 3, 11, 23), ("pair", 1, 4, 17, 30),
-         ("input_grad", 2, 4, 10, 21)]
+PLANS = [
+    ("pattern", 2, 4, 7, 26),
+    ("forward", 1, 4, 10, 40),
+    ("forward", 1, 3, 11, 23),
+    ("pair", 1, 4, 17, 30),
+    ("input_grad", 2, 4, 10, 21),
+]
 PLAN_IDS = [f"{p[0]}-{p[1]}:{p[2]}" for p in PLANS]
-_BUILD = {"pattern": gk.pattern_plan, "forward": gk.forward_plan, "input_grad": gk.input_grad_plan,
-          "pair": lambda v, c, n, m: gk.pair_plan(v, c, n, m, unit_cols=12)}  # several units
+_BUILD = {
+    "pattern": gk.pattern_plan,
+    "forward": gk.forward_plan,
+    "input_grad": gk.input_grad_plan,
+    "pair": lambda v, c, n, m: gk.pair_plan(v, c, n, m, unit_cols=12),
+}  # several units
 
 
 def _gnm(kind, n, m, R, K, dtype=torch.float32, seed=0):
@@ -162,8 +174,21 @@ def _gnm(kind, n, m, R, K, dtype=torch.float32, seed=0):
 
 
 def _spmm_args(plan, x, vals, bias, out_features):
-    return (x, plan.idx, vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries, plan.unit_span,
-            plan.gpb, plan.rpb, plan.interleaved, plan.offsets)
+    return (
+        x,
+        plan.idx,
+        vals,
+        plan.out_rows,
+        bias,
+        out_features,
+        plan.units,
+        plan.unit_entries,
+        plan.unit_span,
+        plan.gpb,
+        plan.rpb,
+        plan.interleaved,
+        plan.offsets,
+    )
 
 
 def _sddmm_args(plan, x, gy):
@@ -259,6 +284,7 @@ def test_grouped_nm_ops_accept_noncontiguous_indices(path):
 # ---------------------------------------------------------------------------------------------- compile
 def _compiled_matches_eager(fn, inputs):
     """forward + backward of ``fn`` under torch.compile(aot_eager, fullgraph) equal eager's."""
+
     def run(f):
         leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
         y = f(*leaves)
@@ -317,6 +343,7 @@ def test_compile_grouped_nm_sddmm():
 @pytest.mark.parametrize("out_features", [1, 7, 40])
 def test_sliced_ell_gelu_epilogue_matches_float64(monkeypatch, path, dtype, out_features):
     from sparsa import cpu
+
     if path == "fallback":
         monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
     elif cpu.hardware_isa() == "portable":
@@ -346,8 +373,9 @@ def test_sliced_ell_gelu_gradcheck_and_opcheck():
     fn = lambda x, v, b: se.sliced_ell_linear(x, w.slice_ptr, w.columns, v, b, 9, "gelu")  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, v, b))
     xf = x.detach().float().requires_grad_()
-    torch.library.opcheck(torch.ops.sparsa.sliced_ell_linear.default,
-                          (xf, w.slice_ptr, w.columns, w.values.clone().requires_grad_(), b.detach().float(), 9,
-                           "gelu"))
+    torch.library.opcheck(
+        torch.ops.sparsa.sliced_ell_linear.default,
+        (xf, w.slice_ptr, w.columns, w.values.clone().requires_grad_(), b.detach().float(), 9, "gelu"),
+    )
     with pytest.raises(ValueError, match="activation must be one of"):
         se.sliced_ell_linear_impl(xf.detach(), w.slice_ptr, w.columns, w.values, None, 9, "swish")

@@ -1,4 +1,5 @@
 """Sparsifiers: exact counts, valid structures, determinism, errors, schedules."""
+
 import copy
 import math
 
@@ -6,8 +7,18 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparsa.sparsifiers import (NM, BlockMagnitude, ConstantSparsity, CubicSchedule, GroupedNM, KeepAll,
-                                Magnitude, Random, Sparsifier, Threshold)
+from sparsa.sparsifiers import (
+    NM,
+    BlockMagnitude,
+    ConstantSparsity,
+    CubicSchedule,
+    GroupedNM,
+    KeepAll,
+    Magnitude,
+    Random,
+    Sparsifier,
+    Threshold,
+)
 from sparsa.sparsifiers.base import n_removed
 from sparsa.sparsifiers.nm import local_nm_mask
 
@@ -78,8 +89,13 @@ def test_random_is_not_constant():
 
 
 @SETTINGS
-@given(rows=st.integers(1, 6), groups=st.integers(1, 5), nm=st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 8)]),
-       seed=st.integers(0, 2**16), ties=st.booleans())
+@given(
+    rows=st.integers(1, 6),
+    groups=st.integers(1, 5),
+    nm=st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 8)]),
+    seed=st.integers(0, 2**16),
+    ties=st.booleans(),
+)
 def test_nm_structure(rows, groups, nm, seed, ties):
     n, m = nm
     x = _tensor((rows, groups * m), seed, ties)
@@ -102,6 +118,7 @@ def test_nm_partial_tail_group():
 def test_grouped_nm_uses_layout_mask():
     pytest.importorskip("sparsa.layouts.grouped_nm", reason="grouped_nm layout not installed yet")
     from sparsa.layouts.grouped_nm import grouped_nm_mask
+
     x = torch.randn(8, 16)
     s = GroupedNM(2, 4, g=4)
     assert torch.equal(s.mask(x), grouped_nm_mask(x, 2, 4, 4))
@@ -109,8 +126,13 @@ def test_grouped_nm_uses_layout_mask():
 
 
 @SETTINGS
-@given(r=st.integers(1, 11), c=st.integers(1, 11), b=st.sampled_from([(1, 1), (2, 2), (4, 4), (2, 3)]),
-       s=fractions, seed=st.integers(0, 2**16))
+@given(
+    r=st.integers(1, 11),
+    c=st.integers(1, 11),
+    b=st.sampled_from([(1, 1), (2, 2), (4, 4), (2, 3)]),
+    s=fractions,
+    seed=st.integers(0, 2**16),
+)
 def test_block_structure(r, c, b, s, seed):
     x = _tensor((r, c), seed)
     mask = BlockMagnitude(s, block=b).mask(x)
@@ -120,10 +142,10 @@ def test_block_structure(r, c, b, s, seed):
     norms = {}
     for i in range(nr):
         for j in range(nc):
-            blk = mask[i * br:(i + 1) * br, j * bc:(j + 1) * bc]
+            blk = mask[i * br : (i + 1) * br, j * bc : (j + 1) * bc]
             assert blk.all() or not blk.any()  # whole blocks only
             kept += int(blk.all())
-            norms[(i, j)] = (float(x[i * br:(i + 1) * br, j * bc:(j + 1) * bc].norm()), bool(blk.all()))
+            norms[(i, j)] = (float(x[i * br : (i + 1) * br, j * bc : (j + 1) * bc].norm()), bool(blk.all()))
     assert kept == nr * nc - n_removed(s, nr * nc)
     k = [v for v, keep in norms.values() if keep]
     d = [v for v, keep in norms.values() if not keep]
@@ -145,22 +167,34 @@ def test_call_is_differentiable():
     assert torch.equal(x.grad, Magnitude(0.5).mask(x).float())
 
 
-@pytest.mark.parametrize("make, arg", [
-    (lambda: Magnitude(1.0), "sparsity"), (lambda: Magnitude(-0.1), "sparsity"),
-    (lambda: Magnitude(0.5, per="col"), "per"), (lambda: Random(1.5), "sparsity"),
-    (lambda: NM(4, 4), "n must be smaller"), (lambda: NM(0, 4), "n"), (lambda: NM(2, 0), "m"),
-    (lambda: GroupedNM(2, 4, g=0), "g"), (lambda: BlockMagnitude(0.5, block=(0, 4)), "block"),
-    (lambda: BlockMagnitude(0.5, block=4), "block"), (lambda: Threshold(-1), "threshold"),
-    (lambda: Threshold(float("nan")), "threshold"), (lambda: CubicSchedule(0, 0.5, 10, 5), "end_step"),
-    (lambda: CubicSchedule(0, 0.5, 0, 5, every=0), "every"), (lambda: Random(0.5, seed="a"), "seed"),
-])
+@pytest.mark.parametrize(
+    "make, arg",
+    [
+        (lambda: Magnitude(1.0), "sparsity"),
+        (lambda: Magnitude(-0.1), "sparsity"),
+        (lambda: Magnitude(0.5, per="col"), "per"),
+        (lambda: Random(1.5), "sparsity"),
+        (lambda: NM(4, 4), "n must be smaller"),
+        (lambda: NM(0, 4), "n"),
+        (lambda: NM(2, 0), "m"),
+        (lambda: GroupedNM(2, 4, g=0), "g"),
+        (lambda: BlockMagnitude(0.5, block=(0, 4)), "block"),
+        (lambda: BlockMagnitude(0.5, block=4), "block"),
+        (lambda: Threshold(-1), "threshold"),
+        (lambda: Threshold(float("nan")), "threshold"),
+        (lambda: CubicSchedule(0, 0.5, 10, 5), "end_step"),
+        (lambda: CubicSchedule(0, 0.5, 0, 5, every=0), "every"),
+        (lambda: Random(0.5, seed="a"), "seed"),
+    ],
+)
 def test_bad_arguments(make, arg):
     with pytest.raises(ValueError, match=arg):
         make()
 
 
-@pytest.mark.parametrize("sp", [Magnitude(0.5), NM(2, 4), BlockMagnitude(0.5, (2, 2)), Threshold(0.1),
-                                Random(0.5, seed=0), KeepAll()])
+@pytest.mark.parametrize(
+    "sp", [Magnitude(0.5), NM(2, 4), BlockMagnitude(0.5, (2, 2)), Threshold(0.1), Random(0.5, seed=0), KeepAll()]
+)
 def test_integer_input_is_type_error(sp):
     with pytest.raises(TypeError, match="floating-point"):
         sp.mask(torch.ones(4, 4, dtype=torch.int64))

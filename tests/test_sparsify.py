@@ -1,4 +1,5 @@
 """Model-level sparsify / densify / report: rules, optimizers, outputs, gradients, copy & compile."""
+
 import copy
 import re
 
@@ -34,9 +35,14 @@ def _x(seed=1, n=8):
     return torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
 
 
-LAYOUT_SPARSIFIERS = [("masked", Magnitude(0.75)), ("csr", Magnitude(0.75)), ("coo", Magnitude(0.5)),
-                      ("nm", NM(2, 4)), ("bsr", BlockMagnitude(0.5, (4, 4))),
-                      ("grouped_nm", sparsa.sparsifiers.GroupedNM(2, 4, 4))]
+LAYOUT_SPARSIFIERS = [
+    ("masked", Magnitude(0.75)),
+    ("csr", Magnitude(0.75)),
+    ("coo", Magnitude(0.5)),
+    ("nm", NM(2, 4)),
+    ("bsr", BlockMagnitude(0.5, (4, 4))),
+    ("grouped_nm", sparsa.sparsifiers.GroupedNM(2, 4, 4)),
+]
 
 
 @pytest.mark.parametrize("layout, sp", LAYOUT_SPARSIFIERS)
@@ -62,12 +68,15 @@ def test_sparsifier_shorthand_targets_linear_weights():
     assert [n for n, _ in sparsa.nn.sparse_parameters(model)] == ["enc.0.weight", "enc.2.weight", "head.weight"]
 
 
-@pytest.mark.parametrize("names, expected", [
-    ("enc.*", {"enc.0", "enc.2"}),
-    ("re:enc\\.[0-9]", {"enc.0", "enc.2"}),
-    (re.compile("head|enc\\.2"), {"enc.2", "head"}),
-    (["head", "enc.0"], {"enc.0", "head"}),
-])
+@pytest.mark.parametrize(
+    "names, expected",
+    [
+        ("enc.*", {"enc.0", "enc.2"}),
+        ("re:enc\\.[0-9]", {"enc.0", "enc.2"}),
+        (re.compile("head|enc\\.2"), {"enc.2", "head"}),
+        (["head", "enc.0"], {"enc.0", "head"}),
+    ],
+)
 def test_name_patterns(names, expected):
     model = sparsa.sparsify(_net(), Rule(sparsifier=Magnitude(0.5), names=names))
     got = {n.rsplit(".", 1)[0] for n, _ in sparsa.nn.sparse_parameters(model)}
@@ -75,8 +84,10 @@ def test_name_patterns(names, expected):
 
 
 def test_first_matching_rule_wins():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=NM(1, 4), layout="nm", names="head"),
-                                     Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear)])
+    model = sparsa.sparsify(
+        _net(),
+        [Rule(sparsifier=NM(1, 4), layout="nm", names="head"), Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear)],
+    )
     assert model.head.weight.layout_name == "nm" and abs(model.head.weight.density - 0.25) < 1e-9
     assert model.enc[0].weight.layout_name == "masked" and abs(model.enc[0].weight.density - 0.5) < 1e-9
 
@@ -86,18 +97,25 @@ def test_rule_matching_nothing_raises_with_module_names():
     with pytest.raises(ValueError, match=r"matches no module.*enc\.0 \(Linear"):
         sparsa.sparsify(model, Rule(sparsifier=Magnitude(0.5), names="decoder.*"))
     with pytest.raises(ValueError, match="claimed by an earlier rule"):
-        sparsa.sparsify(model, [Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear),
-                                Rule(sparsifier=NM(2, 4), names="head")])
+        sparsa.sparsify(
+            model, [Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear), Rule(sparsifier=NM(2, 4), names="head")]
+        )
     with pytest.raises(ValueError, match="parameter 'kernel'"):
         sparsa.sparsify(model, Rule(sparsifier=Magnitude(0.5), param="kernel"))
     assert not any(isinstance(p, sparsa.SparseTensor) for p in model.parameters())  # nothing half-applied
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(target="bias!"), "target"), (dict(sparsifier="magnitude"), "sparsifier"),
-    (dict(layout="nope"), "unknown layout"), (dict(module_types=int), "module_types"),
-    (dict(target="output", inline=True), "inline"), (dict(inline=True), "inline"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target="bias!"), "target"),
+        (dict(sparsifier="magnitude"), "sparsifier"),
+        (dict(layout="nope"), "unknown layout"),
+        (dict(module_types=int), "module_types"),
+        (dict(target="output", inline=True), "inline"),
+        (dict(inline=True), "inline"),
+    ],
+)
 def test_bad_rules(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         Rule(**kwargs)
@@ -137,8 +155,9 @@ def _train(model, opt_cls, steps=5, **kw):
 @pytest.mark.parametrize("layout, sp", [("masked", Magnitude(0.75)), ("csr", Magnitude(0.75)), ("nm", NM(2, 4))])
 def test_optimizers_keep_pattern(opt_cls, layout, sp):
     model = sparsa.sparsify(_net(), Rule(sparsifier=sp, layout=layout, module_types=nn.Linear))
-    before = {n: (p.pattern().clone(), p.sparse_layout.to_dense().clone())
-              for n, p in sparsa.nn.sparse_parameters(model)}
+    before = {
+        n: (p.pattern().clone(), p.sparse_layout.to_dense().clone()) for n, p in sparsa.nn.sparse_parameters(model)
+    }
     _train(model, opt_cls, **({"momentum": 0.9} if opt_cls is torch.optim.SGD else {}))
     for n, p in sparsa.nn.sparse_parameters(model):
         assert isinstance(p, sparsa.SparseTensor) and p.layout_name == layout
@@ -200,15 +219,18 @@ def test_grad_target(opt_cls):
 
 
 def test_weight_and_grad_rules_in_one_call():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=NM(2, 4), layout="nm", names="head"),
-                                     Rule(target="grad", layout="masked", names="head")])
+    model = sparsa.sparsify(
+        _net(),
+        [Rule(sparsifier=NM(2, 4), layout="nm", names="head"), Rule(target="grad", layout="masked", names="head")],
+    )
     model(_x()).sum().backward()
     assert isinstance(model.head.weight.grad, sparsa.SparseTensor)
 
 
 def test_grad_layout_survives_deepcopy():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=Magnitude(0.5), names="head"),
-                                     Rule(target="grad", layout="csr", names="head")])
+    model = sparsa.sparsify(
+        _net(), [Rule(sparsifier=Magnitude(0.5), names="head"), Rule(target="grad", layout="csr", names="head")]
+    )
     clone = copy.deepcopy(model)
     clone(_x()).sum().backward()
     assert isinstance(clone.head.weight.grad, sparsa.SparseTensor) and clone.head.weight.grad.layout_name == "csr"
@@ -243,8 +265,13 @@ def test_report_and_format():
 
 
 def test_densify_roundtrip():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=NM(2, 4), layout="nm", module_types=nn.Linear),
-                                     Rule(target="output", sparsifier=Magnitude(0.9), names="act")])
+    model = sparsa.sparsify(
+        _net(),
+        [
+            Rule(sparsifier=NM(2, 4), layout="nm", module_types=nn.Linear),
+            Rule(target="output", sparsifier=Magnitude(0.9), names="act"),
+        ],
+    )
     x = _x()
     out = model(x)
     dense = sparsa.densify(model, inplace=False)
@@ -258,9 +285,14 @@ def test_densify_roundtrip():
 
 
 def test_deepcopy_matches():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=NM(2, 4), layout="nm", names="enc.*"),
-                                     Rule(sparsifier=Magnitude(0.5), layout="csr", names="head"),
-                                     Rule(target="output", sparsifier=Magnitude(0.5), names="act")])
+    model = sparsa.sparsify(
+        _net(),
+        [
+            Rule(sparsifier=NM(2, 4), layout="nm", names="enc.*"),
+            Rule(sparsifier=Magnitude(0.5), layout="csr", names="head"),
+            Rule(target="output", sparsifier=Magnitude(0.5), names="act"),
+        ],
+    )
     clone = copy.deepcopy(model)
     x = _x()
     torch.testing.assert_close(clone(x), model(x))
@@ -268,8 +300,13 @@ def test_deepcopy_matches():
 
 
 def test_compile_eager_backend_matches():
-    model = sparsa.sparsify(_net(), [Rule(sparsifier=Magnitude(0.75), layout="masked", module_types=nn.Linear),
-                                     Rule(target="output", sparsifier=Magnitude(0.5), names="act")])
+    model = sparsa.sparsify(
+        _net(),
+        [
+            Rule(sparsifier=Magnitude(0.75), layout="masked", module_types=nn.Linear),
+            Rule(target="output", sparsifier=Magnitude(0.5), names="act"),
+        ],
+    )
     x = _x()
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(model, backend="eager")(x), model(x))

@@ -1,6 +1,7 @@
 """The one way to sparsify: ``sparsa.sparsify(model, config, filter_fn)`` returns the model for every
 config kind, method configs match the old functions, any object with ``mask()`` is a sparsifier,
 the old entry points warn, and one parser reads every pattern name."""
+
 import warnings
 
 import pytest
@@ -11,8 +12,15 @@ import sparsa
 from sparsa import frontier, prune
 from sparsa.methods import Gradual, OneShot, SparseGPT, Wanda, WandaSparsifier, named_pattern
 from sparsa.methods.recover import pattern_sparsifier
-from sparsa.sparsifiers import (NM, CubicSchedule, GroupedNM, Magnitude, PATTERN_SPELLINGS,
-                                RowGroupSparsifier, parse_pattern)
+from sparsa.sparsifiers import (
+    NM,
+    CubicSchedule,
+    GroupedNM,
+    Magnitude,
+    PATTERN_SPELLINGS,
+    RowGroupSparsifier,
+    parse_pattern,
+)
 
 
 def _model(seed=0):
@@ -38,8 +46,10 @@ def _masks(model):
 
 CONFIGS = {
     "rule": lambda: sparsa.Rule(sparsifier=Magnitude(0.5), module_types=nn.Linear),
-    "rules": lambda: [sparsa.Rule(sparsifier=NM(2, 4), layout="nm", names="0"),
-                      sparsa.Rule(sparsifier=Magnitude(0.5), names="2")],
+    "rules": lambda: [
+        sparsa.Rule(sparsifier=NM(2, 4), layout="nm", names="0"),
+        sparsa.Rule(sparsifier=Magnitude(0.5), names="2"),
+    ],
     "sparsifier": lambda: Magnitude(0.5),
     "duck_sparsifier": lambda: TopHalf(),
     "one_shot_pattern": lambda: OneShot(pattern="2:4"),
@@ -133,8 +143,7 @@ def test_one_shot_config_equals_one_shot_and_sparsify_linears():
 
 
 def test_only_if_faster_decisions_reach_sparsity_report():
-    model = sparsa.sparsify(_model(), OneShot(0.75, layout="row_group", layout_params={"group": 8},
-                                              only_if_faster=16))
+    model = sparsa.sparsify(_model(), OneShot(0.75, layout="row_group", layout_params={"group": 8}, only_if_faster=16))
     rows = {r["name"]: r for r in sparsa.sparsity_report(model)}
     for name in ("0.weight", "2.weight"):
         assert rows[name]["path"] in ("sparse", "dense") and rows[name]["ratio_vs_dense"] > 0
@@ -256,8 +265,12 @@ def test_parse_pattern_every_spelling(spelling, sparsity, layout, sparsifier, na
 
 @pytest.mark.parametrize("bad", ["blocky", "2:x", "a:b", "row_groupX", "rowgroup16", "grouped_2", "2:4:8", ""])
 def test_unknown_pattern_lists_every_spelling(bad):
-    for call in (lambda: parse_pattern(bad), lambda: named_pattern(bad), lambda: frontier.pattern_config(bad, 0.5),
-                 lambda: pattern_sparsifier(bad, 0.5)):
+    for call in (
+        lambda: parse_pattern(bad),
+        lambda: named_pattern(bad),
+        lambda: frontier.pattern_config(bad, 0.5),
+        lambda: pattern_sparsifier(bad, 0.5),
+    ):
         with pytest.raises(ValueError) as e:
             call()
         assert str(e.value) == f"pattern must be one of {', '.join(PATTERN_SPELLINGS)}; got {bad!r}"
@@ -265,8 +278,15 @@ def test_unknown_pattern_lists_every_spelling(bad):
         prune.check_pattern_layout(bad, 0.5, "masked")
 
 
-@pytest.mark.parametrize("bad,needle", [("5:4", "n must be smaller than m"), ("0:4", "n must be a positive int"),
-                                        ("row_group0", "group size"), ("grouped_4:4", "n must be smaller")])
+@pytest.mark.parametrize(
+    "bad,needle",
+    [
+        ("5:4", "n must be smaller than m"),
+        ("0:4", "n must be a positive int"),
+        ("row_group0", "group size"),
+        ("grouped_4:4", "n must be smaller"),
+    ],
+)
 def test_bad_numbers_name_the_pattern(bad, needle):
     with pytest.raises(ValueError, match=f"pattern {bad!r}: .*{needle}"):
         parse_pattern(bad)
@@ -278,8 +298,10 @@ def test_pattern_must_be_a_string():
 
 
 def test_every_config_shares_the_parser():
-    for cfg in (OneShot(pattern="grouped_nm", sparsity=0.75),
-                Wanda(0.75, pattern="grouped_nm", calibration=[torch.randn(8, 32)])):
+    for cfg in (
+        OneShot(pattern="grouped_nm", sparsity=0.75),
+        Wanda(0.75, pattern="grouped_nm", calibration=[torch.randn(8, 32)]),
+    ):
         model = sparsa.sparsify(nn.Sequential(nn.Linear(32, 16)), cfg)
         assert model[0].weight.layout_name == "grouped_nm"
         assert model[0].weight.sparsity == pytest.approx(0.75)

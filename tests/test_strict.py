@@ -1,4 +1,5 @@
 """Strict dispatcher: ``sparsa.strict()`` makes a dense fallback raise instead of warning and counting."""
+
 import threading
 import warnings
 
@@ -128,13 +129,13 @@ def test_registered_ops_structural_ops_and_training_work_in_strict():
     p = torch.nn.Parameter(w.clone())
     opt = torch.optim.Adam([p], lr=0.1)  # zeros_like for its state; add_/addcdiv_/lerp_ in its step
     with sparsa.strict():
-        y = F.linear(x, p)                           # registered implementation (forward and backward)
+        y = F.linear(x, p)  # registered implementation (forward and backward)
         torch.testing.assert_close(y, x @ w.to_dense().T)
         y.sum().backward()
         assert p.grad is not None and x.grad is not None
-        torch.mm(torch.randn(2, 4), w)               # registered
-        w.clone(), w.detach(), w.to(torch.float64)   # structural: keep the layout
-        opt.step()                                   # the refill rule, not a fallback
+        torch.mm(torch.randn(2, 4), w)  # registered
+        w.clone(), w.detach(), w.to(torch.float64)  # structural: keep the layout
+        opt.step()  # the refill rule, not a fallback
         assert p.layout_name == "nm"
     assert sparsa.fallback_counts() == {}
     dense = p.detach().to_dense()

@@ -2,6 +2,7 @@
 inside ``sparsa.strict()``. An op that runs in strict mode must be listed in ``NOT_FALLBACKS`` with
 the reason it is not one; every other op must raise ``SparseFallbackError`` there, and everything
 counted as a fallback outside strict mode must raise inside it."""
+
 import warnings
 
 import pytest

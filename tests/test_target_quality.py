@@ -3,6 +3,7 @@
 The search's choices are checked with quality and speed replaced by known functions (so the test
 says which candidate must win); one run measures for real (no timed assertions).
 """
+
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import torch
 
 import sparsa.frontier as frontier
 from sparsa import cli
-from sparsa.prune import (SEARCH_SPARSITIES, TargetNotReached, load_pruned, search_target_quality, split_texts)
+from sparsa.prune import SEARCH_SPARSITIES, TargetNotReached, load_pruned, search_target_quality, split_texts
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +22,12 @@ def tiny_dir(tmp_path_factory):
     from transformers import BertConfig, BertModel
 
     from sparsa.models.minilm import model_dir
+
     d = tmp_path_factory.mktemp("tiny_bert_tq")
     torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-              ).save_pretrained(str(d))
+    BertModel(
+        BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    ).save_pretrained(str(d))
     for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy2(model_dir() / f, d / f)
     return d
@@ -33,6 +36,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     from sparsa.data.text import stdlib_sentences
+
     p = tmp_path_factory.mktemp("data") / "texts.txt"
     p.write_text("\n".join(stdlib_sentences()[:40]) + "\n\n", encoding="utf-8")
     return p
@@ -63,7 +67,7 @@ def test_split_is_disjoint_deterministic_and_deduplicated():
     assert len(cal) == 16 and len(ev) == 14 and set(cal) | set(ev) == set(texts)
     cal2, ev2 = split_texts([f"t{i}" for i in range(400)], 64)
     assert (len(cal2), len(ev2)) == (64, 128)
-    cal3, ev3 = split_texts([f"t{i}" for i in range(12)], 64)   # small data: a quarter held out, the rest calibrates
+    cal3, ev3 = split_texts([f"t{i}" for i in range(12)], 64)  # small data: a quarter held out, the rest calibrates
     assert len(ev3) >= 3 and len(cal3) + len(ev3) == 12
 
 
@@ -81,18 +85,28 @@ def known(monkeypatch):
 
     def quality(model, tok, texts, ref, max_length=128):
         ws = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m.weight, "layout_name")]
-        s = round(sum(w.numel() - w.nnz for w in ws) / sum(w.numel() for w in ws) / 0.05) * 0.05   # the grid value
+        s = round(sum(w.numel() - w.nnz for w in ws) / sum(w.numel() for w in ws) / 0.05) * 0.05  # the grid value
         rg = ws[0].layout_name == "row_group"
         seen.append((ws[0].layout_name, round(s, 2)))
-        return {"cosine_data": 1 - s - 0.1 * rg, "top1_data": 1.0, "quality_cosine": round(1 - s - 0.1 * rg, 4),
-                "quality_top1": 1.0}
+        return {
+            "cosine_data": 1 - s - 0.1 * rg,
+            "top1_data": 1.0,
+            "quality_cosine": round(1 - s - 0.1 * rg, 4),
+            "quality_top1": 1.0,
+        }
 
     def speedup(self, model, reps=None):
         w = next(m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "layout_name"))
         s = 1 - w.nnz / w.numel()
         v = round((1 + 2 * s) * (1.5 if w.layout_name == "row_group" else 1.0), 3)
-        return {"speedup_vs_dense": v, "speedup_vs_best_dense": v, "best_dense": "fp32", "dense_ms": 1.0,
-                "best_dense_ms": 1.0, "sparse_ms": 1.0 / v}
+        return {
+            "speedup_vs_dense": v,
+            "speedup_vs_best_dense": v,
+            "best_dense": "fp32",
+            "dense_ms": 1.0,
+            "best_dense_ms": 1.0,
+            "sparse_ms": 1.0 / v,
+        }
 
     monkeypatch.setattr(frontier, "embedding_quality", quality)
     monkeypatch.setattr(frontier.DenseBaselines, "speedup", speedup)
@@ -101,8 +115,17 @@ def known(monkeypatch):
 
 def test_search_picks_the_fastest_passing_by_bisection(tiny_dir, data_file, tmp_path, known):
     out = tmp_path / "out"
-    res = search_target_quality(str(tiny_dir), str(out), 0.62, method="wanda", data=data_file,
-                                patterns=["unstructured", "row_group4", "2:4"], use_compile=False, reps=1, log=None)
+    res = search_target_quality(
+        str(tiny_dir),
+        str(out),
+        0.62,
+        method="wanda",
+        data=data_file,
+        patterns=["unstructured", "row_group4", "2:4"],
+        use_compile=False,
+        reps=1,
+        log=None,
+    )
     # unstructured passes up to 0.35 (1 - s >= 0.62 -> s <= 0.38), row_group4 up to 0.25 (below the grid:
     # none), 2:4 at 0.5 fails; so unstructured at 0.35 wins
     assert res.chosen is not None and (res.chosen["label"], res.chosen["sparsity"]) == ("sliced_ell", 0.35)
@@ -122,8 +145,16 @@ def test_search_picks_the_fastest_passing_by_bisection(tiny_dir, data_file, tmp_
 
 
 def test_speed_decides_among_passing(tiny_dir, tmp_path, known):
-    res = search_target_quality(str(tiny_dir), str(tmp_path / "o"), 0.35, method="magnitude",
-                                patterns=["unstructured", "row_group4"], use_compile=False, reps=1, log=None)
+    res = search_target_quality(
+        str(tiny_dir),
+        str(tmp_path / "o"),
+        0.35,
+        method="magnitude",
+        patterns=["unstructured", "row_group4"],
+        use_compile=False,
+        reps=1,
+        log=None,
+    )
     # unstructured up to 0.65 (speed 2.3), row_group4 up to 0.55 (speed 1.5 * 2.1 = 3.15): row_group4 wins
     assert (res.chosen["label"], res.chosen["sparsity"]) == ("row_group4", 0.55)
 
@@ -131,16 +162,19 @@ def test_speed_decides_among_passing(tiny_dir, tmp_path, known):
 def test_unreachable_target_writes_nothing(tiny_dir, tmp_path, known):
     out = tmp_path / "never"
     with pytest.raises(TargetNotReached) as e:
-        search_target_quality(str(tiny_dir), str(out), 0.99, patterns=["row_group4", "2:4"], use_compile=False,
-                              reps=1, log=None)
+        search_target_quality(
+            str(tiny_dir), str(out), 0.99, patterns=["row_group4", "2:4"], use_compile=False, reps=1, log=None
+        )
     assert not out.exists() and e.value.result.chosen is None
     assert "no configuration reached" in str(e.value) and e.value.result.candidates
 
 
 def test_cli_unreachable_exits_1_without_out(tiny_dir, tmp_path, known, capsys):
     out = tmp_path / "never"
-    rc, stdout, err = _main(["prune", str(tiny_dir), "-o", str(out), "--target-quality", "0.99", "--pattern",
-                             "row_group4", "--no-compile"], capsys)
+    rc, stdout, err = _main(
+        ["prune", str(tiny_dir), "-o", str(out), "--target-quality", "0.99", "--pattern", "row_group4", "--no-compile"],
+        capsys,
+    )
     assert rc == 1 and not out.exists()
     assert "no configuration reached" in err and err.count("\n") == 1 and "row_group4" in stdout
 
@@ -148,9 +182,26 @@ def test_cli_unreachable_exits_1_without_out(tiny_dir, tmp_path, known, capsys):
 # ----------------------------------------------------------------------------- for real (measured)
 def test_cli_target_quality_end_to_end(tiny_dir, data_file, tmp_path, capsys):
     out = tmp_path / "real"
-    rc, stdout, err = _main(["prune", str(tiny_dir), "-o", str(out), "--target-quality", "0.3", "--method", "wanda",
-                             "--data", str(data_file), "--pattern", "unstructured,row_group4", "--no-compile",
-                             "--calib", "16"], capsys)
+    rc, stdout, err = _main(
+        [
+            "prune",
+            str(tiny_dir),
+            "-o",
+            str(out),
+            "--target-quality",
+            "0.3",
+            "--method",
+            "wanda",
+            "--data",
+            str(data_file),
+            "--pattern",
+            "unstructured,row_group4",
+            "--no-compile",
+            "--calib",
+            "16",
+        ],
+        capsys,
+    )
     assert rc == 0, err
     assert "chose" in stdout and "speedup" in stdout and "<-" in stdout and "saved" in stdout
     cfg = json.loads((out / "config.json").read_text())
@@ -167,17 +218,20 @@ def test_search_rejects_causal_lms(tmp_path):
         search_target_quality(str(d), str(tmp_path / "o"), 0.9)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--target-quality", "0"], "--target-quality"),
-    (["--target-quality", "1.5"], "--target-quality"),
-    (["--target-quality", "x"], "--target-quality"),
-    (["--target-quality", "0.9", "--sparsity", "0.5"], "--sparsity cannot be combined with --target-quality"),
-    (["--target-quality", "0.9", "--layout", "masked"], "--layout cannot be combined"),
-    (["--target-quality", "0.9", "--only-if-faster"], "--only-if-faster cannot be combined"),
-    (["--target-quality", "0.9", "--pattern", "nope"], "--pattern"),
-    (["--target-quality", "0.9", "--data", "/no/such/file.txt"], "does not exist"),
-    (["--no-compile"], "--no-compile only applies with --target-quality"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--target-quality", "0"], "--target-quality"),
+        (["--target-quality", "1.5"], "--target-quality"),
+        (["--target-quality", "x"], "--target-quality"),
+        (["--target-quality", "0.9", "--sparsity", "0.5"], "--sparsity cannot be combined with --target-quality"),
+        (["--target-quality", "0.9", "--layout", "masked"], "--layout cannot be combined"),
+        (["--target-quality", "0.9", "--only-if-faster"], "--only-if-faster cannot be combined"),
+        (["--target-quality", "0.9", "--pattern", "nope"], "--pattern"),
+        (["--target-quality", "0.9", "--data", "/no/such/file.txt"], "does not exist"),
+        (["--no-compile"], "--no-compile only applies with --target-quality"),
+    ],
+)
 def test_bad_target_quality_arguments(tiny_dir, tmp_path, capsys, args, needle):
     rc, _, err = _main(["prune", str(tiny_dir), "-o", str(tmp_path / "o"), *args], capsys)
     assert rc == 2, err
@@ -196,6 +250,18 @@ def test_cli_causal_lm_is_a_usage_error(tmp_path, capsys):
 def test_bad_data_is_one_line(tiny_dir, tmp_path, capsys):
     p = tmp_path / "few.txt"
     p.write_text("one line\ntwo lines\n")
-    rc, _, err = _main(["prune", str(tiny_dir), "-o", str(tmp_path / "o"), "--target-quality", "0.9", "--data",
-                        str(p), "--no-compile"], capsys)
+    rc, _, err = _main(
+        [
+            "prune",
+            str(tiny_dir),
+            "-o",
+            str(tmp_path / "o"),
+            "--target-quality",
+            "0.9",
+            "--data",
+            str(p),
+            "--no-compile",
+        ],
+        capsys,
+    )
     assert rc == 1 and err.count("\n") == 1 and "at least 8" in err and not (tmp_path / "o").exists()

@@ -1,4 +1,5 @@
 """SparseTensor behaves like a tensor: metadata, printing, deepcopy, Parameter, autograd, compile."""
+
 import copy
 import pickle
 import warnings

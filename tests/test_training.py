@@ -1,4 +1,5 @@
 """Acceptance: sparse training on digits keeps every pattern exactly and matches dense accuracy."""
+
 import copy
 
 import pytest
@@ -56,13 +57,16 @@ def test_adam_sparse_finetune_keeps_pattern_and_accuracy(pretrained):
     assert acc_sparse >= acc_dense - 3.0, (acc_sparse, acc_dense)
 
 
-@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-                                         (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01})])
+@pytest.mark.parametrize(
+    "opt_cls, kw",
+    [(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01})],
+)
 @pytest.mark.parametrize("layout", ["masked", "csr"])
 def test_sgd_and_adamw_keep_pattern(pretrained, opt_cls, kw, layout):
     (Xtr, ytr, Xte, yte), model, _ = pretrained
-    sparse = sparsa.sparsify(copy.deepcopy(model), sparsa.Rule(sparsifier=Magnitude(0.75), layout=layout,
-                                                                module_types=nn.Linear))
+    sparse = sparsa.sparsify(
+        copy.deepcopy(model), sparsa.Rule(sparsifier=Magnitude(0.75), layout=layout, module_types=nn.Linear)
+    )
     before = _patterns(sparse)
     acc_pruned = accuracy(sparse, Xte, yte)
     train(sparse, Xtr, ytr, 20, seed=2, optimizer=opt_cls(sparse.parameters(), **kw))

@@ -14,6 +14,7 @@ Example::
     >>> net(torch.randn(2, 3, 8, 8)).sum().backward()
     >>> rows = rt.report()                  # per-layer sparsity, path, predicted/measured time
 """
+
 from .compaction import CompactActivation, compact, compact_matrix, DEFAULT_SLICE  # noqa: F401
 from .conv import relu_conv2d  # noqa: F401
 from .linear import relu_linear  # noqa: F401

@@ -16,6 +16,7 @@ Example::
     >>> on, y.dtype, autocast_bf16()
     (True, torch.bfloat16, False)
 """
+
 from __future__ import annotations
 
 from typing import Callable

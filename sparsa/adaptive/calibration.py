@@ -22,6 +22,7 @@ Example::
     >>> round(e2.speedup(density=0.5, grad_density=0.16), 2)   # backward driven by the sparser dY
     2.17
 """
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,9 @@ class CostEntry:
             return 1.0
         return min(2.0, max(0.5, float(union_ratio) / self.union_ratio))
 
-    def sparse_ms(self, density: float, grad_density: Optional[float] = None,
-                  union_ratio: Optional[float] = None) -> float:
+    def sparse_ms(
+        self, density: float, grad_density: Optional[float] = None, union_ratio: Optional[float] = None
+    ) -> float:
         d = float(density) * self._scale(union_ratio)
         t = self.fixed_ms + self.slope_ms * d
         if not self.dy_path or grad_density is None:
@@ -98,8 +100,9 @@ class CostEntry:
         back = min(d, g / DY_PATH_EFFICIENCY)
         return self.fixed_ms + self.slope_ms * (d + 2.0 * back) / 3.0
 
-    def speedup(self, density: float, grad_density: Optional[float] = None,
-                union_ratio: Optional[float] = None) -> float:
+    def speedup(
+        self, density: float, grad_density: Optional[float] = None, union_ratio: Optional[float] = None
+    ) -> float:
         return self.dense_ms / max(1e-9, self.sparse_ms(density, grad_density, union_ratio))
 
 
@@ -112,8 +115,10 @@ def _machine() -> str:
 def layer_key(kind: str, x_shape, w_shape, conv_args: dict, channels_last: bool) -> str:
     """Cache key of a layer: CPU and ISA, kind, shapes, conv arguments, memory format, threads, native or not."""
     args = ",".join(f"{k}={tuple(v) if isinstance(v, (list, tuple)) else v}" for k, v in sorted(conv_args.items()))
-    return (f"{_machine()}|{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
-            f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}")
+    return (
+        f"{_machine()}|{kind}|x={tuple(x_shape)}|w={tuple(w_shape)}|{args}|cl={int(channels_last)}"
+        f"|t={torch.get_num_threads()}|native={int(loader.native_enabled())}|kernels={KERNEL_VERSION}"
+    )
 
 
 def _thresholded(x: Tensor, density: float) -> Tensor:
@@ -146,14 +151,17 @@ class Calibration:
     def __init__(self, path: Optional[os.PathLike] = None, reps: int = 2, *, cost_model: Optional[CostModel] = None):
         if path is not None and cost_model is not None:
             raise ValueError("Calibration: pass path or cost_model, not both")
-        self.store = cost_model if cost_model is not None else (
-            CostModel(Path(path)) if path is not None else default_cost_model())
+        self.store = (
+            cost_model
+            if cost_model is not None
+            else (CostModel(Path(path)) if path is not None else default_cost_model())
+        )
         self.reps = int(reps)
         self._lock = threading.Lock()
         self._table: Dict[str, CostEntry] = {}
         for k in self.store.fit_keys(self.PREFIX):
             try:
-                self._table[k[len(self.PREFIX):]] = CostEntry(**self.store.fit(k))
+                self._table[k[len(self.PREFIX) :]] = CostEntry(**self.store.fit(k))
             except TypeError:
                 pass  # written by another version of CostEntry: measured again when needed
 
@@ -190,8 +198,9 @@ class Calibration:
             self.store.set_fit(self.PREFIX + k, asdict(v), save=False)
         self.store.save()
 
-    def entry(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
-              slice: int) -> CostEntry:
+    def entry(
+        self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict, slice: int
+    ) -> CostEntry:
         """The cached entry for this layer, measuring it on ``x`` (its real input) if missing."""
         cl = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         key = layer_key(kind, x.shape, weight.shape, conv_args, cl)
@@ -204,8 +213,9 @@ class Calibration:
             self.save()
         return e
 
-    def measure(self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict,
-                slice: int) -> CostEntry:
+    def measure(
+        self, kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict, slice: int
+    ) -> CostEntry:
         """Time dense and sparse forward+backward on ``relu(x)`` and on a sparser copy of it (both as the
         training step runs them: under bf16 autocast, dense in bf16 and sparse through the fp32 kernels)."""
         a = x.detach().relu()
@@ -216,12 +226,14 @@ class Calibration:
                 y0 = F.conv2d(a, w, b, **conv_args)
                 dense = lambda xi: F.conv2d(xi, w, b, **conv_args)  # noqa: E731
                 sparse = lambda xi: sparse_under_autocast(  # noqa: E731
-                    lambda t: relu_conv2d(t, w, b, slice=slice, **conv_args), xi)
+                    lambda t: relu_conv2d(t, w, b, slice=slice, **conv_args), xi
+                )
             else:
                 y0 = F.linear(a, w, b)
                 dense = lambda xi: F.linear(xi, w, b)  # noqa: E731
                 sparse = lambda xi: sparse_under_autocast(  # noqa: E731
-                    lambda t: relu_linear(t, w, b, slice=slice), xi)
+                    lambda t: relu_linear(t, w, b, slice=slice), xi
+                )
             gy = torch.randn_like(y0)
 
             def run(f, xi, g=gy):

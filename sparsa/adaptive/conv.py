@@ -24,6 +24,7 @@ Example::
     >>> torch.allclose(y, torch.nn.functional.conv2d(x.relu(), w, padding=1), atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import weakref
@@ -54,7 +55,8 @@ backward_paths: Counter = Counter()
 # shares its per-channel view of the operand and the padded dY. Fit conditions: docs/benchmarks.md.
 # The defaults stay module attributes so a test or benchmark can force a path by overriding them.
 _DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW = (
-    _fits.COST_FITS["conv_list.dx.dy"].defaults[k] for k in ("per_nnz", "fixed", "margin", "margin_with_dw"))
+    _fits.COST_FITS["conv_list.dx.dy"].defaults[k] for k in ("per_nnz", "fixed", "margin", "margin_with_dw")
+)
 _DY_SAMPLE_ELEMENTS = 16384
 _SAMPLE_BASE: Dict[Tuple[int, int, int], Tensor] = {}
 
@@ -102,18 +104,28 @@ def _pair(v: IntOr2, name: str):
     return t
 
 
-def conv_supported(weight: Tensor, groups: int = 1, padding_mode: str = "zeros",
-                   padding: object = 0) -> bool:
+def conv_supported(weight: Tensor, groups: int = 1, padding_mode: str = "zeros", padding: object = 0) -> bool:
     """Whether the native sparse path handles this conv (else the layer stays dense)."""
-    return (groups == 1 and padding_mode == "zeros" and not isinstance(padding, str)
-            and weight.dim() == 4 and weight.shape[0] % 8 == 0)
+    return (
+        groups == 1
+        and padding_mode == "zeros"
+        and not isinstance(padding, str)
+        and weight.dim() == 4
+        and weight.shape[0] % 8 == 0
+    )
 
 
-def dy_path_supported(x: Tensor, weight: Tensor, stride: IntOr2 = 1, padding: IntOr2 = 0,
-                      dilation: IntOr2 = 1) -> bool:
+def dy_path_supported(x: Tensor, weight: Tensor, stride: IntOr2 = 1, padding: IntOr2 = 0, dilation: IntOr2 = 1) -> bool:
     """Whether the backward may run over dY's nonzeros (native, stride 1, C and O multiples of 8)."""
-    return (_k.native_available() and x.dim() == 4 and weight.dim() == 4 and x.dtype == torch.float32
-            and _pair(stride, "stride") == (1, 1) and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0)
+    return (
+        _k.native_available()
+        and x.dim() == 4
+        and weight.dim() == 4
+        and x.dtype == torch.float32
+        and _pair(stride, "stride") == (1, 1)
+        and weight.shape[0] % 8 == 0
+        and weight.shape[1] % 8 == 0
+    )
 
 
 class _ReluConv2d(torch.autograd.Function):
@@ -134,8 +146,9 @@ class _ReluConv2d(torch.autograd.Function):
         if stats is not None:
             stats["nnz"] = cnt
         ctx.geo = geo
-        ctx.channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-            and not x.is_contiguous()
+        ctx.channels_last = (
+            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        )
         ctx.has_bias = bias is not None
         ctx.packed = packed
         ctx.w_stride = tuple(weight.stride())
@@ -158,22 +171,30 @@ class _ReluConv2d(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.packed and _k._stride1(ctx.geo):
             weight = ctx.w_ref() if ctx.w_ref is not None else None
-            if (need_dx and weight is not None and (weight._version, weight.data_ptr()) == ctx.w_key
-                    and g.numel() and _dy_path_pays(g, cnt, ctx.geo, need_dw)):
+            if (
+                need_dx
+                and weight is not None
+                and (weight._version, weight.data_ptr()) == ctx.w_key
+                and g.numel()
+                and _dy_path_pays(g, cnt, ctx.geo, need_dw)
+            ):
                 S = ctx.geo.slice
                 gc, gi, gv = _k.compact_signed(g.permute(0, 3, 1, 2), S)
-                dx = _k.conv_igrad_dy(gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S,
-                                      ctx.channels_last)
+                dx = _k.conv_igrad_dy(
+                    gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S, ctx.channels_last
+                )
                 backward_paths["dy"] += 1
                 if need_dw:
                     dw = _wgrad_dy(ctx, gc, gi, gv, cnt)
                 if need_dw and dw is None:
-                    _, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, False, True,
-                                               ctx.w_stride)
+                    _, dw = _k.conv_bwd_packed(
+                        cnt, idx, val, g, w, ctx.geo, ctx.channels_last, False, True, ctx.w_stride
+                    )
             elif need_dx or need_dw:
                 backward_paths["x"] += need_dx
-                dx, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw,
-                                            ctx.w_stride)
+                dx, dw = _k.conv_bwd_packed(
+                    cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw, ctx.w_stride
+                )
         else:
             wt = w.permute(2, 3, 1, 0).contiguous() if ctx.packed else w
             if need_dx and need_dw:
@@ -215,9 +236,17 @@ def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[
     return dw
 
 
-def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride: IntOr2 = 1,
-                padding: IntOr2 = 0, dilation: IntOr2 = 1, slice: int = DEFAULT_SLICE,
-                stats: Optional[dict] = None, nonnegative: bool = False) -> Tensor:
+def relu_conv2d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: IntOr2 = 1,
+    padding: IntOr2 = 0,
+    dilation: IntOr2 = 1,
+    slice: int = DEFAULT_SLICE,
+    stats: Optional[dict] = None,
+    nonnegative: bool = False,
+) -> Tensor:
     """``F.conv2d(relu(x), weight, bias, stride, padding, dilation)`` through the sparse kernels.
 
     ``stats``, if given, receives ``"nnz"``: the per-(pixel, slice) nonzero counts of ``relu(x)``.
@@ -228,8 +257,9 @@ def relu_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
     if weight.dim() != 4:
         raise ValueError(f"weight must be 4-D [O, C, KH, KW], got shape {tuple(weight.shape)}")
-    geo = _k.geometry(x.shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"),
-                      _pair(dilation, "dilation"), slice)
+    geo = _k.geometry(
+        x.shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), slice
+    )
     return _step(x, weight, bias, geo, stats, bool(nonnegative))
 
 

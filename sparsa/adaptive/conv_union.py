@@ -34,6 +34,7 @@ Example::
     >>> x.grad.shape
     torch.Size([2, 16, 6, 6])
 """
+
 from __future__ import annotations
 
 import os
@@ -108,8 +109,12 @@ def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optio
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
     big = C * O >= _fits.BIG_WEIGHT
     fl, fx = fits["conv_union.dw.lists"], fits["conv_union.dw.x"]
-    lists = (fl["base"] + fl["per_dx"] * d_x + (fl["small_c"] if C <= _fits.SMALL_C else 0.0)
-             + (fl["big_weight"] if big else 0.0))
+    lists = (
+        fl["base"]
+        + fl["per_dx"] * d_x
+        + (fl["small_c"] if C <= _fits.SMALL_C else 0.0)
+        + (fl["big_weight"] if big else 0.0)
+    )
     cost = {"lists": lists, "x": fx["base"] + fx["per_dx_ratio"] * d_x * r + (fx["big_weight"] if big else 0.0)}
     if d_g is not None:
         fy = fits["conv_union.dw.dy"]
@@ -218,8 +223,10 @@ class UnionReluConv2d(torch.autograd.Function):
         # any dY, the weight gradient's unless the relu(x)-driven kernels cost less than its minimum
         fits = _fits.table()
         want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or (
-            need_dw and dy_ok and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits).values())
-            > _dy_floor("conv_union.dw.dy", fits))
+            need_dw
+            and dy_ok
+            and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits).values()) > _dy_floor("conv_union.dw.dy", fits)
+        )
         gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if want_g else None
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
@@ -245,10 +252,23 @@ class UnionReluConv2d(torch.autograd.Function):
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(
-                    g.permute(0, 3, 1, 2), op.nchw(), extra, None, a["stride"], a["padding"], a["dilation"],
-                    False, (0, 0), 1, [True, False, False])[0]
-                dx = dxd.mul_(op.nchw() != 0) if dxd.is_contiguous(memory_format=torch.channels_last) \
+                    g.permute(0, 3, 1, 2),
+                    op.nchw(),
+                    extra,
+                    None,
+                    a["stride"],
+                    a["padding"],
+                    a["dilation"],
+                    False,
+                    (0, 0),
+                    1,
+                    [True, False, False],
+                )[0]
+                dx = (
+                    dxd.mul_(op.nchw() != 0)
+                    if dxd.is_contiguous(memory_format=torch.channels_last)
                     else torch.where(op.nchw() != 0, dxd, torch.zeros(()))
+                )
             union_paths["dx_" + dx_side] += 1
             if not ctx.channels_last:
                 dx = dx.contiguous()

@@ -20,6 +20,7 @@ Example::
     >>> rt.disable(); type(net[2]).__name__
     'Linear'
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -42,8 +43,15 @@ _RUNTIME_ATTR = "_sparsa_adaptive_runtime"
 
 #: modules whose output is zero wherever all the inputs it reads are zero, and nonnegative for a
 #: nonnegative input: a ReLU tag survives them
-ZERO_PRESERVING: Tuple[type, ...] = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d,
-                                     nn.Dropout, nn.Flatten, nn.Identity)
+ZERO_PRESERVING: Tuple[type, ...] = (
+    nn.MaxPool2d,
+    nn.AvgPool2d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveMaxPool2d,
+    nn.Dropout,
+    nn.Flatten,
+    nn.Identity,
+)
 
 
 def _tag_hook(module, inputs, output):
@@ -58,8 +66,14 @@ def _carry_hook(module, inputs, output):
 class AdaptiveRuntime:
     """Handle returned by :func:`enable`: the adaptive layers, the report, ``disable()``."""
 
-    def __init__(self, model: nn.Module, layers: Dict[str, LayerState], handles: list,
-                 replaced: List[Tuple[nn.Module, str, nn.Module, nn.Module]], guard: Optional[StepGuard] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Dict[str, LayerState],
+        handles: list,
+        replaced: List[Tuple[nn.Module, str, nn.Module, nn.Module]],
+        guard: Optional[StepGuard] = None,
+    ):
         self.model = model
         self.layers = layers
         self.guard = guard
@@ -78,9 +92,11 @@ class AdaptiveRuntime:
             if g.decision is None:
                 text += f"\nstep guard: no comparison yet ({g.steps} steps timed, phase {g.phase})"
             else:
-                text += (f"\nstep guard: {g.decision} (adaptive step {g.adaptive_ms:.1f} ms, dense step "
-                         f"{g.dense_ms:.1f} ms: {g.speedup:.2f}x at step {g.comparisons[-1]['step']}; "
-                         f"now {g.phase})")
+                text += (
+                    f"\nstep guard: {g.decision} (adaptive step {g.adaptive_ms:.1f} ms, dense step "
+                    f"{g.dense_ms:.1f} ms: {g.speedup:.2f}x at step {g.comparisons[-1]['step']}; "
+                    f"now {g.phase})"
+                )
         return text
 
     def set_policy(self, policy: Policy) -> None:
@@ -125,11 +141,19 @@ def runtime_of(model: nn.Module) -> Optional[AdaptiveRuntime]:
     return rt if isinstance(rt, AdaptiveRuntime) else None
 
 
-def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None,
-           calibration: Optional[Calibration] = None, slice: int = DEFAULT_SLICE, pixels: int = 512,
-           recalibrate: bool = False, retain_memory: bool = False,
-           guard: Union[bool, StepGuard] = True,
-           filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> AdaptiveRuntime:
+def enable(
+    model: nn.Module,
+    *,
+    every: int = 10,
+    policy: Optional[Policy] = None,
+    calibration: Optional[Calibration] = None,
+    slice: int = DEFAULT_SLICE,
+    pixels: int = 512,
+    recalibrate: bool = False,
+    retain_memory: bool = False,
+    guard: Union[bool, StepGuard] = True,
+    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+) -> AdaptiveRuntime:
     """Make ``model`` sparsity-adaptive in place and return the runtime handle.
 
     ``every``: monitor refresh period in calls; ``policy``: hysteresis thresholds or a forced path;
@@ -175,14 +199,23 @@ def enable(model: nn.Module, *, every: int = 10, policy: Optional[Policy] = None
     if filter_fn is not None and not targets:
         for h in handles:
             h.remove()
-        raise ValueError("filter_fn accepts none of the model's nn.Conv2d / nn.Linear modules; fix it so it returns "
-                         "True for the layers to make activation-sparse")
+        raise ValueError(
+            "filter_fn accepts none of the model's nn.Conv2d / nn.Linear modules; fix it so it returns "
+            "True for the layers to make activation-sparse"
+        )
     layers: Dict[str, LayerState] = {}
     replaced = []
     for parent, attr, child, full in targets:
         kind = "conv2d" if isinstance(child, nn.Conv2d) else "linear"
-        st = LayerState(full, kind, SparsityMonitor(every, pixels, slice, seed=len(layers)), policy,
-                        calibration, int(slice), guard=guard)
+        st = LayerState(
+            full,
+            kind,
+            SparsityMonitor(every, pixels, slice, seed=len(layers)),
+            policy,
+            calibration,
+            int(slice),
+            guard=guard,
+        )
         cls = AdaptiveConv2d if kind == "conv2d" else AdaptiveLinear
         new = cls.from_module(child, st)
         if policy.force is not None:

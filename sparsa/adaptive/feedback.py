@@ -28,6 +28,7 @@ Example::
     >>> round(fb.kappa(), 3)                       # the model's 1.25x is really 10 / 12 = 0.83x
     0.667
 """
+
 from __future__ import annotations
 
 import statistics
@@ -49,10 +50,11 @@ class Feedback:
             if int(v) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         self.window, self.every, self.probe_every = int(window), int(every), int(probe_every)
-        self.errors: Dict[str, Deque[float]] = {"dense": deque(maxlen=self.window),
-                                                "sparse": deque(maxlen=self.window)}
-        self.measured: Dict[str, Deque[float]] = {"dense": deque(maxlen=self.window),
-                                                  "sparse": deque(maxlen=self.window)}
+        self.errors: Dict[str, Deque[float]] = {"dense": deque(maxlen=self.window), "sparse": deque(maxlen=self.window)}
+        self.measured: Dict[str, Deque[float]] = {
+            "dense": deque(maxlen=self.window),
+            "sparse": deque(maxlen=self.window),
+        }
         self.seen = {"dense": 0, "sparse": 0}
         self.calls = 0
         self.timed = 0
@@ -102,8 +104,13 @@ class Feedback:
 def time_backward(x: Tensor, y: Tensor, done: Callable[[float], None]) -> bool:
     """Call ``done(ms)`` with the time from dY's arrival at ``y`` to dX's at ``x`` in the coming backward
     (this call only). Returns False (and times nothing) when there is no backward to time."""
-    if not (torch.is_grad_enabled() and isinstance(y, Tensor) and y.requires_grad
-            and isinstance(x, Tensor) and x.requires_grad):
+    if not (
+        torch.is_grad_enabled()
+        and isinstance(y, Tensor)
+        and y.requires_grad
+        and isinstance(x, Tensor)
+        and x.requires_grad
+    ):
         return False
     start = []
 

@@ -13,6 +13,7 @@ Example::
     >>> torch.allclose(relu_linear(x, w), x.relu() @ w.T, atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -35,8 +36,9 @@ def linear_supported(weight: Tensor) -> bool:
 
 def _geo(P: int, K: int, O: int, slice: int) -> ConvGeometry:
     """A linear layer as a 1x1 conv of the input ``[1, K, P, 1]``."""
-    return ConvGeometry(N=1, C=K, H=P, W=1, O=O, KH=1, KW=1, Ho=P, Wo=1, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1,
-                        slice=slice)
+    return ConvGeometry(
+        N=1, C=K, H=P, W=1, O=O, KH=1, KW=1, Ho=P, Wo=1, sh=1, sw=1, ph=0, pw=0, dh=1, dw=1, slice=slice
+    )
 
 
 class _ReluLinear(torch.autograd.Function):
@@ -87,14 +89,15 @@ def _union_linear(x2: Tensor, weight: Tensor, bias: Optional[Tensor], slice: int
     """The Linear as the 1x1 conv of the ``[1, K, P, 1]`` image ``x2.t()`` on the union kernels."""
     P, K = x2.shape
     O = weight.shape[0]
-    x4 = x2.t().unsqueeze(0).unsqueeze(-1)                  # channels-last: every row's features contiguous
+    x4 = x2.t().unsqueeze(0).unsqueeze(-1)  # channels-last: every row's features contiguous
     w4 = weight.unsqueeze(-1).unsqueeze(-1)
     y4 = UnionReluConv2d.apply(x4, w4, bias, _geo(P, K, O, slice), stats, _pack_view(weight))
-    return y4.squeeze(-1).squeeze(0).t()                    # [P, O], contiguous
+    return y4.squeeze(-1).squeeze(0).t()  # [P, O], contiguous
 
 
-def relu_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice: int = DEFAULT_SLICE,
-                stats: Optional[dict] = None) -> Tensor:
+def relu_linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice: int = DEFAULT_SLICE, stats: Optional[dict] = None
+) -> Tensor:
     """``F.linear(relu(x), weight, bias)`` through the sparse kernels; ``x`` is ``[..., K]``.
 
     Runs the union kernels of :mod:`sparsa.adaptive.conv_union` (as a 1x1 conv) where they are
@@ -102,8 +105,7 @@ def relu_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, slice:
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [O, K], got shape {tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}; "
-                         "pass matching shapes")
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[1]}; pass matching shapes")
     lead = x.shape[:-1]
     y = _step(x.reshape(-1, x.shape[-1]), weight, bias, int(slice), stats)
     return y.reshape(*lead, weight.shape[0])

@@ -16,6 +16,7 @@ Example::
     >>> retain_freed_memory() in (True, False)   # True where glibc accepted the setting
     True
 """
+
 from __future__ import annotations
 
 import ctypes

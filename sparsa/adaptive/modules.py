@@ -15,6 +15,7 @@ Example::
     >>> type(net[2]).__name__, net(torch.randn(2, 3, 8, 8)).shape
     ('AdaptiveConv2d', torch.Size([2, 16, 8, 8]))
 """
+
 from __future__ import annotations
 
 import copy
@@ -107,8 +108,12 @@ class LayerState:
 
 
 def _paired(state: LayerState, x: Tensor) -> bool:
-    return (state.supported and x.device.type == "cpu" and is_tagged_nonnegative(x)
-            and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and autocast_bf16())))
+    return (
+        state.supported
+        and x.device.type == "cpu"
+        and is_tagged_nonnegative(x)
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and autocast_bf16()))
+    )
 
 
 def _decide(state: LayerState, x: Tensor, weight: Tensor, bias: Optional[Tensor], conv_args: dict) -> None:
@@ -143,6 +148,7 @@ def _watch_grad(state: LayerState, y: Tensor) -> None:
     def hook(g: Tensor) -> None:
         state.grad_monitor.observe(g)
         state.grad_sparsity = state.grad_monitor.sparsity
+
     y.register_hook(hook)
 
 
@@ -216,8 +222,7 @@ def _adopt(cls: type, module: nn.Module) -> nn.Module:
     optimizers, hooks and state dicts keep working)."""
     new = cls.__new__(cls)
     nn.Module.__init__(new)
-    new.__dict__.update({k: v for k, v in module.__dict__.items()
-                         if k not in ("_parameters", "_buffers", "_modules")})
+    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in ("_parameters", "_buffers", "_modules")})
     new._parameters = module._parameters
     new._buffers = module._buffers
     new._modules = module._modules
@@ -241,12 +246,20 @@ class AdaptiveConv2d(nn.Conv2d):
 
     def forward(self, x: Tensor) -> Tensor:
         args = self._conv_args()
-        return _run(self.sparsa_state, x,
-                    lambda t: self._conv_forward(t, self.weight, self.bias),
-                    lambda t, stats: sparse_under_autocast(
-                        lambda u: relu_conv2d(u, self.weight, self.bias, slice=self.sparsa_state.slice,
-                                              stats=stats, nonnegative=True, **args), t),
-                    self.weight, self.bias, args)
+        return _run(
+            self.sparsa_state,
+            x,
+            lambda t: self._conv_forward(t, self.weight, self.bias),
+            lambda t, stats: sparse_under_autocast(
+                lambda u: relu_conv2d(
+                    u, self.weight, self.bias, slice=self.sparsa_state.slice, stats=stats, nonnegative=True, **args
+                ),
+                t,
+            ),
+            self.weight,
+            self.bias,
+            args,
+        )
 
 
 class AdaptiveLinear(nn.Linear):
@@ -262,9 +275,14 @@ class AdaptiveLinear(nn.Linear):
         return new
 
     def forward(self, x: Tensor) -> Tensor:
-        return _run(self.sparsa_state, x,
-                    lambda t: F.linear(t, self.weight, self.bias),
-                    lambda t, stats: sparse_under_autocast(
-                        lambda u: relu_linear(u, self.weight, self.bias, slice=self.sparsa_state.slice,
-                                              stats=stats), t),
-                    self.weight, self.bias, {})
+        return _run(
+            self.sparsa_state,
+            x,
+            lambda t: F.linear(t, self.weight, self.bias),
+            lambda t, stats: sparse_under_autocast(
+                lambda u: relu_linear(u, self.weight, self.bias, slice=self.sparsa_state.slice, stats=stats), t
+            ),
+            self.weight,
+            self.bias,
+            {},
+        )

@@ -26,6 +26,7 @@ Example::
     >>> abs(m.sparsity - 0.5) < 0.1
     True
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -83,8 +84,15 @@ class SparsityMonitor:
     ``pixels``, ``elements``, ``slice`` and ``seed`` shape the CPU sample, ``samples`` the device one.
     """
 
-    def __init__(self, every: int = 10, pixels: int = 512, slice: int = DEFAULT_SLICE, seed: int = 0,
-                 elements: int = 32768, samples: int = 4096):
+    def __init__(
+        self,
+        every: int = 10,
+        pixels: int = 512,
+        slice: int = DEFAULT_SLICE,
+        seed: int = 0,
+        elements: int = 32768,
+        samples: int = 4096,
+    ):
         if int(every) < 1:
             raise ValueError(f"every must be a positive number of calls, got {every!r}; e.g. every=10")
         if int(pixels) < 1:
@@ -224,7 +232,7 @@ class SparsityMonitor:
 
     def _rebuild(self, shape, stride) -> Tensor:
         N, C, H, W = shape
-        q = torch.randperm(N * H * W, generator=self._gen)[:self._m]
+        q = torch.randperm(N * H * W, generator=self._gen)[: self._m]
         base = (q // (H * W)) * stride[0] + ((q // W) % H) * stride[2] + (q % W) * stride[3]
         return (base.view(-1, 1) + torch.arange(C).view(1, -1) * stride[1]).reshape(-1)
 

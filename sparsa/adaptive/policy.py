@@ -15,6 +15,7 @@ Example::
     >>> p.choose("dense", 1.05), p.choose("sparse", 1.05), p.choose("dense", 1.3)
     ('dense', 'sparse', 'sparse')
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +40,16 @@ class Policy:
         if self.force is not None and self.force not in PATHS:
             raise ValueError(f"force must be None, 'dense' or 'sparse', got {self.force!r}")
         if not (self.enter >= self.exit > 0):
-            raise ValueError(f"need enter >= exit > 0, got enter={self.enter!r}, exit={self.exit!r}; "
-                             "e.g. Policy(enter=1.1, exit=1.02)")
+            raise ValueError(
+                f"need enter >= exit > 0, got enter={self.enter!r}, exit={self.exit!r}; "
+                "e.g. Policy(enter=1.1, exit=1.02)"
+            )
         if not self.verify_below >= 0:
             raise ValueError(f"verify_below must be >= 0 (0: no timing in training), got {self.verify_below!r}")
         if not self.explore_above > 0:
-            raise ValueError(f"explore_above must be > 0 (a value >= enter times no dense layer), "
-                             f"got {self.explore_above!r}")
+            raise ValueError(
+                f"explore_above must be > 0 (a value >= enter times no dense layer), got {self.explore_above!r}"
+            )
 
     def choose(self, current: str, speedup: Optional[float]) -> str:
         """The path for a layer now on ``current`` whose predicted speedup is ``speedup``."""

@@ -9,15 +9,29 @@ Example::
     >>> print(sa.format_report(rt.report()).splitlines()[0].split()[:3])
     ['layer', 'kind', 'sparsity']
 """
+
 from __future__ import annotations
 
 from typing import List
 
 __all__ = ["report", "format_report"]
 
-_COLUMNS = [("layer", 18), ("kind", 7), ("sparsity", 9), ("dy_sparsity", 12), ("union_ratio", 12), ("source", 7),
-            ("path", 7), ("kernels", 8),
-            ("pred_speedup", 13), ("kappa", 6), ("dense_ms", 9), ("sparse_ms", 10), ("fwd_ms", 8), ("calls", 6)]
+_COLUMNS = [
+    ("layer", 18),
+    ("kind", 7),
+    ("sparsity", 9),
+    ("dy_sparsity", 12),
+    ("union_ratio", 12),
+    ("source", 7),
+    ("path", 7),
+    ("kernels", 8),
+    ("pred_speedup", 13),
+    ("kappa", 6),
+    ("dense_ms", 9),
+    ("sparse_ms", 10),
+    ("fwd_ms", 8),
+    ("calls", 6),
+]
 
 
 def report(runtime) -> List[dict]:
@@ -38,18 +52,32 @@ def report(runtime) -> List[dict]:
     for name, st in runtime.layers.items():
         m = st.monitor
         cost = st.cost
-        rows.append({
-            "layer": name, "kind": st.kind, "sparsity": m.sparsity, "dy_sparsity": st.grad_sparsity,
-            "union_ratio": st.union_ratio, "empty_slices": m.empty_slices,
-            "source": m.source, "path": st.path if st.paired_calls else "dense", "kernels": st.kernels,
-            "supported": st.supported, "pred_speedup": st.speedup, "model_speedup": st.model_speedup,
-            "kappa": st.feedback.kappa(), "measured_speedup": st.feedback.measured_speedup(),
-            "probes": st.feedback.probes,
-            "dense_ms": None if cost is None else cost.dense_ms,
-            "sparse_ms": st.predicted_ms("sparse"),
-            "fwd_ms": st.fwd_ms.get(st.path), "calls": st.calls, "paired_calls": st.paired_calls,
-            "sparse_calls": st.sparse_calls, "switches": st.switches,
-        })
+        rows.append(
+            {
+                "layer": name,
+                "kind": st.kind,
+                "sparsity": m.sparsity,
+                "dy_sparsity": st.grad_sparsity,
+                "union_ratio": st.union_ratio,
+                "empty_slices": m.empty_slices,
+                "source": m.source,
+                "path": st.path if st.paired_calls else "dense",
+                "kernels": st.kernels,
+                "supported": st.supported,
+                "pred_speedup": st.speedup,
+                "model_speedup": st.model_speedup,
+                "kappa": st.feedback.kappa(),
+                "measured_speedup": st.feedback.measured_speedup(),
+                "probes": st.feedback.probes,
+                "dense_ms": None if cost is None else cost.dense_ms,
+                "sparse_ms": st.predicted_ms("sparse"),
+                "fwd_ms": st.fwd_ms.get(st.path),
+                "calls": st.calls,
+                "paired_calls": st.paired_calls,
+                "sparse_calls": st.sparse_calls,
+                "switches": st.switches,
+            }
+        )
     return rows
 
 

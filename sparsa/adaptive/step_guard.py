@@ -30,6 +30,7 @@ Example::
     >>> g.suspended, g.decision
     (True, 'dense')
 """
+
 from __future__ import annotations
 
 import statistics
@@ -45,15 +46,21 @@ __all__ = ["StepGuard"]
 class StepGuard:
     """The state machine of whole-step timing; :meth:`attach` hooks it to a model."""
 
-    def __init__(self, warmup: int = 20, window: int = 5, recheck: int = 100, max_recheck: int = 1600,
-                 margin: float = 1.0):
-        for name, v, lo in (("warmup", warmup, 0), ("window", window, 1), ("recheck", recheck, 1),
-                            ("max_recheck", max_recheck, 1)):
+    def __init__(
+        self, warmup: int = 20, window: int = 5, recheck: int = 100, max_recheck: int = 1600, margin: float = 1.0
+    ):
+        for name, v, lo in (
+            ("warmup", warmup, 0),
+            ("window", window, 1),
+            ("recheck", recheck, 1),
+            ("max_recheck", max_recheck, 1),
+        ):
             if int(v) != v or int(v) < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if not margin > 0:
-            raise ValueError(f"margin must be > 0 (adaptive is kept when its step is below margin x dense), "
-                             f"got {margin!r}")
+            raise ValueError(
+                f"margin must be > 0 (adaptive is kept when its step is below margin x dense), got {margin!r}"
+            )
         self.warmup, self.window, self.margin = int(warmup), int(window), float(margin)
         self.recheck, self.max_recheck = int(recheck), int(max(recheck, max_recheck))
         #: True while the adaptive layers run dense (a dense window, or the guard's verdict)
@@ -105,8 +112,9 @@ class StepGuard:
         self.adaptive_ms, self.dense_ms = adaptive_ms, dense_ms
         keep = adaptive_ms <= self.margin * dense_ms
         self.decision = "adaptive" if keep else "dense"
-        self.comparisons.append({"step": self.steps, "adaptive_ms": adaptive_ms, "dense_ms": dense_ms,
-                                 "decision": self.decision})
+        self.comparisons.append(
+            {"step": self.steps, "adaptive_ms": adaptive_ms, "dense_ms": dense_ms, "decision": self.decision}
+        )
         self._phase, self._left, self._samples = "hold", self._next_recheck, []
         self._next_recheck = min(self.max_recheck, 2 * self._next_recheck)
         self._set_suspended(not keep)
@@ -174,6 +182,13 @@ class StepGuard:
 
     def summary(self) -> dict:
         """The guard's state for reports: phase, decision, last medians, the comparisons so far."""
-        return {"phase": self._phase, "decision": self.decision, "suspended": self.suspended,
-                "steps": self.steps, "adaptive_step_ms": self.adaptive_ms, "dense_step_ms": self.dense_ms,
-                "step_speedup": self.speedup, "comparisons": list(self.comparisons)}
+        return {
+            "phase": self._phase,
+            "decision": self.decision,
+            "suspended": self.suspended,
+            "steps": self.steps,
+            "adaptive_step_ms": self.adaptive_ms,
+            "dense_step_ms": self.dense_ms,
+            "step_speedup": self.speedup,
+            "comparisons": list(self.comparisons),
+        }

@@ -11,6 +11,7 @@ text of a domain the calibration did not see.
 >>> len(calib), len(held_out), set(calib).isdisjoint(held_out)
 (32, 32, True)
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,12 +25,57 @@ from typing import List, Tuple
 __all__ = ["MODULES", "stdlib_sentences", "readme_sentences", "calibration_and_evaluation"]
 
 #: modules whose docstrings are read (importing them has no side effects)
-MODULES = ("abc", "argparse", "ast", "base64", "bisect", "calendar", "collections", "csv", "dataclasses",
-           "datetime", "decimal", "difflib", "email.message", "enum", "fractions", "functools", "gzip", "hashlib",
-           "heapq", "html.parser", "http.client", "inspect", "ipaddress", "itertools", "json", "logging",
-           "mimetypes", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "shutil", "socket",
-           "statistics", "string", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "typing",
-           "unittest", "urllib.parse", "uuid", "warnings", "zipfile")
+MODULES = (
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email.message",
+    "enum",
+    "fractions",
+    "functools",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html.parser",
+    "http.client",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mimetypes",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "zipfile",
+)
 
 _SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
@@ -48,8 +94,11 @@ def _docstrings(module_name: str) -> List[str]:
             continue
         docs.append(inspect.getdoc(obj) or "")
         if inspect.isclass(obj):
-            docs += [inspect.getdoc(v) or "" for k, v in sorted(vars(obj).items()) if not k.startswith("_")
-                     and (inspect.isfunction(v) or isinstance(v, property))]
+            docs += [
+                inspect.getdoc(v) or ""
+                for k, v in sorted(vars(obj).items())
+                if not k.startswith("_") and (inspect.isfunction(v) or isinstance(v, property))
+            ]
     return docs
 
 
@@ -75,9 +124,9 @@ def _sentences(min_chars: int, max_chars: int) -> tuple:
     return tuple(out)
 
 
-_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")        # [text](url) -> text; images dropped below
-_RST_LINK = re.compile(r"`([^`<]*?)\s*<[^>]*>`_+")            # `text <url>`_ -> text
-_MARKUP = re.compile(r"[*_`]{1,3}([^*_`]+)[*_`]{1,3}")          # **bold**, *em*, ``code`` -> the text
+_MD_LINK = re.compile(r"!?\[([^\]]*)\]\([^)]*\)")  # [text](url) -> text; images dropped below
+_RST_LINK = re.compile(r"`([^`<]*?)\s*<[^>]*>`_+")  # `text <url>`_ -> text
+_MARKUP = re.compile(r"[*_`]{1,3}([^*_`]+)[*_`]{1,3}")  # **bold**, *em*, ``code`` -> the text
 _SKIP_LINE = ("```", "~~~", ">>>", "$ ", "|", "#", "..", "- ", "* ", "+ ", "[", "!", "<", "=", ":", "{", "--")
 
 
@@ -91,8 +140,13 @@ def _prose(description: str) -> List[str]:
             fenced = not fenced
             cur = paras.append(" ".join(cur)) or []
             continue
-        if fenced or not line.strip() or raw[:1] in (" ", "\t") or line.lstrip().startswith(_SKIP_LINE) \
-                or set(line.strip()) <= set("=-~^*#+`'\"._:"):
+        if (
+            fenced
+            or not line.strip()
+            or raw[:1] in (" ", "\t")
+            or line.lstrip().startswith(_SKIP_LINE)
+            or set(line.strip()) <= set("=-~^*#+`'\"._:")
+        ):
             cur = paras.append(" ".join(cur)) or []
             continue
         cur.append(line.strip())
@@ -118,6 +172,7 @@ def readme_sentences(min_chars: int = 40, max_chars: int = 200, exclude: Tuple[s
 @lru_cache(maxsize=4)
 def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
     from importlib import metadata
+
     by_name = {}
     for d in metadata.distributions():
         name = (d.metadata.get("Name") or "").lower().replace("_", "-")
@@ -132,8 +187,14 @@ def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
         for para in _prose(str(text)):
             for s in _SPLIT.split(" ".join(para.split())):
                 letters = sum(c.isalpha() or c == " " for c in s)
-                if (min_chars <= len(s) <= max_chars and letters > 0.85 * len(s) and s[0].isupper()
-                        and s[-1] in ".!?" and s not in seen and s not in stdlib):
+                if (
+                    min_chars <= len(s) <= max_chars
+                    and letters > 0.85 * len(s)
+                    and s[0].isupper()
+                    and s[-1] in ".!?"
+                    and s not in seen
+                    and s not in stdlib
+                ):
                     seen.add(s)
                     out.append(s)
     return tuple(out)
@@ -143,7 +204,8 @@ def calibration_and_evaluation(n_calibration: int, n_evaluation: int, seed: int 
     """Two disjoint, deterministic samples of :func:`stdlib_sentences`."""
     pool = stdlib_sentences()
     if n_calibration + n_evaluation > len(pool):
-        raise ValueError(f"asked for {n_calibration} + {n_evaluation} sentences but only {len(pool)} are available; "
-                         "ask for fewer")
+        raise ValueError(
+            f"asked for {n_calibration} + {n_evaluation} sentences but only {len(pool)} are available; ask for fewer"
+        )
     random.Random(seed).shuffle(pool)
-    return pool[:n_calibration], pool[n_calibration:n_calibration + n_evaluation]
+    return pool[:n_calibration], pool[n_calibration : n_calibration + n_evaluation]

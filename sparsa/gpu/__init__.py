@@ -9,13 +9,18 @@ implementations do. The activation-sparsity monitor is one class for CPU and GPU
 >>> import sparsa.gpu
 >>> ok = sparsa.gpu.triton_available()     # False (with sparsa.gpu.why_unavailable()) without Triton
 """
+
 from ._triton import triton_available, why_unavailable, interpreting, gpu_eligible  # noqa: F401
 from .semi_structured import semi_structured_supported  # noqa: F401
 
 _LAZY = {
-    "bsr_linear": "weight_sparse", "nm_linear": "weight_sparse", "bsr_supported": "weight_sparse",
-    "act_sparse_linear": "act_sparse", "act_sparse_conv2d": "act_sparse",
-    "sampled_density": "monitor", "SparsityMonitor": "monitor",
+    "bsr_linear": "weight_sparse",
+    "nm_linear": "weight_sparse",
+    "bsr_supported": "weight_sparse",
+    "act_sparse_linear": "act_sparse",
+    "act_sparse_conv2d": "act_sparse",
+    "sampled_density": "monitor",
+    "SparsityMonitor": "monitor",
 }
 # former names, still resolved: the panel compaction is private now (sparsa.adaptive.compact is the public one)
 _FORMER = {"compact": "act_sparse"}
@@ -26,8 +31,8 @@ def __getattr__(name: str):
     if mod is None:
         raise AttributeError(f"module 'sparsa.gpu' has no attribute {name!r}")
     import importlib
+
     return getattr(importlib.import_module(f"{__name__}.{mod}"), name)
 
 
-__all__ = ["triton_available", "why_unavailable", "interpreting", "gpu_eligible", "semi_structured_supported",
-           *_LAZY]
+__all__ = ["triton_available", "why_unavailable", "interpreting", "gpu_eligible", "semi_structured_supported", *_LAZY]

@@ -1,4 +1,5 @@
 """Small helpers shared by the Triton wrappers: dtype flags, dot precision, launch options."""
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -33,8 +34,10 @@ def check_kernel_tensor(t: Tensor, arg: str) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in KERNEL_DTYPES:
-        raise TypeError(f"{arg} has dtype {t.dtype}; sparsa's Triton kernels take float32, bfloat16, float16 or "
-                        f"float64 (convert with {arg}.float())")
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; sparsa's Triton kernels take float32, bfloat16, float16 or "
+            f"float64 (convert with {arg}.float())"
+        )
 
 
 def next_pow2(n: int, lo: int = 16) -> int:

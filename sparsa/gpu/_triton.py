@@ -5,6 +5,7 @@ interpreter (``TRITON_INTERPRET=1``). :class:`LazyKernel` keeps the plain Python
 decorates it on first use for the mode that is active *then*, so the same kernel serves GPU runs and
 interpreter tests in one process.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["triton_available", "why_unavailable", "require_triton", "interpreting", "LazyKernel",
-           "gpu_eligible"]
+__all__ = ["triton_available", "why_unavailable", "require_triton", "interpreting", "LazyKernel", "gpu_eligible"]
 
 _STATE: Dict[str, Any] = {}
 
@@ -23,11 +23,14 @@ def _load() -> Optional[Any]:
         try:
             import triton  # noqa: F401
             import triton.language  # noqa: F401
+
             _STATE["mod"], _STATE["why"] = triton, ""
         except Exception as e:  # ImportError, or a broken install
             _STATE["mod"] = None
-            _STATE["why"] = (f"Triton is not importable ({type(e).__name__}: {e}); install it with "
-                             "`pip install triton` (Linux) to use sparsa's GPU kernels")
+            _STATE["why"] = (
+                f"Triton is not importable ({type(e).__name__}: {e}); install it with "
+                "`pip install triton` (Linux) to use sparsa's GPU kernels"
+            )
     return _STATE["mod"]
 
 

@@ -31,6 +31,7 @@ Example (on a GPU, or on the CPU with ``TRITON_INTERPRET=1``)::
     >>> w = torch.randn(16, 64, requires_grad=True)
     >>> act_sparse_linear(a, w).sum().backward()                  # doctest: +SKIP
 """
+
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -43,22 +44,30 @@ from ._triton import LazyKernel, interpreting, require_triton
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
-__all__ = ["Compacted", "act_sparse_mm", "act_sparse_grad_input", "act_sparse_grad_weight",
-           "act_sparse_linear", "act_sparse_conv2d"]
+__all__ = [
+    "Compacted",
+    "act_sparse_mm",
+    "act_sparse_grad_input",
+    "act_sparse_grad_weight",
+    "act_sparse_linear",
+    "act_sparse_conv2d",
+]
 
 
 # =============================================================================== kernels
 @LazyKernel
-def _compact_kernel(a_ptr, idx_ptr, cnt_ptr, R, C, stride_r, stride_c,
-                    BR: tl.constexpr, BC: tl.constexpr):
+def _compact_kernel(a_ptr, idx_ptr, cnt_ptr, R, C, stride_r, stride_c, BR: tl.constexpr, BC: tl.constexpr):
     """Per panel of BR rows: ascending list of columns with any nonzero in the panel, and its length."""
     p = tl.program_id(0)
     rr = (p * BR + tl.arange(0, BR)).to(tl.int64)
     total = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, C, BC):
         cc = c0 + tl.arange(0, BC)
-        t = tl.load(a_ptr + rr[:, None] * stride_r + cc[None, :].to(tl.int64) * stride_c,
-                    mask=(rr[:, None] < R) & (cc[None, :] < C), other=0)
+        t = tl.load(
+            a_ptr + rr[:, None] * stride_r + cc[None, :].to(tl.int64) * stride_c,
+            mask=(rr[:, None] < R) & (cc[None, :] < C),
+            other=0,
+        )
         active = tl.max((t != 0).to(tl.int32), axis=0)
         slot = total + tl.cumsum(active, axis=0) - 1
         tl.store(idx_ptr + p.to(tl.int64) * C + slot, cc.to(tl.int32), mask=active != 0)
@@ -81,14 +90,30 @@ def _sampled_count_kernel(x_ptr, out_ptr, numel, n_samples, stride, offset, BLOC
 def _sampled_count(flat: Tensor, out: Tensor, numel: int, n_samples: int, stride: int, offset: int) -> None:
     """Launch :func:`_sampled_count_kernel` (the device path of :func:`sparsa.adaptive.monitor.sampled_counts`)."""
     block = 1024
-    _sampled_count_kernel[(triton.cdiv(n_samples, block),)](flat, out, numel, n_samples, stride, offset,
-                                                            BLOCK=block, **launch_opts(4, 1))
+    _sampled_count_kernel[(triton.cdiv(n_samples, block),)](
+        flat, out, numel, n_samples, stride, offset, BLOCK=block, **launch_opts(4, 1)
+    )
 
 
 @LazyKernel
-def _fwd_kernel(a_ptr, w_ptr, b_ptr, y_ptr, col_ptr, cnt_ptr, M, N, K,
-                HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _fwd_kernel(
+    a_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    col_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = (p * BM + tl.arange(0, BM)).to(tl.int64)
@@ -110,14 +135,31 @@ def _fwd_kernel(a_ptr, w_ptr, b_ptr, y_ptr, col_ptr, cnt_ptr, M, N, K,
         acc = tl.dot(at, tl.trans(wt), acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(acc.dtype)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 @LazyKernel
-def _grad_input_kernel(g_ptr, w_ptr, act_ptr, ga_ptr, col_ptr, cnt_ptr, M, N, K,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _grad_input_kernel(
+    g_ptr,
+    w_ptr,
+    act_ptr,
+    ga_ptr,
+    col_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     p = tl.program_id(0)
     j0 = tl.program_id(1) * BK
     cnt = tl.load(cnt_ptr + p)
@@ -132,8 +174,7 @@ def _grad_input_kernel(g_ptr, w_ptr, act_ptr, ga_ptr, col_ptr, cnt_ptr, M, N, K,
             acc = tl.zeros((BM, BK), dtype=tl.float32)
         for n0 in range(0, N, BN):
             rn = n0 + tl.arange(0, BN)
-            gt = tl.load(g_ptr + rm[:, None] * N + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N),
-                         other=0.0)
+            gt = tl.load(g_ptr + rm[:, None] * N + rn[None, :], mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
             wt = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & jm[None, :], other=0.0)
             if UPCAST:
                 gt = gt.to(tl.float32)
@@ -146,9 +187,22 @@ def _grad_input_kernel(g_ptr, w_ptr, act_ptr, ga_ptr, col_ptr, cnt_ptr, M, N, K,
 
 
 @LazyKernel
-def _grad_weight_kernel(g_ptr, a_ptr, gw_ptr, row_ptr, cnt_ptr, M, N, K,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _grad_weight_kernel(
+    g_ptr,
+    a_ptr,
+    gw_ptr,
+    row_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     q = tl.program_id(1)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -168,8 +222,11 @@ def _grad_weight_kernel(g_ptr, a_ptr, gw_ptr, row_ptr, cnt_ptr, M, N, K,
             gt = gt.to(tl.float32)
             at = at.to(tl.float32)
         acc = tl.dot(tl.trans(gt), at, acc, input_precision=PREC)
-    tl.store(gw_ptr + rn[:, None] * K + kk[None, :], acc.to(gw_ptr.dtype.element_ty),
-             mask=(rn[:, None] < N) & (kk[None, :] < K))
+    tl.store(
+        gw_ptr + rn[:, None] * K + kk[None, :],
+        acc.to(gw_ptr.dtype.element_ty),
+        mask=(rn[:, None] < N) & (kk[None, :] < K),
+    )
 
 
 # =============================================================================== compaction
@@ -180,6 +237,7 @@ class Compacted(NamedTuple):
     entries past the count are unused) and their number. ``rows``/``row_counts``: for each panel of
     ``block_k`` columns, the active rows. ``density`` of the panels is ``col_counts.sum() / (panels*K)``.
     """
+
     cols: Tensor
     col_counts: Tensor
     rows: Tensor
@@ -197,15 +255,18 @@ def _as_pattern(active: Tensor) -> Tensor:
     return active.view(torch.uint8) if active.dtype == torch.bool else active
 
 
-def _compact_panels(active: Tensor, block_m: Optional[int] = None, block_k: Optional[int] = None,
-                    need_rows: bool = True) -> Compacted:
+def _compact_panels(
+    active: Tensor, block_m: Optional[int] = None, block_k: Optional[int] = None, need_rows: bool = True
+) -> Compacted:
     """Index lists of the nonzeros of the 2-D ``active`` (an activation, or a bool mask), by panel.
 
     >>> # c = _compact_panels(torch.relu(torch.randn(64, 32)))   # on a GPU or under TRITON_INTERPRET=1
     """
     if not isinstance(active, Tensor) or active.dim() != 2:
-        raise ValueError(f"active must be a 2-D tensor (rows, cols), got "
-                         f"{tuple(active.shape) if isinstance(active, Tensor) else type(active).__name__}")
+        raise ValueError(
+            f"active must be a 2-D tensor (rows, cols), got "
+            f"{tuple(active.shape) if isinstance(active, Tensor) else type(active).__name__}"
+        )
     bm0, _, bk0 = _blocks()
     bm, bk = block_m or bm0, block_k or bk0
     pat = _as_pattern(active.contiguous())
@@ -232,14 +293,14 @@ def _check(a: Tensor, w: Tensor) -> None:
     check_kernel_tensor(a, "a")
     check_kernel_tensor(w, "weight")
     if a.dim() != 2 or w.dim() != 2 or a.shape[1] != w.shape[1]:
-        raise ValueError(f"a must be (tokens, K) and weight (out, K); got a {tuple(a.shape)}, weight "
-                         f"{tuple(w.shape)}")
+        raise ValueError(f"a must be (tokens, K) and weight (out, K); got a {tuple(a.shape)}, weight {tuple(w.shape)}")
     if a.dtype != w.dtype:
         raise TypeError(f"a has dtype {a.dtype} but weight has {w.dtype}; convert one of them")
 
 
-def act_sparse_mm(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                  compacted: Optional[Compacted] = None) -> Tensor:
+def act_sparse_mm(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor] = None, compacted: Optional[Compacted] = None
+) -> Tensor:
     """Forward ``a @ weight^T + bias`` skipping the inactive columns of each row panel of ``a``."""
     _check(a, weight)
     a, weight = a.contiguous(), weight.contiguous()
@@ -254,8 +315,23 @@ def act_sparse_mm(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         bn = 128 if n >= 128 else 64
     b = bias.contiguous() if bias is not None else y
     grid = (c.col_counts.shape[0], triton.cdiv(n, bn))
-    _fwd_kernel[grid](a, weight, b, y, c.cols, c.col_counts, m, n, k, HAS_BIAS=bias is not None,
-                      BM=c.block_m, BN=bn, BK=bk, **dot_flags(a.dtype), **launch_opts())
+    _fwd_kernel[grid](
+        a,
+        weight,
+        b,
+        y,
+        c.cols,
+        c.col_counts,
+        m,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        BM=c.block_m,
+        BN=bn,
+        BK=bk,
+        **dot_flags(a.dtype),
+        **launch_opts(),
+    )
     return y
 
 
@@ -270,9 +346,22 @@ def act_sparse_grad_input(grad: Tensor, weight: Tensor, active: Tensor, compacte
         return ga
     _, bn, bk = _blocks()
     grid = (compacted.col_counts.shape[0], triton.cdiv(k, bk))
-    _grad_input_kernel[grid](grad, weight, _as_pattern(active.contiguous()), ga, compacted.cols,
-                             compacted.col_counts, m, n, k, BM=compacted.block_m, BN=bn, BK=bk,
-                             **dot_flags(grad.dtype), **launch_opts())
+    _grad_input_kernel[grid](
+        grad,
+        weight,
+        _as_pattern(active.contiguous()),
+        ga,
+        compacted.cols,
+        compacted.col_counts,
+        m,
+        n,
+        k,
+        BM=compacted.block_m,
+        BN=bn,
+        BK=bk,
+        **dot_flags(grad.dtype),
+        **launch_opts(),
+    )
     return ga
 
 
@@ -287,15 +376,33 @@ def act_sparse_grad_weight(grad: Tensor, a: Tensor, compacted: Compacted) -> Ten
         return gw
     bm, bn, _ = _blocks()
     grid = (triton.cdiv(n, bn), compacted.row_counts.shape[0])
-    _grad_weight_kernel[grid](grad, a, gw, compacted.rows, compacted.row_counts, m, n, k,
-                              BM=bm, BN=bn, BK=compacted.block_k, **dot_flags(a.dtype), **launch_opts())
+    _grad_weight_kernel[grid](
+        grad,
+        a,
+        gw,
+        compacted.rows,
+        compacted.row_counts,
+        m,
+        n,
+        k,
+        BM=bm,
+        BN=bn,
+        BK=compacted.block_k,
+        **dot_flags(a.dtype),
+        **launch_opts(),
+    )
     return gw
 
 
 class _ActSparseLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: Tensor, weight: Tensor, bias: Optional[Tensor],  # type: ignore[override]
-                active: Optional[Tensor] = None) -> Tensor:
+    def forward(
+        ctx,
+        a: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],  # type: ignore[override]
+        active: Optional[Tensor] = None,
+    ) -> Tensor:
         act = a if active is None else active
         c = _compact_panels(act, need_rows=ctx.needs_input_grad[1])
         ctx.compacted = c
@@ -314,8 +421,9 @@ class _ActSparseLinear(torch.autograd.Function):
         return ga, gw, gb, None
 
 
-def act_sparse_linear(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                      active: Optional[Tensor] = None) -> Tensor:
+def act_sparse_linear(
+    a: Tensor, weight: Tensor, bias: Optional[Tensor] = None, active: Optional[Tensor] = None
+) -> Tensor:
     """``F.linear(a, weight, bias)`` for a ReLU output ``a`` (any leading dims), differentiable.
 
     The gradient w.r.t. ``a`` is returned only where ``a != 0`` (exact for ``linear(relu(z))``), or
@@ -337,8 +445,16 @@ def _pair(v: Union[int, Tuple[int, int]], arg: str) -> Tuple[int, int]:
         raise TypeError(f"{arg} must be an int or a pair of ints, got {v!r}") from None
 
 
-def act_sparse_conv2d(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None, stride=1, padding=0,
-                      dilation=1, groups: int = 1, active: Optional[Tensor] = None) -> Tensor:
+def act_sparse_conv2d(
+    a: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    active: Optional[Tensor] = None,
+) -> Tensor:
     """``F.conv2d`` for a ReLU output ``a`` (N, C, H, W) via im2col + the activation-sparse GEMMs.
 
     Only ``groups=1`` and numeric padding are supported; the gradient w.r.t. ``a`` is returned only
@@ -349,14 +465,15 @@ def act_sparse_conv2d(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
     if isinstance(padding, str):
         raise ValueError(f"padding must be numeric for the activation-sparse conv, got {padding!r}")
     if a.dim() != 4 or weight.dim() != 4:
-        raise ValueError(f"a must be (N, C, H, W) and weight (O, C, kh, kw); got {tuple(a.shape)}, "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"a must be (N, C, H, W) and weight (O, C, kh, kw); got {tuple(a.shape)}, {tuple(weight.shape)}"
+        )
     st, pd, dl = _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation")
     nb, _, h, w_ = a.shape
     o, _, kh, kw = weight.shape
     ho = (h + 2 * pd[0] - dl[0] * (kh - 1) - 1) // st[0] + 1
     wo = (w_ + 2 * pd[1] - dl[1] * (kw - 1) - 1) // st[1] + 1
-    cols = F.unfold(a, (kh, kw), dilation=dl, padding=pd, stride=st)          # (N, C*kh*kw, L)
+    cols = F.unfold(a, (kh, kw), dilation=dl, padding=pd, stride=st)  # (N, C*kh*kw, L)
     a2 = cols.transpose(1, 2).reshape(nb * ho * wo, cols.shape[1])
     act2 = None
     if active is not None:
@@ -364,5 +481,5 @@ def act_sparse_conv2d(a: Tensor, weight: Tensor, bias: Optional[Tensor] = None, 
             raise ValueError(f"active must have a's shape {tuple(a.shape)}, got {tuple(active.shape)}")
         acols = F.unfold(active.to(a.dtype), (kh, kw), dilation=dl, padding=pd, stride=st)
         act2 = acols.transpose(1, 2).reshape(nb * ho * wo, acols.shape[1]) != 0
-    y = _ActSparseLinear.apply(a2, weight.reshape(o, -1), bias, act2)          # (N*L, O)
+    y = _ActSparseLinear.apply(a2, weight.reshape(o, -1), bias, act2)  # (N*L, O)
     return y.reshape(nb, ho * wo, o).transpose(1, 2).reshape(nb, o, ho, wo)

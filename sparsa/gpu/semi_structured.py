@@ -10,6 +10,7 @@ Example::
     >>> from sparsa.gpu.semi_structured import semi_structured_supported
     >>> ok, why = semi_structured_supported()      # (False, 'no CUDA device ...') on a CPU machine
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["semi_structured_supported", "semi_structured_weight", "semi_structured_linear",
-           "SEMI_STRUCTURED_DTYPES"]
+__all__ = ["semi_structured_supported", "semi_structured_weight", "semi_structured_linear", "SEMI_STRUCTURED_DTYPES"]
 
 SEMI_STRUCTURED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -49,9 +49,15 @@ def semi_structured_weight(layout) -> Optional[Tensor]:
     if "semi" in cache:
         return cache["semi"]
     w = None
-    if (layout.n, layout.m) == (2, 4) and len(layout.shape) == 2 and layout.dtype in SEMI_STRUCTURED_DTYPES \
-            and layout.values.is_cuda and semi_structured_supported(layout.values.device)[0]:
+    if (
+        (layout.n, layout.m) == (2, 4)
+        and len(layout.shape) == 2
+        and layout.dtype in SEMI_STRUCTURED_DTYPES
+        and layout.values.is_cuda
+        and semi_structured_supported(layout.values.device)[0]
+    ):
         from torch.sparse import to_sparse_semi_structured
+
         try:
             w = to_sparse_semi_structured(layout.to_dense().contiguous())
         except (RuntimeError, ValueError, NotImplementedError) as e:  # shape/dtype rejected by the backend
@@ -65,8 +71,11 @@ def semi_structured_linear(x: Tensor, layout, bias: Optional[Tensor] = None) -> 
     """``F.linear(x, W, bias)`` on the sparse tensor cores; ValueError where unavailable for ``layout``."""
     w = semi_structured_weight(layout)
     if w is None:
-        why = layout.__dict__.get("_gpu_cache", {}).get("semi_error") or semi_structured_supported()[1] or \
-            "the weight must be a 2-D 2:4 NM layout in float16/bfloat16 on a CUDA device"
+        why = (
+            layout.__dict__.get("_gpu_cache", {}).get("semi_error")
+            or semi_structured_supported()[1]
+            or "the weight must be a 2-D 2:4 NM layout in float16/bfloat16 on a CUDA device"
+        )
         raise ValueError(f"semi-structured path unavailable for this weight: {why}")
     lead = x.shape[:-1]
     y = F.linear(x.reshape(-1, x.shape[-1]), w, bias)

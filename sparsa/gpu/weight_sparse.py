@@ -21,6 +21,7 @@ Example (on a GPU, or on the CPU with ``TRITON_INTERPRET=1``)::
     >>> w = sparsa.layouts.BSR.from_dense(torch.randn(64, 64), blocksize=(16, 16))
     >>> y = bsr_linear(torch.randn(8, 64), w)                      # doctest: +SKIP
 """
+
 import math
 from typing import Optional, Tuple
 
@@ -33,16 +34,39 @@ from ._triton import LazyKernel, interpreting, require_triton
 triton = require_triton()
 import triton.language as tl  # noqa: E402
 
-__all__ = ["bsr_supported", "bsr_linear", "bsr_linear_forward", "bsr_linear_grad_input",
-           "bsr_linear_grad_weight", "nm_linear", "nm_linear_forward", "nm_linear_grad_input",
-           "nm_linear_grad_weight"]
+__all__ = [
+    "bsr_supported",
+    "bsr_linear",
+    "bsr_linear_forward",
+    "bsr_linear_grad_input",
+    "bsr_linear_grad_weight",
+    "nm_linear",
+    "nm_linear_forward",
+    "nm_linear_grad_input",
+    "nm_linear_grad_weight",
+]
 
 
 # =============================================================================== block-sparse kernels
 @LazyKernel
-def _bsr_fwd_kernel(x_ptr, crow_ptr, col_ptr, val_ptr, b_ptr, y_ptr, M, N, K,
-                    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                    F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _bsr_fwd_kernel(
+    x_ptr,
+    crow_ptr,
+    col_ptr,
+    val_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BH: tl.constexpr,
+    BW: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     r = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -66,14 +90,31 @@ def _bsr_fwd_kernel(x_ptr, crow_ptr, col_ptr, val_ptr, b_ptr, y_ptr, M, N, K,
     nn = r * BH + rh
     if HAS_BIAS:
         acc += tl.load(b_ptr + nn, mask=nn < N, other=0.0).to(acc.dtype)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + nn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (nn[None, :] < N))
+    tl.store(
+        y_ptr + rm[:, None] * N + nn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (nn[None, :] < N),
+    )
 
 
 @LazyKernel
-def _bsr_grad_input_kernel(g_ptr, ccol_ptr, perm_ptr, row_ptr, val_ptr, gx_ptr, M, N, K,
-                           BM: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                           F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _bsr_grad_input_kernel(
+    g_ptr,
+    ccol_ptr,
+    perm_ptr,
+    row_ptr,
+    val_ptr,
+    gx_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BH: tl.constexpr,
+    BW: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -96,14 +137,30 @@ def _bsr_grad_input_kernel(g_ptr, ccol_ptr, perm_ptr, row_ptr, val_ptr, gx_ptr, 
             wt = wt.to(tl.float32)
         acc = tl.dot(gt, wt, acc, input_precision=PREC)
     kk = c * BW + rw
-    tl.store(gx_ptr + rm[:, None] * K + kk[None, :], acc.to(gx_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (kk[None, :] < K))
+    tl.store(
+        gx_ptr + rm[:, None] * K + kk[None, :],
+        acc.to(gx_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (kk[None, :] < K),
+    )
 
 
 @LazyKernel
-def _bsr_grad_weight_kernel(g_ptr, x_ptr, row_ptr, col_ptr, gv_ptr, M, N, K,
-                            BM: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
-                            F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _bsr_grad_weight_kernel(
+    g_ptr,
+    x_ptr,
+    row_ptr,
+    col_ptr,
+    gv_ptr,
+    M,
+    N,
+    K,
+    BM: tl.constexpr,
+    BH: tl.constexpr,
+    BW: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     p = tl.program_id(0)
     r = tl.load(row_ptr + p)
     c = tl.load(col_ptr + p)
@@ -128,10 +185,26 @@ def _bsr_grad_weight_kernel(g_ptr, x_ptr, row_ptr, col_ptr, gv_ptr, M, N, K,
 
 # =============================================================================== N:M kernels
 @LazyKernel
-def _nm_fwd_kernel(x_ptr, v_ptr, i_ptr, b_ptr, y_ptr, M, N, K, G,
-                   HAS_BIAS: tl.constexpr, KEEP: tl.constexpr, GROUP: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _nm_fwd_kernel(
+    x_ptr,
+    v_ptr,
+    i_ptr,
+    b_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    G,
+    HAS_BIAS: tl.constexpr,
+    KEEP: tl.constexpr,
+    GROUP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -159,15 +232,32 @@ def _nm_fwd_kernel(x_ptr, v_ptr, i_ptr, b_ptr, y_ptr, M, N, K, G,
         acc = tl.dot(xt, tl.trans(wt), acc, input_precision=PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(acc.dtype)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        y_ptr + rm[:, None] * N + rn[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 @LazyKernel
-def _nm_grad_input_kernel(g_ptr, v_ptr, i_ptr, gx_ptr, M, N, K, G,
-                          KEEP: tl.constexpr, GROUP: tl.constexpr,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _nm_grad_input_kernel(
+    g_ptr,
+    v_ptr,
+    i_ptr,
+    gx_ptr,
+    M,
+    N,
+    K,
+    G,
+    KEEP: tl.constexpr,
+    GROUP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -191,15 +281,32 @@ def _nm_grad_input_kernel(g_ptr, v_ptr, i_ptr, gx_ptr, M, N, K, G,
             gt = gt.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(gt, wt, acc, input_precision=PREC)
-    tl.store(gx_ptr + rm[:, None] * K + kk[None, :], acc.to(gx_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (kk[None, :] < K))
+    tl.store(
+        gx_ptr + rm[:, None] * K + kk[None, :],
+        acc.to(gx_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (kk[None, :] < K),
+    )
 
 
 @LazyKernel
-def _nm_grad_weight_kernel(g_ptr, x_ptr, i_ptr, gw_ptr, M, N, K, G,
-                           KEEP: tl.constexpr, GROUP: tl.constexpr,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           F64: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+def _nm_grad_weight_kernel(
+    g_ptr,
+    x_ptr,
+    i_ptr,
+    gw_ptr,
+    M,
+    N,
+    K,
+    G,
+    KEEP: tl.constexpr,
+    GROUP: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    F64: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PREC: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -236,8 +343,7 @@ def _tiles() -> Tuple[int, int, int]:
 def _check_x(x: Tensor, k: int, dtype: torch.dtype, arg: str = "x") -> None:
     check_kernel_tensor(x, arg)
     if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"{arg} must be 2-D (tokens, {k}), got shape {tuple(x.shape)}; reshape it to "
-                         f"(-1, {k}) first")
+        raise ValueError(f"{arg} must be 2-D (tokens, {k}), got shape {tuple(x.shape)}; reshape it to (-1, {k}) first")
     if x.dtype != dtype:
         raise TypeError(f"{arg} has dtype {x.dtype} but the weight is {dtype}; convert one of them")
 
@@ -250,8 +356,10 @@ def bsr_supported(layout) -> bool:
 
 def _bsr_check(layout) -> Tuple[int, int]:
     if not bsr_supported(layout):
-        raise ValueError(f"layout.blocksize is {tuple(layout.blocksize)}; the Triton BSR kernels need power-of-two "
-                         "block sides >= 16 (e.g. BSR.from_dense(w, blocksize=(32, 32)))")
+        raise ValueError(
+            f"layout.blocksize is {tuple(layout.blocksize)}; the Triton BSR kernels need power-of-two "
+            "block sides >= 16 (e.g. BSR.from_dense(w, blocksize=(32, 32)))"
+        )
     return layout.blocksize
 
 
@@ -284,9 +392,23 @@ def bsr_linear_forward(x: Tensor, layout, bias: Optional[Tensor] = None) -> Tens
     bm = _tiles()[0] if interpreting() else 128
     grid = (triton.cdiv(m, bm), layout.grid[0])
     b = bias.contiguous() if bias is not None else y
-    _bsr_fwd_kernel[grid](x, layout.crow_indices, layout.col_indices, layout.values.contiguous(), b, y, m, n, k,
-                          HAS_BIAS=bias is not None, BM=bm, BH=bh, BW=bw, **dot_flags(x.dtype),
-                          **launch_opts(4 if bh * bw <= 1024 else 8, 3))
+    _bsr_fwd_kernel[grid](
+        x,
+        layout.crow_indices,
+        layout.col_indices,
+        layout.values.contiguous(),
+        b,
+        y,
+        m,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BH=bh,
+        BW=bw,
+        **dot_flags(x.dtype),
+        **launch_opts(4 if bh * bw <= 1024 else 8, 3),
+    )
     return y
 
 
@@ -303,8 +425,22 @@ def bsr_linear_grad_input(grad: Tensor, layout) -> Tensor:
     rows, ccol, perm = _bsr_pattern(layout)
     bm = _tiles()[0] if interpreting() else 128
     grid = (triton.cdiv(m, bm), layout.grid[1])
-    _bsr_grad_input_kernel[grid](grad, ccol, perm, rows, layout.values.contiguous(), gx, m, n, k,
-                                 BM=bm, BH=bh, BW=bw, **dot_flags(grad.dtype), **launch_opts())
+    _bsr_grad_input_kernel[grid](
+        grad,
+        ccol,
+        perm,
+        rows,
+        layout.values.contiguous(),
+        gx,
+        m,
+        n,
+        k,
+        BM=bm,
+        BH=bh,
+        BW=bw,
+        **dot_flags(grad.dtype),
+        **launch_opts(),
+    )
     return gx
 
 
@@ -321,8 +457,9 @@ def bsr_linear_grad_weight(grad: Tensor, x: Tensor, layout) -> Tensor:
     if nblk and m:
         rows, _, _ = _bsr_pattern(layout)
         bm = _tiles()[0] if interpreting() else 64
-        _bsr_grad_weight_kernel[(nblk,)](grad, x, rows, layout.col_indices, gv, m, n, k,
-                                         BM=bm, BH=bh, BW=bw, **dot_flags(x.dtype), **launch_opts())
+        _bsr_grad_weight_kernel[(nblk,)](
+            grad, x, rows, layout.col_indices, gv, m, n, k, BM=bm, BH=bh, BW=bw, **dot_flags(x.dtype), **launch_opts()
+        )
     gv = gv * layout.block_mask.to(gv.dtype)
     n_br, n_bc = layout.grid
     dense = torch.zeros(n_br, n_bc, bh, bw, dtype=gv.dtype, device=gv.device)
@@ -362,8 +499,25 @@ def nm_linear_forward(x: Tensor, layout, bias: Optional[Tensor] = None) -> Tenso
         bm = 128 if m >= 128 else 64
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     b = bias.contiguous() if bias is not None else y
-    _nm_fwd_kernel[grid](x, v, ix, b, y, m, n, k, g, HAS_BIAS=bias is not None, KEEP=layout.n, GROUP=layout.m,
-                         BM=bm, BN=bn, BK=bk, **dot_flags(x.dtype), **launch_opts())
+    _nm_fwd_kernel[grid](
+        x,
+        v,
+        ix,
+        b,
+        y,
+        m,
+        n,
+        k,
+        g,
+        HAS_BIAS=bias is not None,
+        KEEP=layout.n,
+        GROUP=layout.m,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        **dot_flags(x.dtype),
+        **launch_opts(),
+    )
     return y
 
 
@@ -378,8 +532,23 @@ def nm_linear_grad_input(grad: Tensor, layout) -> Tensor:
         return gx
     bm, bn, bk = _tiles()
     grid = (triton.cdiv(m, bm), triton.cdiv(k, bk))
-    _nm_grad_input_kernel[grid](grad, v, ix, gx, m, n, k, g, KEEP=layout.n, GROUP=layout.m,
-                                BM=bm, BN=bn, BK=bk, **dot_flags(grad.dtype), **launch_opts())
+    _nm_grad_input_kernel[grid](
+        grad,
+        v,
+        ix,
+        gx,
+        m,
+        n,
+        k,
+        g,
+        KEEP=layout.n,
+        GROUP=layout.m,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        **dot_flags(grad.dtype),
+        **launch_opts(),
+    )
     return gx
 
 
@@ -395,8 +564,23 @@ def nm_linear_grad_weight(grad: Tensor, x: Tensor, layout) -> Tensor:
         return gw
     bm, bn, bk = _tiles()
     grid = (triton.cdiv(n, bn), triton.cdiv(k, bk))
-    _nm_grad_weight_kernel[grid](grad, x, ix, gw, m, n, k, g, KEEP=layout.n, GROUP=layout.m,
-                                 BM=bm, BN=bn, BK=bk, **dot_flags(x.dtype), **launch_opts())
+    _nm_grad_weight_kernel[grid](
+        grad,
+        x,
+        ix,
+        gw,
+        m,
+        n,
+        k,
+        g,
+        KEEP=layout.n,
+        GROUP=layout.m,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        **dot_flags(x.dtype),
+        **launch_opts(),
+    )
     return gw
 
 

@@ -12,6 +12,7 @@ Example::
     >>> abi.SIGNATURES["row_group_linear"]["sparsa_row_group_linear_f32"].args[0]
     ('x', <class 'ctypes.c_void_p'>)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,11 +22,11 @@ from .geometry import ConvGeoC
 
 __all__ = ["Signature", "SIGNATURES", "PTR", "I64", "INT", "GEO", "I64S", "sig"]
 
-PTR = ctypes.c_void_p                   # a tensor's data_ptr() (or None for an absent optional tensor)
+PTR = ctypes.c_void_p  # a tensor's data_ptr() (or None for an absent optional tensor)
 I64 = ctypes.c_int64
 INT = ctypes.c_int
-GEO = ctypes.POINTER(ConvGeoC)          # const int64_t* g: the conv geometry (pass ConvGeometry.c())
-I64S = ctypes.POINTER(ctypes.c_int64)   # a few int64 (strides, pads): pass (ctypes.c_int64 * n)(...)
+GEO = ctypes.POINTER(ConvGeoC)  # const int64_t* g: the conv geometry (pass ConvGeometry.c())
+I64S = ctypes.POINTER(ctypes.c_int64)  # a few int64 (strides, pads): pass (ctypes.c_int64 * n)(...)
 
 
 class Signature(NamedTuple):
@@ -40,39 +41,90 @@ def sig(restype: Optional[type], **args: type) -> Signature:
 
 _ADAPTIVE = {
     # adaptive_compact.cpp
-    "sparsa_adaptive_compact_f32": sig(I64, x=PTR, N=I64, C=I64, H=I64, W=I64, sn=I64, sc=I64, sh=I64, sw=I64,
-                                       CS=I64, cnt=PTR, idx=PTR, val=PTR, nthreads=INT),
-    "sparsa_adaptive_compact_signed_f32": sig(I64, x=PTR, N=I64, C=I64, H=I64, W=I64, sn=I64, sc=I64, sh=I64,
-                                              sw=I64, CS=I64, cnt=PTR, idx=PTR, val=PTR, nthreads=INT),
-    "sparsa_adaptive_mask_f32": sig(None, y=PTR, N=I64, C=I64, H=I64, W=I64, CS=I64, cnt=PTR, idx=PTR, dx=PTR,
-                                    das=I64S, nthreads=INT),
+    "sparsa_adaptive_compact_f32": sig(
+        I64,
+        x=PTR,
+        N=I64,
+        C=I64,
+        H=I64,
+        W=I64,
+        sn=I64,
+        sc=I64,
+        sh=I64,
+        sw=I64,
+        CS=I64,
+        cnt=PTR,
+        idx=PTR,
+        val=PTR,
+        nthreads=INT,
+    ),
+    "sparsa_adaptive_compact_signed_f32": sig(
+        I64,
+        x=PTR,
+        N=I64,
+        C=I64,
+        H=I64,
+        W=I64,
+        sn=I64,
+        sc=I64,
+        sh=I64,
+        sw=I64,
+        CS=I64,
+        cnt=PTR,
+        idx=PTR,
+        val=PTR,
+        nthreads=INT,
+    ),
+    "sparsa_adaptive_mask_f32": sig(
+        None, y=PTR, N=I64, C=I64, H=I64, W=I64, CS=I64, cnt=PTR, idx=PTR, dx=PTR, das=I64S, nthreads=INT
+    ),
     "sparsa_adaptive_sample_f32": sig(None, x=PTR, base=PTR, m=I64, C=I64, sc=I64, CS=I64, out=PTR),
     # adaptive_conv.cpp
-    "sparsa_adaptive_conv_fwd_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, wt=PTR, bias=PTR, y=PTR,
-                                        nthreads=INT),
+    "sparsa_adaptive_conv_fwd_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, wt=PTR, bias=PTR, y=PTR, nthreads=INT),
     "sparsa_adaptive_conv_wgrad_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, dy=PTR, dwt=PTR, nthreads=INT),
-    "sparsa_adaptive_conv_igrad_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, dy=PTR, wt=PTR, da=PTR, das=I64S,
-                                          nthreads=INT),
-    "sparsa_adaptive_conv_fwd_packed_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, wp=PTR, bias=PTR, y=PTR,
-                                               nthreads=INT),
-    "sparsa_adaptive_pack_weight_f32": sig(INT, w=PTR, ws=I64S, O=I64, C=I64, KH=I64, KW=I64, wf=PTR, wc=PTR,
-                                           nthreads=INT),
+    "sparsa_adaptive_conv_igrad_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, dy=PTR, wt=PTR, da=PTR, das=I64S, nthreads=INT),
+    "sparsa_adaptive_conv_fwd_packed_f32": sig(
+        INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, wp=PTR, bias=PTR, y=PTR, nthreads=INT
+    ),
+    "sparsa_adaptive_pack_weight_f32": sig(
+        INT, w=PTR, ws=I64S, O=I64, C=I64, KH=I64, KW=I64, wf=PTR, wc=PTR, nthreads=INT
+    ),
     "sparsa_adaptive_pack_flipped_f32": sig(INT, wc=PTR, O=I64, C=I64, KH=I64, KW=I64, wfl=PTR, nthreads=INT),
     # adaptive_bwd_s1.cpp
-    "sparsa_adaptive_conv_bwd_s1_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, dyp=PTR, pads=I64S, wt=PTR,
-                                           dwt=PTR, da=PTR, das=I64S, nthreads=INT),
-    "sparsa_adaptive_conv_bwd_s1_v2_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, dy=PTR, wc=PTR, dw=PTR,
-                                              dws=I64S, da=PTR, das=I64S, nthreads=INT),
+    "sparsa_adaptive_conv_bwd_s1_f32": sig(
+        INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, dyp=PTR, pads=I64S, wt=PTR, dwt=PTR, da=PTR, das=I64S, nthreads=INT
+    ),
+    "sparsa_adaptive_conv_bwd_s1_v2_f32": sig(
+        INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, dy=PTR, wc=PTR, dw=PTR, dws=I64S, da=PTR, das=I64S, nthreads=INT
+    ),
     # adaptive_union.cpp
     "sparsa_union_supported": sig(INT),
-    "sparsa_union_compact_f32": sig(I64, x=PTR, N=I64, C=I64, H=I64, W=I64, sn=I64, sc=I64, sh=I64, sw=I64,
-                                    relu=INT, xa=PTR, bm=PTR, union4=PTR, nthreads=INT),
-    "sparsa_union_conv_fwd_f32": sig(INT, g=GEO, xa=PTR, bm=PTR, wp=PTR, bias=PTR, y=PTR, omask=PTR, tiles=INT,
-                                     group=INT, nthreads=INT),
-    "sparsa_union_conv_igrad_w_f32": sig(INT, g2=GEO, xa=PTR, bm=PTR, w=PTR, ws=I64S, y=PTR, omask=PTR, group=INT,
-                                         nthreads=INT),
-    "sparsa_union_conv_wgrad_f32": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, S=PTR, rs=I64S, ldS=I64, tiles=INT,
-                                       nthreads=INT),
+    "sparsa_union_compact_f32": sig(
+        I64,
+        x=PTR,
+        N=I64,
+        C=I64,
+        H=I64,
+        W=I64,
+        sn=I64,
+        sc=I64,
+        sh=I64,
+        sw=I64,
+        relu=INT,
+        xa=PTR,
+        bm=PTR,
+        union4=PTR,
+        nthreads=INT,
+    ),
+    "sparsa_union_conv_fwd_f32": sig(
+        INT, g=GEO, xa=PTR, bm=PTR, wp=PTR, bias=PTR, y=PTR, omask=PTR, tiles=INT, group=INT, nthreads=INT
+    ),
+    "sparsa_union_conv_igrad_w_f32": sig(
+        INT, g2=GEO, xa=PTR, bm=PTR, w=PTR, ws=I64S, y=PTR, omask=PTR, group=INT, nthreads=INT
+    ),
+    "sparsa_union_conv_wgrad_f32": sig(
+        INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, S=PTR, rs=I64S, ldS=I64, tiles=INT, nthreads=INT
+    ),
     "sparsa_union_pack_f32": sig(INT, w=PTR, ws=I64S, O=I64, C=I64, KH=I64, KW=I64, wf=PTR, wfl=PTR, nthreads=INT),
     "sparsa_union_wc_from_wf_f32": sig(None, wf=PTR, O=I64, C=I64, K2=I64, wc=PTR, nthreads=INT),
     "sparsa_union_transpose_f32": sig(None, A=PTR, R=I64, M=I64, T=PTR, nthreads=INT),
@@ -84,39 +136,156 @@ _ADAPTIVE = {
 }
 
 _BITMASK = {
-    "sparsa_bitmask_linear_f32": sig(INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR,
-                                     y=PTR, nthreads=INT),
-    "sparsa_bitmask_linear_bf16": sig(INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64,
-                                      bias=PTR, bias_bf16=INT, y=PTR, nthreads=INT),
-    "sparsa_bitmask_expand": sig(INT, bits=PTR, row_ptr=PTR, values=PTR, values_bf16=INT, R=I64, K=I64, r0=I64,
-                                 r1=I64, out=PTR, out_bf16=INT, nthreads=INT),
+    "sparsa_bitmask_linear_f32": sig(
+        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
+    ),
+    "sparsa_bitmask_linear_bf16": sig(
+        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, bias_bf16=INT, y=PTR, nthreads=INT
+    ),
+    "sparsa_bitmask_expand": sig(
+        INT,
+        bits=PTR,
+        row_ptr=PTR,
+        values=PTR,
+        values_bf16=INT,
+        R=I64,
+        K=I64,
+        r0=I64,
+        r1=I64,
+        out=PTR,
+        out_bf16=INT,
+        nthreads=INT,
+    ),
 }
 
 _ROW_GROUP = {
-    "sparsa_row_group_linear_f32": sig(INT, x=PTR, T=I64, K=I64, cols=PTR, vals=PTR, ng=I64, k=I64, G=I64,
-                                       bias=PTR, y=PTR, R=I64, perm=PTR, nthreads=INT, act=INT),
-    "sparsa_row_group_linear_bf16": sig(INT, x=PTR, T=I64, K=I64, cols=PTR, vals=PTR, ng=I64, k=I64, G=I64,
-                                        bias=PTR, y=PTR, R=I64, perm=PTR, nthreads=INT, act=INT),
+    "sparsa_row_group_linear_f32": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        cols=PTR,
+        vals=PTR,
+        ng=I64,
+        k=I64,
+        G=I64,
+        bias=PTR,
+        y=PTR,
+        R=I64,
+        perm=PTR,
+        nthreads=INT,
+        act=INT,
+    ),
+    "sparsa_row_group_linear_bf16": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        cols=PTR,
+        vals=PTR,
+        ng=I64,
+        k=I64,
+        G=I64,
+        bias=PTR,
+        y=PTR,
+        R=I64,
+        perm=PTR,
+        nthreads=INT,
+        act=INT,
+    ),
 }
 
 _GNM_PLAN = dict(G=I64, n=I64, units=I64, unit_entries=I64, unit_span=I64)
 _GROUPED_NM = {
     "sparsa_grouped_nm_has_avx512": sig(INT),
-    "sparsa_gnm_spmm_f32": sig(INT, x=PTR, T=I64, K=I64, ldx=I64, idx=PTR, vals=PTR, out_rows=PTR, **_GNM_PLAN,
-                               gpb=I64, rpb=I64, in_pad=I64, out_pad=I64, bias=PTR, y=PTR, R=I64, nthreads=INT,
-                               tile_bytes=I64, vmax=INT, interleaved=INT, offsets=PTR, entries=I64),
-    "sparsa_gnm_spmm_bf16": sig(INT, x=PTR, T=I64, K=I64, ldx=I64, idx=PTR, vals=PTR, out_rows=PTR, **_GNM_PLAN,
-                                gpb=I64, rpb=I64, in_pad=I64, out_pad=I64, bias=PTR, bias_bf16=INT, y=PTR, R=I64,
-                                nthreads=INT, tile_bytes=I64, vmax=INT, interleaved=INT, offsets=PTR, entries=I64),
-    "sparsa_gnm_sddmm_f32": sig(INT, x=PTR, ldx=I64, gy=PTR, ldg=I64, T=I64, K=I64, R=I64, idx=PTR, out_rows=PTR,
-                                **_GNM_PLAN, in_pad=I64, out_pad=I64, gv=PTR, nthreads=INT, tile_bytes=I64),
+    "sparsa_gnm_spmm_f32": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        ldx=I64,
+        idx=PTR,
+        vals=PTR,
+        out_rows=PTR,
+        **_GNM_PLAN,
+        gpb=I64,
+        rpb=I64,
+        in_pad=I64,
+        out_pad=I64,
+        bias=PTR,
+        y=PTR,
+        R=I64,
+        nthreads=INT,
+        tile_bytes=I64,
+        vmax=INT,
+        interleaved=INT,
+        offsets=PTR,
+        entries=I64,
+    ),
+    "sparsa_gnm_spmm_bf16": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        ldx=I64,
+        idx=PTR,
+        vals=PTR,
+        out_rows=PTR,
+        **_GNM_PLAN,
+        gpb=I64,
+        rpb=I64,
+        in_pad=I64,
+        out_pad=I64,
+        bias=PTR,
+        bias_bf16=INT,
+        y=PTR,
+        R=I64,
+        nthreads=INT,
+        tile_bytes=I64,
+        vmax=INT,
+        interleaved=INT,
+        offsets=PTR,
+        entries=I64,
+    ),
+    "sparsa_gnm_sddmm_f32": sig(
+        INT,
+        x=PTR,
+        ldx=I64,
+        gy=PTR,
+        ldg=I64,
+        T=I64,
+        K=I64,
+        R=I64,
+        idx=PTR,
+        out_rows=PTR,
+        **_GNM_PLAN,
+        in_pad=I64,
+        out_pad=I64,
+        gv=PTR,
+        nthreads=INT,
+        tile_bytes=I64,
+    ),
 }
 
 _SLICED_ELL = {
-    "sparsa_sliced_ell_linear_f32": sig(INT, x=PTR, T=I64, K=I64, slice_ptr=PTR, cols=PTR, vals=PTR, R=I64,
-                                        bias=PTR, y=PTR, nthreads=INT, act=INT),
-    "sparsa_sliced_ell_linear_bf16": sig(INT, x=PTR, T=I64, K=I64, slice_ptr=PTR, cols=PTR, vals=PTR, R=I64,
-                                         bias=PTR, bias_bf16=INT, y=PTR, nthreads=INT, act=INT),
+    "sparsa_sliced_ell_linear_f32": sig(
+        INT, x=PTR, T=I64, K=I64, slice_ptr=PTR, cols=PTR, vals=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT, act=INT
+    ),
+    "sparsa_sliced_ell_linear_bf16": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        slice_ptr=PTR,
+        cols=PTR,
+        vals=PTR,
+        R=I64,
+        bias=PTR,
+        bias_bf16=INT,
+        y=PTR,
+        nthreads=INT,
+        act=INT,
+    ),
 }
 
 _PROBE = {

@@ -43,6 +43,7 @@ Example::
     >>> torch.allclose(y, ref, atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -57,14 +58,39 @@ from . import loader
 from .geometry import ConvGeometry
 from .opdef import kernel_op
 
-__all__ = ["compact", "compact_signed", "conv_fwd", "conv_wgrad", "conv_igrad", "conv_bwd", "geometry", "densify",
-           "sample_zeros", "native_library", "native_available", "packed_weight", "conv_fwd_packed", "conv_bwd_packed",
-           "conv_wgrad_dy",
-           "packed_weight_flipped", "igrad_dy_geometry", "conv_igrad_dy", "pack_weight", "pack_flipped",
-           "sample_zeros_op", "ConvGeometry"]
+__all__ = [
+    "compact",
+    "compact_signed",
+    "conv_fwd",
+    "conv_wgrad",
+    "conv_igrad",
+    "conv_bwd",
+    "geometry",
+    "densify",
+    "sample_zeros",
+    "native_library",
+    "native_available",
+    "packed_weight",
+    "conv_fwd_packed",
+    "conv_bwd_packed",
+    "conv_wgrad_dy",
+    "packed_weight_flipped",
+    "igrad_dy_geometry",
+    "conv_igrad_dy",
+    "pack_weight",
+    "pack_flipped",
+    "sample_zeros_op",
+    "ConvGeometry",
+]
 
-_SOURCES = ["adaptive_compact.cpp", "adaptive_conv.cpp", "adaptive_bwd_s1.cpp", "adaptive_union.cpp",
-            "adaptive_wgrad_lists.cpp", "adaptive_igrad_x.cpp"]
+_SOURCES = [
+    "adaptive_compact.cpp",
+    "adaptive_conv.cpp",
+    "adaptive_bwd_s1.cpp",
+    "adaptive_union.cpp",
+    "adaptive_wgrad_lists.cpp",
+    "adaptive_igrad_x.cpp",
+]
 _PAD = 8  # tail room in idx/val (vector stores)
 
 
@@ -82,8 +108,10 @@ def _i64s(*vals: int):
 def _native_only(op: str) -> ctypes.CDLL:
     lib = native_library()
     if lib is None:
-        raise RuntimeError(f"sparsa::{op} has no fallback and the native kernels are unavailable (or "
-                           "SPARSA_NO_NATIVE is set); check packed_supported() before calling it")
+        raise RuntimeError(
+            f"sparsa::{op} has no fallback and the native kernels are unavailable (or "
+            "SPARSA_NO_NATIVE is set); check packed_supported() before calling it"
+        )
     return lib
 
 
@@ -101,12 +129,15 @@ def _sample_zeros_op_impl(x: Tensor, base: Tensor, slice: int) -> Tensor:
     """``[zero elements, empty lists]`` (int64) of :func:`sample_zeros`; native only."""
     lib = _native_only("adaptive_sample_zeros")
     if x.dim() != 4 or x.dtype != torch.float32 or base.dtype != torch.int64:
-        raise TypeError(f"adaptive_sample_zeros needs a 4-D float32 x and int64 base, got {x.dtype} "
-                        f"{tuple(x.shape)} and {base.dtype}")
+        raise TypeError(
+            f"adaptive_sample_zeros needs a 4-D float32 x and int64 base, got {x.dtype} "
+            f"{tuple(x.shape)} and {base.dtype}"
+        )
     base = base.contiguous()
     out = torch.zeros(2, dtype=torch.int64)
-    lib.sparsa_adaptive_sample_f32(x.data_ptr(), base.data_ptr(), base.numel(), x.shape[1], x.stride(1),
-                                   int(slice), out.data_ptr())
+    lib.sparsa_adaptive_sample_f32(
+        x.data_ptr(), base.data_ptr(), base.numel(), x.shape[1], x.stride(1), int(slice), out.data_ptr()
+    )
     return out
 
 
@@ -114,8 +145,9 @@ def _sample_zeros_op_fake(x, base, slice):
     return base.new_empty(2)
 
 
-sample_zeros_op = kernel_op("adaptive_sample_zeros(Tensor x, Tensor base, int slice) -> Tensor",
-                            _sample_zeros_op_impl, _sample_zeros_op_fake)
+sample_zeros_op = kernel_op(
+    "adaptive_sample_zeros(Tensor x, Tensor base, int slice) -> Tensor", _sample_zeros_op_impl, _sample_zeros_op_fake
+)
 
 
 def native_available() -> bool:
@@ -123,8 +155,14 @@ def native_available() -> bool:
     return native_library() is not None
 
 
-def geometry(x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
-             padding: Sequence[int], dilation: Sequence[int], slice: int = 64) -> ConvGeometry:
+def geometry(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    slice: int = 64,
+) -> ConvGeometry:
     """The ``geo`` of the conv ops for an input ``[N, C, H, W]`` and a weight ``[O, C, KH, KW]``."""
     return ConvGeometry.of_conv(x_shape, w_shape, stride, padding, dilation, slice)
 
@@ -173,8 +211,7 @@ def _compact_any(x: Tensor, slice: int, signed: bool) -> Tuple[Tensor, Tensor, T
     if cnt.numel() and C:
         sn, sc, sh, sw = x.stride()
         fn = lib.sparsa_adaptive_compact_signed_f32 if signed else lib.sparsa_adaptive_compact_f32
-        fn(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
-           _nthreads())
+        fn(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
     return cnt, idx, val
 
 
@@ -182,8 +219,11 @@ def _compact_empty(x: Tensor, slice: int, dtype: torch.dtype) -> Tuple[Tensor, T
     """Uninitialised ``(cnt, idx, val)`` for ``x`` (``new_empty``: fake tensors under tracing)."""
     N, C, H, W = x.shape
     P = N * H * W
-    return (x.new_empty(P * -(-C // slice), dtype=torch.int32), x.new_empty(P * C + _PAD, dtype=torch.int32),
-            x.new_empty(P * C + _PAD, dtype=dtype))
+    return (
+        x.new_empty(P * -(-C // slice), dtype=torch.int32),
+        x.new_empty(P * C + _PAD, dtype=torch.int32),
+        x.new_empty(P * C + _PAD, dtype=dtype),
+    )
 
 
 def _compact_impl(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -195,8 +235,7 @@ def _compact_fake(x, slice):
     return _compact_empty(x, slice, x.dtype)
 
 
-compact = kernel_op("adaptive_compact(Tensor x, int slice) -> (Tensor, Tensor, Tensor)",
-                    _compact_impl, _compact_fake)
+compact = kernel_op("adaptive_compact(Tensor x, int slice) -> (Tensor, Tensor, Tensor)", _compact_impl, _compact_fake)
 
 
 def _compact_signed_impl(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
@@ -210,8 +249,11 @@ def _compact_signed_fake(x, slice):
     return _compact_empty(x, slice, x.dtype)
 
 
-compact_signed = kernel_op("adaptive_compact_signed(Tensor x, int slice) -> (Tensor, Tensor, Tensor)",
-                           _compact_signed_impl, _compact_signed_fake)
+compact_signed = kernel_op(
+    "adaptive_compact_signed(Tensor x, int slice) -> (Tensor, Tensor, Tensor)",
+    _compact_signed_impl,
+    _compact_signed_fake,
+)
 
 
 def densify(cnt: Tensor, idx: Tensor, val: Tensor, geo: Sequence[int]) -> Tensor:
@@ -223,7 +265,7 @@ def densify(cnt: Tensor, idx: Tensor, val: Tensor, geo: Sequence[int]) -> Tensor
     c = cnt.reshape(P, S).long()
     j = torch.arange(CS).view(1, 1, CS)
     valid = j < c.unsqueeze(-1)
-    base = (torch.arange(P).view(P, 1, 1) * C + torch.arange(S).view(1, S, 1) * CS + j)
+    base = torch.arange(P).view(P, 1, 1) * C + torch.arange(S).view(1, S, 1) * CS + j
     pos = base[valid]
     rows = torch.arange(P).view(P, 1, 1).expand(P, S, CS)[valid]
     out = torch.zeros(P, C, dtype=val.dtype)
@@ -240,13 +282,13 @@ def _conv_args(geo: Sequence[int]):
     (the same conv): torch 2.13's oneDNN conv segfaults on e.g. a 1x1 kernel with dilation 2, stride 2,
     padding 1, a width-1 channels-last input and a bias."""
     G = ConvGeometry.of(geo)
-    return dict(stride=(G.sh, G.sw), padding=(G.ph, G.pw),
-                dilation=(G.dh if G.KH > 1 else 1, G.dw if G.KW > 1 else 1))
+    return dict(stride=(G.sh, G.sw), padding=(G.ph, G.pw), dilation=(G.dh if G.KH > 1 else 1, G.dw if G.KW > 1 else 1))
 
 
 # ------------------------------------------------------------------------------------------ forward
-def _conv_fwd_impl(cnt: Tensor, idx: Tensor, val: Tensor, wt: Tensor, bias: Optional[Tensor],
-             geo: List[int], out_format: int = 0) -> Tensor:
+def _conv_fwd_impl(
+    cnt: Tensor, idx: Tensor, val: Tensor, wt: Tensor, bias: Optional[Tensor], geo: List[int], out_format: int = 0
+) -> Tensor:
     """``conv2d(A, W) + bias`` for the compacted ``A``; the memory is NHWC in every ``out_format``:
     0: ``[N, Ho, Wo, O]`` contiguous; 1: ``[N, O, Ho, Wo]`` channels-last; 2: ``[N*Ho*Wo, O]``."""
     G = ConvGeometry.of(geo)
@@ -259,9 +301,16 @@ def _conv_fwd_impl(cnt: Tensor, idx: Tensor, val: Tensor, wt: Tensor, bias: Opti
     y = _fwd_empty(G, out_format, torch.float32)
     wt = wt.contiguous()
     b = None if bias is None else bias.contiguous()
-    rc = lib.sparsa_adaptive_conv_fwd_f32(G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
-                                          wt.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                                          _nthreads())
+    rc = lib.sparsa_adaptive_conv_fwd_f32(
+        G.c(),
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        val.data_ptr(),
+        wt.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"adaptive_conv_fwd: out_channels={O} must be a multiple of 8 for the native kernel")
     return y
@@ -271,16 +320,20 @@ def _conv_fwd_fake(cnt, idx, val, wt, bias, geo, out_format=0):
     return _fwd_empty(geo, out_format, val.dtype, like=val)
 
 
-conv_fwd = kernel_op("adaptive_conv_fwd(Tensor cnt, Tensor idx, Tensor val, Tensor wt, Tensor? bias, int[] geo, "
-                     "int out_format=0) -> Tensor",
-                     _conv_fwd_impl, _conv_fwd_fake)
+conv_fwd = kernel_op(
+    "adaptive_conv_fwd(Tensor cnt, Tensor idx, Tensor val, Tensor wt, Tensor? bias, int[] geo, "
+    "int out_format=0) -> Tensor",
+    _conv_fwd_impl,
+    _conv_fwd_fake,
+)
 
 
 def _fwd_empty(geo: Sequence[int], out_format: int, dtype: torch.dtype, like: Optional[Tensor] = None) -> Tensor:
     G = ConvGeometry.of(geo)
     N, O, Ho, Wo = G.N, G.O, G.Ho, G.Wo
-    new = (lambda *s: like.new_empty(*s, dtype=dtype)) if like is not None else \
-        (lambda *s: torch.empty(*s, dtype=dtype))
+    new = (
+        (lambda *s: like.new_empty(*s, dtype=dtype)) if like is not None else (lambda *s: torch.empty(*s, dtype=dtype))
+    )
     if out_format == 0:
         return new(N, Ho, Wo, O)
     if out_format == 1:  # [N, O, Ho, Wo] with channels-last strides, allocated as such (not a view: in-place
@@ -317,8 +370,9 @@ def _conv_wgrad_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, geo: Lis
         _bwd_s1(lib, cnt, idx, val, dy, None, G, dwt, None)
         return dwt
     dy = dy.contiguous()
-    lib.sparsa_adaptive_conv_wgrad_f32(G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
-                                       dy.data_ptr(), dwt.data_ptr(), _nthreads())
+    lib.sparsa_adaptive_conv_wgrad_f32(
+        G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), dy.data_ptr(), dwt.data_ptr(), _nthreads()
+    )
     return dwt
 
 
@@ -327,13 +381,17 @@ def _conv_wgrad_fake(cnt, idx, val, dy, geo):
     return dy.new_empty(G.KH, G.KW, G.C, G.O)
 
 
-conv_wgrad = kernel_op("adaptive_conv_wgrad(Tensor cnt, Tensor idx, Tensor val, Tensor dy, int[] geo) -> Tensor",
-                       _conv_wgrad_impl, _conv_wgrad_fake)
+conv_wgrad = kernel_op(
+    "adaptive_conv_wgrad(Tensor cnt, Tensor idx, Tensor val, Tensor dy, int[] geo) -> Tensor",
+    _conv_wgrad_impl,
+    _conv_wgrad_fake,
+)
 
 
 # ------------------------------------------------------------------------------------------ input grad
-def _conv_igrad_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int],
-               channels_last: bool) -> Tensor:
+def _conv_igrad_impl(
+    cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int], channels_last: bool
+) -> Tensor:
     """``dx[N, C, H, W]``: ``conv2d`` input gradient, computed only where ``A != 0`` (zero elsewhere).
 
     ``channels_last`` picks the memory format of the result.
@@ -344,8 +402,9 @@ def _conv_igrad_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tens
     lib = _use_native(val, dy, wt)
     if lib is None or O % 8 or dy.dtype != torch.float32:
         a = densify(cnt, idx, val, G)
-        dx = torch.nn.grad.conv2d_input((N, C, H, W), _nchw_weight(wt).to(dy.dtype), dy.permute(0, 3, 1, 2),
-                                        **_conv_args(G))
+        dx = torch.nn.grad.conv2d_input(
+            (N, C, H, W), _nchw_weight(wt).to(dy.dtype), dy.permute(0, 3, 1, 2), **_conv_args(G)
+        )
         return (dx * (a != 0)).contiguous(memory_format=fmt)
     dx = torch.empty(N, C, H, W, dtype=torch.float32, memory_format=fmt).zero_()
     if G.stride1:
@@ -353,8 +412,16 @@ def _conv_igrad_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tens
         return dx
     dy = dy.contiguous()
     wt = wt.contiguous()
-    lib.sparsa_adaptive_conv_igrad_f32(G.c(), cnt.data_ptr(), idx.data_ptr(), dy.data_ptr(),
-                                       wt.data_ptr(), dx.data_ptr(), _i64s(*dx.stride()), _nthreads())
+    lib.sparsa_adaptive_conv_igrad_f32(
+        G.c(),
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        dy.data_ptr(),
+        wt.data_ptr(),
+        dx.data_ptr(),
+        _i64s(*dx.stride()),
+        _nthreads(),
+    )
     return dx
 
 
@@ -364,9 +431,12 @@ def _conv_igrad_fake(cnt, idx, val, dy, wt, geo, channels_last):
     return dy.new_empty(G.N, G.C, G.H, G.W).contiguous(memory_format=fmt)
 
 
-conv_igrad = kernel_op("adaptive_conv_igrad(Tensor cnt, Tensor idx, Tensor val, Tensor dy, Tensor wt, "
-                       "int[] geo, bool channels_last) -> Tensor",
-                       _conv_igrad_impl, _conv_igrad_fake)
+conv_igrad = kernel_op(
+    "adaptive_conv_igrad(Tensor cnt, Tensor idx, Tensor val, Tensor dy, Tensor wt, "
+    "int[] geo, bool channels_last) -> Tensor",
+    _conv_igrad_impl,
+    _conv_igrad_fake,
+)
 
 
 # ------------------------------------------------------------------------------------------ both grads
@@ -383,7 +453,7 @@ def _pad_dy(dy: Tensor, G: ConvGeometry) -> Tuple[Tensor, Tuple[int, int, int, i
         dyp = dy.contiguous()
     else:
         dyp = dy.new_zeros(G.N, Hp, Wp, G.O)
-        dyp[:, pt:pt + G.Ho, pl:pl + G.Wo].copy_(dy)
+        dyp[:, pt : pt + G.Ho, pl : pl + G.Wo].copy_(dy)
     return dyp, (pt, pl, Hp, Wp)
 
 
@@ -391,16 +461,25 @@ def _bwd_s1(lib, cnt, idx, val, dy, wt, G: ConvGeometry, dwt: Optional[Tensor], 
     dyp, pads = _pad_dy(dy, G)
     wt = wt.contiguous() if wt is not None else None
     rc = lib.sparsa_adaptive_conv_bwd_s1_f32(
-        G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), dyp.data_ptr(), _i64s(*pads),
-        None if wt is None else wt.data_ptr(), None if dwt is None else dwt.data_ptr(),
-        None if dx is None else dx.data_ptr(), _i64s(*(dx.stride() if dx is not None else (0, 0, 0, 0))),
-        _nthreads())
+        G.c(),
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        val.data_ptr(),
+        dyp.data_ptr(),
+        _i64s(*pads),
+        None if wt is None else wt.data_ptr(),
+        None if dwt is None else dwt.data_ptr(),
+        None if dx is None else dx.data_ptr(),
+        _i64s(*(dx.stride() if dx is not None else (0, 0, 0, 0))),
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"adaptive_conv_bwd: geometry {G} needs stride 1 and out_channels % 8 == 0")
 
 
-def _conv_bwd_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int],
-             channels_last: bool) -> Tuple[Tensor, Tensor]:
+def _conv_bwd_impl(
+    cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wt: Tensor, geo: List[int], channels_last: bool
+) -> Tuple[Tensor, Tensor]:
     """``(dx, dWt)``: :func:`conv_igrad` and :func:`conv_wgrad` in one call (stride 1 shares the work)."""
     G = ConvGeometry.of(geo)
     lib = _use_native(val, dy, wt)
@@ -419,9 +498,12 @@ def _conv_bwd_fake(cnt, idx, val, dy, wt, geo, channels_last):
     return (dy.new_empty(G.N, G.C, G.H, G.W).contiguous(memory_format=fmt), dy.new_empty(G.KH, G.KW, G.C, G.O))
 
 
-conv_bwd = kernel_op("adaptive_conv_bwd(Tensor cnt, Tensor idx, Tensor val, Tensor dy, Tensor wt, int[] geo, "
-                     "bool channels_last) -> (Tensor, Tensor)",
-                     _conv_bwd_impl, _conv_bwd_fake)
+conv_bwd = kernel_op(
+    "adaptive_conv_bwd(Tensor cnt, Tensor idx, Tensor val, Tensor dy, Tensor wt, int[] geo, "
+    "bool channels_last) -> (Tensor, Tensor)",
+    _conv_bwd_impl,
+    _conv_bwd_fake,
+)
 
 
 # ------------------------------------------------------------------------------------------ packed weights
@@ -471,8 +553,9 @@ def _pack_weight_impl(w: Tensor) -> Tuple[Tensor, Tensor]:
     O, C, KH, KW = w.shape
     wf = torch.empty(O * C * KH * KW, dtype=torch.float32)
     wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
-    rc = lib.sparsa_adaptive_pack_weight_f32(w.data_ptr(), _i64s(*w.stride()), O, C, KH, KW, wf.data_ptr(),
-                                             wc.data_ptr(), _nthreads())
+    rc = lib.sparsa_adaptive_pack_weight_f32(
+        w.data_ptr(), _i64s(*w.stride()), O, C, KH, KW, wf.data_ptr(), wc.data_ptr(), _nthreads()
+    )
     if rc:
         raise ValueError(f"packed_weight: out_channels={O} must be a multiple of 8")
     return wf, wc
@@ -482,8 +565,7 @@ def _pack_weight_fake(w):
     return w.new_empty(w.numel()), w.new_empty(w.numel())
 
 
-pack_weight = kernel_op("adaptive_pack_weight(Tensor w) -> (Tensor, Tensor)",
-                        _pack_weight_impl, _pack_weight_fake)
+pack_weight = kernel_op("adaptive_pack_weight(Tensor w) -> (Tensor, Tensor)", _pack_weight_impl, _pack_weight_fake)
 
 
 def packed_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
@@ -513,8 +595,10 @@ def _pack_flipped_impl(wc: Tensor, w_shape: List[int]) -> Tensor:
     lib = _native_only("adaptive_pack_flipped")
     O, C, KH, KW = (int(v) for v in w_shape)
     if wc.numel() != O * C * KH * KW or wc.dtype != torch.float32:
-        raise ValueError(f"adaptive_pack_flipped: wc must hold {O * C * KH * KW} float32 values (the wc of "
-                         f"packed_weight for shape {list(w_shape)}), got {wc.numel()} {wc.dtype}")
+        raise ValueError(
+            f"adaptive_pack_flipped: wc must hold {O * C * KH * KW} float32 values (the wc of "
+            f"packed_weight for shape {list(w_shape)}), got {wc.numel()} {wc.dtype}"
+        )
     wc = wc.contiguous()
     wfl = torch.empty(O * C * KH * KW, dtype=torch.float32)
     lib.sparsa_adaptive_pack_flipped_f32(wc.data_ptr(), O, C, KH, KW, wfl.data_ptr(), _nthreads())
@@ -525,14 +609,16 @@ def _pack_flipped_fake(wc, w_shape):
     return wc.new_empty(wc.numel())
 
 
-pack_flipped = kernel_op("adaptive_pack_flipped(Tensor wc, int[] w_shape) -> Tensor",
-                         _pack_flipped_impl, _pack_flipped_fake)
+pack_flipped = kernel_op(
+    "adaptive_pack_flipped(Tensor wc, int[] w_shape) -> Tensor", _pack_flipped_impl, _pack_flipped_fake
+)
 
 
 def packed_weight_flipped(weight: Tensor) -> Tensor:
     """The forward pack (as :func:`packed_weight`'s ``wf``) of ``W'[c, o, i, j] = W[o, c, KH-1-i,
     KW-1-j]``: the weight of the forward conv that computes a stride-1 conv's input gradient from dY
     (see :func:`conv_igrad_dy`). Needs ``C % 8 == 0``; cached and re-packed like :func:`packed_weight`."""
+
     def build(w: Tensor) -> Tensor:
         O, C, KH, KW = w.shape
         if C % 8:
@@ -542,8 +628,10 @@ def packed_weight_flipped(weight: Tensor) -> Tensor:
             # (far cheaper than a strided PyTorch copy)
             return pack_flipped(packed_weight(weight)[1], [O, C, KH, KW])
         ob = _pick_ob(C)
-        return (w.to(torch.float32).flip(2, 3).reshape(O, C // ob, ob, KH, KW).permute(1, 3, 4, 0, 2)
-                .contiguous().view(-1))
+        return (
+            w.to(torch.float32).flip(2, 3).reshape(O, C // ob, ob, KH, KW).permute(1, 3, 4, 0, 2).contiguous().view(-1)
+        )
+
     return _cached_pack(_FLIP_PACKS, weight, build)
 
 
@@ -555,8 +643,15 @@ def _dw_empty(shape: Sequence[int], stride: Optional[Sequence[int]], like: Optio
     return torch.empty(tuple(shape), dtype=torch.float32, device=dev)
 
 
-def _conv_wgrad_dy_impl(gcnt: Tensor, gidx: Tensor, gval: Tensor, xr_nhwc: Tensor, geo: List[int], gslice: int,
-                  w_stride: Optional[List[int]] = None) -> Tensor:
+def _conv_wgrad_dy_impl(
+    gcnt: Tensor,
+    gidx: Tensor,
+    gval: Tensor,
+    xr_nhwc: Tensor,
+    geo: List[int],
+    gslice: int,
+    w_stride: Optional[List[int]] = None,
+) -> Tensor:
     """``dW [O, C, KH, KW]`` of a stride-1 conv (native, ``C % 8 == 0``, ``padding <= dilation * (K - 1)``)
     from the compacted dY: the weight gradient of the flipped conv (input dY, output gradient
     ``relu(x)`` given as contiguous NHWC ``xr_nhwc``), written straight into ``dW``'s flipped,
@@ -572,9 +667,19 @@ def _conv_wgrad_dy_impl(gcnt: Tensor, gidx: Tensor, gval: Tensor, xr_nhwc: Tenso
     # dW'[c, o, i, j] (the flipped conv's gradient) lives at dW[o, c, KH-1-i, KW-1-j]
     base = dw.data_ptr() + 4 * ((G.KH - 1) * s2 + (G.KW - 1) * s3)
     xr = xr_nhwc.contiguous()
-    rc = lib.sparsa_adaptive_conv_bwd_s1_v2_f32(g2.c(), gcnt.data_ptr(), gidx.data_ptr(), gval.data_ptr(),
-                                                xr.data_ptr(), None, base, _i64s(s1, s0, -s2, -s3), None, None,
-                                                _nthreads())
+    rc = lib.sparsa_adaptive_conv_bwd_s1_v2_f32(
+        g2.c(),
+        gcnt.data_ptr(),
+        gidx.data_ptr(),
+        gval.data_ptr(),
+        xr.data_ptr(),
+        None,
+        base,
+        _i64s(s1, s0, -s2, -s3),
+        None,
+        None,
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"conv_wgrad_dy: geometry {G} needs in_channels % 8 == 0")
     return dw
@@ -585,9 +690,12 @@ def _conv_wgrad_dy_fake(gcnt, gidx, gval, xr_nhwc, geo, gslice, w_stride=None):
     return _dw_empty((G.O, G.C, G.KH, G.KW), w_stride, like=gval)
 
 
-conv_wgrad_dy = kernel_op("adaptive_conv_wgrad_dy(Tensor gcnt, Tensor gidx, Tensor gval, Tensor xr_nhwc, "
-                          "int[] geo, int gslice, int[]? w_stride=None) -> Tensor",
-                          _conv_wgrad_dy_impl, _conv_wgrad_dy_fake)
+conv_wgrad_dy = kernel_op(
+    "adaptive_conv_wgrad_dy(Tensor gcnt, Tensor gidx, Tensor gval, Tensor xr_nhwc, "
+    "int[] geo, int gslice, int[]? w_stride=None) -> Tensor",
+    _conv_wgrad_dy_impl,
+    _conv_wgrad_dy_fake,
+)
 
 
 def igrad_dy_geometry(geo: Sequence[int], slice: Optional[int] = None) -> ConvGeometry:
@@ -597,12 +705,37 @@ def igrad_dy_geometry(geo: Sequence[int], slice: Optional[int] = None) -> ConvGe
     G = ConvGeometry.of(geo)
     if not G.stride1:
         raise ValueError(f"igrad_dy_geometry needs a stride-1 geometry, got {G}")
-    return ConvGeometry(G.N, G.O, G.Ho, G.Wo, G.C, G.KH, G.KW, G.H, G.W, 1, 1, G.dh * (G.KH - 1) - G.ph,
-                        G.dw * (G.KW - 1) - G.pw, G.dh, G.dw, G.slice if slice is None else int(slice))
+    return ConvGeometry(
+        G.N,
+        G.O,
+        G.Ho,
+        G.Wo,
+        G.C,
+        G.KH,
+        G.KW,
+        G.H,
+        G.W,
+        1,
+        1,
+        G.dh * (G.KH - 1) - G.ph,
+        G.dw * (G.KW - 1) - G.pw,
+        G.dh,
+        G.dw,
+        G.slice if slice is None else int(slice),
+    )
 
 
-def _conv_igrad_dy_impl(gcnt: Tensor, gidx: Tensor, gval: Tensor, wflip: Tensor, cnt: Tensor, idx: Tensor,
-                  geo: List[int], gslice: int, channels_last: bool) -> Tensor:
+def _conv_igrad_dy_impl(
+    gcnt: Tensor,
+    gidx: Tensor,
+    gval: Tensor,
+    wflip: Tensor,
+    cnt: Tensor,
+    idx: Tensor,
+    geo: List[int],
+    gslice: int,
+    channels_last: bool,
+) -> Tensor:
     """:func:`conv_igrad` of a stride-1 conv (native, ``C % 8 == 0``) computed as a *forward* conv of
     the compacted dY (``(gcnt, gidx, gval)`` from :func:`compact_signed` with ``gslice`` channels a
     slice) with :func:`packed_weight_flipped`, then kept only at the nonzeros of the operand
@@ -611,12 +744,24 @@ def _conv_igrad_dy_impl(gcnt: Tensor, gidx: Tensor, gval: Tensor, wflip: Tensor,
     G = ConvGeometry.of(geo)
     y = _conv_fwd_packed_native(lib, gcnt, gidx, gval, wflip, None, igrad_dy_geometry(G, gslice), 0)  # [N, H, W, C]
     if channels_last:
-        lib.sparsa_adaptive_mask_f32(y.data_ptr(), G.N, G.C, G.H, G.W, G.slice, cnt.data_ptr(), idx.data_ptr(),
-                                     None, None, _nthreads())
+        lib.sparsa_adaptive_mask_f32(
+            y.data_ptr(), G.N, G.C, G.H, G.W, G.slice, cnt.data_ptr(), idx.data_ptr(), None, None, _nthreads()
+        )
         return y.permute(0, 3, 1, 2)
     dx = torch.zeros(G.N, G.C, G.H, G.W, dtype=torch.float32)
-    lib.sparsa_adaptive_mask_f32(y.data_ptr(), G.N, G.C, G.H, G.W, G.slice, cnt.data_ptr(), idx.data_ptr(),
-                                 dx.data_ptr(), _i64s(*dx.stride()), _nthreads())
+    lib.sparsa_adaptive_mask_f32(
+        y.data_ptr(),
+        G.N,
+        G.C,
+        G.H,
+        G.W,
+        G.slice,
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        dx.data_ptr(),
+        _i64s(*dx.stride()),
+        _nthreads(),
+    )
     return dx
 
 
@@ -627,37 +772,53 @@ def _conv_igrad_dy_fake(gcnt, gidx, gval, wflip, cnt, idx, geo, gslice, channels
     return gval.new_empty(G.N, G.C, G.H, G.W)
 
 
-conv_igrad_dy = kernel_op("adaptive_conv_igrad_dy(Tensor gcnt, Tensor gidx, Tensor gval, Tensor wflip, "
-                          "Tensor cnt, Tensor idx, int[] geo, int gslice, bool channels_last) -> Tensor",
-                          _conv_igrad_dy_impl, _conv_igrad_dy_fake)
+conv_igrad_dy = kernel_op(
+    "adaptive_conv_igrad_dy(Tensor gcnt, Tensor gidx, Tensor gval, Tensor wflip, "
+    "Tensor cnt, Tensor idx, int[] geo, int gslice, bool channels_last) -> Tensor",
+    _conv_igrad_dy_impl,
+    _conv_igrad_dy_fake,
+)
 
 
-def _conv_fwd_packed_native(lib, cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor],
-                            G: ConvGeometry, out_format: int) -> Tensor:
+def _conv_fwd_packed_native(
+    lib, cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor], G: ConvGeometry, out_format: int
+) -> Tensor:
     y = _fwd_empty(G, out_format, torch.float32)
     b = None if bias is None else bias.contiguous()
-    rc = lib.sparsa_adaptive_conv_fwd_packed_f32(G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(),
-                                                 wf.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                                                 _nthreads())
+    rc = lib.sparsa_adaptive_conv_fwd_packed_f32(
+        G.c(),
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        val.data_ptr(),
+        wf.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"adaptive_conv_fwd: out_channels={G.O} must be a multiple of 8 for the native kernel")
     return y
 
 
-def _conv_fwd_packed_impl(cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor],
-                    geo: List[int], out_format: int = 1) -> Tensor:
+def _conv_fwd_packed_impl(
+    cnt: Tensor, idx: Tensor, val: Tensor, wf: Tensor, bias: Optional[Tensor], geo: List[int], out_format: int = 1
+) -> Tensor:
     """:func:`conv_fwd` from the forward pack of :func:`packed_weight` (native only)."""
-    return _conv_fwd_packed_native(_native_only("adaptive_conv_fwd_packed"), cnt, idx, val, wf, bias,
-                                   ConvGeometry.of(geo), out_format)
+    return _conv_fwd_packed_native(
+        _native_only("adaptive_conv_fwd_packed"), cnt, idx, val, wf, bias, ConvGeometry.of(geo), out_format
+    )
 
 
 def _conv_fwd_packed_fake(cnt, idx, val, wf, bias, geo, out_format=1):
     return _fwd_empty(geo, out_format, torch.float32, like=val)
 
 
-conv_fwd_packed = kernel_op("adaptive_conv_fwd_packed(Tensor cnt, Tensor idx, Tensor val, Tensor wf, "
-                            "Tensor? bias, int[] geo, int out_format=1) -> Tensor",
-                            _conv_fwd_packed_impl, _conv_fwd_packed_fake)
+conv_fwd_packed = kernel_op(
+    "adaptive_conv_fwd_packed(Tensor cnt, Tensor idx, Tensor val, Tensor wf, "
+    "Tensor? bias, int[] geo, int out_format=1) -> Tensor",
+    _conv_fwd_packed_impl,
+    _conv_fwd_packed_fake,
+)
 
 
 def _dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
@@ -672,21 +833,42 @@ def _dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def _bwd_packed_empty(G: ConvGeometry, channels_last: bool, need_dx: bool, need_dw: bool,
-                      dw_stride: Optional[Sequence[int]], like: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def _bwd_packed_empty(
+    G: ConvGeometry,
+    channels_last: bool,
+    need_dx: bool,
+    need_dw: bool,
+    dw_stride: Optional[Sequence[int]],
+    like: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
     """The op's outputs: ``(dx, dw)``, an empty ``[0]`` tensor for one not asked for."""
     dev = like.device if like is not None else None
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    dx = torch.empty(G.N, G.C, G.H, G.W, dtype=torch.float32, device=dev, memory_format=fmt) if need_dx else \
-        torch.empty(0, dtype=torch.float32, device=dev)
-    dw = _dw_empty((G.O, G.C, G.KH, G.KW), dw_stride, like) if need_dw else \
-        torch.empty(0, dtype=torch.float32, device=dev)
+    dx = (
+        torch.empty(G.N, G.C, G.H, G.W, dtype=torch.float32, device=dev, memory_format=fmt)
+        if need_dx
+        else torch.empty(0, dtype=torch.float32, device=dev)
+    )
+    dw = (
+        _dw_empty((G.O, G.C, G.KH, G.KW), dw_stride, like)
+        if need_dw
+        else torch.empty(0, dtype=torch.float32, device=dev)
+    )
     return dx, dw
 
 
-def _conv_bwd_packed_op_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wc: Tensor, geo: List[int],
-                        channels_last: bool, need_dx: bool, need_dw: bool,
-                        dw_stride: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+def _conv_bwd_packed_op_impl(
+    cnt: Tensor,
+    idx: Tensor,
+    val: Tensor,
+    dy: Tensor,
+    wc: Tensor,
+    geo: List[int],
+    channels_last: bool,
+    need_dx: bool,
+    need_dw: bool,
+    dw_stride: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor]:
     """:func:`conv_bwd_packed` with an empty ``[0]`` tensor for a gradient not asked for (native only)."""
     lib = _native_only("adaptive_conv_bwd_packed")
     G = ConvGeometry.of(geo)
@@ -697,9 +879,18 @@ def _conv_bwd_packed_op_impl(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, 
         dx.zero_()
     dy = dy.contiguous()
     rc = lib.sparsa_adaptive_conv_bwd_s1_v2_f32(
-        G.c(), cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), dy.data_ptr(), wc.data_ptr(),
-        dw.data_ptr() if need_dw else None, _i64s(*(dw.stride() if need_dw else (0, 0, 0, 0))),
-        dx.data_ptr() if need_dx else None, _i64s(*(dx.stride() if need_dx else (0, 0, 0, 0))), _nthreads())
+        G.c(),
+        cnt.data_ptr(),
+        idx.data_ptr(),
+        val.data_ptr(),
+        dy.data_ptr(),
+        wc.data_ptr(),
+        dw.data_ptr() if need_dw else None,
+        _i64s(*(dw.stride() if need_dw else (0, 0, 0, 0))),
+        dx.data_ptr() if need_dx else None,
+        _i64s(*(dx.stride() if need_dx else (0, 0, 0, 0))),
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"adaptive_conv_bwd: geometry {G} needs stride 1 and out_channels % 8 == 0")
     return dx, dw
@@ -709,15 +900,27 @@ def _conv_bwd_packed_op_fake(cnt, idx, val, dy, wc, geo, channels_last, need_dx,
     return _bwd_packed_empty(ConvGeometry.of(geo), channels_last, need_dx, need_dw, dw_stride, like=dy)
 
 
-_conv_bwd_packed_op = kernel_op("adaptive_conv_bwd_packed(Tensor cnt, Tensor idx, Tensor val, Tensor dy, "
-                                "Tensor wc, int[] geo, bool channels_last, bool need_dx, bool need_dw, "
-                                "int[]? dw_stride=None) -> (Tensor, Tensor)",
-                                _conv_bwd_packed_op_impl, _conv_bwd_packed_op_fake)
+_conv_bwd_packed_op = kernel_op(
+    "adaptive_conv_bwd_packed(Tensor cnt, Tensor idx, Tensor val, Tensor dy, "
+    "Tensor wc, int[] geo, bool channels_last, bool need_dx, bool need_dw, "
+    "int[]? dw_stride=None) -> (Tensor, Tensor)",
+    _conv_bwd_packed_op_impl,
+    _conv_bwd_packed_op_fake,
+)
 
 
-def conv_bwd_packed(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wc: Tensor, geo: List[int],
-                    channels_last: bool, need_dx: bool, need_dw: bool,
-                    dw_stride: Optional[Sequence[int]] = None) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+def conv_bwd_packed(
+    cnt: Tensor,
+    idx: Tensor,
+    val: Tensor,
+    dy: Tensor,
+    wc: Tensor,
+    geo: List[int],
+    channels_last: bool,
+    need_dx: bool,
+    need_dw: bool,
+    dw_stride: Optional[Sequence[int]] = None,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """``(dx, dw)`` of a stride-1 conv: ``dx`` as :func:`conv_igrad`, ``dw`` directly in the
     ``[O, C, KH, KW]`` layout (with the weight's strides ``dw_stride`` when given, so autograd keeps
     it without a copy). ``dy`` is NHWC; ``wc`` the input-gradient pack of :func:`packed_weight`.
@@ -727,6 +930,16 @@ def conv_bwd_packed(cnt: Tensor, idx: Tensor, val: Tensor, dy: Tensor, wc: Tenso
         raise ValueError(f"conv_bwd_packed needs a stride-1 geometry, got {G}")
     if not (need_dx or need_dw):
         return None, None
-    dx, dw = _conv_bwd_packed_op(cnt, idx, val, dy, wc, G, bool(channels_last), bool(need_dx), bool(need_dw),
-                                 None if dw_stride is None else [int(v) for v in dw_stride])
+    dx, dw = _conv_bwd_packed_op(
+        cnt,
+        idx,
+        val,
+        dy,
+        wc,
+        G,
+        bool(channels_last),
+        bool(need_dx),
+        bool(need_dw),
+        None if dw_stride is None else [int(v) for v in dw_stride],
+    )
     return (dx if need_dx else None), (dw if need_dw else None)

@@ -28,6 +28,7 @@ Example::
     >>> torch.allclose(y, torch.nn.functional.conv2d(x.relu(), w, padding=1), atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,13 +43,25 @@ from . import adaptive_union_ops as _ops
 from .adaptive import _cached_pack, _conv_args, _dense_strides, _pick_ob, geometry, igrad_dy_geometry, native_library
 from .geometry import ConvGeometry
 
-__all__ = ["UnionOperand", "union_native", "union_supported", "union_packs", "union_operand", "union_conv_fwd",
-           "union_conv_wgrad", "union_conv_wgrad_dy", "union_conv_igrad", "union_conv_igrad_x", "union_wc",
-           "reads_weight_in_place", "geometry"]
+__all__ = [
+    "UnionOperand",
+    "union_native",
+    "union_supported",
+    "union_packs",
+    "union_operand",
+    "union_conv_fwd",
+    "union_conv_wgrad",
+    "union_conv_wgrad_dy",
+    "union_conv_igrad",
+    "union_conv_igrad_x",
+    "union_wc",
+    "reads_weight_in_place",
+    "geometry",
+]
 
 
 def _lib() -> Optional[ctypes.CDLL]:
-    return native_library()    # typed by abi.SIGNATURES["adaptive"]; the kernels run as ops (adaptive_union_ops)
+    return native_library()  # typed by abi.SIGNATURES["adaptive"]; the kernels run as ops (adaptive_union_ops)
 
 
 def union_native() -> bool:
@@ -112,7 +125,7 @@ def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -
     lib = _lib() if native is not False and x.device.type == "cpu" else None
     if lib is not None and lib.sparsa_union_supported():
         nhwc = x.permute(0, 2, 3, 1)
-        view = not relu and nhwc.is_contiguous()   # dY read in place: the op writes only the mask
+        view = not relu and nhwc.is_contiguous()  # dY read in place: the op writes only the mask
         values, mask, counts = _ops.union_compact(x, bool(relu), not view)
         nnz, u4 = counts.tolist()
         return UnionOperand(nhwc if view else values, mask, nnz, u4)
@@ -161,8 +174,14 @@ def union_wc(wf: Tensor, O: int, C: int, KH: int, KW: int) -> Tensor:
     return _ops.union_wc(wf, [O, C, KH, KW])
 
 
-def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo: Sequence[int],
-                   wf: Optional[Tensor] = None, group: int = 4) -> Tensor:
+def union_conv_fwd(
+    op: UnionOperand,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    geo: Sequence[int],
+    wf: Optional[Tensor] = None,
+    group: int = 4,
+) -> Tensor:
     """``conv2d(op values, weight, bias)`` as ``[N, O, Ho, Wo]`` with channels-last strides. ``wf``: the
     weight's forward pack (:func:`union_packs`) when already at hand. ``group``: output pixels per kernel
     group (4, 2 or 1; fewer waste less on channels nonzero in only some of them)."""
@@ -179,12 +198,23 @@ def union_conv_fwd(op: UnionOperand, weight: Tensor, bias: Optional[Tensor], geo
 def reads_weight_in_place(weight: Optional[Tensor]) -> bool:
     """Whether :func:`union_conv_igrad` reads ``weight`` as it is (channels-last float32 ``[O, C, KH, KW]``,
     no flipped pack needed)."""
-    return (weight is not None and weight.dtype == torch.float32 and weight.dim() == 4 and weight.stride(1) == 1
-            and _dense_strides(tuple(weight.shape), weight.stride()))
+    return (
+        weight is not None
+        and weight.dtype == torch.float32
+        and weight.dim() == 4
+        and weight.stride(1) == 1
+        and _dense_strides(tuple(weight.shape), weight.stride())
+    )
 
 
-def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOperand, geo: Sequence[int],
-                     wflip: Optional[Tensor] = None, group: int = 4) -> Tensor:
+def union_conv_igrad(
+    gop: UnionOperand,
+    weight: Optional[Tensor],
+    xop: UnionOperand,
+    geo: Sequence[int],
+    wflip: Optional[Tensor] = None,
+    group: int = 4,
+) -> Tensor:
     """The input gradient of the stride-1 ``conv2d(relu(x), weight)`` (``geo``) given the output gradient's
     operand ``gop`` (``relu=False``) and relu(x)'s ``xop``: ``conv_transpose(dY, W)`` kept where
     ``relu(x) != 0``, as ``[N, C, H, W]`` with channels-last strides. ``wflip``: the weight's
@@ -204,8 +234,18 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
     if lib is None:
         a = _conv_args(geo)
         dx = torch.ops.aten.convolution_backward(
-            gop.nchw(), xop.nchw(), weight.detach().float(), None, a["stride"], a["padding"], a["dilation"],
-            False, (0, 0), 1, [True, False, False])[0]
+            gop.nchw(),
+            xop.nchw(),
+            weight.detach().float(),
+            None,
+            a["stride"],
+            a["padding"],
+            a["dilation"],
+            False,
+            (0, 0),
+            1,
+            [True, False, False],
+        )[0]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     g2 = igrad_dy_geometry(G)
     if wflip is None and reads_weight_in_place(weight):
@@ -214,8 +254,9 @@ def union_conv_igrad(gop: UnionOperand, weight: Optional[Tensor], xop: UnionOper
     return _ops.union_conv_fwd(gop.values, gop.mask, wfl, None, g2, xop.mask, 0, group)
 
 
-def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None,
-                       wc: Optional[Tensor] = None) -> Tensor:
+def union_conv_igrad_x(
+    xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None, wc: Optional[Tensor] = None
+) -> Tensor:
     """The input gradient of ``conv2d(relu(x), W)`` (``geo``, any stride) computed only where relu(x) != 0
     (``xop``'s mask), as dot products of ``dy_nhwc`` (``[N, Ho, Wo, O]``) patches with the weight's rows
     (``wc``: the ``[C, KH, KW, O]`` pack of :func:`union_wc`; built from ``weight`` when not given). Work
@@ -231,8 +272,18 @@ def union_conv_igrad_x(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], w
             raise ValueError("union_conv_igrad_x: the PyTorch fallback needs weight (wc is the native pack)")
         a = _conv_args(geo)
         dx = torch.ops.aten.convolution_backward(
-            dy_nhwc.permute(0, 3, 1, 2), xop.nchw(), weight.detach().float(), None, a["stride"], a["padding"],
-            a["dilation"], False, (0, 0), 1, [True, False, False])[0]
+            dy_nhwc.permute(0, 3, 1, 2),
+            xop.nchw(),
+            weight.detach().float(),
+            None,
+            a["stride"],
+            a["padding"],
+            a["dilation"],
+            False,
+            (0, 0),
+            1,
+            [True, False, False],
+        )[0]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = union_wc(union_packs(weight, flipped=False)[0], O, C, KH, KW)
@@ -249,14 +300,29 @@ def _wgrad_reference(xnchw: Tensor, dy_nhwc: Tensor, geo: Sequence[int], w_strid
     G = ConvGeometry.of(geo)
     a = _conv_args(G)
     dw = torch.ops.aten.convolution_backward(
-        dy_nhwc.permute(0, 3, 1, 2), xnchw, torch.empty(G.O, G.C, G.KH, G.KW), None, a["stride"], a["padding"],
-        a["dilation"], False, (0, 0), 1, [False, True, False])[1]
+        dy_nhwc.permute(0, 3, 1, 2),
+        xnchw,
+        torch.empty(G.O, G.C, G.KH, G.KW),
+        None,
+        a["stride"],
+        a["padding"],
+        a["dilation"],
+        False,
+        (0, 0),
+        1,
+        [False, True, False],
+    )[1]
     out = _dw_empty((G.O, G.C, G.KH, G.KW), w_stride)
     return out.copy_(dw)
 
 
-def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
-                     w_stride: Optional[Sequence[int]] = None, lists: bool = False) -> Tensor:
+def union_conv_wgrad(
+    xop: UnionOperand,
+    dy_nhwc: Tensor,
+    geo: Sequence[int],
+    w_stride: Optional[Sequence[int]] = None,
+    lists: bool = False,
+) -> Tensor:
     """``dW [O, C, KH, KW]`` of ``conv2d(relu(x), W)`` (any stride) over relu(x)'s mask; ``dy_nhwc``:
     the output gradient ``[N, Ho, Wo, O]``. ``w_stride``: strides to give ``dW`` (the weight's, so
     autograd keeps it without a copy). ``lists=True`` runs the per-channel list kernel
@@ -266,12 +332,14 @@ def union_conv_wgrad(xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int],
     lib = _native_for(xop, G.C, G.O)
     if lib is None:
         return _wgrad_reference(xop.nchw(), dy_nhwc, G, w_stride)
-    return _ops.union_conv_wgrad(xop.values, xop.mask, dy_nhwc, G, None if w_stride is None else list(w_stride),
-                                 bool(lists))
+    return _ops.union_conv_wgrad(
+        xop.values, xop.mask, dy_nhwc, G, None if w_stride is None else list(w_stride), bool(lists)
+    )
 
 
-def union_conv_wgrad_dy(gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int],
-                        w_stride: Optional[Sequence[int]] = None) -> Tensor:
+def union_conv_wgrad_dy(
+    gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int], w_stride: Optional[Sequence[int]] = None
+) -> Tensor:
     """``dW`` of a stride-1 ``conv2d(relu(x), W)`` over dY's mask (operand ``gop``, ``relu=False``):
     the flipped conv's weight gradient with ``relu(x)`` (``xr_nhwc``, ``[N, H, W, C]``) in the place of
     its output gradient. Needs ``padding <= dilation * (kernel - 1)``."""

@@ -22,6 +22,7 @@ Example::
     >>> torch.ops.sparsa.adaptive_union_conv_fwd.default.name()
     'sparsa::adaptive_union_conv_fwd'
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,8 +35,16 @@ from .adaptive import _dense_strides, _i64s, _native_only, _nthreads
 from .geometry import ConvGeometry
 from .opdef import kernel_op
 
-__all__ = ["union_compact", "union_pack", "union_wc", "union_conv_fwd", "union_conv_igrad_w", "union_conv_igrad_x",
-           "union_conv_wgrad", "union_conv_wgrad_dy"]
+__all__ = [
+    "union_compact",
+    "union_pack",
+    "union_wc",
+    "union_conv_fwd",
+    "union_conv_igrad_w",
+    "union_conv_igrad_x",
+    "union_conv_wgrad",
+    "union_conv_wgrad_dy",
+]
 
 
 def _empty_cl(N: int, C: int, H: int, W: int, like: Optional[Tensor] = None) -> Tensor:
@@ -67,9 +76,22 @@ def _compact_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Te
     mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
     sn, sc, sh, sw = x.stride()
     u4 = ctypes.c_int64(0)
-    nnz = lib.sparsa_union_compact_f32(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, int(relu),
-                                       values.data_ptr() if write_values else None, mask.data_ptr(),
-                                       ctypes.byref(u4), _nthreads())
+    nnz = lib.sparsa_union_compact_f32(
+        x.data_ptr(),
+        N,
+        C,
+        H,
+        W,
+        sn,
+        sc,
+        sh,
+        sw,
+        int(relu),
+        values.data_ptr() if write_values else None,
+        mask.data_ptr(),
+        ctypes.byref(u4),
+        _nthreads(),
+    )
     if nnz < 0:
         raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
     return values, mask, torch.tensor([nnz, u4.value], dtype=torch.int64)
@@ -81,8 +103,11 @@ def _compact_fake(x, relu, write_values):
     return values, x.new_empty(N * H * W, (C + 63) // 64, dtype=torch.int64), x.new_empty(2, dtype=torch.int64)
 
 
-union_compact = kernel_op("adaptive_union_compact(Tensor x, bool relu, bool write_values) "
-                          "-> (Tensor, Tensor, Tensor)", _compact_impl, _compact_fake)
+union_compact = kernel_op(
+    "adaptive_union_compact(Tensor x, bool relu, bool write_values) -> (Tensor, Tensor, Tensor)",
+    _compact_impl,
+    _compact_fake,
+)
 
 
 # ------------------------------------------------------------------------------------------ weight packs
@@ -92,9 +117,17 @@ def _pack_impl(w: Tensor, want_wf: bool, want_wfl: bool) -> Tuple[Tensor, Tensor
     w = w.float()
     wf = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wf else None
     wfl = torch.empty(O * C * KH * KW, dtype=torch.float32) if want_wfl else None
-    rc = lib.sparsa_union_pack_f32(w.data_ptr(), _i64s(*w.stride()), O, C, KH, KW,
-                                   None if wf is None else wf.data_ptr(), None if wfl is None else wfl.data_ptr(),
-                                   _nthreads())
+    rc = lib.sparsa_union_pack_f32(
+        w.data_ptr(),
+        _i64s(*w.stride()),
+        O,
+        C,
+        KH,
+        KW,
+        None if wf is None else wf.data_ptr(),
+        None if wfl is None else wfl.data_ptr(),
+        _nthreads(),
+    )
     if rc:
         raise ValueError(f"union_packs: weight {tuple(w.shape)} needs in and out channels that are multiples of 8")
     return _none0(wf), _none0(wfl)
@@ -105,36 +138,57 @@ def _pack_fake(w, want_wf, want_wfl):
     return w.new_empty(n if want_wf else 0, dtype=torch.float32), w.new_empty(n if want_wfl else 0, dtype=torch.float32)
 
 
-union_pack = kernel_op("adaptive_union_pack(Tensor w, bool want_wf, bool want_wfl) -> (Tensor, Tensor)",
-                       _pack_impl, _pack_fake)
+union_pack = kernel_op(
+    "adaptive_union_pack(Tensor w, bool want_wf, bool want_wfl) -> (Tensor, Tensor)", _pack_impl, _pack_fake
+)
 
 
 def _wc_impl(wf: Tensor, w_shape: List[int]) -> Tensor:
     lib = _native_only("adaptive_union_wc")
     O, C, KH, KW = (int(v) for v in w_shape)
     if wf.numel() != O * C * KH * KW:
-        raise ValueError(f"adaptive_union_wc: wf holds {wf.numel()} values, the weight {list(w_shape)} needs "
-                         f"{O * C * KH * KW}; pass the forward pack of that weight")
+        raise ValueError(
+            f"adaptive_union_wc: wf holds {wf.numel()} values, the weight {list(w_shape)} needs "
+            f"{O * C * KH * KW}; pass the forward pack of that weight"
+        )
     wf = wf.contiguous()
     wc = torch.empty(O * C * KH * KW, dtype=torch.float32)
     lib.sparsa_union_wc_from_wf_f32(wf.data_ptr(), O, C, KH * KW, wc.data_ptr(), _nthreads())
     return wc
 
 
-union_wc = kernel_op("adaptive_union_wc(Tensor wf, int[] w_shape) -> Tensor", _wc_impl,
-                     lambda wf, w_shape: wf.new_empty(wf.numel()))
+union_wc = kernel_op(
+    "adaptive_union_wc(Tensor wf, int[] w_shape) -> Tensor", _wc_impl, lambda wf, w_shape: wf.new_empty(wf.numel())
+)
 
 
 # ------------------------------------------------------------------------------------------ convs
-def _fwd_impl(values: Tensor, mask: Tensor, wp: Tensor, bias: Optional[Tensor], geo: List[int],
-              omask: Optional[Tensor], tiles: int, group: int) -> Tensor:
+def _fwd_impl(
+    values: Tensor,
+    mask: Tensor,
+    wp: Tensor,
+    bias: Optional[Tensor],
+    geo: List[int],
+    omask: Optional[Tensor],
+    tiles: int,
+    group: int,
+) -> Tensor:
     lib = _native_only("adaptive_union_conv_fwd")
     G = ConvGeometry.of(geo)
     b = None if bias is None else bias.float().contiguous()
     y = _empty_cl(G.N, G.O, G.Ho, G.Wo)
-    rc = lib.sparsa_union_conv_fwd_f32(G.c(), values.data_ptr(), mask.data_ptr(), wp.data_ptr(),
-                                       None if b is None else b.data_ptr(), y.data_ptr(),
-                                       None if omask is None else omask.data_ptr(), tiles, group, _nthreads())
+    rc = lib.sparsa_union_conv_fwd_f32(
+        G.c(),
+        values.data_ptr(),
+        mask.data_ptr(),
+        wp.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        None if omask is None else omask.data_ptr(),
+        tiles,
+        group,
+        _nthreads(),
+    )
     if rc:
         raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {G}")
     return y
@@ -145,16 +199,29 @@ def _fwd_fake(values, mask, wp, bias, geo, omask, tiles, group):
     return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values)
 
 
-union_conv_fwd = kernel_op("adaptive_union_conv_fwd(Tensor values, Tensor mask, Tensor wp, Tensor? bias, int[] geo, "
-                           "Tensor? omask, int tiles, int group) -> Tensor", _fwd_impl, _fwd_fake)
+union_conv_fwd = kernel_op(
+    "adaptive_union_conv_fwd(Tensor values, Tensor mask, Tensor wp, Tensor? bias, int[] geo, "
+    "Tensor? omask, int tiles, int group) -> Tensor",
+    _fwd_impl,
+    _fwd_fake,
+)
 
 
 def _igrad_w_impl(values: Tensor, mask: Tensor, w: Tensor, geo: List[int], omask: Tensor, group: int) -> Tensor:
     lib = _native_only("adaptive_union_conv_igrad_w")
-    G = ConvGeometry.of(geo)   # the dY geometry (igrad_dy_geometry)
+    G = ConvGeometry.of(geo)  # the dY geometry (igrad_dy_geometry)
     dx = _empty_cl(G.N, G.O, G.Ho, G.Wo)
-    rc = lib.sparsa_union_conv_igrad_w_f32(G.c(), values.data_ptr(), mask.data_ptr(), w.data_ptr(),
-                                           _i64s(*w.stride()), dx.data_ptr(), omask.data_ptr(), group, _nthreads())
+    rc = lib.sparsa_union_conv_igrad_w_f32(
+        G.c(),
+        values.data_ptr(),
+        mask.data_ptr(),
+        w.data_ptr(),
+        _i64s(*w.stride()),
+        dx.data_ptr(),
+        omask.data_ptr(),
+        group,
+        _nthreads(),
+    )
     if rc:
         raise RuntimeError(f"sparsa_union_conv_igrad_w_f32 failed ({rc}) for geometry {G}")
     return dx
@@ -165,8 +232,11 @@ def _igrad_w_fake(values, mask, w, geo, omask, group):
     return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values)
 
 
-union_conv_igrad_w = kernel_op("adaptive_union_conv_igrad_w(Tensor values, Tensor mask, Tensor w, int[] geo, "
-                               "Tensor omask, int group) -> Tensor", _igrad_w_impl, _igrad_w_fake)
+union_conv_igrad_w = kernel_op(
+    "adaptive_union_conv_igrad_w(Tensor values, Tensor mask, Tensor w, int[] geo, Tensor omask, int group) -> Tensor",
+    _igrad_w_impl,
+    _igrad_w_fake,
+)
 
 
 def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
@@ -174,8 +244,9 @@ def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tenso
     G = ConvGeometry.of(geo)
     dy = dy.contiguous()
     dx = _empty_cl(G.N, G.C, G.H, G.W)
-    rc = lib.sparsa_union_conv_igrad_x_f32(G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(),
-                                           _nthreads())
+    rc = lib.sparsa_union_conv_igrad_x_f32(
+        G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads()
+    )
     if rc:
         raise RuntimeError(f"sparsa_union_conv_igrad_x_f32 failed ({rc}) for geometry {G}")
     return dx
@@ -186,34 +257,46 @@ def _igrad_x_fake(mask, dy, wc, geo):
     return _empty_cl(G.N, G.C, G.H, G.W, like=dy)
 
 
-union_conv_igrad_x = kernel_op("adaptive_union_conv_igrad_x(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor",
-                               _igrad_x_impl, _igrad_x_fake)
+union_conv_igrad_x = kernel_op(
+    "adaptive_union_conv_igrad_x(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor", _igrad_x_impl, _igrad_x_fake
+)
 
 
-def _wgrad_impl(values: Tensor, mask: Tensor, dy: Tensor, geo: List[int], w_stride: Optional[List[int]],
-                lists: bool) -> Tensor:
+def _wgrad_impl(
+    values: Tensor, mask: Tensor, dy: Tensor, geo: List[int], w_stride: Optional[List[int]], lists: bool
+) -> Tensor:
     lib = _native_only("adaptive_union_conv_wgrad")
     G = ConvGeometry.of(geo)
     C, O, KH, KW = G.C, G.O, G.KH, G.KW
     dy = dy.contiguous()
     dw = _dw_empty((O, C, KH, KW), w_stride)
     if lists:  # written straight into dw's layout
-        rc = lib.sparsa_union_conv_wgrad_lists_f32(G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(),
-                                                   dw.data_ptr(), _i64s(*dw.stride()), _nthreads())
+        rc = lib.sparsa_union_conv_wgrad_lists_f32(
+            G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(), dw.data_ptr(), _i64s(*dw.stride()), _nthreads()
+        )
         if rc:
             raise RuntimeError(f"sparsa_union_conv_wgrad_lists_f32 failed ({rc}) for geometry {G}")
         return dw
     K2 = KH * KW
     s0, s1, s2, s3 = dw.stride()
-    if s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C:    # [O, KH, KW, C]: rows (kh, kw, c)
+    if s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C:  # [O, KH, KW, C]: rows (kh, kw, c)
         rs = (1, KW * C, C, 0)
-    elif s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1:     # [O, C, KH, KW]: rows (c, kh, kw)
+    elif s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1:  # [O, C, KH, KW]: rows (c, kh, kw)
         rs = (K2, KW, 1, 0)
     else:
         rs = None
     S = torch.empty(C * K2, O, dtype=torch.float32)
-    rc = lib.sparsa_union_conv_wgrad_f32(G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(), S.data_ptr(),
-                                         _i64s(*(rs or (K2, KW, 1, 0))), O, 1, _nthreads())
+    rc = lib.sparsa_union_conv_wgrad_f32(
+        G.c(),
+        values.data_ptr(),
+        mask.data_ptr(),
+        dy.data_ptr(),
+        S.data_ptr(),
+        _i64s(*(rs or (K2, KW, 1, 0))),
+        O,
+        1,
+        _nthreads(),
+    )
     if rc:
         raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {G}")
     if rs is None:
@@ -227,14 +310,20 @@ def _wgrad_fake(values, mask, dy, geo, w_stride, lists):
     return _dw_empty((G.O, G.C, G.KH, G.KW), w_stride, like=dy)
 
 
-union_conv_wgrad = kernel_op("adaptive_union_conv_wgrad(Tensor values, Tensor mask, Tensor dy, int[] geo, "
-                             "int[]? w_stride, bool lists) -> Tensor", _wgrad_impl, _wgrad_fake)
+union_conv_wgrad = kernel_op(
+    "adaptive_union_conv_wgrad(Tensor values, Tensor mask, Tensor dy, int[] geo, "
+    "int[]? w_stride, bool lists) -> Tensor",
+    _wgrad_impl,
+    _wgrad_fake,
+)
 
 
-def _wgrad_dy_impl(gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[int],
-                   w_stride: Optional[List[int]]) -> Tensor:
+def _wgrad_dy_impl(
+    gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[int], w_stride: Optional[List[int]]
+) -> Tensor:
     lib = _native_only("adaptive_union_conv_wgrad_dy")
     from .adaptive import igrad_dy_geometry
+
     G = ConvGeometry.of(geo)
     C, O, KH, KW = G.C, G.O, G.KH, G.KW
     g2 = igrad_dy_geometry(G)
@@ -246,8 +335,17 @@ def _wgrad_dy_impl(gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[in
     direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
     oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
     S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
-    rc = lib.sparsa_union_conv_wgrad_f32(g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), S.data_ptr(),
-                                         _i64s(K2, -KW, -1, K2 - 1), C, 0, _nthreads())
+    rc = lib.sparsa_union_conv_wgrad_f32(
+        g2.c(),
+        gvalues.data_ptr(),
+        gmask.data_ptr(),
+        xr.data_ptr(),
+        S.data_ptr(),
+        _i64s(K2, -KW, -1, K2 - 1),
+        C,
+        0,
+        _nthreads(),
+    )
     if rc:
         raise RuntimeError(f"sparsa_union_conv_wgrad_f32 (dY-driven) failed ({rc}) for geometry {G}")
     if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
@@ -262,5 +360,8 @@ def _wgrad_dy_fake(gvalues, gmask, xr_nhwc, geo, w_stride):
     return _dw_empty((G.O, G.C, G.KH, G.KW), w_stride, like=xr_nhwc)
 
 
-union_conv_wgrad_dy = kernel_op("adaptive_union_conv_wgrad_dy(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, "
-                                "int[] geo, int[]? w_stride) -> Tensor", _wgrad_dy_impl, _wgrad_dy_fake)
+union_conv_wgrad_dy = kernel_op(
+    "adaptive_union_conv_wgrad_dy(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, int[] geo, int[]? w_stride) -> Tensor",
+    _wgrad_dy_impl,
+    _wgrad_dy_fake,
+)

@@ -29,6 +29,7 @@ Example::
     >>> torch.allclose(y, x @ w.to_dense().T, atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,8 +44,16 @@ from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
-__all__ = ["bitmask_linear", "bitmask_linear_kernel", "bitmask_linear_impl", "bitmask_linear_reference",
-           "bitmask_dense_weight", "choose_strategy", "native_library", "STRATEGIES"]
+__all__ = [
+    "bitmask_linear",
+    "bitmask_linear_kernel",
+    "bitmask_linear_impl",
+    "bitmask_linear_reference",
+    "bitmask_dense_weight",
+    "choose_strategy",
+    "native_library",
+    "STRATEGIES",
+]
 
 _SOURCES = ["bitmask_linear.cpp"]
 STRATEGIES = ("stream", "expand")
@@ -61,8 +70,9 @@ def native_library() -> Optional[ctypes.CDLL]:
     return loader.load("bitmask_linear", _SOURCES)
 
 
-def bitmask_dense_weight(bits: Tensor, row_ptr: Tensor, values: Tensor, in_features: int,
-                         dtype: Optional[torch.dtype] = None) -> Tensor:
+def bitmask_dense_weight(
+    bits: Tensor, row_ptr: Tensor, values: Tensor, in_features: int, dtype: Optional[torch.dtype] = None
+) -> Tensor:
     """The logical ``(R, in_features)`` weight (pure PyTorch)."""
     mask = unpack_bits(bits, in_features)
     w = torch.zeros(mask.shape, dtype=dtype or values.dtype, device=values.device)
@@ -70,8 +80,9 @@ def bitmask_dense_weight(bits: Tensor, row_ptr: Tensor, values: Tensor, in_featu
     return w
 
 
-def bitmask_linear_reference(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
-                             out_features: int) -> Tensor:
+def bitmask_linear_reference(
+    x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
+) -> Tensor:
     """Pure-PyTorch semantics of the kernels; bfloat16/float16 inputs compute in float32 and round once."""
     ct = torch.float32 if x.dtype in REDUCED_DTYPES else x.dtype
     w = bitmask_dense_weight(bits, row_ptr, values, x.shape[-1], ct)
@@ -89,24 +100,52 @@ def choose_strategy(tokens: int) -> str:
     return "stream" if tokens <= STREAM_MAX_TOKENS else "expand"
 
 
-def _stream(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor,
-            bias: Optional[Tensor], R: int) -> Tensor:
+def _stream(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+) -> Tensor:
     T, K = x2.shape
     y = torch.empty(T, R, dtype=x2.dtype)
     b = None if bias is None else bias.contiguous()
     bp = None if b is None else b.data_ptr()
     nt = torch.get_num_threads()
     if kind == "bf16":
-        lib.sparsa_bitmask_linear_bf16(x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(),
-                                       R, bp, int(b is not None and b.dtype == torch.bfloat16), y.data_ptr(), nt)
+        lib.sparsa_bitmask_linear_bf16(
+            x2.data_ptr(),
+            T,
+            K,
+            bits.data_ptr(),
+            row_ptr.data_ptr(),
+            values.data_ptr(),
+            R,
+            bp,
+            int(b is not None and b.dtype == torch.bfloat16),
+            y.data_ptr(),
+            nt,
+        )
     else:
-        lib.sparsa_bitmask_linear_f32(x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(),
-                                      R, bp, y.data_ptr(), nt)
+        lib.sparsa_bitmask_linear_f32(
+            x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), R, bp, y.data_ptr(), nt
+        )
     return y
 
 
-def _expand(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor,
-            bias: Optional[Tensor], R: int) -> Tensor:
+def _expand(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+) -> Tensor:
     T, K = x2.shape
     gemm_dtype = torch.bfloat16 if kind == "bf16" and _bf16_gemm_hardware() else torch.float32
     xg = x2 if x2.dtype == gemm_dtype else x2.to(gemm_dtype)
@@ -118,8 +157,19 @@ def _expand(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tens
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         blk = buf[: r1 - r0]
-        lib.sparsa_bitmask_expand(bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), int(kind == "bf16"), R, K,
-                                  r0, r1, blk.data_ptr(), int(gemm_dtype == torch.bfloat16), nt)
+        lib.sparsa_bitmask_expand(
+            bits.data_ptr(),
+            row_ptr.data_ptr(),
+            values.data_ptr(),
+            int(kind == "bf16"),
+            R,
+            K,
+            r0,
+            r1,
+            blk.data_ptr(),
+            int(gemm_dtype == torch.bfloat16),
+            nt,
+        )
         torch.mm(blk, xg.t(), out=yt[r0:r1])
     y = yt.t()
     if bias is not None:
@@ -127,8 +177,15 @@ def _expand(lib: ctypes.CDLL, kind: str, x2: Tensor, bits: Tensor, row_ptr: Tens
     return y.to(x2.dtype).contiguous()
 
 
-def bitmask_linear_impl(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
-                        out_features: int, strategy: str = "auto") -> Tensor:
+def bitmask_linear_impl(
+    x: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    strategy: str = "auto",
+) -> Tensor:
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
     ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"`` or ``"expand"``."""
     if strategy not in ("auto",) + STRATEGIES:
@@ -150,8 +207,9 @@ def bitmask_linear_impl(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor
 
 
 @torch.library.custom_op("sparsa::bitmask_linear", mutates_args=())
-def bitmask_linear(x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor],
-                   out_features: int) -> Tensor:
+def bitmask_linear(
+    x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
+) -> Tensor:
     """``y[..., R] = x[..., K] @ W.T + bias`` for W given by Bitmask components."""
     return bitmask_linear_impl(x, bits, row_ptr, values, bias, out_features)
 
@@ -164,7 +222,10 @@ def _forward_fake(x, bits, row_ptr, values, bias, out_features):
 # forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
 bitmask_linear_kernel = kernel_op(
     "bitmask_linear_kernel(Tensor x, Tensor bits, Tensor row_ptr, Tensor values, Tensor? bias, int out_features) "
-    "-> Tensor", bitmask_linear_impl, _forward_fake)
+    "-> Tensor",
+    bitmask_linear_impl,
+    _forward_fake,
+)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

@@ -6,6 +6,7 @@ is stored), and the matching PyTorch semantics and gradient.
     >>> activation_code("gelu"), activate(torch.zeros(2), "gelu").tolist()
     (1, [0.0, 0.0])
 """
+
 from __future__ import annotations
 
 import torch

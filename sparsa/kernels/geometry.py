@@ -13,6 +13,7 @@ Example::
     >>> (g.O, g.Ho, g.Wo, g.stride1)
     (16, 5, 5, True)
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,6 +25,7 @@ __all__ = ["ConvGeometry", "ConvGeoC"]
 class ConvGeometry(NamedTuple):
     """Input ``[N, C, H, W]``, weight ``[O, C, KH, KW]``, output ``[Ho, Wo]``, stride, padding,
     dilation, and the channel slice of the list operand (``slice`` channels a slice)."""
+
     N: int
     C: int
     H: int
@@ -47,13 +49,22 @@ class ConvGeometry(NamedTuple):
         if isinstance(geo, cls):
             return geo
         if len(geo) != len(cls._fields):
-            raise ValueError(f"geo must have {len(cls._fields)} ints ({', '.join(cls._fields)}), got {list(geo)}; "
-                             "build it with ConvGeometry.of_conv")
+            raise ValueError(
+                f"geo must have {len(cls._fields)} ints ({', '.join(cls._fields)}), got {list(geo)}; "
+                "build it with ConvGeometry.of_conv"
+            )
         return cls(*(int(v) for v in geo))
 
     @classmethod
-    def of_conv(cls, x_shape: Sequence[int], w_shape: Sequence[int], stride: Sequence[int],
-                padding: Sequence[int], dilation: Sequence[int], slice: int = 64) -> "ConvGeometry":
+    def of_conv(
+        cls,
+        x_shape: Sequence[int],
+        w_shape: Sequence[int],
+        stride: Sequence[int],
+        padding: Sequence[int],
+        dilation: Sequence[int],
+        slice: int = 64,
+    ) -> "ConvGeometry":
         """The geometry of a conv of an input ``[N, C, H, W]`` with a weight ``[O, C, KH, KW]``."""
         N, C, H, W = (int(v) for v in x_shape)
         O, Cw, KH, KW = (int(v) for v in w_shape)
@@ -78,4 +89,5 @@ class ConvGeometry(NamedTuple):
 class ConvGeoC(ctypes.Structure):
     """``const int64_t* g`` of the adaptive kernels: the layout of ``Geo(const int64_t*)`` in
     ``csrc/adaptive_geo.h`` (16 contiguous int64 fields, in :class:`ConvGeometry`'s order)."""
+
     _fields_ = [(name, ctypes.c_int64) for name in ConvGeometry._fields]

@@ -36,6 +36,7 @@ Example::
     >>> torch.allclose(spmm(x, plan, None, 10), x @ w.to_dense().T, atol=1e-5)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -49,9 +50,23 @@ from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind as spmm_native_kind
 from .opdef import kernel_op
 
-__all__ = ["Plan", "forward_plan", "pattern_plan", "pair_plan", "input_grad_plan", "spmm", "sddmm", "grouped_nm_spmm",
-           "grouped_nm_sddmm", "grouped_nm_spmm_kernel", "grouped_nm_sddmm_kernel", "spmm_reference",
-           "sddmm_reference", "native_library", "spmm_native_kind"]
+__all__ = [
+    "Plan",
+    "forward_plan",
+    "pattern_plan",
+    "pair_plan",
+    "input_grad_plan",
+    "spmm",
+    "sddmm",
+    "grouped_nm_spmm",
+    "grouped_nm_sddmm",
+    "grouped_nm_spmm_kernel",
+    "grouped_nm_sddmm_kernel",
+    "spmm_reference",
+    "sddmm_reference",
+    "native_library",
+    "spmm_native_kind",
+]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
 #: bytes of the transposed input panel a tile of units may touch (0: the kernel's default); for tuning
@@ -64,7 +79,7 @@ _REF_CHUNK = 1 << 23
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    return loader.load("grouped_nm_linear", _SOURCES)   # typed by abi.SIGNATURES["grouped_nm_linear"]
+    return loader.load("grouped_nm_linear", _SOURCES)  # typed by abi.SIGNATURES["grouped_nm_linear"]
 
 
 @dataclass(frozen=True)
@@ -77,8 +92,8 @@ class Plan:
     ``(G, units+1)``): group ``g``'s entries in unit ``u`` are the flat entries ``offsets[g, u]`` to
     ``offsets[g, u+1]`` of ``idx`` and ``vals`` (shapes ``(1, E)`` and ``(1, E, 2)``), counts varying."""
 
-    idx: Tensor       # int32 (G, L)
-    vals: Tensor      # (G, L, n)
+    idx: Tensor  # int32 (G, L)
+    vals: Tensor  # (G, L, n)
     out_rows: Tensor  # int32 (G, n)
     units: int
     unit_entries: int
@@ -104,10 +119,9 @@ class Plan:
 def _pattern_rows(n: int, m: int, nblocks: int, device) -> Tensor:
     """int64 (B, P, n): the rows of every (block, pattern)."""
     from ..layouts.grouped_nm import patterns
+
     pat = patterns(n, m, device)
     return (torch.arange(nblocks, device=device) * m).view(-1, 1, 1) + pat.unsqueeze(0)
-
-
 
 
 def _interleave(P: int) -> int:
@@ -175,7 +189,7 @@ def pair_plan(values: Tensor, columns: Tensor, n: int, m: int, unit_cols: int = 
     combo = pa * P + pb  # (npair, kp)
     k = torch.arange(kp, device=dev)
     unit = (k // ucols).view(1, kp)
-    key = ((combo * U + unit) * kp + k.view(1, kp))  # group-major, then unit, then column
+    key = (combo * U + unit) * kp + k.view(1, kp)  # group-major, then unit, then column
     order = torch.argsort(key, dim=1)
     idx = order.to(torch.int32)  # column of each entry
     va, vb = val.view(npair, 2, kp).unbind(1)
@@ -191,8 +205,18 @@ def pair_plan(values: Tensor, columns: Tensor, n: int, m: int, unit_cols: int = 
     ra = (2 * j * m + pp.view(1, P, 1)).expand(npair, P, P)
     rb = ((2 * j + 1) * m + pp.view(1, 1, P)).expand(npair, P, P)
     rows = torch.stack([ra, rb], -1).reshape(npair * P * P, 2).to(torch.int32).contiguous()
-    return Plan(idx.reshape(1, -1).contiguous(), vals.reshape(1, -1, 2).contiguous(), rows, U, 0, ucols, P * P,
-                2 * m, False, offs)
+    return Plan(
+        idx.reshape(1, -1).contiguous(),
+        vals.reshape(1, -1, 2).contiguous(),
+        rows,
+        U,
+        0,
+        ucols,
+        P * P,
+        2 * m,
+        False,
+        offs,
+    )
 
 
 def _use_pairs(values: Tensor, n: int, m: int) -> bool:
@@ -278,16 +302,17 @@ def _pair_reference(x2: Tensor, plan: Plan, bias: Optional[Tensor], out_features
     cnt = off[:, -1] - off[:, 0]
     grp = torch.repeat_interleave(torch.arange(off.shape[0], device=idx.device), cnt)
     first = off[:, 0]
-    pos = torch.repeat_interleave(first, cnt) + (torch.arange(grp.shape[0], device=idx.device)
-                                                  - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt))
+    pos = torch.repeat_interleave(first, cnt) + (
+        torch.arange(grp.shape[0], device=idx.device) - torch.repeat_interleave(torch.cumsum(cnt, 0) - cnt, cnt)
+    )
     rows = plan.out_rows.long()[grp]  # (E', 2)
     out = x2.new_zeros(T, plan.out_pad)
     step = max(1, _REF_CHUNK // max(1, T))
     for e0 in range(0, pos.shape[0], step):
-        p = pos[e0:e0 + step]
+        p = pos[e0 : e0 + step]
         xg = x2[:, idx[p]]
         for i in range(2):
-            out.index_add_(1, rows[e0:e0 + step, i], xg * vals[p, i])
+            out.index_add_(1, rows[e0 : e0 + step, i], xg * vals[p, i])
     y = out[:, :out_features]
     if bias is not None:
         y = y + bias
@@ -326,9 +351,21 @@ def _rows(x: Tensor) -> Tensor:
     return x2 if x2.stride(-1) == 1 and (x2.shape[0] <= 1 or x2.stride(0) >= x2.shape[1]) else x2.contiguous()
 
 
-def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor], out_features: int,
-               units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int, interleaved: bool,
-               offsets: Optional[Tensor] = None) -> Tensor:
+def _spmm_impl(
+    x: Tensor,
+    idx: Tensor,
+    vals: Tensor,
+    out_rows: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    units: int,
+    unit_entries: int,
+    unit_span: int,
+    gpb: int,
+    rpb: int,
+    interleaved: bool,
+    offsets: Optional[Tensor] = None,
+) -> Tensor:
     plan = Plan(idx, vals, out_rows, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets)
     kind = spmm_native_kind(x, vals, bias)
     lib = None if kind is None else native_library()
@@ -344,33 +381,73 @@ def _spmm_impl(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Opt
     bp = None if b is None else b.data_ptr()
     off = None if offsets is None else offsets.contiguous()
     v, idx, out_rows = vals.contiguous(), idx.contiguous(), out_rows.contiguous()
-    head = (x2.data_ptr(), T, K, x2.stride(0) if T > 1 else K, idx.data_ptr(), v.data_ptr(), out_rows.data_ptr(),
-            G, n, units, unit_entries, unit_span, gpb, rpb, plan.in_pad, plan.out_pad)
-    tail = (y.data_ptr(), out_features, torch.get_num_threads(), TILE_BYTES, VMAX, int(interleaved),
-            None if off is None else off.data_ptr(), idx.numel())
+    head = (
+        x2.data_ptr(),
+        T,
+        K,
+        x2.stride(0) if T > 1 else K,
+        idx.data_ptr(),
+        v.data_ptr(),
+        out_rows.data_ptr(),
+        G,
+        n,
+        units,
+        unit_entries,
+        unit_span,
+        gpb,
+        rpb,
+        plan.in_pad,
+        plan.out_pad,
+    )
+    tail = (
+        y.data_ptr(),
+        out_features,
+        torch.get_num_threads(),
+        TILE_BYTES,
+        VMAX,
+        int(interleaved),
+        None if off is None else off.data_ptr(),
+        idx.numel(),
+    )
     if kind == "bf16":
         rc = lib.sparsa_gnm_spmm_bf16(*head, bp, int(b is not None and b.dtype == torch.bfloat16), *tail)
     else:
         rc = lib.sparsa_gnm_spmm_f32(*head, bp, *tail)
     if rc != 0:
-        raise ValueError(f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
-                         f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "
-                         f"out_features={out_features}); build it with forward_plan/input_grad_plan")
+        raise ValueError(
+            f"grouped_nm_spmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
+            f"unit_entries={unit_entries}, unit_span={unit_span}, in_features={K}, "
+            f"out_features={out_features}); build it with forward_plan/input_grad_plan"
+        )
     return y.reshape(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("sparsa::grouped_nm_spmm", mutates_args=())
-def grouped_nm_spmm(x: Tensor, idx: Tensor, vals: Tensor, out_rows: Tensor, bias: Optional[Tensor],
-                    out_features: int, units: int, unit_entries: int, unit_span: int, gpb: int, rpb: int,
-                    interleaved: bool, offsets: Optional[Tensor] = None) -> Tensor:
+def grouped_nm_spmm(
+    x: Tensor,
+    idx: Tensor,
+    vals: Tensor,
+    out_rows: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    units: int,
+    unit_entries: int,
+    unit_span: int,
+    gpb: int,
+    rpb: int,
+    interleaved: bool,
+    offsets: Optional[Tensor] = None,
+) -> Tensor:
     """``y[..., out_features]`` of the plan (see the module docstring); the fields of :class:`Plan` unpacked."""
-    return _spmm_impl(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb,
-                      interleaved, offsets)
+    return _spmm_impl(
+        x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets
+    )
 
 
 @grouped_nm_spmm.register_fake
-def _spmm_fake(x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved,
-               offsets=None):
+def _spmm_fake(
+    x, idx, vals, out_rows, bias, out_features, units, unit_entries, unit_span, gpb, rpb, interleaved, offsets=None
+):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -379,15 +456,19 @@ def _spmm_fake(x, idx, vals, out_rows, bias, out_features, units, unit_entries, 
 grouped_nm_spmm_kernel = kernel_op(
     "grouped_nm_spmm_kernel(Tensor x, Tensor idx, Tensor vals, Tensor out_rows, Tensor? bias, int out_features, "
     "int units, int unit_entries, int unit_span, int gpb, int rpb, bool interleaved, Tensor? offsets=None) -> Tensor",
-    _spmm_impl, _spmm_fake)
+    _spmm_impl,
+    _spmm_fake,
+)
 
 
-def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
-                unit_span: int, out_pad: int) -> Tensor:
+def _sddmm_impl(
+    x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int, unit_span: int, out_pad: int
+) -> Tensor:
     G, L = idx.shape
     n = out_rows.shape[1]
-    plan = Plan(idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, max(G, 1),
-                out_pad)
+    plan = Plan(
+        idx, idx.new_empty(G, L, n, dtype=x.dtype), out_rows, units, unit_entries, unit_span, max(G, 1), out_pad
+    )
     lib = _lib_for(x, gy)
     if lib is None:
         return sddmm_reference(x, gy, plan)
@@ -397,18 +478,38 @@ def _sddmm_impl(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int
     T = x2.shape[0]
     gv = torch.empty(G, L, n, dtype=torch.float32)
     rc = lib.sparsa_gnm_sddmm_f32(
-        x2.data_ptr(), x2.stride(0) if T > 1 else K, g2.data_ptr(), g2.stride(0) if T > 1 else R, T, K, R,
-        idx.data_ptr(), out_rows.data_ptr(), G, n, units, unit_entries, unit_span, plan.in_pad,
-        out_pad, gv.data_ptr(), torch.get_num_threads(), TILE_BYTES)
+        x2.data_ptr(),
+        x2.stride(0) if T > 1 else K,
+        g2.data_ptr(),
+        g2.stride(0) if T > 1 else R,
+        T,
+        K,
+        R,
+        idx.data_ptr(),
+        out_rows.data_ptr(),
+        G,
+        n,
+        units,
+        unit_entries,
+        unit_span,
+        plan.in_pad,
+        out_pad,
+        gv.data_ptr(),
+        torch.get_num_threads(),
+        TILE_BYTES,
+    )
     if rc != 0:
-        raise ValueError(f"grouped_nm_sddmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
-                         f"in_features={K}, out_features={R}); build it with forward_plan")
+        raise ValueError(
+            f"grouped_nm_sddmm: inconsistent plan (groups={G}, entries={L}, n={n}, units={units}, "
+            f"in_features={K}, out_features={R}); build it with forward_plan"
+        )
     return gv
 
 
 @torch.library.custom_op("sparsa::grouped_nm_sddmm", mutates_args=())
-def grouped_nm_sddmm(x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
-                     unit_span: int, out_pad: int) -> Tensor:
+def grouped_nm_sddmm(
+    x: Tensor, gy: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int, unit_span: int, out_pad: int
+) -> Tensor:
     """``gv[g, e, i] = sum_t gy[t, out_rows[g, i]] * x[t, idx[g, e]]`` (float, ``(G, L, n)``)."""
     return _sddmm_impl(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad)
 
@@ -420,7 +521,10 @@ def _sddmm_fake(x, gy, idx, out_rows, units, unit_entries, unit_span, out_pad):
 
 grouped_nm_sddmm_kernel = kernel_op(
     "grouped_nm_sddmm_kernel(Tensor x, Tensor gy, Tensor idx, Tensor out_rows, int units, int unit_entries, "
-    "int unit_span, int out_pad) -> Tensor", _sddmm_impl, _sddmm_fake)
+    "int unit_span, int out_pad) -> Tensor",
+    _sddmm_impl,
+    _sddmm_fake,
+)
 
 
 # -------------------------------------------------------------------------------------------- autograd
@@ -428,8 +532,9 @@ grouped_nm_sddmm_kernel = kernel_op(
 # with the per-entry output rows of the plan (:func:`_entry_rows`), so it holds for all three kinds of
 # plan, and traces under torch.compile (no data-dependent shapes). float32 and float64 compute in their
 # own dtype; bfloat16/float16 compute in float32 and the gradients are rounded to the inputs' dtypes.
-def _entry_rows(idx: Tensor, out_rows: Tensor, interleaved: bool,
-                offsets: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+def _entry_rows(
+    idx: Tensor, out_rows: Tensor, interleaved: bool, offsets: Optional[Tensor]
+) -> Tuple[Tensor, Optional[Tensor]]:
     """int64 output row of every value of the plan, in the values' shape (``(G, L, n)``; ``(G, L, 1)``
     interleaved; ``(1, E, 2)`` block-pair), and for block-pair plans a bool ``(1, E, 1)`` mask of the flat
     entries that some group reads (None otherwise: every entry counts)."""
@@ -451,8 +556,9 @@ def _entry_rows(idx: Tensor, out_rows: Tensor, interleaved: bool,
     return rows.unsqueeze(1).expand(G, L, rows.shape[1]), None
 
 
-def _plan_weight(idx: Tensor, vals: Tensor, rows: Tensor, live: Optional[Tensor], out_pad: int, in_pad: int,
-                 dtype: torch.dtype) -> Tensor:
+def _plan_weight(
+    idx: Tensor, vals: Tensor, rows: Tensor, live: Optional[Tensor], out_pad: int, in_pad: int, dtype: torch.dtype
+) -> Tensor:
     """The plan as a dense ``(out_pad, in_pad)`` matrix ``W`` (``y_pad = x_pad @ W.T``), duplicates summed."""
     v = vals.to(dtype)
     if live is not None:
@@ -467,8 +573,18 @@ def _pad_cols(t: Tensor, width: int, dtype: torch.dtype) -> Tensor:
     return t2 if t2.shape[1] == width else torch.nn.functional.pad(t2, (0, width - t2.shape[1]))
 
 
-def _spmm_grad_vals(x2: Tensor, g2: Tensor, idx: Tensor, out_rows: Tensor, units: int, unit_entries: int,
-                    unit_span: int, out_pad: int, interleaved: bool, offsets: Optional[Tensor]) -> Tensor:
+def _spmm_grad_vals(
+    x2: Tensor,
+    g2: Tensor,
+    idx: Tensor,
+    out_rows: Tensor,
+    units: int,
+    unit_entries: int,
+    unit_span: int,
+    out_pad: int,
+    interleaved: bool,
+    offsets: Optional[Tensor],
+) -> Tensor:
     """``d loss / d vals`` in the values' shape: the sddmm op (native for float32) on the plan, on its
     de-interleaved form (group ``(g, i)``: the entries ``i, i+Q, ...`` of group ``g``), or with one group per
     entry (block-pair plans, irregular interleaved ones)."""
@@ -509,8 +625,9 @@ def _spmm_backward(ctx, gy):
         w = _plan_weight(idx, vals, rows, live, out_pad, in_pad, ct)
         gx = (_pad_cols(g2, out_pad, ct) @ w)[:, :K].reshape(x.shape).to(x.dtype)
     if ctx.needs_input_grad[2]:
-        gv = _spmm_grad_vals(x.reshape(-1, K).to(ct), g2, idx, out_rows, units, unit_entries, unit_span, out_pad,
-                             interleaved, offsets).to(vals.dtype)
+        gv = _spmm_grad_vals(
+            x.reshape(-1, K).to(ct), g2, idx, out_rows, units, unit_entries, unit_span, out_pad, interleaved, offsets
+        ).to(vals.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
         gb = g2.sum(0).to(ctx.bias_dtype)
     return gx, None, gv, None, gb, None, None, None, None, None, None, None, None
@@ -546,8 +663,21 @@ grouped_nm_sddmm.register_autograd(_sddmm_backward, setup_context=_sddmm_setup_c
 
 def spmm(x: Tensor, plan: Plan, bias: Optional[Tensor], out_features: int) -> Tensor:
     """Run the plan on ``x[..., K]`` (native when possible): ``y[..., out_features]``."""
-    args = (x, plan.idx, plan.vals, plan.out_rows, bias, out_features, plan.units, plan.unit_entries,
-            plan.unit_span, plan.gpb, plan.rpb, plan.interleaved, plan.offsets)
+    args = (
+        x,
+        plan.idx,
+        plan.vals,
+        plan.out_rows,
+        bias,
+        out_features,
+        plan.units,
+        plan.unit_entries,
+        plan.unit_span,
+        plan.gpb,
+        plan.rpb,
+        plan.interleaved,
+        plan.offsets,
+    )
     return grouped_nm_spmm_kernel(*args)
 
 

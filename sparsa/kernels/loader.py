@@ -20,6 +20,7 @@ Example::
     >>> lib is None or lib.sparsa_probe_version() == 1  # doctest: +SKIP
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,8 +42,7 @@ _LOCK = threading.Lock()
 _WARNED: set = set()
 _ENABLED: Dict[tuple, bool] = {}
 
-CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=fast",
-          "-fno-math-errno"]
+CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]
 
 
@@ -65,8 +65,9 @@ def native_enabled() -> bool:
     without AVX2/FMA, or ``SPARSA_ISA=portable``). An unknown ``SPARSA_ISA`` raises ValueError."""
     env = (_env(b"SPARSA_NO_NATIVE"), _env(b"SPARSA_ISA"), _env(b"SPARSA_NO_AVX512"))
     hit = _ENABLED.get(env)
-    if hit is None:   # memoised per environment: every kernel call asks, tests flip the variables
+    if hit is None:  # memoised per environment: every kernel call asks, tests flip the variables
         from .. import cpu
+
         hit = _ENABLED[env] = env[0].lower() not in (b"1", b"true", b"yes", b"on") and cpu.isa() != "portable"
     return hit
 
@@ -108,11 +109,14 @@ def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.
             lib = _build(name, list(sources or [f"{name}.cpp"]))
         except Exception as e:  # pragma: no cover - depends on the machine
             _INFO[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-            _warn_once(name, f"sparsa: could not build native kernels {name!r} ({type(e).__name__}); "
-                             "using the pure-PyTorch fallback (slower). Install a C++ compiler and "
-                             "`pip install ninja` to enable them.")
+            _warn_once(
+                name,
+                f"sparsa: could not build native kernels {name!r} ({type(e).__name__}); "
+                "using the pure-PyTorch fallback (slower). Install a C++ compiler and "
+                "`pip install ninja` to enable them.",
+            )
         if lib is not None:
-            _bind(name, lib)    # outside the fallback: a stale library is an error to fix, not to hide
+            _bind(name, lib)  # outside the fallback: a stale library is an error to fix, not to hide
         _LIBS[name] = lib
         return lib
 
@@ -120,15 +124,18 @@ def load(name: str, sources: Optional[Sequence[str]] = None) -> Optional[ctypes.
 def _bind(name: str, lib: ctypes.CDLL) -> None:
     """Set the argument and return types of every function of ``abi.SIGNATURES[name]`` on ``lib``."""
     from .abi import SIGNATURES
+
     for fn, sig in SIGNATURES.get(name, {}).items():
         try:
             f = getattr(lib, fn)
         except AttributeError:
             where = _INFO.get(name, {}).get("path", "?")
-            raise RuntimeError(f"sparsa: native library {name!r} ({where}) has no function {fn!r} that "
-                               f"sparsa.kernels.abi declares; the cached build is stale or incomplete. Delete "
-                               f"{Path(where).parent if where != '?' else cache_dir()} (or the whole cache "
-                               f"{cache_dir()}) and run again to rebuild it.") from None
+            raise RuntimeError(
+                f"sparsa: native library {name!r} ({where}) has no function {fn!r} that "
+                f"sparsa.kernels.abi declares; the cached build is stale or incomplete. Delete "
+                f"{Path(where).parent if where != '?' else cache_dir()} (or the whole cache "
+                f"{cache_dir()}) and run again to rebuild it."
+            ) from None
         f.restype = sig.restype
         f.argtypes = [t for _, t in sig.args]
 
@@ -143,19 +150,26 @@ def _build(name: str, sources: Sequence[str]) -> ctypes.CDLL:
     digest = h.hexdigest()[:16]
     out_dir = cache_dir() / f"{name}_{digest}"
     so, done = out_dir / f"sparsa_{name}.so", out_dir / f"sparsa_{name}.done"
-    if done.exists():      # fast path: a finished build (the marker is written after the link)
+    if done.exists():  # fast path: a finished build (the marker is written after the link)
         _INFO[name] = {"seconds": 0.0, "path": str(so), "cached": True}
         return ctypes.CDLL(str(so))
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)          # another process may be building this very library
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this very library
         if not done.exists():
             from torch.utils import cpp_extension
+
             t0 = time.perf_counter()
             _warn_once(name + ":build", f"sparsa: building native kernels {name!r} (first use; cached afterwards)...")
-            cpp_extension.load(name=f"sparsa_{name}", sources=[str(p) for p in paths], extra_cflags=CFLAGS,
-                               extra_ldflags=LDFLAGS, build_directory=str(out_dir), is_python_module=False,
-                               verbose=False)
+            cpp_extension.load(
+                name=f"sparsa_{name}",
+                sources=[str(p) for p in paths],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(out_dir),
+                is_python_module=False,
+                verbose=False,
+            )
             done.write_text(f"{time.perf_counter() - t0:.2f}\n")
             _INFO[name] = {"seconds": round(time.perf_counter() - t0, 2), "path": str(so), "cached": False}
         else:

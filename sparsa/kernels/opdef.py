@@ -24,6 +24,7 @@ Example (``sparsa::adaptive_compact`` is one)::
     >>> cnt.tolist()
     [2]
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -81,7 +82,7 @@ def kernel_op(schema: str, impl: Callable, fake: Callable) -> KernelOp:
     name = schema.split("(", 1)[0].strip()
     if not name.isidentifier():
         raise ValueError(f"kernel_op: schema must start with the op name, got {schema!r}")
-    _LIB.define(schema)   # raises if sparsa::<name> exists
+    _LIB.define(schema)  # raises if sparsa::<name> exists
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     return KernelOp(getattr(getattr(torch.ops, NAMESPACE), name).default, impl)

@@ -14,6 +14,7 @@ Anything else runs the pure-PyTorch reference.
     >>> native_kind(torch.ones(2, 3, dtype=torch.float64), torch.ones(4, dtype=torch.float64), None) is None
     True
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -19,6 +19,7 @@ Example::
     >>> torch.allclose(y, x @ w.to_dense().T, atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -32,8 +33,15 @@ from .epilogue import ACTIVATIONS, activate, activation_backward, activation_cod
 from .operands import REDUCED_DTYPES, native_kind
 from .opdef import kernel_op
 
-__all__ = ["row_group_linear", "row_group_linear_kernel", "row_group_linear_impl", "row_group_linear_reference",
-           "native_library", "native_kind", "ACTIVATIONS"]
+__all__ = [
+    "row_group_linear",
+    "row_group_linear_kernel",
+    "row_group_linear_impl",
+    "row_group_linear_reference",
+    "native_library",
+    "native_kind",
+    "ACTIVATIONS",
+]
 
 
 _SOURCES = ["row_group_linear.cpp"]
@@ -41,19 +49,32 @@ _SOURCES = ["row_group_linear.cpp"]
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    return loader.load("row_group_linear", _SOURCES)   # typed by abi.SIGNATURES["row_group_linear"]
+    return loader.load("row_group_linear", _SOURCES)  # typed by abi.SIGNATURES["row_group_linear"]
 
 
-def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                               out_features: int, row_perm: Optional[Tensor] = None,
-                               activation: str = "none") -> Tensor:
+def row_group_linear_reference(
+    x: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    row_perm: Optional[Tensor] = None,
+    activation: str = "none",
+) -> Tensor:
     """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` in ``x``'s dtype (slot
     ``s`` of the groups is output ``row_perm[s]``; None: consecutive rows). For bfloat16/float16 ``x`` it
     computes in float32 and rounds the result once, as the kernel does."""
     activation_code(activation, "row_group_linear")
     if x.dtype in REDUCED_DTYPES:
-        y = row_group_linear_reference(x.float(), columns, values.float(), None if bias is None else bias.float(),
-                                       out_features, row_perm, activation)
+        y = row_group_linear_reference(
+            x.float(),
+            columns,
+            values.float(),
+            None if bias is None else bias.float(),
+            out_features,
+            row_perm,
+            activation,
+        )
         return y.to(x.dtype)
     ng, k, G = values.shape
     lead = x.shape[:-1]
@@ -68,8 +89,17 @@ def row_group_linear_reference(x: Tensor, columns: Tensor, values: Tensor, bias:
     return activate(y, activation).reshape(*lead, out_features)
 
 
-def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, columns: Tensor, values: Tensor,
-                    bias: Optional[Tensor], out_features: int, row_perm: Optional[Tensor], act: int) -> Tensor:
+def _native_forward(
+    lib: ctypes.CDLL,
+    kind: str,
+    x: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    row_perm: Optional[Tensor],
+    act: int,
+) -> Tensor:
     ng, k, G = values.shape
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
@@ -81,21 +111,41 @@ def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, columns: Tensor, val
     vals = values.contiguous()
     b = None
     if bias is not None:
-        b = bias.to(torch.float32).contiguous()   # the kernels add a float bias before rounding
+        b = bias.to(torch.float32).contiguous()  # the kernels add a float bias before rounding
         if b.numel() != ng * G:
             b = torch.cat([b, b.new_zeros(ng * G - b.numel())])
     perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
     fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
-    rc = fn(x2.data_ptr(), T, K, cols.data_ptr(), vals.data_ptr(), ng, k, G,
-            None if b is None else b.data_ptr(), y.data_ptr(), out_features,
-            None if perm is None else perm.data_ptr(), torch.get_num_threads(), act)
+    rc = fn(
+        x2.data_ptr(),
+        T,
+        K,
+        cols.data_ptr(),
+        vals.data_ptr(),
+        ng,
+        k,
+        G,
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        None if perm is None else perm.data_ptr(),
+        torch.get_num_threads(),
+        act,
+    )
     if rc != 0:
         raise ValueError(f"row_group_linear: unsupported group size {G}; use one of 4, 8, 16, 32")
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def row_group_linear_impl(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                          out_features: int, row_perm: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+def row_group_linear_impl(
+    x: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    row_perm: Optional[Tensor] = None,
+    activation: str = "none",
+) -> Tensor:
     """Eager implementation (what the custom op runs): the native kernel for float32 or bfloat16 CPU
     operands when it is available, else the reference."""
     act = activation_code(activation, "row_group_linear")
@@ -107,8 +157,15 @@ def row_group_linear_impl(x: Tensor, columns: Tensor, values: Tensor, bias: Opti
 
 
 @torch.library.custom_op("sparsa::row_group_linear", mutates_args=())
-def row_group_linear(x: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                     out_features: int, row_perm: Optional[Tensor] = None, activation: str = "none") -> Tensor:
+def row_group_linear(
+    x: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    row_perm: Optional[Tensor] = None,
+    activation: str = "none",
+) -> Tensor:
     """``y[..., R] = act(x[..., K] @ W.T + bias)`` for W given by RowGroup ``columns``/``values``/``row_perm``."""
     return row_group_linear_impl(x, columns, values, bias, out_features, row_perm, activation)
 
@@ -121,7 +178,10 @@ def _forward_fake(x, columns, values, bias, out_features, row_perm=None, activat
 # forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
 row_group_linear_kernel = kernel_op(
     "row_group_linear_kernel(Tensor x, Tensor columns, Tensor values, Tensor? bias, int out_features, "
-    "Tensor? row_perm=None, str activation='none') -> Tensor", row_group_linear_impl, _forward_fake)
+    "Tensor? row_perm=None, str activation='none') -> Tensor",
+    row_group_linear_impl,
+    _forward_fake,
+)
 
 
 def _slot_grads(g2: Tensor, n_groups: int, group: int, row_perm: Optional[Tensor]) -> Tensor:
@@ -133,8 +193,9 @@ def _slot_grads(g2: Tensor, n_groups: int, group: int, row_perm: Optional[Tensor
     return gp.reshape(g2.shape[0], n_groups, group)
 
 
-def row_group_grad_input(g2: Tensor, columns: Tensor, values: Tensor, in_features: int,
-                         row_perm: Optional[Tensor]) -> Tensor:
+def row_group_grad_input(
+    g2: Tensor, columns: Tensor, values: Tensor, in_features: int, row_perm: Optional[Tensor]
+) -> Tensor:
     """``grad_y @ W`` as ``(T, in_features)``: one batched matmul per group, scattered to the kept columns."""
     ng, k, G = values.shape
     T = g2.shape[0]
@@ -144,13 +205,14 @@ def row_group_grad_input(g2: Tensor, columns: Tensor, values: Tensor, in_feature
     return out
 
 
-def row_group_grad_values(g2: Tensor, x2: Tensor, columns: Tensor, values: Tensor,
-                          row_perm: Optional[Tensor]) -> Tensor:
+def row_group_grad_values(
+    g2: Tensor, x2: Tensor, columns: Tensor, values: Tensor, row_perm: Optional[Tensor]
+) -> Tensor:
     """``grad_y.T @ x`` on the kept pattern, in the values' shape ``(n_groups, k, group)``."""
     ng, k, G = values.shape
     T = x2.shape[0]
-    xg = x2[:, columns.reshape(-1).long()].view(T, ng, k).permute(1, 2, 0)    # (ng, k, T)
-    return torch.bmm(xg, _slot_grads(g2, ng, G, row_perm).transpose(0, 1))   # (ng, k, G)
+    xg = x2[:, columns.reshape(-1).long()].view(T, ng, k).permute(1, 2, 0)  # (ng, k, T)
+    return torch.bmm(xg, _slot_grads(g2, ng, G, row_perm).transpose(0, 1))  # (ng, k, G)
 
 
 def _setup_context(ctx, inputs, output):
@@ -164,8 +226,9 @@ def _backward(ctx, gy):
     K = x.shape[-1]
     g2 = gy.reshape(-1, ctx.out_features)
     if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
-        pre = row_group_linear(x.detach(), columns, values, None if bias is None else bias.detach(),
-                               ctx.out_features, row_perm, "none").reshape(-1, ctx.out_features)
+        pre = row_group_linear(
+            x.detach(), columns, values, None if bias is None else bias.detach(), ctx.out_features, row_perm, "none"
+        ).reshape(-1, ctx.out_features)
         g2 = activation_backward(pre, g2, ctx.activation)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:

@@ -26,6 +26,7 @@ Example::
     >>> torch.allclose(y, x @ w.to_dense().T, atol=1e-4)
     True
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -39,15 +40,23 @@ from .epilogue import activate, activation_backward, activation_code
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
-__all__ = ["sliced_ell_linear", "sliced_ell_linear_kernel", "sliced_ell_linear_impl", "sliced_ell_linear_reference",
-           "sliced_ell_grad_input", "sliced_ell_grad_values", "native_library", "native_kind"]
+__all__ = [
+    "sliced_ell_linear",
+    "sliced_ell_linear_kernel",
+    "sliced_ell_linear_impl",
+    "sliced_ell_linear_reference",
+    "sliced_ell_grad_input",
+    "sliced_ell_grad_values",
+    "native_library",
+    "native_kind",
+]
 
 _SOURCES = ["sliced_ell_linear.cpp"]
 
 
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
-    return loader.load("sliced_ell_linear", _SOURCES)   # typed by abi.SIGNATURES["sliced_ell_linear"]
+    return loader.load("sliced_ell_linear", _SOURCES)  # typed by abi.SIGNATURES["sliced_ell_linear"]
 
 
 def _entry_rows(slice_ptr: Tensor, n_entries: int) -> Tensor:
@@ -58,8 +67,9 @@ def _entry_rows(slice_ptr: Tensor, n_entries: int) -> Tensor:
     return 2 * slice_id + (e - slice_ptr[slice_id]) % 2
 
 
-def _dense_weight(slice_ptr: Tensor, columns: Tensor, values: Tensor, out_features: int, in_features: int,
-                  dtype: torch.dtype) -> Tensor:
+def _dense_weight(
+    slice_ptr: Tensor, columns: Tensor, values: Tensor, out_features: int, in_features: int, dtype: torch.dtype
+) -> Tensor:
     """The logical weight (padding entries hold zeros, so they add nothing unless changed)."""
     ns = slice_ptr.numel() - 1
     rows = _entry_rows(slice_ptr, columns.numel())
@@ -68,10 +78,15 @@ def _dense_weight(slice_ptr: Tensor, columns: Tensor, values: Tensor, out_featur
     return w[:out_features]
 
 
-
-
-def sliced_ell_linear_reference(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor,
-                                bias: Optional[Tensor], out_features: int, activation: str = "none") -> Tensor:
+def sliced_ell_linear_reference(
+    x: Tensor,
+    slice_ptr: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    activation: str = "none",
+) -> Tensor:
     """Pure-PyTorch semantics of the kernel: ``x[..., K] -> y[..., out_features]`` in ``x``'s dtype. For
     bfloat16/float16 ``x`` it computes in float32 (weights and bias widened, not rounded to ``x``'s dtype)
     and rounds the result once."""
@@ -84,8 +99,17 @@ def sliced_ell_linear_reference(x: Tensor, slice_ptr: Tensor, columns: Tensor, v
     return activate(torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)), activation)
 
 
-def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor,
-                    bias: Optional[Tensor], out_features: int, act: int) -> Tensor:
+def _native_forward(
+    lib: ctypes.CDLL,
+    kind: str,
+    x: Tensor,
+    slice_ptr: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    act: int,
+) -> Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
     T = x2.shape[0]
@@ -95,17 +119,46 @@ def _native_forward(lib: ctypes.CDLL, kind: str, x: Tensor, slice_ptr: Tensor, c
         b = None if bias is None else bias.contiguous()
         bp = None if b is None else b.data_ptr()
         if kind == "bf16":
-            lib.sparsa_sliced_ell_linear_bf16(x2.data_ptr(), T, K, sp.data_ptr(), c.data_ptr(), v.data_ptr(),
-                                              out_features, bp, int(b is not None and b.dtype == torch.bfloat16),
-                                              y.data_ptr(), torch.get_num_threads(), act)
+            lib.sparsa_sliced_ell_linear_bf16(
+                x2.data_ptr(),
+                T,
+                K,
+                sp.data_ptr(),
+                c.data_ptr(),
+                v.data_ptr(),
+                out_features,
+                bp,
+                int(b is not None and b.dtype == torch.bfloat16),
+                y.data_ptr(),
+                torch.get_num_threads(),
+                act,
+            )
         else:
-            lib.sparsa_sliced_ell_linear_f32(x2.data_ptr(), T, K, sp.data_ptr(), c.data_ptr(), v.data_ptr(),
-                                             out_features, bp, y.data_ptr(), torch.get_num_threads(), act)
+            lib.sparsa_sliced_ell_linear_f32(
+                x2.data_ptr(),
+                T,
+                K,
+                sp.data_ptr(),
+                c.data_ptr(),
+                v.data_ptr(),
+                out_features,
+                bp,
+                y.data_ptr(),
+                torch.get_num_threads(),
+                act,
+            )
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def sliced_ell_linear_impl(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                           out_features: int, activation: str = "none") -> Tensor:
+def sliced_ell_linear_impl(
+    x: Tensor,
+    slice_ptr: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    activation: str = "none",
+) -> Tensor:
     """Eager implementation (what the custom op runs): native kernel if possible, else the reference."""
     act = activation_code(activation, "sliced_ell_linear")
     kind = native_kind(x, values, bias)
@@ -116,8 +169,15 @@ def sliced_ell_linear_impl(x: Tensor, slice_ptr: Tensor, columns: Tensor, values
 
 
 @torch.library.custom_op("sparsa::sliced_ell_linear", mutates_args=())
-def sliced_ell_linear(x: Tensor, slice_ptr: Tensor, columns: Tensor, values: Tensor, bias: Optional[Tensor],
-                      out_features: int, activation: str = "none") -> Tensor:
+def sliced_ell_linear(
+    x: Tensor,
+    slice_ptr: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    activation: str = "none",
+) -> Tensor:
     """``y[..., R] = act(x[..., K] @ W.T + bias)`` for W given by SlicedELL components."""
     return sliced_ell_linear_impl(x, slice_ptr, columns, values, bias, out_features, activation)
 
@@ -130,7 +190,10 @@ def _forward_fake(x, slice_ptr, columns, values, bias, out_features, activation=
 # forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
 sliced_ell_linear_kernel = kernel_op(
     "sliced_ell_linear_kernel(Tensor x, Tensor slice_ptr, Tensor columns, Tensor values, Tensor? bias, "
-    "int out_features, str activation='none') -> Tensor", sliced_ell_linear_impl, _forward_fake)
+    "int out_features, str activation='none') -> Tensor",
+    sliced_ell_linear_impl,
+    _forward_fake,
+)
 
 
 # ---------------------------------------------------------------------------------------------- autograd
@@ -160,7 +223,7 @@ def sliced_ell_grad_input(g2: Tensor, slice_ptr: Tensor, columns: Tensor, values
     out = g2.new_zeros(T, in_features)
     step = max(1, _CHUNK // max(T, 1))
     for i in range(0, P, step):
-        out.index_add_(1, cols[i:i + step], gp[:, rows[i:i + step]] * vals[i:i + step])
+        out.index_add_(1, cols[i : i + step], gp[:, rows[i : i + step]] * vals[i : i + step])
     return out
 
 
@@ -177,7 +240,7 @@ def sliced_ell_grad_values(g2: Tensor, x2: Tensor, slice_ptr: Tensor, columns: T
     out = g2.new_empty(P)
     step = max(1, _CHUNK // max(T, 1))
     for i in range(0, P, step):
-        out[i:i + step] = (gp[:, rows[i:i + step]] * x2[:, cols[i:i + step]]).sum(0)
+        out[i : i + step] = (gp[:, rows[i : i + step]] * x2[:, cols[i : i + step]]).sum(0)
     return out
 
 
@@ -194,8 +257,15 @@ def _backward(ctx, gy):
     ct = compute_dtype(gy.dtype, x.dtype, values.dtype)
     g2 = gy.reshape(-1, ctx.out_features).to(ct)
     if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
-        pre = sliced_ell_linear(x.detach(), slice_ptr, columns, values.detach(),
-                                None if bias is None else bias.detach(), ctx.out_features, "none")
+        pre = sliced_ell_linear(
+            x.detach(),
+            slice_ptr,
+            columns,
+            values.detach(),
+            None if bias is None else bias.detach(),
+            ctx.out_features,
+            "none",
+        )
         g2 = activation_backward(pre.reshape(-1, ctx.out_features).to(ct), g2, ctx.activation)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:

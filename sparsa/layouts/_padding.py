@@ -1,4 +1,5 @@
 """Small private helpers shared by the layouts: padding, mask checks, parameter checks."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -15,10 +16,10 @@ def ceil_to(x: int, multiple: int) -> int:
 def pad_dims(t: Tensor, sizes: Sequence[int], value: float = 0) -> Tensor:
     """Pad the trailing ``len(sizes)`` dims of ``t`` at their end up to ``sizes`` (no copy if equal)."""
     k = len(sizes)
-    cur = t.shape[t.dim() - k:]
+    cur = t.shape[t.dim() - k :]
     if tuple(cur) == tuple(sizes):
         return t
-    out = t.new_full(tuple(t.shape[:t.dim() - k]) + tuple(sizes), value)
+    out = t.new_full(tuple(t.shape[: t.dim() - k]) + tuple(sizes), value)
     out[(...,) + tuple(slice(0, c) for c in cur)] = t
     return out
 
@@ -30,15 +31,19 @@ def check_mask(mask: Optional[Tensor], dense: Tensor, who: str) -> Optional[Tens
     if not isinstance(mask, Tensor):
         raise TypeError(f"{who}: mask must be a bool tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(dense.shape):
-        raise ValueError(f"{who}: mask has shape {tuple(mask.shape)} but dense has {tuple(dense.shape)}; "
-                         "pass a mask of the same shape")
+        raise ValueError(
+            f"{who}: mask has shape {tuple(mask.shape)} but dense has {tuple(dense.shape)}; "
+            "pass a mask of the same shape"
+        )
     return mask.to(device=dense.device, dtype=torch.bool)
 
 
 def check_ndim(dense: Tensor, who: str, exact: Optional[int] = None, minimum: int = 1) -> None:
     if exact is not None and dense.dim() != exact:
-        raise ValueError(f"{who} stores {exact}-D tensors, got shape {tuple(dense.shape)}; "
-                         f"reshape it to {exact}-D first or use the COO/Masked layout")
+        raise ValueError(
+            f"{who} stores {exact}-D tensors, got shape {tuple(dense.shape)}; "
+            f"reshape it to {exact}-D first or use the COO/Masked layout"
+        )
     if dense.dim() < minimum:
         raise ValueError(f"{who} needs at least {minimum} dim(s), got shape {tuple(dense.shape)}")
 
@@ -48,8 +53,7 @@ def check_nm(n: object, m: object, who: str) -> Tuple[int, int]:
     if isinstance(n, bool) or isinstance(m, bool) or not isinstance(n, int) or not isinstance(m, int):
         raise TypeError(f"{who}: n and m must be integers, got n={n!r}, m={m!r}")
     if n <= 0 or n >= m:
-        raise ValueError(f"{who}: need 0 < n < m (keep n of every m values), got n={n}, m={m}; "
-                         "e.g. n=2, m=4")
+        raise ValueError(f"{who}: need 0 < n < m (keep n of every m values), got n={n}, m={m}; e.g. n=2, m=4")
     return n, m
 
 
@@ -57,8 +61,7 @@ def check_int_tensor(t: Tensor, name: str, who: str, dtypes: Tuple[torch.dtype, 
     if not isinstance(t, Tensor):
         raise ValueError(f"{who}: component {name!r} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{who}: component {name!r} must have dtype {' or '.join(map(str, dtypes))}, "
-                         f"got {t.dtype}")
+        raise ValueError(f"{who}: component {name!r} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
 
 
 def check_values(t: Tensor, name: str, who: str, shape: Tuple[int, ...]) -> None:
@@ -82,8 +85,9 @@ def check_crow(crow: Tensor, rows: int, nnz: int, who: str, name: str = "crow_in
     if int(crow[0]) != 0:
         raise ValueError(f"{who}: component {name!r} must start at 0, got {int(crow[0])}")
     if int(crow[-1]) != nnz:
-        raise ValueError(f"{who}: component {name!r} must end at the number of stored entries {nnz}, "
-                         f"got {int(crow[-1])}")
+        raise ValueError(
+            f"{who}: component {name!r} must end at the number of stored entries {nnz}, got {int(crow[-1])}"
+        )
     if rows and bool((crow[1:] < crow[:-1]).any()):
         raise ValueError(f"{who}: component {name!r} must be non-decreasing")
 
@@ -93,8 +97,10 @@ def check_sorted_cols(col: Tensor, row_ids: Tensor, ncols: int, who: str, name: 
     if col.numel() == 0:
         return
     if bool((col < 0).any()) or bool((col >= ncols).any()):
-        raise ValueError(f"{who}: component {name!r} has out-of-range indices (need 0 <= i < {ncols}), "
-                         f"got min {int(col.min())}, max {int(col.max())}")
+        raise ValueError(
+            f"{who}: component {name!r} has out-of-range indices (need 0 <= i < {ncols}), "
+            f"got min {int(col.min())}, max {int(col.max())}"
+        )
     same_row = row_ids[1:] == row_ids[:-1]
     if bool(((col[1:] <= col[:-1]) & same_row).any()):
         raise ValueError(f"{who}: component {name!r} must be sorted (strictly increasing) within each row")

@@ -28,6 +28,7 @@ Example::
     >>> kept_importance(imp, perm, 8, 8) >= kept_importance(imp, torch.arange(64), 8, 8)
     True
 """
+
 from __future__ import annotations
 
 import torch

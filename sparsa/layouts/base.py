@@ -15,6 +15,7 @@ Example::
     >>> torch.equal(csr.to_dense(), x)
     True
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,9 +52,7 @@ def check_float(t: Tensor, arg: str) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
     if not t.dtype.is_floating_point:
-        raise TypeError(
-            f"{arg} must have a floating-point dtype, got {t.dtype}; convert it first, e.g. {arg}.float()"
-        )
+        raise TypeError(f"{arg} must have a floating-point dtype, got {t.dtype}; convert it first, e.g. {arg}.float()")
 
 
 def check_fraction(value: float, arg: str) -> float:
@@ -151,12 +150,15 @@ class Layout(ABC):
         return type(self).from_dense(dense.to(self.dtype), mask=self.mask(), **self.params())
 
     def to(self, *args: Any, **kwargs: Any) -> "Layout":
-        return self.map_tensors(lambda t: t.to(*args, **kwargs) if t.is_floating_point() else
-                                t.to(device=_device_of(args, kwargs, t)))
+        return self.map_tensors(
+            lambda t: t.to(*args, **kwargs) if t.is_floating_point() else t.to(device=_device_of(args, kwargs, t))
+        )
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz}, "
-                f"density={self.density:.3f}{''.join(f', {k}={v}' for k, v in self.params().items())})")
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, nnz={self.nnz}, "
+            f"density={self.density:.3f}{''.join(f', {k}={v}' for k, v in self.params().items())})"
+        )
 
 
 def _device_of(args: tuple, kwargs: dict, t: Tensor) -> torch.device:
@@ -181,7 +183,8 @@ def register_layout(cls: Type[Layout], replace: bool = False) -> Type[Layout]:
     if cls.name in _LAYOUTS and _LAYOUTS[cls.name] is not cls and not replace:
         raise ValueError(
             f"a layout named {cls.name!r} is already registered ({_LAYOUTS[cls.name].__name__}); "
-            "pass replace=True to replace it")
+            "pass replace=True to replace it"
+        )
     _LAYOUTS[cls.name] = cls
     return cls
 
@@ -227,18 +230,21 @@ def registered_layouts() -> Dict[str, Type[Layout]]:
     return dict(_LAYOUTS)
 
 
-def register_conversion(src: type, dst: type, fn: Optional[Callable] = None, *, cost: float = 1.0,
-                        replace: bool = False):
+def register_conversion(
+    src: type, dst: type, fn: Optional[Callable] = None, *, cost: float = 1.0, replace: bool = False
+):
     """Register a direct conversion ``fn(src_layout) -> dst_layout`` with a relative ``cost``.
 
     Use as ``register_conversion(A, B, fn)`` or as a decorator ``@register_conversion(A, B)``.
     ``src``/``dst`` may be :class:`~sparsa.layouts.Dense` (meaning a plain tensor).
     """
+
     def deco(f: Callable) -> Callable:
         edges = _CONVERSIONS.setdefault(src, {})
         if dst in edges and not replace:
-            raise ValueError(f"a conversion {src.__name__} -> {dst.__name__} is already registered; "
-                             "pass replace=True to replace it")
+            raise ValueError(
+                f"a conversion {src.__name__} -> {dst.__name__} is already registered; pass replace=True to replace it"
+            )
         edges[dst] = (float(cost), f)
         conversion_path.cache_clear()
         return f

@@ -22,6 +22,7 @@ Example::
     >>> torch.equal(b.to_dense(), w)
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional
@@ -33,7 +34,6 @@ from .base import Layout, check_float, check_fraction, register_layout
 from .row_group import _has_data
 
 __all__ = ["Bitmask", "pack_bits", "unpack_bits"]
-
 
 
 def _bit_weights(device: torch.device) -> Tensor:
@@ -96,18 +96,21 @@ class Bitmask(Layout):
             self.validate()
 
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, sparsity: Optional[float] = None,
-                   **params: Any) -> "Bitmask":
+    def from_dense(
+        cls, dense: Tensor, mask: Optional[Tensor] = None, sparsity: Optional[float] = None, **params: Any
+    ) -> "Bitmask":
         if params:
             raise TypeError(f"Bitmask takes mask= or sparsity=, got unexpected {sorted(params)}")
         check_float(dense, "dense")
         if dense.dim() != 2:
-            raise ValueError(f"Bitmask stores 2-D weights (out_features, in_features); dense has shape "
-                             f"{tuple(dense.shape)}; reshape it to 2-D first")
+            raise ValueError(
+                f"Bitmask stores 2-D weights (out_features, in_features); dense has shape "
+                f"{tuple(dense.shape)}; reshape it to 2-D first"
+            )
         kept = _kept_mask(dense, mask, sparsity)
         row_ptr = torch.zeros(dense.shape[0] + 1, dtype=torch.int64, device=dense.device)
         torch.cumsum(kept.sum(1), 0, out=row_ptr[1:])
-        values = dense.detach()[kept].contiguous()      # boolean indexing is row-major: the packing order
+        values = dense.detach()[kept].contiguous()  # boolean indexing is row-major: the packing order
         return cls(pack_bits(kept), row_ptr, values, dense.shape, validate=False)
 
     def mask(self) -> Tensor:

@@ -1,4 +1,5 @@
 """The BSR layout: compressed rows of dense ``(bh, bw)`` blocks for 2-D tensors."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
@@ -6,8 +7,18 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._padding import (ceil_to, check_crow, check_int_tensor, check_mask, check_ndim, check_shape,
-                       check_sorted_cols, check_values, pad_dims, row_ids_from_crow)
+from ._padding import (
+    ceil_to,
+    check_crow,
+    check_int_tensor,
+    check_mask,
+    check_ndim,
+    check_shape,
+    check_sorted_cols,
+    check_values,
+    pad_dims,
+    row_ids_from_crow,
+)
 from .base import Layout, check_float, register_layout
 
 
@@ -47,8 +58,16 @@ class BSR(Layout):
 
     name = "bsr"
 
-    def __init__(self, crow_indices: Tensor, col_indices: Tensor, values: Tensor, block_mask: Tensor,
-                 shape: Iterable[int], blocksize: Tuple[int, int] = (4, 4), validate: bool = True):
+    def __init__(
+        self,
+        crow_indices: Tensor,
+        col_indices: Tensor,
+        values: Tensor,
+        block_mask: Tensor,
+        shape: Iterable[int],
+        blocksize: Tuple[int, int] = (4, 4),
+        validate: bool = True,
+    ):
         self.crow_indices = crow_indices
         self.col_indices = col_indices
         self.values = values
@@ -67,8 +86,9 @@ class BSR(Layout):
         return ceil_to(self.shape[0], bh) // bh, ceil_to(self.shape[1], bw) // bw
 
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, blocksize: Tuple[int, int] = (4, 4),
-                   **params: Any) -> "BSR":
+    def from_dense(
+        cls, dense: Tensor, mask: Optional[Tensor] = None, blocksize: Tuple[int, int] = (4, 4), **params: Any
+    ) -> "BSR":
         if params:
             raise TypeError(f"BSR takes only blocksize, got {sorted(params)}")
         bh, bw = _check_blocksize(blocksize)
@@ -83,8 +103,9 @@ class BSR(Layout):
         torch.cumsum(kept.sum(1), 0, out=crow[1:])
         col = kept.nonzero()[:, 1].contiguous()
         bmask = mb[kept].contiguous()
-        vals = torch.where(bmask, _to_blocks(dense, bh, bw)[kept], torch.zeros((), dtype=dense.dtype,
-                                                                                  device=dense.device))
+        vals = torch.where(
+            bmask, _to_blocks(dense, bh, bw)[kept], torch.zeros((), dtype=dense.dtype, device=dense.device)
+        )
         return cls(crow, col, vals, bmask, dense.shape, (bh, bw), validate=False)
 
     def block_row_indices(self) -> Tensor:
@@ -115,23 +136,35 @@ class BSR(Layout):
         return {"blocksize": list(self.blocksize)}
 
     def components(self) -> Dict[str, Tensor]:
-        return {"crow_indices": self.crow_indices, "col_indices": self.col_indices, "values": self.values,
-                "block_mask": self.block_mask}
+        return {
+            "crow_indices": self.crow_indices,
+            "col_indices": self.col_indices,
+            "values": self.values,
+            "block_mask": self.block_mask,
+        }
 
     @classmethod
-    def from_components(cls, components: Dict[str, Tensor], shape: Iterable[int], blocksize=(4, 4),
-                        **params: Any) -> "BSR":
+    def from_components(
+        cls, components: Dict[str, Tensor], shape: Iterable[int], blocksize=(4, 4), **params: Any
+    ) -> "BSR":
         if params:
             raise TypeError(f"BSR takes only blocksize, got {sorted(params)}")
-        return cls(components["crow_indices"], components["col_indices"], components["values"],
-                   components["block_mask"], shape, tuple(blocksize))
+        return cls(
+            components["crow_indices"],
+            components["col_indices"],
+            components["values"],
+            components["block_mask"],
+            shape,
+            tuple(blocksize),
+        )
 
     def refill(self, dense: Tensor) -> "BSR":
         bh, bw = self.blocksize
         blocks = _to_blocks(dense.to(self.dtype), bh, bw)[self.block_row_indices(), self.col_indices]
         vals = torch.where(self.block_mask, blocks, torch.zeros((), dtype=self.dtype, device=blocks.device))
-        out = BSR(self.crow_indices, self.col_indices, vals, self.block_mask, self.shape, self.blocksize,
-                  validate=False)
+        out = BSR(
+            self.crow_indices, self.col_indices, vals, self.block_mask, self.shape, self.blocksize, validate=False
+        )
         out._cache["rows"] = self.block_row_indices()
         return out
 
@@ -146,8 +179,10 @@ class BSR(Layout):
         nb = self.col_indices.numel()
         check_values(self.values, "values", "BSR", (nb, bh, bw))
         if not isinstance(self.block_mask, Tensor) or self.block_mask.dtype != torch.bool:
-            raise ValueError(f"BSR: component 'block_mask' must be a bool tensor, got "
-                             f"{getattr(self.block_mask, 'dtype', type(self.block_mask).__name__)}")
+            raise ValueError(
+                f"BSR: component 'block_mask' must be a bool tensor, got "
+                f"{getattr(self.block_mask, 'dtype', type(self.block_mask).__name__)}"
+            )
         check_shape(self.block_mask, "block_mask", "BSR", (nb, bh, bw))
         check_crow(self.crow_indices, br, nb, "BSR")
         check_sorted_cols(self.col_indices, self.block_row_indices(), bc, "BSR")
@@ -161,8 +196,10 @@ class BSR(Layout):
             cols = self.col_indices[:, None] * bw + torch.arange(bw, device=dev)[None]
             outside = (rows >= self.shape[0])[:, :, None] | (cols >= self.shape[1])[:, None, :]
             if bool((self.block_mask & outside).any()):
-                raise ValueError(f"BSR: component 'block_mask' marks positions outside the shape "
-                                 f"{tuple(self.shape)} (in the block padding)")
+                raise ValueError(
+                    f"BSR: component 'block_mask' marks positions outside the shape "
+                    f"{tuple(self.shape)} (in the block padding)"
+                )
 
     # ------------------------------------------------------------------ torch interop
     def torch_bsr(self) -> Tensor:
@@ -170,12 +207,11 @@ class BSR(Layout):
         t = self._cache.get("torch_bsr")
         if t is None:
             import warnings
+
             br, bc = self.grid
             bh, bw = self.blocksize
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                t = torch.sparse_bsr_tensor(self.crow_indices, self.col_indices, self.values,
-                                            (br * bh, bc * bw))
+                t = torch.sparse_bsr_tensor(self.crow_indices, self.col_indices, self.values, (br * bh, bc * bw))
             self._cache["torch_bsr"] = t
         return t
-

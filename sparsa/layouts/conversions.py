@@ -10,6 +10,7 @@ dense tensor.
 >>> torch.equal(convert(COO.from_dense(x), BSR).to_dense(), x)
 True
 """
+
 from __future__ import annotations
 
 import torch

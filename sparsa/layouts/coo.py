@@ -1,4 +1,5 @@
 """The COO layout: coordinate list (``indices`` (ndim, nnz), ``values`` (nnz,)), coalesced."""
+
 from __future__ import annotations
 
 import warnings
@@ -90,8 +91,9 @@ class COO(Layout):
             raise ValueError("COO: shape must have at least one dim")
         check_int_tensor(self.indices, "indices", "COO", (torch.int64,))
         if self.indices.dim() != 2 or self.indices.shape[0] != nd:
-            raise ValueError(f"COO: component 'indices' must have shape (ndim={nd}, nnz), "
-                             f"got {tuple(self.indices.shape)}")
+            raise ValueError(
+                f"COO: component 'indices' must have shape (ndim={nd}, nnz), got {tuple(self.indices.shape)}"
+            )
         nnz = self.indices.shape[1]
         check_values(self.values, "values", "COO", (nnz,))
         if nnz == 0:
@@ -101,8 +103,10 @@ class COO(Layout):
             raise ValueError(f"COO: component 'indices' has out-of-range entries for shape {tuple(self.shape)}")
         lin = self.linear_indices()
         if bool((lin[1:] <= lin[:-1]).any()):
-            raise ValueError("COO: component 'indices' must be sorted lexicographically without duplicates "
-                             "(coalesced); build it with COO.from_dense or coalesce it first")
+            raise ValueError(
+                "COO: component 'indices' must be sorted lexicographically without duplicates "
+                "(coalesced); build it with COO.from_dense or coalesce it first"
+            )
 
     # ------------------------------------------------------------------ torch interop
     def torch_coo(self) -> Tensor:

@@ -1,4 +1,5 @@
 """The CSR layout: compressed sparse rows for 2-D tensors."""
+
 from __future__ import annotations
 
 import warnings
@@ -7,8 +8,15 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import Tensor
 
-from ._padding import (check_crow, check_int_tensor, check_mask, check_ndim, check_sorted_cols, check_values,
-                       row_ids_from_crow)
+from ._padding import (
+    check_crow,
+    check_int_tensor,
+    check_mask,
+    check_ndim,
+    check_sorted_cols,
+    check_values,
+    row_ids_from_crow,
+)
 from .base import Layout, check_float, register_layout
 
 
@@ -26,8 +34,9 @@ class CSR(Layout):
 
     name = "csr"
 
-    def __init__(self, crow_indices: Tensor, col_indices: Tensor, values: Tensor, shape: Iterable[int],
-                 validate: bool = True):
+    def __init__(
+        self, crow_indices: Tensor, col_indices: Tensor, values: Tensor, shape: Iterable[int], validate: bool = True
+    ):
         self.crow_indices = crow_indices
         self.col_indices = col_indices
         self.values = values
@@ -83,8 +92,13 @@ class CSR(Layout):
         return cls(components["crow_indices"], components["col_indices"], components["values"], shape)
 
     def refill(self, dense: Tensor) -> "CSR":
-        out = CSR(self.crow_indices, self.col_indices, dense.to(self.dtype)[self.row_indices(), self.col_indices],
-                  self.shape, validate=False)
+        out = CSR(
+            self.crow_indices,
+            self.col_indices,
+            dense.to(self.dtype)[self.row_indices(), self.col_indices],
+            self.shape,
+            validate=False,
+        )
         out._cache["rows"] = self.row_indices()
         return out
 

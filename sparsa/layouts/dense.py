@@ -1,4 +1,5 @@
 """The Dense layout: a plain strided tensor. It is the dispatcher's name for "not sparse"."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional

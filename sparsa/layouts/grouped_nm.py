@@ -14,6 +14,7 @@ Components:
 * ``columns`` int32 ``(B, C, P, g)``: that column's index in the padded ``K`` (each column of chunk ``c``
   appears exactly once per block). Padded rows/columns hold zero values.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -35,8 +36,7 @@ def patterns(n: int, m: int, device: Optional[torch.device] = None) -> Tensor:
     >>> patterns(1, 3).tolist()
     [[0], [1], [2]]
     """
-    return torch.tensor(list(itertools.combinations(range(m), n)), dtype=torch.int64,
-                        device=device).reshape(-1, n)
+    return torch.tensor(list(itertools.combinations(range(m), n)), dtype=torch.int64, device=device).reshape(-1, n)
 
 
 def _check_g(g: Any) -> int:
@@ -122,8 +122,9 @@ class GroupedNM(Layout):
 
     name = "grouped_nm"
 
-    def __init__(self, values: Tensor, columns: Tensor, shape: Iterable[int], n: int, m: int, g: int,
-                 validate: bool = True):
+    def __init__(
+        self, values: Tensor, columns: Tensor, shape: Iterable[int], n: int, m: int, g: int, validate: bool = True
+    ):
         self.values = values
         self.columns = columns
         self.shape = torch.Size(shape)
@@ -141,8 +142,9 @@ class GroupedNM(Layout):
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, n: int = 2, m: int = 4, g: int = 4,
-                   **params: Any) -> "GroupedNM":
+    def from_dense(
+        cls, dense: Tensor, mask: Optional[Tensor] = None, n: int = 2, m: int = 4, g: int = 4, **params: Any
+    ) -> "GroupedNM":
         if params:
             raise TypeError(f"GroupedNM takes only n, m and g, got {sorted(params)}")
         n, m = check_nm(n, m, "GroupedNM")
@@ -165,8 +167,9 @@ class GroupedNM(Layout):
         rows = (torch.arange(b, device=dense.device) * m).view(b, 1, 1, 1, 1) + pat.view(1, 1, p, 1, n)
         vals = wp[rows, cols.unsqueeze(-1)]
         if keep is not None:
-            vals = torch.where(keep[rows, cols.unsqueeze(-1)], vals, torch.zeros((), dtype=vals.dtype,
-                                                                                  device=vals.device))
+            vals = torch.where(
+                keep[rows, cols.unsqueeze(-1)], vals, torch.zeros((), dtype=vals.dtype, device=vals.device)
+            )
         return cls(vals.contiguous(), cols.to(torch.int32), dense.shape, n, m, g, validate=False)
 
     # ------------------------------------------------------------------ index helpers
@@ -206,8 +209,9 @@ class GroupedNM(Layout):
         return {"values": self.values, "columns": self.columns}
 
     @classmethod
-    def from_components(cls, components: Dict[str, Tensor], shape: Iterable[int], n: int = 2, m: int = 4,
-                        g: int = 4, **params: Any) -> "GroupedNM":
+    def from_components(
+        cls, components: Dict[str, Tensor], shape: Iterable[int], n: int = 2, m: int = 4, g: int = 4, **params: Any
+    ) -> "GroupedNM":
         if params:
             raise TypeError(f"GroupedNM takes only n, m and g, got {sorted(params)}")
         return cls(components["values"], components["columns"], shape, n, m, g)
@@ -227,23 +231,28 @@ class GroupedNM(Layout):
         check_values(self.values, "values", "GroupedNM", (b, c, p, self.g, self.n))
         check_int_tensor(self.columns, "columns", "GroupedNM", (torch.int32,))
         if tuple(self.columns.shape) != (b, c, p, self.g):
-            raise ValueError(f"GroupedNM: component 'columns' has shape {tuple(self.columns.shape)}, "
-                             f"expected {(b, c, p, self.g)}")
+            raise ValueError(
+                f"GroupedNM: component 'columns' has shape {tuple(self.columns.shape)}, expected {(b, c, p, self.g)}"
+            )
         if self.columns.numel() == 0:
             return
         got = self.columns.long().reshape(b, c, chunk).sort(-1).values
         want = torch.arange(c * chunk, device=got.device).reshape(1, c, chunk)
         if not bool((got == want).all()):
             bad = (got != want).any(-1).nonzero()[0].tolist()
-            raise ValueError(f"GroupedNM: component 'columns' must list every column of a chunk exactly once "
-                             f"per block (block {bad[0]}, chunk {bad[1]} covers columns "
-                             f"{bad[1] * chunk}..{bad[1] * chunk + chunk - 1}); it does not")
+            raise ValueError(
+                f"GroupedNM: component 'columns' must list every column of a chunk exactly once "
+                f"per block (block {bad[0]}, chunk {bad[1]} covers columns "
+                f"{bad[1] * chunk}..{bad[1] * chunk + chunk - 1}); it does not"
+            )
         if rp > self.shape[0] or kp > self.shape[1]:
             f = self._flat_index()
             outside = (f // kp >= self.shape[0]) | (f % kp >= self.shape[1])
             if bool((self.values.reshape(-1)[outside] != 0).any()):
-                raise ValueError(f"GroupedNM: component 'values' is nonzero in the padding beyond the shape "
-                                 f"{tuple(self.shape)}; padded rows/columns must hold zeros")
+                raise ValueError(
+                    f"GroupedNM: component 'values' is nonzero in the padding beyond the shape "
+                    f"{tuple(self.shape)}; padded rows/columns must hold zeros"
+                )
 
 
 def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor) -> Tensor:
@@ -256,9 +265,11 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
     counts = kb.sum(-1)
     if bool((counts > n).any()):
         bb, cc, kk = (counts > n).nonzero()[0].tolist()
-        raise ValueError(f"GroupedNM: mask keeps {int(counts[bb, cc, kk])} values of column {cc * chunk + kk} in "
-                         f"row block {bb} (rows {bb * m}..{bb * m + m - 1}), more than n={n} of m={m}; use "
-                         f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()")
+        raise ValueError(
+            f"GroupedNM: mask keeps {int(counts[bb, cc, kk])} values of column {cc * chunk + kk} in "
+            f"row block {bb} (rows {bb * m}..{bb * m + m - 1}), more than n={n} of m={m}; use "
+            f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()"
+        )
     ind = _indicator(pat, m, torch.float32)
     inside = kb.to(torch.float32) @ ind.t()  # kept rows covered by each pattern
     compatible = inside == counts.unsqueeze(-1).to(torch.float32)
@@ -268,8 +279,11 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
         padrow = (torch.arange(rp, device=keep.device) >= r).reshape(b, m).to(torch.float32)
         pad_in = (padrow @ ind.t()).view(b, 1, 1, p)
         # most constrained columns first; among a column's patterns prefer extra rows in the padding
-        score = torch.where(compatible, (p + 1 - n_compat).to(torch.float32) * (m + 1) + pad_in,
-                            torch.full((), -1.0, device=keep.device)).reshape(b * c, chunk, p)
+        score = torch.where(
+            compatible,
+            (p + 1 - n_compat).to(torch.float32) * (m + 1) + pad_in,
+            torch.full((), -1.0, device=keep.device),
+        ).reshape(b * c, chunk, p)
         rest = (~settled).nonzero().squeeze(1)
         assign[rest] = _greedy_assign(score[rest], g)
     compat = compatible.reshape(b * c, chunk, p)
@@ -284,11 +298,16 @@ def _assign_from_mask(keep: Tensor, r: int, n: int, m: int, g: int, pat: Tensor)
         bb, cc = divmod(qq, c)
         forced = (compatible & (n_compat == 1)).reshape(b * c, chunk, p).sum(1)[qq]
         over = [i for i, v in enumerate(forced.tolist()) if v > g]
-        why = (f"{int(forced[over[0]])} columns need pattern {tuple(pat[over[0]].tolist())} but only g={g} may "
-               "use it" if over else "the kept rows cannot be spread over the patterns with g columns each")
-        raise ValueError(f"GroupedNM: mask does not have the grouped n:m structure in row block {bb}, column chunk "
-                         f"{cc} (columns {cc * chunk}..{cc * chunk + chunk - 1}): {why}; use "
-                         f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()")
+        why = (
+            f"{int(forced[over[0]])} columns need pattern {tuple(pat[over[0]].tolist())} but only g={g} may use it"
+            if over
+            else "the kept rows cannot be spread over the patterns with g columns each"
+        )
+        raise ValueError(
+            f"GroupedNM: mask does not have the grouped n:m structure in row block {bb}, column chunk "
+            f"{cc} (columns {cc * chunk}..{cc * chunk + chunk - 1}): {why}; use "
+            f"sparsa.sparsifiers.GroupedNM(n={n}, m={m}, g={g}) or grouped_nm_mask()"
+        )
     return assign
 
 
@@ -297,7 +316,7 @@ def _match_columns(compat: Tensor, g: int) -> Optional[Tensor]:
     (augmenting paths, i.e. bipartite matching onto ``g`` slots per pattern), or None if none exists.
     ``compat``: bool ``(chunk, p)``. Run only where the greedy pass failed, so it may be plain Python."""
     options = [row.nonzero().squeeze(1).tolist() for row in compat.cpu()]
-    slot_owner: Dict[Tuple[int, int], int] = {}   # (pattern, slot) -> column
+    slot_owner: Dict[Tuple[int, int], int] = {}  # (pattern, slot) -> column
 
     def place(col: int, seen: set) -> bool:
         for pt in options[col]:
@@ -329,11 +348,11 @@ def _forced_assign(kb: Tensor, counts: Tensor, n: int, g: int, pat: Tensor) -> T
     q, chunk, m = kb.shape
     p = pat.shape[0]
     assign = torch.zeros(q, chunk, dtype=torch.int64, device=kb.device)
-    if q == 0 or chunk == 0 or m > 62:   # m > 62: the kept rows do not fit a 64-bit code
+    if q == 0 or chunk == 0 or m > 62:  # m > 62: the kept rows do not fit a 64-bit code
         return assign, torch.zeros(q, dtype=torch.bool, device=kb.device)
     bit = torch.ones((), dtype=torch.int64, device=kb.device) << torch.arange(m, device=kb.device)
-    code = (kb.to(torch.int64) * bit).sum(-1)              # the kept rows of each column, as bits
-    pcode, pidx = (bit[pat]).sum(-1).sort()                # each pattern's rows, as bits (sorted)
+    code = (kb.to(torch.int64) * bit).sum(-1)  # the kept rows of each column, as bits
+    pcode, pidx = (bit[pat]).sum(-1).sort()  # each pattern's rows, as bits (sorted)
     at = torch.searchsorted(pcode, code).clamp_max(p - 1)
     forced = (counts == n) & (pcode[at] == code)
     assign = pidx[at]
@@ -358,5 +377,5 @@ def grouped_nm_mask(dense: Tensor, n: int, m: int, g: int) -> Tensor:
     ind = _indicator(pat, m, torch.float32)
     mag = torch.nan_to_num(_blocks(pad_dims(dense.detach(), (rp, kp)).abs(), m, c, chunk), nan=float("inf"))
     assign = _greedy_assign((mag @ ind.to(mag.dtype).t()).reshape(b * c, chunk, p), g)
-    keep = ind.to(torch.bool)[assign].reshape(b, c, chunk, m)   # what GroupedNM.from_dense(...).mask() holds
+    keep = ind.to(torch.bool)[assign].reshape(b, c, chunk, m)  # what GroupedNM.from_dense(...).mask() holds
     return keep.permute(0, 3, 1, 2).reshape(rp, kp)[: dense.shape[0], : dense.shape[1]].contiguous()

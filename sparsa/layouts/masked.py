@@ -3,6 +3,7 @@
 The simplest sparse layout; it saves no compute by itself but keeps a pattern exactly (explicit
 zeros included) and every op can run on it through the dense path.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional
@@ -44,8 +45,9 @@ class Masked(Layout):
             if mask.shape != dense.shape:
                 raise ValueError(f"mask has shape {tuple(mask.shape)} but dense has {tuple(dense.shape)}")
             mask = mask.to(torch.bool)
-        return cls(torch.where(mask, dense, torch.zeros((), dtype=dense.dtype, device=dense.device)),
-                   mask, validate=False)
+        return cls(
+            torch.where(mask, dense, torch.zeros((), dtype=dense.dtype, device=dense.device)), mask, validate=False
+        )
 
     def to_dense(self) -> Tensor:
         return self.values
@@ -71,13 +73,14 @@ class Masked(Layout):
         if self._mask.dtype != torch.bool:
             raise ValueError(f"Masked: mask must be bool, got {self._mask.dtype}")
         if self._mask.shape != self.values.shape:
-            raise ValueError(f"Masked: mask shape {tuple(self._mask.shape)} != values shape "
-                             f"{tuple(self.values.shape)}")
+            raise ValueError(f"Masked: mask shape {tuple(self._mask.shape)} != values shape {tuple(self.values.shape)}")
 
     def refill(self, dense: Tensor) -> "Masked":
-        return Masked(torch.where(self._mask, dense.to(self.dtype), torch.zeros((), dtype=self.dtype,
-                                                                                 device=dense.device)),
-                      self._mask, validate=False)
+        return Masked(
+            torch.where(self._mask, dense.to(self.dtype), torch.zeros((), dtype=self.dtype, device=dense.device)),
+            self._mask,
+            validate=False,
+        )
 
     @property
     def nbytes(self) -> int:

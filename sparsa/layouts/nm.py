@@ -2,6 +2,7 @@
 
 For a Linear weight ``(out, in)`` the last dim is the reduction dim, which is what N:M kernels need.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
@@ -79,8 +80,7 @@ class NM(Layout):
 
     name = "nm"
 
-    def __init__(self, values: Tensor, indices: Tensor, shape: Iterable[int], n: int, m: int,
-                 validate: bool = True):
+    def __init__(self, values: Tensor, indices: Tensor, shape: Iterable[int], n: int, m: int, validate: bool = True):
         self.values = values
         self.indices = indices
         self.shape = torch.Size(shape)
@@ -95,8 +95,7 @@ class NM(Layout):
         return ceil_to(self.shape[-1], self.m) // self.m
 
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, n: int = 2, m: int = 4,
-                   **params: Any) -> "NM":
+    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, n: int = 2, m: int = 4, **params: Any) -> "NM":
         if params:
             raise TypeError(f"NM takes only n and m, got {sorted(params)}")
         n, m = check_nm(n, m, "NM")
@@ -115,7 +114,8 @@ class NM(Layout):
                     f"NM: mask keeps {int(counts[bad])} values in group {bad} (index over (*lead, group); the "
                     f"group covers last-dim positions {bad[-1] * m}..{bad[-1] * m + m - 1}), more than n={n} of "
                     f"every m={m}; use sparsa.sparsifiers.NMSparsifier(n={n}, m={m}) or nm_mask() to make a "
-                    "valid mask")
+                    "valid mask"
+                )
             # kept positions first, then real (non-padding) positions, then lower positions
             real = _groups(torch.ones_like(mask), m, False)
             pos = _top_n_positions(gm.to(torch.int8) * 2 + real.to(torch.int8), n)
@@ -156,8 +156,9 @@ class NM(Layout):
         return {"values": self.values, "indices": self.indices}
 
     @classmethod
-    def from_components(cls, components: Dict[str, Tensor], shape: Iterable[int], n: int = 2, m: int = 4,
-                        **params: Any) -> "NM":
+    def from_components(
+        cls, components: Dict[str, Tensor], shape: Iterable[int], n: int = 2, m: int = 4, **params: Any
+    ) -> "NM":
         if params:
             raise TypeError(f"NM takes only n and m, got {sorted(params)}")
         return cls(components["values"], components["indices"], shape, n, m)
@@ -180,8 +181,10 @@ class NM(Layout):
             return
         idx = self.indices.long()
         if bool((idx < 0).any()) or bool((idx >= self.m).any()):
-            raise ValueError(f"NM: component 'indices' must be positions in [0, m={self.m}), got min "
-                             f"{int(idx.min())}, max {int(idx.max())}")
+            raise ValueError(
+                f"NM: component 'indices' must be positions in [0, m={self.m}), got min "
+                f"{int(idx.min())}, max {int(idx.max())}"
+            )
         if self.n > 1 and bool((idx[..., 1:] <= idx[..., :-1]).any()):
             raise ValueError("NM: component 'indices' must be strictly increasing within each group")
         k = self.shape[-1]

@@ -25,6 +25,7 @@ Example::
     >>> bool(rp.to_dense().norm() >= rg.to_dense().norm())
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional
@@ -63,8 +64,10 @@ def _pad_rows(t: Tensor, group: int) -> Tensor:
 def _check_2d(dense: Tensor, arg: str = "dense") -> None:
     check_float(dense, arg)
     if dense.dim() != 2:
-        raise ValueError(f"RowGroup stores 2-D weights (out_features, in_features); {arg} has shape "
-                         f"{tuple(dense.shape)}; reshape it to 2-D first")
+        raise ValueError(
+            f"RowGroup stores 2-D weights (out_features, in_features); {arg} has shape "
+            f"{tuple(dense.shape)}; reshape it to 2-D first"
+        )
 
 
 def _importance(dense: Tensor, scores: Optional[Tensor]) -> Tensor:
@@ -75,8 +78,10 @@ def _importance(dense: Tensor, scores: Optional[Tensor]) -> Tensor:
         return w.pow(2)
     if not isinstance(scores, Tensor) or tuple(scores.shape) not in (tuple(dense.shape), (dense.shape[1],)):
         got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
-        raise ValueError(f"scores must be a tensor of shape {tuple(dense.shape)} (per weight) or ({dense.shape[1]},) "
-                         f"(per input feature, e.g. Wanda's input norms), got {got}")
+        raise ValueError(
+            f"scores must be a tensor of shape {tuple(dense.shape)} (per weight) or ({dense.shape[1]},) "
+            f"(per input feature, e.g. Wanda's input norms), got {got}"
+        )
     s = scores.detach().float().to(w.device)
     return (w.abs() * s).pow(2) if s.dim() == 1 else s.pow(2)
 
@@ -107,8 +112,9 @@ def _check_permute(permute: Any) -> Optional[bool]:
     return permute
 
 
-def row_group_mask(dense: Tensor, sparsity: float, group: int = 16, permute: bool = False,
-                   scores: Optional[Tensor] = None) -> Tensor:
+def row_group_mask(
+    dense: Tensor, sparsity: float, group: int = 16, permute: bool = False, scores: Optional[Tensor] = None
+) -> Tensor:
     """Boolean mask keeping, for every group of ``group`` rows, the same ``round(K*(1-sparsity))``
     input columns: those with the largest L2 norm over the group's rows (or the largest summed
     squared ``scores``, see :meth:`RowGroup.from_dense`). ``permute=True`` groups rows of similar
@@ -142,8 +148,14 @@ class RowGroup(Layout):
 
     name = "row_group"
 
-    def __init__(self, columns: Tensor, values: Tensor, shape: Iterable[int], row_perm: Optional[Tensor] = None,
-                 validate: bool = True):
+    def __init__(
+        self,
+        columns: Tensor,
+        values: Tensor,
+        shape: Iterable[int],
+        row_perm: Optional[Tensor] = None,
+        validate: bool = True,
+    ):
         self.columns = columns
         self.values = values
         self.shape = torch.Size(shape)
@@ -176,9 +188,16 @@ class RowGroup(Layout):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, group: int = 16,
-                   sparsity: Optional[float] = None, permute: Optional[bool] = None,
-                   scores: Optional[Tensor] = None, **params: Any) -> "RowGroup":
+    def from_dense(
+        cls,
+        dense: Tensor,
+        mask: Optional[Tensor] = None,
+        group: int = 16,
+        sparsity: Optional[float] = None,
+        permute: Optional[bool] = None,
+        scores: Optional[Tensor] = None,
+        **params: Any,
+    ) -> "RowGroup":
         """Store ``dense`` (R, K) keeping ``sparsity`` of the columns of every row group, or ``mask``.
 
         ``permute``: with ``sparsity``, True groups rows of similar column importance (more of the
@@ -202,8 +221,10 @@ class RowGroup(Layout):
         ng = -(-R // group)
         if mask is None:
             if sparsity is None:
-                raise ValueError("RowGroup.from_dense needs sparsity= (fraction of columns removed per row "
-                                 "group, e.g. sparsity=0.75) or a group-shared mask=")
+                raise ValueError(
+                    "RowGroup.from_dense needs sparsity= (fraction of columns removed per row "
+                    "group, e.g. sparsity=0.75) or a group-shared mask="
+                )
             perm, cols = _plan(dense, sparsity, group, bool(permute), scores)
             slot_mask = None
         else:
@@ -216,8 +237,11 @@ class RowGroup(Layout):
             perm = _perm_from_mask(mask, group, permute)
             slot_mask = mask[perm[:R]]
             cols = _columns_from_mask(slot_mask, group)
-        gathered = _pad_rows(dense, group)[perm].view(ng, group, K).gather(
-            2, cols.long()[:, None, :].expand(ng, group, cols.shape[1]))
+        gathered = (
+            _pad_rows(dense, group)[perm]
+            .view(ng, group, K)
+            .gather(2, cols.long()[:, None, :].expand(ng, group, cols.shape[1]))
+        )
         values = gathered.transpose(1, 2).contiguous()
         if slot_mask is not None:  # padded columns of groups that keep fewer hold zeros
             keep = _pad_rows(slot_mask, group).view(ng, group, K).any(1).gather(1, cols.long())
@@ -251,10 +275,12 @@ class RowGroup(Layout):
     def refill(self, dense: Tensor) -> "RowGroup":
         ng, k, G = self.values.shape
         K = self.shape[1]
-        gathered = _pad_rows(dense.to(self.dtype), G)[self.row_perm.long()].view(ng, G, K).gather(
-            2, self.columns.long()[:, None, :].expand(ng, G, k))
-        return RowGroup(self.columns, gathered.transpose(1, 2).contiguous(), self.shape, self.row_perm,
-                        validate=False)
+        gathered = (
+            _pad_rows(dense.to(self.dtype), G)[self.row_perm.long()]
+            .view(ng, G, K)
+            .gather(2, self.columns.long()[:, None, :].expand(ng, G, k))
+        )
+        return RowGroup(self.columns, gathered.transpose(1, 2).contiguous(), self.shape, self.row_perm, validate=False)
 
     # ------------------------------------------------------------------ protocol
     def components(self) -> Dict[str, Tensor]:
@@ -264,8 +290,9 @@ class RowGroup(Layout):
         return {"group": self.group}
 
     @classmethod
-    def from_components(cls, components: Dict[str, Tensor], shape: Iterable[int], group: Optional[int] = None,
-                        **params: Any) -> "RowGroup":
+    def from_components(
+        cls, components: Dict[str, Tensor], shape: Iterable[int], group: Optional[int] = None, **params: Any
+    ) -> "RowGroup":
         out = cls(components["columns"], components["values"], shape, components.get("row_perm"))
         if group is not None and out.group != group:
             raise ValueError(f"RowGroup: values has group size {out.group} but params say group={group}")
@@ -279,18 +306,24 @@ class RowGroup(Layout):
         if c.dtype != torch.int32 or c.dim() != 2:
             raise ValueError(f"RowGroup: columns must be a 2-D int32 tensor, got {c.dtype} of shape {tuple(c.shape)}")
         if not v.dtype.is_floating_point or v.dim() != 3:
-            raise ValueError(f"RowGroup: values must be a 3-D float tensor (n_groups, k, group), got {v.dtype} "
-                             f"of shape {tuple(v.shape)}")
+            raise ValueError(
+                f"RowGroup: values must be a 3-D float tensor (n_groups, k, group), got {v.dtype} "
+                f"of shape {tuple(v.shape)}"
+            )
         G = v.shape[2]
         if G not in GROUP_SIZES:
             raise ValueError(f"RowGroup: group size (values.shape[2]) must be one of {GROUP_SIZES}, got {G}")
         ng = -(-R // G)
         if tuple(c.shape) != (ng, v.shape[1]) or v.shape[0] != ng:
-            raise ValueError(f"RowGroup: expected columns {(ng, v.shape[1])} and values {(ng, v.shape[1], G)} for "
-                             f"shape {(R, K)} and group {G}; got {tuple(c.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"RowGroup: expected columns {(ng, v.shape[1])} and values {(ng, v.shape[1], G)} for "
+                f"shape {(R, K)} and group {G}; got {tuple(c.shape)} and {tuple(v.shape)}"
+            )
         if p.dtype != torch.int32 or tuple(p.shape) != (ng * G,):
-            raise ValueError(f"RowGroup: row_perm must be an int32 tensor of shape ({ng * G},) (the row held by each "
-                             f"slot), got {p.dtype} of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"RowGroup: row_perm must be an int32 tensor of shape ({ng * G},) (the row held by each "
+                f"slot), got {p.dtype} of shape {tuple(p.shape)}"
+            )
         if c.numel() and _has_data(c):
             if int(c.min()) < 0 or int(c.max()) >= K:
                 raise ValueError(f"RowGroup: columns must lie in [0, {K}), got range [{int(c.min())}, {int(c.max())}]")
@@ -298,13 +331,15 @@ class RowGroup(Layout):
                 raise ValueError("RowGroup: columns must be strictly increasing within each group")
         if p.numel() and _has_data(p):
             if not torch.equal(p.sort().values, torch.arange(p.numel(), dtype=p.dtype, device=p.device)):
-                raise ValueError(f"RowGroup: row_perm must be a permutation of 0..{p.numel() - 1} (values >= {R} "
-                                 "mark padding slots)")
+                raise ValueError(
+                    f"RowGroup: row_perm must be a permutation of 0..{p.numel() - 1} (values >= {R} mark padding slots)"
+                )
 
 
 def _has_data(t: Tensor) -> bool:
     """False for fake/meta tensors (``torch.compile`` tracing): value checks are skipped there."""
     from torch._subclasses.fake_tensor import is_fake
+
     return t.device.type != "meta" and not is_fake(t)
 
 
@@ -333,22 +368,26 @@ def _perm_from_mask(mask: Tensor, group: int, permute: Optional[bool]) -> Tensor
         return identity
     if permute is False:
         bad = int((~same).any(2).any(1).nonzero()[0])
-        raise ValueError(f"mask is not group-shared: rows {bad * group}..{min(R, (bad + 1) * group) - 1} keep "
-                         f"different columns; RowGroup(group={group}, permute=False) needs every group of {group} "
-                         "consecutive rows to keep the same columns (build one with sparsa.layouts.row_group_mask, "
-                         "or pass permute=None to let rows with equal patterns form the groups)")
+        raise ValueError(
+            f"mask is not group-shared: rows {bad * group}..{min(R, (bad + 1) * group) - 1} keep "
+            f"different columns; RowGroup(group={group}, permute=False) needs every group of {group} "
+            "consecutive rows to keep the same columns (build one with sparsa.layouts.row_group_mask, "
+            "or pass permute=None to let rows with equal patterns form the groups)"
+        )
     _, inv = torch.unique(mask, dim=0, return_inverse=True)
     counts = torch.bincount(inv)
     partial = (counts % group).nonzero().flatten()
     if partial.numel() > (1 if R % group else 0) or (partial.numel() and int(counts[partial[0]]) % group != R % group):
-        raise ValueError(f"mask is not group-shared: its {R} rows have {counts.numel()} distinct patterns and "
-                         f"cannot be split into groups of {group} equal rows (at most one partial group of "
-                         f"{R % group} rows); RowGroup(group={group}) needs every row of a group to keep the same "
-                         "columns (build one with sparsa.layouts.row_group_mask, permute=True to group similar rows)")
+        raise ValueError(
+            f"mask is not group-shared: its {R} rows have {counts.numel()} distinct patterns and "
+            f"cannot be split into groups of {group} equal rows (at most one partial group of "
+            f"{R % group} rows); RowGroup(group={group}) needs every row of a group to keep the same "
+            "columns (build one with sparsa.layouts.row_group_mask, permute=True to group similar rows)"
+        )
     order = inv.argsort(stable=True)
     if partial.numel():  # the leftover rows of the one partial pattern go last, next to the padding
         rows_p = order[inv[order] == partial[0]]
-        tail = rows_p[int(counts[partial[0]]) - R % group:]
+        tail = rows_p[int(counts[partial[0]]) - R % group :]
         rest = torch.ones(R, dtype=torch.bool, device=mask.device)
         rest[tail] = False
         order = torch.cat([order[rest[order]], tail])

@@ -21,6 +21,7 @@ Example::
     >>> torch.equal(e.to_dense(), w)
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Optional, Tuple
@@ -65,8 +66,15 @@ class SlicedELL(Layout):
 
     name = "sliced_ell"
 
-    def __init__(self, slice_ptr: Tensor, columns: Tensor, values: Tensor, row_nnz: Tensor, shape: Iterable[int],
-                 validate: bool = True):
+    def __init__(
+        self,
+        slice_ptr: Tensor,
+        columns: Tensor,
+        values: Tensor,
+        row_nnz: Tensor,
+        shape: Iterable[int],
+        validate: bool = True,
+    ):
         self.slice_ptr = slice_ptr
         self.columns = columns
         self.values = values
@@ -78,14 +86,17 @@ class SlicedELL(Layout):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dense(cls, dense: Tensor, mask: Optional[Tensor] = None, sparsity: Optional[float] = None,
-                   **params: Any) -> "SlicedELL":
+    def from_dense(
+        cls, dense: Tensor, mask: Optional[Tensor] = None, sparsity: Optional[float] = None, **params: Any
+    ) -> "SlicedELL":
         if params:
             raise TypeError(f"SlicedELL takes sparsity=, got unexpected {sorted(params)}")
         check_float(dense, "dense")
         if dense.dim() != 2:
-            raise ValueError(f"SlicedELL stores 2-D weights (out_features, in_features); dense has shape "
-                             f"{tuple(dense.shape)}; reshape it to 2-D first")
+            raise ValueError(
+                f"SlicedELL stores 2-D weights (out_features, in_features); dense has shape "
+                f"{tuple(dense.shape)}; reshape it to 2-D first"
+            )
         kept = _kept_mask(dense, mask, sparsity)
         R, K = dense.shape
         row_nnz = kept.sum(1)
@@ -151,21 +162,26 @@ class SlicedELL(Layout):
         sp, c, v, n = self.slice_ptr, self.columns, self.values, self.row_nnz
         ns = -(-R // SLICE)
         if sp.dtype != torch.int64 or tuple(sp.shape) != (ns + 1,):
-            raise ValueError(f"SlicedELL: slice_ptr must be int64 of shape ({ns + 1},), "
-                             f"got {sp.dtype} {tuple(sp.shape)}")
+            raise ValueError(
+                f"SlicedELL: slice_ptr must be int64 of shape ({ns + 1},), got {sp.dtype} {tuple(sp.shape)}"
+            )
         if c.dtype != torch.int32 or c.dim() != 1:
             raise ValueError(f"SlicedELL: columns must be 1-D int32, got {c.dtype} {tuple(c.shape)}")
         if not v.dtype.is_floating_point or v.shape != c.shape:
-            raise ValueError(f"SlicedELL: values must be float with the shape of columns {tuple(c.shape)}, got "
-                             f"{v.dtype} {tuple(v.shape)}")
+            raise ValueError(
+                f"SlicedELL: values must be float with the shape of columns {tuple(c.shape)}, got "
+                f"{v.dtype} {tuple(v.shape)}"
+            )
         if n.dtype != torch.int32 or tuple(n.shape) != (R,):
             raise ValueError(f"SlicedELL: row_nnz must be int32 of shape ({R},), got {n.dtype} {tuple(n.shape)}")
         if not _has_data(sp):
             return
         d = sp.diff()
         if int(sp[0]) != 0 or int(sp[-1]) != c.numel() or bool((d < 0).any()) or bool((d % SLICE != 0).any()):
-            raise ValueError(f"SlicedELL: slice_ptr must start at 0, end at len(columns)={c.numel()} and grow by "
-                             f"multiples of {SLICE}")
+            raise ValueError(
+                f"SlicedELL: slice_ptr must start at 0, end at len(columns)={c.numel()} and grow by "
+                f"multiples of {SLICE}"
+            )
         padded = torch.cat([n, n.new_zeros(R % SLICE)]) if R % SLICE else n
         if bool((padded < 0).any()) or bool((padded.view(-1, SLICE).amax(1).long() * SLICE > d).any()):
             raise ValueError("SlicedELL: row_nnz exceeds the length of its slice")

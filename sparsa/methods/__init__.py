@@ -21,6 +21,7 @@ The one way to prune a model is ``sparsa.sparsify(model, config, filter_fn)`` wi
 
 See ``docs/methods.md`` for each method's size against a public reference implementation.
 """
+
 from .pattern import set_pattern, reset_optimizer_state, RowGroupSparsifier, named_pattern, resolve_pattern  # noqa: F401
 from .gradual import GradualPruning, IterativeSchedule, Gradual, one_shot  # noqa: F401
 from ..nn.one_shot import OneShot  # noqa: F401
@@ -37,11 +38,46 @@ from .allocation import owl_sparsities, outlier_ratios, uniform_sparsities, weig
 from .recover import RecoverReport, recover  # noqa: F401
 from .activation import ActivationSparsity  # noqa: F401
 
-__all__ = ["OneShot", "Gradual", "Wanda", "SparseGPT", "WandaSparsifier", "resolve_pattern",
-           "set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "GradualPruning",
-           "IterativeSchedule", "one_shot", "DynamicSparsity", "RigL", "SET", "erk_sparsities", "MovementPruning",
-           "InputStats",
-           "collect_input_stats", "forward_groups", "BlockwiseReport", "blockwise_prune", "find_blocks", "perplexity",
-           "text_windows", "window_perplexity", "wanda", "sparsegpt", "sparsegpt_weight", "distill",
-           "distillation_loss", "broadcast_sparse_parameters", "patterns_in_sync", "owl_sparsities", "outlier_ratios",
-           "uniform_sparsities", "weighted_mean_sparsity", "RecoverReport", "recover", "ActivationSparsity"]
+__all__ = [
+    "OneShot",
+    "Gradual",
+    "Wanda",
+    "SparseGPT",
+    "WandaSparsifier",
+    "resolve_pattern",
+    "set_pattern",
+    "reset_optimizer_state",
+    "RowGroupSparsifier",
+    "named_pattern",
+    "GradualPruning",
+    "IterativeSchedule",
+    "one_shot",
+    "DynamicSparsity",
+    "RigL",
+    "SET",
+    "erk_sparsities",
+    "MovementPruning",
+    "InputStats",
+    "collect_input_stats",
+    "forward_groups",
+    "BlockwiseReport",
+    "blockwise_prune",
+    "find_blocks",
+    "perplexity",
+    "text_windows",
+    "window_perplexity",
+    "wanda",
+    "sparsegpt",
+    "sparsegpt_weight",
+    "distill",
+    "distillation_loss",
+    "broadcast_sparse_parameters",
+    "patterns_in_sync",
+    "owl_sparsities",
+    "outlier_ratios",
+    "uniform_sparsities",
+    "weighted_mean_sparsity",
+    "RecoverReport",
+    "recover",
+    "ActivationSparsity",
+]

@@ -16,6 +16,7 @@ target** (so the model has exactly as many weights left as with uniform sparsity
 >>> uniform_sparsities(["0", "2"], 0.7)
 {'0': 0.7, '2': 0.7}
 """
+
 from __future__ import annotations
 
 import math
@@ -68,9 +69,14 @@ def weighted_mean_sparsity(model: nn.Module, sparsities: Mapping[str, float]) ->
     return sum(sizes[n] * s for n, s in sparsities.items()) / sum(sizes.values())
 
 
-def outlier_ratios(model: nn.Module, names: Optional[Sequence[str]], calibration_batches: Sequence[Any],
-                   forward: Optional[Callable[[nn.Module, Any], Any]] = None, M: float = 5.0,
-                   per: str = "layer") -> Dict[str, float]:
+def outlier_ratios(
+    model: nn.Module,
+    names: Optional[Sequence[str]],
+    calibration_batches: Sequence[Any],
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    M: float = 5.0,
+    per: str = "layer",
+) -> Dict[str, float]:
     """OWL's layer outlier ratio: the fraction of a layer's Wanda scores ``|W| * ||X||`` (``||X||``:
     the L2 norm of each input feature over ``calibration_batches``) above ``M`` times their mean.
     ``names=None``: every ``nn.Linear`` the forward uses. ``per="block"``: the ratio of all the
@@ -84,14 +90,16 @@ def outlier_ratios(model: nn.Module, names: Optional[Sequence[str]], calibration
     if not batches:
         raise ValueError("calibration_batches is empty: pass a few batches of model inputs")
     stats = collect_input_stats(model, batches, forward, None if names is None else _check_names(names))
-    scores = {n: (to_dense(model.get_submodule(n).weight).detach().float().abs() * s.norm).reshape(-1)
-              for n, s in stats.items()}
+    scores = {
+        n: (to_dense(model.get_submodule(n).weight).detach().float().abs() * s.norm).reshape(-1)
+        for n, s in stats.items()
+    }
     groups: Dict[str, List[str]] = {}
     found = find_blocks(model) if per == "block" else None
     for n in scores:
         key = n
         if found is not None and n.startswith(found[0] + "."):
-            key = ".".join(n.split(".")[:len(found[0].split(".")) + 1])      # e.g. encoder.layer.3
+            key = ".".join(n.split(".")[: len(found[0].split(".")) + 1])  # e.g. encoder.layer.3
         groups.setdefault(key, []).append(n)
     out = {}
     for members in groups.values():
@@ -101,9 +109,16 @@ def outlier_ratios(model: nn.Module, names: Optional[Sequence[str]], calibration
     return out
 
 
-def owl_sparsities(model: nn.Module, names: Optional[Sequence[str]], calibration_batches: Sequence[Any],
-                   target: float, forward: Optional[Callable[[nn.Module, Any], Any]] = None, lam: float = 0.08,
-                   M: float = 5.0, per: str = "layer") -> Dict[str, float]:
+def owl_sparsities(
+    model: nn.Module,
+    names: Optional[Sequence[str]],
+    calibration_batches: Sequence[Any],
+    target: float,
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    lam: float = 0.08,
+    M: float = 5.0,
+    per: str = "layer",
+) -> Dict[str, float]:
     """OWL per-layer sparsities (see the module docstring) for the ``nn.Linear`` layers ``names``
     (``None``: every one the forward uses), whose weighted mean is ``target``.
 
@@ -115,8 +130,9 @@ def owl_sparsities(model: nn.Module, names: Optional[Sequence[str]], calibration
     """
     target = check_fraction(target, "target")
     if target > MAX_SPARSITY:
-        raise ValueError(f"target must be at most {MAX_SPARSITY} (the largest sparsity OWL gives a layer), "
-                         f"got {target}")
+        raise ValueError(
+            f"target must be at most {MAX_SPARSITY} (the largest sparsity OWL gives a layer), got {target}"
+        )
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0 <= lam < 1:
         raise ValueError(f"lam must be a number in [0, 1) (the largest change from the target), got {lam!r}")
     ratios = outlier_ratios(model, names, calibration_batches, forward, M, per)
@@ -149,12 +165,13 @@ def check_allocation(allocation: Any, names: Sequence[str], arg: str = "allocati
     if allocation is None or isinstance(allocation, str):
         return None
     if not isinstance(allocation, Mapping):
-        raise TypeError(f"{arg} must be None (uniform), 'owl' or a dict {{layer name: sparsity}}, "
-                        f"got {type(allocation).__name__}")
+        raise TypeError(
+            f"{arg} must be None (uniform), 'owl' or a dict {{layer name: sparsity}}, got {type(allocation).__name__}"
+        )
     missing = [n for n in names if n not in allocation]
     extra = [n for n in allocation if n not in names]
     if missing or extra:
-        raise ValueError(f"{arg} must give a sparsity for exactly the layers pruned; missing {missing[:5]}, "
-                         f"unknown {extra[:5]}")
+        raise ValueError(
+            f"{arg} must give a sparsity for exactly the layers pruned; missing {missing[:5]}, unknown {extra[:5]}"
+        )
     return {n: check_fraction(allocation[n], f"{arg}[{n!r}]") for n in names}
-

@@ -44,6 +44,7 @@ use this path by default when it applies.
 >>> report.blocks, report.stored_tensors
 (3, 2)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,13 +87,18 @@ class BlockwiseReport:
 
 
 def _is_block_list(mod: nn.Module) -> bool:
-    return (isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(b) for b in mod}) == 1
-            and not isinstance(mod[0], nn.Linear)
-            and all(any(isinstance(m, nn.Linear) for m in b.modules()) for b in mod))
+    return (
+        isinstance(mod, nn.ModuleList)
+        and len(mod) > 0
+        and len({type(b) for b in mod}) == 1
+        and not isinstance(mod[0], nn.Linear)
+        and all(any(isinstance(m, nn.Linear) for m in b.modules()) for b in mod)
+    )
 
 
-def find_blocks(model: nn.Module, blocks: Union[None, str, nn.ModuleList] = None
-                ) -> Optional[Tuple[str, nn.ModuleList]]:
+def find_blocks(
+    model: nn.Module, blocks: Union[None, str, nn.ModuleList] = None
+) -> Optional[Tuple[str, nn.ModuleList]]:
     """``(name, module_list)`` of the model's transformer blocks, or None when it has none.
 
     Without ``blocks``: the longest ``nn.ModuleList`` whose members share one class and contain
@@ -109,23 +115,29 @@ def find_blocks(model: nn.Module, blocks: Union[None, str, nn.ModuleList] = None
         try:
             mod = model.get_submodule(blocks)
         except AttributeError:
-            raise ValueError(f"blocks={blocks!r} is not a submodule of the model; pass the dotted name of its "
-                             "nn.ModuleList of transformer blocks, e.g. 'model.layers'") from None
+            raise ValueError(
+                f"blocks={blocks!r} is not a submodule of the model; pass the dotted name of its "
+                "nn.ModuleList of transformer blocks, e.g. 'model.layers'"
+            ) from None
         name = blocks
     else:
         name = next((n for n, m in model.named_modules() if m is blocks), None)
         if name is None:
-            raise ValueError(f"blocks: the {type(blocks).__name__} passed is not part of the model; pass the model's "
-                             "own nn.ModuleList of transformer blocks (e.g. model.model.layers) or its name")
+            raise ValueError(
+                f"blocks: the {type(blocks).__name__} passed is not part of the model; pass the model's "
+                "own nn.ModuleList of transformer blocks (e.g. model.model.layers) or its name"
+            )
         mod = blocks
     if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
-        raise ValueError(f"blocks={name!r} must be a non-empty nn.ModuleList of transformer blocks, "
-                         f"got {type(mod).__name__}")
+        raise ValueError(
+            f"blocks={name!r} must be a non-empty nn.ModuleList of transformer blocks, got {type(mod).__name__}"
+        )
     return name, mod
 
 
-def _split_names(model: nn.Module, prefix: str, blocks: nn.ModuleList, names: Optional[Sequence[str]]
-                 ) -> Tuple[List[Optional[List[str]]], List[str]]:
+def _split_names(
+    model: nn.Module, prefix: str, blocks: nn.ModuleList, names: Optional[Sequence[str]]
+) -> Tuple[List[Optional[List[str]]], List[str]]:
     """Per block, the wanted Linear names relative to it (None: all of them), and the names outside."""
     if names is None:
         return [None] * len(blocks), []
@@ -134,7 +146,7 @@ def _split_names(model: nn.Module, prefix: str, blocks: nn.ModuleList, names: Op
     outside = []
     head = f"{prefix}." if prefix else ""
     for n in names:
-        idx, _, rel = n[len(head):].partition(".") if n.startswith(head) else ("", "", "")
+        idx, _, rel = n[len(head) :].partition(".") if n.startswith(head) else ("", "", "")
         if idx.isdigit() and int(idx) < len(blocks) and rel:
             per[int(idx)].append(rel)
         else:
@@ -158,7 +170,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
     try:
         return bool(a == b)
-    except Exception:   # e.g. tuples of tensors that are not the same objects
+    except Exception:  # e.g. tuples of tensors that are not the same objects
         return False
 
 
@@ -203,8 +215,9 @@ class _Inputs:
             self._count(out, old)
 
 
-def _capture(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[Any], forward: Optional[Forward]
-             ) -> Tuple[_Inputs, Optional[str]]:
+def _capture(
+    model: nn.Module, blocks: nn.ModuleList, batches: Sequence[Any], forward: Optional[Forward]
+) -> Tuple[_Inputs, Optional[str]]:
     """The first block's inputs for every batch, and why the model does not chain its blocks (None
     when it does; checked on the whole forward of the first batch)."""
     store = _Inputs()
@@ -215,19 +228,26 @@ def _capture(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[Any], fo
         h = _hidden(args, kwargs)
         if i == 0:
             if h is None:
-                state["problem"] = (f"the first block ({type(mod).__name__}) gets no hidden-state tensor as first "
-                                    "argument or hidden_states=")
+                state["problem"] = (
+                    f"the first block ({type(mod).__name__}) gets no hidden-state tensor as first "
+                    "argument or hidden_states="
+                )
                 raise _Stop
             store.add(args, kwargs)
             if not state["check"]:
                 raise _Stop
             first0.update(args=args, kwargs=kwargs)
-        elif (i != state["next"] or h is not state["prev"] or len(args) != len(first0["args"])
-              or any(not _same(a, b) for a, b in zip(args[1:], first0["args"][1:]))
-              or set(kwargs) != set(first0["kwargs"])
-              or any(k != "hidden_states" and not _same(v, first0["kwargs"][k]) for k, v in kwargs.items())):
-            state["problem"] = state["problem"] or (f"block {i} does not get the previous block's output and "
-                                                    "the same other arguments as the first block")
+        elif (
+            i != state["next"]
+            or h is not state["prev"]
+            or len(args) != len(first0["args"])
+            or any(not _same(a, b) for a, b in zip(args[1:], first0["args"][1:]))
+            or set(kwargs) != set(first0["kwargs"])
+            or any(k != "hidden_states" and not _same(v, first0["kwargs"][k]) for k, v in kwargs.items())
+        ):
+            state["problem"] = state["problem"] or (
+                f"block {i} does not get the previous block's output and the same other arguments as the first block"
+            )
         state["next"] = i + 1
 
     def post(mod: nn.Module, args: tuple, out: Any) -> None:
@@ -235,8 +255,7 @@ def _capture(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[Any], fo
 
     with contextlib.ExitStack() as hooks, torch.no_grad():
         for i, b in enumerate(blocks):
-            hooks.enter_context(b.register_forward_pre_hook(
-                lambda m, a, k, i=i: pre(i, m, a, k), with_kwargs=True))
+            hooks.enter_context(b.register_forward_pre_hook(lambda m, a, k, i=i: pre(i, m, a, k), with_kwargs=True))
             hooks.enter_context(b.register_forward_hook(post))
         for j, batch in enumerate(batches):
             state["check"] = j == 0
@@ -251,10 +270,18 @@ def _capture(model: nn.Module, blocks: nn.ModuleList, batches: Sequence[Any], fo
     return store, state["problem"]
 
 
-def blockwise_prune(model: nn.Module, batches: Sequence[Any], prune: PruneGroup,
-                    names: Optional[Sequence[str]] = None, forward: Optional[Forward] = None,
-                    blocks: Union[None, str, nn.ModuleList] = None, sequential: bool = True,
-                    progress: bool = False, desc: str = "blocks", strict: bool = True) -> Optional[BlockwiseReport]:
+def blockwise_prune(
+    model: nn.Module,
+    batches: Sequence[Any],
+    prune: PruneGroup,
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Forward] = None,
+    blocks: Union[None, str, nn.ModuleList] = None,
+    sequential: bool = True,
+    progress: bool = False,
+    desc: str = "blocks",
+    strict: bool = True,
+) -> Optional[BlockwiseReport]:
     """Prune the ``nn.Linear`` layers ``names`` (full names; default: every one inside the blocks that
     the forward uses) block by block; returns a :class:`BlockwiseReport`.
 
@@ -273,15 +300,19 @@ def blockwise_prune(model: nn.Module, batches: Sequence[Any], prune: PruneGroup,
     if found is None:
         if not strict:
             return None
-        raise ValueError("blockwise=True but the model has no nn.ModuleList of transformer blocks containing "
-                         "nn.Linear layers; pass blocks= (e.g. blocks='model.layers') or blockwise=False")
+        raise ValueError(
+            "blockwise=True but the model has no nn.ModuleList of transformer blocks containing "
+            "nn.Linear layers; pass blocks= (e.g. blocks='model.layers') or blockwise=False"
+        )
     prefix, mlist = found
     per_block, outside = _split_names(model, prefix, mlist, names)
     if outside:
         if not strict:
             return None
-        raise ValueError(f"names: {outside[:5]} are not inside the blocks {prefix!r}; block-by-block pruning "
-                         "covers only their layers: leave those out of names= or pass blockwise=False")
+        raise ValueError(
+            f"names: {outside[:5]} are not inside the blocks {prefix!r}; block-by-block pruning "
+            "covers only their layers: leave those out of names= or pass blockwise=False"
+        )
     last = max((i for i, p in enumerate(per_block) if p is None or p), default=-1)
     if last < 0:
         raise ValueError("names is empty: name at least one nn.Linear layer to prune")
@@ -307,14 +338,16 @@ def blockwise_prune(model: nn.Module, batches: Sequence[Any], prune: PruneGroup,
         out = [g for g in ([n for n in g if wanted is None or n in wanted] for g in groups_of[key]) if g]
         missed = sorted(set(wanted or ()) - {n for g in out for n in g})
         if missed:
-            raise ValueError(f"the forward never called the layers {[f'{prefix}.{i}.{n}' for n in missed]}; "
-                             "leave them out of names=")
+            raise ValueError(
+                f"the forward never called the layers {[f'{prefix}.{i}.{n}' for n in missed]}; leave them out of names="
+            )
         return out if sequential or not out else [[n for g in out for n in g]]
 
-    plan = [groups(i) for i in range(last + 1)]   # every name checked before anything is pruned
+    plan = [groups(i) for i in range(last + 1)]  # every name checked before anything is pruned
     todo = range(last + 1)
     if progress:
         from tqdm.auto import tqdm
+
         todo = tqdm(todo, desc=desc, unit="block")
     for i in todo:
         block = mlist[i]
@@ -323,5 +356,6 @@ def blockwise_prune(model: nn.Module, batches: Sequence[Any], prune: PruneGroup,
         if i < last:
             with torch.no_grad():
                 store.advance(block)
-    return BlockwiseReport(blocks=last + 1, block_calls=store.calls, stored_tensors=len(store.items),
-                           peak_stored_bytes=store.peak_bytes)
+    return BlockwiseReport(
+        blocks=last + 1, block_calls=store.calls, stored_tensors=len(store.items), peak_stored_bytes=store.peak_bytes
+    )

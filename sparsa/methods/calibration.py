@@ -11,6 +11,7 @@ data is a list of ``batches``, each fed as ``forward(model, batch)`` (default ``
 >>> sorted(stats), stats["2"].sq_norm.shape, stats["2"].hessian.shape, stats["2"].count
 (['0', '2'], torch.Size([8]), torch.Size([8, 8]), 16)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,8 @@ Forward = Callable[[nn.Module, Any], Any]
 class InputStats:
     """Per-layer input statistics over ``count`` input rows (tokens or samples)."""
 
-    sq_norm: Tensor                     # (in_features,) sum of x_j^2
-    hessian: Optional[Tensor] = None    # (in, in) sum of x x^T
+    sq_norm: Tensor  # (in_features,) sum of x_j^2
+    hessian: Optional[Tensor] = None  # (in, in) sum of x x^T
     count: int = 0
 
     @property
@@ -58,8 +59,14 @@ def _linears(model: nn.Module, names: Optional[Sequence[str]]) -> Dict[str, nn.L
     return mods if names is None else {n: mods[n] for n in names}
 
 
-def _run(model: nn.Module, batches: Iterable[Any], forward: Optional[Forward], mods: Dict[str, nn.Module],
-         on_input: Callable[[str, Tensor], None], stop_early: bool = False) -> None:
+def _run(
+    model: nn.Module,
+    batches: Iterable[Any],
+    forward: Optional[Forward],
+    mods: Dict[str, nn.Module],
+    on_input: Callable[[str, Tensor], None],
+    stop_early: bool = False,
+) -> None:
     """Feed ``batches`` under ``no_grad`` with ``on_input(name, x)`` called on each input of ``mods``."""
     seen: set = set()
 
@@ -78,17 +85,24 @@ def _run(model: nn.Module, batches: Iterable[Any], forward: Optional[Forward], m
                 forward(model, b) if forward else model(b)
 
 
-def collect_input_stats(model: nn.Module, batches: Iterable[Any], forward: Optional[Forward] = None,
-                        names: Optional[Sequence[str]] = None, hessian: bool = False,
-                        stop_early: bool = False) -> Dict[str, InputStats]:
+def collect_input_stats(
+    model: nn.Module,
+    batches: Iterable[Any],
+    forward: Optional[Forward] = None,
+    names: Optional[Sequence[str]] = None,
+    hessian: bool = False,
+    stop_early: bool = False,
+) -> Dict[str, InputStats]:
     """:class:`InputStats` of the ``nn.Linear`` modules ``names`` (default: all the forward uses).
 
     ``stop_early`` ends each batch's forward as soon as every named layer has seen its input (for
     layer-by-layer calibration). Runs under ``torch.no_grad()``.
     """
     mods = _linears(model, names)
-    stats = {n: InputStats(torch.zeros(m.in_features), torch.zeros(m.in_features, m.in_features) if hessian else None)
-             for n, m in mods.items()}
+    stats = {
+        n: InputStats(torch.zeros(m.in_features), torch.zeros(m.in_features, m.in_features) if hessian else None)
+        for n, m in mods.items()
+    }
     _run(model, batches, forward, mods, lambda n, x: stats[n].add(x), stop_early)
     unused = [n for n, s in stats.items() if s.count == 0]
     if unused and names is not None:
@@ -96,8 +110,9 @@ def collect_input_stats(model: nn.Module, batches: Iterable[Any], forward: Optio
     return {n: s for n, s in stats.items() if s.count}
 
 
-def forward_groups(model: nn.Module, batch: Any, forward: Optional[Forward] = None,
-                   names: Optional[Sequence[str]] = None) -> List[List[str]]:
+def forward_groups(
+    model: nn.Module, batch: Any, forward: Optional[Forward] = None, names: Optional[Sequence[str]] = None
+) -> List[List[str]]:
     """The ``nn.Linear`` modules in the order one forward first calls them, consecutive layers that
     read the very same input tensor grouped (e.g. attention's query, key and value).
 
@@ -106,7 +121,7 @@ def forward_groups(model: nn.Module, batch: Any, forward: Optional[Forward] = No
     [['0'], ['2']]
     """
     groups: List[List[str]] = []
-    last: List[Any] = [None]     # the input of the last layer called for the first time
+    last: List[Any] = [None]  # the input of the last layer called for the first time
 
     def on_input(name: str, x: Tensor) -> None:
         if any(name in g for g in groups):
@@ -120,8 +135,9 @@ def forward_groups(model: nn.Module, batch: Any, forward: Optional[Forward] = No
     return groups
 
 
-def layer_sparsifiers(model: nn.Module, sparsifier: Any,
-                      sparsities: Optional[Mapping[str, float]]) -> Callable[[nn.Module], Any]:
+def layer_sparsifiers(
+    model: nn.Module, sparsifier: Any, sparsities: Optional[Mapping[str, float]]
+) -> Callable[[nn.Module], Any]:
     """``module -> sparsifier`` for the one-shot methods: ``sparsifier.with_sparsity(sparsities[name])``
     for the modules named in ``sparsities`` (full names in ``model``), ``sparsifier`` for the rest.
     Raises ``ValueError`` naming ``sparsities`` for unknown names or a sparsifier without a sparsity."""
@@ -136,6 +152,8 @@ def layer_sparsifiers(model: nn.Module, sparsifier: Any,
     try:
         by_id = {id(mods[n]): sparsifier.with_sparsity(s) for n, s in sparsities.items()}
     except TypeError as e:
-        raise ValueError(f"sparsities: per-layer sparsity needs a sparsifier with a sparsity (e.g. Magnitude, "
-                         f"RowGroupSparsifier), not a fixed pattern: {e}") from None
+        raise ValueError(
+            f"sparsities: per-layer sparsity needs a sparsifier with a sparsity (e.g. Magnitude, "
+            f"RowGroupSparsifier), not a fixed pattern: {e}"
+        ) from None
     return lambda m: by_id.get(id(m), sparsifier)

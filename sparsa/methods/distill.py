@@ -16,6 +16,7 @@ returns (e.g. a sentence embedding and the token states).
 >>> losses[-1] < losses[0], student[0].weight.density
 (True, 0.5)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Union
@@ -36,14 +37,23 @@ def distillation_loss(student: Outputs, teacher: Outputs) -> Tensor:
     t_list = [teacher] if isinstance(teacher, Tensor) else list(teacher)
     if len(s_list) != len(t_list):
         raise ValueError(f"student returned {len(s_list)} outputs but teacher {len(t_list)}")
-    return sum((1 - F.cosine_similarity(s, t, dim=-1)).mean() + F.mse_loss(s, t) / t.pow(2).mean().clamp_min(1e-12)
-               for s, t in zip(s_list, t_list))
+    return sum(
+        (1 - F.cosine_similarity(s, t, dim=-1)).mean() + F.mse_loss(s, t) / t.pow(2).mean().clamp_min(1e-12)
+        for s, t in zip(s_list, t_list)
+    )
 
 
-def distill(student: nn.Module, teacher: nn.Module, batches: Iterable[Any], *,
-            forward: Optional[Callable[[nn.Module, Any], Outputs]] = None,
-            loss: Callable[[Outputs, Outputs], Tensor] = distillation_loss,
-            optimizer: Optional[torch.optim.Optimizer] = None, lr: float = 1e-4, epochs: int = 1) -> List[float]:
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[Any],
+    *,
+    forward: Optional[Callable[[nn.Module, Any], Outputs]] = None,
+    loss: Callable[[Outputs, Outputs], Tensor] = distillation_loss,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    lr: float = 1e-4,
+    epochs: int = 1,
+) -> List[float]:
     """Fine-tune ``student`` towards ``teacher`` on ``batches`` (each passed to ``forward(model, batch)``,
     default ``model(batch)``); returns the loss of every step. The teacher is frozen and run without
     gradients; ``optimizer`` defaults to AdamW over the student's trainable parameters."""

@@ -12,6 +12,7 @@ Example (inside each process of a process group)::
     broadcast_sparse_parameters(model)            # rank 0's values and patterns everywhere
     ddp = torch.nn.parallel.DistributedDataParallel(model)
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Union
@@ -35,8 +36,10 @@ def broadcast_sparse_parameters(model_or_params: Union[nn.Module, Iterable[Tenso
     same parameter objects, same layouts). Returns how many parameters were broadcast."""
     dist = torch.distributed
     if not dist.is_initialized():
-        raise ValueError("broadcast_sparse_parameters needs an initialised process group; call "
-                         "torch.distributed.init_process_group(...) first")
+        raise ValueError(
+            "broadcast_sparse_parameters needs an initialised process group; call "
+            "torch.distributed.init_process_group(...) first"
+        )
     params = _sparse(model_or_params)
     for p in params:
         values = p.sparse_layout.to_dense().detach().clone()

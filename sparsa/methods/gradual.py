@@ -16,6 +16,7 @@ changes the pattern is kept by the optimizer steps themselves (sparsa refills it
 >>> round(model.weight.sparsity, 2)
 0.9
 """
+
 from __future__ import annotations
 
 import warnings
@@ -40,7 +41,7 @@ class GradualPruning:
     """Training callback: prune ``params`` to ``schedule(step)`` with ``sparsifier`` (default: magnitude
     per tensor). Already-pruned weights are zero, so magnitude ranking never brings them back."""
 
-    applied: Optional[float] = None     # the target sparsity last applied
+    applied: Optional[float] = None  # the target sparsity last applied
 
     def __init__(self, params: Iterable[Tensor], schedule: Schedule, sparsifier: Optional[Sparsifier] = None):
         if not isinstance(schedule, Schedule):
@@ -107,10 +108,12 @@ class Gradual(SparsifyConfig):
 
     def __post_init__(self) -> None:
         if not isinstance(self.schedule, Schedule):
-            raise TypeError(f"schedule must be a sparsa Schedule (e.g. CubicSchedule(0.0, 0.9, start_step=0, "
-                            f"end_step=1000)), got {type(self.schedule).__name__}")
+            raise TypeError(
+                f"schedule must be a sparsa Schedule (e.g. CubicSchedule(0.0, 0.9, start_step=0, "
+                f"end_step=1000)), got {type(self.schedule).__name__}"
+            )
         self._ranker = self.sparsifier if self.sparsifier is not None else Magnitude(0.0)
-        self._ranker.with_sparsity(0.0)   # a fraction-based sparsifier is needed: fail here, not mid-training
+        self._ranker.with_sparsity(0.0)  # a fraction-based sparsifier is needed: fail here, not mid-training
 
     def apply(self, model: nn.Module, filter_fn: Optional[FilterFn] = None) -> None:
         start = self._ranker.with_sparsity(self.schedule(0))
@@ -136,7 +139,11 @@ def one_shot(model: nn.Module, sparsifier: Sparsifier, layout: str = "masked", *
     >>> m.weight.layout_name
     'masked'
     """
-    warnings.warn("sparsa.methods.one_shot is deprecated: use model = sparsa.sparsify(model, "
-                  "sparsa.methods.OneShot(sparsifier=s, layout=...), filter_fn)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "sparsa.methods.one_shot is deprecated: use model = sparsa.sparsify(model, "
+        "sparsa.methods.OneShot(sparsifier=s, layout=...), filter_fn)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     rule.setdefault("module_types", nn.Linear)
     return sparsify(model, Rule(sparsifier=sparsifier, layout=layout, **rule))

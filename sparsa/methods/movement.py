@@ -16,6 +16,7 @@ is stored in each parameter's layout. Pruned positions are never regrown (their 
 >>> model.weight.sparsity
 0.5
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional
@@ -34,7 +35,7 @@ __all__ = ["MovementPruning"]
 class MovementPruning:
     """Prune ``params`` to ``schedule(step)`` by accumulated movement score (per tensor)."""
 
-    applied: Optional[float] = None     # the target sparsity last applied
+    applied: Optional[float] = None  # the target sparsity last applied
 
     def __init__(self, params: Iterable[Tensor], schedule: Schedule):
         if not isinstance(schedule, Schedule):

@@ -11,6 +11,7 @@ DDP and any hooks keep pointing at it.
 >>> set_pattern(p, torch.rand(4, 8) > 0.5).layout_name
 'masked'
 """
+
 from __future__ import annotations
 
 from typing import Iterable, List, Optional, Tuple
@@ -24,14 +25,22 @@ from ..sparsifiers.resolve import resolve_pattern  # noqa: F401  (shared with sp
 from ..sparsifiers.row_group import RowGroupSparsifier  # noqa: F401  (its home before sparsa.sparsifiers)
 from ..tensor import SparseTensor
 
-__all__ = ["set_pattern", "reset_optimizer_state", "RowGroupSparsifier", "named_pattern", "resolve_pattern",
-           "prunable_parameters"]
+__all__ = [
+    "set_pattern",
+    "reset_optimizer_state",
+    "RowGroupSparsifier",
+    "named_pattern",
+    "resolve_pattern",
+    "prunable_parameters",
+]
 
 
 def _check_sparse(param: Tensor, arg: str = "param") -> SparseTensor:
     if not isinstance(param, SparseTensor):
-        raise TypeError(f"{arg} must be a sparse parameter (sparsa.SparseTensor), got {type(param).__name__}; "
-                        "make it sparse first, e.g. sparsa.sparsify(model, Rule(sparsifier=KeepAll()))")
+        raise TypeError(
+            f"{arg} must be a sparse parameter (sparsa.SparseTensor), got {type(param).__name__}; "
+            "make it sparse first, e.g. sparsa.sparsify(model, Rule(sparsifier=KeepAll()))"
+        )
     return param
 
 
@@ -44,8 +53,10 @@ def set_pattern(param: SparseTensor, mask: Tensor, values: Optional[Tensor] = No
     """
     _check_sparse(param)
     if not isinstance(mask, Tensor) or mask.shape != param.shape:
-        raise ValueError(f"mask must be a bool tensor of shape {tuple(param.shape)}, got "
-                         f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}")
+        raise ValueError(
+            f"mask must be a bool tensor of shape {tuple(param.shape)}, got "
+            f"{tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__}"
+        )
     lay = param.sparse_layout
     with torch.no_grad():
         dense = lay.to_dense() if values is None else values.detach().to(lay.dtype)
@@ -67,8 +78,9 @@ def reset_optimizer_state(optimizer: Optional[torch.optim.Optimizer], param: Ten
                     v.masked_fill_(positions, 0.0)
 
 
-def prunable_parameters(model: nn.Module,
-                        types: Tuple[type, ...] = (nn.Linear, nn.Conv2d)) -> List[Tuple[str, nn.Module]]:
+def prunable_parameters(
+    model: nn.Module, types: Tuple[type, ...] = (nn.Linear, nn.Conv2d)
+) -> List[Tuple[str, nn.Module]]:
     """``(name, module)`` of every ``types`` module with a ``weight`` (what the methods prune by default)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, types) and getattr(m, "weight", None) is not None]
 
@@ -87,6 +99,8 @@ def named_pattern(name: str, sparsity: float = 0.5) -> Tuple[Sparsifier, str]:
 def _iter_sparse(params: Iterable[Tensor], arg: str = "params") -> List[SparseTensor]:
     out = [_check_sparse(p, arg) for p in params]
     if not out:
-        raise ValueError(f"{arg} is empty: pass the sparse parameters to manage (e.g. "
-                         "[p for _, p in sparsa.nn.sparse_parameters(model)])")
+        raise ValueError(
+            f"{arg} is empty: pass the sparse parameters to manage (e.g. "
+            "[p for _, p in sparsa.nn.sparse_parameters(model)])"
+        )
     return out

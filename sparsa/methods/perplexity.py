@@ -12,6 +12,7 @@ Perplexity is ``exp`` of the mean negative log-likelihood over all predicted tok
 >>> 100 < ppl < 1000      # a random model: about the vocabulary size
 True
 """
+
 from __future__ import annotations
 
 import math
@@ -35,9 +36,11 @@ def text_windows(tokenizer: Any, texts: Sequence[str], seq_len: int, max_windows
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise ValueError(f"texts: {ids.numel()} tokens, fewer than one window of seq_len={seq_len}; "
-                         "pass more text or a smaller seq_len")
-    return ids[:n * seq_len].view(n, seq_len).long()
+        raise ValueError(
+            f"texts: {ids.numel()} tokens, fewer than one window of seq_len={seq_len}; "
+            "pass more text or a smaller seq_len"
+        )
+    return ids[: n * seq_len].view(n, seq_len).long()
 
 
 @torch.no_grad()
@@ -48,7 +51,7 @@ def window_perplexity(model: nn.Module, windows: Tensor, batch_size: int = 4) ->
         raise ValueError(f"windows must be (n, seq_len) token ids with seq_len >= 2, got {tuple(windows.shape)}")
     nll, count = 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
-        ids = windows[i:i + batch_size]
+        ids = windows[i : i + batch_size]
         out = model(ids)
         logits = getattr(out, "logits", out)[:, :-1].float()
         nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum").item()
@@ -56,7 +59,13 @@ def window_perplexity(model: nn.Module, windows: Tensor, batch_size: int = 4) ->
     return math.exp(nll / count)
 
 
-def perplexity(model: nn.Module, tokenizer: Any, texts: Sequence[str], seq_len: int = 256,
-               max_windows: Optional[int] = None, batch_size: int = 4) -> float:
+def perplexity(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    seq_len: int = 256,
+    max_windows: Optional[int] = None,
+    batch_size: int = 4,
+) -> float:
     """Token-level perplexity of a causal LM on ``texts`` (see the module doc for the windows)."""
     return window_perplexity(model, text_windows(tokenizer, texts, seq_len, max_windows), batch_size)

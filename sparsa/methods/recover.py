@@ -34,6 +34,7 @@ exactly at the end); the weights train in the ``"masked"`` layout and move to th
 >>> report.steps, model[0].weight.layout_name, model[0].weight.sparsity, report.sparsity["2"]
 (20, 'masked', 0.75, 0.75)
 """
+
 from __future__ import annotations
 
 import math
@@ -62,8 +63,8 @@ __all__ = ["recover", "RecoverReport", "pattern_sparsifier", "INITS", "PRUNE_FRA
 INITS = ("magnitude", "wanda", "sparsegpt")
 #: the fraction of the budget (time or steps) by which the final sparsity is reached
 PRUNE_FRACTION = 0.7
-_TICKS = 1000            # schedule steps over the pruning window when it runs on the clock
-_EVENTS = 20             # pruning events over the pruning window
+_TICKS = 1000  # schedule steps over the pruning window when it runs on the clock
+_EVENTS = 20  # pruning events over the pruning window
 
 Forward = Callable[[nn.Module, Any], Any]
 
@@ -149,8 +150,10 @@ def _check_layout(sp: Sparsifier, layout: str, pattern: str) -> Dict[str, Any]:
     try:
         to_sparse(probe, layout, mask=sp.mask(probe), **params)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"layout {layout!r} cannot store pattern {pattern!r}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise ValueError(
+            f"layout {layout!r} cannot store pattern {pattern!r}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     return params
 
 
@@ -203,6 +206,7 @@ class _Progress:
         if enabled:
             try:
                 from tqdm.auto import tqdm
+
                 self.bar = tqdm(total=round(total, 1), desc="recover", unit=unit)
             except ImportError:
                 pass
@@ -217,8 +221,12 @@ class _Progress:
             self.bar.refresh()
         elif done >= self.shown + 0.05 * self.total or done >= self.total:
             self.shown = done
-            print(f"recover: {done:.0f}/{self.total:.0f} {self.unit}  step {step}  loss {loss:.4f}  "
-                  f"sparsity {sparsity:.3f}", file=sys.stderr, flush=True)
+            print(
+                f"recover: {done:.0f}/{self.total:.0f} {self.unit}  step {step}  loss {loss:.4f}  "
+                f"sparsity {sparsity:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -226,12 +234,20 @@ class _Progress:
 
 
 # ----------------------------------------------------------------------------- one-shot start
-def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[str, float], Sparsifier],
-              init_targets: Dict[str, float], calibration: List[Any], forward: Forward) -> None:
+def _one_shot(
+    model: nn.Module,
+    init: str,
+    names: List[str],
+    sp_at: Callable[[str, float], Sparsifier],
+    init_targets: Dict[str, float],
+    calibration: List[Any],
+    forward: Forward,
+) -> None:
     """Prune ``names`` once to ``init_targets`` with ``init``; the weights end in the masked layout."""
     from .calibration import collect_input_stats
     from .sparsegpt import _sparsegpt
     from .wanda import WandaSparsifier
+
     if init == "magnitude":
         for n in names:
             w = model.get_submodule(n).weight
@@ -245,19 +261,40 @@ def _one_shot(model: nn.Module, init: str, names: List[str], sp_at: Callable[[st
         return
     # SparseGPT (block by block for transformers), each layer at its own sparsity; stays masked
     per_layer = {n: sp_at(n, init_targets[n]) for n in names}
-    _sparsegpt(model, calibration, per_layer[names[0]], "masked", names, forward=forward,
-               sparsities={n: sp.sparsity for n, sp in per_layer.items()})
+    _sparsegpt(
+        model,
+        calibration,
+        per_layer[names[0]],
+        "masked",
+        names,
+        forward=forward,
+        sparsities={n: sp.sparsity for n, sp in per_layer.items()},
+    )
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, target_sparsity: float,
-            pattern: str = "unstructured", time_budget: float = 600.0, names: Optional[Sequence[str]] = None,
-            forward: Optional[Forward] = None, lr: float = 2e-4, init: Optional[str] = None,
-            calibration: Optional[Sequence[Any]] = None, allocation: Union[None, str, Mapping[str, float]] = None,
-            checkpoint: Optional[Union[str, os.PathLike]] = None, progress: bool = True,
-            layout: Optional[str] = None, steps: Optional[int] = None, init_sparsity: Optional[float] = None,
-            loss: Callable[[Any, Any], Tensor] = distillation_loss,
-            optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None) -> RecoverReport:
+def recover(
+    model: nn.Module,
+    teacher: nn.Module,
+    batches: Sequence[Any],
+    *,
+    target_sparsity: float,
+    pattern: str = "unstructured",
+    time_budget: float = 600.0,
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Forward] = None,
+    lr: float = 2e-4,
+    init: Optional[str] = None,
+    calibration: Optional[Sequence[Any]] = None,
+    allocation: Union[None, str, Mapping[str, float]] = None,
+    checkpoint: Optional[Union[str, os.PathLike]] = None,
+    progress: bool = True,
+    layout: Optional[str] = None,
+    steps: Optional[int] = None,
+    init_sparsity: Optional[float] = None,
+    loss: Callable[[Any, Any], Tensor] = distillation_loss,
+    optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None,
+) -> RecoverReport:
     """Prune ``model`` in place to ``target_sparsity`` in ``pattern`` while distilling it towards
     ``teacher`` (the dense model, e.g. ``copy.deepcopy(model)`` taken before), for ``time_budget``
     wall-clock seconds (or exactly ``steps`` optimizer steps when given). Returns a :class:`RecoverReport`.
@@ -293,15 +330,23 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
     if not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher must be an nn.Module (the dense model), got {type(teacher).__name__}")
     if teacher is model:
-        raise ValueError("teacher is the same object as model; pass a dense copy taken before pruning, "
-                         "e.g. teacher = copy.deepcopy(model)")
+        raise ValueError(
+            "teacher is the same object as model; pass a dense copy taken before pruning, "
+            "e.g. teacher = copy.deepcopy(model)"
+        )
     shared = {id(p) for p in teacher.parameters()} & {id(p) for p in model.parameters()}
     if shared:
-        raise ValueError(f"teacher shares {len(shared)} parameter(s) with model, so training would change the "
-                         "teacher; pass teacher = copy.deepcopy(model)")
+        raise ValueError(
+            f"teacher shares {len(shared)} parameter(s) with model, so training would change the "
+            "teacher; pass teacher = copy.deepcopy(model)"
+        )
     target = check_fraction(target_sparsity, "target_sparsity")
-    if isinstance(time_budget, bool) or not isinstance(time_budget, (int, float)) or not math.isfinite(time_budget) \
-            or time_budget <= 0:
+    if (
+        isinstance(time_budget, bool)
+        or not isinstance(time_budget, (int, float))
+        or not math.isfinite(time_budget)
+        or time_budget <= 0
+    ):
         raise ValueError(f"time_budget must be a positive number of seconds, got {time_budget!r}")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
         raise ValueError(f"steps must be a positive int (or None to run for time_budget), got {steps!r}")
@@ -327,15 +372,20 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
     layout_params = _check_layout(final_sp, layout, pattern)
     fixed = _fixed_sparsity(final_sp)
     if fixed is not None and not math.isclose(target, fixed, abs_tol=1e-3):
-        raise ValueError(f"target_sparsity {target} does not match pattern {pattern!r}, which keeps "
-                         f"{final_sp.n} of every {final_sp.m} weights (sparsity {fixed:g}); pass "
-                         f"target_sparsity={fixed:g} or another pattern")
+        raise ValueError(
+            f"target_sparsity {target} does not match pattern {pattern!r}, which keeps "
+            f"{final_sp.n} of every {final_sp.m} weights (sparsity {fixed:g}); pass "
+            f"target_sparsity={fixed:g} or another pattern"
+        )
     if isinstance(allocation, str) and allocation != "owl":
-        raise ValueError(f"allocation must be None (uniform), 'owl' or a dict {{layer name: sparsity}}, "
-                         f"got {allocation!r}")
+        raise ValueError(
+            f"allocation must be None (uniform), 'owl' or a dict {{layer name: sparsity}}, got {allocation!r}"
+        )
     if allocation is not None and fixed is not None:
-        raise ValueError(f"allocation: pattern {pattern!r} has a fixed sparsity ({fixed:g}) in every layer; "
-                         "per-layer sparsity needs 'unstructured' or 'row_group<G>'")
+        raise ValueError(
+            f"allocation: pattern {pattern!r} has a fixed sparsity ({fixed:g}) in every layer; "
+            "per-layer sparsity needs 'unstructured' or 'row_group<G>'"
+        )
     targets = check_allocation(allocation, names)
     if init_sparsity is not None:
         init_sparsity = check_fraction(init_sparsity, "init_sparsity")
@@ -372,11 +422,16 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
     clock = steps is None
     end_step = _TICKS if clock else max(1, round(PRUNE_FRACTION * steps))
     every = max(1, end_step // _EVENTS)
-    pruners = [GradualPruning([model.get_submodule(n).weight],
-                              CubicSchedule(start[n], targets[n], start_step=0, end_step=end_step, every=every)
-                              if targets[n] > start[n] else ConstantSparsity(targets[n]),
-                              sp_at(n, targets[n]))
-               for n in names]
+    pruners = [
+        GradualPruning(
+            [model.get_submodule(n).weight],
+            CubicSchedule(start[n], targets[n], start_step=0, end_step=end_step, every=every)
+            if targets[n] > start[n]
+            else ConstantSparsity(targets[n]),
+            sp_at(n, targets[n]),
+        )
+        for n in names
+    ]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     base_lrs = [g["lr"] for g in opt.param_groups]
@@ -418,8 +473,11 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
             if final_step < 0 and sched_step >= end_step:
                 final_step = step
             # the learning rate: constant while pruning, then linear decay over the fine-tuning phase
-            decay = 1.0 if progress_frac < PRUNE_FRACTION else \
-                max(0.0, 1.0 - (progress_frac - PRUNE_FRACTION) / (1.0 - PRUNE_FRACTION))
+            decay = (
+                1.0
+                if progress_frac < PRUNE_FRACTION
+                else max(0.0, 1.0 - (progress_frac - PRUNE_FRACTION) / (1.0 - PRUNE_FRACTION))
+            )
             for g, base in zip(opt.param_groups, base_lrs):
                 g["lr"] = base * max(decay, 0.02)
             b = batches[step % len(batches)]
@@ -435,7 +493,7 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
     finally:
         bar.close()
         model.train(was_training)
-    for p in pruners:                     # the final sparsity, even if the budget ended before its time
+    for p in pruners:  # the final sparsity, even if the budget ended before its time
         p.step(end_step)
     if final_step < 0:
         final_step = step
@@ -453,9 +511,21 @@ def recover(model: nn.Module, teacher: nn.Module, batches: Sequence[Any], *, tar
     path = None
     if checkpoint is not None:
         from ..io import save
+
         save(model, checkpoint)
         path = os.fspath(checkpoint)
-    return RecoverReport(steps=step, seconds=round(time.perf_counter() - t_start, 3), pattern=pattern, layout=layout,
-                         sparsity=report_sparsity, targets=dict(targets), losses=losses, final_step=final_step,
-                         init=init, init_seconds=round(init_seconds, 3), checkpoint=path, _numel=numel, _kept=kept)
-
+    return RecoverReport(
+        steps=step,
+        seconds=round(time.perf_counter() - t_start, 3),
+        pattern=pattern,
+        layout=layout,
+        sparsity=report_sparsity,
+        targets=dict(targets),
+        losses=losses,
+        final_step=final_step,
+        init=init,
+        init_seconds=round(init_seconds, 3),
+        checkpoint=path,
+        _numel=numel,
+        _kept=kept,
+    )

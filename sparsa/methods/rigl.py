@@ -28,6 +28,7 @@ True
 >>> round(model.weight.sparsity, 2)
 0.9
 """
+
 from __future__ import annotations
 
 import math
@@ -67,12 +68,27 @@ class DynamicSparsity:
     """Shared drop-and-grow loop; subclasses define :meth:`grow_score`. Call :meth:`step` once per
     training step between ``backward()`` and ``optimizer.step()``."""
 
-    def __init__(self, model_or_params: Union[nn.Module, Iterable[Tensor]],
-                 optimizer: Optional[torch.optim.Optimizer] = None, *, update_every: int = 100,
-                 drop_fraction: float = 0.3, end_step: Optional[int] = None, seed: int = 0, sync: bool = True):
+    def __init__(
+        self,
+        model_or_params: Union[nn.Module, Iterable[Tensor]],
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        *,
+        update_every: int = 100,
+        drop_fraction: float = 0.3,
+        end_step: Optional[int] = None,
+        seed: int = 0,
+        sync: bool = True,
+    ):
         is_model = isinstance(model_or_params, nn.Module)
-        self.modules = [m for m in model_or_params.modules() if isinstance(m, (nn.Linear, nn.Conv2d))
-                        and isinstance(m.weight, SparseTensor)] if is_model else []
+        self.modules = (
+            [
+                m
+                for m in model_or_params.modules()
+                if isinstance(m, (nn.Linear, nn.Conv2d)) and isinstance(m.weight, SparseTensor)
+            ]
+            if is_model
+            else []
+        )
         self.params = _iter_sparse([m.weight for m in self.modules] if is_model else model_or_params)
         if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every <= 0:
             raise ValueError(f"update_every must be a positive int, got {update_every!r}")
@@ -163,8 +179,10 @@ class RigL(DynamicSparsity):
         if g is None:
             g = param.grad
             if g is None or self.modules:
-                raise ValueError("RigL.step needs the gradients of this step: call it after loss.backward(), "
-                                 "once every step (it arms the gradient hooks for the next update)")
+                raise ValueError(
+                    "RigL.step needs the gradients of this step: call it after loss.backward(), "
+                    "once every step (it arms the gradient hooks for the next update)"
+                )
             g = g.sparse_layout.to_dense() if isinstance(g, SparseTensor) else g
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and self.modules:
@@ -178,8 +196,9 @@ def _dense_weight_grad(mod: nn.Module, x: Tensor, g: Tensor) -> Tensor:
     """dLoss/dW at every position of ``mod.weight`` from its input ``x`` and output gradient ``g``."""
     if isinstance(mod, nn.Linear):
         return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(g.dtype)
-    return torch.nn.grad.conv2d_weight(x.to(g.dtype), mod.weight.shape, g, mod.stride, mod.padding, mod.dilation,
-                                       mod.groups)
+    return torch.nn.grad.conv2d_weight(
+        x.to(g.dtype), mod.weight.shape, g, mod.stride, mod.padding, mod.dilation, mod.groups
+    )
 
 
 class SET(DynamicSparsity):

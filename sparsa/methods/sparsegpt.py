@@ -19,6 +19,7 @@ As a :func:`sparsa.sparsify` config: :class:`SparseGPT`, carrying its calibratio
 >>> model[0].weight.layout_name, model[0].weight.density
 ('masked', 0.5)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -38,8 +39,9 @@ from .calibration import collect_input_stats, forward_groups, layer_sparsifiers
 __all__ = ["SparseGPT", "sparsegpt_weight", "sparsegpt"]
 
 
-def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, block: int = 128,
-                     damp: float = 0.01) -> Tuple[Tensor, Tensor]:
+def sparsegpt_weight(
+    weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, block: int = 128, damp: float = 0.01
+) -> Tuple[Tensor, Tensor]:
     """Prune a 2-D ``weight`` (out, in) given ``hessian`` (in, in); returns ``(new_weight, mask)``.
 
     The pattern is chosen every ``sparsifier.m`` columns for N:M sparsifiers, else once per ``block``
@@ -58,11 +60,11 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     keep = torch.ones_like(W, dtype=torch.bool)
     for b0 in range(0, W.shape[1], block):
         b1 = min(b0 + block, W.shape[1])
-        W1, K1, Hinv1 = W[:, b0:b1], keep[:, b0:b1], Hinv[b0:b1, b0:b1]     # views: W1 and K1 are updated in place
+        W1, K1, Hinv1 = W[:, b0:b1], keep[:, b0:b1], Hinv[b0:b1, b0:b1]  # views: W1 and K1 are updated in place
         Err, d = torch.zeros_like(W1), Hinv1.diagonal()
         for i in range(b1 - b0):
             if i % every == 0:
-                K1[:, i:i + every] = sparsifier.mask((W1[:, i:i + every].abs() / d[i:i + every]).float())
+                K1[:, i : i + every] = sparsifier.mask((W1[:, i : i + every].abs() / d[i : i + every]).float())
             q = W1[:, i] * K1[:, i]
             Err[:, i] = (W1[:, i] - q) / d[i]
             W1[:, i:].addr_(Err[:, i], Hinv1[i, i:], alpha=-1.0)
@@ -71,9 +73,16 @@ def sparsegpt_weight(weight: Tensor, hessian: Tensor, sparsifier: Sparsifier, bl
     return (W * keep).to(weight.dtype), keep
 
 
-def _prune_layers(model: nn.Module, stats, sparsifier: Sparsifier, layout: str, block: int, damp: float,
-                  per_layer: Callable[[nn.Module], Sparsifier]) -> None:
-    params = Rule(sparsifier=sparsifier, layout=layout).resolved_layout_params()   # e.g. no n/m for "masked"
+def _prune_layers(
+    model: nn.Module,
+    stats,
+    sparsifier: Sparsifier,
+    layout: str,
+    block: int,
+    damp: float,
+    per_layer: Callable[[nn.Module], Sparsifier],
+) -> None:
+    params = Rule(sparsifier=sparsifier, layout=layout).resolved_layout_params()  # e.g. no n/m for "masked"
     for n, s in stats.items():
         m = model.get_submodule(n)
         w, keep = sparsegpt_weight(m.weight, s.hessian / s.count, per_layer(m), block, damp)
@@ -104,15 +113,38 @@ class SparseGPT(CalibratedConfig):
     damp: float = 0.01
 
     def prune(self, model: nn.Module, sparsifier: Sparsifier, layout: str, names: Optional[Sequence[str]]) -> None:
-        _sparsegpt(model, self.calibration, sparsifier, layout, names, self.forward, self.sequential, self.block,
-                   self.damp, self.progress, self.blockwise, self.blocks, self.sparsities)
+        _sparsegpt(
+            model,
+            self.calibration,
+            sparsifier,
+            layout,
+            names,
+            self.forward,
+            self.sequential,
+            self.block,
+            self.damp,
+            self.progress,
+            self.blockwise,
+            self.blocks,
+            self.sparsities,
+        )
 
 
-def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
-              names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
-              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
-              sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+def sparsegpt(
+    model: nn.Module,
+    batches: Sequence[Any],
+    sparsifier: Sparsifier,
+    layout: str = "masked",
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    sequential: bool = True,
+    block: int = 128,
+    damp: float = 0.01,
+    progress: bool = False,
+    blockwise: Optional[bool] = None,
+    blocks: Union[None, str, nn.ModuleList] = None,
+    sparsities: Optional[Mapping[str, float]] = None,
+) -> nn.Module:
     """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.SparseGPT(sparsifier=..., layout=...,
     calibration=batches), filter_fn)``. Prunes in place with :func:`_sparsegpt`; returns the model.
 
@@ -124,18 +156,44 @@ def sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, 
     >>> m.weight.layout_name
     'masked'
     """
-    warnings.warn("sparsa.methods.sparsegpt is deprecated: use model = sparsa.sparsify(model, sparsa.methods."
-                  "SparseGPT(sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
-                  DeprecationWarning, stacklevel=2)
-    return _sparsegpt(model, batches, sparsifier, layout, names, forward, sequential, block, damp, progress,
-                      blockwise, blocks, sparsities)
+    warnings.warn(
+        "sparsa.methods.sparsegpt is deprecated: use model = sparsa.sparsify(model, sparsa.methods."
+        "SparseGPT(sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return _sparsegpt(
+        model,
+        batches,
+        sparsifier,
+        layout,
+        names,
+        forward,
+        sequential,
+        block,
+        damp,
+        progress,
+        blockwise,
+        blocks,
+        sparsities,
+    )
 
 
-def _sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier, layout: str = "masked",
-              names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-              sequential: bool = True, block: int = 128, damp: float = 0.01, progress: bool = False,
-              blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
-              sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+def _sparsegpt(
+    model: nn.Module,
+    batches: Sequence[Any],
+    sparsifier: Sparsifier,
+    layout: str = "masked",
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    sequential: bool = True,
+    block: int = 128,
+    damp: float = 0.01,
+    progress: bool = False,
+    blockwise: Optional[bool] = None,
+    blocks: Union[None, str, nn.ModuleList] = None,
+    sparsities: Optional[Mapping[str, float]] = None,
+) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with SparseGPT
     calibrated on ``batches`` (each fed as ``forward(model, batch)``); the weights become
     ``SparseTensor`` parameters in ``layout``. ``progress`` shows a progress bar.
@@ -154,17 +212,32 @@ def _sparsegpt(model: nn.Module, batches: Sequence[Any], sparsifier: Sparsifier,
     batches = list(batches)
     per_layer = layer_sparsifiers(model, sparsifier, sparsities)
     if blockwise or (blockwise is None and (sequential or blocks is not None)):
+
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group, hessian=True, stop_early=sequential)
             _prune_layers(blk, stats, sparsifier, layout, block, damp, per_layer)
 
         strict = bool(blockwise) or blocks is not None
-        if blockwise_prune(model, batches, prune, names, forward, blocks, sequential, progress,
-                           "SparseGPT (calibrate + prune)", strict) is not None:
+        if (
+            blockwise_prune(
+                model,
+                batches,
+                prune,
+                names,
+                forward,
+                blocks,
+                sequential,
+                progress,
+                "SparseGPT (calibrate + prune)",
+                strict,
+            )
+            is not None
+        ):
             return model
     todo = forward_groups(model, batches[0], forward, names) if sequential else [names]
     if progress:
         from tqdm.auto import tqdm
+
         todo = tqdm(todo, desc="SparseGPT (calibrate + prune)", unit="group")
     for group in todo:
         stats = collect_input_stats(model, batches, forward, group, hessian=True, stop_early=sequential)

@@ -12,6 +12,7 @@ output row), ``"2:4"`` its N:M variant, and ``"row_group16"`` the fast CPU layou
 >>> model[0].weight.layout_name, model[2].weight.density
 ('nm', 0.5)
 """
+
 from __future__ import annotations
 
 import warnings
@@ -77,22 +78,43 @@ class Wanda(CalibratedConfig):
     def __new__(cls, *args: Any, **kwargs: Any):
         # the old sparsifier spelling Wanda(base, input_norm): users have code that builds it
         if (args and is_sparsifier(args[0])) or "input_norm" in kwargs or "base" in kwargs:
-            warnings.warn("sparsa.methods.Wanda(base, input_norm) as a sparsifier is deprecated: use "
-                          "sparsa.methods.WandaSparsifier(base, input_norm); Wanda(sparsity, pattern=..., "
-                          "calibration=...) is now the method config for sparsa.sparsify", DeprecationWarning,
-                          stacklevel=2)
+            warnings.warn(
+                "sparsa.methods.Wanda(base, input_norm) as a sparsifier is deprecated: use "
+                "sparsa.methods.WandaSparsifier(base, input_norm); Wanda(sparsity, pattern=..., "
+                "calibration=...) is now the method config for sparsa.sparsify",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return WandaSparsifier(*args, **kwargs)
         return super().__new__(cls)
 
     def prune(self, model: nn.Module, sparsifier: Sparsifier, layout: str, names: Optional[Sequence[str]]) -> None:
-        _wanda(model, self.calibration, sparsifier, layout, names, self.forward, self.blockwise, self.blocks,
-               self.progress, self.sparsities)
+        _wanda(
+            model,
+            self.calibration,
+            sparsifier,
+            layout,
+            names,
+            self.forward,
+            self.blockwise,
+            self.blocks,
+            self.progress,
+            self.sparsities,
+        )
 
 
-def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
-          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-          blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
-          progress: bool = False, sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+def wanda(
+    model: nn.Module,
+    batches: Iterable[Any],
+    sparsifier: Sparsifier,
+    layout: str = "masked",
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    blockwise: Optional[bool] = None,
+    blocks: Union[None, str, nn.ModuleList] = None,
+    progress: bool = False,
+    sparsities: Optional[Mapping[str, float]] = None,
+) -> nn.Module:
     """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.Wanda(sparsifier=..., layout=...,
     calibration=batches), filter_fn)``. Prunes in place with :func:`_wanda`; returns the model.
 
@@ -104,16 +126,27 @@ def wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layo
     >>> m.weight.layout_name
     'nm'
     """
-    warnings.warn("sparsa.methods.wanda is deprecated: use model = sparsa.sparsify(model, sparsa.methods.Wanda("
-                  "sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
-                  DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "sparsa.methods.wanda is deprecated: use model = sparsa.sparsify(model, sparsa.methods.Wanda("
+        "sparsity, pattern=... or sparsifier=..., layout=..., calibration=batches), filter_fn)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     return _wanda(model, batches, sparsifier, layout, names, forward, blockwise, blocks, progress, sparsities)
 
 
-def _wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, layout: str = "masked",
-          names: Optional[Sequence[str]] = None, forward: Optional[Callable[[nn.Module, Any], Any]] = None,
-          blockwise: Optional[bool] = None, blocks: Union[None, str, nn.ModuleList] = None,
-          progress: bool = False, sparsities: Optional[Mapping[str, float]] = None) -> nn.Module:
+def _wanda(
+    model: nn.Module,
+    batches: Iterable[Any],
+    sparsifier: Sparsifier,
+    layout: str = "masked",
+    names: Optional[Sequence[str]] = None,
+    forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+    blockwise: Optional[bool] = None,
+    blocks: Union[None, str, nn.ModuleList] = None,
+    progress: bool = False,
+    sparsities: Optional[Mapping[str, float]] = None,
+) -> nn.Module:
     """Prune the ``nn.Linear`` layers ``names`` (default: all the forward uses) in place with Wanda on
     top of ``sparsifier``, stored in ``layout``, calibrated on ``batches`` (each fed as
     ``forward(model, batch)``, default ``model(batch)``).
@@ -132,16 +165,28 @@ def _wanda(model: nn.Module, batches: Iterable[Any], sparsifier: Sparsifier, lay
     batches = list(batches)
     per_layer = layer_sparsifiers(model, sparsifier, sparsities)
     if blockwise is None or blockwise:
+
         def prune(blk: nn.Module, group, items, run) -> None:
             stats = collect_input_stats(blk, items, run, group)
-            sparsify(blk, [Rule(sparsifier=WandaSparsifier(per_layer(blk.get_submodule(n)), s.norm), layout=layout,
-                                names=n) for n, s in stats.items()])
+            sparsify(
+                blk,
+                [
+                    Rule(sparsifier=WandaSparsifier(per_layer(blk.get_submodule(n)), s.norm), layout=layout, names=n)
+                    for n, s in stats.items()
+                ],
+            )
 
         strict = bool(blockwise) or blocks is not None
-        if blockwise_prune(model, batches, prune, names, forward, blocks, False, progress, "Wanda (calibrate + prune)",
-                           strict) is not None:
+        if (
+            blockwise_prune(
+                model, batches, prune, names, forward, blocks, False, progress, "Wanda (calibrate + prune)", strict
+            )
+            is not None
+        ):
             return model
     stats = collect_input_stats(model, batches, forward, names)
-    rules = [Rule(sparsifier=WandaSparsifier(per_layer(model.get_submodule(n)), s.norm), layout=layout,
-                  names=n) for n, s in stats.items()]
+    rules = [
+        Rule(sparsifier=WandaSparsifier(per_layer(model.get_submodule(n)), s.norm), layout=layout, names=n)
+        for n, s in stats.items()
+    ]
     return sparsify(model, rules)

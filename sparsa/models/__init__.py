@@ -7,5 +7,6 @@
 The example convnets (AlexNet-, VGG-16-, ResNet-18-style) live in ``examples/convnets.py`` of the source
 checkout, not in the package.
 """
+
 from .minilm import model_dir, load_minilm, tokenize, mean_pool, embed, encoder_linears  # noqa: F401
 from .causal_lm import load_smollm2, tiny_llama  # noqa: F401

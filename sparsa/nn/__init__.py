@@ -1,4 +1,5 @@
 """Model-level API: :class:`Rule`, :func:`sparsify`, :func:`densify`, :func:`sparsity_report`."""
+
 from .rule import Rule  # noqa: F401
 from .sparsify import sparsify, densify, sparse_parameters  # noqa: F401
 from .report import sparsity_report, format_report  # noqa: F401
@@ -8,6 +9,18 @@ from .one_shot import sparsify_linears  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
 from .config import SparsifyConfig  # noqa: F401
 
-__all__ = ["Rule", "sparsify", "densify", "sparse_parameters", "sparsity_report", "format_report",
-           "OutputSparsifier", "GradLayout", "sparsify_linears", "default_sparsifier",
-           "dense_where_slower", "fuse_gelu", "SparsifyConfig"]
+__all__ = [
+    "Rule",
+    "sparsify",
+    "densify",
+    "sparse_parameters",
+    "sparsity_report",
+    "format_report",
+    "OutputSparsifier",
+    "GradLayout",
+    "sparsify_linears",
+    "default_sparsifier",
+    "dense_where_slower",
+    "fuse_gelu",
+    "SparsifyConfig",
+]

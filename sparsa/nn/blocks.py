@@ -2,6 +2,7 @@
 blocks (BERT's ``encoder.layer``, Llama's ``model.layers``). What ``sparsa prune`` prunes, and what
 :func:`sparsa.frontier.prune_copy` prunes by default (see :func:`prunable_linears`).
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -23,8 +24,14 @@ def prunable_linears(model: nn.Module) -> List[str]:
     ['0.0.0', '0.1.0']
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    lists = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)
-             and len({type(c) for c in m}) == 1 and not isinstance(m[0], nn.Linear)]
+    lists = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m)
+        and len({type(c) for c in m}) == 1
+        and not isinstance(m[0], nn.Linear)
+    ]
     outer = [n for n in lists if not any(o != n and (o == "" or n.startswith(o + ".")) for o in lists)]
 
     def inside(name: str) -> bool:

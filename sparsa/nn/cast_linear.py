@@ -10,6 +10,7 @@ input to it and the output back, so the rest of the model is unchanged::
     >>> lin(torch.randn(2, 8)).dtype, lin.weight.dtype
     (torch.float32, torch.bfloat16)
 """
+
 from __future__ import annotations
 
 import torch

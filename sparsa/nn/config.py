@@ -13,6 +13,7 @@ returns the model, so every way to sparsify is one call with one return type.
 >>> model[0].weight.layout_name, type(model[1].weight).__name__
 ('masked', 'Parameter')
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -49,6 +50,8 @@ def selected_linears(model: nn.Module, filter_fn: Optional[FilterFn]) -> Optiona
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and filter_fn(m, n)]
     if not names:
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        raise ValueError(f"filter_fn accepts none of the model's nn.Linear modules ({', '.join(linears[:20]) or 'none'}"
-                         f"{', ...' if len(linears) > 20 else ''}); fix it so it returns True for the layers to prune")
+        raise ValueError(
+            f"filter_fn accepts none of the model's nn.Linear modules ({', '.join(linears[:20]) or 'none'}"
+            f"{', ...' if len(linears) > 20 else ''}); fix it so it returns True for the layers to prune"
+        )
     return names

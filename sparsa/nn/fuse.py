@@ -18,6 +18,7 @@ are unchanged::
     ...     torch.allclose(m(x), before, atol=1e-5), n, type(m[1]).__name__
     (True, 1, 'Identity')
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,23 +54,30 @@ class LinearGELU(nn.Linear):
         w = self.weight
         # a plain attribute test (no isinstance on the layout), so torch.compile traces it without a break
         kind = getattr(w, "layout_name", None)
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or
-                                                  (self.bias is not None and self.bias.requires_grad))
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad)
+        )
         if needs_grad or kind not in EPILOGUE_LAYOUTS:
             return F.gelu(F.linear(x, w, self.bias))
         if x.shape[-1] != self.in_features:
-            raise ValueError(f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
-                             f"dimension of {self.in_features}")
+            raise ValueError(
+                f"LinearGELU: input has shape {tuple(x.shape)} but the weight expects a last "
+                f"dimension of {self.in_features}"
+            )
         bias = None if self.bias is None else self.bias.detach()
         # the forward-only kernel ops: the same call in eager and under torch.compile (no grad is needed here);
         # the layout's components by the names SparseTensor.__tensor_flatten__ gives them
         if kind == "row_group":
             from ..kernels import row_group as rg
-            return rg.row_group_linear_kernel(x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm,
-                                              "gelu")
+
+            return rg.row_group_linear_kernel(
+                x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm, "gelu"
+            )
         from ..kernels import sliced_ell as se
-        return se.sliced_ell_linear_kernel(x, w._c_slice_ptr, w._c_columns, w._c_values, bias, self.out_features,
-                                           "gelu")
+
+        return se.sliced_ell_linear_kernel(
+            x, w._c_slice_ptr, w._c_columns, w._c_values, bias, self.out_features, "gelu"
+        )
 
 
 def fuse_gelu(model: nn.Module) -> int:
@@ -98,5 +106,4 @@ def fuse_gelu(model: nn.Module) -> int:
 
 
 def _fusable(m: object) -> bool:
-    return (type(m) is nn.Linear and isinstance(m.weight, SparseTensor)
-            and m.weight.layout_name in EPILOGUE_LAYOUTS)
+    return type(m) is nn.Linear and isinstance(m.weight, SparseTensor) and m.weight.layout_name in EPILOGUE_LAYOUTS

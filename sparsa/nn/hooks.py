@@ -1,5 +1,6 @@
 """The hook objects :func:`sparsa.sparsify` installs (small picklable callables, so models with them
 survive ``copy.deepcopy``)."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Tuple, Type
@@ -24,8 +25,10 @@ class OutputSparsifier:
 
     def __call__(self, module: nn.Module, inputs: Any, output: Any) -> Any:
         if not isinstance(output, Tensor):
-            raise TypeError(f"sparsa output rule on {type(module).__name__}: the module returned "
-                            f"{type(output).__name__}, only a single tensor output can be sparsified")
+            raise TypeError(
+                f"sparsa output rule on {type(module).__name__}: the module returned "
+                f"{type(output).__name__}, only a single tensor output can be sparsified"
+            )
         sp = to_sparse(output, self.layout, sparsifier=self.sparsifier, **self.params)
         lay = sp.sparse_layout
         self.last = (tuple(lay.shape), lay.sparsity, lay.nbytes, lay.numel * output.element_size())

@@ -18,6 +18,7 @@ report's fields are shown:
 >>> r["path"] in ("sparse", "dense"), r["ratio_vs_dense"] > 0, r["best_dense"] in DENSE_OPTIONS
 (True, True, True)
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,15 @@ from .cast_linear import CastLinear
 from .report import PATH_ATTR
 from .rule import NamePattern, Rule
 
-__all__ = ["default_sparsifier", "dense_where_slower", "speedup_vs_dense", "linear_costs",
-           "DEFAULT_TOKENS", "MARGIN", "DENSE_OPTIONS"]
+__all__ = [
+    "default_sparsifier",
+    "dense_where_slower",
+    "speedup_vs_dense",
+    "linear_costs",
+    "DEFAULT_TOKENS",
+    "MARGIN",
+    "DENSE_OPTIONS",
+]
 
 #: the dense paths every sparse layer is measured against, by option name
 DENSE_OPTIONS = {"dense_float32": torch.float32, "dense_bfloat16": torch.bfloat16}
@@ -59,8 +67,10 @@ def default_sparsifier(layout: str, sparsity: float, **params: Any) -> Sparsifie
         n, m = params.get("n"), params.get("m")
         if n is None or m is None:
             if sparsity not in _NM:
-                raise ValueError(f"layout {layout!r} needs n and m for sparsity {sparsity}; pass n=..., m=... "
-                                 f"(known defaults: {sorted(_NM)})")
+                raise ValueError(
+                    f"layout {layout!r} needs n and m for sparsity {sparsity}; pass n=..., m=... "
+                    f"(known defaults: {sorted(_NM)})"
+                )
             n, m = _NM[sparsity]
         return NM(n, m) if layout == "nm" else GroupedNM(n, m, params.get("g", 4))
     if layout == "bsr":
@@ -75,8 +85,10 @@ def _tokens(only_if_faster: Union[bool, int], arg: str = "only_if_faster") -> in
     if only_if_faster is True:
         return DEFAULT_TOKENS
     if not isinstance(only_if_faster, int):
-        raise TypeError(f"{arg} must be False, True (time at {DEFAULT_TOKENS} tokens) or a positive int "
-                        f"(the token count to time at), got {type(only_if_faster).__name__} {only_if_faster!r}")
+        raise TypeError(
+            f"{arg} must be False, True (time at {DEFAULT_TOKENS} tokens) or a positive int "
+            f"(the token count to time at), got {type(only_if_faster).__name__} {only_if_faster!r}"
+        )
     if only_if_faster <= 0:
         raise ValueError(f"{arg} must be a positive token count (or True/False), got {only_if_faster}")
     return int(only_if_faster)
@@ -88,12 +100,15 @@ def _dense_option(dtype: torch.dtype) -> str:
 
 def _cost_key(w: SparseTensor, has_bias: bool, tokens: int) -> str:
     from .. import cpu
+
     lay = w.sparse_layout
     params = ",".join(f"{k}={v!r}" for k, v in sorted(lay.params().items()))
     nnz_bucket = round(lay.density * 50)  # 2% density buckets
-    return (f"linear|{type(lay).name}|{params}|{tuple(lay.shape)}|d{nnz_bucket}|bias{int(has_bias)}|"
-            f"{str(lay.dtype).replace('torch.', '')}|{lay.device}|T{tokens}|threads{torch.get_num_threads()}|"
-            f"{cpu.isa()}")
+    return (
+        f"linear|{type(lay).name}|{params}|{tuple(lay.shape)}|d{nnz_bucket}|bias{int(has_bias)}|"
+        f"{str(lay.dtype).replace('torch.', '')}|{lay.device}|T{tokens}|threads{torch.get_num_threads()}|"
+        f"{cpu.isa()}"
+    )
 
 
 def linear_costs(weight: SparseTensor, bias: Optional[torch.Tensor], tokens: int) -> Dict[str, float]:
@@ -119,6 +134,7 @@ def linear_costs(weight: SparseTensor, bias: Optional[torch.Tensor], tokens: int
         def run():
             F.linear(xd, wd, bd)
             sync()
+
         return run
 
     def run_sparse():
@@ -146,9 +162,15 @@ def _as_costs(result: Any, dtype: torch.dtype) -> Dict[str, float]:
     return {"sparse": 1.0, _dense_option(dtype): float(result)}
 
 
-def dense_where_slower(model: nn.Module, tokens: int = DEFAULT_TOKENS, *, names: Optional[NamePattern] = None,
-                       margin: float = MARGIN, timer: Optional[Callable[..., Any]] = None,
-                       dtypes: Optional[Sequence[torch.dtype]] = None) -> Dict[str, Dict[str, Any]]:
+def dense_where_slower(
+    model: nn.Module,
+    tokens: int = DEFAULT_TOKENS,
+    *,
+    names: Optional[NamePattern] = None,
+    margin: float = MARGIN,
+    timer: Optional[Callable[..., Any]] = None,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+) -> Dict[str, Dict[str, Any]]:
     """Time every sparse ``nn.Linear`` weight of ``model`` (or of the modules ``names`` matches) against
     the dense paths and replace it by the fastest dense one where the sparse ``F.linear`` is not at
     least ``1 + margin`` times faster than it.
@@ -213,8 +235,9 @@ def dense_where_slower(model: nn.Module, tokens: int = DEFAULT_TOKENS, *, names:
     return out
 
 
-def _decide(costs: Dict[str, float], dtype: torch.dtype, dtypes: Optional[Sequence[torch.dtype]], margin: float,
-            can_cast: bool) -> Dict[str, Any]:
+def _decide(
+    costs: Dict[str, float], dtype: torch.dtype, dtypes: Optional[Sequence[torch.dtype]], margin: float, can_cast: bool
+) -> Dict[str, Any]:
     own = _dense_option(dtype)
     allowed = [_dense_option(d) for d in dtypes] if dtypes is not None and can_cast else [own]
     dense_measured = [o for o in costs if o != "sparse"]
@@ -223,8 +246,12 @@ def _decide(costs: Dict[str, float], dtype: torch.dtype, dtypes: Optional[Sequen
     sparse_ms = costs["sparse"]
     keep_sparse = choice not in costs or costs[choice] / sparse_ms >= 1.0 + margin
     path = "sparse" if keep_sparse else ("dense" if choice == own else choice)
-    return {"path": path, "ratio_vs_dense": costs[own] / sparse_ms if own in costs else None,
-            "ratio_vs_best_dense": costs[best] / sparse_ms, "best_dense": best if len(dense_measured) > 1 else None}
+    return {
+        "path": path,
+        "ratio_vs_dense": costs[own] / sparse_ms if own in costs else None,
+        "ratio_vs_best_dense": costs[best] / sparse_ms,
+        "best_dense": best if len(dense_measured) > 1 else None,
+    }
 
 
 def _replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -236,7 +263,7 @@ def record_paths(model: nn.Module, chosen: Dict[str, Dict[str, Any]]) -> None:
     """Keep each decision of ``chosen`` (``{parameter name: decision}``, from :func:`dense_where_slower`)
     on the module holding that weight, so :func:`sparsa.sparsity_report` rows carry it."""
     for pname, decision in chosen.items():
-        mname = pname[:-len(".weight")] if pname.endswith(".weight") else ""
+        mname = pname[: -len(".weight")] if pname.endswith(".weight") else ""
         mod = model.get_submodule(mname)
         w = mod._parameters.get("weight")
         layout = w.layout_name if isinstance(w, SparseTensor) else "dense"

@@ -10,6 +10,7 @@ kernel is measured faster than dense. :class:`sparsa.methods.OneShot` is this cl
 >>> [(r["name"], r["layout"], r["sparsity"]) for r in sparsa.sparsity_report(model) if r["name"].endswith("weight")]
 [('0.weight', 'row_group', 0.75), ('2.weight', 'row_group', 0.75)]
 """
+
 from __future__ import annotations
 
 import re
@@ -90,23 +91,40 @@ class OneShot(SparsifyConfig):
         sp, layout, lp = self.resolved()
         rule = Rule(sparsifier=sp, layout=layout, layout_params=lp, module_types=nn.Linear)
         sparsify(model, rule, filter_fn)
-        done = [n for n, m in model.named_modules() if rule.matches(n, m)
-                and (filter_fn is None or filter_fn(m, n)) and isinstance(m.weight, SparseTensor)]
+        done = [
+            n
+            for n, m in model.named_modules()
+            if rule.matches(n, m) and (filter_fn is None or filter_fn(m, n)) and isinstance(m.weight, SparseTensor)
+        ]
         tokens = _tokens(self.only_if_faster)
         if tokens:
-            chosen = dense_where_slower(model, tokens, names=[re.compile(re.escape(n)) for n in done],
-                                        dtypes=self.dtypes)
+            chosen = dense_where_slower(
+                model, tokens, names=[re.compile(re.escape(n)) for n in done], dtypes=self.dtypes
+            )
         else:
-            chosen = {f"{n}.weight" if n else "weight": {"path": "sparse", "ratio_vs_dense": None,
-                                                         "ratio_vs_best_dense": None, "best_dense": None}
-                      for n in done}
+            chosen = {
+                f"{n}.weight" if n else "weight": {
+                    "path": "sparse",
+                    "ratio_vs_dense": None,
+                    "ratio_vs_best_dense": None,
+                    "best_dense": None,
+                }
+                for n in done
+            }
         record_paths(model, chosen)
 
 
-def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: float = 0.5, *,
-                     sparsifier: Optional[Sparsifier] = None, names: Optional[Sequence[str]] = None,
-                     only_if_faster: Union[bool, int] = False, dtypes: Optional[Sequence[torch.dtype]] = None,
-                     **params: Any) -> List[Dict[str, Any]]:
+def sparsify_linears(
+    model: nn.Module,
+    layout: str = "row_group",
+    sparsity: float = 0.5,
+    *,
+    sparsifier: Optional[Sparsifier] = None,
+    names: Optional[Sequence[str]] = None,
+    only_if_faster: Union[bool, int] = False,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    **params: Any,
+) -> List[Dict[str, Any]]:
     """Deprecated: use ``sparsa.sparsify(model, sparsa.methods.OneShot(sparsity, layout=layout,
     layout_params=params, only_if_faster=...), filter_fn)`` and then :func:`sparsa.sparsity_report`.
 
@@ -122,13 +140,23 @@ def sparsify_linears(model: nn.Module, layout: str = "row_group", sparsity: floa
     >>> rows[0]["layout"], rows[0]["path"]
     ('nm', 'sparse')
     """
-    warnings.warn("sparsa.sparsify_linears is deprecated: use model = sparsa.sparsify(model, "
-                  "sparsa.methods.OneShot(sparsity, layout=..., layout_params={...}, only_if_faster=...), filter_fn) "
-                  "and rows = sparsa.sparsity_report(model)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "sparsa.sparsify_linears is deprecated: use model = sparsa.sparsify(model, "
+        "sparsa.methods.OneShot(sparsity, layout=..., layout_params={...}, only_if_faster=...), filter_fn) "
+        "and rows = sparsa.sparsity_report(model)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     get_layout(layout)
     check_fraction(sparsity, "sparsity")
     select = Rule(names=list(names), module_types=nn.Linear) if names else None
-    config = OneShot(sparsity, layout=layout, sparsifier=sparsifier, layout_params=params,
-                     only_if_faster=only_if_faster, dtypes=dtypes)
+    config = OneShot(
+        sparsity,
+        layout=layout,
+        sparsifier=sparsifier,
+        layout_params=params,
+        only_if_faster=only_if_faster,
+        dtypes=dtypes,
+    )
     sparsify(model, config, None if select is None else (lambda m, n: select.matches(n, m)))
     return sparsity_report(model)

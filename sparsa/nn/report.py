@@ -6,6 +6,7 @@
 >>> [(r["name"], r["layout"], r["sparsity"]) for r in rows]
 [('weight', 'masked', 0.5), ('bias', 'dense', 0.0)]
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -31,8 +32,16 @@ def _row(name: str, t: torch.Tensor, target: str) -> Dict[str, Any]:
     else:
         layout, nbytes, params = "dense", dense_nbytes, {}
         sparsity = float((t.detach() == 0).sum()) / t.numel() if t.numel() else 0.0
-    return {"name": name, "target": target, "layout": layout, "shape": tuple(t.shape), "sparsity": sparsity,
-            "nbytes": nbytes, "dense_nbytes": dense_nbytes, "params": params}
+    return {
+        "name": name,
+        "target": target,
+        "layout": layout,
+        "shape": tuple(t.shape),
+        "sparsity": sparsity,
+        "nbytes": nbytes,
+        "dense_nbytes": dense_nbytes,
+        "params": params,
+    }
 
 
 def sparsity_report(model: nn.Module) -> List[Dict[str, Any]]:
@@ -47,8 +56,11 @@ def sparsity_report(model: nn.Module) -> List[Dict[str, Any]]:
     last forward pass (``shape`` is None before the first one).
     """
     rows = []
-    paths = {f"{n}.weight" if n else "weight": getattr(m, PATH_ATTR) for n, m in model.named_modules()
-             if hasattr(m, PATH_ATTR)}
+    paths = {
+        f"{n}.weight" if n else "weight": getattr(m, PATH_ATTR)
+        for n, m in model.named_modules()
+        if hasattr(m, PATH_ATTR)
+    }
     for name, p in model.named_parameters():
         r = _row(name, p, "weight")
         layout, decision = paths.get(name, (None, None))
@@ -66,9 +78,18 @@ def sparsity_report(model: nn.Module) -> List[Dict[str, Any]]:
         for h in mod._forward_hooks.values():
             if isinstance(h, OutputSparsifier):
                 shape, sp, nb, dnb = h.last if h.last is not None else (None, None, None, None)
-                rows.append({"name": f"{mname}:output" if mname else "output", "target": "output",
-                             "layout": h.layout.name, "shape": shape, "sparsity": sp, "nbytes": nb,
-                             "dense_nbytes": dnb, "params": dict(h.params)})
+                rows.append(
+                    {
+                        "name": f"{mname}:output" if mname else "output",
+                        "target": "output",
+                        "layout": h.layout.name,
+                        "shape": shape,
+                        "sparsity": sp,
+                        "nbytes": nb,
+                        "dense_nbytes": dnb,
+                        "params": dict(h.params),
+                    }
+                )
     return rows
 
 
@@ -99,7 +120,9 @@ def format_report(rows: List[Dict[str, Any]]) -> str:
     tot, dtot = sum(r["nbytes"] for r in stored), sum(r["dense_nbytes"] for r in stored)
     body.append(["total (parameters)", "", "", "", _kib(tot), _kib(dtot), f"{dtot / tot:.2f}x" if tot else "-"])
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
+
     def fmt(cells):
         return "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([fmt(head), sep] + [fmt(b) for b in body[:-1]] + [sep, fmt(body[-1])])

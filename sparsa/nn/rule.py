@@ -6,6 +6,7 @@
 >>> r.matches("encoder.fc1", nn.Linear(4, 4)), r.matches("head", nn.Linear(4, 4))
 (True, False)
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -79,8 +80,10 @@ class Rule:
         if self.inline is not False and self.target != "weight":
             raise ValueError(f"inline only applies to target='weight', got target={self.target!r}")
         if self.inline is True and self.sparsifier is None:
-            raise ValueError("inline=True re-applies the rule's sparsifier, but sparsifier is None; "
-                             "pass sparsifier=... or inline=<Sparsifier>")
+            raise ValueError(
+                "inline=True re-applies the rule's sparsifier, but sparsifier is None; "
+                "pass sparsifier=... or inline=<Sparsifier>"
+            )
         if not isinstance(self.inline, bool):
             check_sparsifier(self.inline, "inline (True, False or a sparsifier)", allow_none=False)
         self._patterns = _compile_names(self.names)
@@ -116,8 +119,11 @@ def _named_params(layout: type) -> frozenset:
         sig = inspect.signature(layout.from_dense)
     except (TypeError, ValueError):  # pragma: no cover - builtins
         return frozenset()
-    return frozenset(n for n, p in sig.parameters.items()
-                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("dense", "mask"))
+    return frozenset(
+        n
+        for n, p in sig.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("dense", "mask")
+    )
 
 
 def _compile_names(names: Optional[NamePattern]):

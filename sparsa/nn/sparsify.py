@@ -9,6 +9,7 @@
 >>> y = model(torch.randn(2, 16))             # runs through sparsa's dispatcher
 >>> model = sparsa.densify(model)             # plain dense parameters again
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,14 +39,17 @@ def _as_rules(rules: Rules) -> List[Rule]:
         return list(rules)
     if is_sparsifier(rules):
         return [Rule(sparsifier=rules, module_types=(nn.Linear,))]
-    raise TypeError("config must be a method config (e.g. sparsa.methods.OneShot(0.5, pattern='2:4')), a "
-                    "sparsa.Rule, a non-empty list of rules, or a sparsifier (a sparsa.sparsifiers.Sparsifier or any "
-                    "object with a mask(dense) -> bool tensor method; shorthand for Rule(sparsifier=s, "
-                    f"module_types=nn.Linear)); got {type(rules).__name__} {rules!r}")
+    raise TypeError(
+        "config must be a method config (e.g. sparsa.methods.OneShot(0.5, pattern='2:4')), a "
+        "sparsa.Rule, a non-empty list of rules, or a sparsifier (a sparsa.sparsifiers.Sparsifier or any "
+        "object with a mask(dense) -> bool tensor method; shorthand for Rule(sparsifier=s, "
+        f"module_types=nn.Linear)); got {type(rules).__name__} {rules!r}"
+    )
 
 
-def _assign(model: nn.Module, rules: List[Rule], target: str,
-            filter_fn: Optional[FilterFn] = None) -> Dict[int, List[Tuple[str, nn.Module]]]:
+def _assign(
+    model: nn.Module, rules: List[Rule], target: str, filter_fn: Optional[FilterFn] = None
+) -> Dict[int, List[Tuple[str, nn.Module]]]:
     """For ``target``, the first matching rule per tensor among the modules ``filter_fn`` accepts.
     Returns rule index -> [(name, module)]."""
     out: Dict[int, List[Tuple[str, nn.Module]]] = {}
@@ -63,19 +67,32 @@ def _assign(model: nn.Module, rules: List[Rule], target: str,
 
 
 def _no_match_error(model: nn.Module, rule: Rule, shadowed: bool, filtered: bool = False) -> ValueError:
-    avail = [f"{n or '<root>'} ({type(m).__name__}{', ' + ','.join(m._parameters) if m._parameters else ''})"
-             for n, m in model.named_modules()]
+    avail = [
+        f"{n or '<root>'} ({type(m).__name__}{', ' + ','.join(m._parameters) if m._parameters else ''})"
+        for n, m in model.named_modules()
+    ]
     shown = ", ".join(avail[:40]) + (f", ... ({len(avail) - 40} more)" if len(avail) > 40 else "")
-    why = ("every tensor it matches is already claimed by an earlier rule (the first matching rule wins)"
-           if shadowed else "it matches no module" + (f" with a parameter {rule.param!r}"
-                                                       if rule.target != "output" else "")
-           + (" that filter_fn accepts" if filtered else ""))
-    return ValueError(f"sparsa.sparsify: {rule.describe()} does nothing: {why}. Fix its names/module_types. "
-                      f"Modules (parameters): {shown}")
+    why = (
+        "every tensor it matches is already claimed by an earlier rule (the first matching rule wins)"
+        if shadowed
+        else "it matches no module"
+        + (f" with a parameter {rule.param!r}" if rule.target != "output" else "")
+        + (" that filter_fn accepts" if filtered else "")
+    )
+    return ValueError(
+        f"sparsa.sparsify: {rule.describe()} does nothing: {why}. Fix its names/module_types. "
+        f"Modules (parameters): {shown}"
+    )
 
 
-def sparsify(model: nn.Module, config: Config, filter_fn: Optional[FilterFn] = None, *, inplace: bool = True,
-             report: bool = False) -> nn.Module:
+def sparsify(
+    model: nn.Module,
+    config: Config,
+    filter_fn: Optional[FilterFn] = None,
+    *,
+    inplace: bool = True,
+    report: bool = False,
+) -> nn.Module:
     """Sparsify ``model`` with ``config``; returns the model. The one way to sparsify: reports come from
     :func:`sparsity_report`, methods are configs.
 
@@ -122,8 +139,12 @@ def sparsify(model: nn.Module, config: Config, filter_fn: Optional[FilterFn] = N
     else:
         _apply_rules(model, rule_list, filter_fn)
     if report:
-        warnings.warn("sparsa.sparsify(..., report=True) is deprecated: call model = sparsa.sparsify(model, config) "
-                      "and then rows = sparsa.sparsity_report(model)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "sparsa.sparsify(..., report=True) is deprecated: call model = sparsa.sparsify(model, config) "
+            "and then rows = sparsa.sparsity_report(model)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return model, sparsity_report(model)
     return model
 
@@ -139,12 +160,15 @@ def _apply_rules(model: nn.Module, rule_list: List[Rule], filter_fn: Optional[Fi
         if r.target == "grad":
             for name, mod in assigned["grad"][i]:
                 p = mod._parameters[r.param]
-                pending_weight = any(mod is m for j, lst in assigned["weight"].items() for _, m in lst
-                                     if rule_list[j].param == r.param)
+                pending_weight = any(
+                    mod is m for j, lst in assigned["weight"].items() for _, m in lst if rule_list[j].param == r.param
+                )
                 if not isinstance(p, SparseTensor) and not pending_weight:
-                    raise ValueError(f"sparsa.sparsify: grad rule for {name}.{r.param}: the parameter is dense; "
-                                     "add a target='weight' rule that sparsifies it (a sparse gradient is "
-                                     "restricted to the weight's pattern)")
+                    raise ValueError(
+                        f"sparsa.sparsify: grad rule for {name}.{r.param}: the parameter is dense; "
+                        "add a target='weight' rule that sparsifies it (a sparse gradient is "
+                        "restricted to the weight's pattern)"
+                    )
     memo: Dict[int, nn.Parameter] = {}
     for i, lst in assigned["weight"].items():
         for name, mod in lst:
@@ -212,5 +236,3 @@ def sparse_parameters(model: nn.Module) -> Iterable[Tuple[str, SparseTensor]]:
     for name, p in model.named_parameters():
         if isinstance(p, SparseTensor):
             yield name, p
-
-

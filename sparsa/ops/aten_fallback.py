@@ -12,6 +12,7 @@
   (``zeros_like``...) are not fallbacks; comparisons that read them (``equal``, ``allclose``, ``item``)
   are not counted, but raise in strict mode like any other dense computation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,15 @@ from .strict import fallback_error, is_strict
 aten = torch.ops.aten
 
 # ops that read shape and dtype only, not the stored values: not a fallback, even in strict mode
-_NO_VALUES = {"zeros_like", "empty_like", "ones_like", "full_like", "is_same_size",
-              "_has_compatible_shallow_copy_type", "lift_fresh"}
+_NO_VALUES = {
+    "zeros_like",
+    "empty_like",
+    "ones_like",
+    "full_like",
+    "is_same_size",
+    "_has_compatible_shallow_copy_type",
+    "lift_fresh",
+}
 # comparisons and scalar reads compute on the dense values: not counted (tests and asserts use them),
 # but strict mode asks for no dense computation at all
 _UNCOUNTED = {"_local_scalar_dense", "equal", "allclose", "isclose"}
@@ -60,12 +68,14 @@ def _to_copy(func, args, kwargs):
     lay = src._layout
     if dtype is not None and dtype != lay.dtype and not dtype.is_floating_point:
         return func(lay.to_dense(), **kwargs)  # integer/bool copies are dense
+
     def conv(t):
         if t.is_floating_point() and dtype is not None:
             t = t.to(dtype=dtype)
         if device is not None:
             t = t.to(device=device)
         return t.clone() if t.data_ptr() else t
+
     return _same(src, lay.map_tensors(conv))
 
 
@@ -92,6 +102,7 @@ _HANDLERS: Dict[Any, Callable] = {
 class AtenRule:
     """An aten-level rule: ``handler(func, args, kwargs)`` runs every aten op where
     ``applies(func, args, kwargs)`` is true (tried in registration order, before the dense fallback)."""
+
     name: str
     applies: Callable[[Any, tuple, dict], bool]
     handler: Callable[[Any, tuple, dict], Any]
@@ -121,14 +132,17 @@ class RuleHandle:
 
     def __call__(self, handler: Callable[[Any, tuple, dict], Any]) -> Callable[[Any, tuple, dict], Any]:
         if self.rule is not None and not self.removed:
-            raise ValueError(f"this register_rule({self.name!r}, ...) already registered a handler; call .remove() "
-                             "first or make a new one")
+            raise ValueError(
+                f"this register_rule({self.name!r}, ...) already registered a handler; call .remove() "
+                "first or make a new one"
+            )
         rule = AtenRule(self.name, self.applies, handler)
         for i, r in enumerate(_RULES):
             if r.name == self.name:
                 if not self.replace:
-                    raise ValueError(f"an aten rule named {self.name!r} is already registered; pass replace=True "
-                                     "to replace it")
+                    raise ValueError(
+                        f"an aten rule named {self.name!r} is already registered; pass replace=True to replace it"
+                    )
                 self._replaced, _RULES[i] = r, rule
                 break
         else:

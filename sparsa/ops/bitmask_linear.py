@@ -13,6 +13,7 @@ kernels of :mod:`sparsa.kernels.bitmask`::
 Backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the kept pattern (a dense tensor of W's shape, zero
 elsewhere), dense products: the layout is built for inference, training runs correctly but not fast.
 """
+
 from __future__ import annotations
 
 from typing import Optional

@@ -5,6 +5,7 @@ one registration replaces another: the pure-PyTorch implementations (:mod:`.line
 :mod:`.pointwise`) first, then the native CPU kernels that replace some of them, then the GPU
 implementations (:mod:`.gpu_impls`), which are chosen by device over whatever runs elsewhere.
 """
+
 from . import linear, matmul, pointwise  # noqa: F401
 from . import native_linear, bitmask_linear  # noqa: F401
 from . import native_grouped_nm  # noqa: F401  (after linear: replaces its grouped_nm linear)

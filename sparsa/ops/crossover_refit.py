@@ -12,6 +12,7 @@ Example::
     >>> list(out)
     ['row_group.backward']
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -39,7 +40,8 @@ def _row_group_case(d: float, R: int, K: int, T: int) -> Case:
     g2, x2 = torch.randn(T, R), torch.randn(T, K)
     return w.values.shape[1] / K, {
         "sparse": lambda: (_rg_grad_input(g2, w, True), _rg_grad_weight(g2, x2, w, True)),
-        "dense": lambda: (_rg_grad_input(g2, w, False), _rg_grad_weight(g2, x2, w, False))}
+        "dense": lambda: (_rg_grad_input(g2, w, False), _rg_grad_weight(g2, x2, w, False)),
+    }
 
 
 def _sliced_ell_case(d: float, R: int, K: int, T: int) -> Case:
@@ -58,8 +60,7 @@ def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
     n = max(1, min(m - 1, round(d * m)))
     w = GroupedNM.from_dense(torch.randn(R, K), n=n, m=m, g=4)
     g2, x2 = torch.randn(T, R), torch.randn(T, K)
-    return n / m, {"sparse": lambda: _grad_weight_sparse(w, g2, x2),
-                   "dense": lambda: _grad_weight_dense(w, g2, x2)}
+    return n / m, {"sparse": lambda: _grad_weight_sparse(w, g2, x2), "dense": lambda: _grad_weight_dense(w, g2, x2)}
 
 
 _CASES: Dict[str, Callable[[float, int, int, int], Case]] = {
@@ -69,9 +70,14 @@ _CASES: Dict[str, Callable[[float, int, int, int], Case]] = {
 }
 
 
-def refit(cost_model: Optional[CostModel] = None, names: Optional[Sequence[str]] = None,
-          densities: Sequence[float] = (0.0625, 0.125, 0.1875, 0.25, 0.375), shape: Tuple[int, int] = (768, 768),
-          tokens: int = 512, rounds: int = 5) -> Dict[str, float]:
+def refit(
+    cost_model: Optional[CostModel] = None,
+    names: Optional[Sequence[str]] = None,
+    densities: Sequence[float] = (0.0625, 0.125, 0.1875, 0.25, 0.375),
+    shape: Tuple[int, int] = (768, 768),
+    tokens: int = 512,
+    rounds: int = 5,
+) -> Dict[str, float]:
     """Time the sparse and dense side of each crossover at ``densities`` (side by side, round robin, on a
     ``shape`` weight and ``tokens`` rows at the current thread count), store the highest density at which
     the sparse side was faster (0.0 if at none) and return them by name. A layout that cannot hold a
@@ -94,10 +100,17 @@ def refit(cost_model: Optional[CostModel] = None, names: Optional[Sequence[str]]
                     timings[actual] = round_robin_ms(fns, rounds)
         wins = [d for d, ms in timings.items() if ms["sparse"] < ms["dense"]]
         best = max(wins) if wins else 0.0
-        cm.set_fit(PREFIX + name, {"max_density": best, "shape": [R, K], "tokens": tokens,
-                                   "threads": torch.get_num_threads(),
-                                   "ratios": {str(d): round(ms["dense"] / ms["sparse"], 3)
-                                              for d, ms in timings.items()}}, save=False)
+        cm.set_fit(
+            PREFIX + name,
+            {
+                "max_density": best,
+                "shape": [R, K],
+                "tokens": tokens,
+                "threads": torch.get_num_threads(),
+                "ratios": {str(d): round(ms["dense"] / ms["sparse"], 3) for d, ms in timings.items()},
+            },
+            save=False,
+        )
         out[name] = best
     cm.save()
     return out

@@ -14,6 +14,7 @@ Example::
     >>> sorted(crossovers.CROSSOVERS)
     ['grouped_nm.grad_weight', 'row_group.backward', 'sliced_ell.grad_input']
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,12 +36,15 @@ class Crossover:
 
 
 CROSSOVERS: Dict[str, Crossover] = {
-    "row_group.backward": Crossover(0.15, "row_group grad_input and grad_weight: gather + batched matmul kernels "
-                                          "against BLAS on the dense weight"),
-    "sliced_ell.grad_input": Crossover(0.10, "sliced_ell grad_input: the forward kernel on the transposed pattern "
-                                             "against grad_y @ dense weight"),
-    "grouped_nm.grad_weight": Crossover(0.15, "grouped_nm grad_weight: the sddmm kernel against dense "
-                                              "grad_y.T @ x then masking"),
+    "row_group.backward": Crossover(
+        0.15, "row_group grad_input and grad_weight: gather + batched matmul kernels against BLAS on the dense weight"
+    ),
+    "sliced_ell.grad_input": Crossover(
+        0.10, "sliced_ell grad_input: the forward kernel on the transposed pattern against grad_y @ dense weight"
+    ),
+    "grouped_nm.grad_weight": Crossover(
+        0.15, "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking"
+    ),
 }
 
 

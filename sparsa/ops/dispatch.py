@@ -6,6 +6,7 @@ dense op; gradients flow back to the sparse tensors). The fallback warns once pe
 is counted: :func:`fallback_counts`; in strict mode (:func:`sparsa.strict`) it raises instead. Plans
 are cached per (op, layouts, needs-grad).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -22,8 +23,7 @@ from . import registry
 from .op_table import OpCall, TORCH_FNS
 from .strict import fallback_error, is_strict
 
-__all__ = ["fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "dispatch", "dispatch_aten",
-           "explain"]
+__all__ = ["fallback_counts", "reset_fallback_counts", "SparseFallbackWarning", "dispatch", "dispatch_aten", "explain"]
 
 
 class SparseFallbackWarning(UserWarning):
@@ -53,9 +53,12 @@ def record_fallback(op: str, layout_names: Tuple[str, ...], warn: bool = True) -
     _COUNTS[key] += 1
     if warn and key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(f"sparsa: no sparse implementation of {op!r} for layouts {layout_names}; running it "
-                      "densely (see sparsa.fallback_counts(); register one with sparsa.ops.implements)",
-                      SparseFallbackWarning, stacklevel=4)
+        warnings.warn(
+            f"sparsa: no sparse implementation of {op!r} for layouts {layout_names}; running it "
+            "densely (see sparsa.fallback_counts(); register one with sparsa.ops.implements)",
+            SparseFallbackWarning,
+            stacklevel=4,
+        )
 
 
 #: torch callable -> OpCall (defined in :mod:`.op_table`); kept under its old name
@@ -131,6 +134,7 @@ def explain(op: Any, *layouts: type, needs_grad: bool = False) -> str:
 # ----------------------------------------------------------------------------- execution
 class _Ctx:
     """Context passed to forward when no gradient is recorded."""
+
     needs_input_grad: Tuple[bool, ...] = ()
 
     def save_for_backward(self, *t: Any) -> None:
@@ -277,8 +281,10 @@ def _check_dtypes(call: OpCall, targs: List[Any]) -> None:
     dts = [a.dtype for a in targs if isinstance(a, Tensor)]
     if len(set(dts)) > 1:
         desc = ", ".join(f"{n}={a.dtype}" for n, a in zip(call.arg_names, targs) if isinstance(a, Tensor))
-        raise TypeError(f"{call.name}: all tensor arguments must have the same dtype, got {desc}; convert one of "
-                        f"them (e.g. x.to(weight.dtype))")
+        raise TypeError(
+            f"{call.name}: all tensor arguments must have the same dtype, got {desc}; convert one of "
+            f"them (e.g. x.to(weight.dtype))"
+        )
 
 
 def _densify(x: Any) -> Any:

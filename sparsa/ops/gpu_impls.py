@@ -29,6 +29,7 @@ Example::
     >>> sparsa.ops.explain("linear", None, BSR)         # doctest: +ELLIPSIS
     "linear('dense', 'bsr', 'dense'): TritonBSRLinear | ..."
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -65,8 +66,14 @@ def _bias_ok(b: Any, n: int, dtype: torch.dtype) -> bool:
 
 # =============================================================================== weight-sparse linear
 def _weight_applies(x: Any, w: Any, b: Any = None) -> bool:
-    return (len(w.shape) == 2 and _dtype_ok(x, w.dtype) and x.dim() >= 1 and x.shape[-1] == w.shape[1]
-            and _bias_ok(b, w.shape[0], w.dtype) and gpu_eligible(x, w.values, b))
+    return (
+        len(w.shape) == 2
+        and _dtype_ok(x, w.dtype)
+        and x.dim() >= 1
+        and x.shape[-1] == w.shape[1]
+        and _bias_ok(b, w.shape[0], w.dtype)
+        and gpu_eligible(x, w.values, b)
+    )
 
 
 def _nm_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
@@ -77,26 +84,34 @@ def _bsr_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
     if not (isinstance(w, BSR) and _weight_applies(x, w, b)):
         return False
     from ..gpu.weight_sparse import bsr_supported
+
     return bsr_supported(w)
 
 
 def _semi_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
-    if not (isinstance(w, NM) and (w.n, w.m) == (2, 4) and isinstance(x, Tensor) and x.is_cuda
-            and _weight_applies(x, w, b)):
+    if not (
+        isinstance(w, NM) and (w.n, w.m) == (2, 4) and isinstance(x, Tensor) and x.is_cuda and _weight_applies(x, w, b)
+    ):
         return False
     from ..gpu.semi_structured import semi_structured_weight
+
     return semi_structured_weight(w) is not None
 
 
 class _WeightSparseLinear:
     """Shared forward/backward; subclasses name the three kernels."""
+
     kind = ""
 
     @classmethod
     def _kernels(cls):
         from ..gpu import weight_sparse as ws
-        return getattr(ws, f"{cls.kind}_linear_forward"), getattr(ws, f"{cls.kind}_linear_grad_input"), \
-            getattr(ws, f"{cls.kind}_linear_grad_weight")
+
+        return (
+            getattr(ws, f"{cls.kind}_linear_forward"),
+            getattr(ws, f"{cls.kind}_linear_grad_input"),
+            getattr(ws, f"{cls.kind}_linear_grad_weight"),
+        )
 
     @classmethod
     def forward(cls, ctx: Any, x: Tensor, w: Any, b: Optional[Tensor] = None) -> Tensor:
@@ -121,11 +136,13 @@ class _WeightSparseLinear:
 
 class TritonNMLinear(_WeightSparseLinear):
     """``linear`` with an N:M weight: Triton decompress-in-registers GEMMs."""
+
     kind = "nm"
 
 
 class TritonBSRLinear(_WeightSparseLinear):
     """``linear`` with a BSR weight: Triton block-sparse GEMMs (work ~ stored blocks)."""
+
     kind = "bsr"
 
 
@@ -135,6 +152,7 @@ class SemiStructuredLinear:
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Any, b: Optional[Tensor] = None) -> Tensor:
         from ..gpu.semi_structured import semi_structured_linear
+
         ctx.layout, ctx.x_shape, ctx.has_bias = w, x.shape, b is not None
         ctx.save_for_backward(x.reshape(-1, x.shape[-1]))
         return semi_structured_linear(x, w, b)
@@ -146,8 +164,12 @@ class SemiStructuredLinear:
 
 # =============================================================================== activation-sparse ops
 def _act_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
-    return (isinstance(x, Masked) and _dtype_ok(w, x.dtype) and _bias_ok(b, w.shape[0], w.dtype)
-            and gpu_eligible(x.values, w, b))
+    return (
+        isinstance(x, Masked)
+        and _dtype_ok(w, x.dtype)
+        and _bias_ok(b, w.shape[0], w.dtype)
+        and gpu_eligible(x.values, w, b)
+    )
 
 
 def _act_linear_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
@@ -155,8 +177,14 @@ def _act_linear_applies(x: Any, w: Any, b: Any = None, **rest: Any) -> bool:
 
 
 def _act_conv_applies(x: Any, w: Any, b: Any = None, stride=1, padding=0, dilation=1, groups=1, **rest) -> bool:
-    return (_act_applies(x, w, b) and groups == 1 and not isinstance(padding, str) and len(x.shape) == 4
-            and w.dim() == 4 and x.shape[1] == w.shape[1])
+    return (
+        _act_applies(x, w, b)
+        and groups == 1
+        and not isinstance(padding, str)
+        and len(x.shape) == 4
+        and w.dim() == 4
+        and x.shape[1] == w.shape[1]
+    )
 
 
 class ActSparseLinear:
@@ -173,6 +201,7 @@ class ActSparseLinear:
         ctx.x_shape, ctx.has_bias = a.shape, b is not None
         if ctx.fast:
             from ..gpu.act_sparse import _compact_panels, act_sparse_mm
+
             c = ctx.compacted = _compact_panels(act2, need_rows=_needs(ctx, 1))
             y = act_sparse_mm(a2, w, b, c)
         else:
@@ -187,6 +216,7 @@ class ActSparseLinear:
         ga = gw = gb = None
         if ctx.fast:
             from ..gpu.act_sparse import act_sparse_grad_input, act_sparse_grad_weight
+
             if _needs(ctx, 0):
                 ga = act_sparse_grad_input(g2, w, act2, ctx.compacted)
             if _needs(ctx, 1):
@@ -208,17 +238,23 @@ class ActSparseConv2d:
     gradients come from a small autograd graph built in forward (the dense reference off the GPU)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Masked, w: Tensor, b: Optional[Tensor] = None, stride=1, padding=0, dilation=1,
-                groups=1) -> Tensor:
+    def forward(
+        ctx: Any, x: Masked, w: Tensor, b: Optional[Tensor] = None, stride=1, padding=0, dilation=1, groups=1
+    ) -> Tensor:
         fast = _act_conv_applies(x, w, b, stride, padding, dilation, groups)
         want = tuple(_needs(ctx, i) for i in range(3))
         with torch.enable_grad():
-            leaves = (x.to_dense().detach().requires_grad_(want[0]), w.detach().requires_grad_(want[1]),
-                      None if b is None else b.detach().requires_grad_(want[2]))
+            leaves = (
+                x.to_dense().detach().requires_grad_(want[0]),
+                w.detach().requires_grad_(want[1]),
+                None if b is None else b.detach().requires_grad_(want[2]),
+            )
             if fast:
                 from ..gpu.act_sparse import act_sparse_conv2d
-                out = act_sparse_conv2d(leaves[0], leaves[1], leaves[2], stride, padding, dilation, groups,
-                                        active=x.mask())
+
+                out = act_sparse_conv2d(
+                    leaves[0], leaves[1], leaves[2], stride, padding, dilation, groups, active=x.mask()
+                )
             else:
                 out = F.conv2d(leaves[0], leaves[1], leaves[2], stride, padding, dilation, groups)
         if any(want):
@@ -243,16 +279,46 @@ class ActSparseConv2d:
 def register_gpu_impls() -> None:
     """(Re-)register all GPU implementations; idempotent. Called on import of this module."""
     reg = register_device_impl
-    reg("linear", (Dense, NM, Dense), SemiStructuredLinear.forward, SemiStructuredLinear.backward,
-        applies=_semi_applies, name="SemiStructuredLinear")
-    reg("linear", (Dense, NM, Dense), TritonNMLinear.forward, TritonNMLinear.backward,
-        applies=_nm_applies, name="TritonNMLinear")
-    reg("linear", (Dense, BSR, Dense), TritonBSRLinear.forward, TritonBSRLinear.backward,
-        applies=_bsr_applies, name="TritonBSRLinear")
-    reg("linear", (Masked, Dense, Dense), ActSparseLinear.forward, ActSparseLinear.backward,
-        applies=_act_linear_applies, name="ActSparseLinear")
-    reg("conv2d", (Masked, Dense, Dense), ActSparseConv2d.forward, ActSparseConv2d.backward,
-        applies=_act_conv_applies, name="ActSparseConv2d")
+    reg(
+        "linear",
+        (Dense, NM, Dense),
+        SemiStructuredLinear.forward,
+        SemiStructuredLinear.backward,
+        applies=_semi_applies,
+        name="SemiStructuredLinear",
+    )
+    reg(
+        "linear",
+        (Dense, NM, Dense),
+        TritonNMLinear.forward,
+        TritonNMLinear.backward,
+        applies=_nm_applies,
+        name="TritonNMLinear",
+    )
+    reg(
+        "linear",
+        (Dense, BSR, Dense),
+        TritonBSRLinear.forward,
+        TritonBSRLinear.backward,
+        applies=_bsr_applies,
+        name="TritonBSRLinear",
+    )
+    reg(
+        "linear",
+        (Masked, Dense, Dense),
+        ActSparseLinear.forward,
+        ActSparseLinear.backward,
+        applies=_act_linear_applies,
+        name="ActSparseLinear",
+    )
+    reg(
+        "conv2d",
+        (Masked, Dense, Dense),
+        ActSparseConv2d.forward,
+        ActSparseConv2d.backward,
+        applies=_act_conv_applies,
+        name="ActSparseConv2d",
+    )
 
 
 register_gpu_impls()

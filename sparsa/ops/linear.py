@@ -12,6 +12,7 @@ for the structured layouts).
 >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().t(), atol=1e-6)
 True
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,8 +35,9 @@ class SparseWeightLinear:
             raise ValueError(f"linear: weight must be 2-D (out, in), got shape {tuple(w.shape)}")
         out_f, in_f = w.shape
         if x.dim() < 1 or x.shape[-1] != in_f:
-            raise ValueError(f"linear: input's last dim must equal the weight's in_features {in_f}, "
-                             f"got input shape {tuple(x.shape)}")
+            raise ValueError(
+                f"linear: input's last dim must equal the weight's in_features {in_f}, got input shape {tuple(x.shape)}"
+            )
         flat = x.dim() != 2  # a 2-D input needs no reshape (a view costs a few microseconds per call)
         y2 = mm_wt(x.reshape(-1, in_f) if flat else x, w)
         if b is not None:
@@ -58,5 +60,10 @@ class SparseWeightLinear:
 
 
 for _lay in MATRIX_LAYOUTS:
-    register_impl("linear", (None, _lay, None), SparseWeightLinear.forward, SparseWeightLinear.backward,
-                  name=f"SparseWeightLinear[{_lay.name}]")
+    register_impl(
+        "linear",
+        (None, _lay, None),
+        SparseWeightLinear.forward,
+        SparseWeightLinear.backward,
+        name=f"SparseWeightLinear[{_lay.name}]",
+    )

@@ -16,6 +16,7 @@ Every implementation is written with a few primitives on a 2-D sparse ``W`` (R, 
 >>> torch.allclose(torch.mm(w, x), w.to_dense() @ x, atol=1e-6)
 True
 """
+
 from __future__ import annotations
 
 from typing import Callable, Tuple
@@ -41,7 +42,7 @@ def _torch_sparse(w: Layout, transpose: bool):
     """A cached torch.sparse form of ``w`` (or its transpose) when that is the route taken, else None.
 
     Under ``torch.compile`` the dense route is taken (torch.sparse tensors cannot be traced)."""
-    if torch.compiler.is_compiling():   # stays: torch.sparse tensors cannot be traced (no native kernel here)
+    if torch.compiler.is_compiling():  # stays: torch.sparse tensors cannot be traced (no native kernel here)
         return None
     if isinstance(w, CSR) and w.values.numel():
         return w.torch_csr_t() if transpose else w.torch_csr()
@@ -120,6 +121,7 @@ def _as_cols(x: Tensor, k: int, op: str) -> Tuple[Tensor, Callable[[Tensor], Ten
 
     def inv(y: Tensor) -> Tensor:
         return y.reshape((y.shape[0],) + batch + (mcols,)).movedim(0, -2)
+
     return xt, inv
 
 
@@ -260,17 +262,25 @@ class DenseSparseBmm:
 def _register() -> None:
     for lay in MATRIX_LAYOUTS:
         tag = f"[{lay.name}]"
-        register_impl("matmul", (None, lay), DenseSparseMatmul.forward, DenseSparseMatmul.backward,
-                      name="DenseSparseMatmul" + tag)
-        register_impl("matmul", (lay, None), SparseDenseMatmul.forward, SparseDenseMatmul.backward,
-                      name="SparseDenseMatmul" + tag)
+        register_impl(
+            "matmul", (None, lay), DenseSparseMatmul.forward, DenseSparseMatmul.backward, name="DenseSparseMatmul" + tag
+        )
+        register_impl(
+            "matmul", (lay, None), SparseDenseMatmul.forward, SparseDenseMatmul.backward, name="SparseDenseMatmul" + tag
+        )
         register_impl("mm", (None, lay), DenseSparseMM.forward, DenseSparseMM.backward, name="DenseSparseMM" + tag)
         register_impl("mm", (lay, None), SparseDenseMM.forward, SparseDenseMM.backward, name="SparseDenseMM" + tag)
-        register_impl("addmm", (None, None, lay), DenseSparseAddmm.forward, DenseSparseAddmm.backward,
-                      name="DenseSparseAddmm" + tag)
+        register_impl(
+            "addmm",
+            (None, None, lay),
+            DenseSparseAddmm.forward,
+            DenseSparseAddmm.backward,
+            name="DenseSparseAddmm" + tag,
+        )
     for lay in (Masked, COO):
-        register_impl("bmm", (None, lay), DenseSparseBmm.forward, DenseSparseBmm.backward,
-                      name=f"DenseSparseBmm[{lay.name}]")
+        register_impl(
+            "bmm", (None, lay), DenseSparseBmm.forward, DenseSparseBmm.backward, name=f"DenseSparseBmm[{lay.name}]"
+        )
 
 
 _register()

@@ -19,6 +19,7 @@ zero elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float
 (``x`` and the weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x likewise);
 without the native library, or for other dtype combinations, the same plans run in pure PyTorch.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -57,8 +58,10 @@ def _plan(w: GroupedNM, kind: str) -> _k.Plan:
 def _check_input(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> None:
     R, K = w.shape
     if x.dim() == 0 or x.shape[-1] != K:
-        raise ValueError(f"linear: input has shape {tuple(x.shape)} but the GroupedNM weight of shape {(R, K)} "
-                         f"expects a last dimension of {K}")
+        raise ValueError(
+            f"linear: input has shape {tuple(x.shape)} but the GroupedNM weight of shape {(R, K)} "
+            f"expects a last dimension of {K}"
+        )
     if bias is not None and tuple(bias.shape) != (R,):
         raise ValueError(f"linear: bias must have shape ({R},), got {tuple(bias.shape)}")
 

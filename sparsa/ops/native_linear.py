@@ -14,6 +14,7 @@ Forward calls the forward-only kernel ops ``sparsa::row_group_linear_kernel`` /
 kept pattern only (a dense tensor of W's shape, zero elsewhere), each computed only when needed;
 sparse formulations (gather + batched matmul) are used where they beat the dense matmul.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,11 +32,14 @@ from .registry import implements
 
 __all__ = ["RowGroupLinear", "SlicedELLLinear"]
 
+
 def _check_input(x: Tensor, w, bias: Optional[Tensor]) -> None:
     R, K = w.shape
     if x.dim() == 0 or x.shape[-1] != K:
-        raise ValueError(f"linear: input has shape {tuple(x.shape)} but the {type(w).__name__} weight of shape "
-                         f"{(R, K)} expects a last dimension of {K}")
+        raise ValueError(
+            f"linear: input has shape {tuple(x.shape)} but the {type(w).__name__} weight of shape "
+            f"{(R, K)} expects a last dimension of {K}"
+        )
     if bias is not None and tuple(bias.shape) != (R,):
         raise ValueError(f"linear: bias must have shape ({R},), got {tuple(bias.shape)}")
 
@@ -89,7 +93,7 @@ def _rg_grad_weight(g2: Tensor, x2: Tensor, w: RowGroup, sparse: bool) -> Tensor
         gv = _rg.row_group_grad_values(g2, x2, w.columns, w.values, w.row_perm)
     else:
         gs = g2 if ng * G == g2.shape[1] else torch.nn.functional.pad(g2, (0, ng * G - g2.shape[1]))
-        full = gs[:, w.row_perm.long()].t() @ x2                             # (ng*G, K), slot order
+        full = gs[:, w.row_perm.long()].t() @ x2  # (ng*G, K), slot order
         cols = w.columns.long()
         gv = full.view(ng, G, -1).gather(2, cols[:, None, :].expand(ng, G, k)).transpose(1, 2)
     return RowGroup(w.columns, gv.contiguous(), w.shape, w.row_perm, validate=False).to_dense()
@@ -143,6 +147,6 @@ def _se_grad_weight(g2: Tensor, x2: Tensor, w: SlicedELL, chunk: int = 1 << 22) 
     out = g2.new_zeros(R, K)
     step = max(1, chunk // max(T, 1))
     for i in range(0, rows.numel(), step):
-        r, c = rows[i:i + step], cols[i:i + step]
+        r, c = rows[i : i + step], cols[i : i + step]
         out[r, c] = (g2[:, r] * x2[:, c]).sum(0)
     return out

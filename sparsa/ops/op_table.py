@@ -9,6 +9,7 @@ becomes an op the first time an implementation is registered for it
 (``sparsa.ops.implements(torch.sin, ...)``, see :func:`op_for`), with its arguments read from the
 schema of its aten overload.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,10 +24,17 @@ __all__ = ["OpCall", "define_op", "op_for", "undefine_op", "OPS", "TORCH_FNS", "
 class OpCall:
     """How one callable of an op maps ``(args, kwargs)`` to ``(tensor args, rest)`` and back to its
     dense form. ``dense`` is None where the dense form is the intercepted callable itself."""
+
     __slots__ = ("name", "normalize", "dense", "same_dtype", "arg_names")
 
-    def __init__(self, name: str, normalize: Callable, dense: Optional[Callable], same_dtype: bool = False,
-                 arg_names: Tuple[str, ...] = ()):
+    def __init__(
+        self,
+        name: str,
+        normalize: Callable,
+        dense: Optional[Callable],
+        same_dtype: bool = False,
+        arg_names: Tuple[str, ...] = (),
+    ):
         self.name, self.normalize, self.dense = name, normalize, dense
         self.same_dtype, self.arg_names = same_dtype, arg_names
 
@@ -64,13 +72,15 @@ def schema_call(name: str, overload: Any) -> OpCall:
     return OpCall(name, normalize, dense, arg_names=tensors)
 
 
-def define_op(name: str, nargs: int, torch_fns: Dict[Callable, OpCall], aten_ops: Sequence[Any] = (),
-              *, derived: bool = False) -> None:
+def define_op(
+    name: str, nargs: int, torch_fns: Dict[Callable, OpCall], aten_ops: Sequence[Any] = (), *, derived: bool = False
+) -> None:
     """Make ``name`` dispatchable: ``torch_fns`` maps each torch callable to its OpCall; each aten
     overload in ``aten_ops`` is read from its schema. A name or callable defined twice is an error."""
     if name in OPS:
-        raise ValueError(f"op {name!r} is already defined; register implementations for it with "
-                         f"sparsa.ops.implements({name!r}, ...)")
+        raise ValueError(
+            f"op {name!r} is already defined; register implementations for it with sparsa.ops.implements({name!r}, ...)"
+        )
     taken = [f for f in torch_fns if f in TORCH_FNS] + [o for o in aten_ops if o in ATEN_OPS]
     if taken:
         raise ValueError(f"define_op({name!r}): {taken} already belong to another op")
@@ -104,8 +114,10 @@ def op_for(fn: Callable) -> Tuple[str, bool]:
     for ov in ("default", "Tensor"):
         overload = overload or (getattr(packet, ov) if packet is not None and ov in packet.overloads() else None)
     if overload is None or overload._schema.is_mutable:
-        raise ValueError(f"cannot dispatch {fn!r}: no functional aten op named {name!r}; pass a torch function "
-                         "with an aten counterpart (e.g. torch.sin), or one of the op names in sparsa.ops.OPS")
+        raise ValueError(
+            f"cannot dispatch {fn!r}: no functional aten op named {name!r}; pass a torch function "
+            "with an aten counterpart (e.g. torch.sin), or one of the op names in sparsa.ops.OPS"
+        )
     if name in OPS:
         raise ValueError(f"{fn!r} is not routed to the op {name!r}; register with the op name {name!r} instead")
     call = schema_call(name, overload)
@@ -129,14 +141,15 @@ def _n_linear(a, k):
 
 def _n_two(names):
     def n(a, k):
-        t = list(a[:2]) + [k.get(nm) for nm in names[len(a):2]]
+        t = list(a[:2]) + [k.get(nm) for nm in names[len(a) : 2]]
         rest = {kk: v for kk, v in k.items() if kk not in names}
         return t, rest
+
     return n
 
 
 def _n_addmm(a, k):
-    t = list(a[:3]) + [k.get(nm) for nm in ("input", "mat1", "mat2")[len(a):3]]
+    t = list(a[:3]) + [k.get(nm) for nm in ("input", "mat1", "mat2")[len(a) : 3]]
     rest = {"beta": k.get("beta", 1), "alpha": k.get("alpha", 1)}
     return t, rest
 
@@ -161,7 +174,7 @@ def _n_relu(a, k):
 
 def _n_conv2d(a, k):
     names = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
-    vals = list(a) + [k.get(nm, d) for nm, d in zip(names[len(a):], (None, None, None, 1, 0, 1, 1)[len(a):])]
+    vals = list(a) + [k.get(nm, d) for nm, d in zip(names[len(a) :], (None, None, None, 1, 0, 1, 1)[len(a) :])]
     return vals[:3], dict(zip(names[3:], vals[3:]))
 
 
@@ -172,6 +185,7 @@ def _swap(n):
             return None
         t, rest = r
         return [t[1], t[0]] + t[2:], rest
+
     return s
 
 
@@ -182,28 +196,33 @@ def _define_builtins() -> None:
     define_op("linear", 3, {F.linear: linear})
     matmul = OpCall("matmul", _n_two(two), lambda t, r: torch.matmul(t[0], t[1]), True, two)
     rmatmul = OpCall("matmul", _swap(_n_two(two)), matmul.dense, True, two)
-    define_op("matmul", 2, {torch.matmul: matmul, Tensor.matmul: matmul, Tensor.__matmul__: matmul,
-                            Tensor.__rmatmul__: rmatmul})
+    define_op(
+        "matmul",
+        2,
+        {torch.matmul: matmul, Tensor.matmul: matmul, Tensor.__matmul__: matmul, Tensor.__rmatmul__: rmatmul},
+    )
     mm = OpCall("mm", _n_two(("input", "mat2")), lambda t, r: torch.mm(t[0], t[1]), True, two)
     define_op("mm", 2, {torch.mm: mm, Tensor.mm: mm})
     bmm = OpCall("bmm", _n_two(("input", "mat2")), lambda t, r: torch.bmm(t[0], t[1]), True, two)
     define_op("bmm", 2, {torch.bmm: bmm, Tensor.bmm: bmm})
-    addmm = OpCall("addmm", _n_addmm, lambda t, r: torch.addmm(t[0], t[1], t[2], **r), True,
-                   ("input", "mat1", "mat2"))
+    addmm = OpCall("addmm", _n_addmm, lambda t, r: torch.addmm(t[0], t[1], t[2], **r), True, ("input", "mat1", "mat2"))
     define_op("addmm", 3, {torch.addmm: addmm, Tensor.addmm: addmm})
     # add, mul and relu are also reached at the aten level: their implementations are pure PyTorch
     add = OpCall("add", _n_add, lambda t, r: torch.add(t[0], t[1], alpha=r.get("alpha", 1)))
     radd = OpCall("add", _swap(_n_mul), lambda t, r: torch.add(t[0], t[1]))
-    define_op("add", 2, {torch.add: add, Tensor.add: add, Tensor.__add__: add, Tensor.__radd__: radd},
-              (aten.add.Tensor,))
+    define_op(
+        "add", 2, {torch.add: add, Tensor.add: add, Tensor.__add__: add, Tensor.__radd__: radd}, (aten.add.Tensor,)
+    )
     mul = OpCall("mul", _n_mul, lambda t, r: torch.mul(t[0], t[1]))
     rmul = OpCall("mul", _swap(_n_mul), mul.dense)
-    define_op("mul", 2, {torch.mul: mul, Tensor.mul: mul, Tensor.__mul__: mul, Tensor.__rmul__: rmul},
-              (aten.mul.Tensor,))
+    define_op(
+        "mul", 2, {torch.mul: mul, Tensor.mul: mul, Tensor.__mul__: mul, Tensor.__rmul__: rmul}, (aten.mul.Tensor,)
+    )
     relu = OpCall("relu", _n_relu, lambda t, r: torch.relu(t[0]))
     define_op("relu", 1, {torch.relu: relu, F.relu: relu, Tensor.relu: relu}, (aten.relu.default,))
-    conv2d = OpCall("conv2d", _n_conv2d, lambda t, r: F.conv2d(t[0], t[1], t[2], **r), True,
-                    ("input", "weight", "bias"))
+    conv2d = OpCall(
+        "conv2d", _n_conv2d, lambda t, r: F.conv2d(t[0], t[1], t[2], **r), True, ("input", "weight", "bias")
+    )
     define_op("conv2d", 3, {F.conv2d: conv2d})
 
 

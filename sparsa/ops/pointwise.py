@@ -18,6 +18,7 @@ elsewhere); gradients w.r.t. dense operands are the usual ones (summed over broa
 >>> torch.relu(s).pattern().tolist(), (s * torch.tensor([2.0, float("inf"), 1.0])).to_dense().tolist()
 ([True, False, False], [2.0, 0.0, -2.0])
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple

@@ -35,6 +35,7 @@ Example (a relu for a layout of your own; built-in registrations are left alone)
     >>> torch.relu(sparsa.to_sparse(torch.tensor([-1.0, 2.0]), MyMasked)).layout_name
     'doc_my_masked'
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,7 @@ from ..layouts.dense import Dense
 from . import op_table
 from .op_table import OPS
 
-__all__ = ["Impl", "Registration", "implements", "register_impl", "register_device_impl", "registered_impls",
-           "OPS"]
+__all__ = ["Impl", "Registration", "implements", "register_impl", "register_device_impl", "registered_impls", "OPS"]
 
 OpName = Union[str, Callable[..., Any]]
 
@@ -88,9 +88,11 @@ def _op_name(op: OpName) -> Tuple[str, bool]:
     """(op name, whether this call defined the op) for an op name or a torch function."""
     if isinstance(op, str):
         if op not in OPS:
-            raise ValueError(f"unknown op {op!r}; dispatchable ops: {sorted(OPS)}. To make another torch "
-                             "function dispatchable, pass the function itself, e.g. "
-                             "sparsa.implements(torch.sin, (MyLayout,))")
+            raise ValueError(
+                f"unknown op {op!r}; dispatchable ops: {sorted(OPS)}. To make another torch "
+                "function dispatchable, pass the function itself, e.g. "
+                "sparsa.implements(torch.sin, (MyLayout,))"
+            )
         return op, False
     if not callable(op):
         raise TypeError(f"op must be an op name or a torch function, got {op!r}")
@@ -147,9 +149,15 @@ class Registration:
         return f"Registration({self.impl.op}{tuple(l.name for l in self.impl.layouts)}: {self.impl.name}, {state})"
 
 
-def register_impl(op: OpName, layouts: Sequence[Optional[type]], forward: Callable,
-                  backward: Optional[Callable] = None, *, replace: bool = False,
-                  name: Optional[str] = None) -> Registration:
+def register_impl(
+    op: OpName,
+    layouts: Sequence[Optional[type]],
+    forward: Callable,
+    backward: Optional[Callable] = None,
+    *,
+    replace: bool = False,
+    name: Optional[str] = None,
+) -> Registration:
     """Register ``forward``/``backward`` for ``op`` (a name in :data:`OPS` or a torch function) on
     ``layouts``, at the torch-function and aten levels; duplicates are an error unless ``replace``.
     Returns the :class:`Registration` (``.remove()`` undoes it)."""
@@ -157,8 +165,10 @@ def register_impl(op: OpName, layouts: Sequence[Optional[type]], forward: Callab
     try:
         key = (op_name, _norm_layouts(op_name, layouts))
         if key in _IMPLS and not replace:
-            raise ValueError(f"an implementation of {op_name!r} for layouts {[l.name for l in key[1]]} is "
-                             f"already registered ({_IMPLS[key].name}); pass replace=True to replace it")
+            raise ValueError(
+                f"an implementation of {op_name!r} for layouts {[l.name for l in key[1]]} is "
+                f"already registered ({_IMPLS[key].name}); pass replace=True to replace it"
+            )
     except Exception:
         if defined:
             op_table.undefine_op(op_name)
@@ -188,8 +198,10 @@ class implements:
 
     def __call__(self, obj: Any) -> Any:
         if self.registration is not None and not self.registration.removed:
-            raise ValueError(f"this implements({self.op!r}, ...) already registered "
-                             f"{self.registration.impl.name}; call .remove() first or make a new one")
+            raise ValueError(
+                f"this implements({self.op!r}, ...) already registered "
+                f"{self.registration.impl.name}; call .remove() first or make a new one"
+            )
         if isinstance(obj, type):
             fwd = getattr(obj, "forward")
             bwd = getattr(obj, "backward", None)
@@ -212,9 +224,15 @@ class implements:
             self.registration.remove()
 
 
-def register_device_impl(op: OpName, layouts: Sequence[Optional[type]], forward: Callable,
-                         backward: Optional[Callable] = None, *, applies: Callable[..., bool],
-                         name: Optional[str] = None) -> Registration:
+def register_device_impl(
+    op: OpName,
+    layouts: Sequence[Optional[type]],
+    forward: Callable,
+    backward: Optional[Callable] = None,
+    *,
+    applies: Callable[..., bool],
+    name: Optional[str] = None,
+) -> Registration:
     """Register an implementation preferred wherever ``applies(*args, **rest)`` is true (e.g. tensors on
     a GPU). Elsewhere the plain implementation for the same layouts runs (this one if there is none, so
     it must be correct on every device). Tried in registration order; the same name replaces itself."""

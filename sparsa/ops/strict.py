@@ -28,6 +28,7 @@ Example::
     >>> sparsa.strict(False)
     strict(False)
 """
+
 from __future__ import annotations
 
 import os
@@ -84,20 +85,26 @@ class strict:
         return f"strict({self.enabled})"
 
 
-def fallback_error(op: str, layout_names: Tuple[str, ...], registrable: bool,
-                   torch_fn: Optional[str] = None) -> SparseFallbackError:
+def fallback_error(
+    op: str, layout_names: Tuple[str, ...], registrable: bool, torch_fn: Optional[str] = None
+) -> SparseFallbackError:
     """The error strict mode raises for a dense fallback of ``op`` on arguments of ``layout_names``;
     ``torch_fn`` names the torch function (``"torch.sin"``) an implementation can be registered for."""
     sparse = [n for n in layout_names if n != "dense"]
     if registrable or torch_fn:
         target = repr(op) if registrable else torch_fn
-        how = (f"register an implementation with @sparsa.implements({target}, <one layout class per tensor "
-               f"argument, matching {layout_names}>), or convert the sparse argument first with "
-               "sparsa.to_dense(x)")
+        how = (
+            f"register an implementation with @sparsa.implements({target}, <one layout class per tensor "
+            f"argument, matching {layout_names}>), or convert the sparse argument first with "
+            "sparsa.to_dense(x)"
+        )
     else:
-        how = (f"{op!r} has no torch function sparsa.implements could register, so convert the sparse "
-               "argument first with sparsa.to_dense(x)")
+        how = (
+            f"{op!r} has no torch function sparsa.implements could register, so convert the sparse "
+            "argument first with sparsa.to_dense(x)"
+        )
     return SparseFallbackError(
         f"sparsa strict mode: no sparse implementation of {op!r} for argument layouts {layout_names} "
         f"(sparse: {', '.join(sparse) or 'none'}); it would run densely. To fix: {how}; or allow dense "
-        "fallbacks here with `with sparsa.strict(False):`.")
+        "fallbacks here with `with sparsa.strict(False):`."
+    )

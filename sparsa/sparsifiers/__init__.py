@@ -6,6 +6,7 @@
 >>> int(Magnitude(0.75).mask(w).sum()), int(NM(2, 4).mask(w).sum())
 (32, 64)
 """
+
 from .base import Sparsifier, is_sparsifier, check_sparsifier  # noqa: F401
 from .keep_all import KeepAll  # noqa: F401
 from .magnitude import Magnitude  # noqa: F401
@@ -18,6 +19,22 @@ from .row_group import RowGroupSparsifier  # noqa: F401
 from .schedules import Schedule, ConstantSparsity, CubicSchedule  # noqa: F401
 from .pattern_names import parse_pattern, NamedPattern, PATTERN_SPELLINGS  # noqa: F401
 
-__all__ = ["Sparsifier", "KeepAll", "Magnitude", "Threshold", "Random", "NM", "GroupedNM", "BlockMagnitude",
-           "RowGroupSparsifier", "Schedule", "ConstantSparsity", "CubicSchedule", "parse_pattern",
-           "NamedPattern", "PATTERN_SPELLINGS", "is_sparsifier", "check_sparsifier"]
+__all__ = [
+    "Sparsifier",
+    "KeepAll",
+    "Magnitude",
+    "Threshold",
+    "Random",
+    "NM",
+    "GroupedNM",
+    "BlockMagnitude",
+    "RowGroupSparsifier",
+    "Schedule",
+    "ConstantSparsity",
+    "CubicSchedule",
+    "parse_pattern",
+    "NamedPattern",
+    "PATTERN_SPELLINGS",
+    "is_sparsifier",
+    "check_sparsifier",
+]

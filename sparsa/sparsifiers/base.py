@@ -12,6 +12,7 @@ Example::
     >>> s(torch.tensor([0.1, -3.0, 0.2, 4.0])).tolist()
     [0.0, -3.0, 0.0, 4.0]
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,8 +44,10 @@ class Sparsifier(ABC):
         check_float(dense, "dense")
         out = self._mask(dense.detach())
         if out.shape != dense.shape or out.dtype != torch.bool:  # pragma: no cover - subclass bug guard
-            raise RuntimeError(f"{type(self).__name__}._mask returned {out.dtype} {tuple(out.shape)}, "
-                               f"expected a bool mask of shape {tuple(dense.shape)}")
+            raise RuntimeError(
+                f"{type(self).__name__}._mask returned {out.dtype} {tuple(out.shape)}, "
+                f"expected a bool mask of shape {tuple(dense.shape)}"
+            )
         return out
 
     @abstractmethod
@@ -109,8 +112,10 @@ def check_sparsifier(obj: Any, arg: str = "sparsifier", allow_none: bool = True)
     """
     if (obj is None and allow_none) or is_sparsifier(obj):
         return obj
-    raise TypeError(f"{arg} must be a sparsifier: a sparsa.sparsifiers.Sparsifier (e.g. Magnitude(0.5)) or any "
-                    f"object with a mask(dense) -> bool tensor method; got {type(obj).__name__} {obj!r}")
+    raise TypeError(
+        f"{arg} must be a sparsifier: a sparsa.sparsifiers.Sparsifier (e.g. Magnitude(0.5)) or any "
+        f"object with a mask(dense) -> bool tensor method; got {type(obj).__name__} {obj!r}"
+    )
 
 
 def layout_params_of(sparsifier: Any) -> Dict[str, Any]:
@@ -133,8 +138,10 @@ def n_removed(sparsity: float, n: int) -> int:
 def check_no_nan(dense: Tensor, who: str) -> None:
     """Magnitude-based selection is undefined with NaNs: raise instead of silently keeping garbage."""
     if dense.numel() and bool(torch.isnan(dense).any()):
-        raise ValueError(f"{who}: the tensor contains {int(torch.isnan(dense).sum())} NaN value(s); "
-                         "magnitude ranking is undefined. Clean the weights first (e.g. torch.nan_to_num)")
+        raise ValueError(
+            f"{who}: the tensor contains {int(torch.isnan(dense).sum())} NaN value(s); "
+            "magnitude ranking is undefined. Clean the weights first (e.g. torch.nan_to_num)"
+        )
 
 
 def top_mask(scores: Tensor, keep: int) -> Tensor:
@@ -170,5 +177,3 @@ def check_nm(n: Any, m: Any) -> tuple:
     if n >= m:
         raise ValueError(f"n must be smaller than m (keep n of every m values), got n={n}, m={m}")
     return n, m
-
-

@@ -1,4 +1,5 @@
 """BlockMagnitude: remove whole ``(br, bc)`` blocks with the smallest L2 norm."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,10 @@ class BlockMagnitude(Sparsifier):
     def _mask(self, dense: Tensor) -> Tensor:
         check_no_nan(dense, "BlockMagnitude")
         if dense.dim() < 2:
-            raise ValueError(f"BlockMagnitude needs a tensor with >= 2 dims, got shape {tuple(dense.shape)}; "
-                             "use Magnitude for vectors")
+            raise ValueError(
+                f"BlockMagnitude needs a tensor with >= 2 dims, got shape {tuple(dense.shape)}; "
+                "use Magnitude for vectors"
+            )
         if dense.numel() == 0:
             return torch.zeros(dense.shape, dtype=torch.bool, device=dense.device)
         br, bc = self.block

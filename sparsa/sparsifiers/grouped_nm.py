@@ -1,4 +1,5 @@
 """GroupedNM: an n:m pattern shared by groups of ``g`` rows (the ``"grouped_nm"`` layout's structure)."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -29,8 +30,9 @@ class GroupedNM(Sparsifier):
         try:
             from ..layouts.grouped_nm import grouped_nm_mask
         except ImportError as e:  # pragma: no cover - depends on the layout being installed
-            raise RuntimeError("GroupedNM needs the 'grouped_nm' layout (sparsa.layouts.grouped_nm), "
-                               f"which could not be imported: {e}") from e
+            raise RuntimeError(
+                f"GroupedNM needs the 'grouped_nm' layout (sparsa.layouts.grouped_nm), which could not be imported: {e}"
+            ) from e
         return grouped_nm_mask(dense, self.n, self.m, self.g)
 
     def layout_params(self):

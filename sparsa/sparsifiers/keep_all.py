@@ -1,4 +1,5 @@
 """KeepAll: the identity sparsifier (every position kept)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Magnitude: keep the largest ``|w|`` (per tensor or per row), an exact count."""
+
 from __future__ import annotations
 
 from torch import Tensor

@@ -1,4 +1,5 @@
 """NM: keep the ``n`` largest magnitudes in every group of ``m`` consecutive values (last dim)."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ the method configs and the frontier take (``"2:4"``, ``"grouped_2:4"``, ``"row_g
 >>> parse_pattern("grouped_nm", 0.8).canonical
 'grouped_1:5'
 """
+
 from __future__ import annotations
 
 import re
@@ -21,13 +22,23 @@ from .magnitude import Magnitude
 from .nm import NM
 from .row_group import RowGroupSparsifier
 
-__all__ = ["parse_pattern", "NamedPattern", "PATTERN_SPELLINGS", "grouped_nm_for", "GROUPED_NM_COLUMNS",
-           "DEFAULT_ROW_GROUP"]
+__all__ = [
+    "parse_pattern",
+    "NamedPattern",
+    "PATTERN_SPELLINGS",
+    "grouped_nm_for",
+    "GROUPED_NM_COLUMNS",
+    "DEFAULT_ROW_GROUP",
+]
 
 #: every accepted spelling, as the error for an unknown one lists them
-PATTERN_SPELLINGS = ("'unstructured'", "'N:M' (e.g. '2:4'; with layout 'grouped_nm' stored as grouped N:M)",
-                     "'grouped_N:M' (e.g. 'grouped_2:4')", "'grouped_nm' (the grouped N:M nearest the sparsity)",
-                     "'row_group<G>' (e.g. 'row_group16'; 'row_group' alone means 'row_group16')")
+PATTERN_SPELLINGS = (
+    "'unstructured'",
+    "'N:M' (e.g. '2:4'; with layout 'grouped_nm' stored as grouped N:M)",
+    "'grouped_N:M' (e.g. 'grouped_2:4')",
+    "'grouped_nm' (the grouped N:M nearest the sparsity)",
+    "'row_group<G>' (e.g. 'row_group16'; 'row_group' alone means 'row_group16')",
+)
 #: columns that share one grouped N:M pattern
 GROUPED_NM_COLUMNS = 4
 #: the group size of a bare ``"row_group"``
@@ -58,12 +69,15 @@ def grouped_nm_for(sparsity: float, max_m: int = 10) -> Tuple[int, int]:
     >>> [grouped_nm_for(s) for s in (0.5, 0.6, 0.75, 0.8, 0.9)]
     [(2, 4), (2, 5), (1, 4), (1, 5), (1, 10)]
     """
-    return min(((n, m) for m in range(4, max_m + 1) for n in (1, 2)),
-               key=lambda nm: (round(abs(1 - nm[0] / nm[1] - sparsity), 9), nm[1]))
+    return min(
+        ((n, m) for m in range(4, max_m + 1) for n in (1, 2)),
+        key=lambda nm: (round(abs(1 - nm[0] / nm[1] - sparsity), 9), nm[1]),
+    )
 
 
-def parse_pattern(pattern: str, sparsity: float = 0.5, layout: Optional[str] = None, *,
-                  arg: str = "pattern") -> NamedPattern:
+def parse_pattern(
+    pattern: str, sparsity: float = 0.5, layout: Optional[str] = None, *, arg: str = "pattern"
+) -> NamedPattern:
     """Parse ``pattern`` at ``sparsity``; ``layout`` only changes the answer for an ``'N:M'`` pattern
     stored as ``"grouped_nm"`` (a plain N:M mask is not grouped N:M, so the grouped sparsifier picks it).
 
@@ -79,8 +93,9 @@ def parse_pattern(pattern: str, sparsity: float = 0.5, layout: Optional[str] = N
     RowGroupSparsifier(sparsity=0.75, group=8)
     """
     if not isinstance(pattern, str):
-        raise TypeError(f"{arg} must be a string: one of {', '.join(PATTERN_SPELLINGS)}; "
-                        f"got {type(pattern).__name__} {pattern!r}")
+        raise TypeError(
+            f"{arg} must be a string: one of {', '.join(PATTERN_SPELLINGS)}; got {type(pattern).__name__} {pattern!r}"
+        )
     try:
         return _parse(pattern, sparsity, layout)
     except _Unknown:
@@ -114,8 +129,13 @@ def _parse(pattern: str, sparsity: float, layout: Optional[str]) -> NamedPattern
         group = int(rg[1]) if rg[1] else DEFAULT_ROW_GROUP
         if group <= 0:
             raise ValueError("the group size must be a positive int, e.g. 'row_group16'")
-        return NamedPattern(pattern, f"row_group{group}", "row_group", float(check_fraction(sparsity, "sparsity")),
-                            RowGroupSparsifier(sparsity, group=group))
+        return NamedPattern(
+            pattern,
+            f"row_group{group}",
+            "row_group",
+            float(check_fraction(sparsity, "sparsity")),
+            RowGroupSparsifier(sparsity, group=group),
+        )
     raise _Unknown
 
 

@@ -1,4 +1,5 @@
 """Random: remove an exact fraction of positions chosen uniformly at random."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -1,5 +1,6 @@
 """RowGroupSparsifier: every ``group`` rows keep the same input columns (the ``"row_group"`` layout's
 structure, the fast CPU pattern)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,8 +36,9 @@ class RowGroupSparsifier(Sparsifier):
         if not isinstance(permute, bool):
             raise TypeError(f"permute must be True or False, got {permute!r}")
         if scores is not None and not isinstance(scores, Tensor):
-            raise TypeError(f"scores must be a tensor (per input feature or per weight) or None, got "
-                            f"{type(scores).__name__}")
+            raise TypeError(
+                f"scores must be a tensor (per input feature or per weight) or None, got {type(scores).__name__}"
+            )
         self.sparsity = check_fraction(sparsity, "sparsity")
         self.group = group
         self.permute = permute
@@ -44,6 +46,7 @@ class RowGroupSparsifier(Sparsifier):
 
     def _mask(self, dense: Tensor) -> Tensor:
         from ..layouts.row_group import row_group_mask
+
         return row_group_mask(dense, self.sparsity, self.group, permute=self.permute, scores=self.scores)
 
     def layout_params(self):

@@ -5,6 +5,7 @@
 >>> s(0), round(s(50), 3), s(100), s(1000)
 (0.0, 0.7, 0.8, 0.8)
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -67,7 +68,7 @@ class CubicSchedule(Schedule):
     def sparsity_at(self, step: int) -> float:
         if _check_step(step) >= self.end_step:
             return self.final
-        t = max(step - self.start_step, 0) // self.every * self.every     # steps since the start, at the last update
+        t = max(step - self.start_step, 0) // self.every * self.every  # steps since the start, at the last update
         return self.initial + (self.final - self.initial) * (1.0 - (1.0 - t / (self.end_step - self.start_step)) ** 3)
 
     def is_update_step(self, step: int) -> bool:
@@ -76,5 +77,7 @@ class CubicSchedule(Schedule):
         return self.start_step <= step <= self.end_step and (step - self.start_step) % self.every == 0
 
     def __repr__(self) -> str:
-        return (f"CubicSchedule(initial={self.initial}, final={self.final}, start_step={self.start_step}, "
-                f"end_step={self.end_step}, every={self.every})")
+        return (
+            f"CubicSchedule(initial={self.initial}, final={self.final}, start_step={self.start_step}, "
+            f"end_step={self.end_step}, every={self.every})"
+        )

@@ -1,4 +1,5 @@
 """Threshold: keep values whose magnitude exceeds a fixed threshold."""
+
 from __future__ import annotations
 
 import math
