@@ -29,16 +29,42 @@ struct Tables {
 };
 const Tables kTables;
 
-// 8 packed values (reads 8, uses popcount(m)) as floats
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
+// kShuf[m]: a byte shuffle of the group's 8 packed bf16 values (16 bytes, in both 128-bit halves) into
+// 8 fp32 lanes: a kept lane takes its value's two bytes as the high half of the float, every other
+// byte is zeroed (index 0x80). bf16 expands with one in-lane shuffle instead of widen, shift, permute
+// and blend, which bounded the bf16 loop by shuffle throughput rather than by memory.
+struct Bf16Tables {
+    alignas(64) uint8_t shuf[256][32];
+    Bf16Tables() {
+        for (int m = 0; m < 256; ++m) {
+            int k = 0;
+            for (int i = 0; i < 8; ++i) {
+                uint8_t* lane = shuf[m] + 4 * i;  // lanes 0-3: low 128 bits, 4-7: high (same bytes there)
+                lane[0] = lane[1] = 0x80;
+                if (m >> i & 1) {
+                    lane[2] = (uint8_t)(2 * k);
+                    lane[3] = (uint8_t)(2 * k + 1);
+                    ++k;
+                } else {
+                    lane[2] = lane[3] = 0x80;
+                }
+            }
+        }
+    }
+};
+const Bf16Tables kBf16Tables;
 
-// the group's 8 weights, zero where the mask bit is clear
-template <class V>
-inline __m256 expand8(const V* vp, unsigned m) {
+// the group's 8 weights, zero where the mask bit is clear (reads 8 packed values, uses popcount(m))
+inline __m256 expand8(const float* vp, unsigned m) {
     const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.perm[m]));
-    const __m256 v = _mm256_permutevar8x32_ps(load8(vp), idx);
+    const __m256 v = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vp), idx);
     return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_castsi256_ps(idx));
+}
+
+inline __m256 expand8(const uint16_t* vp, unsigned m) {
+    const __m256i src = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp)));
+    const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kBf16Tables.shuf[m]));
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(src, sh));
 }
 
 // how far ahead of the packed values the stream kernel prefetches (the hardware prefetcher alone
