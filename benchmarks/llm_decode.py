@@ -137,6 +137,93 @@ def compiled_decode(model):
         return None, f"{type(e).__name__}: {e}"[:300]
 
 
+def bench_model(
+    name: str,
+    dtype: torch.dtype,
+    a,
+    specs,
+    batches,
+    prefill_batches,
+    steps: int,
+    rounds: int,
+    use_compile: bool,
+    notes: Dict[str, str],
+) -> List[Dict]:
+    """The rows of one model and dtype. Its models and compiled graphs die with this call's frame, so
+    the next model is built in the memory they held (1B fp32 plus pruned copies is most of 24 GiB)."""
+    rows: List[Dict] = []
+    dense = build_model(name, dtype)
+    params = sum(p.numel() for p in dense.parameters())
+    dense_bytes = linear_bytes(dense)
+    engines = {"dense": (dense, None, 1.0)}
+    for s in specs:
+        m = prune_copy(dense, s)
+        engines[f"bitmask@{s}"] = (m, s, linear_bytes(m) / dense_bytes)
+    comp = None
+    if use_compile:
+        comp, why = compiled_decode(dense)
+        if why:
+            notes[f"{name}/{dtype}/compile"] = why
+    dname = str(dtype).replace("torch.", "")
+    for batch in batches:
+        phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
+        if batch in prefill_batches:
+            phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
+        for phase, make in phases:
+            fns = {k: make(m) for k, (m, _, _) in engines.items()}
+            if comp is not None and phase == "decode" and batch in a.compile_batches:
+                t0 = time.perf_counter()
+                try:
+                    fc = make(dense, comp)
+                    fc()  # compile outside the timing
+                    fns["dense_compiled"] = fc
+                    notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
+                except Exception as e:  # pragma: no cover - depends on torch/transformers
+                    notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
+                for s in a.compile_sparse:
+                    m = engines[f"bitmask@{s}"][0]
+                    t0 = time.perf_counter()
+                    try:
+                        fc = make(m, torch.compile(m.forward, dynamic=True))
+                        fc()
+                        fns[f"bitmask@{s}+compiled"] = fc
+                        notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = f"{time.perf_counter() - t0:.1f}"
+                    except Exception as e:  # pragma: no cover - depends on torch/transformers
+                        notes[f"{name}/{dname}/b{batch}/sparse{s}_compile"] = f"{type(e).__name__}: {e}"[:300]
+            # a prefill is seconds long and steadier than a decode step: fewer rounds
+            ms = round_robin_ms(fns, rounds if phase == "decode" else min(rounds, 3), min_seconds=0.0)
+            per = steps if phase == "decode" else 1
+            best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
+            for k, t in ms.items():
+                base = k.replace("+compiled", "")
+                spec = engines[base][1] if base in engines else None
+                toks = batch * (steps if phase == "decode" else a.prompt)
+                rows.append(
+                    {
+                        "model": name,
+                        "params": params,
+                        "dtype": dname,
+                        "layout": ("bitmask" if spec else k) + ("+compiled" if spec and base != k else ""),
+                        "sparsity": spec,
+                        "batch": batch,
+                        "phase": phase,
+                        "ms": round(t / per, 3),
+                        "tokens_per_s": round(toks / (t / 1e3), 2),
+                        "speedup_vs_dense": round(ms["dense"] / t, 3),
+                        "speedup_vs_best_dense": round(best / t, 3),
+                        "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
+                    }
+                )
+                r = rows[-1]
+                print(
+                    f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
+                    f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
+                    f"bytes {r['weight_bytes_ratio']:.3f}",
+                    flush=True,
+                )
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="0.5B, fp32, batch 1, 50%% and 2:4, fewer rounds")
@@ -199,79 +286,9 @@ def main(argv=None) -> int:
     t_start = time.time()
     for name in models:
         for dtype in dtypes:
-            dense = build_model(name, dtype)
-            params = sum(p.numel() for p in dense.parameters())
-            dense_bytes = linear_bytes(dense)
-            engines = {"dense": (dense, None, 1.0)}
-            for s in specs:
-                m = prune_copy(dense, s)
-                engines[f"bitmask@{s}"] = (m, s, linear_bytes(m) / dense_bytes)
-            comp = None
-            if use_compile:
-                comp, why = compiled_decode(dense)
-                if why:
-                    notes[f"{name}/{dtype}/compile"] = why
-            dname = str(dtype).replace("torch.", "")
-            for batch in batches:
-                phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
-                if batch in prefill_batches:
-                    phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
-                for phase, make in phases:
-                    fns = {k: make(m) for k, (m, _, _) in engines.items()}
-                    if comp is not None and phase == "decode" and batch in a.compile_batches:
-                        t0 = time.perf_counter()
-                        try:
-                            fc = make(dense, comp)
-                            fc()  # compile outside the timing
-                            fns["dense_compiled"] = fc
-                            notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
-                        except Exception as e:  # pragma: no cover - depends on torch/transformers
-                            notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
-                        for s in a.compile_sparse:
-                            m = engines[f"bitmask@{s}"][0]
-                            t0 = time.perf_counter()
-                            try:
-                                fc = make(m, torch.compile(m.forward, dynamic=True))
-                                fc()
-                                fns[f"bitmask@{s}+compiled"] = fc
-                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = (
-                                    f"{time.perf_counter() - t0:.1f}"
-                                )
-                            except Exception as e:  # pragma: no cover - depends on torch/transformers
-                                notes[f"{name}/{dname}/b{batch}/sparse{s}_compile"] = f"{type(e).__name__}: {e}"[:300]
-                    # a prefill is seconds long and steadier than a decode step: fewer rounds
-                    ms = round_robin_ms(fns, rounds if phase == "decode" else min(rounds, 3), min_seconds=0.0)
-                    per = steps if phase == "decode" else 1
-                    best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
-                    for k, t in ms.items():
-                        base = k.replace("+compiled", "")
-                        spec = engines[base][1] if base in engines else None
-                        toks = batch * (steps if phase == "decode" else a.prompt)
-                        rows.append(
-                            {
-                                "model": name,
-                                "params": params,
-                                "dtype": dname,
-                                "layout": ("bitmask" if spec else k) + ("+compiled" if spec and base != k else ""),
-                                "sparsity": spec,
-                                "batch": batch,
-                                "phase": phase,
-                                "ms": round(t / per, 3),
-                                "tokens_per_s": round(toks / (t / 1e3), 2),
-                                "speedup_vs_dense": round(ms["dense"] / t, 3),
-                                "speedup_vs_best_dense": round(best / t, 3),
-                                "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
-                            }
-                        )
-                        r = rows[-1]
-                        print(
-                            f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
-                            f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
-                            f"bytes {r['weight_bytes_ratio']:.3f}",
-                            flush=True,
-                        )
-            del engines, dense, comp
+            rows += bench_model(name, dtype, a, specs, batches, prefill_batches, steps, rounds, use_compile, notes)
             gc.collect()
+            torch._dynamo.reset()  # compiled graphs hold the weights they were traced with
     res = {
         "benchmark": "llm_decode",
         "cpu": sparsa.cpu.cpu_info(),
