@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive as _k
-from ..kernels.geometry import ConvGeometry
 from .base import Layout, check_float, register_conversion, register_layout
 from .masked import Masked
 from .row_group import _has_data
@@ -74,8 +73,19 @@ def _check_slice(slice: Any) -> int:
 def _valid(cnt: Tensor, P: int, C: int, slice: int) -> Tensor:
     """Bool ``[P, C]``: which of the ``P * C`` idx/val entries lie inside a count."""
     S = -(-C // slice)
-    ch = torch.arange(C, device=cnt.device)
-    return (ch % slice).view(1, C) < cnt.view(P, S).index_select(1, ch // slice)
+    full, rem = C // slice, C % slice
+    c2 = cnt.view(P, S)
+    # broadcast compares per slice (a gather of each channel's count was 5x slower)
+    parts = []
+    if full:
+        j = torch.arange(slice, device=cnt.device, dtype=cnt.dtype)
+        parts.append((j.view(1, 1, slice) < c2[:, :full].unsqueeze(-1)).view(P, full * slice))
+    if rem:
+        j = torch.arange(rem, device=cnt.device, dtype=cnt.dtype)
+        parts.append(j.view(1, rem) < c2[:, full:])
+    if not parts:
+        return torch.zeros(P, C, dtype=torch.bool, device=cnt.device)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 @register_layout
@@ -150,16 +160,18 @@ class ReluCompact(Layout):
         val[P * C :] = 0
         return cls(cnt, idx, val, shape, slice, validate=False)
 
-    def _geometry(self) -> ConvGeometry:
-        N, C, H, W = _image(self.shape)
-        return ConvGeometry(N, C, H, W, 0, 0, 0, 0, 0, 1, 1, 0, 0, 1, 1, self.slice)
-
     def to_dense(self) -> Tensor:
         """``relu(x)`` of the logical shape (an ``[N, C, H, W]`` result has channels-last strides)."""
-        if self.val.device.type != "cpu":
-            return self.map_tensors(lambda t: t.cpu()).to_dense().to(self.val.device)
-        d = _k.densify(self.cnt, self.idx, self.val, self._geometry())
-        return d if len(self.shape) == 4 else d[0, :, :, 0].t()
+        N, C, H, W = _image(self.shape)
+        P = N * H * W
+        # canonical components (zero past each count) let one scatter-add rebuild the rows: the padding
+        # entries add 0 to channel 0, the kept ones land on distinct channels
+        d = torch.zeros(P, C, dtype=self.val.dtype, device=self.val.device)
+        if P * C:
+            d.scatter_add_(1, self.idx[: P * C].view(P, C).long(), self.val[: P * C].view(P, C))
+        if len(self.shape) == 4:
+            return d.view(N, H, W, C).permute(0, 3, 1, 2)
+        return d.view(H, C)
 
     def mask(self) -> Tensor:
         return self.to_dense() != 0
