@@ -207,3 +207,27 @@ def test_cli_lists_the_models_and_refits_them(table, monkeypatch, capsys):
     assert "skipped conv_union.dx.x, conv_union.dw.x: the union kernels need AVX-512" in out
     assert "cost fit conv_list.dw.dy: ratio 0.5 (refitted)" in out
     assert "costfit|" not in out  # listed once, by name, not again as a raw fitted model
+
+
+def test_the_list_refit_regresses_on_the_terms_the_rule_multiplies(tmp_path, monkeypatch):
+    # conv_list.dx.dy's ``fixed`` multiplies numel(dY) * O in the rule; a refit that regressed on numel(dY)
+    # alone stored an O-times larger ``fixed`` and turned the dY path off on every layer
+    if cost_fits_refit.skip_reason("list") is not None:
+        pytest.skip(cost_fits_refit.skip_reason("list"))
+    seen = []
+    real = cost_fits_refit._lstsq
+
+    def spy(rows, ys):
+        seen.append(rows)
+        return real(rows, ys)
+
+    monkeypatch.setattr(cost_fits_refit, "_lstsq", spy)
+    N, C, H, W = shape = (2, 16, 8, 8)
+    cost_fits_refit.refit(
+        CostModel(tmp_path / "c.json"), names=["conv_list.dx.dy"], shape=shape, rounds=1, max_residual=float("inf")
+    )
+    dy_rows = [rows for rows in seen if len(rows[0]) == 2]
+    assert dy_rows, "the dY path's two-term fit did not run"
+    for sparse_work, dense_work in dy_rows[0]:
+        assert dense_work == N * H * W * C * C  # numel(dY) * O, O == C in the refit's shape
+        assert sparse_work % C == 0 and 0 < sparse_work <= N * H * W * C * C

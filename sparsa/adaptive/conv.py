@@ -82,13 +82,20 @@ def _dy_path_pays(g: Tensor, cnt: Tensor, geo: Sequence[int], need_dw: bool = Tr
     return _dy_rule(int(cnt.sum()), _dy_density(g) * numel_dy, numel_dy, geo.C, geo.O, need_dw)
 
 
+def dy_path_terms(nnz_dy: float, numel_dy: int, C: int, O: int) -> Tuple[float, float]:
+    """The two work terms of cost model ``conv_list.dx.dy``, ``(nnz(dY) * C, numel(dY) * O)``, which
+    ``per_nnz`` and ``fixed`` multiply; the refit regresses the measured times on these same terms."""
+    return nnz_dy * C, numel_dy * O
+
+
 def _dy_rule(nnz_x: int, nnz_dy: float, numel_dy: int, C: int, O: int, need_dw: bool) -> bool:
     fit = _fits.stored("conv_list.dx.dy")
     if fit is None:
         per_nnz, fixed, margin, margin_dw = _DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW
     else:
         per_nnz, fixed, margin, margin_dw = fit["per_nnz"], fit["fixed"], fit["margin"], fit["margin_with_dw"]
-    new = (per_nnz * nnz_dy * C + fixed * numel_dy * O) * max(1.0, C / O) ** 0.5
+    sparse_work, dense_work = dy_path_terms(nnz_dy, numel_dy, C, O)
+    new = (per_nnz * sparse_work + fixed * dense_work) * max(1.0, C / O) ** 0.5
     return new < (margin_dw if need_dw else margin) * nnz_x * O
 
 

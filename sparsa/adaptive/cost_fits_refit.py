@@ -32,6 +32,7 @@ from ..kernels import adaptive as _k
 from ..kernels import adaptive_union as _u
 from . import cost_fits as _fits
 from .compaction import DEFAULT_SLICE
+from .conv import dy_path_terms
 
 __all__ = ["refit", "skip_reason"]
 
@@ -151,7 +152,7 @@ def _refit_list(shape, densities, rounds) -> Dict[str, Fit]:
         dwx_work.append(nnz_x * O)
         dwx_t.append(t["dw_x"])
         for dg in densities:
-            dy_rows.append([nnz_g[dg] * C, N * H * W * O])
+            dy_rows.append(list(dy_path_terms(nnz_g[dg], N * H * W * O, C, O)))
             dy_t.append(t[f"dy{dg}"])
             dwdy_work.append(nnz_g[dg] * C)
             dwdy_t.append(t[f"dwdy{dg}"])
