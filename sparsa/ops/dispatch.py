@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -156,6 +156,11 @@ def _unwrap(a: Any, conv: Optional[Tuple[Callable, ...]]) -> Any:
     return a
 
 
+def _unwrap_all(targs: Sequence[Any], convs: Optional[Tuple[Tuple[Callable, ...], ...]]) -> list:
+    """The arguments an implementation receives: layouts (converted per ``convs``) and plain values."""
+    return [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
+
+
 def _wrap(cls: type, out: Any) -> Any:
     if isinstance(out, Layout):
         return out.values if isinstance(out, Dense) else cls(out)
@@ -171,12 +176,7 @@ class _Run(torch.autograd.Function):
         cls, impl, convs, rest = spec
         ctx.impl = impl
         ctx.needs_input_grad = ctx.needs_input_grad[1:]  # per tensor argument, what implementations read
-        if convs:
-            args = [_unwrap(a, convs[i]) for i, a in enumerate(targs)]
-        else:
-            args = [a._layout if isinstance(a, SparseTensorBase) else a for a in targs]
-            args = [a.values if isinstance(a, Dense) else a for a in args]
-        return _wrap(cls, impl.forward(ctx, *args, **rest))
+        return _wrap(cls, impl.forward(ctx, *_unwrap_all(targs, convs), **rest))
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -244,9 +244,7 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
         return _dense_call(call, func, args, kwargs, targs, rest)
     if needs_grad:
         return _Run.apply((cls, plan.impl, plan.conversions, rest), *targs)
-    convs = plan.conversions
-    uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
-    return _wrap(cls, plan.impl.forward(_Ctx(), *uargs, **rest))
+    return _wrap(cls, plan.impl.forward(_Ctx(), *_unwrap_all(targs, plan.conversions), **rest))
 
 
 def _dense_call(call: OpCall, func: Callable, args: tuple, kwargs: dict, targs: list, rest: dict) -> Any:
@@ -271,8 +269,7 @@ def dispatch_aten(cls: type, call: OpCall, args: tuple, kwargs: dict) -> Any:
         return NO_IMPL
     if call.same_dtype:
         _check_dtypes(call, targs)
-    convs = plan.conversions
-    uargs = [_unwrap(a, convs[i] if convs else None) for i, a in enumerate(targs)]
+    uargs = _unwrap_all(targs, plan.conversions)
     with torch.no_grad():
         return _wrap(cls, plan.impl.forward(_Ctx(), *uargs, **rest))
 
