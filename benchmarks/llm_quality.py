@@ -9,6 +9,13 @@ Model: SmolLM2-135M-Instruct (Llama architecture, 30 decoder blocks), from the P
 - ``sparsegpt`` and ``wanda``, block by block (``sparsa.methods.blockwise``), at 50% unstructured
   (per output row), 2:4 and 4:8.
 
+Recovery (``--recover SECONDS``, default 900 in a full run, only for SparseGPT at the
+``--recover-patterns``, default unstructured): :func:`sparsa.methods.recover` fine-tunes the pruned
+model at its pattern towards the dense one (:func:`sparsa.methods.logit_distillation_loss`, the KL of
+the next-token distributions) for that wall-clock budget, on windows of the calibration prose and of
+the calibration modules' Python source, both disjoint from the held-out domains; its rows are method
+``sparsegpt+recover``.
+
 Calibration (``--calibration``): ``prose`` (default), windows of English prose, standard-library
 docstring sentences (``sparsa.data.text``); ``mixed``, half of those windows and half from the Python
 source of the modules those docstrings come from. Held out, disjoint from calibration: ``prose``,
@@ -21,6 +28,7 @@ redirect it), with the CPU under ``cpu``.
 
     python benchmarks/llm_quality.py            # full: tens of minutes on 2 cores
     python benchmarks/llm_quality.py --quick    # fewer calibration samples and eval tokens, 2 patterns
+    python benchmarks/llm_quality.py --patterns unstructured --append   # re-measure one pattern's rows
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from bert_inference import results_dir  # noqa: E402
 from sparsa.data.text import MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
-from sparsa.methods import SparseGPT, Wanda, named_pattern  # noqa: E402
+from sparsa.methods import SparseGPT, Wanda, logit_distillation_loss, named_pattern, recover  # noqa: E402
 from sparsa.methods.perplexity import text_windows, window_perplexity  # noqa: E402
 from sparsa.sparsifiers import Magnitude  # noqa: E402
 
@@ -60,6 +68,8 @@ LAYOUT = "masked"
 SETTINGS = {"full": (256, 128, 32, 4), "quick": (128, 8, 4, 4)}
 QUICK_PATTERNS = ("unstructured", "2:4")
 HELD_OUT_SENTENCES = 600
+#: recovery: default budget (s) of a full run, windows per optimizer step, AdamW learning rate
+RECOVER_SECONDS, RECOVER_WINDOWS_PER_STEP, RECOVER_LR = 900.0, 2, 1e-4
 
 
 def code_files(max_chars: int) -> List[Path]:
@@ -114,6 +124,67 @@ def _prune(model: nn.Module, method: str, pattern: str, batches: List[torch.Tens
     )
 
 
+def recovery_windows(tok: Any, prose: Sequence[str], seq_len: int) -> torch.Tensor:
+    """Training windows for recovery, alternating calibration prose and calibration-module source (both
+    disjoint from the held-out domains), as many of each as the prose gives."""
+    source = [f.read_text(encoding="utf-8", errors="replace") for f in calibration_code_files()]
+    p, c = text_windows(tok, prose, seq_len), text_windows(tok, source, seq_len)
+    n = min(p.shape[0], c.shape[0])
+    return torch.stack([w for pair in zip(p[:n], c[:n]) for w in pair])
+
+
+def _logits(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=batch, use_cache=False).logits
+
+
+def _recover(
+    model: nn.Module, dense: nn.Module, pattern: str, windows: torch.Tensor, names: List[str], seconds: float, lr: float
+):
+    per = RECOVER_WINDOWS_PER_STEP
+    batches = [windows[i : i + per] for i in range(0, windows.shape[0] - per + 1, per)]
+    return recover(
+        model,
+        dense,
+        batches,
+        target_sparsity=0.5,
+        pattern=pattern,
+        layout=LAYOUT,
+        time_budget=seconds,
+        names=names,
+        forward=_logits,
+        loss=logit_distillation_loss,
+        lr=lr,
+        progress=False,
+    )
+
+
+def target_ratios(rows: Sequence[Dict[str, Any]]) -> Dict[str, float]:
+    """``{"method/domain": perplexity ratio}`` of SparseGPT at 50% unstructured, with and without recovery."""
+    return {
+        f"{r['method']}/{r['domain']}": r["ppl_ratio_vs_dense"]
+        for r in rows
+        if r["method"] in ("sparsegpt", "sparsegpt+recover") and r["pattern"] == "unstructured"
+    }
+
+
+def _merge(out: Path, res: Dict[str, Any]) -> None:
+    """``--append``: keep the rows of ``out`` that this run did not measure (same settings only)."""
+    if not out.is_file():
+        return
+    old = json.loads(out.read_text())
+    for key in ("seq_len", "calibration", "quick"):
+        if old.get(key) != res.get(key):
+            raise SystemExit(
+                f"--append: {out} was measured with another {key} ({old.get(key)!r}); rerun without --append"
+            )
+    seen = {(r["method"], r["pattern"], r["domain"]) for r in res["rows"]}
+    kept = [r for r in old["rows"] if (r["method"], r["pattern"], r["domain"]) not in seen]
+    res["rows"] = (
+        [r for r in res["rows"] if r["method"] == "dense"] + kept + [r for r in res["rows"] if r["method"] != "dense"]
+    )
+    res["patterns"] = sorted(set(old.get("patterns", [])) | set(res["patterns"]), key=PATTERNS.index)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -141,8 +212,40 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         default="prose",
         help="calibration text: docstring prose (default), or half prose and half Python source of the same modules",
     )
+    ap.add_argument(
+        "--recover",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"recovery budget per SparseGPT pattern in --recover-patterns (default {RECOVER_SECONDS:g} s; "
+        "0 with --quick); 0 turns it off",
+    )
+    ap.add_argument(
+        "--recover-patterns",
+        default="unstructured",
+        help="comma-separated patterns whose SparseGPT model is also recovered (default unstructured)",
+    )
+    ap.add_argument(
+        "--recover-lr", type=float, default=RECOVER_LR, help=f"AdamW learning rate (default {RECOVER_LR:g})"
+    )
+    ap.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of the existing output that this run does not measure (same settings only)",
+    )
     args = ap.parse_args(argv)
+    if args.recover is None:
+        args.recover = 0.0 if args.quick else RECOVER_SECONDS
+    if args.recover < 0:
+        raise SystemExit(f"--recover {args.recover}: give a budget in seconds >= 0")
+    if not args.recover_lr > 0:
+        raise SystemExit(f"--recover-lr {args.recover_lr}: give a positive learning rate")
     args.patterns = args.patterns or ",".join(QUICK_PATTERNS if args.quick else PATTERNS)
+    recover_patterns = [p.strip() for p in args.recover_patterns.split(",") if p.strip()]
+    if any(p not in PATTERNS for p in recover_patterns):
+        raise SystemExit(
+            f"--recover-patterns {args.recover_patterns!r}: use a comma-separated subset of {','.join(PATTERNS)}"
+        )
     patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
     if not patterns or any(p not in PATTERNS for p in patterns):
         raise SystemExit(f"--patterns {args.patterns!r}: use a comma-separated subset of {','.join(PATTERNS)}")
@@ -185,14 +288,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     runs = [("dense", None), ("magnitude", "unstructured")]
     runs += [(m, p) for p in patterns for m in ("sparsegpt", "wanda")]
+    train = recovery_windows(tok, calib_text, seq_len) if args.recover > 0 else None
     rows: List[Dict[str, Any]] = []
     dense_ppl: Dict[str, float] = {}
-    for method, pattern in runs:
-        model = dense if method == "dense" else copy.deepcopy(dense)
-        t0 = time.perf_counter()
-        if method != "dense":
-            _prune(model, method, pattern, batches, names)
-        prune_s = time.perf_counter() - t0
+
+    def measure(model: nn.Module, method: str, pattern: Optional[str], prune_s: float, **extra: Any) -> None:
         sparsity = 0.0 if method == "dense" else _sparsity(model, names)
         for domain, windows in domains.items():
             t1 = time.perf_counter()
@@ -211,9 +311,29 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "eval_tokens": eval_tokens,
                 "prune_seconds": round(prune_s, 1),
                 "eval_seconds": round(time.perf_counter() - t1, 1),
+                **extra,
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+
+    for method, pattern in runs:
+        model = dense if method == "dense" else copy.deepcopy(dense)
+        t0 = time.perf_counter()
+        if method != "dense":
+            _prune(model, method, pattern, batches, names)
+        prune_s = time.perf_counter() - t0
+        measure(model, method, pattern, prune_s)
+        if method == "sparsegpt" and pattern in recover_patterns and train is not None:
+            rep = _recover(model, dense, pattern, train, names, args.recover, args.recover_lr)
+            measure(
+                model,
+                "sparsegpt+recover",
+                pattern,
+                prune_s,
+                recover_seconds=round(rep.seconds, 1),
+                recover_steps=rep.steps,
+                recover_tokens=rep.steps * RECOVER_WINDOWS_PER_STEP * seq_len,
+            )
         del model
 
     res = {
@@ -251,19 +371,28 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "perplexity": "exp(mean next-token cross-entropy) over non-overlapping windows of seq_len tokens; "
         "eval_tokens = predicted tokens per domain",
         "methods": "magnitude: 50% per output row; sparsegpt, wanda: block by block "
-        "(sparsa.methods.blockwise), unstructured = 50% per output row",
+        "(sparsa.methods.blockwise), unstructured = 50% per output row; sparsegpt+recover: the sparsegpt "
+        "model after sparsa.methods.recover (KL distillation from the dense model, pattern kept)",
+        "recovery": {
+            "seconds": args.recover,
+            "patterns": recover_patterns if args.recover > 0 else [],
+            "lr": args.recover_lr,
+            "windows_per_step": RECOVER_WINDOWS_PER_STEP,
+            "text": "windows alternating calibration prose and the calibration modules' Python source, "
+            "disjoint from both held-out domains",
+            "train_windows": 0 if train is None else int(train.shape[0]),
+        },
         "target": {
             "what": "SparseGPT at 50% unstructured within 10% of dense perplexity on held-out text",
-            "ppl_ratio_vs_dense": {
-                r["domain"]: r["ppl_ratio_vs_dense"]
-                for r in rows
-                if r["method"] == "sparsegpt" and r["pattern"] == "unstructured"
-            },
+            "ppl_ratio_vs_dense": target_ratios(rows),
         },
         "load_seconds": round(load_s, 1),
         "rows": rows,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
+    if args.append:
+        _merge(out, res)
+        res["target"]["ppl_ratio_vs_dense"] = target_ratios(res["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(f"wrote {out} in {res['seconds']} s")

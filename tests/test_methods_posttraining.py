@@ -219,3 +219,27 @@ def test_distillation_loss_checks_output_count():
     assert float(distillation_loss((a,), (b,))) > 0
     with pytest.raises(ValueError, match="outputs"):
         distillation_loss([a, b], [a])
+
+
+def test_logit_distillation_loss_is_the_kl_of_the_next_token_distributions():
+    from sparsa.methods import logit_distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    ps, pt = torch.softmax(s.double(), -1), torch.softmax(t.double(), -1)
+    ref = (pt * (pt.log() - ps.log())).sum(-1).mean()  # KL(teacher || student), mean over positions
+    assert float(logit_distillation_loss(s, t)) == pytest.approx(float(ref), rel=1e-5)
+    assert float(logit_distillation_loss(t + 2.5, t)) == pytest.approx(0.0, abs=1e-6)  # a shift: same distribution
+    # temperature T: KL of the softened distributions, times T^2
+    ps2, pt2 = torch.softmax(s.double() / 2, -1), torch.softmax(t.double() / 2, -1)
+    ref2 = 4 * (pt2 * (pt2.log() - ps2.log())).sum(-1).mean()
+    assert float(logit_distillation_loss(s, t, temperature=2.0)) == pytest.approx(float(ref2), rel=1e-5)
+    # bf16 logits are compared in float32
+    assert float(logit_distillation_loss(s.bfloat16(), s.bfloat16())) == pytest.approx(0.0, abs=1e-6)
+    assert float(logit_distillation_loss([s, t], [t, t])) == pytest.approx(float(ref), rel=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        logit_distillation_loss(s, t[:, :4])
+    with pytest.raises(ValueError, match="temperature"):
+        logit_distillation_loss(s, t, temperature=0)
+    with pytest.raises(ValueError, match="outputs"):
+        logit_distillation_loss([s, t], [t])

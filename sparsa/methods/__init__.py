@@ -16,7 +16,8 @@ The one way to prune a model is ``sparsa.sparsify(model, config, filter_fn)`` wi
   block by block for transformers (:func:`blockwise_prune`); the functions :func:`wanda`,
   :func:`sparsegpt` and :func:`one_shot` are deprecated shims;
 * quality of causal LMs: :func:`perplexity`;
-* recovery fine-tuning: :func:`distill`; gradual pruning + distillation on a time budget: :func:`recover`;
+* recovery fine-tuning: :func:`distill`; gradual pruning + distillation on a time budget: :func:`recover`
+  (:func:`logit_distillation_loss` for language models);
 * per-layer sparsity: :func:`owl_sparsities` (OWL), :func:`uniform_sparsities`.
 
 See ``docs/methods.md`` for each method's size against a public reference implementation.
@@ -32,7 +33,7 @@ from .blockwise import BlockwiseReport, blockwise_prune, find_blocks  # noqa: F4
 from .perplexity import perplexity, text_windows, window_perplexity  # noqa: F401
 from .wanda import Wanda, WandaSparsifier, wanda  # noqa: F401
 from .sparsegpt import SparseGPT, sparsegpt, sparsegpt_weight  # noqa: F401
-from .distill import distill, distillation_loss  # noqa: F401
+from .distill import distill, distillation_loss, logit_distillation_loss  # noqa: F401
 from .distributed import broadcast_sparse_parameters, patterns_in_sync  # noqa: F401
 from .allocation import owl_sparsities, outlier_ratios, uniform_sparsities, weighted_mean_sparsity  # noqa: F401
 from .recover import RecoverReport, recover  # noqa: F401
@@ -71,6 +72,7 @@ __all__ = [
     "sparsegpt_weight",
     "distill",
     "distillation_loss",
+    "logit_distillation_loss",
     "broadcast_sparse_parameters",
     "patterns_in_sync",
     "owl_sparsities",

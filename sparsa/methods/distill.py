@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["distill", "distillation_loss"]
+__all__ = ["distill", "distillation_loss", "logit_distillation_loss"]
 
 Outputs = Union[Tensor, Sequence[Tensor]]
 
@@ -41,6 +41,33 @@ def distillation_loss(student: Outputs, teacher: Outputs) -> Tensor:
         (1 - F.cosine_similarity(s, t, dim=-1)).mean() + F.mse_loss(s, t) / t.pow(2).mean().clamp_min(1e-12)
         for s, t in zip(s_list, t_list)
     )
+
+
+def logit_distillation_loss(student: Outputs, teacher: Outputs, temperature: float = 1.0) -> Tensor:
+    """``KL(teacher || student)`` of the next-token distributions, averaged over positions and summed
+    over output tensors: the loss for language models, whose logits are compared as distributions
+    rather than as vectors (a logit shift changes nothing). ``temperature`` softens both sides; the
+    loss is scaled by its square so gradients keep their size (Hinton et al., 2015).
+
+    >>> t = torch.randn(2, 5, 11)
+    >>> float(logit_distillation_loss(t + 3.0, t)) < 1e-6      # a shift of every logit: same distribution
+    True
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    s_list = [student] if isinstance(student, Tensor) else list(student)
+    t_list = [teacher] if isinstance(teacher, Tensor) else list(teacher)
+    if len(s_list) != len(t_list):
+        raise ValueError(f"student returned {len(s_list)} outputs but teacher {len(t_list)}")
+    total = 0.0
+    for s, t in zip(s_list, t_list):
+        if s.shape != t.shape:
+            raise ValueError(f"student logits have shape {tuple(s.shape)}, teacher's {tuple(t.shape)}")
+        # float32 softmax: bf16 log-probabilities of a large vocabulary lose the tail
+        ls = F.log_softmax(s.float() / temperature, dim=-1).flatten(0, -2)
+        lt = F.log_softmax(t.float() / temperature, dim=-1).flatten(0, -2)
+        total = total + F.kl_div(ls, lt, log_target=True, reduction="batchmean") * temperature**2
+    return total
 
 
 def distill(
