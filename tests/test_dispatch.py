@@ -162,3 +162,35 @@ def test_bad_operands_get_clear_errors(layout, params):
         F.linear(torch.randn(3, 31), w)
     with pytest.raises(TypeError, match="same dtype"):
         F.linear(torch.randn(3, 32, dtype=torch.float64), w)
+
+
+def test_the_direct_autograd_entry_matches_function_apply_and_yields_to_functorch(monkeypatch):
+    from sparsa.ops import dispatch as D
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 5)
+    b = torch.randn(6, requires_grad=True)
+    x = torch.randn(3, 5, requires_grad=True)
+    sw = torch.nn.Parameter(sparsa.to_sparse(w, "masked", mask=w.abs() > 0.5).detach())
+
+    def grads():
+        for t in (x, b, sw):
+            t.grad = None
+        F.linear(x, sw, b).pow(2).sum().backward()
+        return x.grad.clone(), b.grad.clone(), sw.grad.clone()
+
+    fast = grads()
+    took = []
+    monkeypatch.setattr(D, "_run_apply_c", lambda *a: took.append("c") or D._Run.apply(*a))
+    grads()
+    assert took == ["c"]  # outside functorch and tracing, the C entry point runs
+    monkeypatch.undo()
+    slow = []
+    real = D._Run.apply
+    monkeypatch.setattr(D._Run, "apply", lambda *a: slow.append(1) or real(*a))
+    monkeypatch.setattr(D, "_run_apply_c", lambda *a: pytest.fail("the C entry point ran"))
+    monkeypatch.setattr(D, "_functorch_active", lambda: True)
+    ref = grads()
+    assert slow == [1]  # under a transform, Function.apply (which knows functorch) runs
+    for a, r in zip(fast, ref):
+        assert torch.equal(a, r)

@@ -144,15 +144,26 @@ class _Ctx:
         pass
 
 
+#: layout class -> whether it is Dense: a dict lookup is much cheaper than ``isinstance`` on the
+#: ``Layout`` ABC, which every dispatched call would pay per argument
+_IS_DENSE: Dict[type, bool] = {}
+
+
+def _is_dense(lay: Layout) -> bool:
+    t = type(lay)
+    d = _IS_DENSE.get(t)
+    if d is None:
+        d = _IS_DENSE[t] = issubclass(t, Dense)
+    return d
+
+
 def _unwrap(a: Any, conv: Optional[Tuple[Callable, ...]]) -> Any:
     if isinstance(a, SparseTensorBase):
         lay = a._layout
         if conv:
             for fn in conv:
                 lay = fn(lay)
-        if isinstance(lay, Dense):
-            return lay.values
-        return lay
+        return lay.values if _is_dense(lay) else lay
     return a
 
 
@@ -162,8 +173,10 @@ def _unwrap_all(targs: Sequence[Any], convs: Optional[Tuple[Tuple[Callable, ...]
 
 
 def _wrap(cls: type, out: Any) -> Any:
+    if isinstance(out, Tensor):  # the common case, checked before the Layout ABC
+        return out
     if isinstance(out, Layout):
-        return out.values if isinstance(out, Dense) else cls(out)
+        return out.values if _is_dense(out) else cls(out)
     if isinstance(out, tuple):
         return tuple(_wrap(cls, o) for o in out)
     return out
@@ -185,6 +198,20 @@ class _Run(torch.autograd.Function):
         if not isinstance(gin, tuple):
             gin = (gin,)
         return (None,) + tuple(gin)
+
+
+# ``_Run.apply`` is ``Function.apply``: a Python wrapper (signature binding checks, functorch hand-off) around
+# this C entry point. Outside functorch transforms and tracing, the wrapper only unwraps dead functorch wrappers, which
+# :func:`_apply_run` does itself; skipping the wrapper is a large part of a training call's dispatch cost.
+_run_apply_c = super(torch.autograd.Function, _Run).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _apply_run(spec: tuple, targs: Sequence[Any]) -> Any:
+    if _functorch_active() or torch.compiler.is_compiling():
+        return _Run.apply(spec, *targs)  # what functorch and dynamo know how to handle
+    return _run_apply_c(spec, *[_unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in targs])
 
 
 def _plan(op: str, layouts: Tuple[type, ...], needs_grad: bool) -> _Plan:
@@ -243,7 +270,7 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
         record_fallback(call.name, tuple(l.name for l in layouts))
         return _dense_call(call, func, args, kwargs, targs, rest)
     if needs_grad:
-        return _Run.apply((cls, plan.impl, plan.conversions, rest), *targs)
+        return _apply_run((cls, plan.impl, plan.conversions, rest), targs)
     return _wrap(cls, plan.impl.forward(_Ctx(), *_unwrap_all(targs, plan.conversions), **rest))
 
 
