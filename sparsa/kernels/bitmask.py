@@ -195,7 +195,8 @@ def bitmask_linear_impl(
     if lib is None:
         return bitmask_linear_reference(x, bits, row_ptr, values, bias, out_features).contiguous()
     K = x.shape[-1]
-    x2 = x.reshape(-1, K).contiguous()
+    flat = x.dim() != 2  # a 2-D input needs no reshape round trip
+    x2 = (x.reshape(-1, K) if flat else x).contiguous()
     T = x2.shape[0]
     if T == 0 or out_features == 0:
         return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
@@ -203,7 +204,7 @@ def bitmask_linear_impl(
         strategy = choose_strategy(T)
     fn = _stream if strategy == "stream" else _expand
     y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
-    return y.reshape(*x.shape[:-1], out_features)
+    return y.reshape(*x.shape[:-1], out_features) if flat else y
 
 
 @torch.library.custom_op("sparsa::bitmask_linear", mutates_args=())

@@ -32,7 +32,8 @@ REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 def native_kind(x: Tensor, values: Tensor, bias: Optional[Tensor]) -> Optional[str]:
     """``"f32"``, ``"bf16"``, or None (the reference runs). Says nothing about whether the library is
     built (see each kernel module's ``native_library``)."""
-    if x.device.type != "cpu" or values.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+    # ``is_cpu``, not ``device.type``: building a device object per operand is a visible part of a decode call
+    if not (x.is_cpu and values.is_cpu and (bias is None or bias.is_cpu)):
         return None
     if x.dtype != values.dtype or x.dtype not in _KINDS:
         return None
