@@ -9,16 +9,17 @@ Model: SmolLM2-135M-Instruct (Llama architecture, 30 decoder blocks), from the P
 - ``sparsegpt`` and ``wanda``, block by block (``sparsa.methods.blockwise``), at 50% unstructured
   (per output row), 2:4 and 4:8.
 
-Recovery (``--recover SECONDS``, default 900 in a full run, only for SparseGPT at the
+Recovery (``--recover SECONDS``, default 1200 in a full run, only for SparseGPT at the
 ``--recover-patterns``, default unstructured): :func:`sparsa.methods.recover` fine-tunes the pruned
 model at its pattern towards the dense one (:func:`sparsa.methods.logit_distillation_loss`, the KL of
 the next-token distributions) for that wall-clock budget, on windows of the calibration prose and of
 the calibration modules' Python source, both disjoint from the held-out domains; its rows are method
 ``sparsegpt+recover``.
 
-Calibration (``--calibration``): ``prose`` (default), windows of English prose, standard-library
-docstring sentences (``sparsa.data.text``); ``mixed``, half of those windows and half from the Python
-source of the modules those docstrings come from. Held out, disjoint from calibration: ``prose``,
+Calibration (``--calibration``): ``mixed`` (default), half windows of English prose, standard-library
+docstring sentences (``sparsa.data.text``), and half from the Python source of the modules those
+docstrings come from (both held-out domains are then represented); ``prose``, the prose windows only.
+Held out, disjoint from calibration: ``prose``,
 other sentences of the same pool; ``code``, the Python source of standard-library modules whose
 docstrings are not in the pool. Perplexity: ``exp`` of the mean next-token loss over non-overlapping windows
 (``sparsa.methods.perplexity``).
@@ -69,7 +70,7 @@ SETTINGS = {"full": (256, 128, 32, 4), "quick": (128, 8, 4, 4)}
 QUICK_PATTERNS = ("unstructured", "2:4")
 HELD_OUT_SENTENCES = 600
 #: recovery: default budget (s) of a full run, windows per optimizer step, AdamW learning rate
-RECOVER_SECONDS, RECOVER_WINDOWS_PER_STEP, RECOVER_LR = 900.0, 2, 1e-4
+RECOVER_SECONDS, RECOVER_WINDOWS_PER_STEP, RECOVER_LR = 1200.0, 2, 1e-4
 
 
 def code_files(max_chars: int) -> List[Path]:
@@ -209,8 +210,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument(
         "--calibration",
         choices=("prose", "mixed"),
-        default="prose",
-        help="calibration text: docstring prose (default), or half prose and half Python source of the same modules",
+        default="mixed",
+        help="calibration text: half docstring prose and half Python source of the same modules (default), "
+        "or prose only",
     )
     ap.add_argument(
         "--recover",
