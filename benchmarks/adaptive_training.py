@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
 import statistics
 import sys
@@ -48,8 +47,10 @@ from sparsa.adaptive import conv_union  # noqa: E402
 from examples.convnets import build  # noqa: E402
 
 try:
+    from benchmarks._results import results_dir  # noqa: E402
     from benchmarks._timing import compare, median_time  # noqa: E402
 except ImportError:  # pragma: no cover
+    from _results import results_dir  # type: ignore  # noqa: E402
     from _timing import compare, median_time  # type: ignore  # noqa: E402
 
 CL = torch.channels_last
@@ -465,9 +466,7 @@ def main(argv=None):
         default=None,
         help="training dtypes (default: fp32, plus bf16 autocast where the CPU has bf16 hardware)",
     )
-    # SPARSA_RESULTS_DIR redirects the default output (keeps the committed results intact)
-    results = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results" / sparsa.cpu.cpu_class()))
-    ap.add_argument("--out", default=str(results / "adaptive_training.json"))
+    ap.add_argument("--out", default=str(results_dir() / "adaptive_training.json"))
     ap.add_argument(
         "--no-retain-memory",
         dest="retain_memory",

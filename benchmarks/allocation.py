@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -36,13 +35,10 @@ import sparsa.cpu
 from sparsa.methods import Wanda, owl_sparsities, outlier_ratios, uniform_sparsities, weighted_mean_sparsity
 from sparsa.sparsifiers import Magnitude
 
+from _results import results_dir
+
 TARGET = 0.7
 LAMS = (0.08, 0.15)
-
-
-def _out_dir() -> Path:
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
 def run(quick: bool) -> Dict[str, Any]:
@@ -139,7 +135,7 @@ def main() -> None:
     }
     result.update(run(args.quick))
     result["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(args.out) if args.out else _out_dir() / "allocation.json"
+    out = Path(args.out) if args.out else results_dir() / "allocation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out} in {result['meta']['seconds']} s")

@@ -44,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.timing import best_dense, round_robin_ms, speedups  # noqa: E402,F401  (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,12 +67,6 @@ ROW_KEYS = (
 #: rows, ``speedup_vs_eager_sparse`` (the same sparse model run eagerly, unfused / the fused variant)
 #: keys sparse rows add
 SPARSE_KEYS = ("best_dense", "dense_ms", "best_dense_ms", "sparse_ms")
-
-
-def results_dir() -> Path:
-    """Where results go: ``$SPARSA_RESULTS_DIR`` if set, else ``benchmarks/results/<cpu class>``."""
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
 def _layouts(

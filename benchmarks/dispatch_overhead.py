@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +24,9 @@ from sparsa.layouts import Dense, Masked
 from sparsa.ops import registry
 from sparsa.ops.dispatch import _Ctx
 
-# SPARSA_RESULTS_DIR redirects the output (the docs test uses it to keep the committed results intact)
-OUT = (
-    Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()))
-    / "dispatch_overhead.json"
-)
+from _results import results_dir
+
+OUT = results_dir() / "dispatch_overhead.json"
 
 
 def _per_call(fn, n):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
 
 SHAPES = [(768, 768), (3072, 768), (768, 3072)]  # (out_features, in_features)
@@ -65,12 +65,6 @@ ROW_KEYS = (
     "accurate",
 )
 SPARSE_KEYS = ("dense_ms", "best_dense", "best_dense_ms", "max_abs_err")
-
-
-def results_dir() -> Path:
-    """Where results go: ``$SPARSA_RESULTS_DIR`` if set, else ``benchmarks/results/<cpu class>``."""
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
 def magnitude_mask(w: torch.Tensor, sparsity: float) -> torch.Tensor:

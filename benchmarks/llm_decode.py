@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparsa  # noqa: E402
 from sparsa.sparsifiers import NM, Magnitude  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
+from _results import results_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -48,11 +49,6 @@ CONFIGS = {
     "llama-0.5b": (1536, 4096, 16, 12, 4, 32000),
     "llama-1b": (2048, 8192, 16, 32, 8, 32000),
 }
-
-
-def results_dir() -> Path:
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
 def build_model(name: str, dtype: torch.dtype):

@@ -56,7 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
-from bert_inference import results_dir  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.data.text import MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
 from sparsa.methods import SparseGPT, Wanda, logit_distillation_loss, named_pattern, recover  # noqa: E402
 from sparsa.methods.perplexity import text_windows, window_perplexity  # noqa: E402

@@ -55,6 +55,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.frontier import (  # noqa: E402
     BATCH,
     FIXED_SPARSITY,
@@ -99,12 +100,6 @@ QUICK = {
     "recover_methods": ("sparsegpt",),
     "recover_budget": 40.0,
 }
-
-
-def results_dir() -> Path:
-    """``$SPARSA_RESULTS_DIR`` if set, else ``benchmarks/results/<cpu class>``."""
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()
 
 
 def configs(patterns: Sequence[str], sparsities: Sequence[float]) -> List[PatternConfig]:

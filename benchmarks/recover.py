@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -34,12 +33,13 @@ import sparsa.cpu
 from sparsa.methods import SparseGPT
 from sparsa.methods.recover import pattern_sparsifier
 
+from _results import results_dir
+
 
 def _out_path(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    env = os.environ.get("SPARSA_RESULTS_DIR")
-    return (Path(env) if env else Path(__file__).resolve().parent / "results" / sparsa.cpu.cpu_class()) / "recover.json"
+    return results_dir() / "recover.json"
 
 
 def main() -> None:
