@@ -112,7 +112,7 @@ def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
     # probes and timing change nothing in the numbers
     torch.testing.assert_close(net[2].weight.grad, ref[2].weight.grad, atol=1e-3, rtol=1e-4)
     # the vetoed layer stays timed, its probes on the sparse path: once sparse is the faster one it comes back
-    probes = st.feedback.probes
+    probes, kappa_slow = st.feedback.probes, st.feedback.kappa()
     monkeypatch.setattr(modules, "relu_conv2d", real_relu_conv2d)
     slow_dense = modules.AdaptiveConv2d._conv_forward
 
@@ -125,7 +125,9 @@ def test_feedback_moves_a_mispredicted_layer_back_to_dense(monkeypatch):
         net(x).sum().backward()
         if st.path == "sparse":
             break
-    assert st.feedback.probes > probes and st.path == "sparse" and st.feedback.kappa() > 0.9
+    # it returns once the corrected speedup clears `enter` (kappa >= 1.1 / 1.25), whatever the host's load
+    assert st.feedback.probes > probes and st.path == "sparse" and st.feedback.kappa() > kappa_slow
+    assert st.speedup >= 1.1
 
 
 def test_no_timing_when_turned_off_or_confident(monkeypatch):
