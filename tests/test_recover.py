@@ -132,6 +132,32 @@ def test_time_budget_progress_and_checkpoint(tmp_path, capsys):
     assert fresh[0].weight.layout_name == "masked"
 
 
+def test_the_time_budget_is_not_overrun_by_the_last_step():
+    """Steps of ~0.25 s in a 1 s budget: a fourth step would end past it, so three run."""
+    import time
+
+    teacher = _mlp()
+    model = copy.deepcopy(teacher)
+
+    def slow_forward(m, b):
+        if m is model:
+            time.sleep(0.25)
+        return m(b)
+
+    t0 = time.perf_counter()
+    rep = sparsa.recover(
+        model,
+        teacher,
+        _batches(),
+        target_sparsity=0.5,
+        init="magnitude",
+        time_budget=1.0,
+        forward=slow_forward,
+        progress=False,
+    )
+    assert time.perf_counter() - t0 < 1.0 and 1 <= rep.steps <= 3
+
+
 def test_continues_from_a_pruned_model_and_per_layer_allocation():
     teacher = _mlp()
     model = sparsa.sparsify(

@@ -320,7 +320,8 @@ def recover(
         progress: a progress bar (tqdm if installed, else a printed line every 5%).
         loss: ``loss(student_outputs, teacher_outputs)`` (default :func:`distillation_loss`).
 
-    The budget covers calibration, the one-shot start and training; the student trains in train
+    The budget covers calibration, the one-shot start and training (a step starts only if, at the mean
+    step time so far, it ends within the budget); the student trains in train
     mode (its dropout on), the teacher runs in eval mode without gradients and is never changed.
     """
     t_start = time.perf_counter()
@@ -448,7 +449,8 @@ def recover(
         while True:
             elapsed = time.perf_counter() - t_train
             if clock:
-                if elapsed >= remaining:
+                # stop when the next step, at the mean step time so far, would end past the budget
+                if elapsed >= remaining or (step and elapsed * (step + 1) / step > remaining):
                     break
                 progress_frac = elapsed / remaining
                 sched_step = min(end_step, int(_TICKS * progress_frac / PRUNE_FRACTION))
