@@ -1,6 +1,7 @@
 """The Bitmask layout and ``sparsa::bitmask_linear`` (decode/prefill kernels) against dense references.
 
-Every kernel path this CPU has runs: the native ``stream`` and ``expand`` strategies (AVX2) and the
+Every kernel path this CPU has runs: the native ``stream`` strategy's row loops (AVX2 8-column, the
+16-column loop on AVX2 halves, and AVX-512 where the CPU has it), the ``expand`` strategy and the
 pure-PyTorch fallback; fp32 and bf16 (checked against float64 with a bf16 tolerance).
 """
 
@@ -18,10 +19,17 @@ BF = torch.bfloat16
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["stream", "expand", "fallback"])
+@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "expand", "fallback"])
 def path(request, monkeypatch):
-    """A native strategy (AVX2 pieces), or the pure-PyTorch reference."""
+    """A native strategy and row loop, or the pure-PyTorch reference."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    if request.param == "stream_avx512":
+        if not bm.has_avx512():
+            pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as stream_pair16 (AVX2 halves)")
+        monkeypatch.setattr(bm, "STREAM_PATH", "avx512")
+    elif request.param == "stream_pair16":
+        monkeypatch.setattr(bm, "STREAM_PATH", "pair16")
     if request.param == "fallback":
         monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
         assert bm.native_library() is None
@@ -29,14 +37,15 @@ def path(request, monkeypatch):
     monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
     if cpu.ISA_LEVELS.index(cpu.hardware_isa()) < cpu.ISA_LEVELS.index("avx2"):
         pytest.skip("this CPU has no avx2/fma: only the fallback runs")
-    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    if request.param in ("stream", "expand"):
+        monkeypatch.setenv("SPARSA_ISA", "avx2")
     assert bm.native_library() is not None, "native bitmask kernel failed to build"
 
     def no_reference(*a, **k):
         raise AssertionError("the reference ran although the native kernel should have")
 
     monkeypatch.setattr(bm, "bitmask_linear_reference", no_reference)
-    monkeypatch.setattr(bm, "choose_strategy", lambda tokens: request.param)
+    monkeypatch.setattr(bm, "choose_strategy", lambda tokens: request.param.split("_")[0])
     return request.param
 
 
@@ -106,11 +115,25 @@ def _components(w):
     return w.bits, w.row_ptr, w.values
 
 
+def test_an_unknown_or_missing_row_loop_is_named(monkeypatch):
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here: the row loops are not built")
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    w = Bitmask.from_dense(torch.randn(4, 24), sparsity=0.5)
+    monkeypatch.setattr(bm, "STREAM_PATH", "avx1024")
+    with pytest.raises(ValueError, match="STREAM_PATH must be one of"):
+        bm.bitmask_linear_impl(torch.randn(1, 24), *_components(w), None, 4, "stream")
+    monkeypatch.setenv("SPARSA_ISA", "avx2")  # the AVX-512 loop is off whatever the CPU
+    monkeypatch.setattr(bm, "STREAM_PATH", "avx512")
+    with pytest.raises(RuntimeError, match="STREAM_PATH='avx512' is not available"):
+        bm.bitmask_linear_impl(torch.randn(1, 24), *_components(w), None, 4, "stream")
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 @SETTINGS
 @given(
     R=st.integers(1, 40),
-    K=st.integers(1, 70),
+    K=st.integers(1, 150),  # the 16-column loops take 64 columns a step from K = 57
     T=st.integers(1, 21),
     density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
     dtype=st.sampled_from([torch.float32, BF]),

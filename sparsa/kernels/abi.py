@@ -136,11 +136,24 @@ _ADAPTIVE = {
 }
 
 _BITMASK = {
+    "sparsa_bitmask_has_avx512": sig(INT),
     "sparsa_bitmask_linear_f32": sig(
-        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
+        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT, path=INT
     ),
     "sparsa_bitmask_linear_bf16": sig(
-        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, bias_bf16=INT, y=PTR, nthreads=INT
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        bits=PTR,
+        row_ptr=PTR,
+        values=PTR,
+        R=I64,
+        bias=PTR,
+        bias_bf16=INT,
+        y=PTR,
+        nthreads=INT,
+        path=INT,
     ),
     "sparsa_bitmask_expand": sig(
         INT,

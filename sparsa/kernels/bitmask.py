@@ -2,9 +2,10 @@
 
 Two native strategies (``csrc/bitmask_linear.cpp``), both reading the compressed weight once:
 
-- ``"stream"`` for a few tokens (LLM decoding): every row's packed values are expanded 8 columns at a
-  time in registers and multiplied with the tokens; the weight is streamed from memory once, so the
-  time follows its bytes.
+- ``"stream"`` for a few tokens (LLM decoding): every row's packed values are expanded in registers,
+  8 columns at a time with AVX2 or 16 with AVX-512 (one masked expand per pair of mask bytes, where the
+  CPU has AVX-512F), and multiplied with the tokens; the weight is streamed from memory once, so the
+  time follows its bytes. :data:`STREAM_PATH` picks the row loop.
 - ``"expand"`` for many tokens (prefill): blocks of rows are expanded to dense rows that stay in cache,
   and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
   memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
@@ -45,6 +46,9 @@ from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
 __all__ = [
+    "STREAM_PATH",
+    "STREAM_PATHS",
+    "has_avx512",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -62,6 +66,12 @@ STRATEGIES = ("stream", "expand")
 STREAM_MAX_TOKENS = 8
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
+#: the stream strategy's row loops: ``"auto"`` (AVX-512 where the CPU has it and ``SPARSA_ISA`` allows it,
+#: else AVX2), ``"avx2"`` (8 columns a step), ``"avx512"`` (16), ``"pair16"`` (the AVX-512 loop on two
+#: AVX2 halves: the same offsets and tails, so tests check that loop's logic on any AVX2 CPU)
+STREAM_PATHS = {"auto": 0, "avx2": 1, "avx512": 2, "pair16": 3}
+#: the row loop the stream strategy runs (one of :data:`STREAM_PATHS`)
+STREAM_PATH = "auto"
 
 
 def native_library() -> Optional[ctypes.CDLL]:
@@ -90,6 +100,19 @@ def bitmask_linear_reference(
     return y.to(x.dtype)
 
 
+def has_avx512() -> bool:
+    """Whether the stream strategy's AVX-512 row loop runs here (CPU, build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_avx512())
+
+
+def _stream_path() -> int:
+    code = STREAM_PATHS.get(STREAM_PATH)
+    if code is None:
+        raise ValueError(f"bitmask.STREAM_PATH must be one of {sorted(STREAM_PATHS)}, got {STREAM_PATH!r}")
+    return code
+
+
 def _bf16_gemm_hardware() -> bool:
     flags = cpu.cpu_info()["flags"]
     return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
@@ -115,8 +138,9 @@ def _stream(
     b = None if bias is None else bias.contiguous()
     bp = None if b is None else b.data_ptr()
     nt = torch.get_num_threads()
+    path = _stream_path()
     if kind == "bf16":
-        lib.sparsa_bitmask_linear_bf16(
+        rc = lib.sparsa_bitmask_linear_bf16(
             x2.data_ptr(),
             T,
             K,
@@ -128,10 +152,16 @@ def _stream(
             int(b is not None and b.dtype == torch.bfloat16),
             y.data_ptr(),
             nt,
+            path,
         )
     else:
-        lib.sparsa_bitmask_linear_f32(
-            x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), R, bp, y.data_ptr(), nt
+        rc = lib.sparsa_bitmask_linear_f32(
+            x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), R, bp, y.data_ptr(), nt, path
+        )
+    if rc:
+        raise RuntimeError(
+            f"bitmask stream kernel: row loop STREAM_PATH={STREAM_PATH!r} is not available on this CPU or build "
+            f"(code {rc}); use 'auto'"
         )
     return y
 

@@ -2,8 +2,10 @@
 // a few tokens, weights streamed from memory once. Each group of 8 columns expands its packed values
 // into a vector with one permute (indices from a 256-entry table keyed by the mask byte), zeroes the
 // dropped lanes and multiplies with the dense X columns, so the work per byte read stays small enough
-// to run at memory bandwidth. A second entry point expands rows to dense, for the prefill path
-// (expand a block of rows into cache, then a BLAS GEMM on it).
+// to run at memory bandwidth. On CPUs with AVX-512F a 16-column path expands each pair of mask bytes
+// with one masked expand (vexpandps), about a quarter of the AVX2 path's instructions per column. A
+// second entry point expands rows to dense, for the prefill path (expand a block of rows into cache,
+// then a BLAS GEMM on it).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "cpu_isa.h"
 
 namespace {
 
@@ -132,6 +135,65 @@ inline void row_dot_n(int nt, const uint8_t* bits, int64_t kb, const V* vp, cons
     }
 }
 
+// The 16-column path: each step takes two mask bytes (16 columns) and expands their packed values into
+// one 16-lane vector. Ops supplies the 16-lane primitives: AVX-512 where the CPU has it (Ops512), or
+// two AVX2 halves (OpsPair), which runs the same loop on any AVX2 CPU so its logic is tested everywhere.
+struct OpsPair {
+    struct Vec {
+        __m256 lo, hi;
+    };
+    static Vec zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Vec load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+    static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+    static Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+    static float hsum(Vec v) { return ::hsum(_mm256_add_ps(v.lo, v.hi)); }
+    template <class V>
+    static Vec expand16(const V* vp, unsigned m) {
+        return {expand8(vp, m & 0xffu), expand8(vp + __builtin_popcount(m & 0xffu), m >> 8)};
+    }
+};
+
+namespace pair16 {
+#include "bitmask_row16.h"
+}  // namespace pair16
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_HAVE_AVX512_PATH 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
+struct Ops512 {
+    using Vec = __m512;
+    static Vec zero() { return _mm512_setzero_ps(); }
+    static Vec load(const float* p) { return _mm512_loadu_ps(p); }
+    static Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+    static Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+    static float hsum(Vec v) { return _mm512_reduce_add_ps(v); }
+    // reads exactly popcount(m) packed values (the expand load suppresses the rest)
+    static Vec expand16(const float* vp, unsigned m) { return _mm512_maskz_expandloadu_ps((__mmask16)m, vp); }
+    static Vec expand16(const uint16_t* vp, unsigned m) {
+        const __mmask16 first = (__mmask16)((1u << __builtin_popcount(m)) - 1u);
+        const __m256i h = _mm256_maskz_loadu_epi16(first, vp);
+        const __m512 packed = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        return _mm512_maskz_expand_ps((__mmask16)m, packed);
+    }
+};
+namespace avx512 {
+#include "bitmask_row16.h"
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+// which row loop the stream kernel runs
+enum Path { kAuto = 0, kAvx2 = 1, kAvx512 = 2, kPair16 = 3 };
+
+bool has_avx512() {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    return sparsa_cpu_avx512_enabled();
+#else
+    return false;
+#endif
+}
+
 // row r's packed values, safe to read 8 past any group: a padded copy in tail when the row ends
 // within 8 values of the array's end
 template <class V>
@@ -148,7 +210,7 @@ inline const V* row_values(const V* values, const int64_t* row_ptr, int64_t r, i
 // store(t, r, value) writes one output (bias and rounding are the caller's).
 template <class V, class Store>
 void bitmask_rows(const float* xp, int64_t T, int64_t kp, const uint8_t* bits, int64_t kb, const int64_t* row_ptr,
-                  const V* values, int64_t R, int nthreads, Store store) {
+                  const V* values, int64_t R, int nthreads, int path, Store store) {
     const int64_t nnz = row_ptr[R];
 #pragma omp parallel num_threads(nthreads)
     {
@@ -159,7 +221,17 @@ void bitmask_rows(const float* xp, int64_t T, int64_t kp, const uint8_t* bits, i
             const V* vp = row_values(values, row_ptr, r, nnz, tail);
             for (int64_t t0 = 0; t0 < T; t0 += 4) {
                 const int nt = (int)std::min<int64_t>(4, T - t0);
-                row_dot_n(nt, bits + r * kb, kb, vp, xp + t0 * kp, kp, out);
+                const uint8_t* br = bits + r * kb;
+                const float* xt = xp + t0 * kp;
+                if (path == kAvx2) {
+                    row_dot_n(nt, br, kb, vp, xt, kp, out);
+                } else if (path == kPair16) {
+                    pair16::row_dot16_n<OpsPair>(nt, br, kb, vp, xt, kp, out);
+                } else {
+#ifdef SPARSA_HAVE_AVX512_PATH
+                    avx512::row_dot16_n<Ops512>(nt, br, kb, vp, xt, kp, out);
+#endif
+                }
                 for (int i = 0; i < nt; ++i) store(t0 + i, r, out[i]);
             }
         }
@@ -219,16 +291,29 @@ void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const 
     }
 }
 
+// the row loop a call runs: kAuto picks AVX-512 where enabled (SPARSA_ISA allows it), else AVX2;
+// -2 when kAvx512 is asked of a CPU (or build) without it, -3 for an unknown path
+int resolve(int path) {
+    if (path == kAuto) return has_avx512() ? kAvx512 : kAvx2;
+    if (path == kAvx512) return has_avx512() ? kAvx512 : -2;
+    return (path == kAvx2 || path == kPair16) ? path : -3;
+}
+
 }  // namespace
 
 extern "C" {
 
-// y (T x R, fp32) = x (T x K, fp32) W^T + bias (R floats or null)
+// 1 when the stream kernel's AVX-512 path runs on this CPU (and SPARSA_ISA allows it)
+int sparsa_bitmask_has_avx512() { return has_avx512() ? 1 : 0; }
+
+// y (T x R, fp32) = x (T x K, fp32) W^T + bias (R floats or null). path: 0 auto, 1 AVX2 (8 columns a
+// step), 2 AVX-512 (16), 3 the 16-column loop on AVX2 halves; returns -2 / -3 for a path not available
 int sparsa_bitmask_linear_f32(const float* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
-                              const float* values, int64_t R, const float* bias, float* y, int nthreads) {
+                              const float* values, int64_t R, const float* bias, float* y, int nthreads, int path) {
+    if ((path = resolve(path)) < 0) return path;
     const int64_t kb = (K + 7) / 8, kp = 8 * kb + 8;
     const std::vector<float> xp = padded_panel(x, T, K, kp);
-    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads,
+    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads, path,
                  [&](int64_t t, int64_t r, float v) { y[t * R + r] = bias ? v + bias[r] : v; });
     return 0;
 }
@@ -237,12 +322,13 @@ int sparsa_bitmask_linear_f32(const float* x, int64_t T, int64_t K, const uint8_
 // output is rounded once. bias: R bf16 (bias_bf16 = 1) or floats (0), or null.
 int sparsa_bitmask_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
                                const uint16_t* values, int64_t R, const void* bias, int bias_bf16, uint16_t* y,
-                               int nthreads) {
+                               int nthreads, int path) {
+    if ((path = resolve(path)) < 0) return path;
     const int64_t kb = (K + 7) / 8, kp = 8 * kb + 8;
     const std::vector<float> xp = padded_panel(x, T, K, kp);
     const uint16_t* bh = static_cast<const uint16_t*>(bias);
     const float* bf = static_cast<const float*>(bias);
-    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads, [&](int64_t t, int64_t r, float v) {
+    bitmask_rows(xp.data(), T, kp, bits, kb, row_ptr, values, R, nthreads, path, [&](int64_t t, int64_t r, float v) {
         if (bias) v += bias_bf16 ? sparsa_bf16_to_f32(bh[r]) : bf[r];
         y[t * R + r] = sparsa_f32_to_bf16(v);
     });
