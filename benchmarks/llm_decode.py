@@ -14,7 +14,8 @@ Engines: dense in the same dtype (``F.linear``, oneDNN/MKL), ``torch.compile`` o
 decode step (``--compile``), and bitmask at each sparsity. Rows: ``model, params, dtype, layout,
 sparsity, batch, phase, ms, tokens_per_s, speedup_vs_dense, speedup_vs_best_dense, weight_bytes_ratio``;
 ``best_dense`` is the faster of dense eager and compiled for that phase. The JSON also has the CPU,
-threads, peak RSS and, when ``llm_quality.json`` exists beside it, the perplexity table.
+threads, peak RSS, where a batch-1 decode step's time goes (``breakdown``: block linears, ``lm_head``, the
+rest) and, when ``llm_quality.json`` exists beside it, the perplexity table.
 
     python benchmarks/llm_decode.py --quick     # 0.5B, fp32, batch 1, 50% and 2:4: about 2-3 minutes
     python benchmarks/llm_decode.py             # 0.5B and 1B, fp32 and bf16, batch 1 and 4 (long)
@@ -125,6 +126,40 @@ def prefill_fn(model, batch: int, prompt: int) -> Callable[[], None]:
     return run
 
 
+def decode_breakdown(model, batch: int, prompt: int, steps: int) -> Dict[str, float]:
+    """Milliseconds per decode step spent in the decoder blocks' linears, in ``lm_head`` and in the rest
+    (attention, norms, sampling, Python), from forward hooks on every ``nn.Linear`` over one warm pass.
+    Run apart from the timed rounds: the hooks add a few microseconds per linear."""
+    spent = {"block_linears": 0.0, "lm_head": 0.0}
+    handles = []
+
+    def pre(mod, args):
+        mod._sparsa_t0 = time.perf_counter()
+
+    for n, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            part = "lm_head" if n == "lm_head" else "block_linears"
+
+            def post(mod, args, out, part=part):
+                spent[part] += time.perf_counter() - mod._sparsa_t0
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        run = decode_fn(model, batch, prompt, steps)
+        run()  # warm-up
+        spent.update(block_linears=0.0, lm_head=0.0)
+        t0 = time.perf_counter()
+        run()
+        total = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    ms = {k: round(v / steps * 1e3, 2) for k, v in spent.items()}
+    ms["token"] = round(total / steps * 1e3, 2)
+    ms["rest"] = round(ms["token"] - ms["block_linears"] - ms["lm_head"], 2)
+    return ms
+
+
 def compiled_decode(model):
     """``torch.compile`` of the model's forward (decode shapes), or None with the reason."""
     try:
@@ -144,9 +179,11 @@ def bench_model(
     rounds: int,
     use_compile: bool,
     notes: Dict[str, str],
+    breakdown: List[Dict],
 ) -> List[Dict]:
-    """The rows of one model and dtype. Its models and compiled graphs die with this call's frame, so
-    the next model is built in the memory they held (1B fp32 plus pruned copies is most of 24 GiB)."""
+    """The rows of one model and dtype (and, with ``--breakdown``, where a batch-1 decode step's time goes,
+    appended to ``breakdown``). Its models and compiled graphs die with this call's frame, so the next
+    model is built in the memory they held (1B fp32 plus pruned copies is most of 24 GiB)."""
     rows: List[Dict] = []
     dense = build_model(name, dtype)
     params = sum(p.numel() for p in dense.parameters())
@@ -161,6 +198,11 @@ def bench_model(
         if why:
             notes[f"{name}/{dtype}/compile"] = why
     dname = str(dtype).replace("torch.", "")
+    if a.breakdown:
+        for k, (m, spec, _) in engines.items():
+            b = decode_breakdown(m, 1, a.prompt, steps)
+            breakdown.append({"model": name, "dtype": dname, "layout": "bitmask" if spec else k, "sparsity": spec, **b})
+            print(f"{name} {dname} b1 decode breakdown {k:16s} {b}", flush=True)
     for batch in batches:
         phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
         if batch in prefill_batches:
@@ -262,6 +304,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="merge into an existing JSON (rows of the same model, dtype, batch, phase and engine replaced)",
     )
+    p.add_argument(
+        "--breakdown",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also split a batch-1 decode step into block linears, lm_head and the rest (one hooked pass "
+        "per engine, apart from the timing; default on)",
+    )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     q = a.quick
@@ -278,11 +327,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     out = a.out or results_dir() / "llm_decode.json"
     rows: List[Dict] = []
+    breakdown: List[Dict] = []
     notes: Dict[str, str] = {}
     t_start = time.time()
     for name in models:
         for dtype in dtypes:
-            rows += bench_model(name, dtype, a, specs, batches, prefill_batches, steps, rounds, use_compile, notes)
+            rows += bench_model(
+                name, dtype, a, specs, batches, prefill_batches, steps, rounds, use_compile, notes, breakdown
+            )
             gc.collect()
             torch._dynamo.reset()  # compiled graphs hold the weights they were traced with
     res = {
@@ -297,6 +349,10 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - t_start, 1),
         "notes": notes,
         "rows": rows,
+        "breakdown": breakdown,
+        "breakdown_note": "ms per batch-1 decode step from forward hooks on every nn.Linear (one warm pass per "
+        "engine, eager, apart from the timed rounds): block_linears, lm_head (dense in every engine), rest = "
+        "token - both (attention, norms, sampling, Python)",
     }
     if a.append and out.is_file():
         old = json.loads(out.read_text())
@@ -306,6 +362,9 @@ def main(argv=None) -> int:
         res["notes"] = {**old.get("notes", {}), **notes}
         res["seconds"] = round(old.get("seconds", 0) + res["seconds"], 1)
         res["peak_rss_mb"] = max(old.get("peak_rss_mb", 0), res["peak_rss_mb"])
+        bkey = lambda r: (r["model"], r["dtype"], r["layout"], r["sparsity"])  # noqa: E731
+        fresh = {bkey(r) for r in breakdown}
+        res["breakdown"] = [r for r in old.get("breakdown", []) if bkey(r) not in fresh] + breakdown
     quality = out.parent / "llm_quality.json"
     if quality.is_file():
         res["perplexity"] = json.loads(quality.read_text()).get("rows", [])
