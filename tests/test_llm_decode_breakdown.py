@@ -6,30 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import llm_decode  # noqa: E402
 
 
-def _tiny_llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("spec", [None, "0.5"])
-def test_the_parts_add_up_and_the_hooks_go(spec):
-    model = _tiny_llama()
+def test_the_parts_add_up_and_the_hooks_go(spec, monkeypatch):
+    # (hidden, intermediate, layers, heads, kv heads, vocab), built as the benchmark builds its models
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", (64, 176, 2, 4, 2, 320))
+    model = llm_decode.build_model("tiny", torch.float32)
     if spec:
         model = llm_decode.prune_copy(model, spec)
     b = llm_decode.decode_breakdown(model, batch=1, prompt=8, steps=3)
