@@ -53,11 +53,29 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--n-train", type=int, default=1024)
     ap.add_argument("--n-eval", type=int, default=256)
+    ap.add_argument(
+        "--n-extra",
+        type=int,
+        default=0,
+        help="sentences of extra_stdlib_sentences() added to the distillation text (-1: all)",
+    )
+    ap.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="the student's dropout while it distils (default 0, as recover(); -1: the model's own, 0.1)",
+    )
+    ap.add_argument(
+        "--teacher-cache-mb",
+        type=int,
+        default=1024,
+        help="MiB of the teacher's outputs kept across epochs (0: recompute every step)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    from sparsa.data.text import calibration_and_evaluation
+    from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences
     from sparsa.models.minilm import embed, encoder_linears, load_minilm, mean_pool, tokenize
 
     dense, tok = load_minilm()
@@ -65,15 +83,22 @@ def main() -> None:
     names = encoder_linears(dense)
     calib = sorted(train[:64], key=len)
     calib_batches = [tokenize(tok, calib[i : i + 32]) for i in range(0, len(calib), 32)]
-    by_len = sorted(train, key=len)
+    extra = extra_stdlib_sentences()
+    distil = train + (extra if args.n_extra < 0 else extra[: args.n_extra])
+    by_len = sorted(distil, key=len)
     batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, len(by_len), 16)]
     perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [batches[i] for i in perm]
-    ref = embed(dense, tok, held_out)
+    # held-out text of the distillation domain (docstrings) and of another one (README prose)
+    domains = {"docstrings": held_out, "readme": readme_sentences()[: args.n_eval]}
+    refs = {d: embed(dense, tok, texts) for d, texts in domains.items()}
 
-    def score(m: nn.Module) -> float:
+    def score(m: nn.Module) -> Dict[str, float]:
         m.eval()
-        return round(F.cosine_similarity(embed(m, tok, held_out), ref).mean().item(), 4)
+        return {
+            d: round(F.cosine_similarity(embed(m, tok, texts), refs[d]).mean().item(), 4)
+            for d, texts in domains.items()
+        }
 
     def outputs(m: nn.Module, b: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
         o = m(**b, output_hidden_states=True)
@@ -88,6 +113,10 @@ def main() -> None:
         "init": args.init,
         "allocation": args.allocation,
         "lr": args.lr,
+        "dropout": args.dropout,
+        "n_train": args.n_train,
+        "n_distil": len(distil),
+        "teacher_cache_mb": args.teacher_cache_mb,
         "threads": torch.get_num_threads(),
     }
     sp, layout = pattern_sparsifier(args.pattern, args.sparsity, args.layout)
@@ -98,6 +127,8 @@ def main() -> None:
         keep = set(names)
         m = sparsa.sparsify(copy.deepcopy(dense), config, lambda mod, name: name in keep)
         one_shot = score(m)
+        row["one_shot_sparsegpt_cosine_readme"] = one_shot["readme"]
+        one_shot = one_shot["docstrings"]
         row["one_shot_sparsegpt_s"] = round(time.perf_counter() - t, 1)
         del m
     row["one_shot_sparsegpt_cosine"] = one_shot
@@ -118,11 +149,15 @@ def main() -> None:
         calibration=calib_batches,
         allocation=args.allocation,
         progress=False,
+        teacher_cache_bytes=args.teacher_cache_mb << 20,
+        dropout=None if args.dropout < 0 else args.dropout,
     )
+    recovered = score(model)
     row.update(
         {
             "layout": rep.layout,
-            "recovered_cosine": score(model),
+            "recovered_cosine": recovered["docstrings"],
+            "recovered_cosine_readme": recovered["readme"],
             "steps": rep.steps,
             "final_step": rep.final_step,
             "seconds": rep.seconds,

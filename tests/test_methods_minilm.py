@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsa
-from sparsa.data.text import calibration_and_evaluation, stdlib_sentences
+from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences, stdlib_sentences
 from sparsa.methods import Wanda, named_pattern
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -24,6 +24,14 @@ def test_text_splits_are_disjoint_and_deterministic():
     assert calibration_and_evaluation(100, 50, seed=1) != a
     with pytest.raises(ValueError, match="fewer"):
         calibration_and_evaluation(len(stdlib_sentences()), 1)
+
+
+def test_extra_docstring_text_never_meets_the_held_out_text():
+    extra = extra_stdlib_sentences()
+    assert extra == extra_stdlib_sentences() and len(extra) >= 1000
+    assert len(set(extra)) == len(extra)
+    assert set(extra).isdisjoint(stdlib_sentences()) and set(extra).isdisjoint(readme_sentences())
+    assert all(40 <= len(s) <= 200 and ">>>" not in s for s in extra)
 
 
 @pytest.fixture(scope="module")

@@ -228,6 +228,58 @@ def test_tiny_bert_with_dict_batches():
         assert model(**batches[0]).last_hidden_state.shape == (4, 12, 32)
 
 
+def test_the_teachers_outputs_are_cached_when_batches_cycle():
+    """4 batches over 12 steps: the teacher runs 4 times with the cache and 12 without, and the
+    losses are the same (the teacher is fixed); a cache smaller than one output keeps nothing."""
+    teacher = _mlp()
+    runs = []
+
+    def run(cache_bytes):
+        calls = [0]
+
+        def counting_forward(m, b):
+            if m is teacher:
+                calls[0] += 1
+            return m(b)
+
+        torch.manual_seed(0)
+        rep = sparsa.recover(
+            copy.deepcopy(teacher),
+            teacher,
+            _batches(4),
+            target_sparsity=0.5,
+            steps=12,
+            forward=counting_forward,
+            progress=False,
+            teacher_cache_bytes=cache_bytes,
+        )
+        runs.append(rep.losses)
+        return calls[0]
+
+    assert run(1 << 20) == 4
+    assert run(0) == 12
+    assert run(16 * 32 * 4 - 1) == 12  # one batch's output is 16 x 32 floats
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_students_dropout_is_off_while_it_distils_and_restored_after():
+    teacher = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 32))
+    seen = []
+
+    def forward(m, b):
+        seen.append((m is teacher, m[1].p, m.training))
+        return m(b)
+
+    for dropout, p in ((0.0, 0.0), (None, 0.5), (0.25, 0.25)):
+        seen.clear()
+        model = copy.deepcopy(teacher)
+        sparsa.recover(
+            model, teacher, _batches(2), target_sparsity=0.5, steps=3, forward=forward, dropout=dropout, progress=False
+        )
+        assert {(p_, tr) for is_t, p_, tr in seen if not is_t} == {(p, True)}
+        assert model[1].p == 0.5 and teacher[1].p == 0.5
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -245,6 +297,8 @@ def test_tiny_bert_with_dict_batches():
         (dict(target_sparsity=0.5, layout="nm"), "layout"),
         (dict(target_sparsity=0.5, lr=0.0), "lr"),
         (dict(target_sparsity=0.5, steps=0), "steps"),
+        (dict(target_sparsity=0.5, teacher_cache_bytes=-1), "teacher_cache_bytes"),
+        (dict(target_sparsity=0.5, dropout=1.0), "dropout"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):

@@ -22,7 +22,14 @@ import warnings
 from functools import lru_cache
 from typing import List, Tuple
 
-__all__ = ["MODULES", "stdlib_sentences", "readme_sentences", "calibration_and_evaluation"]
+__all__ = [
+    "MODULES",
+    "EXTRA_MODULES",
+    "stdlib_sentences",
+    "extra_stdlib_sentences",
+    "readme_sentences",
+    "calibration_and_evaluation",
+]
 
 #: modules whose docstrings are read (importing them has no side effects)
 MODULES = (
@@ -77,6 +84,26 @@ MODULES = (
     "zipfile",
 )
 
+#: more modules, for :func:`extra_stdlib_sentences` (pure Python, importable without side effects
+#: or deprecation warnings on 3.10-3.13)
+EXTRA_MODULES = tuple(
+    """
+    asyncio.base_events asyncio.events asyncio.futures asyncio.locks asyncio.queues asyncio.streams
+    asyncio.subprocess asyncio.tasks bdb binascii bz2 cmd code codecs codeop collections.abc compileall
+    concurrent.futures._base configparser contextlib contextvars copy dis doctest email.headerregistry
+    email.parser email.policy email.utils filecmp fileinput fnmatch ftplib getopt gettext glob graphlib
+    hmac http.cookiejar http.server imaplib importlib.abc importlib.metadata io linecache locale
+    logging.config logging.handlers lzma mailbox modulefinder multiprocessing.connection
+    multiprocessing.managers multiprocessing.pool netrc numbers operator optparse pdb pickletools
+    pkgutil platform plistlib poplib profile pstats pydoc quopri reprlib rlcompleter runpy sched
+    secrets selectors shelve shlex smtplib sqlite3 ssl stat struct symtable sysconfig timeit tokenize
+    trace traceback tracemalloc types unittest.case unittest.loader unittest.mock unittest.runner
+    unittest.suite urllib.request urllib.robotparser wave weakref wsgiref.handlers wsgiref.headers
+    wsgiref.simple_server xml.dom.minidom xml.dom.pulldom xml.etree.ElementTree xml.sax.handler
+    xml.sax.saxutils xmlrpc.client xmlrpc.server zipimport zlib zoneinfo
+    """.split()
+)
+
 _SPLIT = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
@@ -105,13 +132,21 @@ def _docstrings(module_name: str) -> List[str]:
 def stdlib_sentences(min_chars: int = 40, max_chars: int = 200) -> List[str]:
     """English sentences from stdlib docstrings: prose only (no code, no ``>>>``), de-duplicated, in a
     fixed order."""
-    return list(_sentences(min_chars, max_chars))
+    return list(_sentences(MODULES, min_chars, max_chars))
 
 
-@lru_cache(maxsize=4)
-def _sentences(min_chars: int, max_chars: int) -> tuple:
+def extra_stdlib_sentences(min_chars: int = 40, max_chars: int = 200) -> List[str]:
+    """More sentences of the docstring domain, from the :data:`EXTRA_MODULES`, none of them in
+    :func:`stdlib_sentences`: unlabeled text to distil on (``sparsa.recover``) that can never be
+    the held-out text of :func:`calibration_and_evaluation`."""
+    pool = set(_sentences(MODULES, min_chars, max_chars))
+    return [s for s in _sentences(EXTRA_MODULES, min_chars, max_chars) if s not in pool]
+
+
+@lru_cache(maxsize=8)
+def _sentences(modules: Tuple[str, ...], min_chars: int, max_chars: int) -> tuple:
     seen, out = set(), []
-    for mod in MODULES:
+    for mod in modules:
         for doc in _docstrings(mod):
             for para in doc.split("\n\n"):
                 if ">>>" in para or para.lstrip().startswith(("-", "*", ":", "|")):
@@ -178,7 +213,7 @@ def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
         name = (d.metadata.get("Name") or "").lower().replace("_", "-")
         if name and name not in by_name and name not in exclude:
             by_name[name] = d
-    stdlib = set(_sentences(min_chars, max_chars))
+    stdlib = set(_sentences(MODULES, min_chars, max_chars)) | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
     seen, out = set(), []
     for name in sorted(by_name):
         meta = by_name[name].metadata

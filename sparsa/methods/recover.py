@@ -294,6 +294,8 @@ def recover(
     init_sparsity: Optional[float] = None,
     loss: Callable[[Any, Any], Tensor] = distillation_loss,
     optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None,
+    teacher_cache_bytes: int = 1 << 30,
+    dropout: Optional[float] = 0.0,
 ) -> RecoverReport:
     """Prune ``model`` in place to ``target_sparsity`` in ``pattern`` while distilling it towards
     ``teacher`` (the dense model, e.g. ``copy.deepcopy(model)`` taken before), for ``time_budget``
@@ -319,6 +321,13 @@ def recover(
         checkpoint: a path: the final model is written there with :func:`sparsa.save`.
         progress: a progress bar (tqdm if installed, else a printed line every 5%).
         loss: ``loss(student_outputs, teacher_outputs)`` (default :func:`distillation_loss`).
+        teacher_cache_bytes: the teacher's outputs of each batch are kept, up to this many bytes in
+            all, and reused when the batches cycle (the teacher is fixed and in eval mode, so its
+            outputs do not change); ``0`` recomputes them every step. Batches beyond the limit are
+            recomputed.
+        dropout: the probability of every ``nn.Dropout`` of the student while it distils (restored
+            afterwards); ``None`` keeps the model's own. Off by default: the student matches a
+            deterministic teacher, and dropout noise only slows that.
 
     The budget covers calibration, the one-shot start and training (a step starts only if, at the mean
     step time so far, it ends within the budget); the student trains in train
@@ -353,6 +362,14 @@ def recover(
         raise ValueError(f"steps must be a positive int (or None to run for time_budget), got {steps!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if dropout is not None and (
+        isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0
+    ):
+        raise ValueError(f"dropout must be a probability in [0, 1), or None for the model's own, got {dropout!r}")
+    if isinstance(teacher_cache_bytes, bool) or not isinstance(teacher_cache_bytes, int) or teacher_cache_bytes < 0:
+        raise ValueError(
+            f"teacher_cache_bytes must be a non-negative int (0 turns the cache off), got {teacher_cache_bytes!r}"
+        )
     if init is not None and init not in INITS:
         raise ValueError(f"init must be None or one of {INITS}, got {init!r}")
     if isinstance(batches, (Tensor, Mapping)) or not hasattr(batches, "__iter__"):
@@ -439,12 +456,18 @@ def recover(
     teacher.eval()
     was_training = model.training
     model.train()
+    own_dropout = {m: m.p for m in model.modules() if isinstance(m, nn.Dropout)} if dropout is not None else {}
+    for m in own_dropout:
+        m.p = dropout
     remaining = time_budget - (time.perf_counter() - t_start)
     t_train = time.perf_counter()
     bar = _Progress(progress, time_budget if clock else steps, "s" if clock else "step")
     losses: List[float] = []
     step, final_step, applied = 0, -1, -1.0
     sizes = {n: model.get_submodule(n).weight.numel() for n in names}
+    # the teacher's outputs per batch index: about a quarter of a step's time when batches cycle
+    cache: Dict[int, List[Tensor]] = {}
+    cached_bytes = 0
     try:
         while True:
             elapsed = time.perf_counter() - t_train
@@ -482,9 +505,15 @@ def recover(
             )
             for g, base in zip(opt.param_groups, base_lrs):
                 g["lr"] = base * max(decay, 0.02)
-            b = batches[step % len(batches)]
-            with torch.no_grad():
-                target_out = _tensors(forward(teacher, b))
+            index = step % len(batches)
+            b = batches[index]
+            target_out = cache.get(index)
+            if target_out is None:
+                with torch.no_grad():
+                    target_out = _tensors(forward(teacher, b))
+                size = sum(t.numel() * t.element_size() for t in target_out)
+                if cached_bytes + size <= teacher_cache_bytes:
+                    cache[index], cached_bytes = target_out, cached_bytes + size
             value = loss(_tensors(forward(model, b)), target_out)
             opt.zero_grad(set_to_none=True)
             value.backward()
@@ -495,6 +524,8 @@ def recover(
     finally:
         bar.close()
         model.train(was_training)
+        for m, p in own_dropout.items():
+            m.p = p
     for p in pruners:  # the final sparsity, even if the budget ended before its time
         p.step(end_step)
     if final_step < 0:
