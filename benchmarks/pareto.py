@@ -92,6 +92,8 @@ ROW_KEYS = (
     "cpu",
 )
 DOMAINS = ("docstrings", "readme")
+#: AdamW learning rate of the recoveries (benchmarks/recover.py: 1e-3 recovered most at 75%)
+RECOVER_LR = 1e-3
 SPARSITIES = (0.5, 0.6, 0.7, 0.8, 0.9)
 QUICK = {
     "patterns": ("unstructured", "2:4", "row_group16"),
@@ -118,16 +120,18 @@ def configs(patterns: Sequence[str], sparsities: Sequence[float]) -> List[Patter
 
 def texts(n_calib: int, n_eval: int, n_distill: int = 0) -> Tuple[List[str], List[str], Dict[str, List[str]]]:
     """(calibration sentences, distillation sentences, held-out text per domain): calibration and
-    distillation come from the stdlib-docstring pool, disjoint from its held-out part; the README
+    distillation come from the stdlib-docstring pool, disjoint from its held-out part (distillation
+    also takes the docstrings of :func:`~sparsa.data.text.extra_stdlib_sentences`); the README
     domain is only ever held out."""
     import random
 
-    from sparsa.data.text import calibration_and_evaluation, readme_sentences
+    from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences
 
     train, held = calibration_and_evaluation(max(n_calib, n_distill), n_eval)
     readme = readme_sentences()
     random.Random(0).shuffle(readme)
-    return train[:n_calib], train[:n_distill], {"docstrings": held, "readme": readme[:n_eval]}
+    distill = train[:n_distill] + (extra_stdlib_sentences() if n_distill else [])
+    return train[:n_calib], distill, {"docstrings": held, "readme": readme[:n_eval]}
 
 
 def _batches(tok: Any, sentences: Sequence[str], size: int, max_length: int = 128) -> List[Dict[str, torch.Tensor]]:
@@ -190,6 +194,7 @@ def recovered_copy(
         time_budget=budget,
         names=_linear_names(model),
         forward=_distill_forward,
+        lr=RECOVER_LR,
         init=method,
         calibration=list(calibration),
         progress=False,
@@ -449,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from sparsa.models.minilm import load_minilm
 
     dense, tok = load_minilm()
-    calib, distill_text, held = texts(n_calib, n_eval, 256 if q else 1280)
+    calib, distill_text, held = texts(n_calib, n_eval, 256 if q else 2048)
     calibration = _batches(tok, calib, 32)
     g = torch.Generator().manual_seed(0)
     distill_batches = _batches(tok, distill_text, 16, max_length=48)
@@ -490,6 +495,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "calibration_sentences": len(calib),
         "distillation_sentences": len(distill_text),
         "recover_budget_s": budget_each,
+        "recover_lr": RECOVER_LR,
         "timing": "per (layout, sparsity): warm-up, then the median of round-robin rounds of dense fp32, the "
         "fastest dense baseline and the sparse model (magnitude weights)",
         "speed": [dict(label=k[0], sparsity=k[1], **v) for k, v in speed.items()],
