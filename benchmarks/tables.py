@@ -31,6 +31,7 @@ BENCHES = (
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
+    ("recover", "Recovery to high sparsity on MiniLM", "python benchmarks/recover.py"),
     ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"),
 )
 
@@ -666,6 +667,33 @@ def llm_quality_section(d: Dict[str, Any]) -> str:
     )
 
 
+RECOVER_COLS = [
+    "pattern",
+    "sparsity",
+    "budget_s",
+    "lr",
+    "dropout",
+    "n_distil",
+    "steps",
+    "one_shot_sparsegpt_cosine",
+    "one_shot_sparsegpt_cosine_readme",
+    "recovered_cosine",
+    "recovered_cosine_readme",
+]
+
+
+def recover_section(d: Dict[str, Any]) -> str:
+    """One row per run of ``benchmarks/recover.py`` (they append), oldest first."""
+    rows = [dict(r, dropout=r.get("dropout", 0.1)) for r in d.get("rows", [])]  # runs before the flag: 0.1
+    head = (
+        f"{d.get('model', 'MiniLM')}, every block Linear pruned; SparseGPT one-shot at the target, then "
+        "`sparsa.recover` for `budget_s` (calibration included). Cosine: dense against pruned sentence "
+        "embeddings on held-out stdlib docstrings (`recovered_cosine`) and README prose "
+        "(`recovered_cosine_readme`, a domain never distilled on).\n\n"
+    )
+    return head + _md(rows, RECOVER_COLS, {"lr": "g"})
+
+
 def dispatch_section(d: Dict[str, Any]) -> str:
     return _md(d["rows"], ["mode", "direct_us", "dispatched_us", "overhead_us"])
 
@@ -686,6 +714,7 @@ SECTIONS = {
     "llm_decode": llm_decode_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
+    "recover": recover_section,
 }
 
 

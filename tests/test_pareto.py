@@ -227,3 +227,19 @@ def test_tables_render_a_pareto_section(tmp_path):
     text = tables.render(tmp_path)
     assert "python benchmarks/pareto.py" in text and "sliced_ell" in text and "0.900" in text
     assert "test-cpu" in tables.readme_summary(tmp_path)
+
+
+def test_tables_render_the_recovery_runs(tmp_path):
+    cls = tmp_path / "test-cpu"
+    cls.mkdir()
+    old = dict(pattern="unstructured", sparsity=0.75, budget_s=360.0, lr=2e-4, steps=520, recovered_cosine=0.8575)
+    new = dict(old, lr=1e-3, dropout=0.0, n_distil=5732, recovered_cosine=0.9312, recovered_cosine_readme=0.8123)
+    (cls / "recover.json").write_text(
+        json.dumps({"cpu": {"class": "test-cpu"}, "model": "all-MiniLM-L6-v2", "rows": [old, new]})
+    )
+    text = tables.render(tmp_path)
+    assert "Recovery to high sparsity on MiniLM (`python benchmarks/recover.py`)" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("| unstructured | 0.75 |")]
+    assert len(lines) == 2
+    assert "| 0.0002 | 0.1 | - |" in lines[0] and "0.8575 | - |" in lines[0]  # an old run: dropout 0.1, no readme
+    assert "| 0.001 | 0.0 | 5732 |" in lines[1] and "0.9312 | 0.8123 |" in lines[1]
