@@ -53,6 +53,12 @@ def main() -> None:
     ap.add_argument("--sparsity", type=float, default=0.75)
     ap.add_argument("--budget", type=float, default=180.0, help="seconds of recover() (calibration included)")
     ap.add_argument("--init", default="sparsegpt", choices=["none", "magnitude", "wanda", "sparsegpt"])
+    ap.add_argument(
+        "--init-sparsity",
+        type=float,
+        default=None,
+        help="sparsity of the one-shot start (default: the target; lower: gradual pruning from there)",
+    )
     ap.add_argument("--allocation", default=None, choices=[None, "owl"])
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--n-train", type=int, default=2048)
@@ -115,6 +121,7 @@ def main() -> None:
         "sparsity": args.sparsity,
         "budget_s": args.budget,
         "init": args.init,
+        "init_sparsity": args.init_sparsity,
         "allocation": args.allocation,
         "lr": args.lr,
         "dropout": args.dropout,
@@ -150,6 +157,7 @@ def main() -> None:
         forward=outputs,
         lr=args.lr,
         init=None if args.init == "none" else args.init,
+        init_sparsity=args.init_sparsity,
         calibration=calib_batches,
         allocation=args.allocation,
         progress=False,
