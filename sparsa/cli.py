@@ -133,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         "is split disjointly into calibration and held-out evaluation text",
     )
     pr.add_argument(
+        "--recover",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after pruning, distil the pruned model towards the dense one for SECONDS of wall-clock "
+        "time, the pattern kept (sparsa.recover; on --data, or the built-in offline text); e.g. 1200 "
+        "(default 0: no recovery)",
+    )
+    pr.add_argument(
         "--target-quality",
         type=_quality,
         default=None,
@@ -323,6 +332,8 @@ def _cmd_prune(a: argparse.Namespace) -> int:
         return _cmd_prune_target(a)
     if a.no_compile:
         raise UsageError("--no-compile only applies with --target-quality")
+    if not a.recover >= 0:
+        raise UsageError(f"--recover {a.recover:g}: give a number of seconds >= 0 (0: no recovery)")
     a.sparsity = 0.5 if a.sparsity is None else a.sparsity
     a.pattern = a.pattern or "unstructured"
     if a.layout is not None:
@@ -342,8 +353,11 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     if a.timing_tokens is not None and not a.only_if_faster:
         raise UsageError("--timing-tokens only applies with --only-if-faster")
     if a.data is not None:
-        if a.method == "magnitude":
-            raise UsageError("--data only applies with --method wanda or sparsegpt (magnitude needs no calibration)")
+        if a.method == "magnitude" and not a.recover:
+            raise UsageError(
+                "--data only applies with --method wanda or sparsegpt, or with --recover "
+                "(magnitude needs no calibration)"
+            )
         if not Path(a.data).exists():
             raise UsageError(f"--data {a.data!r} does not exist")
     if Path(a.out).exists() and not Path(a.out).is_dir():
@@ -361,6 +375,7 @@ def _cmd_prune(a: argparse.Namespace) -> int:
         calib=a.calib,
         only_if_faster=only_if_faster,
         data=a.data,
+        recover_seconds=a.recover,
     )
     print(format_report(rows))
     print(f"saved {Path(a.out) / CHECKPOINT} ({os.path.getsize(Path(a.out) / CHECKPOINT) / 2**20:.1f} MiB)")
@@ -378,6 +393,7 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
         ("--layout", a.layout is not None),
         ("--only-if-faster", a.only_if_faster),
         ("--timing-tokens", a.timing_tokens is not None),
+        ("--recover", bool(a.recover)),
     ):
         if given:
             raise UsageError(

@@ -27,6 +27,7 @@ configuration whose held-out embedding cosine to the dense model reaches a targe
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -343,6 +344,7 @@ def prune_model_dir(
     progress: bool = True,
     only_if_faster: Union[bool, int] = False,
     data: Optional[Union[str, os.PathLike]] = None,
+    recover_seconds: float = 0.0,
 ) -> List[Dict[str, Any]]:
     """Prune the Linear layers of the transformer blocks of the model in ``src`` (see
     :func:`prunable_linears`) and write ``out``.
@@ -353,7 +355,9 @@ def prune_model_dir(
     :class:`sparsa.methods.OneShot`): a pruned layer whose sparse layout is not measured faster than
     dense on this machine is saved as a dense weight (same values). Returns the per-layer report rows
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
-    ``ratio_vs_dense``). ``out`` is complete or untouched: see :func:`_write_out`.
+    ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
+    dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
+    ``data`` or the built-in text). ``out`` is complete or untouched: see :func:`_write_out`.
     """
     from . import Rule, sparsify, sparsity_report
     from .methods import SparseGPT, Wanda
@@ -361,6 +365,8 @@ def prune_model_dir(
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if isinstance(recover_seconds, bool) or not isinstance(recover_seconds, (int, float)) or not recover_seconds >= 0:
+        raise ValueError(f"--recover must be a number of seconds >= 0, got {recover_seconds!r}")
     tokens = _tokens(only_if_faster, "only_if_faster")
     srcp, outp = Path(src), Path(out)
     if outp.exists() and not outp.is_dir():
@@ -378,15 +384,19 @@ def prune_model_dir(
             f"MODEL_DIR {src!r}: the model has no nn.Linear layers to prune (only nn.Linear "
             "weights are pruned; GPT-2 style Conv1D layers are not)"
         )
-    if method == "magnitude":
-        sparsify(model, [Rule(sparsifier=sparsifier, layout=layout, names=names)])
-    else:
+    teacher = copy.deepcopy(model) if recover_seconds else None
+    tok = None
+    if recover_seconds or method != "magnitude":
         cal = _calibration(srcp, calib, causal, data)
         if cal is None:
             raise ValueError(
-                f"--method {method} needs calibration text, but {src} has no tokenizer files; use --method magnitude"
+                f"{'--recover' if recover_seconds else '--method ' + method} needs text, but {src} has no "
+                "tokenizer files; use --method magnitude without --recover"
             )
-        _, batches = cal
+        tok, batches = cal
+    if method == "magnitude":
+        sparsify(model, [Rule(sparsifier=sparsifier, layout=layout, names=names)])
+    else:
         # causal LMs: run the base model only (the LM head's logits are not needed and can be huge)
         fwd = (lambda m, b: m.base_model(**b, use_cache=False)) if causal else (lambda m, b: m(**b))
         wanted = set(names)
@@ -398,6 +408,26 @@ def prune_model_dir(
             )
         )
         sparsify(model, config, lambda m, n: n in wanted)
+    if recover_seconds:
+        from .prune_recovery import recover_pruned
+
+        rep = recover_pruned(
+            model,
+            teacher,
+            tok,
+            causal=causal,
+            names=names,
+            pattern=pattern,
+            sparsity=sparsity,
+            layout=layout,
+            seconds=recover_seconds,
+            data=data,
+            progress=progress,
+        )
+        del teacher
+        if progress:
+            first, last = (rep.losses[0], rep.losses[-1]) if rep.losses else (float("nan"), float("nan"))
+            print(f"recovered: {rep.steps} steps in {rep.seconds:.0f} s, loss {first:.4f} -> {last:.4f}", flush=True)
     if tokens:
         chosen = dense_where_slower(model, tokens, names=names)
     else:

@@ -144,6 +144,35 @@ def test_prune_with_the_default_layout(llama_dir, tmp_path, capsys):
     assert {lin.weight.layout_name for lin in _block_linears(m).values()} == {default_layout("unstructured", True)}
 
 
+def test_prune_with_recovery_keeps_the_pattern_and_trains(llama_dir, tmp_path, capsys):
+    """--recover on a causal LM: the KL loss to the dense model is what trains, the pattern and the
+    default layout stay exact, the embeddings stay as they were, and generate matches the dense twin."""
+    from transformers import AutoModelForCausalLM
+
+    from sparsa import to_dense
+    from sparsa.prune import default_layout
+
+    out = tmp_path / "out"
+    rc, so, err = _main(["prune", str(llama_dir), "-o", str(out), "--pattern", "2:4", "--recover", "5"], capsys)
+    assert rc == 0, err
+    steps = re.search(r"^recovered: (\d+) steps in \d+ s, loss ([\d.]+) -> ([\d.]+)$", so, re.M)
+    assert steps and int(steps.group(1)) >= 2, so
+    m = _generates_as_dense_twin(llama_dir, out)
+    for lin in _block_linears(m).values():
+        assert lin.weight.layout_name == default_layout("2:4", True) and abs(lin.weight.sparsity - 0.5) < 1e-6
+    ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))
+    assert torch.equal(m.model.embed_tokens.weight, ref.model.embed_tokens.weight)
+    moved = [  # the kept weights trained away from their dense values
+        n
+        for n, lin in _block_linears(m).items()
+        if not torch.equal(
+            to_dense(lin.weight)[lin.weight.sparse_layout.mask()],
+            ref.get_submodule(n).weight[lin.weight.sparse_layout.mask()],
+        )
+    ]
+    assert len(moved) == len(_block_linears(m))
+
+
 TIMING = re.compile(r"^prefill [\d.]+ ms \(\d+ prompt tokens\), decode [\d.]+ tokens/s .*threads, (float32|bfloat16)$")
 
 

@@ -1,0 +1,109 @@
+"""``sparsa prune --recover SECONDS``: after one-shot pruning, distil the pruned model towards the
+dense one with :func:`sparsa.recover`, keeping its pattern.
+
+What is matched depends on the model:
+
+- encoders (BERT-like): the mean-pooled sentence embedding and every layer's hidden states at the
+  real tokens (as ``benchmarks/recover.py`` does), batches of 16 texts;
+- causal LMs: the next-token distributions (:func:`~sparsa.methods.logit_distillation_loss`),
+  batches of 4 texts.
+
+The text is the user's ``--data`` (every line) or, by default, the built-in offline docstring
+sentences (:func:`~sparsa.data.text.stdlib_sentences` and
+:func:`~sparsa.data.text.extra_stdlib_sentences`). The input embeddings (and a head tied to them)
+stay frozen. The learning rates are the ones the benchmarks measured (:data:`RECOVER_LR`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from torch import Tensor, nn
+
+from .methods.distill import distillation_loss, logit_distillation_loss
+from .methods.recover import RecoverReport, _fixed_sparsity, pattern_sparsifier, recover
+
+__all__ = ["RECOVER_LR", "recover_pruned", "distillation_texts"]
+
+#: AdamW learning rate per model kind: encoders (MiniLM, ``benchmarks/recover.py``) and causal LMs
+#: (SmolLM2-135M, ``benchmarks/llm_quality.py``)
+RECOVER_LR = {"encoder": 1e-3, "causal_lm": 1e-4}
+_BATCH = {"encoder": 16, "causal_lm": 4}
+_MAX_TOKENS = 128
+
+
+def distillation_texts(data: Optional[Union[str, os.PathLike]]) -> List[str]:
+    """Every line of ``data`` (a text file or a directory of ``*.txt``), or the built-in sentences."""
+    from .data.text import extra_stdlib_sentences, stdlib_sentences
+    from .prune import _read_texts
+
+    if data is not None:
+        return _read_texts(data, sys.maxsize)
+    return stdlib_sentences() + extra_stdlib_sentences()
+
+
+def _batches(tok: Any, texts: Sequence[str], size: int, causal: bool) -> List[Dict[str, Tensor]]:
+    """Batches of ``size`` texts of similar length (little padding), in a fixed shuffled order."""
+    by_len = sorted(texts, key=len)
+    out = []
+    for i in range(0, len(by_len), size):
+        b = dict(tok(by_len[i : i + size], padding=True, truncation=True, max_length=_MAX_TOKENS, return_tensors="pt"))
+        out.append({k: v for k, v in b.items() if k in ("input_ids", "attention_mask")} if causal else b)
+    random.Random(0).shuffle(out)
+    return out
+
+
+def _encoder_outputs(m: nn.Module, b: Dict[str, Tensor]) -> List[Tensor]:
+    o = m(**b, output_hidden_states=True)
+    mask = b["attention_mask"]
+    keep = mask.bool()
+    pooled = (o.last_hidden_state * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
+    return [pooled] + [h[keep] for h in o.hidden_states[1:]]
+
+
+def _logits(m: nn.Module, b: Dict[str, Tensor]) -> Tensor:
+    # padded positions carry no next-token target: only the real ones are compared
+    return m(**b, use_cache=False).logits[b["attention_mask"].bool()]
+
+
+def recover_pruned(
+    model: nn.Module,
+    teacher: nn.Module,
+    tok: Any,
+    *,
+    causal: bool,
+    names: Sequence[str],
+    pattern: str,
+    sparsity: float,
+    layout: str,
+    seconds: float,
+    data: Optional[Union[str, os.PathLike]] = None,
+    progress: bool = True,
+) -> RecoverReport:
+    """Distil ``model`` (pruned in place to ``pattern`` at ``sparsity``, stored in ``layout``) towards
+    ``teacher`` (the dense model) for ``seconds``; the weights end in ``layout`` at the same pattern."""
+    kind = "causal_lm" if causal else "encoder"
+    texts = distillation_texts(data)
+    batches = _batches(tok, texts, _BATCH[kind], causal)
+    sp, _ = pattern_sparsifier(pattern, sparsity, layout)
+    fixed = _fixed_sparsity(sp)  # an N:M pattern's own sparsity (the nearest grouped N:M, say)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if emb is not None:
+        emb.requires_grad_(False)
+    return recover(
+        model,
+        teacher,
+        batches,
+        target_sparsity=sparsity if fixed is None else fixed,
+        pattern=pattern,
+        layout=layout,
+        time_budget=seconds,
+        names=list(names),
+        forward=_logits if causal else _encoder_outputs,
+        loss=logit_distillation_loss if causal else distillation_loss,
+        lr=RECOVER_LR[kind],
+        progress=progress,
+    )
