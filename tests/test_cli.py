@@ -278,3 +278,14 @@ def test_bad_recover_arguments(tiny_model_dir, tmp_path, extra, needle):
     r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *extra])
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_recovery_without_a_tokenizer_is_named(tmp_path):
+    from sparsa.prune import prune_model_dir
+
+    d = _tiny_bert_dir(tmp_path / "no_tok")
+    for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (d / f).unlink()
+    with pytest.raises(ValueError, match="--recover needs text, but .* has no tokenizer files"):
+        prune_model_dir(str(d), str(tmp_path / "o"), sparsity=0.5, recover_seconds=1.0, progress=False)
+    assert not (tmp_path / "o").exists()

@@ -465,7 +465,7 @@ def recover(
     losses: List[float] = []
     step, final_step, applied = 0, -1, -1.0
     sizes = {n: model.get_submodule(n).weight.numel() for n in names}
-    # the teacher's outputs per batch index: about a quarter of a step's time when batches cycle
+    # the teacher is fixed, so its outputs per batch can be reused each time the batches cycle
     cache: Dict[int, List[Tensor]] = {}
     cached_bytes = 0
     try:
