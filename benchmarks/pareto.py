@@ -70,6 +70,7 @@ from sparsa.frontier import (  # noqa: E402
     pattern_config,
     prune_copy,
 )
+from sparsa.prune_recovery import encoder_outputs  # noqa: E402
 
 try:  # recovery comes from sparsa.methods.recover; without it the recovered rows are skipped
     from sparsa.methods.recover import recover
@@ -160,14 +161,6 @@ def speed_rows(
     return out
 
 
-def _distill_forward(m: nn.Module, b: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-    from sparsa.models.minilm import mean_pool
-
-    o = m(**b, output_hidden_states=True)
-    keep = b["attention_mask"].bool()
-    return [mean_pool(o.last_hidden_state, b["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
-
-
 def recovered_copy(
     dense: nn.Module,
     method: str,
@@ -193,7 +186,7 @@ def recovered_copy(
         layout=cfg.layout,
         time_budget=budget,
         names=_linear_names(model),
-        forward=_distill_forward,
+        forward=encoder_outputs,
         lr=RECOVER_LR,
         init=method,
         calibration=list(calibration),

@@ -44,7 +44,8 @@ OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results
 # ----------------------------------------------------------------------------- MiniLM
 def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
     from sparsa.data.text import calibration_and_evaluation
-    from sparsa.models.minilm import embed, encoder_linears, load_minilm, mean_pool, tokenize
+    from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
+    from sparsa.prune_recovery import encoder_outputs
 
     n_cal, n_train, n_eval, epochs = (64, 256, 96, 1) if quick else (128, 1280, 384, 2)
     patterns = (
@@ -69,11 +70,6 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
     def score(m: nn.Module) -> float:
         return F.cosine_similarity(embed(m, tok, held_out), ref).mean().item()
 
-    def outputs(m: nn.Module, b: Dict[str, torch.Tensor]):
-        o = m(**b, output_hidden_states=True)
-        keep = b["attention_mask"].bool()
-        return [mean_pool(o.last_hidden_state, b["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
-
     rows = []
     for pattern in patterns:
         sp, layout = named_pattern(pattern, 0.5)
@@ -87,7 +83,7 @@ def minilm_rows(quick: bool) -> List[Dict[str, Any]]:
                     )
                 m = gpt_model
                 m.embeddings.requires_grad_(False)
-                losses = distill(m, model, distill_batches, forward=outputs, lr=2e-4, epochs=epochs)
+                losses = distill(m, model, distill_batches, forward=encoder_outputs, lr=2e-4, epochs=epochs)
             else:
                 m = copy.deepcopy(model)
                 if method == "magnitude":

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .methods.distill import distillation_loss, logit_distillation_loss
 from .methods.recover import RecoverReport, _fixed_sparsity, pattern_sparsifier, recover
 
-__all__ = ["RECOVER_LR", "recover_pruned", "distillation_texts"]
+__all__ = ["RECOVER_LR", "recover_pruned", "distillation_texts", "encoder_outputs"]
 
 #: AdamW learning rate per model kind: encoders (MiniLM, ``benchmarks/recover.py``) and causal LMs
 #: (SmolLM2-135M, ``benchmarks/llm_quality.py``)
@@ -56,12 +56,14 @@ def _batches(tok: Any, texts: Sequence[str], size: int, causal: bool) -> List[Di
     return out
 
 
-def _encoder_outputs(m: nn.Module, b: Dict[str, Tensor]) -> List[Tensor]:
-    o = m(**b, output_hidden_states=True)
-    mask = b["attention_mask"]
-    keep = mask.bool()
-    pooled = (o.last_hidden_state * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp_min(1)
-    return [pooled] + [h[keep] for h in o.hidden_states[1:]]
+def encoder_outputs(model: nn.Module, batch: Dict[str, Tensor]) -> List[Tensor]:
+    """What an encoder's recovery matches: the mean-pooled sentence embedding, then every layer's
+    hidden states at the real (unpadded) tokens. A ``forward`` for :func:`sparsa.recover`."""
+    from .models.minilm import mean_pool
+
+    o = model(**batch, output_hidden_states=True)
+    keep = batch["attention_mask"].bool()
+    return [mean_pool(o.last_hidden_state, batch["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
 
 
 def _logits(m: nn.Module, b: Dict[str, Tensor]) -> Tensor:
@@ -102,7 +104,7 @@ def recover_pruned(
         layout=layout,
         time_budget=seconds,
         names=list(names),
-        forward=_logits if causal else _encoder_outputs,
+        forward=_logits if causal else encoder_outputs,
         loss=logit_distillation_loss if causal else distillation_loss,
         lr=RECOVER_LR[kind],
         progress=progress,

@@ -235,11 +235,11 @@ def _held_out_loss(model, dense, tok, texts):
     """The distillation loss recovery minimises, on text it did not train on (a random tiny BERT's
     embeddings are all near-parallel, so their cosine cannot tell the models apart)."""
     from sparsa.methods import distillation_loss
-    from sparsa.prune_recovery import _encoder_outputs
+    from sparsa.prune_recovery import encoder_outputs
 
     b = dict(tok(texts, padding=True, return_tensors="pt"))
     with torch.no_grad():
-        return distillation_loss(_encoder_outputs(model, b), _encoder_outputs(dense, b)).item()
+        return distillation_loss(encoder_outputs(model, b), encoder_outputs(dense, b)).item()
 
 
 def test_prune_with_recovery_moves_towards_the_dense_model(sensitive_model_dir, tmp_path):
