@@ -26,7 +26,7 @@ import json
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.nn as nn
@@ -86,7 +86,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences
-    from sparsa.models.minilm import embed, encoder_linears, load_minilm, mean_pool, tokenize
+    from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
+    from sparsa.prune_recovery import encoder_outputs
 
     dense, tok = load_minilm()
     train, held_out = calibration_and_evaluation(args.n_train, args.n_eval)
@@ -109,11 +110,6 @@ def main() -> None:
             d: round(F.cosine_similarity(embed(m, tok, texts), refs[d]).mean().item(), 4)
             for d, texts in domains.items()
         }
-
-    def outputs(m: nn.Module, b: Dict[str, torch.Tensor]) -> List[torch.Tensor]:
-        o = m(**b, output_hidden_states=True)
-        keep = b["attention_mask"].bool()
-        return [mean_pool(o.last_hidden_state, b["attention_mask"])] + [h[keep] for h in o.hidden_states[1:]]
 
     row = {
         "pattern": args.pattern,
@@ -154,7 +150,7 @@ def main() -> None:
         layout=args.layout,
         time_budget=args.budget,
         names=names,
-        forward=outputs,
+        forward=encoder_outputs,
         lr=args.lr,
         init=None if args.init == "none" else args.init,
         init_sparsity=args.init_sparsity,
