@@ -229,37 +229,19 @@ def check_pattern_layout(pattern: str, sparsity: float, layout: str) -> Any:
     return sparsifier
 
 
-def _read_texts(data: Union[str, os.PathLike], n: int) -> List[str]:
-    """Up to ``n`` non-empty lines of a UTF-8 text file, or of the ``*.txt`` files of a directory
-    (sorted by name)."""
-    p = Path(data)
-    files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
-    if not p.exists() or not files:
-        raise ValueError(f"--data {str(data)!r}: expected a UTF-8 text file or a directory of *.txt files")
-    out: List[str] = []
-    for f in files:
-        with open(f, encoding="utf-8") as fh:
-            out += [line.strip() for line in fh if line.strip()]
-        if len(out) >= n:
-            break
-    if not out:
-        raise ValueError(f"--data {str(data)!r} holds no text (one passage per non-empty line)")
-    return out[:n]
-
-
 def _calibration(
     path: Path, n: int, causal_lm: bool = False, data: Optional[Union[str, os.PathLike]] = None
 ) -> Optional[Tuple[Any, List[Dict[str, torch.Tensor]]]]:
     from transformers import AutoTokenizer
 
-    from .data.text import calibration_and_evaluation
+    from .data.text import calibration_and_evaluation, read_user_texts
 
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if tok.pad_token is None:  # many causal-LM tokenizers have none; padded positions are masked anyway
         tok.pad_token = tok.eos_token or tok.unk_token
-    calib = _read_texts(data, n) if data is not None else calibration_and_evaluation(n, 1)[0]
+    calib = read_user_texts(data, n) if data is not None else calibration_and_evaluation(n, 1)[0]
     return tok, _tokenized(tok, calib, causal_lm)
 
 
@@ -584,7 +566,7 @@ def search_target_quality(
     no candidate passes; ``ValueError`` for a bad argument or a causal LM (not supported yet).
     """
     from . import sparsity_report
-    from .data.text import calibration_and_evaluation
+    from .data.text import calibration_and_evaluation, read_user_texts
     from .models.minilm import embed
 
     say = log or (lambda _: None)
@@ -623,7 +605,7 @@ def search_target_quality(
 
     tok = AutoTokenizer.from_pretrained(str(srcp), local_files_only=True)
     if data is not None:
-        cal_texts, eval_texts = split_texts(_read_texts(data, calib + _MAX_EVAL), calib)
+        cal_texts, eval_texts = split_texts(read_user_texts(data, calib + _MAX_EVAL), calib)
     else:
         cal_texts, eval_texts = calibration_and_evaluation(calib, _MAX_EVAL)
     dense = load_pruned(src)

@@ -37,11 +37,10 @@ _MAX_TOKENS = 128
 
 def distillation_texts(data: Optional[Union[str, os.PathLike]]) -> List[str]:
     """Every line of ``data`` (a text file or a directory of ``*.txt``), or the built-in sentences."""
-    from .data.text import extra_stdlib_sentences, stdlib_sentences
-    from .prune import _read_texts
+    from .data.text import extra_stdlib_sentences, read_user_texts, stdlib_sentences
 
     if data is not None:
-        return _read_texts(data, sys.maxsize)
+        return read_user_texts(data, sys.maxsize)
     return stdlib_sentences() + extra_stdlib_sentences()
 
 

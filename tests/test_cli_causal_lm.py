@@ -111,7 +111,10 @@ def test_prune_causal_lm_writes_sparse_blocks_and_keeps_head(llama_dir, pruned):
     assert torch.equal(m.model.embed_tokens.weight, ref.model.embed_tokens.weight)
 
 
-def _generates_as_dense_twin(llama_dir, out):
+def _generates_as_dense_twin(llama_dir, out, exact_tokens=True):
+    """The pruned model generates what the same weights do run dense. ``exact_tokens=False`` is for
+    weights that training moved to wherever it stopped: there two logits may tie to within rounding,
+    so the check is the logits along the dense twin's greedy continuation instead of the tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sparsa import to_dense
@@ -119,13 +122,20 @@ def _generates_as_dense_twin(llama_dir, out):
 
     m = load_pruned(str(out))
     dense = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
-    with torch.no_grad():
-        for n, lin in _block_linears(m).items():
-            dense.get_submodule(n).weight.copy_(to_dense(lin.weight))
+    with torch.no_grad():  # every parameter: recovery also trains norms and the LM head
+        pruned = dict(m.named_parameters())
+        for n, p in dense.named_parameters():
+            p.copy_(to_dense(pruned[n]))
     ids = AutoTokenizer.from_pretrained(str(out))(PROMPT, return_tensors="pt")["input_ids"]
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
-        assert torch.equal(m.generate(ids, **kw), dense.generate(ids, **kw))
+        want = dense.generate(ids, **kw)
+        got = m.generate(ids, **kw)
+        if exact_tokens:
+            assert torch.equal(got, want)
+        else:
+            assert got.shape == want.shape and torch.equal(got[:, : ids.shape[1]], ids)
+            torch.testing.assert_close(m(want).logits, dense(want).logits, rtol=1e-4, atol=1e-4)
     return m
 
 
@@ -134,7 +144,8 @@ def test_loaded_pruned_model_generates_as_its_dense_twin(llama_dir, pruned):
 
 
 def test_prune_with_the_default_layout(llama_dir, tmp_path, capsys):
-    """bitmask where it is registered, else masked: either way generate matches the dense twin."""
+    """bitmask where it is registered, else masked: either way generate matches the dense twin
+    (logits along its greedy continuation: the trained weights may put two logits within rounding)."""
     from sparsa.prune import default_layout
 
     out = tmp_path / "out"
@@ -146,7 +157,8 @@ def test_prune_with_the_default_layout(llama_dir, tmp_path, capsys):
 
 def test_prune_with_recovery_keeps_the_pattern_and_trains(llama_dir, tmp_path, capsys):
     """--recover on a causal LM: the KL loss to the dense model is what trains, the pattern and the
-    default layout stay exact, the embeddings stay as they were, and generate matches the dense twin."""
+    default layout stay exact, the embeddings stay as they were, and generate matches the dense twin
+    (logits along its greedy continuation: the trained weights may put two logits within rounding)."""
     from transformers import AutoModelForCausalLM
 
     from sparsa import to_dense
@@ -157,7 +169,7 @@ def test_prune_with_recovery_keeps_the_pattern_and_trains(llama_dir, tmp_path, c
     assert rc == 0, err
     steps = re.search(r"^recovered: (\d+) steps in \d+ s, loss ([\d.]+) -> ([\d.]+)$", so, re.M)
     assert steps and int(steps.group(1)) >= 2, so
-    m = _generates_as_dense_twin(llama_dir, out)
+    m = _generates_as_dense_twin(llama_dir, out, exact_tokens=False)
     for lin in _block_linears(m).values():
         assert lin.weight.layout_name == default_layout("2:4", True) and abs(lin.weight.sparsity - 0.5) < 1e-6
     ref = AutoModelForCausalLM.from_pretrained(str(llama_dir))

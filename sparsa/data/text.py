@@ -20,7 +20,9 @@ import random
 import re
 import warnings
 from functools import lru_cache
-from typing import List, Tuple
+import os
+from pathlib import Path
+from typing import List, Tuple, Union
 
 __all__ = [
     "MODULES",
@@ -244,3 +246,21 @@ def calibration_and_evaluation(n_calibration: int, n_evaluation: int, seed: int 
         )
     random.Random(seed).shuffle(pool)
     return pool[:n_calibration], pool[n_calibration : n_calibration + n_evaluation]
+
+
+def read_user_texts(data: Union[str, os.PathLike], n: int) -> List[str]:
+    """Up to ``n`` non-empty lines of a UTF-8 text file, or of the ``*.txt`` files of a directory
+    (sorted by name)."""
+    p = Path(data)
+    files = sorted(p.glob("*.txt")) if p.is_dir() else [p]
+    if not p.exists() or not files:
+        raise ValueError(f"--data {str(data)!r}: expected a UTF-8 text file or a directory of *.txt files")
+    out: List[str] = []
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            out += [line.strip() for line in fh if line.strip()]
+        if len(out) >= n:
+            break
+    if not out:
+        raise ValueError(f"--data {str(data)!r} holds no text (one passage per non-empty line)")
+    return out[:n]
