@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="after pruning, distil the pruned model towards the dense one for SECONDS of wall-clock "
         "time, the pattern kept (sparsa.recover; on --data, or the built-in offline text); e.g. 1200 "
-        "(default 0: no recovery)",
+        "(default 0: no recovery); with --target-quality, the two faster configurations closest to "
+        "the target are recovered for SECONDS each and win if they then pass",
     )
     pr.add_argument(
         "--target-quality",
@@ -328,12 +329,12 @@ def _cmd_prune(a: argparse.Namespace) -> int:
     from .prune import CHECKPOINT, check_pattern_layout, default_layout, is_causal_lm, prune_model_dir
 
     _check_model_dir(a.model)
+    if not a.recover >= 0:
+        raise UsageError(f"--recover {a.recover:g}: give a number of seconds >= 0 (0: no recovery)")
     if a.target_quality is not None:
         return _cmd_prune_target(a)
     if a.no_compile:
         raise UsageError("--no-compile only applies with --target-quality")
-    if not a.recover >= 0:
-        raise UsageError(f"--recover {a.recover:g}: give a number of seconds >= 0 (0: no recovery)")
     a.sparsity = 0.5 if a.sparsity is None else a.sparsity
     a.pattern = a.pattern or "unstructured"
     if a.layout is not None:
@@ -393,7 +394,6 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
         ("--layout", a.layout is not None),
         ("--only-if-faster", a.only_if_faster),
         ("--timing-tokens", a.timing_tokens is not None),
-        ("--recover", bool(a.recover)),
     ):
         if given:
             raise UsageError(
@@ -426,6 +426,7 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
             patterns=patterns,
             calib=a.calib,
             use_compile=not a.no_compile,
+            recover_seconds=a.recover,
         )
     except TargetNotReached as e:
         print(e.result.table())

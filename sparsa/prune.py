@@ -493,6 +493,7 @@ class TargetQualityResult:
                 f"{c['label']:<14} {c['layout']:<11} {c['sparsity']:>8.0%} {c['quality_cosine']:>7.3f} "
                 f"{c['quality_top1']:>6.3f} {c['speedup_vs_best_dense']:>7.2f}x  "
                 f"{'yes' if c['passes'] else 'no'}{'  <-' if c is self.chosen else ''}"
+                + (f"  (after {c['recover_s']:.0f} s of recovery)" if c.get("recovered") else "")
             )
         lines.append(
             f"speedup: vs the best dense path here ({self.best_dense}: "
@@ -516,11 +517,14 @@ class TargetQualityResult:
                     if best
                     else ""
                 )
-                + "); lower --target-quality, try --method sparsegpt, or prune by --sparsity"
+                + "); lower --target-quality, try --method sparsegpt"
+                + ("" if any(c.get("recovered") for c in tried) else ", add --recover SECONDS")
+                + ", or prune by --sparsity"
             )
         c = self.chosen
+        how = self.method + (f" + {c['recover_s']:.0f} s of recovery" if c.get("recovered") else "")
         return (
-            f"chose {c['label']} ({c['layout']}) at {c['sparsity']:.0%} with {self.method}: the fastest of the "
+            f"chose {c['label']} ({c['layout']}) at {c['sparsity']:.0%} with {how}: the fastest of the "
             f"{len(ok)} configurations (of {len(tried)} tried) with held-out cosine >= {self.target:g}: "
             f"cosine {c['quality_cosine']:.3f}, {c['speedup_vs_best_dense']:.2f}x vs the best dense path "
             f"({self.best_dense})" + ("; note: it is slower than dense here" if c["speedup_vs_best_dense"] < 1 else "")
@@ -547,6 +551,8 @@ def search_target_quality(
     calib: int = 64,
     use_compile: bool = True,
     reps: int = 3,
+    recover_seconds: float = 0.0,
+    recover_candidates: int = 2,
     log: Optional[Callable[[str], None]] = print,
 ) -> TargetQualityResult:
     """Prune the encoder in ``src`` into the fastest configuration whose held-out embedding quality
@@ -561,6 +567,12 @@ def search_target_quality(
     faster), and the fastest passing one wins. ``data``: the user's text (a file, one passage per line,
     or a directory of ``*.txt``), split by :func:`split_texts` into calibration (up to ``calib``
     passages) and evaluation text; default the built-in offline sentences (disjoint samples).
+
+    ``recover_seconds`` > 0: then up to ``recover_candidates`` of the configurations that failed but
+    are faster than the one-shot winner (those closest to the target first) are pruned again and
+    distilled towards the dense model for ``recover_seconds`` each (:func:`sparsa.prune_recovery.
+    recover_pruned`, on every text but the held-out ones), re-scored and re-timed; one that passes
+    and is faster wins. The search then takes up to ``recover_candidates * recover_seconds`` more.
 
     Raises :class:`TargetNotReached` (a ``ValueError``, with ``.result``) without writing ``out`` when
     no candidate passes; ``ValueError`` for a bad argument or a causal LM (not supported yet).
@@ -580,6 +592,10 @@ def search_target_quality(
         )
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if isinstance(recover_seconds, bool) or not isinstance(recover_seconds, (int, float)) or not recover_seconds >= 0:
+        raise ValueError(f"--recover {recover_seconds!r}: give a number of seconds >= 0 (0: no recovery)")
+    if isinstance(recover_candidates, bool) or not isinstance(recover_candidates, int) or recover_candidates < 1:
+        raise ValueError(f"recover_candidates must be a positive int, got {recover_candidates!r}")
     srcp, outp = Path(src), Path(out)
     if outp.exists() and not outp.is_dir():
         raise ValueError(f"--out {out!r} exists and is not a directory")
@@ -664,6 +680,50 @@ def search_target_quality(
             evaluate(p, frontier.pattern_config(p, 0.5).sparsity)
         else:
             frontier.highest_passing(grid, lambda s, p=p: evaluate(p, s))
+    if recover_seconds > 0:
+        from .prune_recovery import recover_pruned
+
+        floor = best["row"]["speedup_vs_best_dense"] if best["row"] is not None else 0.0
+        near_misses = sorted(
+            (c for c in candidates if "skipped" not in c and c["speedup_vs_best_dense"] > floor and not c["passes"]),
+            key=lambda c: -c["quality_cosine"],
+        )[:recover_candidates]
+        for miss in near_misses:
+            cfg = frontier.pattern_config(miss["pattern"], miss["sparsity"])
+            say(f"  recovering {cfg.label} at {cfg.sparsity:.0%} for {recover_seconds:g} s ...")
+            model = frontier.prune_copy(dense, method, cfg, calibration, names)
+            rep = recover_pruned(
+                model,
+                dense,
+                tok,
+                causal=False,
+                names=names,
+                pattern=miss["pattern"],
+                sparsity=cfg.sparsity,
+                layout=cfg.layout,
+                seconds=float(recover_seconds),
+                data=data,
+                exclude=eval_texts,
+                progress=log is not None,
+            )
+            model.eval()
+            row = {k: miss[k] for k in ("pattern", "label", "layout", "sparsity")}
+            row.update(recovered=True, recover_s=round(rep.seconds, 1), recover_steps=rep.steps)
+            row["one_shot_cosine"] = miss["quality_cosine"]
+            row.update(frontier.embedding_quality(model, tok, held, ref))
+            row.update(baselines.speedup(model))
+            row["passes"] = row["quality_cosine"] >= target_quality
+            say(
+                f"  {cfg.label} at {cfg.sparsity:.0%} after {rep.steps} recovery steps: cosine "
+                f"{miss['quality_cosine']:.3f} -> {row['quality_cosine']:.3f}, "
+                f"{row['speedup_vs_best_dense']:.2f}x vs the best dense" + (" (passes)" if row["passes"] else "")
+            )
+            if row["passes"] and (
+                best["row"] is None or row["speedup_vs_best_dense"] > best["row"]["speedup_vs_best_dense"]
+            ):
+                best["row"], best["model"] = row, model
+            candidates.append(row)
+            del model
     candidates.sort(key=lambda c: (patterns.index(c["pattern"]), c["sparsity"]))
     result = TargetQualityResult(
         float(target_quality),

@@ -82,12 +82,17 @@ def recover_pruned(
     layout: str,
     seconds: float,
     data: Optional[Union[str, os.PathLike]] = None,
+    exclude: Sequence[str] = (),
     progress: bool = True,
 ) -> RecoverReport:
     """Distil ``model`` (pruned in place to ``pattern`` at ``sparsity``, stored in ``layout``) towards
-    ``teacher`` (the dense model) for ``seconds``; the weights end in ``layout`` at the same pattern."""
+    ``teacher`` (the dense model) for ``seconds``; the weights end in ``layout`` at the same pattern.
+    ``exclude``: texts never distilled on (the held-out evaluation text of a search)."""
     kind = "causal_lm" if causal else "encoder"
-    texts = distillation_texts(data)
+    held = set(exclude)
+    texts = [t for t in distillation_texts(data) if t not in held]
+    if not texts:
+        raise ValueError("--data: no text is left to distil on once the held-out evaluation text is set aside")
     batches = _batches(tok, texts, _BATCH[kind], causal)
     sp, _ = pattern_sparsifier(pattern, sparsity, layout)
     fixed = _fixed_sparsity(sp)  # an N:M pattern's own sparsity (the nearest grouped N:M, say)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import random
 import re
 import warnings
 from functools import lru_cache
-import os
 from pathlib import Path
 from typing import List, Tuple, Union
 
@@ -31,6 +31,7 @@ __all__ = [
     "extra_stdlib_sentences",
     "readme_sentences",
     "calibration_and_evaluation",
+    "read_user_texts",
 ]
 
 #: modules whose docstrings are read (importing them has no side effects)
