@@ -8,9 +8,10 @@ stdlib-docstring sentences (``recovered_cosine``) and README prose of the instal
 (``recovered_cosine_readme``, a domain never distilled on). Distillation text: ``--n-train``
 sentences of the docstring pool (disjoint from its held-out part; the first 64 also calibrate the
 one-shot start) plus ``--n-extra`` docstring sentences of other stdlib modules
-(``sparsa.data.text.extra_stdlib_sentences``). Distillation matches the sentence embedding and every
-layer's hidden states (AdamW, ``--lr`` 1e-3, the student's dropout ``--dropout`` 0, batches of 16
-sentences of at most 48 tokens, embeddings frozen).
+(``sparsa.data.text.extra_stdlib_sentences``) and ``--n-prose`` sentences of a third domain, the
+Python language reference and IDLE's notes (``python_docs_sentences``). Distillation matches the
+sentence embedding and every layer's hidden states (AdamW, ``--lr`` 1e-3, the student's dropout
+``--dropout`` 0, batches of 16 sentences of at most 48 tokens, embeddings frozen).
 
 Writes ``benchmarks/results/<cpu class>/recover.json`` (``$SPARSA_RESULTS_DIR`` or ``--out``
 redirect it), one row per run appended to the existing ones, with the CPU under ``cpu``.
@@ -70,6 +71,13 @@ def main() -> None:
         help="sentences of extra_stdlib_sentences() added to the distillation text (-1: all)",
     )
     ap.add_argument(
+        "--n-prose",
+        type=int,
+        default=0,
+        help="sentences of python_docs_sentences() (the language reference, IDLE's notes) added to the "
+        "distillation text (-1: all)",
+    )
+    ap.add_argument(
         "--dropout",
         type=float,
         default=0.0,
@@ -85,7 +93,12 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences
+    from sparsa.data.text import (
+        calibration_and_evaluation,
+        extra_stdlib_sentences,
+        python_docs_sentences,
+        readme_sentences,
+    )
     from sparsa.models.minilm import embed, encoder_linears, load_minilm, tokenize
     from sparsa.prune_recovery import encoder_outputs
 
@@ -95,7 +108,9 @@ def main() -> None:
     calib = sorted(train[:64], key=len)
     calib_batches = [tokenize(tok, calib[i : i + 32]) for i in range(0, len(calib), 32)]
     extra = extra_stdlib_sentences()
+    prose = python_docs_sentences()
     distil = train + (extra if args.n_extra < 0 else extra[: args.n_extra])
+    distil += prose if args.n_prose < 0 else prose[: args.n_prose]
     by_len = sorted(distil, key=len)
     batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, len(by_len), 16)]
     perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
@@ -122,6 +137,7 @@ def main() -> None:
         "lr": args.lr,
         "dropout": args.dropout,
         "n_train": args.n_train,
+        "n_prose": args.n_prose,
         "n_distil": len(distil),
         "teacher_cache_mb": args.teacher_cache_mb,
         "threads": torch.get_num_threads(),

@@ -8,7 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import sparsa
-from sparsa.data.text import calibration_and_evaluation, extra_stdlib_sentences, readme_sentences, stdlib_sentences
+from sparsa.data.text import (
+    calibration_and_evaluation,
+    extra_stdlib_sentences,
+    python_docs_sentences,
+    readme_sentences,
+    stdlib_sentences,
+)
 from sparsa.methods import Wanda, named_pattern
 
 warnings.filterwarnings("ignore", category=sparsa.SparseFallbackWarning)
@@ -32,6 +38,14 @@ def test_extra_docstring_text_never_meets_the_held_out_text():
     assert len(set(extra)) == len(extra)
     assert set(extra).isdisjoint(stdlib_sentences()) and set(extra).isdisjoint(readme_sentences())
     assert all(40 <= len(s) <= 200 and ">>>" not in s for s in extra)
+
+
+def test_python_docs_text_is_a_third_domain():
+    prose = python_docs_sentences()
+    assert prose == python_docs_sentences() and len(prose) >= 1000 and len(set(prose)) == len(prose)
+    for other in (stdlib_sentences(), extra_stdlib_sentences(), readme_sentences()):
+        assert set(prose).isdisjoint(other)
+    assert all(40 <= len(s) <= 200 and s[0].isupper() and "::=" not in s for s in prose)
 
 
 @pytest.fixture(scope="module")

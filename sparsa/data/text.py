@@ -30,6 +30,7 @@ __all__ = [
     "stdlib_sentences",
     "extra_stdlib_sentences",
     "readme_sentences",
+    "python_docs_sentences",
     "calibration_and_evaluation",
     "read_user_texts",
 ]
@@ -235,6 +236,45 @@ def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
                 ):
                     seen.add(s)
                     out.append(s)
+    return tuple(out)
+
+
+def python_docs_sentences(min_chars: int = 40, max_chars: int = 200) -> List[str]:
+    """English prose of a third domain, from the running Python's own files: the language reference
+    (``pydoc_data.topics``) and IDLE's notes (``idlelib/*.txt``). Unlabeled text to distil on, none of it
+    in :func:`stdlib_sentences`, :func:`extra_stdlib_sentences` or :func:`readme_sentences`."""
+    return list(_python_docs(min_chars, max_chars))
+
+
+@lru_cache(maxsize=4)
+def _python_docs(min_chars: int, max_chars: int) -> tuple:
+    import sysconfig
+
+    from pydoc_data.topics import topics
+
+    paras = [p for k in sorted(topics) for p in _prose(topics[k])]
+    idle = Path(sysconfig.get_paths()["stdlib"]) / "idlelib"
+    for f in sorted(idle.glob("*.txt")):
+        for block in re.split(r"\n\s*\n", f.read_text(encoding="utf-8", errors="replace")):
+            paras.append(" ".join(line.strip().lstrip("-*").strip() for line in block.splitlines()))
+    taken = (
+        set(_sentences(MODULES, min_chars, max_chars))
+        | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
+        | set(_readme(min_chars, max_chars, ("sparsa",)))
+    )
+    seen, out = set(), []
+    for para in paras:
+        for s in _SPLIT.split(" ".join(para.split())):
+            letters = sum(c.isalpha() or c == " " for c in s)
+            if (
+                min_chars <= len(s) <= max_chars
+                and letters > 0.85 * len(s)
+                and s[0].isupper()
+                and s not in seen
+                and s not in taken
+            ):
+                seen.add(s)
+                out.append(s)
     return tuple(out)
 
 
