@@ -802,7 +802,10 @@ minutes on 2 cores) or the full grid, `python benchmarks/pareto.py [--budget SEC
 [--recover-budget SECONDS] [--recover none|all|PATTERN@SPARSITY,...]`: 27 (layout, sparsity)
 configurations timed (a few minutes), 76 one-shot rows (about 25 minutes on 2 cores) and 81
 recoveries of `--recover-budget` seconds each (default 300 s, about 7 hours in all); `--budget`
-stops starting rows after that many seconds and lists the rest as skipped.
+stops starting rows after that many seconds and lists the rest as skipped. The committed amd-avx2
+run (34 minutes) is `python benchmarks/pareto.py --budget 3900 --recover-budget 300 --recover
+unstructured@0.8,unstructured@0.9,row_group16@0.5,row_group16@0.7,row_group8@0.6 --recover-methods
+sparsegpt`.
 """
     body = [class_section(d) for d in dirs] or ["_No results yet: run the benchmark scripts._"]
     return intro + "\n" + "\n\n".join(body) + "\n"
