@@ -1,10 +1,12 @@
-"""The SlicedELL kernel's K-chunked path (a 32-token panel over more than 1024 input columns is walked in
-chunks of columns) against a float64 dense reference, fp32 and bf16, native and fallback.
+"""The SlicedELL kernel's K-chunked path against a float64 dense reference, fp32 and bf16, native and fallback.
 
-The chunked walk takes each row's entries while their column is below the chunk's end and leaves the
-rest to the last chunk, so the cases here stress what that could get wrong: padding entries (column 0
-after larger columns) with nonzero values, rows whose columns are shuffled or repeated, rows with no
-entries, an odd number of rows, token counts that are not multiples of 8, bias and the GELU epilogue.
+A weight wide and dense enough (``sparsa_sliced_ell_n_chunks``) is walked in chunks of 256 input columns,
+so a 32-token panel's chunk stays in L1. ``chunk_bounds`` finds, once per weight, where each row's slots
+cross into the next chunk (binary search, exact for sorted rows); the kernel clamps those bounds, so any
+bounds still take every slot once, in slot order. The cases here stress what that could get wrong: padding
+entries (column 0 after larger columns) with nonzero values, rows whose columns are shuffled or repeated,
+rows with no entries, an odd number of rows, token counts that are not multiples of 8, bias and the GELU
+epilogue, stale or garbage bounds, and every way the kernel splits the work between threads.
 """
 
 import pytest
@@ -144,3 +146,90 @@ def test_one_token_path_split_across_threads(path, threads, dtype, act):
     if act == "gelu":
         ref = torch.nn.functional.gelu(ref)
     _check(y, ref, x.double().abs() @ wd.abs().T + b.double().abs(), dtype)
+
+
+def _native_or_skip():
+    if cpu.ISA_LEVELS.index(cpu.hardware_isa()) < cpu.ISA_LEVELS.index("avx2"):
+        pytest.skip("this CPU has no avx2/fma: only the fallback runs")
+    lib = se.native_library()
+    assert lib is not None, "native sliced_ell kernel failed to build"
+    return lib
+
+
+def test_chunk_bounds_are_where_rows_cross_into_the_next_chunk():
+    lib = _native_or_skip()
+    w = torch.zeros(3, 600)
+    w[0, [3, 255, 256, 300, 511, 512, 599]] = 1.0  # chunks [0, 256), [256, 512), [512, 600)
+    w[1, [600 - 1 - i for i in range(0, 200, 2)]] = 2.0  # 100 slots, all in the last two chunks
+    w[2, :150] = 3.0  # 150 slots (the slice's longest row: 150 slots per row >= 40 per chunk)
+    lay = SlicedELL.from_dense(w)
+    bounds = se.chunk_bounds(lib, lay.slice_ptr, lay.columns, 600)
+    assert bounds is not None and bounds.shape == (2, 2, 2) and bounds.dtype == torch.int32
+    # slice 0 = rows 0 and 1: row 0 has 2 slots in chunk 0, 3 in chunk 1; row 1 none below 400
+    assert bounds[0, :, 0].tolist() == [2, 5]
+    assert bounds[0, :, 1].tolist() == [0, 56]  # columns 400..510 step 2 -> 56 slots below 512
+    assert bounds[1, :, 0].tolist() == [150, 150]
+    assert se.chunk_bounds(lib, lay.slice_ptr, lay.columns, 600) is bounds  # cached per weight
+
+
+def test_no_chunks_for_narrow_or_very_sparse_weights():
+    lib = _native_or_skip()
+    narrow = SlicedELL.from_dense(torch.randn(8, 256))  # one chunk holds every column
+    assert se.chunk_bounds(lib, narrow.slice_ptr, narrow.columns, 256) is None
+    sparse = SlicedELL.from_dense(torch.randn(8, 3000), sparsity=0.95)  # 150 slots over 12 chunks
+    assert se.chunk_bounds(lib, sparse.slice_ptr, sparse.columns, 3000) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T", [2, 40, 100, 300])
+def test_chunked_equals_one_pass_bitwise(dtype, T):
+    """Each row adds its products in slot order whether K is chunked or not, so both give the same bits."""
+    lib = _native_or_skip()
+    gen = torch.Generator().manual_seed(T)
+    lay = SlicedELL.from_dense(torch.randn(70, 1000, generator=gen), sparsity=0.7).to(dtype)
+    x = torch.randn(T, 1000, generator=gen).to(dtype)
+    assert se.chunk_bounds(lib, lay.slice_ptr, lay.columns, 1000) is not None
+    args = (lib, "bf16" if dtype == BF else "f32", x, lay.slice_ptr, lay.columns, lay.values, None, 70, 0)
+    assert torch.equal(se._native_forward(*args, chunked=True), se._native_forward(*args, chunked=False))
+
+
+@pytest.mark.parametrize("kind", ["random", "stale", "extreme"])
+def test_any_bounds_give_the_right_result(kind):
+    """The kernel clamps every bound into the row's slots, so wrong bounds (columns changed in place after
+    they were cached, or garbage) cost speed only: the result is the same bits as without chunks."""
+    lib = _native_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    lay = SlicedELL.from_dense(torch.randn(33, 1100, generator=gen), sparsity=0.6)
+    x = torch.randn(50, 1100, generator=gen)
+    good = se.chunk_bounds(lib, lay.slice_ptr, lay.columns, 1100)
+    assert good is not None
+    if kind == "random":
+        bad = torch.randint(0, 1000, good.shape, generator=gen, dtype=torch.int32)
+    elif kind == "stale":
+        bad = good.flip(1).contiguous()  # decreasing bounds
+    else:
+        bad = torch.full(good.shape, -(2**31), dtype=torch.int32)
+        bad[..., 1] = 2**31 - 1
+    se._CHUNK_BOUNDS[lay.columns] = (lay.slice_ptr, 1100, bad)
+    try:
+        args = (lib, "f32", x, lay.slice_ptr, lay.columns, lay.values, None, 33, 0)
+        assert torch.equal(se._native_forward(*args), se._native_forward(*args, chunked=False))
+    finally:
+        del se._CHUNK_BOUNDS[lay.columns]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("R", [1, 2, 5, 260])
+def test_few_panels_split_by_slices(path, threads, R):
+    """Few panels (under 4 per thread): each thread takes a range of slices, some of them empty when there
+    are fewer slices than threads."""
+    gen = torch.Generator().manual_seed(R * 10 + threads)
+    sp, cols, vals, wd = _layout(R, 700, 0.5, gen, shuffle=R == 5)
+    x = torch.randn(70, 700, generator=gen)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = se.sliced_ell_linear(x, sp, cols, vals, None, R)
+    finally:
+        torch.set_num_threads(old)
+    _check(y, x.double() @ wd.T, x.double().abs() @ wd.abs().T, torch.float32)

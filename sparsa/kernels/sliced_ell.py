@@ -33,6 +33,7 @@ import ctypes
 from typing import Optional
 
 import torch
+import torch.utils.weak
 from torch import Tensor
 
 from . import loader
@@ -49,6 +50,7 @@ __all__ = [
     "sliced_ell_grad_values",
     "native_library",
     "native_kind",
+    "chunk_bounds",
 ]
 
 _SOURCES = ["sliced_ell_linear.cpp"]
@@ -99,6 +101,29 @@ def sliced_ell_linear_reference(
     return activate(torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype)), activation)
 
 
+#: chunk bounds per ``columns`` tensor: (slice_ptr, in_features, bounds or None), computed once per weight
+_CHUNK_BOUNDS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def chunk_bounds(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, in_features: int) -> Optional[Tensor]:
+    """int32 ``(n_slices, n_chunks - 1, 2)``: where each row's slots cross into the next chunk of input
+    columns, which lets the kernel keep a chunk of the activations in L1 (None when the weight is too sparse
+    or too narrow for chunks to pay). Cached per ``columns`` tensor; the kernel clamps the bounds, so a stale
+    entry (``columns`` changed in place) can only cost speed, never correctness."""
+    hit = _CHUNK_BOUNDS.get(columns)
+    if hit is not None and hit[0] is slice_ptr and hit[1] == in_features:
+        return hit[2]
+    sp, c = slice_ptr.contiguous(), columns.contiguous()
+    ns = sp.numel() - 1
+    nch = int(lib.sparsa_sliced_ell_n_chunks(in_features, sp.data_ptr(), ns))
+    bounds = None
+    if nch > 1:
+        bounds = torch.empty(ns, nch - 1, 2, dtype=torch.int32)
+        lib.sparsa_sliced_ell_chunk_bounds(sp.data_ptr(), c.data_ptr(), ns, nch, bounds.data_ptr())
+    _CHUNK_BOUNDS[columns] = (slice_ptr, in_features, bounds)
+    return bounds
+
+
 def _native_forward(
     lib: ctypes.CDLL,
     kind: str,
@@ -109,6 +134,7 @@ def _native_forward(
     bias: Optional[Tensor],
     out_features: int,
     act: int,
+    chunked: bool = True,
 ) -> Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
@@ -118,6 +144,8 @@ def _native_forward(
         sp, c, v = slice_ptr.contiguous(), columns.contiguous(), values.contiguous()
         b = None if bias is None else bias.contiguous()
         bp = None if b is None else b.data_ptr()
+        bounds = chunk_bounds(lib, slice_ptr, columns, K) if chunked and T > 1 else None
+        bnd, nch = (None, 1) if bounds is None else (bounds.data_ptr(), bounds.shape[1] + 1)
         if kind == "bf16":
             lib.sparsa_sliced_ell_linear_bf16(
                 x2.data_ptr(),
@@ -126,6 +154,8 @@ def _native_forward(
                 sp.data_ptr(),
                 c.data_ptr(),
                 v.data_ptr(),
+                bnd,
+                nch,
                 out_features,
                 bp,
                 int(b is not None and b.dtype == torch.bfloat16),
@@ -141,6 +171,8 @@ def _native_forward(
                 sp.data_ptr(),
                 c.data_ptr(),
                 v.data_ptr(),
+                bnd,
+                nch,
                 out_features,
                 bp,
                 y.data_ptr(),

@@ -6,7 +6,8 @@
 // Tokens are vectorised: a panel of up to 32 tokens of X is transposed into xt[K][TB] (8x8 AVX
 // transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
 // processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in chunks that
-// keep the panel's rows being read in L1 (see panel_rows). OpenMP over (token panel, row chunk).
+// keep the panel's rows being read in L1 when the caller passes chunk bounds (sparsa_sliced_ell_chunk_bounds,
+// computed once per weight). OpenMP over (token panel, row chunk).
 // A single token (decode) takes a scalar path instead (one_token): same products, each row summed in two
 // interleaved partial sums, so its rounding differs slightly from the panel path's.
 //
@@ -104,8 +105,11 @@ inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int6
 }
 
 // Columns per chunk: a 32-token panel's chunk (KCHUNK x 128 B) stays in L1 while every row of a block
-// reads its kept columns from it, instead of each row reading at random from an L2-sized panel.
+// reads its kept columns from it; from L2, the one 32-byte load per FMA is bandwidth-bound.
 constexpr int KCHUNK = 256;
+// Chunking pays only when each row has enough entries per chunk to hide its per-chunk cost (reloading
+// the accumulators, the loop exits); below this many slots per row and chunk, one pass reads from L2.
+constexpr int64_t MIN_SLOTS_PER_CHUNK = 40;
 // Slices per block: the block's partial sums (SBLOCK x 2 x TB floats) stay in L1 between chunks, and its
 // outputs are stored as runs of 2 * SBLOCK contiguous values per token.
 constexpr int SBLOCK = 64;
@@ -131,28 +135,66 @@ inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
 }
 #endif
 
-// Chunks pay once the panel (K x TB floats) outgrows L2's share for it; below, one chunk reads it from L2
-// with less bookkeeping.
-inline int64_t k_chunk(int64_t K, int TB) { return (int64_t)K * TB * 4 > (128 << 10) ? KCHUNK : K; }
+// The number of K chunks for a weight of P slots over ns slices (1: no chunking).
+inline int64_t n_chunks(int64_t K, int64_t P, int64_t ns) {
+    if (K <= KCHUNK || ns == 0) return 1;
+    const int64_t nch = (K + KCHUNK - 1) / KCHUNK;
+    return P / (2 * ns) >= MIN_SLOTS_PER_CHUNK * nch ? nch : 1;
+}
+
+// bounds[(s * (nch - 1) + k - 1) * 2 + i], k = 1 .. nch - 1: the first slot of row i of slice s whose column
+// is in chunk k or later (chunk k: columns [k * KCHUNK, (k + 1) * KCHUNK)). Found by binary search over the
+// row's kept slots, exact when they are sorted (as from_dense stores them); unsorted columns only put
+// slots in another chunk. A row's padding (column 0 after its kept slots, which have increasing columns,
+// so only its first slot may be column 0) is found by a binary search for that run of zeros.
+void chunk_bounds(const int64_t* __restrict sptr, const int32_t* __restrict cols, int64_t ns, int64_t nch,
+                  int32_t* __restrict bounds) {
+    for (int64_t s = 0; s < ns; ++s) {
+        const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+        for (int i = 0; i < 2; ++i) {
+            const int32_t* c = cols + p0 + i;  // slot j of row i: c[2 * j]
+            int64_t kept = L;                  // first j >= 1 with c[2j] == 0 (L if none)
+            if (L > 1 && c[2 * (L - 1)] == 0) {
+                int64_t lo = 1, n = L - 1;
+                while (n > 1) {
+                    const int64_t half = n / 2;
+                    lo = c[2 * (lo + half)] != 0 ? lo + half : lo;
+                    n -= half;
+                }
+                kept = lo + (c[2 * lo] != 0);
+            }
+            for (int64_t k = 1; k < nch; ++k) {
+                const int32_t bound = (int32_t)(k * KCHUNK);
+                int64_t lo = 0, n = kept;  // first j < kept with c[2j] >= bound (kept if none), branch-free
+                while (n > 1) {
+                    const int64_t half = n / 2;
+                    lo = c[2 * (lo + half)] < bound ? lo + half : lo;
+                    n -= half;
+                }
+                if (n == 1) lo += c[2 * lo] < bound;
+                bounds[(s * (nch - 1) + k - 1) * 2 + i] = (int32_t)lo;
+            }
+        }
+    }
+}
 
 // Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt, 64-byte aligned). WT / YT:
 // float, or uint16_t for bf16 weight values / output.
 //
-// K is walked in chunks of KCHUNK columns for a block of SBLOCK slices at a time. Each row keeps its own
-// position in its slot list and takes entries while their column is below the chunk's end; the last
-// chunk takes whatever is left (padding, or columns in any order), so the result does not depend on the
-// columns being sorted. Per row the products are added in slot order, as without chunks.
+// With nch > 1, K is walked in chunks of KCHUNK columns for a block of SBLOCK slices at a time; each row
+// takes its next slots up to its bound for the chunk (see chunk_bounds; the last chunk takes the rest). The two rows of a slice run together while both have
+// slots in the chunk, then the longer one alone. Per row the products are added in slot order, chunked or
+// not, so the result does not depend on nch.
 template <int NV, typename WT, typename YT>
-void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __restrict sptr,
-                const int32_t* __restrict cols, const WT* __restrict vals, int64_t s0, int64_t s1, int64_t R,
-                const float* __restrict bias, YT* __restrict y, bool act) {
+void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
+                const WT* __restrict vals, const int32_t* __restrict bounds, int64_t nch, int64_t s0, int64_t s1,
+                int64_t R, const float* __restrict bias, YT* __restrict y, bool act) {
     constexpr int TB = 8 * NV;
     alignas(64) float part[SBLOCK][2][TB];
-    const int64_t kc = k_chunk(K, TB);
     for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
         const int64_t se = std::min(s1, sb + SBLOCK);
 #ifdef __AVX2__
-        if (kc >= K) {  // one chunk: both rows of a slice walk their padded slot lists in step
+        if (nch == 1) {  // one chunk: both rows of a slice walk their padded slot lists in step
             for (int64_t s = sb; s < se; ++s) {
                 const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
                 const int32_t* c = cols + p0;
@@ -179,20 +221,25 @@ void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __
                 }
             }
         } else {
-            int64_t pos[SBLOCK][2];
+            int64_t pos[SBLOCK][2];  // each row's next slot: chunk k takes [pos, its bound), the last the rest
             for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
-            for (int64_t k0 = 0;; k0 += kc) {
-                const bool first = k0 == 0, last = k0 + kc >= K;
-                const int32_t kend = last ? INT32_MAX : (int32_t)(k0 + kc);
+            for (int64_t k = 0; k < nch; ++k) {
                 for (int64_t s = sb; s < se; ++s) {
                     const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
                     const int32_t* c = cols + p0;
                     const WT* w = vals + p0;
-                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1];
+                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1], e0 = L, e1 = L;
+                    if (k + 1 < nch) {  // clamped, so any bounds partition the slots (in slot order)
+                        const int32_t* b = bounds + (s * (nch - 1) + k) * 2;
+                        e0 = std::min<int64_t>(L, std::max<int64_t>(j0, b[0]));
+                        e1 = std::min<int64_t>(L, std::max<int64_t>(j1, b[1]));
+                    }
+                    pos[s - sb][0] = e0;
+                    pos[s - sb][1] = e1;
                     float* q0 = part[s - sb][0];
                     float* q1 = part[s - sb][1];
                     __m256 a0[NV], a1[NV];
-                    if (first) {
+                    if (k == 0) {
 #pragma GCC unroll 8
                         for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
                     } else {
@@ -202,50 +249,40 @@ void panel_rows(const float* __restrict xt, int nt, int64_t K, const int64_t* __
                             a1[v] = _mm256_load_ps(q1 + 8 * v);
                         }
                     }
-                    // both rows together while both have entries in this chunk (two independent FMA chains)
-                    while (j0 < L && j1 < L) {
-                        const int32_t c0 = c[2 * j0], c1 = c[2 * j1 + 1];
-                        if (c0 >= kend || c1 >= kend) break;
-                        const float* x0 = xt + (int64_t)c0 * TB;
-                        const float* x1 = xt + (int64_t)c1 * TB;
+                    // both rows together while both have slots in this chunk (two independent FMA chains)
+                    for (const int64_t both = j0 + std::min(e0 - j0, e1 - j1); j0 < both; ++j0, ++j1) {
+                        const float* x0 = xt + (int64_t)c[2 * j0] * TB;
+                        const float* x1 = xt + (int64_t)c[2 * j1 + 1] * TB;
                         const __m256 w0 = bcast1(w + 2 * j0), w1 = bcast1(w + 2 * j1 + 1);
 #pragma GCC unroll 8
                         for (int v = 0; v < NV; ++v) {
                             a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
                             a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
                         }
-                        ++j0;
-                        ++j1;
                     }
-                    for (; j0 < L; ++j0) {
-                        const int32_t c0 = c[2 * j0];
-                        if (c0 >= kend) break;
-                        const float* x0 = xt + (int64_t)c0 * TB;
+                    for (; j0 < e0; ++j0) {
+                        const float* x0 = xt + (int64_t)c[2 * j0] * TB;
                         const __m256 w0 = bcast1(w + 2 * j0);
 #pragma GCC unroll 8
                         for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
                     }
-                    for (; j1 < L; ++j1) {
-                        const int32_t c1 = c[2 * j1 + 1];
-                        if (c1 >= kend) break;
-                        const float* x1 = xt + (int64_t)c1 * TB;
+                    for (; j1 < e1; ++j1) {
+                        const float* x1 = xt + (int64_t)c[2 * j1 + 1] * TB;
                         const __m256 w1 = bcast1(w + 2 * j1 + 1);
 #pragma GCC unroll 8
                         for (int v = 0; v < NV; ++v) a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
                     }
-                    pos[s - sb][0] = j0;
-                    pos[s - sb][1] = j1;
 #pragma GCC unroll 8
                     for (int v = 0; v < NV; ++v) {
                         _mm256_store_ps(q0 + 8 * v, a0[v]);
                         _mm256_store_ps(q1 + 8 * v, a1[v]);
                     }
                 }
-                if (last) break;
             }
         }
 #else
-        (void)kc;
+        (void)bounds;
+        (void)nch;
         for (int64_t s = sb; s < se; ++s) {
             const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
             const int32_t* c = cols + p0;
@@ -329,20 +366,16 @@ void run_one_token(const XT* x, const int64_t* slice_ptr, const int32_t* cols, c
 }
 
 template <typename WT, typename YT>
-using PanelFn = void (*)(const float*, int, int64_t, const int64_t*, const int32_t*, const WT*, int64_t, int64_t,
-                         int64_t, const float*, YT*, bool);
+using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, const int32_t*, int64_t,
+                         int64_t, int64_t, int64_t, const float*, YT*, bool);
 
 template <typename XT, typename WT, typename YT>
-void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals, int64_t R,
-         const float* bias, YT* y, int nthreads, bool act) {
+void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals,
+         const int32_t* bounds, int64_t nch, int64_t R, const float* bias, YT* y, int nthreads, bool act) {
     if (T == 1) return run_one_token(x, slice_ptr, cols, vals, R, bias, y, nthreads, act);
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
-    int64_t nrc = 1;  // row chunks per panel
-    if (nthreads > 1 && npan < 4 * nthreads) nrc = std::min<int64_t>(ns, (4 * nthreads + npan - 1) / npan);
-    nrc = std::max<int64_t>(1, nrc);
-    const int64_t per_chunk = (ns + nrc - 1) / nrc;
-    const int64_t ntasks = npan * nrc;
+    if (!bounds || nch < 2) nch = 1;
     static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
                                            &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
 
@@ -352,43 +385,48 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         buf.resize(n + 16);
         return buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / sizeof(float);
     };
-    auto rows = [&](int64_t id, const float* xt) {
-        const int64_t p = id / nrc, rc = id % nrc;
+    // slices [s0, s1) of panel p, whose transposed tokens are in xt
+    auto rows = [&](int64_t p, const float* xt, int64_t s0, int64_t s1) {
         const int nt = panel_tokens(p), nv = (nt + 7) / 8;
-        const int64_t s0 = rc * per_chunk, s1 = std::min(ns, s0 + per_chunk);
-        if (s0 < s1) fns[nv](xt, nt, K, slice_ptr, cols, vals, s0, s1, R, bias, y + p * TBMAX * R, act);
+        if (s0 < s1)
+            fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
     };
     auto transpose = [&](int64_t p, float* xt) {
         const int nt = panel_tokens(p);
         transpose_panel(x + p * TBMAX * K, K, nt, 8 * ((nt + 7) / 8), xt);
     };
-    if (nthreads <= 1 || ntasks == 1) {
+    if (nthreads <= 1 || (npan == 1 && ns < 2)) {
         std::vector<float> buf;
         float* xt = aligned(buf, (size_t)K * TBMAX);
-        for (int64_t id = 0; id < ntasks; ++id) {
-            if (id % nrc == 0) transpose(id / nrc, xt);
-            rows(id, xt);
+        for (int64_t p = 0; p < npan; ++p) {
+            transpose(p, xt);
+            rows(p, xt, 0, ns);
         }
-    } else if (nrc == 1) {  // one task per panel: each thread transposes its own panels
+    } else if (npan >= 4 * nthreads) {  // many panels: one task per panel, each thread transposes its own
 #pragma omp parallel num_threads(nthreads)
         {
             std::vector<float> buf;
             float* xt = aligned(buf, (size_t)K * TBMAX);
 #pragma omp for schedule(static)
-            for (int64_t id = 0; id < ntasks; ++id) {
-                transpose(id, xt);
-                rows(id, xt);
+            for (int64_t p = 0; p < npan; ++p) {
+                transpose(p, xt);
+                rows(p, xt, 0, ns);
             }
         }
-    } else {  // few panels, split by rows: transpose each panel once, shared by its row chunks
+    } else {
+        // Few panels: every panel is transposed once; each thread takes a range of slices and walks it
+        // block by block, every panel per block, so a block's weights come from memory once and are
+        // reused from L2 (with one task per panel, each thread would stream all the weights per panel).
         std::vector<float> buf;
         float* all = aligned(buf, (size_t)npan * K * TBMAX);
 #pragma omp parallel num_threads(nthreads)
         {
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < npan; ++p) transpose(p, all + p * K * TBMAX);
-#pragma omp for schedule(static)
-            for (int64_t id = 0; id < ntasks; ++id) rows(id, all + (id / nrc) * K * TBMAX);
+            const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t r0 = ns * t / nth, r1 = ns * (t + 1) / nth;
+            for (int64_t sb = r0; sb < r1; sb += SBLOCK)
+                for (int64_t p = 0; p < npan; ++p) rows(p, all + p * K * TBMAX, sb, std::min(r1, sb + SBLOCK));
         }
     }
 }
@@ -397,24 +435,38 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 6; }
+int sparsa_sliced_ell_version() { return 7; }
 
-// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bias: [R] or null; y: [T, R];
-// act: 0 none, 1 GELU (erf form) after the bias.
+// The number of K chunks the kernel walks for this weight (1: none, and no bounds are needed).
+int64_t sparsa_sliced_ell_n_chunks(int64_t K, const int64_t* slice_ptr, int64_t ns) {
+    return n_chunks(K, ns > 0 ? slice_ptr[ns] : 0, ns);
+}
+
+// bounds: int32 [ns, nch - 1, 2], filled for the linear calls below (nch > 1 from sparsa_sliced_ell_n_chunks).
+int sparsa_sliced_ell_chunk_bounds(const int64_t* slice_ptr, const int32_t* cols, int64_t ns, int64_t nch,
+                                   int32_t* bounds) {
+    if (nch > 1) chunk_bounds(slice_ptr, cols, ns, nch, bounds);
+    return 0;
+}
+
+// x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bounds: null (no chunks) or
+// [ceil(R/2), nch - 1, 2] from sparsa_sliced_ell_chunk_bounds (any values are safe: they are clamped, and only
+// the speed depends on them); bias: [R] or null; y: [T, R]; act: 0 none, 1 GELU (erf form) after the bias.
 int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols,
-                                 const float* vals, int64_t R, const float* bias, float* y, int nthreads, int act) {
-    run(x, T, K, slice_ptr, cols, vals, R, bias, y, nthreads, act == 1);
+                                 const float* vals, const int32_t* bounds, int64_t nch, int64_t R, const float* bias,
+                                 float* y, int nthreads, int act) {
+    run(x, T, K, slice_ptr, cols, vals, bounds, nch, R, bias, y, nthreads, act == 1);
     return 0;
 }
 
 // The same with bf16 (raw uint16 bits) x, vals and y; fp32 accumulation, y rounded to bf16 once (nearest
 // even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
 int sparsa_sliced_ell_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int64_t* slice_ptr,
-                                  const int32_t* cols, const uint16_t* vals, int64_t R, const void* bias,
-                                  int bias_bf16, uint16_t* y, int nthreads, int act) {
+                                  const int32_t* cols, const uint16_t* vals, const int32_t* bounds, int64_t nch,
+                                  int64_t R, const void* bias, int bias_bf16, uint16_t* y, int nthreads, int act) {
     std::vector<float> b32;
     const float* b = sparsa_bias_f32(bias, bias_bf16, R, b32);
-    run(x, T, K, slice_ptr, cols, vals, R, b, y, nthreads, act == 1);
+    run(x, T, K, slice_ptr, cols, vals, bounds, nch, R, b, y, nthreads, act == 1);
     return 0;
 }
 
