@@ -113,19 +113,14 @@ def known(monkeypatch):
     return seen
 
 
+def _search(tiny_dir, out, target, **kw):
+    """search_target_quality on the tiny model, quickly: no torch.compile baseline, one timing repetition."""
+    return search_target_quality(str(tiny_dir), str(out), target, use_compile=False, reps=1, log=None, **kw)
+
+
 def test_search_picks_the_fastest_passing_by_bisection(tiny_dir, data_file, tmp_path, known):
     out = tmp_path / "out"
-    res = search_target_quality(
-        str(tiny_dir),
-        str(out),
-        0.62,
-        method="wanda",
-        data=data_file,
-        patterns=["unstructured", "row_group4", "2:4"],
-        use_compile=False,
-        reps=1,
-        log=None,
-    )
+    res = _search(tiny_dir, out, 0.62, method="wanda", data=data_file, patterns=["unstructured", "row_group4", "2:4"])
     # unstructured passes up to 0.35 (1 - s >= 0.62 -> s <= 0.38), row_group4 up to 0.25 (below the grid:
     # none), 2:4 at 0.5 fails; so unstructured at 0.35 wins
     assert res.chosen is not None and (res.chosen["label"], res.chosen["sparsity"]) == ("sliced_ell", 0.35)
@@ -145,16 +140,7 @@ def test_search_picks_the_fastest_passing_by_bisection(tiny_dir, data_file, tmp_
 
 
 def test_speed_decides_among_passing(tiny_dir, tmp_path, known):
-    res = search_target_quality(
-        str(tiny_dir),
-        str(tmp_path / "o"),
-        0.35,
-        method="magnitude",
-        patterns=["unstructured", "row_group4"],
-        use_compile=False,
-        reps=1,
-        log=None,
-    )
+    res = _search(tiny_dir, tmp_path / "o", 0.35, method="magnitude", patterns=["unstructured", "row_group4"])
     # unstructured up to 0.65 (speed 2.3), row_group4 up to 0.55 (speed 1.5 * 2.1 = 3.15): row_group4 wins
     assert (res.chosen["label"], res.chosen["sparsity"]) == ("row_group4", 0.55)
 
@@ -208,18 +194,15 @@ def test_recovery_lets_a_faster_configuration_pass(tiny_dir, data_file, tmp_path
     failed candidates faster than that and nearest the target are recovered, then pass (+0.3), and the
     faster of them wins. The held-out text is never distilled on; the written model is the winner."""
     out = tmp_path / "out"
-    res = search_target_quality(
-        str(tiny_dir),
-        str(out),
+    res = _search(
+        tiny_dir,
+        out,
         0.62,
         method="wanda",
         data=data_file,
         patterns=["unstructured", "row_group4"],
-        use_compile=False,
-        reps=1,
         recover_seconds=30.0,
         recover_candidates=2,
-        log=None,
     )
     assert len(recovery_adds) == 2
     rec = [c for c in res.candidates if c.get("recovered")]
@@ -246,17 +229,14 @@ def test_recovery_lets_a_faster_configuration_pass(tiny_dir, data_file, tmp_path
 
 def test_no_recovery_when_the_fastest_passes(tiny_dir, tmp_path, recovery_adds):
     """Nothing faster than the one-shot winner failed: recovery has nothing to try."""
-    res = search_target_quality(
-        str(tiny_dir),
-        str(tmp_path / "o"),
+    res = _search(
+        tiny_dir,
+        tmp_path / "o",
         0.05,
         method="magnitude",
         patterns=["unstructured"],
         sparsities=(0.5, 0.7),
-        use_compile=False,
-        reps=1,
         recover_seconds=30.0,
-        log=None,
     )
     assert recovery_adds == [] and res.chosen["sparsity"] == 0.7 and not res.chosen.get("recovered")
 

@@ -22,7 +22,7 @@ import re
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Tuple, Union
+from typing import Iterable, List, Tuple, Union
 
 __all__ = [
     "MODULES",
@@ -218,24 +218,34 @@ def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
         if name and name not in by_name and name not in exclude:
             by_name[name] = d
     stdlib = set(_sentences(MODULES, min_chars, max_chars)) | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
+
+    def paragraphs():
+        for name in sorted(by_name):
+            meta = by_name[name].metadata
+            text = meta.get_payload() if hasattr(meta, "get_payload") else None
+            yield from _prose(str(text or meta.get("Description") or ""))
+
+    return _prose_sentences(paragraphs(), min_chars, max_chars, stdlib, full_stop=True)
+
+
+def _prose_sentences(paras: Iterable[str], min_chars: int, max_chars: int, taken: set, full_stop: bool) -> tuple:
+    """The sentences of ``paras`` that read as English prose (``min_chars``..``max_chars`` long, mostly
+    letters, a capital first and, with ``full_stop``, ``.``, ``!`` or ``?`` last), each once, in order,
+    none of them in ``taken``."""
     seen, out = set(), []
-    for name in sorted(by_name):
-        meta = by_name[name].metadata
-        text = meta.get_payload() if hasattr(meta, "get_payload") else None
-        text = text or meta.get("Description") or ""
-        for para in _prose(str(text)):
-            for s in _SPLIT.split(" ".join(para.split())):
-                letters = sum(c.isalpha() or c == " " for c in s)
-                if (
-                    min_chars <= len(s) <= max_chars
-                    and letters > 0.85 * len(s)
-                    and s[0].isupper()
-                    and s[-1] in ".!?"
-                    and s not in seen
-                    and s not in stdlib
-                ):
-                    seen.add(s)
-                    out.append(s)
+    for para in paras:
+        for s in _SPLIT.split(" ".join(para.split())):
+            letters = sum(c.isalpha() or c == " " for c in s)
+            if (
+                min_chars <= len(s) <= max_chars
+                and letters > 0.85 * len(s)
+                and s[0].isupper()
+                and (not full_stop or s[-1] in ".!?")
+                and s not in seen
+                and s not in taken
+            ):
+                seen.add(s)
+                out.append(s)
     return tuple(out)
 
 
@@ -262,20 +272,7 @@ def _python_docs(min_chars: int, max_chars: int) -> tuple:
         | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
         | set(_readme(min_chars, max_chars, ("sparsa",)))
     )
-    seen, out = set(), []
-    for para in paras:
-        for s in _SPLIT.split(" ".join(para.split())):
-            letters = sum(c.isalpha() or c == " " for c in s)
-            if (
-                min_chars <= len(s) <= max_chars
-                and letters > 0.85 * len(s)
-                and s[0].isupper()
-                and s not in seen
-                and s not in taken
-            ):
-                seen.add(s)
-                out.append(s)
-    return tuple(out)
+    return _prose_sentences(paras, min_chars, max_chars, taken, full_stop=False)
 
 
 def calibration_and_evaluation(n_calibration: int, n_evaluation: int, seed: int = 0) -> Tuple[List[str], List[str]]:
