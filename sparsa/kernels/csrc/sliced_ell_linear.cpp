@@ -7,7 +7,7 @@
 // transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
 // processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in chunks that
 // keep the panel's rows being read in L1 when the caller passes chunk bounds (sparsa_sliced_ell_chunk_bounds,
-// computed once per weight). OpenMP over (token panel, row chunk).
+// computed once per weight). OpenMP over token panels, or, with few panels, over ranges of slices.
 // A single token (decode) takes a scalar path instead (one_token): same products, each row summed in two
 // interleaved partial sums, so its rounding differs slightly from the panel path's.
 //
@@ -142,6 +142,18 @@ inline int64_t n_chunks(int64_t K, int64_t P, int64_t ns) {
     return P / (2 * ns) >= MIN_SLOTS_PER_CHUNK * nch ? nch : 1;
 }
 
+// The first j in [lo, lo + n) where before(j) is false (lo + n if none), before() being true on a prefix
+// of the range: a branch-free binary search.
+template <typename Before>
+inline int64_t first_not(int64_t lo, int64_t n, Before before) {
+    while (n > 1) {
+        const int64_t half = n / 2;
+        lo = before(lo + half) ? lo + half : lo;
+        n -= half;
+    }
+    return n == 1 ? lo + before(lo) : lo;
+}
+
 // bounds[(s * (nch - 1) + k - 1) * 2 + i], k = 1 .. nch - 1: the first slot of row i of slice s whose column
 // is in chunk k or later (chunk k: columns [k * KCHUNK, (k + 1) * KCHUNK)). Found by binary search over the
 // row's kept slots, exact when they are sorted (as from_dense stores them); unsorted columns only put
@@ -153,26 +165,13 @@ void chunk_bounds(const int64_t* __restrict sptr, const int32_t* __restrict cols
         const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
         for (int i = 0; i < 2; ++i) {
             const int32_t* c = cols + p0 + i;  // slot j of row i: c[2 * j]
-            int64_t kept = L;                  // first j >= 1 with c[2j] == 0 (L if none)
-            if (L > 1 && c[2 * (L - 1)] == 0) {
-                int64_t lo = 1, n = L - 1;
-                while (n > 1) {
-                    const int64_t half = n / 2;
-                    lo = c[2 * (lo + half)] != 0 ? lo + half : lo;
-                    n -= half;
-                }
-                kept = lo + (c[2 * lo] != 0);
-            }
+            // kept slots: up to the first j >= 1 with column 0 (L if none)
+            const auto nonzero = [&](int64_t j) { return c[2 * j] != 0; };
+            const int64_t kept = L > 1 && c[2 * (L - 1)] == 0 ? first_not(1, L - 1, nonzero) : L;
             for (int64_t k = 1; k < nch; ++k) {
                 const int32_t bound = (int32_t)(k * KCHUNK);
-                int64_t lo = 0, n = kept;  // first j < kept with c[2j] >= bound (kept if none), branch-free
-                while (n > 1) {
-                    const int64_t half = n / 2;
-                    lo = c[2 * (lo + half)] < bound ? lo + half : lo;
-                    n -= half;
-                }
-                if (n == 1) lo += c[2 * lo] < bound;
-                bounds[(s * (nch - 1) + k - 1) * 2 + i] = (int32_t)lo;
+                const auto below = [&](int64_t j) { return c[2 * j] < bound; };
+                bounds[(s * (nch - 1) + k - 1) * 2 + i] = (int32_t)first_not(0, kept, below);
             }
         }
     }
@@ -182,9 +181,9 @@ void chunk_bounds(const int64_t* __restrict sptr, const int32_t* __restrict cols
 // float, or uint16_t for bf16 weight values / output.
 //
 // With nch > 1, K is walked in chunks of KCHUNK columns for a block of SBLOCK slices at a time; each row
-// takes its next slots up to its bound for the chunk (see chunk_bounds; the last chunk takes the rest). The two rows of a slice run together while both have
-// slots in the chunk, then the longer one alone. Per row the products are added in slot order, chunked or
-// not, so the result does not depend on nch.
+// takes its next slots up to its bound for the chunk (see chunk_bounds; the last chunk takes the rest).
+// The two rows of a slice run together while both have slots in the chunk, then the longer one alone.
+// Per row the products are added in slot order, chunked or not, so the result does not depend on nch.
 template <int NV, typename WT, typename YT>
 void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
                 const WT* __restrict vals, const int32_t* __restrict bounds, int64_t nch, int64_t s0, int64_t s1,
