@@ -1,11 +1,14 @@
 """F.conv2d / F.linear with a relu_compact input (sparsa.ops.activation_impls), against the dense reference
 (relu(x), then the dense op): forward, gradients of input, weight and bias, gradcheck in float64."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import sparsa
+from sparsa.adaptive.conv import compacted_path_supported
+from sparsa.kernels import adaptive as adaptive_kernels
 from sparsa.layouts import ReluCompact
 from sparsa.ops import activation_impls
 
@@ -100,8 +103,8 @@ def test_linear_matches_relu_then_dense_linear(P, K, O, bias, slice, seed):
 
 
 def test_the_activation_sparse_kernels_run(monkeypatch):
-    conv_calls = _count_calls(monkeypatch, "relu_conv2d")
-    lin_calls = _count_calls(monkeypatch, "relu_linear")
+    conv_calls = _count_calls(monkeypatch, "compacted_conv_forward")
+    lin_calls = _count_calls(monkeypatch, "compacted_linear_forward")
     gen = torch.Generator().manual_seed(3)
     _compare(
         F.conv2d,
@@ -113,12 +116,47 @@ def test_the_activation_sparse_kernels_run(monkeypatch):
         padding=1,
     )
     _compare(F.linear, torch.randn(6, 10, generator=gen), torch.randn(8, 10, generator=gen), None, 4, gen)
-    assert conv_calls == ["relu_conv2d"] and lin_calls == ["relu_linear"]
+    assert conv_calls == ["compacted_conv_forward"] and lin_calls == ["compacted_linear_forward"]
     # shapes the kernels do not take run the dense op on relu(x): same result, no fallback counted
     _compare(
         F.conv2d, torch.randn(1, 4, 5, 5, generator=gen), torch.randn(4, 2, 3, 3, generator=gen), None, 4, gen, groups=2
     )
-    assert conv_calls == ["relu_conv2d"]
+    assert conv_calls == ["compacted_conv_forward"]
+
+
+@pytest.mark.parametrize("op", ["conv2d", "linear"])
+def test_the_kernels_read_the_compacted_operand(monkeypatch, op):
+    """Forward and backward run from the layout's own components: relu(x) is neither densified nor
+    compacted again (the list kernels; the union kernels, AVX-512 only, read x densely)."""
+    gen = torch.Generator().manual_seed(11)
+    if op == "conv2d":
+        z, w, call = torch.randn(2, 16, 6, 6, generator=gen), torch.randn(8, 16, 3, 3, generator=gen), F.conv2d
+        kw = {"padding": 1}
+    else:
+        z, w, call, kw = torch.randn(5, 24, generator=gen), torch.randn(8, 24, generator=gen), F.linear, {}
+    wt = w.detach().unsqueeze(-1).unsqueeze(-1) if op == "linear" else w
+    if not compacted_path_supported(torch.float32, torch.device("cpu"), wt, None):
+        pytest.skip("the union kernels take this shape on this CPU")
+    z = z.requires_grad_()
+    a = sparsa.to_sparse(z, "relu_compact", slice=8)
+    seen = []
+    real_dense, real_compact = ReluCompact.to_dense, adaptive_kernels.compact
+    monkeypatch.setattr(ReluCompact, "to_dense", lambda self: seen.append("to_dense") or real_dense(self))
+    # the conversion's own backward (to_sparse's, not the op's) masks z's gradient with the layout's pattern
+    monkeypatch.setattr(ReluCompact, "mask", lambda self: real_dense(self) != 0)
+    monkeypatch.setattr(adaptive_kernels, "compact", lambda *a, **k: seen.append("compact") or real_compact(*a, **k))
+    w = w.clone().requires_grad_()
+    with sparsa.strict():
+        y = call(a, w, **kw)
+        y.backward(torch.ones_like(y))
+    assert seen == []
+    monkeypatch.undo()
+    z2, w2 = z.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = call(z2.relu(), w2, **kw)
+    yr.backward(torch.ones_like(yr))
+    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(z.grad, z2.grad, atol=1e-3, rtol=1e-4)
 
 
 def test_without_gradients():

@@ -37,7 +37,7 @@ from torch import Tensor
 from ..kernels import adaptive as _k
 from . import cost_fits as _fits
 from .compaction import DEFAULT_SLICE
-from .conv_union import UnionReluConv2d, union_path_supported
+from .conv_union import UnionReluConv2d, union_path_supported, union_path_supported_for
 
 __all__ = ["relu_conv2d", "conv_supported", "dy_path_supported", "backward_paths", "backward_paths_dw"]
 
@@ -135,85 +135,93 @@ def dy_path_supported(x: Tensor, weight: Tensor, stride: IntOr2 = 1, padding: In
     )
 
 
+def _conv_forward(ctx, cnt, idx, val, weight, bias, geo, x_keep=None, channels_last=True):
+    """``conv2d`` of the compacted ``relu(x)`` ``(cnt, idx, val)`` with ``weight`` and ``bias``; fills ``ctx``
+    for :func:`_conv_backward`. ``x_keep``: ``(x, x._version, nonnegative)`` when the dense ``x`` is at hand
+    (the dY-driven weight gradient reads it); ``channels_last``: the memory format of the input gradient."""
+    b = None if bias is None else bias.detach()
+    # native fast path: the weight packed once per parameter version (cached), dY padding and the
+    # weight gradient's [O, C, KH, KW] layout inside the stride-1 backward kernel
+    packed = _k.packed_supported(val, weight, bias) and geo.O % 8 == 0
+    if packed:
+        wf, wc = _k.packed_weight(weight)
+        y = _k.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
+        wsave = wc if _k._stride1(geo) else weight.detach()
+    else:
+        wsave = weight.detach().permute(2, 3, 1, 0).contiguous()
+        y = _k.conv_fwd(cnt, idx, val, wsave, b, geo, 1)
+    ctx.geo = geo
+    ctx.channels_last = channels_last
+    ctx.has_bias = bias is not None
+    ctx.packed = packed
+    ctx.w_stride = tuple(weight.stride())
+    # the dY path packs the flipped weight in backward: only if the weight still holds these values
+    ctx.w_ref = weakref.ref(weight) if packed and geo.stride1 and geo.C % 8 == 0 else None
+    ctx.w_key = (weight._version, weight.data_ptr())
+    ctx.x_keep = None
+    if x_keep is not None and ctx.w_ref is not None:
+        if geo.ph <= geo.dh * (geo.KH - 1) and geo.pw <= geo.dw * (geo.KW - 1):
+            ctx.x_keep = x_keep
+    ctx.save_for_backward(cnt, idx, val, wsave)
+    return y
+
+
+def _conv_backward(ctx, gy):
+    """``(dx, dw, db)`` of :func:`_conv_forward` for the arguments ``ctx.needs_input_grad`` asks for."""
+    cnt, idx, val, w = ctx.saved_tensors
+    g = gy.permute(0, 2, 3, 1).contiguous()
+    dx = dw = db = None
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if ctx.packed and _k._stride1(ctx.geo):
+        weight = ctx.w_ref() if ctx.w_ref is not None else None
+        if (
+            need_dx
+            and weight is not None
+            and (weight._version, weight.data_ptr()) == ctx.w_key
+            and g.numel()
+            and _dy_path_pays(g, cnt, ctx.geo, need_dw)
+        ):
+            S = ctx.geo.slice
+            gc, gi, gv = _k.compact_signed(g.permute(0, 3, 1, 2), S)
+            dx = _k.conv_igrad_dy(gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S, ctx.channels_last)
+            backward_paths["dy"] += 1
+            if need_dw:
+                dw = _wgrad_dy(ctx, gc, gi, gv, cnt)
+            if need_dw and dw is None:
+                _, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, False, True, ctx.w_stride)
+        elif need_dx or need_dw:
+            backward_paths["x"] += need_dx
+            dx, dw = _k.conv_bwd_packed(cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw, ctx.w_stride)
+    else:
+        wt = w.permute(2, 3, 1, 0).contiguous() if ctx.packed else w
+        if need_dx and need_dw:
+            dx, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
+            dw = dwt.permute(3, 2, 0, 1)
+        elif need_dx:
+            dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
+        elif need_dw:
+            dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = g.sum((0, 1, 2))
+    return dx, dw, db
+
+
 class _ReluConv2d(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, geo, stats, nonnegative):
         cnt, idx, val = _k.compact(x.detach(), geo.slice)
-        b = None if bias is None else bias.detach()
-        # native fast path: the weight packed once per parameter version (cached), dY padding and the
-        # weight gradient's [O, C, KH, KW] layout inside the stride-1 backward kernel
-        packed = _k.packed_supported(x, weight, bias) and geo.O % 8 == 0
-        if packed:
-            wf, wc = _k.packed_weight(weight)
-            y = _k.conv_fwd_packed(cnt, idx, val, wf, b, geo, 1)
-            wsave = wc if _k._stride1(geo) else weight.detach()
-        else:
-            wsave = weight.detach().permute(2, 3, 1, 0).contiguous()
-            y = _k.conv_fwd(cnt, idx, val, wsave, b, geo, 1)
         if stats is not None:
             stats["nnz"] = cnt
-        ctx.geo = geo
-        ctx.channels_last = (
-            x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-        )
-        ctx.has_bias = bias is not None
-        ctx.packed = packed
-        ctx.w_stride = tuple(weight.stride())
-        # the dY path packs the flipped weight in backward: only if the weight still holds these values
-        ctx.w_ref = weakref.ref(weight) if packed and geo.stride1 and geo.C % 8 == 0 else None
-        ctx.w_key = (weight._version, weight.data_ptr())
+        channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
         # the dY-driven weight gradient reads relu(x) densely: keep x (no copy; not via save_for_backward,
         # so a later in-place change of x only turns that path off instead of failing the backward)
-        ctx.x_keep = None
-        if ctx.w_ref is not None and geo.ph <= geo.dh * (geo.KH - 1) and geo.pw <= geo.dw * (geo.KW - 1):
-            ctx.x_keep = (x.detach(), x._version, nonnegative)
-        ctx.save_for_backward(cnt, idx, val, wsave)
-        return y
+        return _conv_forward(
+            ctx, cnt, idx, val, weight, bias, geo, (x.detach(), x._version, nonnegative), channels_last
+        )
 
     @staticmethod
     def backward(ctx, gy):
-        cnt, idx, val, w = ctx.saved_tensors
-        g = gy.permute(0, 2, 3, 1).contiguous()
-        dx = dw = db = None
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.packed and _k._stride1(ctx.geo):
-            weight = ctx.w_ref() if ctx.w_ref is not None else None
-            if (
-                need_dx
-                and weight is not None
-                and (weight._version, weight.data_ptr()) == ctx.w_key
-                and g.numel()
-                and _dy_path_pays(g, cnt, ctx.geo, need_dw)
-            ):
-                S = ctx.geo.slice
-                gc, gi, gv = _k.compact_signed(g.permute(0, 3, 1, 2), S)
-                dx = _k.conv_igrad_dy(
-                    gc, gi, gv, _k.packed_weight_flipped(weight), cnt, idx, ctx.geo, S, ctx.channels_last
-                )
-                backward_paths["dy"] += 1
-                if need_dw:
-                    dw = _wgrad_dy(ctx, gc, gi, gv, cnt)
-                if need_dw and dw is None:
-                    _, dw = _k.conv_bwd_packed(
-                        cnt, idx, val, g, w, ctx.geo, ctx.channels_last, False, True, ctx.w_stride
-                    )
-            elif need_dx or need_dw:
-                backward_paths["x"] += need_dx
-                dx, dw = _k.conv_bwd_packed(
-                    cnt, idx, val, g, w, ctx.geo, ctx.channels_last, need_dx, need_dw, ctx.w_stride
-                )
-        else:
-            wt = w.permute(2, 3, 1, 0).contiguous() if ctx.packed else w
-            if need_dx and need_dw:
-                dx, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
-                dw = dwt.permute(3, 2, 0, 1)
-            elif need_dx:
-                dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, ctx.channels_last)
-            elif need_dw:
-                dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).permute(3, 2, 0, 1)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum((0, 1, 2))
-        return dx, dw, db, None, None, None
+        return _conv_backward(ctx, gy) + (None, None, None)
 
 
 # dY-driven weight gradient: dW[o, c, i, j] is the weight gradient of the flipped conv (input dY, output
@@ -277,3 +285,37 @@ def _step(x: Tensor, weight: Tensor, bias: Optional[Tensor], geo, stats: Optiona
     if union_path_supported(x, weight, bias):
         return UnionReluConv2d.apply(x, weight, bias, geo, stats)
     return _ReluConv2d.apply(x, weight, bias, geo, stats, nonnegative)
+
+
+# The ReluCompact layout holds relu(x) already compacted for these kernels: its conv runs from those
+# components (no densify and compact again), unless the union kernels take the shape (they read x densely).
+def compacted_path_supported(dtype: torch.dtype, device: torch.device, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether :func:`compacted_conv_forward` runs for a compacted input of this dtype and device."""
+    return not union_path_supported_for(dtype, device, weight, bias)
+
+
+@torch.compiler.disable
+def compacted_conv_forward(
+    ctx,
+    x_shape,
+    cnt: Tensor,
+    idx: Tensor,
+    val: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    stride: IntOr2 = 1,
+    padding: IntOr2 = 0,
+    dilation: IntOr2 = 1,
+    slice: int = DEFAULT_SLICE,
+) -> Tensor:
+    """``conv2d(relu(x), weight, bias, ...)`` for ``relu(x)`` given compacted (``cnt, idx, val`` of
+    :func:`sparsa.kernels.adaptive.compact` with ``slice``); ``ctx`` (an autograd context, or any object
+    when no gradient is needed) is filled for :func:`compacted_conv_backward`, whose input gradient has
+    channels-last strides."""
+    geo = _k.geometry(
+        x_shape, weight.shape, _pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), slice
+    )
+    return _conv_forward(ctx, cnt, idx, val, weight, bias, geo)
+
+
+compacted_conv_backward = torch.compiler.disable(_conv_backward)

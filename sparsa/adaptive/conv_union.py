@@ -136,12 +136,17 @@ def kernels_setting() -> str:
 
 def union_path_supported(x: Tensor, weight: Tensor, bias) -> bool:
     """Whether ``relu_conv2d`` runs this path for these tensors."""
-    if kernels_setting() == "list":
+    return x.dim() == 4 and union_path_supported_for(x.dtype, x.device, weight, bias)
+
+
+def union_path_supported_for(dtype: torch.dtype, device: torch.device, weight: Tensor, bias) -> bool:
+    """:func:`union_path_supported` for a 4-D input of this dtype and device (not at hand, e.g. compacted)."""
+    if kernels_setting() == "list" or device.type != "cpu" or dtype != torch.float32:
         return False
-    for t in (x, weight, bias):
+    for t in (weight, bias):
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
             return False
-    return x.dim() == 4 and weight.dim() == 4 and _u.union_supported(int(weight.shape[1]), int(weight.shape[0]))
+    return weight.dim() == 4 and _u.union_supported(int(weight.shape[1]), int(weight.shape[0]))
 
 
 def kernel_family(kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> str:

@@ -24,7 +24,7 @@ from torch import Tensor
 from ..kernels import adaptive as _k
 from ..kernels.geometry import ConvGeometry
 from .compaction import DEFAULT_SLICE
-from .conv_union import UnionReluConv2d, union_path_supported
+from .conv_union import UnionReluConv2d, union_path_supported, union_path_supported_for
 
 __all__ = ["relu_linear", "linear_supported"]
 
@@ -41,39 +41,48 @@ def _geo(P: int, K: int, O: int, slice: int) -> ConvGeometry:
     )
 
 
+def _linear_forward(ctx, cnt, idx, val, P, weight, bias, slice):
+    """``linear`` of the compacted ``relu(x)`` (``x`` ``[P, K]`` compacted as the image ``[1, K, P, 1]``);
+    fills ``ctx`` for :func:`_linear_backward`."""
+    O, K = weight.shape
+    geo = _geo(P, K, O, slice)
+    wt = weight.detach().t().contiguous().view(1, 1, K, O)
+    y = _k.conv_fwd(cnt, idx, val, wt, None if bias is None else bias.detach(), geo, 2)
+    ctx.geo = geo
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(cnt, idx, val, wt)
+    return y
+
+
+def _linear_backward(ctx, gy):
+    """``(dx, dw, db)`` of :func:`_linear_forward` for the arguments ``ctx.needs_input_grad`` asks for."""
+    cnt, idx, val, wt = ctx.saved_tensors
+    P, K, O = ctx.geo.H, ctx.geo.C, ctx.geo.O
+    g = gy.contiguous().view(1, P, 1, O)
+    dx = dw = db = None
+    if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+        dxa, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, True)
+        dx, dw = dxa.permute(0, 2, 3, 1).reshape(P, K), dwt.view(K, O).t()
+    elif ctx.needs_input_grad[0]:
+        dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, True).permute(0, 2, 3, 1).reshape(P, K)
+    elif ctx.needs_input_grad[1]:
+        dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).view(K, O).t()
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = gy.sum(0)
+    return dx, dw, db
+
+
 class _ReluLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, slice, stats):
-        P, K = x2.shape
-        O = weight.shape[0]
-        geo = _geo(P, K, O, slice)
-        xv = x2.detach().t().unsqueeze(0).unsqueeze(-1)
-        cnt, idx, val = _k.compact(xv, slice)
-        wt = weight.detach().t().contiguous().view(1, 1, K, O)
-        y = _k.conv_fwd(cnt, idx, val, wt, None if bias is None else bias.detach(), geo, 2)
+        cnt, idx, val = _k.compact(x2.detach().t().unsqueeze(0).unsqueeze(-1), slice)
         if stats is not None:
             stats["nnz"] = cnt
-        ctx.geo = geo
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(cnt, idx, val, wt)
-        return y
+        return _linear_forward(ctx, cnt, idx, val, x2.shape[0], weight, bias, slice)
 
     @staticmethod
     def backward(ctx, gy):
-        cnt, idx, val, wt = ctx.saved_tensors
-        P, K, O = ctx.geo.H, ctx.geo.C, ctx.geo.O
-        g = gy.contiguous().view(1, P, 1, O)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            dxa, dwt = _k.conv_bwd(cnt, idx, val, g, wt, ctx.geo, True)
-            dx, dw = dxa.permute(0, 2, 3, 1).reshape(P, K), dwt.view(K, O).t()
-        elif ctx.needs_input_grad[0]:
-            dx = _k.conv_igrad(cnt, idx, val, g, wt, ctx.geo, True).permute(0, 2, 3, 1).reshape(P, K)
-        elif ctx.needs_input_grad[1]:
-            dw = _k.conv_wgrad(cnt, idx, val, g, ctx.geo).view(K, O).t()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = gy.sum(0)
-        return dx, dw, db, None, None
+        return _linear_backward(ctx, gy) + (None, None)
 
 
 # id(parameter) -> (weakref, key, a detached [O, K, 1, 1] view of it): the view keys the union kernels'
@@ -118,3 +127,30 @@ def _step(x2: Tensor, weight: Tensor, bias: Optional[Tensor], slice: int, stats:
     if x2.shape[0] and union_path_supported(x2.unsqueeze(0).unsqueeze(0), weight.unsqueeze(-1).unsqueeze(-1), bias):
         return _union_linear(x2.contiguous(), weight, bias, slice, stats)
     return _ReluLinear.apply(x2, weight, bias, slice, stats)
+
+
+@torch.compiler.disable
+def compacted_linear_forward(
+    ctx,
+    P: int,
+    cnt: Tensor,
+    idx: Tensor,
+    val: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    slice: int = DEFAULT_SLICE,
+) -> Tensor:
+    """``linear(relu(x), weight, bias)`` (``[P, O]``) for a ``[P, K]`` ``relu(x)`` given compacted as the image
+    ``[1, K, P, 1]`` (the ReluCompact layout's components); ``ctx`` is filled for
+    :func:`compacted_linear_backward`. Callers check :func:`compacted_linear_supported` first."""
+    return _linear_forward(ctx, cnt, idx, val, P, weight, bias, slice)
+
+
+compacted_linear_backward = torch.compiler.disable(_linear_backward)
+
+
+def compacted_linear_supported(
+    dtype: torch.dtype, device: torch.device, weight: Tensor, bias: Optional[Tensor]
+) -> bool:
+    """Whether :func:`compacted_linear_forward` runs: the union kernels (they read x densely) do not take the shape."""
+    return not union_path_supported_for(dtype, device, weight.unsqueeze(-1).unsqueeze(-1), bias)

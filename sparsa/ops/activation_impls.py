@@ -32,8 +32,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..adaptive.conv import conv_supported, relu_conv2d
-from ..adaptive.linear import relu_linear
+from ..adaptive.conv import (
+    compacted_conv_backward,
+    compacted_conv_forward,
+    compacted_path_supported,
+    conv_supported,
+    relu_conv2d,
+)
+from ..adaptive.linear import (
+    compacted_linear_backward,
+    compacted_linear_forward,
+    compacted_linear_supported,
+    relu_linear,
+)
 from ..layouts.dense import Dense
 from ..layouts.relu_compact import ReluCompact, relu_compact_to_masked
 from .gpu_impls import ActSparseConv2d, ActSparseLinear
@@ -90,6 +101,20 @@ def _backward(ctx: Any, g: Tensor):
     return tuple(grads)
 
 
+class _CompactedLinear:
+    """Backward of the compacted forward (no inner autograd graph: the kernels' state is on ``ctx``)."""
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor):
+        return compacted_linear_backward(ctx, g)
+
+
+class _CompactedConv2d:
+    @staticmethod
+    def backward(ctx: Any, g: Tensor):
+        return compacted_conv_backward(ctx, g)
+
+
 class ReluCompactLinear:
     """``linear(relu(x), W, b)`` for a ReluCompact ``x``: :func:`~sparsa.adaptive.relu_linear` on the CPU."""
 
@@ -98,6 +123,10 @@ class ReluCompactLinear:
         if _on_gpu(x):
             ctx.sparsa_delegate = ActSparseLinear
             return ActSparseLinear.forward(ctx, relu_compact_to_masked(x), w, b)
+        if len(x.shape) == 2 and w.dim() == 2 and w.shape[1] == x.shape[1] and _kernel_dtypes(x.val, w, b):
+            if compacted_linear_supported(x.val.dtype, x.val.device, w, b):
+                ctx.sparsa_delegate = _CompactedLinear
+                return compacted_linear_forward(ctx, x.shape[0], x.cnt, x.idx, x.val, w, b, x.slice)
         a = x.to_dense()
         if not _kernel_dtypes(a, w, b) or w.dim() != 2:
             return _run(ctx, a, w, b, F.linear)
@@ -116,13 +145,17 @@ class ReluCompactConv2d:
         if _on_gpu(x):
             ctx.sparsa_delegate = ActSparseConv2d
             return ActSparseConv2d.forward(ctx, relu_compact_to_masked(x), w, b, stride, padding, dilation, groups)
+        supported = (
+            len(x.shape) == 4
+            and _kernel_dtypes(x.val, w, b)
+            and conv_supported(w, groups, "zeros", padding)
+            and w.shape[1] == x.shape[1]
+        )
+        if supported and compacted_path_supported(x.val.dtype, x.val.device, w, b):
+            ctx.sparsa_delegate = _CompactedConv2d
+            return compacted_conv_forward(ctx, x.shape, x.cnt, x.idx, x.val, w, b, stride, padding, dilation, x.slice)
         a = x.to_dense()
-        if (
-            len(x.shape) != 4
-            or not _kernel_dtypes(a, w, b)
-            or not conv_supported(w, groups, "zeros", padding)
-            or w.shape[1] != a.shape[1]
-        ):
+        if not supported:
             return _run(ctx, a, w, b, lambda a, w, b: F.conv2d(a, w, b, stride, padding, dilation, groups))
         return _run(
             ctx,
