@@ -48,11 +48,14 @@ def _activation(shape, sparsity: float, gen: torch.Generator) -> torch.Tensor:
 
 
 def _fwd_bwd(fn, *leaves):
+    """One forward + backward of ``fn``; returns the leaves' gradients."""
+
     def run():
         for t in leaves:
             t.grad = None
         y = fn()
         y.backward(torch.ones_like(y))
+        return tuple(t.grad for t in leaves)
 
     return run
 
@@ -85,6 +88,7 @@ def _autocast(fn):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one conv shape, two sparsities, fewer rounds")
+    ap.add_argument("--tiny", action="store_true", help="small shapes, one round (a smoke test of the routes)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -92,13 +96,15 @@ def main(argv=None) -> None:
     t_start = time.time()
     gen = torch.Generator().manual_seed(0)
     cases = [("conv2d", (16, 64, 32, 32), (64, 64, 3, 3), {"padding": 1})]
-    if not args.quick:
+    if args.tiny:
+        cases = [("conv2d", (2, 16, 6, 6), (8, 16, 3, 3), {"padding": 1}), ("linear", (12, 24), (8, 24), {})]
+    elif not args.quick:
         cases += [
             ("conv2d", (32, 128, 16, 16), (128, 128, 3, 3), {"padding": 1}),
             ("linear", (2048, 768), (768, 768), {}),
         ]
-    sparsities = (0.5, 0.9) if args.quick else (0.5, 0.7, 0.9)
-    rounds = 5 if args.quick else 15
+    sparsities = (0.5, 0.9) if args.quick or args.tiny else (0.5, 0.7, 0.9)
+    rounds = 1 if args.tiny else 5 if args.quick else 15
     rows = []
     for op, xs, ws, kw in cases:
         w = torch.randn(ws, generator=gen) * 0.05
@@ -123,7 +129,7 @@ def main(argv=None) -> None:
         "benchmark": "relu_compact_ops",
         "cpu": sparsa.cpu.cpu_info(),
         "torch": torch.__version__,
-        "quick": args.quick,
+        "quick": args.quick or args.tiny,
         "timing": "forward + backward (input and weight gradients), round-robin, warm-up, median of rounds",
         "rows": rows,
         "seconds": round(time.time() - t_start, 1),

@@ -33,6 +33,7 @@ BENCHES = (
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
     ("recover", "Recovery to high sparsity on MiniLM", "python benchmarks/recover.py"),
     ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"),
+    ("relu_compact_ops", "Ops on the relu_compact layout", "python benchmarks/relu_compact_ops.py"),
 )
 
 
@@ -698,6 +699,27 @@ def dispatch_section(d: Dict[str, Any]) -> str:
     return _md(d["rows"], ["mode", "direct_us", "dispatched_us", "overhead_us"])
 
 
+def relu_compact_section(d: Dict[str, Any]) -> str:
+    """Milliseconds of forward + backward per route, and each sparse route against the fastest dense one."""
+    routes = ("relu_kernels", "op", "op_from_dense", "op_via_dense")
+    rows = [
+        {
+            "op": r["op"],
+            "shape": "x".join(str(s) for s in r["shape"]),
+            "sparsity": r["sparsity"],
+            "best_dense": r["best_dense"],
+            "best_dense_ms": r[f"{r['best_dense']}_ms"],
+            **{f"{k}_ms": r[f"{k}_ms"] for k in routes},
+            **{f"{k} x": r[f"{k}_speedup_vs_best_dense"] for k in routes},
+        }
+        for r in d["rows"]
+    ]
+    cols = ["op", "shape", "sparsity", "best_dense", "best_dense_ms"] + [f"{k}_ms" for k in routes]
+    return _md(rows, cols + [f"{k} x" for k in routes]) + (
+        f"\n\n{d['timing']}, {d['rows'][0]['threads']} threads. `x`: speed-up over the fastest dense route."
+    )
+
+
 SECTIONS = {
     "linear_kernels": lambda d: (
         linear_section(d, True)
@@ -711,6 +733,7 @@ SECTIONS = {
     "quality": quality_section,
     "deepsparse_h2h": h2h_section,
     "dispatch_overhead": dispatch_section,
+    "relu_compact_ops": relu_compact_section,
     "llm_decode": llm_decode_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,

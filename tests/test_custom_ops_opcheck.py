@@ -286,6 +286,7 @@ def _fwd_only(fn):
 SAMPLES = {
     "adaptive_compact": (_s_compact, True, False),
     "adaptive_compact_signed": (_s_compact, True, False),
+    "adaptive_compact_zeroed": (_s_compact, True, False),
     "adaptive_conv_fwd": (_s_conv_fwd, True, False),
     "adaptive_conv_wgrad": (_s_conv_wgrad, True, False),
     "adaptive_conv_igrad": (_s_conv_igrad, True, False),

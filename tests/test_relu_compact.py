@@ -6,6 +6,7 @@ import torch
 
 import sparsa
 import sparsa.adaptive as sa
+from sparsa.kernels import adaptive as K
 from sparsa.layouts import Masked, ReluCompact, convert
 
 
@@ -23,6 +24,32 @@ def test_from_dense_is_relu_and_components_are_canonical(shape, slice):
     b = ReluCompact.from_dense(x.clone(), slice=slice)
     for k, t in a.components().items():
         assert torch.equal(t, b.components()[k]), k
+
+
+@pytest.mark.parametrize("form", ["nchw", "channels_last", "strided"])
+def test_the_zeroed_compaction_kernel_writes_every_entry(form):
+    """The native kernel behind ReluCompact.from_dense writes 0 past each count itself, whatever the buffers
+    held before (here -1 and NaN), on each of its three input paths; equal to the reference compaction."""
+    lib = K.native_library()
+    if lib is None:
+        pytest.skip("native kernels unavailable")
+    x = torch.randn(2, 21, 3, 10, generator=torch.Generator().manual_seed(4))
+    if form == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif form == "strided":
+        x = torch.randn(2, 21, 3, 20)[..., ::2]  # neither channels nor pixels contiguous
+    slice = 8
+    cnt, idx, val = K._compact_empty(x, slice, torch.float32)
+    cnt.fill_(-1), idx.fill_(-1), val.fill_(float("nan"))
+    N, C, H, W = x.shape
+    lib.sparsa_adaptive_compact_zeroed_f32(
+        x.data_ptr(), N, C, H, W, *x.stride(), slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), 1
+    )
+    ref = K._compact_reference(x, slice)
+    P = N * H * W
+    for got, want in zip((cnt, idx[: P * C], val[: P * C]), ref):
+        assert torch.equal(got, want[: got.numel()])
+    assert torch.equal(K.compact_zeroed(x, slice)[2], ref[2]) and torch.equal(K.compact_zeroed(x, slice)[1], ref[1])
 
 
 def test_matrix_and_image_forms_share_components():

@@ -75,6 +75,23 @@ _ADAPTIVE = {
         val=PTR,
         nthreads=INT,
     ),
+    "sparsa_adaptive_compact_zeroed_f32": sig(
+        I64,
+        x=PTR,
+        N=I64,
+        C=I64,
+        H=I64,
+        W=I64,
+        sn=I64,
+        sc=I64,
+        sh=I64,
+        sw=I64,
+        CS=I64,
+        cnt=PTR,
+        idx=PTR,
+        val=PTR,
+        nthreads=INT,
+    ),
     "sparsa_adaptive_mask_f32": sig(
         None, y=PTR, N=I64, C=I64, H=I64, W=I64, CS=I64, cnt=PTR, idx=PTR, dx=PTR, das=I64S, nthreads=INT
     ),

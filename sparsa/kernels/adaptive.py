@@ -60,6 +60,7 @@ from .opdef import kernel_op
 
 __all__ = [
     "compact",
+    "compact_zeroed",
     "compact_signed",
     "conv_fwd",
     "conv_wgrad",
@@ -199,8 +200,9 @@ def _compact_reference(x: Tensor, slice: int, signed: bool = False) -> Tuple[Ten
     return cnt, idx, val
 
 
-def _compact_any(x: Tensor, slice: int, signed: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`compact` (``signed=False``: keep ``x > 0``) or :func:`compact_signed` (keep ``x != 0``)."""
+def _compact_any(x: Tensor, slice: int, signed: bool, zeroed: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`compact` (``signed=False``: keep ``x > 0``) or :func:`compact_signed` (keep ``x != 0``);
+    ``zeroed``: every entry past a count, and the tail room, 0 (the reference always writes them)."""
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}; view a matrix as [1, K, P, 1]")
     lib = _use_native(x)
@@ -210,8 +212,15 @@ def _compact_any(x: Tensor, slice: int, signed: bool) -> Tuple[Tensor, Tensor, T
     N, C, H, W = x.shape
     if cnt.numel() and C:
         sn, sc, sh, sw = x.stride()
-        fn = lib.sparsa_adaptive_compact_signed_f32 if signed else lib.sparsa_adaptive_compact_f32
+        if signed:
+            fn = lib.sparsa_adaptive_compact_signed_f32
+        else:
+            fn = lib.sparsa_adaptive_compact_zeroed_f32 if zeroed else lib.sparsa_adaptive_compact_f32
         fn(x.data_ptr(), N, C, H, W, sn, sc, sh, sw, slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), _nthreads())
+    if zeroed:  # the tail room; everything when the kernel had nothing to write
+        start = N * H * W * C if cnt.numel() and C else 0
+        idx[start:] = 0
+        val[start:] = 0
     return cnt, idx, val
 
 
@@ -236,6 +245,16 @@ def _compact_fake(x, slice):
 
 
 compact = kernel_op("adaptive_compact(Tensor x, int slice) -> (Tensor, Tensor, Tensor)", _compact_impl, _compact_fake)
+
+
+def _compact_zeroed_impl(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`compact` with every entry past a count (and the tail room) 0: canonical components."""
+    return _compact_any(x, slice, signed=False, zeroed=True)
+
+
+compact_zeroed = kernel_op(
+    "adaptive_compact_zeroed(Tensor x, int slice) -> (Tensor, Tensor, Tensor)", _compact_zeroed_impl, _compact_fake
+)
 
 
 def _compact_signed_impl(x: Tensor, slice: int) -> Tuple[Tensor, Tensor, Tensor]:

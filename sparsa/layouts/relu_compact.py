@@ -143,22 +143,8 @@ class ReluCompact(Layout):
         if dense.device.type != "cpu":
             # the compaction kernels and their fallbacks run on the CPU; the components move back
             return cls.from_dense(dense.detach().cpu(), slice=slice).to(dense.device)
-        cnt, idx, val = _k.compact(_as_image(dense.detach()), slice)
-        return cls._canonical(cnt, idx, val, dense.shape, slice)
-
-    @classmethod
-    def _canonical(cls, cnt: Tensor, idx: Tensor, val: Tensor, shape, slice: int) -> "ReluCompact":
-        """Zero the entries past each count (the kernels leave them undefined): equal activations then
-        have equal components (save/load, deepcopy, ``torch.equal``)."""
-        N, C, H, W = _image(shape)
-        P = N * H * W
-        if P * C:
-            keep = _valid(cnt, P, C, slice)
-            idx[: P * C].view(P, C).masked_fill_(~keep, 0)
-            val[: P * C].view(P, C).masked_fill_(~keep, 0)
-        idx[P * C :] = 0
-        val[P * C :] = 0
-        return cls(cnt, idx, val, shape, slice, validate=False)
+        cnt, idx, val = _k.compact_zeroed(_as_image(dense.detach()), slice)
+        return cls(cnt, idx, val, dense.shape, slice, validate=False)
 
     def to_dense(self) -> Tensor:
         """``relu(x)`` of the logical shape (an ``[N, C, H, W]`` result has channels-last strides)."""

@@ -8,7 +8,8 @@
 //   cnt[q*S + s]            number of nonzeros of pixel q in channel slice s  (S = ceil(C/CS))
 //   idx[q*C + s*CS + j]     channel index (ascending) of the j-th nonzero, j < cnt[q*S+s]
 //   val[q*C + s*CS + j]     its value
-// Entries past the count are not written. Returns the total number of nonzeros.
+// Entries past the count are not written (the _zeroed variant writes 0 there: canonical components, as
+// the ReluCompact layout stores them). Returns the total number of nonzeros.
 //
 // sparsa_adaptive_compact_signed_f32 is the same conversion without the ReLU: it keeps every
 // element that is != 0 (negative values, NaN and +-inf too; -0.0 compares equal to 0 and is
@@ -43,9 +44,18 @@ const PermTable kPerm;
 template <bool SIGNED>
 inline bool keep(float v) { return SIGNED ? !(v == 0.f) : v > 0.f; }
 
+// Entries [k, n) of one slice's idx/val set to 0 (ZERO) or left as they are.
+template <bool ZERO>
+inline void zero_tail(int32_t* ip, float* vp, int64_t k, int64_t n) {
+    if (ZERO && k < n) {
+        std::memset(ip + k, 0, sizeof(int32_t) * (n - k));
+        std::memset(vp + k, 0, sizeof(float) * (n - k));
+    }
+}
+
 // One row of W pixels whose channels are contiguous (pixel w at xr + w * sw): AVX2 left-pack of
 // 8 channels at a time. Returns the row's nonzero count.
-template <bool SIGNED>
+template <bool SIGNED, bool ZERO>
 int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_t CS, int64_t S, int64_t q0,
                        int32_t* cnt, int32_t* idx, float* val) {
     const __m256 zero = _mm256_setzero_ps();
@@ -78,13 +88,14 @@ int64_t compact_row_cl(const float* xr, int64_t sw, int64_t W, int64_t C, int64_
                 if (keep<SIGNED>(v)) { ip[k] = (int32_t)c; vp[k] = v; ++k; }
             }
             cnt[q * S + s] = k;
+            zero_tail<ZERO>(ip, vp, k, c1 - c0);
             local += k;
         }
     }
     return local;
 }
 
-template <bool SIGNED>
+template <bool SIGNED, bool ZERO>
 int64_t compact_impl(const float* x, int64_t N, int64_t C, int64_t H, int64_t W, int64_t sn, int64_t sc,
                      int64_t sh, int64_t sw, int64_t CS, int32_t* cnt, int32_t* idx, float* val, int nthreads) {
     const int64_t S = (C + CS - 1) / CS;
@@ -99,7 +110,7 @@ int64_t compact_impl(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
             const float* xr = x + n * sn + h * sh;
             const int64_t q0 = r * W;
             if (sc == 1) {
-                total += compact_row_cl<SIGNED>(xr, sw, W, C, CS, S, q0, cnt, idx, val);
+                total += compact_row_cl<SIGNED, ZERO>(xr, sw, W, C, CS, S, q0, cnt, idx, val);
             } else if (sw == 1) {
                 if ((int64_t)buf.size() < W * C) buf.resize(W * C);
                 float* t = buf.data();
@@ -112,7 +123,7 @@ int64_t compact_impl(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
                 }
                 for (; c < C; ++c)
                     for (int64_t w = 0; w < W; ++w) t[w * C + c] = xr[c * sc + w];
-                total += compact_row_cl<SIGNED>(t, C, W, C, CS, S, q0, cnt, idx, val);
+                total += compact_row_cl<SIGNED, ZERO>(t, C, W, C, CS, S, q0, cnt, idx, val);
             } else {
                 // general strides: channels outer, pixels of the row inner
                 int64_t local = 0;
@@ -132,6 +143,11 @@ int64_t compact_impl(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
                         }
                     }
                 }
+                for (int64_t w = 0; ZERO && w < W; ++w)
+                    for (int64_t s = 0; s < S; ++s) {
+                        const int64_t q = q0 + w, c0 = s * CS, n = (c0 + CS < C ? c0 + CS : C) - c0;
+                        zero_tail<ZERO>(idx + q * C + c0, val + q * C + c0, cnt[q * S + s], n);
+                    }
                 total += local;
             }
         }
@@ -146,13 +162,19 @@ extern "C" {
 int64_t sparsa_adaptive_compact_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
                                     int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
                                     int32_t* cnt, int32_t* idx, float* val, int nthreads) {
-    return compact_impl<false>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
+    return compact_impl<false, false>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
+}
+
+int64_t sparsa_adaptive_compact_zeroed_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
+                                           int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
+                                           int32_t* cnt, int32_t* idx, float* val, int nthreads) {
+    return compact_impl<false, true>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
 }
 
 int64_t sparsa_adaptive_compact_signed_f32(const float* x, int64_t N, int64_t C, int64_t H, int64_t W,
                                            int64_t sn, int64_t sc, int64_t sh, int64_t sw, int64_t CS,
                                            int32_t* cnt, int32_t* idx, float* val, int nthreads) {
-    return compact_impl<true>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
+    return compact_impl<true, false>(x, N, C, H, W, sn, sc, sh, sw, CS, cnt, idx, val, nthreads);
 }
 
 // ReLU derivative of a compacted operand (cnt, idx over [N, C, H, W], slices of CS channels):
