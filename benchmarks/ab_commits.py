@@ -12,6 +12,7 @@ float fields that do change are the metrics. Writes ``ab_commits.json`` (with th
 ``$SPARSA_RESULTS_DIR`` or the CPU class's results folder, and prints one line per metric.
 
     python benchmarks/ab_commits.py OLD [--new NEW] [--rounds 5] -- dispatch_overhead.py --quick
+    python benchmarks/ab_commits.py OLD --rows models --key model,dtype -- adaptive_training.py --quick
 
 ``NEW`` defaults to the working tree as it is (uncommitted changes included).
 """
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,27 +74,43 @@ def _check_import(tree: Path) -> None:
         raise SystemExit(f"ab_commits: with PYTHONPATH={tree}, sparsa is imported from {got}, not from that checkout")
 
 
-def _rows(result: Dict[str, Any]) -> List[Dict[str, Any]]:
-    rows = result.get("rows")
+def _rows(result: Dict[str, Any], rows_key: str = "rows") -> List[Dict[str, Any]]:
+    rows = result.get(rows_key)
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise SystemExit("ab_commits: the benchmark's JSON has no 'rows' list of objects to compare")
+        raise SystemExit(
+            f"ab_commits: the benchmark's JSON has no {rows_key!r} list of objects to compare; name its list "
+            "with --rows (e.g. --rows models for adaptive_training.py)"
+        )
     return rows
 
 
-def compare(old: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def compare(
+    old: List[Dict[str, Any]],
+    new: List[Dict[str, Any]],
+    rows_key: str = "rows",
+    key: Optional[Sequence[str]] = None,
+) -> List[Dict[str, Any]]:
     """Per-metric medians of two sides' runs (each a results JSON) and their ratio new / old.
 
-    A float field whose value differs between any two runs is a metric; every other field identifies
-    the row. Rows present on one side only are left out.
+    Rows are the objects of the list ``rows_key``. Without ``key``, a float field whose value differs
+    between any two runs is a metric and every other field identifies the row; with ``key`` (field
+    names), those fields identify the row and every float field outside them is a metric (for rows
+    whose other fields, e.g. the faster memory format, may change from run to run). Rows present on
+    one side only are left out.
 
     >>> run = lambda t: {"rows": [{"mode": "a", "sparsity": 0.5, "ms": t}]}
     >>> r = compare([run(2.0), run(4.0)], [run(1.0)])[0]
     >>> r["row"], r["metric"], r["old"], r["new"], r["new_over_old"]
     ({'mode': 'a', 'sparsity': 0.5}, 'ms', 3.0, 1.0, 0.333)
     """
-    runs = [_rows(r) for r in old + new]
+    runs = [_rows(r, rows_key) for r in old + new]
     varying = set()
-    for rows in zip(*runs):
+    if key is not None:
+        missing = [k for k in key if not all(k in row for rows in runs for row in rows)]
+        if missing:
+            raise SystemExit(f"ab_commits: --key names fields that some rows lack: {missing}")
+        varying = {k for rows in runs for row in rows for k, v in row.items() if isinstance(v, float)} - set(key)
+    for rows in zip(*runs) if key is None else ():
         for k in rows[0]:
             vals = {repr(r.get(k)) for r in rows}
             if isinstance(rows[0][k], float) and len(vals) > 1:
@@ -102,8 +119,9 @@ def compare(old: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> List[Dict[s
     def collect(side: List[Dict[str, Any]]) -> Dict[Key, List[float]]:
         got: Dict[Key, List[float]] = {}
         for result in side:
-            for row in _rows(result):
-                ident = tuple(sorted((k, json.dumps(v)) for k, v in row.items() if k not in varying))
+            for row in _rows(result, rows_key):
+                fields = row.items() if key is None else ((k, row[k]) for k in key)
+                ident = tuple(sorted((k, json.dumps(v)) for k, v in fields if k not in varying))
                 for k in varying:
                     if isinstance(row.get(k), (int, float)):
                         got.setdefault((ident, k), []).append(float(row[k]))
@@ -140,6 +158,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--new", default=None, help="the commit after it (default: the working tree as it is)")
     ap.add_argument("--rounds", type=int, default=5, help="runs per side, alternating (default 5)")
     ap.add_argument("--out", default=None, help="output JSON (default: <results dir>/ab_commits.json)")
+    ap.add_argument("--rows", default="rows", help="the JSON's list of rows to compare (default: rows)")
+    ap.add_argument(
+        "--key",
+        default=None,
+        help="comma-separated fields that identify a row (default: every field that does not vary), "
+        "e.g. --rows models --key model,dtype for adaptive_training.py",
+    )
     a = ap.parse_args(argv[:cut])
     if not argv[cut + 1 :]:
         raise SystemExit("ab_commits: name the benchmark script after '--', e.g. dispatch_overhead.py")
@@ -165,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             for side in ("old", "new"):
                 if trees.get(side) is not None and trees[side] != ROOT:
                     subprocess.run(["git", "worktree", "remove", "--force", str(trees[side])], cwd=ROOT, check=False)
-    rows = compare(results["old"], results["new"])
+    rows = compare(results["old"], results["new"], a.rows, None if a.key is None else a.key.split(","))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import sparsa.cpu
     from _results import results_dir
@@ -177,6 +202,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "old": _git("rev-parse", a.old),
         "new": _git("rev-parse", a.new) if a.new else f"working tree at {_git('rev-parse', 'HEAD')}",
         "rounds": a.rounds,
+        "compared": {"rows": a.rows, "key": a.key},
         "order": "alternating, old first in odd rounds",
         "rows": rows,
     }

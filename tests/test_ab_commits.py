@@ -103,3 +103,19 @@ def test_compare_leaves_out_rows_of_one_side():
     new = [{"rows": [{"m": "a", "t": 1.0}, {"m": "c", "t": 2.0}]}]
     rows = ab_commits.compare(old, new)
     assert [(r["row"], r["old"], r["new"]) for r in rows] == [({"m": "a"}, 2.0, 1.0)]
+
+
+def test_compare_with_a_key_matches_rows_whose_other_fields_change():
+    """adaptive_training.py's ``models`` rows: the faster format (a string) and counts change between runs;
+    with --key the rows still match on (model, dtype) and every float outside the key is a metric."""
+    run = lambda fmt, n, t: {"models": [{"model": "vgg16", "dtype": "fp32", "fmt": fmt, "layers": n, "ms": t}]}  # noqa: E731
+    old, new = [run("nchw", 12, 4.0), run("cl", 11, 6.0)], [run("cl", 12, 3.0)]
+    rows = ab_commits.compare(old, new, "models", ["model", "dtype"])
+    assert [(r["row"], r["metric"], r["old"], r["new"]) for r in rows] == [
+        ({"dtype": "fp32", "model": "vgg16"}, "ms", 5.0, 3.0)
+    ]
+    assert ab_commits.compare(old, new, "models") == []  # without a key no row matches across runs
+    with pytest.raises(SystemExit, match="--rows"):
+        ab_commits.compare(old, new)
+    with pytest.raises(SystemExit, match="lack"):
+        ab_commits.compare(old, new, "models", ["model", "nope"])
