@@ -74,6 +74,9 @@ def _compare(op, z, w, b, slice, gen, **kw):
     seed=st.integers(0, 1000),
 )
 def test_conv2d_matches_relu_then_dense_conv(N, C, H, W, O, k, stride, padding, dilation, bias, slice, cl, seed):
+    # the same conv; the dense reference would segfault inside oneDNN on a 1x1 kernel with dilation 2,
+    # stride 2, padding 1 and a channels-last input (adaptive._conv_args), the suite's intermittent crash
+    dilation = dilation if k > 1 else 1
     if H + 2 * padding < dilation * (k - 1) + 1 or W + 2 * padding < dilation * (k - 1) + 1:
         return  # no output pixel: the dense op rejects it too
     gen = torch.Generator().manual_seed(seed)
