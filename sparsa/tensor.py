@@ -120,7 +120,7 @@ class _FromDense(torch.autograd.Function):
     def backward(ctx, g: Tensor):  # type: ignore[override]
         if isinstance(g, SparseTensor):
             g = g._layout.to_dense()
-        return g * ctx.layout.mask().to(g.dtype), None
+        return ctx.layout.restrict(g), None
 
 
 def to_sparse(

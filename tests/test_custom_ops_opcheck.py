@@ -66,6 +66,13 @@ def _s_compact(native):
     return [((x, 4), NO_VALUES), ((x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), 64), NO_VALUES)]
 
 
+def _s_restrict(native):
+    x = torch.randn(2, 8, 3, 3, generator=_gen())
+    g = torch.randn(2, 8, 3, 3, generator=_gen(1))
+    cnt, idx, _ = A.compact_zeroed(x, 4)
+    return [((cnt, idx, g, 4), ALL), ((cnt, idx, g.contiguous(memory_format=torch.channels_last), 4), ALL)]
+
+
 def _s_conv_fwd(native):
     c = _conv()
     return [((c["cnt"], c["idx"], c["val"], c["wt"], c["b"], c["geo"], f), ALL) for f in (0, 1, 2)]
@@ -287,6 +294,7 @@ SAMPLES = {
     "adaptive_compact": (_s_compact, True, False),
     "adaptive_compact_signed": (_s_compact, True, False),
     "adaptive_compact_zeroed": (_s_compact, True, False),
+    "adaptive_restrict": (_s_restrict, True, False),
     "adaptive_conv_fwd": (_s_conv_fwd, True, False),
     "adaptive_conv_wgrad": (_s_conv_wgrad, True, False),
     "adaptive_conv_igrad": (_s_conv_igrad, True, False),

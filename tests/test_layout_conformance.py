@@ -224,6 +224,8 @@ class TestLayoutConformance:
         pattern = lay.mask()
         assert torch.equal(d, d * pattern), "nothing stored outside mask()"
         assert lay.nnz == int(pattern.sum())
+        g = torch.randn(x.shape, generator=gen)
+        assert torch.equal(lay.restrict(g), g * pattern), "restrict keeps the stored pattern only"
         numel = math.prod(x.shape)
         assert lay.density == pytest.approx(lay.nnz / numel if numel else 0.0)
         assert lay.sparsity == pytest.approx(1.0 - lay.nnz / numel if numel else 0.0)

@@ -3,6 +3,7 @@ conversions and the sparsa.adaptive helpers that return it."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sparsa
 import sparsa.adaptive as sa
@@ -50,6 +51,44 @@ def test_the_zeroed_compaction_kernel_writes_every_entry(form):
     for got, want in zip((cnt, idx[: P * C], val[: P * C]), ref):
         assert torch.equal(got, want[: got.numel()])
     assert torch.equal(K.compact_zeroed(x, slice)[2], ref[2]) and torch.equal(K.compact_zeroed(x, slice)[1], ref[1])
+
+
+@pytest.mark.parametrize("backend", ["native", "fallback"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.sampled_from([(2, 5, 3, 4), (1, 130, 2, 2), (3, 16, 1, 7), (7, 9), (33, 20), (0, 4), (2, 0, 3, 3)]),
+    slice=st.sampled_from([1, 3, 8, 128]),
+    form=st.sampled_from(["contiguous", "channels_last", "strided"]),
+    seed=st.integers(0, 999),
+)
+def test_restrict_is_the_relu_derivative(monkeypatch, backend, shape, slice, form, seed):
+    """ReluCompact.restrict(g) == where(x > 0, g, 0) for any strides of g, NaN and inf outside the pattern
+    included, on the native masking kernel and on its PyTorch fallback; g itself is left unchanged."""
+    if backend == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    a = ReluCompact.from_dense(x, slice=slice)
+    g = torch.randn(shape, generator=gen)
+    g[(torch.rand(shape, generator=gen) < 0.1) & (x <= 0)] = float("nan")
+    g[(torch.rand(shape, generator=gen) < 0.1) & (x <= 0)] = float("inf")
+    if form == "channels_last" and len(shape) == 4:
+        g = g.contiguous(memory_format=torch.channels_last)
+    elif form == "strided":
+        g = torch.stack([g, g], -1)[..., 0]
+    before = g.clone()
+    got = a.restrict(g)
+    assert got.shape == x.shape and got.dtype == g.dtype
+    assert torch.equal(got, torch.where(x > 0, g, torch.zeros(()))), "kept where relu(x) > 0, 0 elsewhere"
+    assert torch.equal(g.nan_to_num(), before.nan_to_num()) and torch.equal(g.isnan(), before.isnan())
+
+
+def test_restrict_rejects_a_wrong_shape():
+    a = ReluCompact.from_dense(torch.randn(2, 3, 4, 4))
+    with pytest.raises(ValueError, match="restrict: dense must have the layout's shape"):
+        a.restrict(torch.randn(2, 3, 4, 5))
 
 
 def test_matrix_and_image_forms_share_components():

@@ -62,6 +62,7 @@ __all__ = [
     "compact",
     "compact_zeroed",
     "compact_signed",
+    "restrict",
     "conv_fwd",
     "conv_wgrad",
     "conv_igrad",
@@ -272,6 +273,49 @@ compact_signed = kernel_op(
     "adaptive_compact_signed(Tensor x, int slice) -> (Tensor, Tensor, Tensor)",
     _compact_signed_impl,
     _compact_signed_fake,
+)
+
+
+def _operand_keep(cnt: Tensor, idx: Tensor, N: int, C: int, H: int, W: int, slice: int) -> Tensor:
+    """Bool ``[N*H*W, C]``: the positions the operand ``(cnt, idx)`` holds (pure PyTorch)."""
+    P, S = N * H * W, -(-C // slice)
+    j = torch.arange(slice, device=cnt.device).view(1, 1, slice)
+    valid = j < cnt.reshape(P, S).long().unsqueeze(-1)
+    q = torch.arange(P, device=cnt.device).view(P, 1, 1)
+    pos = (q * C + torch.arange(S, device=cnt.device).view(1, S, 1) * slice + j)[valid]
+    rows = q.expand(P, S, slice)[valid]
+    keep = torch.zeros(P, C, dtype=torch.bool, device=cnt.device)
+    keep[rows, idx[pos].long()] = True
+    return keep
+
+
+def _restrict_impl(cnt: Tensor, idx: Tensor, y: Tensor, slice: int) -> Tensor:
+    """``y`` (logical ``[N, C, H, W]``) at the positions the operand ``(cnt, idx)`` holds, 0 elsewhere
+    (a selection: NaN or inf outside the pattern become 0); a new tensor, channels-last strided."""
+    if y.dim() != 4:
+        raise ValueError(f"y must be 4-D [N, C, H, W], got shape {tuple(y.shape)}; view a matrix as [1, K, P, 1]")
+    N, C, H, W = y.shape
+    out = y.new_empty(N, H, W, C)
+    out.copy_(y.permute(0, 2, 3, 1))
+    lib = _use_native(y, cnt, idx)
+    if lib is None or y.dtype != torch.float32 or cnt.dtype != torch.int32 or idx.dtype != torch.int32:
+        keep = _operand_keep(cnt, idx, N, C, H, W, slice).view(N, H, W, C)
+        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device)).permute(0, 3, 1, 2)
+    if out.numel():
+        cnt, idx = cnt.contiguous(), idx.contiguous()
+        lib.sparsa_adaptive_mask_f32(
+            out.data_ptr(), N, C, H, W, slice, cnt.data_ptr(), idx.data_ptr(), None, None, _nthreads()
+        )
+    return out.permute(0, 3, 1, 2)
+
+
+def _restrict_fake(cnt, idx, y, slice):
+    N, C, H, W = y.shape
+    return y.new_empty(N, H, W, C).permute(0, 3, 1, 2)
+
+
+restrict = kernel_op(
+    "adaptive_restrict(Tensor cnt, Tensor idx, Tensor y, int slice) -> Tensor", _restrict_impl, _restrict_fake
 )
 
 

@@ -117,6 +117,12 @@ class Layout(ABC):
         """Boolean tensor of the stored (kept) positions."""
         return self.to_dense() != 0
 
+    def restrict(self, dense: Tensor) -> Tensor:
+        """``dense`` (of the logical shape) with the positions outside the stored pattern set to 0: the
+        gradient of a conversion to this layout with respect to its dense input. Layouts whose
+        ``mask()`` costs a dense rebuild override it."""
+        return dense * self.mask().to(dense.dtype)
+
     @property
     def nnz(self) -> int:
         """Number of stored values (explicit zeros that are part of the pattern count)."""

@@ -162,6 +162,16 @@ class ReluCompact(Layout):
     def mask(self) -> Tensor:
         return self.to_dense() != 0
 
+    def restrict(self, dense: Tensor) -> Tensor:
+        """``dense`` kept where ``relu(x) > 0`` (0 elsewhere, NaN and inf too): the ReLU derivative,
+        applied by the native masking kernel over ``(cnt, idx)`` without rebuilding ``mask()``."""
+        if tuple(dense.shape) != tuple(self.shape):
+            raise ValueError(
+                f"restrict: dense must have the layout's shape {tuple(self.shape)}, got {tuple(dense.shape)}"
+            )
+        out = _k.restrict(self.cnt, self.idx, _as_image(dense), self.slice)
+        return out if len(self.shape) == 4 else out[0, :, :, 0].t()
+
     @property
     def nnz(self) -> int:
         return int(self.cnt.sum(dtype=torch.int64))

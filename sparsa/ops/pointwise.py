@@ -51,7 +51,7 @@ def _grad_for(x: Any, g: Tensor, need: bool) -> Optional[Tensor]:
         return None
     g = g.sum_to_size(tuple(x.shape)) if tuple(g.shape) != tuple(x.shape) else g
     if isinstance(x, Layout):
-        g = g * x.mask()
+        g = x.restrict(g)
     return g
 
 
