@@ -8,7 +8,8 @@ activation sparsity, with gradients for the input and the weight:
   the fastest is ``best_dense``;
 - ``relu_kernels``: :func:`sparsa.adaptive.relu_conv2d` / ``relu_linear`` on the dense ``x`` (they compact
   ``relu(x)`` themselves);
-- ``op``: the op on a prebuilt layout, what a model that keeps its activations in the layout runs;
+- ``op``: the op on a prebuilt layout, what a model that keeps its activations in the layout runs: the
+  kernels, or the dense op where relu(x) is denser than the op's crossover (``op_route`` in each row);
 - ``op_from_dense``: the same with ``sparsa.to_sparse(x, "relu_compact")`` inside the timing;
 - ``op_via_dense``: the route the op took before it read the layout's components (``to_dense``, then
   ``relu_conv2d`` compacting again), kept as the within-run reference for that change.
@@ -36,6 +37,7 @@ import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from _results import results_dir  # noqa: E402
 from sparsa.adaptive import relu_conv2d, relu_linear  # noqa: E402
+from sparsa.ops.crossovers import crossover  # noqa: E402
 from sparsa.timing import best_dense, round_robin_ms  # noqa: E402
 
 DENSE = ("fp32", "fp32_cl", "bf16")
@@ -117,9 +119,10 @@ def main(argv=None) -> None:
             row["best_dense"] = best
             row.update({f"{k}_speedup_vs_best_dense": round(dense[best] / ms[k], 3) for k in ms if k not in DENSE})
             row["op_vs_op_via_dense"] = round(ms["op_via_dense"] / ms["op"], 3)
+            row["op_route"] = "dense" if (1.0 - s) > crossover(f"relu_compact.{op}") else "kernels"
             rows.append(row)
             print(
-                f"{op} {xs} sparsity {s}: best dense {best} {dense[best]:.2f} ms; "
+                f"{op} {xs} sparsity {s} (op route: {row['op_route']}): best dense {best} {dense[best]:.2f} ms; "
                 + ", ".join(f"{k} {ms[k]:.2f} ms ({dense[best] / ms[k]:.2f}x)" for k in ms if k not in DENSE),
                 flush=True,
             )

@@ -4,15 +4,32 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sparsa
 from sparsa.adaptive.conv import compacted_path_supported
 from sparsa.kernels import adaptive as adaptive_kernels
 from sparsa.layouts import ReluCompact
-from sparsa.ops import activation_impls
+from sparsa import cost_model
+from sparsa.ops import activation_impls, crossovers
 
-FAST = settings(max_examples=20, deadline=None)
+FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+CROSSOVERS = ("relu_compact.linear", "relu_compact.conv2d")
+
+
+@pytest.fixture(autouse=True)
+def crossovers_at(tmp_path, monkeypatch):
+    """A cost table of the test's own, with the ops' density crossovers at 1.0 (the sparse kernels at
+    every density) unless the test moves them: ``crossovers_at(0.0)`` sends every call to the dense op."""
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    table = cost_model.default_cost_model()
+
+    def at(density: float) -> None:
+        for name in CROSSOVERS:
+            table.set_fit(crossovers.PREFIX + name, {"max_density": density}, save=False)
+
+    at(1.0)
+    return at
 
 
 def _count_calls(monkeypatch, name):
@@ -128,6 +145,43 @@ def test_the_activation_sparse_kernels_run(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["conv2d", "linear"])
+def test_above_the_crossover_the_dense_op_runs(crossovers_at, monkeypatch, op):
+    """relu(x) denser than the op's crossover runs the dense op on relu(x), with the same values and
+    gradients as the kernels; at or below it, the kernels run."""
+    kernel = "compacted_conv_forward" if op == "conv2d" else "compacted_linear_forward"
+    calls = _count_calls(monkeypatch, kernel)
+    gen = torch.Generator().manual_seed(7)
+    if op == "conv2d":
+        args = (F.conv2d, torch.randn(2, 8, 5, 5, generator=gen), torch.randn(16, 8, 3, 3, generator=gen))
+        kw = {"padding": 1, "stride": 2}
+    else:
+        args, kw = (F.linear, torch.randn(6, 10, generator=gen), torch.randn(8, 10, generator=gen)), {}
+    b = torch.randn(args[2].shape[0], generator=gen)
+    density = int((args[1] > 0).sum()) / args[1].numel()
+    crossovers_at(density - 0.01)
+    _compare(*args, b, 4, gen, **kw)
+    assert calls == []
+    crossovers_at(density)
+    wt = args[2].unsqueeze(-1).unsqueeze(-1) if op == "linear" else args[2]
+    _compare(*args, b, 4, gen, **kw)
+    if compacted_path_supported(torch.float32, torch.device("cpu"), wt, b):
+        assert calls == [kernel]
+
+
+def test_the_dense_route_keeps_a_1x1_dilated_conv_safe(crossovers_at):
+    """The dense route passes dilation 1 for a 1x1 kernel (the same conv): torch 2.13's oneDNN conv
+    segfaults on this 1x1, dilation-2, stride-2, padded, channels-last case."""
+    crossovers_at(0.0)
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(2, 5, 3, 1, generator=gen).contiguous(memory_format=torch.channels_last)
+    w, b = torch.randn(8, 5, 1, 1, generator=gen), torch.randn(8, generator=gen)
+    for _ in range(20):
+        y, _ = _sparse(F.conv2d, z, w, b, 4, stride=2, padding=1, dilation=2)
+        ref = F.conv2d(z.relu(), w, b, stride=2, padding=1)
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["conv2d", "linear"])
 def test_the_kernels_read_the_compacted_operand(monkeypatch, op):
     """Forward and backward run from the layout's own components: relu(x) is neither densified nor
     compacted again (the list kernels; the union kernels, AVX-512 only, read x densely)."""
@@ -144,9 +198,8 @@ def test_the_kernels_read_the_compacted_operand(monkeypatch, op):
     a = sparsa.to_sparse(z, "relu_compact", slice=8)
     seen = []
     real_dense, real_compact = ReluCompact.to_dense, adaptive_kernels.compact
+    # nor by the conversion's own backward (to_sparse's): ReluCompact.restrict reads cnt/idx
     monkeypatch.setattr(ReluCompact, "to_dense", lambda self: seen.append("to_dense") or real_dense(self))
-    # the conversion's own backward (to_sparse's, not the op's) masks z's gradient with the layout's pattern
-    monkeypatch.setattr(ReluCompact, "mask", lambda self: real_dense(self) != 0)
     monkeypatch.setattr(adaptive_kernels, "compact", lambda *a, **k: seen.append("compact") or real_compact(*a, **k))
     w = w.clone().requires_grad_()
     with sparsa.strict():

@@ -4,8 +4,10 @@ The input is ``relu(x)`` stored as :class:`~sparsa.layouts.ReluCompact`; weight 
 On the CPU the call runs the activation-sparse training kernels of :mod:`sparsa.adaptive`
 (:func:`~sparsa.adaptive.relu_conv2d` / :func:`~sparsa.adaptive.relu_linear`): forward and weight
 gradient over the nonzeros of ``relu(x)``, input gradient only on its pattern. Shapes those kernels
-do not take (grouped or string-padded convolutions, dtypes other than float32/float64) run the dense
-op on ``relu(x)``: the same result.
+do not take (grouped or string-padded convolutions, dtypes other than float32/float64), and a ``relu(x)``
+denser than the op's crossover on this CPU (``relu_compact.linear`` / ``relu_compact.conv2d`` in
+:mod:`sparsa.ops.crossovers`, measured by ``sparsa cost --refit``), run the dense op on ``relu(x)``:
+the same result.
 
 On a GPU the same user call maps onto the ``Masked`` route: the layout converts to
 :class:`~sparsa.layouts.Masked` and :class:`~sparsa.ops.gpu_impls.ActSparseLinear` /
@@ -26,13 +28,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..adaptive.conv import (
+    _pair,
     compacted_conv_backward,
     compacted_conv_forward,
     compacted_path_supported,
@@ -48,6 +51,7 @@ from ..adaptive.linear import (
 from ..layouts.dense import Dense
 from ..layouts.relu_compact import ReluCompact, relu_compact_to_masked
 from .gpu_impls import ActSparseConv2d, ActSparseLinear
+from .crossovers import crossover
 from .registry import register_impl
 
 __all__ = ["ReluCompactLinear", "ReluCompactConv2d"]
@@ -67,6 +71,20 @@ def _needs(ctx: Any, i: int) -> bool:
 
 def _kernel_dtypes(*ts: Optional[Tensor]) -> bool:
     return all(t is None or (t.dtype in _KERNEL_DTYPES and t.device.type == "cpu") for t in ts)
+
+
+def _dense_wins(x: ReluCompact, name: str) -> bool:
+    """Whether relu(x) is too dense for the sparse kernels to beat the dense op on this CPU: its density
+    above the crossover ``name`` (a default until ``sparsa cost --refit`` measures it here)."""
+    n = x.numel
+    return n > 0 and x.nnz / n > crossover(name)
+
+
+def _conv_dilation(w: Tensor, dilation: Any) -> Tuple[int, int]:
+    """``dilation`` with 1 for a size-1 kernel dimension (the same conv): oneDNN segfaults on some
+    1x1 dilated strided channels-last convs (see ``sparsa.kernels.adaptive._conv_args``)."""
+    dh, dw = _pair(dilation, "dilation")
+    return (dh if w.shape[-2] > 1 else 1, dw if w.shape[-1] > 1 else 1)
 
 
 def _run(ctx: Any, a: Tensor, w: Tensor, b: Optional[Tensor], fn) -> Tensor:
@@ -124,6 +142,8 @@ class ReluCompactLinear:
             ctx.sparsa_delegate = ActSparseLinear
             return ActSparseLinear.forward(ctx, relu_compact_to_masked(x), w, b)
         if len(x.shape) == 2 and w.dim() == 2 and w.shape[1] == x.shape[1] and _kernel_dtypes(x.val, w, b):
+            if _dense_wins(x, "relu_compact.linear"):
+                return _run(ctx, x.to_dense(), w, b, F.linear)
             if compacted_linear_supported(x.val.dtype, x.val.device, w, b):
                 ctx.sparsa_delegate = _CompactedLinear
                 return compacted_linear_forward(ctx, x.shape[0], x.cnt, x.idx, x.val, w, b, x.slice)
@@ -151,12 +171,14 @@ class ReluCompactConv2d:
             and conv_supported(w, groups, "zeros", padding)
             and w.shape[1] == x.shape[1]
         )
-        if supported and compacted_path_supported(x.val.dtype, x.val.device, w, b):
+        dense = not supported or _dense_wins(x, "relu_compact.conv2d")
+        if not dense and compacted_path_supported(x.val.dtype, x.val.device, w, b):
             ctx.sparsa_delegate = _CompactedConv2d
             return compacted_conv_forward(ctx, x.shape, x.cnt, x.idx, x.val, w, b, stride, padding, dilation, x.slice)
         a = x.to_dense()
-        if not supported:
-            return _run(ctx, a, w, b, lambda a, w, b: F.conv2d(a, w, b, stride, padding, dilation, groups))
+        if dense:
+            dil = _conv_dilation(w, dilation) if w.dim() == 4 else dilation
+            return _run(ctx, a, w, b, lambda a, w, b: F.conv2d(a, w, b, stride, padding, dil, groups))
         return _run(
             ctx,
             a,

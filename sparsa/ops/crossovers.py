@@ -1,7 +1,8 @@
-"""Density crossovers of the sparse backward kernels: data measured on this CPU, not constants in code.
+"""Density crossovers of the sparse kernels: data measured on this CPU, not constants in code.
 
-Below its crossover density a sparse backward kernel computes a product faster than BLAS on the
-densified weight; above it, the dense product wins. Each crossover has a default, used until
+Below its crossover density a sparse kernel (a weight-sparse backward, or the activation-sparse ops of
+the ``relu_compact`` layout) computes a product faster than the dense path; above it, the dense path wins.
+Each crossover has a default, used until
 ``sparsa cost --refit`` (or :func:`refit`) times both sides on this CPU and stores the measured
 crossover in the cost table (:mod:`sparsa.cost_model`, a fitted model under ``crossover|<name>``;
 the measurement is in :mod:`sparsa.ops.crossover_refit`). ``sparsa cost --clear`` forgets it again.
@@ -11,14 +12,14 @@ Example::
     >>> from sparsa.ops import crossovers
     >>> 0 < crossovers.crossover("row_group.backward") <= 1
     True
-    >>> sorted(crossovers.CROSSOVERS)
-    ['grouped_nm.grad_weight', 'row_group.backward', 'sliced_ell.grad_input']
+    >>> sorted(crossovers.CROSSOVERS)[:3]
+    ['grouped_nm.grad_weight', 'relu_compact.conv2d', 'relu_compact.linear']
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from ..cost_model import CostModel, default_cost_model
 
@@ -29,10 +30,12 @@ PREFIX = "crossover|"
 
 @dataclass(frozen=True)
 class Crossover:
-    """A named crossover: its default density and what it decides."""
+    """A named crossover: its default density, what it decides and, if not the refit's usual grid, the
+    densities ``sparsa cost --refit`` times it at."""
 
     default: float
     decides: str
+    densities: Tuple[float, ...] = ()
 
 
 CROSSOVERS: Dict[str, Crossover] = {
@@ -44,6 +47,19 @@ CROSSOVERS: Dict[str, Crossover] = {
     ),
     "grouped_nm.grad_weight": Crossover(
         0.15, "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking"
+    ),
+    # density = the fraction of relu(x) that is nonzero
+    "relu_compact.linear": Crossover(
+        0.25,
+        "F.linear on a relu_compact input: the activation-sparse kernels (forward and both gradients) "
+        "against the dense linear on relu(x)",
+        (0.1, 0.2, 0.3, 0.4, 0.5),
+    ),
+    "relu_compact.conv2d": Crossover(
+        0.55,
+        "F.conv2d on a relu_compact input: the activation-sparse kernels (forward and both gradients) "
+        "against the dense conv on relu(x)",
+        (0.3, 0.4, 0.5, 0.6, 0.7),
     ),
 }
 
