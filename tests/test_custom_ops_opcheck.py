@@ -73,6 +73,12 @@ def _s_restrict(native):
     return [((cnt, idx, g, 4), ALL), ((cnt, idx, g.contiguous(memory_format=torch.channels_last), 4), ALL)]
 
 
+def _s_to_dense(native):
+    x = torch.randn(2, 8, 3, 3, generator=_gen())
+    cnt, idx, val = A.compact_zeroed(x, 4)
+    return [((cnt, idx, val, [2, 8, 3, 3], 4), ALL)]
+
+
 def _s_conv_fwd(native):
     c = _conv()
     return [((c["cnt"], c["idx"], c["val"], c["wt"], c["b"], c["geo"], f), ALL) for f in (0, 1, 2)]
@@ -295,6 +301,7 @@ SAMPLES = {
     "adaptive_compact_signed": (_s_compact, True, False),
     "adaptive_compact_zeroed": (_s_compact, True, False),
     "adaptive_restrict": (_s_restrict, True, False),
+    "adaptive_to_dense": (_s_to_dense, True, False),
     "adaptive_conv_fwd": (_s_conv_fwd, True, False),
     "adaptive_conv_wgrad": (_s_conv_wgrad, True, False),
     "adaptive_conv_igrad": (_s_conv_igrad, True, False),

@@ -79,10 +79,32 @@ def test_restrict_is_the_relu_derivative(monkeypatch, backend, shape, slice, for
     elif form == "strided":
         g = torch.stack([g, g], -1)[..., 0]
     before = g.clone()
+    assert torch.equal(a.to_dense(), x.relu())
     got = a.restrict(g)
     assert got.shape == x.shape and got.dtype == g.dtype
     assert torch.equal(got, torch.where(x > 0, g, torch.zeros(()))), "kept where relu(x) > 0, 0 elsewhere"
     assert torch.equal(g.nan_to_num(), before.nan_to_num()) and torch.equal(g.isnan(), before.isnan())
+
+
+@pytest.mark.parametrize("backend", ["native", "fallback"])
+def test_operand_readers_skip_the_entries_past_each_count(monkeypatch, backend):
+    """K.to_dense and K.restrict read only the entries inside each list's count: garbage past them (what
+    the non-zeroed compaction leaves) changes nothing."""
+    if backend == "fallback":
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    else:
+        monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    gen = torch.Generator().manual_seed(9)
+    x, g = torch.randn(2, 21, 3, 5, generator=gen), torch.randn(2, 21, 3, 5, generator=gen)
+    slice = 8
+    cnt, idx, val = K.compact_zeroed(x, slice)
+    P, C = 2 * 3 * 5, 21
+    past = ~K._entries(cnt, P, C, slice).reshape(-1)
+    idx, val = idx.clone(), val.clone()
+    idx[: P * C][past] = torch.randint(0, C, (int(past.sum()),), generator=gen, dtype=torch.int32)
+    val[: P * C][past] = float("nan")
+    assert torch.equal(K.to_dense(cnt, idx, val, [2, 21, 3, 5], slice), x.relu())
+    assert torch.equal(K.restrict(cnt, idx, g, slice), torch.where(x > 0, g, torch.zeros(())))
 
 
 def test_restrict_rejects_a_wrong_shape():

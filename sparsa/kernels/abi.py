@@ -66,6 +66,12 @@ _ADAPTIVE = {
     "sparsa_adaptive_mask_f32": sig(
         None, y=PTR, N=I64, C=I64, H=I64, W=I64, CS=I64, cnt=PTR, idx=PTR, dx=PTR, das=I64S, nthreads=INT
     ),
+    "sparsa_adaptive_to_dense_f32": sig(
+        None, N=I64, C=I64, H=I64, W=I64, CS=I64, cnt=PTR, idx=PTR, val=PTR, out=PTR, nthreads=INT
+    ),
+    "sparsa_adaptive_restrict_f32": sig(
+        None, g=PTR, N=I64, C=I64, H=I64, W=I64, gs=I64S, CS=I64, cnt=PTR, idx=PTR, out=PTR, nthreads=INT
+    ),
     "sparsa_adaptive_sample_f32": sig(None, x=PTR, base=PTR, m=I64, C=I64, sc=I64, CS=I64, out=PTR),
     # adaptive_conv.cpp
     "sparsa_adaptive_conv_fwd_f32": sig(INT, g=GEO, cnt=PTR, idx=PTR, val=PTR, wt=PTR, bias=PTR, y=PTR, nthreads=INT),

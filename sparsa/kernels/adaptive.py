@@ -63,6 +63,7 @@ __all__ = [
     "compact_zeroed",
     "compact_signed",
     "restrict",
+    "to_dense",
     "conv_fwd",
     "conv_wgrad",
     "conv_igrad",
@@ -276,35 +277,82 @@ compact_signed = kernel_op(
 )
 
 
-def _operand_keep(cnt: Tensor, idx: Tensor, N: int, C: int, H: int, W: int, slice: int) -> Tensor:
-    """Bool ``[N*H*W, C]``: the positions the operand ``(cnt, idx)`` holds (pure PyTorch)."""
-    P, S = N * H * W, -(-C // slice)
-    j = torch.arange(slice, device=cnt.device).view(1, 1, slice)
-    valid = j < cnt.reshape(P, S).long().unsqueeze(-1)
-    q = torch.arange(P, device=cnt.device).view(P, 1, 1)
-    pos = (q * C + torch.arange(S, device=cnt.device).view(1, S, 1) * slice + j)[valid]
-    rows = q.expand(P, S, slice)[valid]
-    keep = torch.zeros(P, C, dtype=torch.bool, device=cnt.device)
-    keep[rows, idx[pos].long()] = True
-    return keep
+def _entries(cnt: Tensor, P: int, C: int, slice: int) -> Tensor:
+    """Bool ``[P, C]``: which idx/val entries of the operand lie inside their list's count (pure PyTorch)."""
+    e = torch.arange(C, device=cnt.device)
+    return (e % slice).view(1, C) < cnt.reshape(P, -(-C // slice))[:, e // slice]
+
+
+def _scatter_rows(cnt: Tensor, idx: Tensor, src: Optional[Tensor], P: int, C: int, slice: int) -> Tensor:
+    """``[P, C]``: each kept entry's value (``src``; True when None) at its channel, 0 elsewhere."""
+    out = torch.zeros(P, C, dtype=torch.bool if src is None else src.dtype, device=cnt.device)
+    if P * C:
+        valid = _entries(cnt, P, C, slice)
+        rows = torch.arange(P, device=cnt.device).view(P, 1).expand(P, C)[valid]
+        out[rows, idx[: P * C].view(P, C)[valid].long()] = True if src is None else src[: P * C].view(P, C)[valid]
+    return out
+
+
+def _native_operand(lib, *ts: Tensor) -> bool:
+    """Whether the native kernels take the operand tensors: CPU, int32 ``cnt``/``idx``, float32 values."""
+    return lib is not None and all(t.dtype in (torch.int32, torch.float32) for t in ts)
+
+
+def _to_dense_impl(cnt: Tensor, idx: Tensor, val: Tensor, shape: List[int], slice: int) -> Tensor:
+    """The dense ``[N, C, H, W]`` (channels-last strided) activation the operand ``(cnt, idx, val)`` of the
+    image ``shape`` encodes; entries past a count are not read."""
+    N, C, H, W = shape
+    P = N * H * W
+    lib = _use_native(val, cnt, idx)
+    if not _native_operand(lib, cnt, idx, val):
+        return _scatter_rows(cnt, idx, val, P, C, slice).view(N, H, W, C).permute(0, 3, 1, 2)
+    out = val.new_empty(N, H, W, C)
+    if out.numel():
+        cnt, idx, val = cnt.contiguous(), idx.contiguous(), val.contiguous()
+        lib.sparsa_adaptive_to_dense_f32(
+            N, C, H, W, slice, cnt.data_ptr(), idx.data_ptr(), val.data_ptr(), out.data_ptr(), _nthreads()
+        )
+    return out.permute(0, 3, 1, 2)
+
+
+def _to_dense_fake(cnt, idx, val, shape, slice):
+    N, C, H, W = shape
+    return val.new_empty(N, H, W, C).permute(0, 3, 1, 2)
+
+
+to_dense = kernel_op(
+    "adaptive_to_dense(Tensor cnt, Tensor idx, Tensor val, int[] shape, int slice) -> Tensor",
+    _to_dense_impl,
+    _to_dense_fake,
+)
 
 
 def _restrict_impl(cnt: Tensor, idx: Tensor, y: Tensor, slice: int) -> Tensor:
-    """``y`` (logical ``[N, C, H, W]``) at the positions the operand ``(cnt, idx)`` holds, 0 elsewhere
-    (a selection: NaN or inf outside the pattern become 0); a new tensor, channels-last strided."""
+    """``y`` (logical ``[N, C, H, W]``, any strides) at the positions the operand ``(cnt, idx)`` holds, 0
+    elsewhere (a selection: NaN or inf outside the pattern become 0); a new tensor, channels-last strided."""
     if y.dim() != 4:
         raise ValueError(f"y must be 4-D [N, C, H, W], got shape {tuple(y.shape)}; view a matrix as [1, K, P, 1]")
     N, C, H, W = y.shape
-    out = y.new_empty(N, H, W, C)
-    out.copy_(y.permute(0, 2, 3, 1))
     lib = _use_native(y, cnt, idx)
-    if lib is None or y.dtype != torch.float32 or cnt.dtype != torch.int32 or idx.dtype != torch.int32:
-        keep = _operand_keep(cnt, idx, N, C, H, W, slice).view(N, H, W, C)
-        return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device)).permute(0, 3, 1, 2)
+    if not _native_operand(lib, cnt, idx, y):
+        keep = _scatter_rows(cnt, idx, None, N * H * W, C, slice).view(N, H, W, C)
+        zero = torch.zeros((), dtype=y.dtype, device=y.device)
+        return torch.where(keep, y.permute(0, 2, 3, 1), zero).permute(0, 3, 1, 2)
+    out = y.new_empty(N, H, W, C)
     if out.numel():
         cnt, idx = cnt.contiguous(), idx.contiguous()
-        lib.sparsa_adaptive_mask_f32(
-            out.data_ptr(), N, C, H, W, slice, cnt.data_ptr(), idx.data_ptr(), None, None, _nthreads()
+        lib.sparsa_adaptive_restrict_f32(
+            y.data_ptr(),
+            N,
+            C,
+            H,
+            W,
+            _i64s(*y.stride()),
+            slice,
+            cnt.data_ptr(),
+            idx.data_ptr(),
+            out.data_ptr(),
+            _nthreads(),
         )
     return out.permute(0, 3, 1, 2)
 
@@ -322,18 +370,8 @@ restrict = kernel_op(
 def densify(cnt: Tensor, idx: Tensor, val: Tensor, geo: Sequence[int]) -> Tensor:
     """The dense NCHW (channels-last strided) activation an operand encodes (pure PyTorch)."""
     G = ConvGeometry.of(geo)
-    N, C, H, W, CS = G.N, G.C, G.H, G.W, G.slice
-    S = -(-C // CS)
-    P = N * H * W
-    c = cnt.reshape(P, S).long()
-    j = torch.arange(CS).view(1, 1, CS)
-    valid = j < c.unsqueeze(-1)
-    base = torch.arange(P).view(P, 1, 1) * C + torch.arange(S).view(1, S, 1) * CS + j
-    pos = base[valid]
-    rows = torch.arange(P).view(P, 1, 1).expand(P, S, CS)[valid]
-    out = torch.zeros(P, C, dtype=val.dtype)
-    out[rows, idx[pos].long()] = val[pos]
-    return out.view(N, H, W, C).permute(0, 3, 1, 2)
+    P = G.N * G.H * G.W
+    return _scatter_rows(cnt, idx, val, P, G.C, G.slice).view(G.N, G.H, G.W, G.C).permute(0, 3, 1, 2)
 
 
 def _nchw_weight(wt: Tensor) -> Tensor:

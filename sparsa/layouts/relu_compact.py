@@ -148,16 +148,8 @@ class ReluCompact(Layout):
 
     def to_dense(self) -> Tensor:
         """``relu(x)`` of the logical shape (an ``[N, C, H, W]`` result has channels-last strides)."""
-        N, C, H, W = _image(self.shape)
-        P = N * H * W
-        # canonical components (zero past each count) let one scatter-add rebuild the rows: the padding
-        # entries add 0 to channel 0, the kept ones land on distinct channels
-        d = torch.zeros(P, C, dtype=self.val.dtype, device=self.val.device)
-        if P * C:
-            d.scatter_add_(1, self.idx[: P * C].view(P, C).long(), self.val[: P * C].view(P, C))
-        if len(self.shape) == 4:
-            return d.view(N, H, W, C).permute(0, 3, 1, 2)
-        return d.view(H, C)
+        out = _k.to_dense(self.cnt, self.idx, self.val, list(_image(self.shape)), self.slice)
+        return out if len(self.shape) == 4 else out[0, :, :, 0].t()
 
     def mask(self) -> Tensor:
         return self.to_dense() != 0

@@ -14,7 +14,9 @@
 // sparsa_adaptive_compact_signed_f32 is the same conversion without the ReLU: it keeps every
 // element that is != 0 (negative values, NaN and +-inf too; -0.0 compares equal to 0 and is
 // dropped). The input-gradient path over a sparse output gradient dY compacts dY with it.
-// sparsa_adaptive_mask_f32 applies the ReLU derivative of an operand (keep only its nonzeros).
+// sparsa_adaptive_mask_f32 applies the ReLU derivative of an operand (keep only its nonzeros);
+// sparsa_adaptive_restrict_f32 does the same out of place, from any strides; sparsa_adaptive_to_dense_f32
+// rebuilds the dense activation.
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
@@ -240,6 +242,59 @@ void sparsa_adaptive_sample_f32(const float* x, const int64_t* base, int64_t m, 
     }
     out[0] = zeros;
     out[1] = empty;
+}
+
+// The dense NHWC [N*H*W, C] tensor an operand (cnt, idx, val; slices of CS channels) encodes:
+// every row zeroed, then its kept values stored at their channels. Rows are independent.
+void sparsa_adaptive_to_dense_f32(int64_t N, int64_t C, int64_t H, int64_t W, int64_t CS, const int32_t* cnt,
+                                  const int32_t* idx, const float* val, float* out, int nthreads) {
+    const int64_t S = (C + CS - 1) / CS;
+    const int64_t P = N * H * W;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t q = 0; q < P; ++q) {
+        float* o = out + q * C;
+        std::memset(o, 0, sizeof(float) * C);
+        for (int64_t s = 0; s < S; ++s) {
+            const int64_t at = q * C + s * CS;
+            const int32_t* is = idx + at;
+            const float* vs = val + at;
+            for (int32_t j = 0, e = cnt[q * S + s]; j < e; ++j) o[is[j]] = vs[j];
+        }
+    }
+}
+
+// out (dense NHWC [N*H*W, C]) = g (logical [N, C, H, W], element strides gs[4]) at the positions the
+// operand (cnt, idx) holds, +0.0 elsewhere (NaN and inf too: a bitwise select, not a multiply).
+void sparsa_adaptive_restrict_f32(const float* g, int64_t N, int64_t C, int64_t H, int64_t W, const int64_t* gs,
+                                  int64_t CS, const int32_t* cnt, const int32_t* idx, float* out, int nthreads) {
+    const int64_t S = (C + CS - 1) / CS;
+    const int64_t P = N * H * W;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<uint32_t> keep(C);  // per pixel: all ones where kept, else 0
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < P; ++q) {
+            const int64_t n = q / (H * W), h = (q / W) % H, w = q % W;
+            const float* gq = g + n * gs[0] + h * gs[2] + w * gs[3];
+            uint32_t* k = keep.data();
+            std::memset(k, 0, sizeof(uint32_t) * C);
+            for (int64_t s = 0; s < S; ++s) {
+                const int32_t* is = idx + q * C + s * CS;
+                for (int32_t j = 0, e = cnt[q * S + s]; j < e; ++j) k[is[j]] = 0xFFFFFFFFu;
+            }
+            uint32_t* o = reinterpret_cast<uint32_t*>(out + q * C);
+            if (gs[1] == 1) {
+                const uint32_t* gu = reinterpret_cast<const uint32_t*>(gq);
+                for (int64_t c = 0; c < C; ++c) o[c] = gu[c] & k[c];
+            } else {
+                for (int64_t c = 0; c < C; ++c) {
+                    uint32_t v;
+                    std::memcpy(&v, gq + c * gs[1], sizeof(v));
+                    o[c] = v & k[c];
+                }
+            }
+        }
+    }
 }
 
 }  // extern "C"
