@@ -709,14 +709,17 @@ def relu_compact_section(d: Dict[str, Any]) -> str:
             "sparsity": r["sparsity"],
             "best_dense": r["best_dense"],
             "best_dense_ms": r[f"{r['best_dense']}_ms"],
+            "op_route": r.get("op_route", "kernels"),
             **{f"{k}_ms": r[f"{k}_ms"] for k in routes},
             **{f"{k} x": r[f"{k}_speedup_vs_best_dense"] for k in routes},
         }
         for r in d["rows"]
     ]
-    cols = ["op", "shape", "sparsity", "best_dense", "best_dense_ms"] + [f"{k}_ms" for k in routes]
+    cols = ["op", "shape", "sparsity", "best_dense", "best_dense_ms", "op_route"] + [f"{k}_ms" for k in routes]
     return _md(rows, cols + [f"{k} x" for k in routes]) + (
-        f"\n\n{d['timing']}, {d['rows'][0]['threads']} threads. `x`: speed-up over the fastest dense route."
+        f"\n\n{d['timing']}, {d['rows'][0]['threads']} threads. `x`: speed-up over the fastest dense route. "
+        "`op_route`: what the op ran, the kernels or (relu(x) denser than the op's crossover in "
+        "`sparsa.ops.crossovers`) the dense op on relu(x)."
     )
 
 
