@@ -183,13 +183,15 @@ def _wrap(cls: type, out: Any) -> Any:
 
 
 class _Run(torch.autograd.Function):
-    # ``spec`` = (cls, impl, conversions, rest) in one argument: autograd inspects each argument of apply
+    # ``spec`` = (cls, impl, conversions, rest, uargs) in one argument: autograd inspects each argument of
+    # apply. ``uargs``: the implementation's arguments when the dispatcher already unwrapped them, else None.
     @staticmethod
     def forward(ctx, spec, *targs):  # type: ignore[override]
-        cls, impl, convs, rest = spec
+        cls, impl, convs, rest, uargs = spec
         ctx.impl = impl
         ctx.needs_input_grad = ctx.needs_input_grad[1:]  # per tensor argument, what implementations read
-        return _wrap(cls, impl.forward(ctx, *_unwrap_all(targs, convs), **rest))
+        out = impl.forward(ctx, *(uargs if uargs is not None else _unwrap_all(targs, convs)), **rest)
+        return out if type(out) is Tensor else _wrap(cls, out)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -202,16 +204,10 @@ class _Run(torch.autograd.Function):
 
 # ``_Run.apply`` is ``Function.apply``: a Python wrapper (signature binding checks, functorch hand-off) around
 # this C entry point. Outside functorch transforms and tracing, the wrapper only unwraps dead functorch wrappers, which
-# :func:`_apply_run` does itself; skipping the wrapper is a large part of a training call's dispatch cost.
+# :func:`dispatch` does itself; skipping the wrapper is a large part of a training call's dispatch cost.
 _run_apply_c = super(torch.autograd.Function, _Run).apply
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _functorch_active = torch._C._are_functorch_transforms_active
-
-
-def _apply_run(spec: tuple, targs: Sequence[Any]) -> Any:
-    if _functorch_active() or torch.compiler.is_compiling():
-        return _Run.apply(spec, *targs)  # what functorch and dynamo know how to handle
-    return _run_apply_c(spec, *[_unwrap_if_dead(a) if isinstance(a, Tensor) else a for a in targs])
 
 
 def _plan(op: str, layouts: Tuple[type, ...], needs_grad: bool) -> _Plan:
@@ -240,23 +236,36 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
     dtype = None
     mixed = False
     layouts = []
+    # in the same pass: what an implementation that converts nothing receives (``uargs``), and what
+    # autograd's apply receives (``aargs``: dead functorch wrappers unwrapped, as Function.apply does)
+    uargs, aargs = [], []
     with torch._C.DisableTorchFunctionSubclass():
         for a in targs:
             if isinstance(a, Tensor):
                 if grad and a.requires_grad:
                     needs_grad = True
                 if isinstance(a, SparseTensorBase):
-                    layouts.append(type(a._layout))
+                    lay = a._layout
+                    t = type(lay)
+                    layouts.append(t)
+                    d = _IS_DENSE.get(t)
+                    uargs.append(lay.values if (d if d is not None else _is_dense(lay)) else lay)
+                    aargs.append(a)
                     if a.numel() == 0:
                         empty = True
                 else:
                     layouts.append(Dense)
+                    a = _unwrap_if_dead(a)
+                    uargs.append(a)
+                    aargs.append(a)
                 if dtype is None:
                     dtype = a.dtype
                 elif a.dtype != dtype:
                     mixed = True
             else:
                 layouts.append(Dense)
+                uargs.append(a)
+                aargs.append(a)
     if mixed and call.same_dtype:
         with torch._C.DisableTorchFunctionSubclass():
             _check_dtypes(call, targs)
@@ -269,9 +278,15 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
     if plan.fallback:
         record_fallback(call.name, tuple(l.name for l in layouts))
         return _dense_call(call, func, args, kwargs, targs, rest)
+    convs = plan.conversions
+    if convs is not None:
+        uargs = None  # the implementation's arguments are converted layouts: built where it runs
     if needs_grad:
-        return _apply_run((cls, plan.impl, plan.conversions, rest), targs)
-    return _wrap(cls, plan.impl.forward(_Ctx(), *_unwrap_all(targs, plan.conversions), **rest))
+        if _functorch_active() or torch.compiler.is_compiling():
+            return _Run.apply((cls, plan.impl, convs, rest, None), *targs)  # what functorch and dynamo handle
+        return _run_apply_c((cls, plan.impl, convs, rest, uargs), *aargs)
+    out = plan.impl.forward(_Ctx(), *(uargs if uargs is not None else _unwrap_all(targs, convs)), **rest)
+    return out if type(out) is Tensor else _wrap(cls, out)
 
 
 def _dense_call(call: OpCall, func: Callable, args: tuple, kwargs: dict, targs: list, rest: dict) -> Any:
