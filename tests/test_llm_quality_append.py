@@ -1,0 +1,66 @@
+"""benchmarks/llm_quality.py --append: a run of some rows merges into the committed results without
+losing the others, and the recovered patterns of both runs are listed. No model is loaded."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import llm_quality  # noqa: E402
+
+
+def _row(method, pattern, domain, ratio):
+    return {"method": method, "pattern": pattern, "domain": domain, "ppl_ratio_vs_dense": ratio}
+
+
+def _res(rows, recovered, seconds=1200.0):
+    return {
+        "seq_len": 256,
+        "calibration": "mixed",
+        "quick": False,
+        "patterns": sorted({r["pattern"] for r in rows if r["pattern"] in llm_quality.PATTERNS}),
+        "recovery": {"seconds": seconds, "patterns": recovered},
+        "rows": rows,
+    }
+
+
+def test_append_keeps_other_rows_and_lists_both_recovered_patterns(tmp_path):
+    out = tmp_path / "llm_quality.json"
+    old = [
+        _row("dense", "dense", "prose", 1.0),
+        _row("sparsegpt", "unstructured", "prose", 1.3),
+        _row("sparsegpt+recover", "unstructured", "prose", 1.07),
+        _row("wanda", "2:4", "prose", 4.1),
+        _row("sparsegpt", "2:4", "prose", 2.0),
+    ]
+    out.write_text(json.dumps(_res(old, ["unstructured"])))
+    new = [
+        _row("dense", "dense", "prose", 1.0),
+        _row("sparsegpt", "2:4", "prose", 1.9),
+        _row("sparsegpt+recover", "2:4", "prose", 1.2),
+    ]
+    res = _res(new, ["2:4"])
+    llm_quality._merge(out, res)
+    got = {(r["method"], r["pattern"]): r["ppl_ratio_vs_dense"] for r in res["rows"]}
+    assert got[("sparsegpt", "2:4")] == 1.9, "the new run's rows replace the old ones"
+    assert got[("wanda", "2:4")] == 4.1 and got[("sparsegpt+recover", "unstructured")] == 1.07
+    assert got[("sparsegpt+recover", "2:4")] == 1.2
+    assert len(res["rows"]) == 6 and res["rows"][0]["method"] == "dense"
+    assert res["recovery"]["patterns"] == ["unstructured", "2:4"]
+
+
+def test_append_refuses_other_settings_and_another_recovery_budget(tmp_path):
+    out = tmp_path / "llm_quality.json"
+    out.write_text(json.dumps(_res([_row("dense", "dense", "prose", 1.0)], ["unstructured"])))
+    with pytest.raises(SystemExit, match="budget of 1200.0 s"):
+        llm_quality._merge(out, _res([_row("dense", "dense", "prose", 1.0)], ["2:4"], seconds=600.0))
+    bad = _res([], [])
+    bad["seq_len"] = 128
+    with pytest.raises(SystemExit, match="another seq_len"):
+        llm_quality._merge(out, bad)
+    res = _res([_row("dense", "dense", "prose", 1.0)], [], seconds=0.0)  # no recovery in this run
+    llm_quality._merge(out, res)
+    assert res["recovery"] == {"seconds": 1200.0, "patterns": ["unstructured"]}
