@@ -23,7 +23,7 @@ from typing import Any, Optional, Type, Union
 import torch
 from torch import Tensor
 
-from .layouts.base import Layout, get_layout
+from .layouts.base import Layout, get_layout, is_restricted
 from .sparsifiers.base import check_sparsifier
 
 # the dispatcher imports only tensor_base (below both), never this module: no import cycle
@@ -120,6 +120,8 @@ class _FromDense(torch.autograd.Function):
     def backward(ctx, g: Tensor):  # type: ignore[override]
         if isinstance(g, SparseTensor):
             g = g._layout.to_dense()
+        if is_restricted(g, ctx.layout):  # the op's kernels computed it on the pattern only
+            return g, None
         return ctx.layout.restrict(g), None
 
 

@@ -168,6 +168,37 @@ def test_above_the_crossover_the_dense_op_runs(crossovers_at, monkeypatch, op):
         assert calls == [kernel]
 
 
+@pytest.mark.parametrize("op", ["conv2d", "linear"])
+def test_the_kernels_gradient_is_not_masked_twice_unless_changed(monkeypatch, op):
+    """On the kernel route the input gradient is already zero off relu(x)'s pattern, so to_sparse's
+    backward returns it as it is; once a second gradient for the layout is added into it (a second
+    consumer), the mark lapses and restrict runs. Both give the dense reference's gradient."""
+    gen = torch.Generator().manual_seed(13)
+    if op == "conv2d":
+        z, w, call, kw = torch.randn(2, 16, 5, 5, generator=gen), torch.randn(8, 16, 3, 3, generator=gen), F.conv2d, {}
+    else:
+        z, w, call, kw = torch.randn(6, 24, generator=gen), torch.randn(8, 24, generator=gen), F.linear, {}
+    wt = w.unsqueeze(-1).unsqueeze(-1) if op == "linear" else w
+    if not compacted_path_supported(torch.float32, torch.device("cpu"), wt, None):
+        pytest.skip("the union kernels take this shape on this CPU")
+    calls = []
+    real = ReluCompact.restrict
+    monkeypatch.setattr(ReluCompact, "restrict", lambda self, g: calls.append(1) or real(self, g))
+    for second in (False, True):
+        calls.clear()
+        zs, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+        a = sparsa.to_sparse(zs, "relu_compact", slice=8)
+        y = call(a, w, **kw)
+        yr = call(zr.relu(), w, **kw)
+        loss, ref = y.square().sum(), yr.square().sum()
+        if second:  # a second consumer of the layout: its gradient (all ones) accumulates into the first
+            loss, ref = loss + a.to_dense().sum(), ref + zr.relu().sum()
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(zs.grad, zr.grad, atol=1e-3, rtol=1e-4)
+        assert calls == ([1] if second else []), "restrict runs exactly when the gradient changed"
+
+
 def test_the_dense_route_keeps_a_1x1_dilated_conv_safe(crossovers_at):
     """The dense route passes dilation 1 for a 1x1 kernel (the same conv): torch 2.13's oneDNN conv
     segfaults on this 1x1, dilation-2, stride-2, padded, channels-last case."""

@@ -40,6 +40,8 @@ __all__ = [
     "conversion_path",
     "check_float",
     "check_fraction",
+    "mark_restricted",
+    "is_restricted",
 ]
 
 _LAYOUTS: Dict[str, Type["Layout"]] = {}
@@ -120,7 +122,7 @@ class Layout(ABC):
     def restrict(self, dense: Tensor) -> Tensor:
         """``dense`` (of the logical shape) with the positions outside the stored pattern set to 0: the
         gradient of a conversion to this layout with respect to its dense input. Layouts whose
-        ``mask()`` costs a dense rebuild override it."""
+        ``mask()`` costs a dense rebuild override it; a gradient marked by :func:`mark_restricted` skips it."""
         return dense * self.mask().to(dense.dtype)
 
     @property
@@ -305,3 +307,21 @@ def convert(layout: Layout, dst: Type[Layout], **params: Any) -> Layout:
                 out = fn(out)
             return out
     return dst.from_dense(layout.to_dense(), mask=layout.mask(), **params)
+
+
+_RESTRICTED = "_sparsa_restricted_to"
+
+
+def mark_restricted(grad: Tensor, layout: Layout) -> Tensor:
+    """Mark ``grad`` as already zero outside ``layout``'s stored pattern (an input gradient a kernel
+    computed on the pattern only), so the backward of the conversion to ``layout`` does not restrict it
+    again. The mark lapses once ``grad`` changes in place (autograd accumulating a second gradient into
+    it, a hook): it holds ``grad``'s version at marking."""
+    setattr(grad, _RESTRICTED, (layout, grad._version))
+    return grad
+
+
+def is_restricted(grad: Tensor, layout: Layout) -> bool:
+    """Whether ``grad`` carries :func:`mark_restricted`'s mark for ``layout``, unmodified since."""
+    mark = getattr(grad, _RESTRICTED, None)
+    return mark is not None and mark[0] is layout and mark[1] == grad._version

@@ -48,6 +48,7 @@ from ..adaptive.linear import (
     compacted_linear_supported,
     relu_linear,
 )
+from ..layouts.base import mark_restricted
 from ..layouts.dense import Dense
 from ..layouts.relu_compact import ReluCompact, relu_compact_to_masked
 from .gpu_impls import ActSparseConv2d, ActSparseLinear
@@ -119,18 +120,26 @@ def _backward(ctx: Any, g: Tensor):
     return tuple(grads)
 
 
+def _on_pattern(ctx: Any, grads: tuple) -> tuple:
+    """The kernels' input gradient is zero off relu(x)'s pattern (they apply the ReLU derivative): marked
+    so, ``to_sparse``'s backward does not mask it a second time."""
+    if grads and grads[0] is not None:
+        mark_restricted(grads[0], ctx.sparsa_input)
+    return grads
+
+
 class _CompactedLinear:
     """Backward of the compacted forward (no inner autograd graph: the kernels' state is on ``ctx``)."""
 
     @staticmethod
     def backward(ctx: Any, g: Tensor):
-        return compacted_linear_backward(ctx, g)
+        return _on_pattern(ctx, compacted_linear_backward(ctx, g))
 
 
 class _CompactedConv2d:
     @staticmethod
     def backward(ctx: Any, g: Tensor):
-        return compacted_conv_backward(ctx, g)
+        return _on_pattern(ctx, compacted_conv_backward(ctx, g))
 
 
 class ReluCompactLinear:
@@ -145,7 +154,7 @@ class ReluCompactLinear:
             if _dense_wins(x, "relu_compact.linear"):
                 return _run(ctx, x.to_dense(), w, b, F.linear)
             if compacted_linear_supported(x.val.dtype, x.val.device, w, b):
-                ctx.sparsa_delegate = _CompactedLinear
+                ctx.sparsa_delegate, ctx.sparsa_input = _CompactedLinear, x
                 return compacted_linear_forward(ctx, x.shape[0], x.cnt, x.idx, x.val, w, b, x.slice)
         a = x.to_dense()
         if not _kernel_dtypes(a, w, b) or w.dim() != 2:
@@ -173,7 +182,7 @@ class ReluCompactConv2d:
         )
         dense = not supported or _dense_wins(x, "relu_compact.conv2d")
         if not dense and compacted_path_supported(x.val.dtype, x.val.device, w, b):
-            ctx.sparsa_delegate = _CompactedConv2d
+            ctx.sparsa_delegate, ctx.sparsa_input = _CompactedConv2d, x
             return compacted_conv_forward(ctx, x.shape, x.cnt, x.idx, x.val, w, b, stride, padding, dilation, x.slice)
         a = x.to_dense()
         if dense:
