@@ -378,12 +378,17 @@ def _nchw_weight(wt: Tensor) -> Tensor:
     return wt.permute(3, 2, 0, 1)
 
 
+def safe_dilation(KH: int, KW: int, dh: int, dw: int) -> Tuple[int, int]:
+    """The dilation to give ``F.conv2d`` for a ``KH x KW`` kernel: 1 for a size-1 kernel dimension (the same
+    conv). torch 2.13's oneDNN conv segfaults on e.g. a 1x1 kernel with dilation 2, stride 2, padding 1, a
+    width-1 channels-last input and a bias."""
+    return (dh if KH > 1 else 1, dw if KW > 1 else 1)
+
+
 def _conv_args(geo: Sequence[int]):
-    """``F.conv2d`` keyword arguments of ``geo``. The dilation of a size-1 kernel dimension is set to 1
-    (the same conv): torch 2.13's oneDNN conv segfaults on e.g. a 1x1 kernel with dilation 2, stride 2,
-    padding 1, a width-1 channels-last input and a bias."""
+    """``F.conv2d`` keyword arguments of ``geo`` (dilation from :func:`safe_dilation`)."""
     G = ConvGeometry.of(geo)
-    return dict(stride=(G.sh, G.sw), padding=(G.ph, G.pw), dilation=(G.dh if G.KH > 1 else 1, G.dw if G.KW > 1 else 1))
+    return dict(stride=(G.sh, G.sw), padding=(G.ph, G.pw), dilation=safe_dilation(G.KH, G.KW, G.dh, G.dw))
 
 
 # ------------------------------------------------------------------------------------------ forward

@@ -64,6 +64,11 @@ def _as_image(x: Tensor) -> Tensor:
     return x if x.dim() == 4 else x.t().unsqueeze(0).unsqueeze(-1)
 
 
+def _from_image(out: Tensor, shape: Tuple[int, ...]) -> Tensor:
+    """An operand-image result ``[N, C, H, W]`` back in the layout's logical shape (inverse of :func:`_as_image`)."""
+    return out if len(shape) == 4 else out[0, :, :, 0].t()
+
+
 def _check_slice(slice: Any) -> int:
     if isinstance(slice, bool) or not isinstance(slice, int) or slice < 1:
         raise ValueError(f"slice must be a positive number of channels, got {slice!r}; e.g. slice=64")
@@ -148,8 +153,7 @@ class ReluCompact(Layout):
 
     def to_dense(self) -> Tensor:
         """``relu(x)`` of the logical shape (an ``[N, C, H, W]`` result has channels-last strides)."""
-        out = _k.to_dense(self.cnt, self.idx, self.val, list(_image(self.shape)), self.slice)
-        return out if len(self.shape) == 4 else out[0, :, :, 0].t()
+        return _from_image(_k.to_dense(self.cnt, self.idx, self.val, list(_image(self.shape)), self.slice), self.shape)
 
     def mask(self) -> Tensor:
         return self.to_dense() != 0
@@ -161,8 +165,7 @@ class ReluCompact(Layout):
             raise ValueError(
                 f"restrict: dense must have the layout's shape {tuple(self.shape)}, got {tuple(dense.shape)}"
             )
-        out = _k.restrict(self.cnt, self.idx, _as_image(dense), self.slice)
-        return out if len(self.shape) == 4 else out[0, :, :, 0].t()
+        return _from_image(_k.restrict(self.cnt, self.idx, _as_image(dense), self.slice), self.shape)
 
     @property
     def nnz(self) -> int:

@@ -28,7 +28,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,7 @@ from ..adaptive.linear import (
     compacted_linear_supported,
     relu_linear,
 )
+from ..kernels.adaptive import safe_dilation
 from ..layouts.base import mark_restricted
 from ..layouts.dense import Dense
 from ..layouts.relu_compact import ReluCompact, relu_compact_to_masked
@@ -79,13 +80,6 @@ def _dense_wins(x: ReluCompact, name: str) -> bool:
     above the crossover ``name`` (a default until ``sparsa cost --refit`` measures it here)."""
     n = x.numel
     return n > 0 and x.nnz / n > crossover(name)
-
-
-def _conv_dilation(w: Tensor, dilation: Any) -> Tuple[int, int]:
-    """``dilation`` with 1 for a size-1 kernel dimension (the same conv): oneDNN segfaults on some
-    1x1 dilated strided channels-last convs (see ``sparsa.kernels.adaptive._conv_args``)."""
-    dh, dw = _pair(dilation, "dilation")
-    return (dh if w.shape[-2] > 1 else 1, dw if w.shape[-1] > 1 else 1)
 
 
 def _run(ctx: Any, a: Tensor, w: Tensor, b: Optional[Tensor], fn) -> Tensor:
@@ -186,7 +180,7 @@ class ReluCompactConv2d:
             return compacted_conv_forward(ctx, x.shape, x.cnt, x.idx, x.val, w, b, stride, padding, dilation, x.slice)
         a = x.to_dense()
         if dense:
-            dil = _conv_dilation(w, dilation) if w.dim() == 4 else dilation
+            dil = safe_dilation(*w.shape[-2:], *_pair(dilation, "dilation")) if w.dim() == 4 else dilation
             return _run(ctx, a, w, b, lambda a, w, b: F.conv2d(a, w, b, stride, padding, dil, groups))
         return _run(
             ctx,
