@@ -18,9 +18,9 @@ Example::
     >>> e = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0)
     >>> round(e.speedup(density=0.25), 2)
     2.5
-    >>> e2 = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0, dy_path=True)
+    >>> e2 = CostEntry(dense_ms=10.0, fixed_ms=1.0, slope_ms=12.0, dy_path=True, dy_fixed_ms=1.0, dy_slope_ms=12.0)
     >>> round(e2.speedup(density=0.5, grad_density=0.16), 2)   # backward driven by the sparser dY
-    2.17
+    2.03
 """
 
 from __future__ import annotations
@@ -54,19 +54,16 @@ KERNEL_VERSION = 20
 #: output-gradient densities at which the dY-driven backward is timed
 _DY_DENSITIES = (0.5, 0.15)
 
-#: work per nonzero of the dY-driven backward kernels relative to the activation-driven ones
-#: (the dY path also pays for compacting dY; figures in docs/benchmarks.md)
-DY_PATH_EFFICIENCY = 0.8
-
 
 @dataclass
 class CostEntry:
     """Forward+backward milliseconds: dense, and sparse = ``fixed_ms + slope_ms * density``.
 
     The slope is measured with a dense output gradient, so all three GEMMs scale with the activation
-    density. Where the layer has the dY-driven backward (``dy_path``) and the output gradient is sparser
-    (``grad_density``), the two backward GEMMs (two thirds of the work) scale with
-    ``min(density, grad_density / DY_PATH_EFFICIENCY)`` instead.
+    density. Where the layer has the dY-driven backward (``dy_path``) its own measured model
+    ``dy_fixed_ms + slope_ms * density / 3 + dy_slope_ms * grad_density`` also counts, and the cheaper
+    of the two predicts. Without that measurement (``dy_fixed_ms`` / ``dy_slope_ms`` None) nothing is
+    assumed about the dY path: the activation-driven model alone predicts.
     """
 
     dense_ms: float
@@ -94,11 +91,9 @@ class CostEntry:
         t = self.fixed_ms + self.slope_ms * d
         if not self.dy_path or grad_density is None:
             return t
-        g = float(grad_density)
-        if self.dy_fixed_ms is not None and self.dy_slope_ms is not None:
-            return min(t, self.dy_fixed_ms + self.slope_ms * d / 3.0 + self.dy_slope_ms * g)
-        back = min(d, g / DY_PATH_EFFICIENCY)
-        return self.fixed_ms + self.slope_ms * (d + 2.0 * back) / 3.0
+        if self.dy_fixed_ms is None or self.dy_slope_ms is None:
+            return t
+        return min(t, self.dy_fixed_ms + self.slope_ms * d / 3.0 + self.dy_slope_ms * float(grad_density))
 
     def speedup(
         self, density: float, grad_density: Optional[float] = None, union_ratio: Optional[float] = None
@@ -264,11 +259,11 @@ class Calibration:
             t = round_robin_ms(fns, 2 * self.reps + 1)
         ur = _union_ratio(kind, a.float(), weight)
         dense_ms, t1 = t["dense"], t["t1"]
-        if d1 <= 0.02 or d1 - d2 < 0.01:
-            return CostEntry(dense_ms, 0.1 * t1, 0.9 * t1 / max(d1, 1e-3), dyp, union_ratio=ur)
-        t2 = t["t2"]
-        slope = max(0.0, (t1 - t2) / (d1 - d2))
-        fixed = max(0.0, t1 - slope * d1)
+        if d1 <= 0.02 or d1 - d2 < 0.01:  # too sparse for a second point: a fixed share is assumed
+            fixed, slope = 0.1 * t1, 0.9 * t1 / max(d1, 1e-3)
+        else:
+            slope = max(0.0, (t1 - t["t2"]) / (d1 - d2))
+            fixed = max(0.0, t1 - slope * d1)
         if not dyp:
             return CostEntry(dense_ms, fixed, slope, union_ratio=ur)
         (g1, g2), u1, u2 = _DY_DENSITIES, t["u0"], t["u1"]
