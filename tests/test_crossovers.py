@@ -84,6 +84,34 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
         crossover_refit.refit(cm, names=["nope"])
 
 
+def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):
+    # a fake measurement whose crossover grows with the first dimension: 0.2, 0.4 and 0.6 at the three shapes
+    wins_below = {1: 0.25, 2: 0.45, 3: 0.65}
+
+    def fake_case(d, a, b, c):
+        fast, slow = (lambda: 1.0), (lambda: 2.0)
+        return d, {"sparse": fast if d < wins_below[a] else slow, "dense": slow if d < wins_below[a] else fast}
+
+    monkeypatch.setitem(crossover_refit._CASES, "relu_compact.linear", fake_case)
+    monkeypatch.setitem(
+        crossovers.CROSSOVERS,
+        "relu_compact.linear",
+        crossovers.Crossover(0.25, "test", (0.2, 0.4, 0.6), ((3, 1, 1), (1, 1, 1), (2, 1, 1))),
+    )
+    monkeypatch.setattr(crossover_refit, "round_robin_ms", lambda fns, rounds: {k: f() for k, f in fns.items()})
+    cm = CostModel(tmp_path / "t.json")
+    assert crossover_refit.refit(cm, names=["relu_compact.linear"]) == {"relu_compact.linear": 0.4}
+    fit = CostModel(tmp_path / "t.json").fit(crossovers.PREFIX + "relu_compact.linear")
+    per_shape = [(p["dims"], p["max_density"]) for p in fit["shapes"]]
+    assert per_shape == [([3, 1, 1], 0.6), ([1, 1, 1], 0.2), ([2, 1, 1], 0.4)]
+    assert fit["ratios"] == {"0.2": 2.0, "0.4": 2.0, "0.6": 0.5}  # the median shape's own figures
+    # an explicit size replaces the crossover's own shapes
+    assert crossover_refit._dims("relu_compact.linear", (24, 32), 16) == [(16, 32, 24)]
+    assert crossover_refit._dims("relu_compact.conv2d", None, None) == list(
+        crossover_refit.CROSSOVERS["relu_compact.conv2d"].shapes
+    )
+
+
 def test_cli_refit_and_clear(table, monkeypatch, capsys):
     monkeypatch.setattr(crossover_refit, "refit", lambda cm: {n: 0.2 for n in crossovers.CROSSOVERS})
     from sparsa.adaptive import cost_fits_refit

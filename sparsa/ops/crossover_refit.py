@@ -1,7 +1,9 @@
 """Measure the density crossovers of :mod:`sparsa.ops.crossovers` on this CPU (``sparsa cost --refit``).
 
 Each crossover's sparse and dense sides are timed side by side (round robin, median) at a few densities
-on one representative shape, and the highest density at which the sparse side wins is stored.
+on each of its representative shapes (``Crossover.shapes``; one weight shape for the weight-sparse
+backward crossovers). A shape's crossover is the highest density at which the sparse side wins; the
+stored crossover is the median over the shapes, each shape's figures kept beside it.
 
 Example::
 
@@ -15,7 +17,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +35,13 @@ from .crossovers import CROSSOVERS, PREFIX, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
 
-__all__ = ["refit", "DEFAULT_DENSITIES"]
+__all__ = ["refit", "DEFAULT_DENSITIES", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
 
 #: the densities a crossover without its own grid is timed at
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.1875, 0.25, 0.375)
 
 Case = Tuple[float, Dict[str, Callable[[], object]]]  # (the density actually built, {"sparse": fn, "dense": fn})
+Dims = Tuple[int, ...]
 
 
 def _row_group_case(d: float, R: int, K: int, T: int) -> Case:
@@ -87,7 +90,7 @@ def _fwd_bwd(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor) -> Ca
     return run
 
 
-def _relu_linear_case(d: float, R: int, K: int, T: int) -> Case:
+def _relu_linear_case(d: float, T: int, K: int, R: int) -> Case:
     x, w = _relu_input((T, K), d), torch.randn(R, K)
     return float((x > 0).float().mean()), {
         "sparse": _fwd_bwd(relu_linear, x, w),
@@ -95,16 +98,16 @@ def _relu_linear_case(d: float, R: int, K: int, T: int) -> Case:
     }
 
 
-def _relu_conv2d_case(d: float, R: int, K: int, T: int) -> Case:
-    # one representative 3x3 conv, 64 -> 64 channels at 16x16, batch from the token count
-    x, w = _relu_input((max(1, T // 64), 64, 16, 16), d), torch.randn(64, 64, 3, 3)
+def _relu_conv2d_case(d: float, N: int, C: int, H: int) -> Case:
+    # a 3x3 conv, C -> C channels, padding 1, on an N x C x H x H input
+    x, w = _relu_input((N, C, H, H), d), torch.randn(C, C, 3, 3)
     return float((x > 0).float().mean()), {
         "sparse": _fwd_bwd(lambda a, b: relu_conv2d(a, b, padding=1), x, w),
         "dense": _fwd_bwd(lambda a, b: F.conv2d(a.relu(), b, padding=1), x, w),
     }
 
 
-_CASES: Dict[str, Callable[[float, int, int, int], Case]] = {
+_CASES: Dict[str, Callable[..., Case]] = {
     "row_group.backward": _row_group_case,
     "sliced_ell.grad_input": _sliced_ell_case,
     "grouped_nm.grad_weight": _grouped_nm_case,
@@ -112,50 +115,79 @@ _CASES: Dict[str, Callable[[float, int, int, int], Case]] = {
     "relu_compact.conv2d": _relu_conv2d_case,
 }
 
+#: the weight shape (out_features, in_features) and token count of the weight-sparse backward crossovers
+WEIGHT_SHAPE, WEIGHT_TOKENS = (768, 768), 512
+
+
+def _dims(name: str, shape: Optional[Tuple[int, int]], tokens: Optional[int]) -> List[Dims]:
+    """The shapes ``name`` is timed at: its own (``Crossover.shapes``), or one built from an explicit
+    ``shape`` (out, in) and ``tokens``."""
+    own = CROSSOVERS[name].shapes
+    if shape is None and tokens is None and own:
+        return list(own)
+    R, K = shape if shape is not None else WEIGHT_SHAPE
+    T = tokens if tokens is not None else WEIGHT_TOKENS
+    if name == "relu_compact.linear":
+        return [(T, K, R)]
+    if name == "relu_compact.conv2d":  # a K -> K channel conv over about T pixels per channel
+        return [(max(1, T // 256), K, 16)]
+    return [(R, K, T)]
+
+
+def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> Tuple[float, Dict[str, float]]:
+    """The highest density of ``grid`` at which the sparse side wins at ``dims`` (0.0 if none), and the
+    dense / sparse time ratio at each density built (keyed by it)."""
+    timings: Dict[float, Dict[str, float]] = {}
+    for d in sorted(grid):
+        actual, fns = _CASES[name](d, *dims)
+        actual = round(float(actual), 4)
+        if actual not in timings:
+            with torch.no_grad():
+                timings[actual] = round_robin_ms(fns, rounds)
+    wins = [d for d, ms in timings.items() if ms["sparse"] < ms["dense"]]
+    return (max(wins) if wins else 0.0), {str(d): round(ms["dense"] / ms["sparse"], 3) for d, ms in timings.items()}
+
 
 def refit(
     cost_model: Optional[CostModel] = None,
     names: Optional[Sequence[str]] = None,
     densities: Optional[Sequence[float]] = None,
-    shape: Tuple[int, int] = (768, 768),
-    tokens: int = 512,
+    shape: Optional[Tuple[int, int]] = None,
+    tokens: Optional[int] = None,
     rounds: int = 5,
 ) -> Dict[str, float]:
-    """Time the sparse and dense side of each crossover at ``densities`` (side by side, round robin, on a
-    ``shape`` weight and ``tokens`` rows at the current thread count), store the highest density at which
-    the sparse side was faster (0.0 if at none) and return them by name. A layout that cannot hold a
-    density exactly is timed at the nearest one it holds (grouped_nm: n/8). ``densities=None``: each
-    crossover's own grid (``Crossover.densities``), else :data:`DEFAULT_DENSITIES`."""
+    """Time the sparse and dense side of each crossover at ``densities`` (side by side, round robin, at
+    the current thread count) on each of its shapes, store the median over the shapes of the highest
+    density at which the sparse side was faster (0.0 if at none) and return them by name. A layout that
+    cannot hold a density exactly is timed at the nearest one it holds (grouped_nm: n/8).
+    ``densities=None``: each crossover's own grid (``Crossover.densities``), else
+    :data:`DEFAULT_DENSITIES`. ``shape`` (out, in) / ``tokens``: time every crossover at that one size
+    instead of its own shapes (:data:`WEIGHT_SHAPE`, :data:`WEIGHT_TOKENS` for what is not given)."""
     cm = cost_model if cost_model is not None else default_cost_model()
     names = list(CROSSOVERS) if names is None else list(names)
     for n in names:
         crossover(n)  # a ValueError names an unknown crossover
     if densities is not None and (not densities or not all(0 < d < 1 for d in densities)):
         raise ValueError(f"refit: densities must be fractions in (0, 1), got {list(densities)}")
-    R, K = shape
     out: Dict[str, float] = {}
     for name in names:
         grid = densities if densities is not None else (CROSSOVERS[name].densities or DEFAULT_DENSITIES)
-        timings: Dict[float, Dict[str, float]] = {}
-        for d in sorted(grid):
-            actual, fns = _CASES[name](d, R, K, tokens)
-            actual = round(float(actual), 4)
-            if actual not in timings:
-                with torch.no_grad():
-                    timings[actual] = round_robin_ms(fns, rounds)
-        wins = [d for d, ms in timings.items() if ms["sparse"] < ms["dense"]]
-        best = max(wins) if wins else 0.0
+        per_shape = []
+        for dims in _dims(name, shape, tokens):
+            best, ratios = _crossover_at(name, dims, grid, rounds)
+            per_shape.append({"dims": list(dims), "max_density": best, "ratios": ratios})
+        bests = sorted(p["max_density"] for p in per_shape)
+        median = bests[(len(bests) - 1) // 2]  # the lower median: one of the measured densities
         cm.set_fit(
             PREFIX + name,
             {
-                "max_density": best,
-                "shape": [R, K],
-                "tokens": tokens,
+                "max_density": median,
                 "threads": torch.get_num_threads(),
-                "ratios": {str(d): round(ms["dense"] / ms["sparse"], 3) for d, ms in timings.items()},
+                "ratios": next(p["ratios"] for p in per_shape if p["max_density"] == median),
+                "shapes": per_shape,
             },
             save=False,
         )
-        out[name] = best
+        out[name] = median
     cm.save()
     return out

@@ -30,12 +30,15 @@ PREFIX = "crossover|"
 
 @dataclass(frozen=True)
 class Crossover:
-    """A named crossover: its default density, what it decides and, if not the refit's usual grid, the
-    densities ``sparsa cost --refit`` times it at."""
+    """A named crossover: its default density, what it decides and, if not the refit's usual ones, the
+    densities and the shapes ``sparsa cost --refit`` times it at (``shapes``: the dimensions its
+    measurement in :mod:`sparsa.ops.crossover_refit` takes; the stored crossover is the median of the
+    shapes' crossovers)."""
 
     default: float
     decides: str
     densities: Tuple[float, ...] = ()
+    shapes: Tuple[Tuple[int, ...], ...] = ()
 
 
 CROSSOVERS: Dict[str, Crossover] = {
@@ -54,12 +57,16 @@ CROSSOVERS: Dict[str, Crossover] = {
         "F.linear on a relu_compact input: the activation-sparse kernels (forward and both gradients) "
         "against the dense linear on relu(x)",
         (0.1, 0.2, 0.3, 0.4, 0.5),
+        # (tokens, in_features, out_features): attention-sized and both MLP projections
+        ((512, 768, 768), (512, 768, 3072), (512, 3072, 768)),
     ),
     "relu_compact.conv2d": Crossover(
         0.55,
         "F.conv2d on a relu_compact input: the activation-sparse kernels (forward and both gradients) "
         "against the dense conv on relu(x)",
         (0.3, 0.4, 0.5, 0.6, 0.7),
+        # (batch, channels in = out, height = width) of 3x3 convs: the stages of a CIFAR ResNet/VGG
+        ((8, 64, 32), (8, 128, 16), (8, 256, 8)),
     ),
 }
 
