@@ -141,7 +141,9 @@ def test_refit_stores_what_runs_here_and_says_why_it_skips_the_rest(tmp_path):
         why = cost_fits_refit.skip_reason(fit.kernels)
         if why is None:
             stored = CostModel(tmp_path / "t.json").fit(cost_fits.PREFIX + name)
-            assert set(fit.defaults) <= set(stored) and stored["shape"] == [2, 16, 8, 8] and stored["residual"] >= 0
+            assert (
+                set(fit.defaults) <= set(stored) and stored["shapes"] == [[2, 16, 8, 8, 16]] and stored["residual"] >= 0
+            )
             assert dict(fitted[name]) == {k: stored[k] for k in fit.defaults}
         else:
             assert skipped[name] == why and cm.fit(cost_fits.PREFIX + name) is None
@@ -162,6 +164,44 @@ def test_timings_that_do_not_fit_their_line_are_not_stored(tmp_path):
     assert not fitted and not cm.fit_keys() and sorted(skipped) == sorted(names)
     assert all("too unsteady" in why for why in skipped.values())
     assert cost_fits.coefficients("conv_list.dx.dy", cm) == cost_fits.COST_FITS["conv_list.dx.dy"].defaults
+
+
+def test_the_list_fit_pools_shapes_and_recovers_the_coefficients():
+    # timings made by the models themselves, on convs with C = O, C < O and C > O whose x paths run at
+    # different speeds: one fit over all of them must give back the coefficients (per shape, the dY times
+    # count in units of that shape's x path; conv._dy_rule's sqrt(C / O) term included)
+    per_nnz, fixed, ratio, share = 0.4, 0.05, 0.75, 0.7
+    per_shape = []
+    for (N, C, H, W, O), u, a in [
+        ((16, 64, 32, 32, 64), 2e-6, 3e-6),
+        ((16, 64, 16, 16, 128), 5e-6, 4e-6),
+        ((16, 128, 16, 16, 64), 1e-6, 6e-6),
+    ]:
+        acc = {k: [] for k in cost_fits_refit._LIST_TIMINGS}
+        numel_x, numel_g = N * C * H * W, N * O * H * W
+        for dx in (0.1, 0.25, 0.5):
+            nnz_x = int(dx * numel_x)
+            acc["x_work"].append(nnz_x * O)
+            acc["x_t"].append(u * nnz_x * O)
+            acc["dwx_work"].append(nnz_x * O)
+            acc["dwx_t"].append(a * nnz_x * O)
+            acc["both_share"].append(share)
+            for dg in (0.1, 0.25, 0.5):
+                nnz_g = int(dg * numel_g)
+                row = cost_fits_refit._dy_row(nnz_g, numel_g, C, O)
+                acc["dy_rows"].append(row)
+                acc["dy_t"].append(u * (per_nnz * row[0] + fixed * row[1]))
+                acc["dwdy_work"].append(nnz_g * C)
+                acc["dwdy_t"].append(a / ratio * nnz_g * C)
+        per_shape.append(acc)
+    fits = cost_fits_refit._fit_list(per_shape)
+    dx_dy, rel = fits["conv_list.dx.dy"]
+    assert dx_dy["per_nnz"] == pytest.approx(per_nnz, rel=1e-6) and dx_dy["fixed"] == pytest.approx(fixed, rel=1e-6)
+    assert dx_dy["margin_with_dw"] == pytest.approx(dx_dy["margin"] * share) and rel < 1e-6
+    (dw_dy, rel_dw) = fits["conv_list.dw.dy"]
+    assert dw_dy["ratio"] == pytest.approx(ratio) and rel_dw < 1e-6
+    # a C > O row carries the factor sqrt(C / O)
+    assert cost_fits_refit._dy_row(10, 100, 128, 32) == [pytest.approx(2 * 10 * 128), pytest.approx(2 * 100 * 32)]
 
 
 def test_the_union_refit_procedure_runs_on_the_fallbacks(tmp_path):

@@ -1,10 +1,12 @@
 """Refit the conv backward cost models of :mod:`sparsa.adaptive.cost_fits` on this CPU (``sparsa cost --refit``).
 
-Each family of kernels is timed side by side (round robin, the fastest of a few rounds) on one synthetic
-stride-1 3x3 conv with clustered zeros at a few densities of relu(x) and dY, and the coefficients of its
+Each family of kernels is timed side by side (round robin, the fastest of a few rounds) on synthetic
+stride-1 3x3 convs with clustered zeros at a few densities of relu(x) and dY, and the coefficients of its
 models are fitted by least squares and stored in the cost table, unless the timings fit too poorly (a busy
-machine): such a model keeps its coefficients and is reported as skipped. The size-class terms
-(``big_weight``, ``small_c``) are not varied by the measurement and keep their defaults. Only kernels this
+machine): such a model keeps its coefficients and is reported as skipped. The list kernels are timed on
+four convs (64 and 128 channels, in = out and in != out both ways) and fitted over all of them at once; the
+union kernels on one, whose size-class terms (``big_weight``, ``small_c``) are not varied and keep their
+defaults. Only kernels this
 CPU runs are timed: the union kernels need AVX-512 and the native build, the list kernels the native build;
 the others are reported as skipped, with the reason.
 
@@ -93,34 +95,41 @@ def _through_origin(xs: List[float], ys: List[float]) -> Tuple[float, float]:
     return k, rel
 
 
-def _inputs(shape, densities, gen):
-    """Per density, relu(x) (channels-last, >= 0) and dY (channels-last, signed) with clustered zeros."""
+def _inputs(shape, densities, gen, O=None):
+    """Per density, relu(x) (channels-last, >= 0) and dY (channels-last, signed, ``O`` channels; default C)
+    with clustered zeros."""
     N, C, H, W = shape
+    O = C if O is None else O
     xs = {
         d: (torch.randn(*shape, generator=gen).abs() * _clustered(shape, d, gen)).contiguous(memory_format=CL)
         for d in densities
     }
     gys = {
-        d: (torch.randn(N, C, H, W, generator=gen) * _clustered((N, C, H, W), d, gen)).contiguous(memory_format=CL)
+        d: (torch.randn(N, O, H, W, generator=gen) * _clustered((N, O, H, W), d, gen)).contiguous(memory_format=CL)
         for d in densities
     }
     return xs, gys
 
 
-def _refit_list(shape, densities, rounds) -> Dict[str, Fit]:
-    """``conv_list.dx.dy`` and ``conv_list.dw.dy`` from the list kernels (C = O, so no sqrt(C / O) term)."""
+def _dy_row(nnz_dy: int, numel_dy: int, C: int, O: int) -> List[float]:
+    """The regressors of ``conv_list.dx.dy``'s coefficients ``per_nnz`` and ``fixed``, as ``conv._dy_rule``
+    weighs them (its ``sqrt(max(1, C / O))`` factor included)."""
+    f = max(1.0, C / O) ** 0.5
+    return [v * f for v in dy_path_terms(nnz_dy, numel_dy, C, O)]
+
+
+def _time_list(shape, densities, rounds) -> Dict[str, list]:
+    """Time the list kernels on one stride-1 3x3 conv ``(N, C, H, W, O)`` (the lists of :data:`_LIST_TIMINGS`)."""
+    acc: Dict[str, list] = {k: [] for k in _LIST_TIMINGS}
     gen = torch.Generator().manual_seed(0)
-    N, C, H, W = shape
-    O, S = C, DEFAULT_SLICE
+    N, C, H, W, O = shape
+    S = DEFAULT_SLICE
     w = torch.randn(O, C, 3, 3, generator=gen) * 0.05
-    geo = _k.geometry(shape, w.shape, (1, 1), (1, 1), (1, 1), S)
+    geo = _k.geometry((N, C, H, W), w.shape, (1, 1), (1, 1), (1, 1), S)
     _, wc = _k.packed_weight(w)
     wfl = _k.packed_weight_flipped(w)
-    xs, gys = _inputs(shape, densities, gen)
+    xs, gys = _inputs((N, C, H, W), densities, gen, O)
     g_dense = torch.randn(N, H, W, O, generator=gen)
-    x_unit, x_work, both_share = [], [], []  # x path: time and work nnz(x) * O; (both - dW) / dx
-    dy_rows, dy_t = [], []  # dY input gradient: [nnz(dY) C, numel(dY) O], time
-    dwx_work, dwx_t, dwdy_work, dwdy_t = [], [], [], []
     for dx_ in densities:
         x = xs[dx_]
         cnt, idx, val = _k.compact(x, S)
@@ -146,21 +155,47 @@ def _refit_list(shape, densities, rounds) -> Dict[str, Fit]:
             )
         with torch.no_grad():
             t = _fastest_ms(fns, rounds)
-        x_work.append(nnz_x * O)
-        x_unit.append(t["x"])
-        both_share.append((t["both"] - t["dw_x"]) / t["x"])
-        dwx_work.append(nnz_x * O)
-        dwx_t.append(t["dw_x"])
+        acc["x_work"].append(nnz_x * O)
+        acc["x_t"].append(t["x"])
+        acc["both_share"].append((t["both"] - t["dw_x"]) / t["x"])
+        acc["dwx_work"].append(nnz_x * O)
+        acc["dwx_t"].append(t["dw_x"])
         for dg in densities:
-            dy_rows.append(list(dy_path_terms(nnz_g[dg], N * H * W * O, C, O)))
-            dy_t.append(t[f"dy{dg}"])
-            dwdy_work.append(nnz_g[dg] * C)
-            dwdy_t.append(t[f"dwdy{dg}"])
-    u, r_x = _through_origin(x_work, x_unit)  # ms per unit of the x path's work
-    (per_nnz, fixed), r_dy = _lstsq(dy_rows, [ti / u for ti in dy_t])
+            acc["dy_rows"].append(_dy_row(nnz_g[dg], N * H * W * O, C, O))
+            acc["dy_t"].append(t[f"dy{dg}"])
+            acc["dwdy_work"].append(nnz_g[dg] * C)
+            acc["dwdy_t"].append(t[f"dwdy{dg}"])
+    return acc
+
+
+def _refit_list(shapes, densities, rounds) -> Dict[str, Fit]:
+    """``conv_list.dx.dy`` and ``conv_list.dw.dy`` from the list kernels, one least-squares fit over the
+    timings of every shape ``(N, C, H, W, O)``."""
+    return _fit_list([_time_list(shape, densities, rounds) for shape in shapes])
+
+
+#: what :func:`_time_list` collects: work and time of the x path, of the dY input gradient (regressor rows),
+#: of both weight gradients, and the x path's share of the fused dx + dW call
+_LIST_TIMINGS = ("x_work", "x_t", "both_share", "dwx_work", "dwx_t", "dy_rows", "dy_t", "dwdy_work", "dwdy_t")
+
+
+def _fit_list(per_shape: Sequence[Mapping[str, list]]) -> Dict[str, Fit]:
+    """The list models' coefficients from :func:`_time_list`'s timings of one or more shapes. The rules
+    compare the dY path with the x path of the same layer, so each shape's dY times are first divided by
+    its own x-path unit (ms per unit of work), then one line is fitted through all of them."""
+    rows, ys, r_x, g_work, g_t, r_a = [], [], 0.0, [], [], 0.0
+    for acc in per_shape:
+        u, r = _through_origin(acc["x_work"], acc["x_t"])  # ms per unit of the x path's work
+        a, ra = _through_origin(acc["dwx_work"], acc["dwx_t"])  # the same for the x-driven weight gradient
+        r_x, r_a = max(r_x, r), max(r_a, ra)
+        rows += acc["dy_rows"]
+        ys += [t / u for t in acc["dy_t"]]
+        g_work += acc["dwdy_work"]
+        g_t += [t / a for t in acc["dwdy_t"]]
+    (per_nnz, fixed), r_dy = _lstsq(rows, ys)
+    b, r_b = _through_origin(g_work, g_t)  # dY-driven weight gradient in units of the x-driven one
     margin = _fits.COST_FITS["conv_list.dx.dy"].defaults["margin"]  # a safety factor, not measured
-    share = min(1.0, max(0.05, statistics.median(both_share)))
-    (a, r_a), (b, r_b) = _through_origin(dwx_work, dwx_t), _through_origin(dwdy_work, dwdy_t)
+    share = min(1.0, max(0.05, statistics.median([v for acc in per_shape for v in acc["both_share"]])))
     return {
         "conv_list.dx.dy": (
             {
@@ -171,14 +206,16 @@ def _refit_list(shape, densities, rounds) -> Dict[str, Fit]:
             },
             max(r_x, r_dy),
         ),
-        "conv_list.dw.dy": ({"ratio": a / max(1e-30, b)}, max(r_a, r_b)),
+        "conv_list.dw.dy": ({"ratio": 1.0 / max(1e-30, b)}, max(r_a, r_b)),
     }
 
 
-def _refit_union(shape, densities, rounds) -> Dict[str, Fit]:
-    """The ``conv_union.*`` models: each kernel's time over the dense GEMM's, against d_x or d_g."""
+def _refit_union(shapes, densities, rounds) -> Dict[str, Fit]:
+    """The ``conv_union.*`` models: each kernel's time over the dense GEMM's, against d_x or d_g, on the
+    first shape (C = O; the size-class terms are not fitted)."""
     gen = torch.Generator().manual_seed(0)
-    N, C, H, W = shape
+    N, C, H, W, _ = shapes[0]
+    shape = (N, C, H, W)
     O = C
     native = _u.union_native()
     w = torch.randn(O, C, 3, 3, generator=gen) * 0.05
@@ -251,16 +288,26 @@ def _refit_union(shape, densities, rounds) -> Dict[str, Fit]:
     return out
 
 
-_FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Fit]], Tuple[int, int, int, int]]] = {
-    "list": (_refit_list, (16, 64, 32, 32)),
-    "union": (_refit_union, (16, 128, 16, 16)),
+Shape = Tuple[int, int, int, int, int]  # (N, C, H, W, O) of a stride-1 3x3 conv
+#: each family's timer and the convs it is timed on: for the list kernels channels in = out at two
+#: sizes, and in != out both ways (the models' C / O terms)
+_FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Fit]], Tuple[Shape, ...]]] = {
+    "list": (_refit_list, ((16, 64, 32, 32, 64), (16, 128, 16, 16, 128), (16, 64, 16, 16, 128), (16, 128, 16, 16, 64))),
+    "union": (_refit_union, ((16, 128, 16, 16, 128),)),
 }
+
+
+def _shape5(shape: Sequence[int]) -> Shape:
+    """``(N, C, H, W)`` (C = O) or ``(N, C, H, W, O)`` as the latter."""
+    if len(shape) not in (4, 5) or not all(isinstance(v, int) and v > 0 for v in shape):
+        raise ValueError(f"refit: shape must be (N, C, H, W) or (N, C, H, W, O) positive ints, got {tuple(shape)}")
+    return tuple(shape) if len(shape) == 5 else (*shape, shape[1])  # type: ignore[return-value]
 
 
 def refit(
     cost_model: Optional[CostModel] = None,
     names: Optional[Sequence[str]] = None,
-    shape: Optional[Tuple[int, int, int, int]] = None,
+    shape: Optional[Sequence[int]] = None,
     densities: Sequence[float] = DENSITIES,
     rounds: int = 5,
     force: Sequence[str] = (),
@@ -268,7 +315,7 @@ def refit(
 ) -> Tuple[Dict[str, Mapping[str, float]], Dict[str, str]]:
     """Time the kernels of the cost models ``names`` (default: all) this CPU runs, fit and store their
     coefficients; returns ``(fitted, skipped)``: the coefficients by name, and why each other name was not
-    timed. ``shape`` ``(N, C, H, W)`` (C = O) replaces each family's representative conv; ``force`` names
+    timed. ``shape`` ``(N, C, H, W)`` (C = O) or ``(N, C, H, W, O)`` replaces each family's convs; ``force`` names
     families ("union", "list") to time even where the native kernels are missing (their PyTorch fallbacks
     then run: for tests of the procedure, not figures to keep). A model whose timings fit its line worse than
     ``max_residual`` (RMS residual over the mean) is not stored: it is skipped as too unsteady."""
@@ -288,9 +335,9 @@ def refit(
         if why is not None:
             skipped.update({n: why for n in mine})
             continue
-        shp = tuple(shape) if shape is not None else default_shape
+        shapes = (_shape5(shape),) if shape is not None else default_shape
         threads = torch.get_num_threads()
-        for n, (c, rel) in run(shp, tuple(sorted(densities)), rounds).items():
+        for n, (c, rel) in run(shapes, tuple(sorted(densities)), rounds).items():
             if n not in mine:
                 continue
             if rel > max_residual:
@@ -302,7 +349,7 @@ def refit(
             params = {k: round(v, 4) for k, v in c.items()}
             cm.set_fit(
                 _fits.PREFIX + n,
-                {**params, "residual": round(rel, 4), "shape": list(shp), "threads": threads},
+                {**params, "residual": round(rel, 4), "shapes": [list(x) for x in shapes], "threads": threads},
                 save=False,
             )
             fitted[n] = _fits.coefficients(n, cm)
