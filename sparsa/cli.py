@@ -266,7 +266,7 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         from .ops import crossover_refit
 
         for name, d in crossover_refit.refit(cm).items():
-            print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.CROSSOVERS[name].default:g})")
+            print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.builtin_default(name):g})")
         fitted, skipped = cost_fits_refit.refit(cm)
         for name, c in fitted.items():
             print(f"cost fit {name}: {_coeffs(c)} (default {_coeffs(cost_fits.COST_FITS[name].defaults)})")
@@ -290,13 +290,20 @@ def _cmd_cost(a: argparse.Namespace) -> int:
     print("named crossovers and cost models (`sparsa cost --refit` measures them on this CPU):")
     for name, c in crossovers.CROSSOVERS.items():
         measured = cm.fit(crossovers.PREFIX + name) is not None
-        print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({'refitted' if measured else 'default'})")
+        src = "refitted" if measured else "measured on this CPU class" if _class_default(c) else "default"
+        print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({src})")
     for name in cost_fits.COST_FITS:
         measured = cost_fits.stored(name, cm) is not None
         print(
             f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} ({'refitted' if measured else 'default'})"
         )
     return 0
+
+
+def _class_default(c) -> bool:
+    from .cpu import cpu_class
+
+    return cpu_class() in c.by_class
 
 
 def _coeffs(c) -> str:

@@ -18,7 +18,15 @@ def table(tmp_path, monkeypatch):
     return cost_model.default_cost_model()
 
 
-def test_defaults_until_refitted(table):
+def test_defaults_until_refitted(table, monkeypatch):
+    for name, c in crossovers.CROSSOVERS.items():
+        assert crossovers.crossover(name) == crossovers.builtin_default(name)
+    # the figure measured on this CPU class where there is one, else the default
+    monkeypatch.setattr(crossovers, "_CPU_CLASS", ["amd-avx2"])
+    assert (
+        crossovers.crossover("row_group.backward") == crossovers.CROSSOVERS["row_group.backward"].by_class["amd-avx2"]
+    )
+    monkeypatch.setattr(crossovers, "_CPU_CLASS", ["some-other-cpu"])
     for name, c in crossovers.CROSSOVERS.items():
         assert crossovers.crossover(name) == c.default
     table.set_fit(crossovers.PREFIX + "row_group.backward", {"max_density": 0.4})

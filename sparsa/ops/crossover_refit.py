@@ -1,9 +1,9 @@
 """Measure the density crossovers of :mod:`sparsa.ops.crossovers` on this CPU (``sparsa cost --refit``).
 
 Each crossover's sparse and dense sides are timed side by side (round robin, median) at a few densities
-on each of its representative shapes (``Crossover.shapes``; one weight shape for the weight-sparse
-backward crossovers). A shape's crossover is the highest density at which the sparse side wins; the
-stored crossover is the median over the shapes, each shape's figures kept beside it.
+on each of its representative shapes (``Crossover.shapes``). A shape's crossover is the highest density
+at which the sparse side wins; the stored crossover is the median over the shapes, each shape's figures
+kept beside it.
 
 Example::
 
@@ -115,7 +115,7 @@ _CASES: Dict[str, Callable[..., Case]] = {
     "relu_compact.conv2d": _relu_conv2d_case,
 }
 
-#: the weight shape (out_features, in_features) and token count of the weight-sparse backward crossovers
+#: the size (out_features, in_features) and token count an explicit ``shape`` / ``tokens`` completes
 WEIGHT_SHAPE, WEIGHT_TOKENS = (768, 768), 512
 
 

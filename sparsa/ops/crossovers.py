@@ -2,7 +2,8 @@
 
 Below its crossover density a sparse kernel (a weight-sparse backward, or the activation-sparse ops of
 the ``relu_compact`` layout) computes a product faster than the dense path; above it, the dense path wins.
-Each crossover has a default, used until
+Each crossover has a default, the one measured on this CPU class if one was (``Crossover.by_class``,
+keyed by :func:`sparsa.cpu.cpu_class`), used until
 ``sparsa cost --refit`` (or :func:`refit`) times both sides on this CPU and stores the measured
 crossover in the cost table (:mod:`sparsa.cost_model`, a fitted model under ``crossover|<name>``;
 the measurement is in :mod:`sparsa.ops.crossover_refit`). ``sparsa cost --clear`` forgets it again.
@@ -18,12 +19,13 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
 
+from .. import cpu
 from ..cost_model import CostModel, default_cost_model
 
-__all__ = ["Crossover", "CROSSOVERS", "crossover", "PREFIX"]
+__all__ = ["Crossover", "CROSSOVERS", "crossover", "builtin_default", "PREFIX"]
 
 PREFIX = "crossover|"
 
@@ -39,17 +41,33 @@ class Crossover:
     decides: str
     densities: Tuple[float, ...] = ()
     shapes: Tuple[Tuple[int, ...], ...] = ()
+    #: the crossover ``sparsa cost --refit`` measured on a CPU class (2 threads), which replaces
+    #: ``default`` there until this machine is refitted
+    by_class: Mapping[str, float] = field(default_factory=dict)
 
+
+#: (out_features, in_features, tokens) of the weight-sparse backward crossovers: a BERT-base attention
+#: projection and both MLP projections
+_WEIGHT_SHAPES = ((768, 768, 512), (3072, 768, 512), (768, 3072, 512))
 
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
-        0.15, "row_group grad_input and grad_weight: gather + batched matmul kernels against BLAS on the dense weight"
+        0.15,
+        "row_group grad_input and grad_weight: gather + batched matmul kernels against BLAS on the dense weight",
+        shapes=_WEIGHT_SHAPES,
+        by_class={"amd-avx2": 0.0625},
     ),
     "sliced_ell.grad_input": Crossover(
-        0.10, "sliced_ell grad_input: the forward kernel on the transposed pattern against grad_y @ dense weight"
+        0.10,
+        "sliced_ell grad_input: the forward kernel on the transposed pattern against grad_y @ dense weight",
+        shapes=_WEIGHT_SHAPES,
+        by_class={"amd-avx2": 0.0},  # slower than dense at every density timed (0.0625 up)
     ),
     "grouped_nm.grad_weight": Crossover(
-        0.15, "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking"
+        0.15,
+        "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking",
+        shapes=_WEIGHT_SHAPES,
+        by_class={"amd-avx2": 0.125},
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
@@ -59,6 +77,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.1, 0.2, 0.3, 0.4, 0.5),
         # (tokens, in_features, out_features): attention-sized and both MLP projections
         ((512, 768, 768), (512, 768, 3072), (512, 3072, 768)),
+        {"amd-avx2": 0.2},
     ),
     "relu_compact.conv2d": Crossover(
         0.55,
@@ -67,6 +86,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.3, 0.4, 0.5, 0.6, 0.7),
         # (batch, channels in = out, height = width) of 3x3 convs: the stages of a CIFAR ResNet/VGG
         ((8, 64, 32), (8, 128, 16), (8, 256, 8)),
+        {"amd-avx2": 0.6},
     ),
 }
 
@@ -78,8 +98,20 @@ def _check_name(name: str) -> Crossover:
     return c
 
 
-def crossover(name: str, cost_model: Optional[CostModel] = None) -> float:
-    """The density at or below which the sparse side of ``name`` runs: measured if refitted, else the default."""
+_CPU_CLASS: list = []  # this machine's cpu_class(), read once
+
+
+def builtin_default(name: str) -> float:
+    """The crossover ``name`` uses before a refit: the one measured on this CPU class, else ``default``."""
     c = _check_name(name)
+    if not _CPU_CLASS:
+        _CPU_CLASS.append(cpu.cpu_class())
+    return float(c.by_class.get(_CPU_CLASS[0], c.default))
+
+
+def crossover(name: str, cost_model: Optional[CostModel] = None) -> float:
+    """The density at or below which the sparse side of ``name`` runs: measured here if refitted, else
+    :func:`builtin_default`."""
+    _check_name(name)
     fit = (cost_model if cost_model is not None else default_cost_model()).fit(PREFIX + name)
-    return float(fit["max_density"]) if fit is not None else c.default
+    return float(fit["max_density"]) if fit is not None else builtin_default(name)
