@@ -671,6 +671,7 @@ def llm_quality_section(d: Dict[str, Any]) -> str:
 RECOVER_COLS = [
     "pattern",
     "sparsity",
+    "init_sparsity",
     "budget_s",
     "lr",
     "dropout",
@@ -687,7 +688,8 @@ def recover_section(d: Dict[str, Any]) -> str:
     """One row per run of ``benchmarks/recover.py`` (they append), oldest first."""
     rows = [dict(r, dropout=r.get("dropout", 0.1)) for r in d.get("rows", [])]  # runs before the flag: 0.1
     head = (
-        f"{d.get('model', 'MiniLM')}, every block Linear pruned; SparseGPT one-shot at the target, then "
+        f"{d.get('model', 'MiniLM')}, every block Linear pruned; SparseGPT one-shot at the target (or at "
+        "`init_sparsity`, then pruned gradually to the target while distilling), then "
         "`sparsa.recover` for `budget_s` (calibration included). Cosine: dense against pruned sentence "
         "embeddings on held-out stdlib docstrings (`recovered_cosine`) and README prose "
         "(`recovered_cosine_readme`, a domain never distilled on).\n\n"
