@@ -288,9 +288,15 @@ def _cmd_cost(a: argparse.Namespace) -> int:
             )
         )
     print("named crossovers and cost models (`sparsa cost --refit` measures them on this CPU):")
-    for name, c in crossovers.CROSSOVERS.items():
+    for name in crossovers.CROSSOVERS:
         measured = cm.fit(crossovers.PREFIX + name) is not None
-        src = "refitted" if measured else "measured on this CPU class" if _class_default(c) else "default"
+        src = (
+            "refitted"
+            if measured
+            else "measured on this CPU class"
+            if crossovers.measured_on_this_class(name)
+            else "default"
+        )
         print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({src})")
     for name in cost_fits.COST_FITS:
         measured = cost_fits.stored(name, cm) is not None
@@ -298,12 +304,6 @@ def _cmd_cost(a: argparse.Namespace) -> int:
             f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} ({'refitted' if measured else 'default'})"
         )
     return 0
-
-
-def _class_default(c) -> bool:
-    from .cpu import cpu_class
-
-    return cpu_class() in c.by_class
 
 
 def _coeffs(c) -> str:

@@ -22,11 +22,11 @@ def test_defaults_until_refitted(table, monkeypatch):
     for name, c in crossovers.CROSSOVERS.items():
         assert crossovers.crossover(name) == crossovers.builtin_default(name)
     # the figure measured on this CPU class where there is one, else the default
-    monkeypatch.setattr(crossovers, "_CPU_CLASS", ["amd-avx2"])
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx2")
     assert (
         crossovers.crossover("row_group.backward") == crossovers.CROSSOVERS["row_group.backward"].by_class["amd-avx2"]
     )
-    monkeypatch.setattr(crossovers, "_CPU_CLASS", ["some-other-cpu"])
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "some-other-cpu")
     for name, c in crossovers.CROSSOVERS.items():
         assert crossovers.crossover(name) == c.default
     table.set_fit(crossovers.PREFIX + "row_group.backward", {"max_density": 0.4})

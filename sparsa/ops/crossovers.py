@@ -19,13 +19,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
 from .. import cpu
 from ..cost_model import CostModel, default_cost_model
 
-__all__ = ["Crossover", "CROSSOVERS", "crossover", "builtin_default", "PREFIX"]
+__all__ = ["Crossover", "CROSSOVERS", "crossover", "builtin_default", "measured_on_this_class", "PREFIX"]
 
 PREFIX = "crossover|"
 
@@ -98,15 +99,20 @@ def _check_name(name: str) -> Crossover:
     return c
 
 
-_CPU_CLASS: list = []  # this machine's cpu_class(), read once
+@functools.lru_cache(maxsize=1)
+def _this_class() -> str:
+    return cpu.cpu_class()
+
+
+def measured_on_this_class(name: str) -> bool:
+    """Whether ``name`` has a figure measured on this CPU class (``Crossover.by_class``)."""
+    return _this_class() in _check_name(name).by_class
 
 
 def builtin_default(name: str) -> float:
     """The crossover ``name`` uses before a refit: the one measured on this CPU class, else ``default``."""
     c = _check_name(name)
-    if not _CPU_CLASS:
-        _CPU_CLASS.append(cpu.cpu_class())
-    return float(c.by_class.get(_CPU_CLASS[0], c.default))
+    return float(c.by_class.get(_this_class(), c.default))
 
 
 def crossover(name: str, cost_model: Optional[CostModel] = None) -> float:
