@@ -70,7 +70,7 @@ from sparsa.frontier import (  # noqa: E402
     pattern_config,
     prune_copy,
 )
-from sparsa.prune_recovery import encoder_outputs  # noqa: E402
+from sparsa.prune_recovery import encoder_outputs, recovery_start  # noqa: E402
 
 try:  # recovery comes from sparsa.methods.recover; without it the recovered rows are skipped
     from sparsa.methods.recover import recover
@@ -169,14 +169,16 @@ def recovered_copy(
     distill_batches: Sequence[Any],
     budget: float,
 ) -> Tuple[nn.Module, Dict[str, Any]]:
-    """A copy of ``dense`` pruned to ``cfg`` by :func:`sparsa.recover` (one-shot ``method`` start, then
-    gradual pruning + distillation from ``dense`` for ``budget`` seconds) and a few facts of the run."""
+    """A copy of ``dense`` pruned to ``cfg`` by :func:`sparsa.recover` (one-shot ``method`` start at
+    :func:`~sparsa.prune_recovery.recovery_start`, then gradual pruning + distillation from ``dense``
+    for ``budget`` seconds) and a few facts of the run."""
     if recover is None:
         raise RuntimeError(RECOVER_MISSING)
     from sparsa.frontier import _linear_names
 
     model = copy.deepcopy(dense)
     model.embeddings.requires_grad_(False)
+    start = recovery_start(cfg.recover_pattern, cfg.sparsity, budget)
     rep = recover(
         model,
         dense,
@@ -189,11 +191,13 @@ def recovered_copy(
         forward=encoder_outputs,
         lr=RECOVER_LR,
         init=method,
+        init_sparsity=start,
         calibration=list(calibration),
         progress=False,
     )
     model.eval()
     info = {
+        "recover_start": start,
         "recover_s": round(float(rep.seconds), 1),
         "recover_steps": rep.steps,
         "recover_loss": [round(rep.losses[0], 4), round(rep.losses[-1], 4)] if rep.losses else None,

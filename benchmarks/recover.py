@@ -47,6 +47,20 @@ def _out_path(arg: str | None) -> Path:
     return results_dir() / "recover.json"
 
 
+def _noisy_copy(batch: Dict[str, torch.Tensor], fraction: float, tok, seed: int) -> Dict[str, torch.Tensor]:
+    """``batch`` with ``fraction`` of its real tokens (not [CLS]/[SEP]/padding) replaced by tokens drawn
+    uniformly from the vocabulary's word pieces (TinyBERT-style augmentation, without its word model)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = batch["input_ids"].clone()
+    special = torch.tensor(sorted(tok.all_special_ids))
+    real = batch["attention_mask"].bool() & ~torch.isin(ids, special)
+    pick = real & (torch.rand(ids.shape, generator=g) < fraction)
+    # word pieces start after the [unused]/single-character block of the BERT vocabulary
+    first = tok.convert_tokens_to_ids("the")
+    ids[pick] = torch.randint(first, tok.vocab_size, (int(pick.sum()),), generator=g)
+    return {**batch, "input_ids": ids}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pattern", default="unstructured")
@@ -89,8 +103,18 @@ def main() -> None:
         default=1024,
         help="MiB of the teacher's outputs kept across epochs (0: recompute every step)",
     )
+    ap.add_argument(
+        "--augment",
+        type=float,
+        default=0.0,
+        help="add one copy of every distillation batch with this fraction of its real tokens replaced by "
+        "random vocabulary words (default 0: none), so the student matches the teacher off the docstrings' "
+        "distribution as well",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
+    if not 0.0 <= args.augment < 1.0:
+        ap.error(f"--augment {args.augment}: give a fraction in [0, 1)")
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     from sparsa.data.text import (
@@ -113,6 +137,8 @@ def main() -> None:
     distil += prose if args.n_prose < 0 else prose[: args.n_prose]
     by_len = sorted(distil, key=len)
     batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, len(by_len), 16)]
+    if args.augment:
+        batches += [_noisy_copy(b, args.augment, tok, seed) for seed, b in enumerate(batches)]
     perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()
     batches = [batches[i] for i in perm]
     # held-out text of the distillation domain (docstrings) and of another one (README prose)
@@ -140,6 +166,7 @@ def main() -> None:
         "n_prose": args.n_prose,
         "n_distil": len(distil),
         "teacher_cache_mb": args.teacher_cache_mb,
+        "augment": args.augment,
         "threads": torch.get_num_threads(),
     }
     sp, layout = pattern_sparsifier(args.pattern, args.sparsity, args.layout)

@@ -676,6 +676,7 @@ RECOVER_COLS = [
     "lr",
     "dropout",
     "n_distil",
+    "augment",
     "steps",
     "one_shot_sparsegpt_cosine",
     "one_shot_sparsegpt_cosine_readme",
@@ -692,7 +693,8 @@ def recover_section(d: Dict[str, Any]) -> str:
         "`init_sparsity`, then pruned gradually to the target while distilling), then "
         "`sparsa.recover` for `budget_s` (calibration included). Cosine: dense against pruned sentence "
         "embeddings on held-out stdlib docstrings (`recovered_cosine`) and README prose "
-        "(`recovered_cosine_readme`, a domain never distilled on).\n\n"
+        "(`recovered_cosine_readme`, a domain never distilled on). augment: the fraction of tokens "
+        "replaced by random word pieces in an added noisy copy of every distillation batch.\n\n"
     )
     return head + _md(rows, RECOVER_COLS, {"lr": "g"})
 

@@ -339,7 +339,9 @@ def prune_model_dir(
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
     dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
-    ``data`` or the built-in text). ``out`` is complete or untouched: see :func:`_write_out`.
+    ``data`` or the built-in text); with enough seconds the one-shot pruning stops at
+    :func:`~sparsa.prune_recovery.recovery_start` and the recovery prunes gradually on to
+    ``sparsity``. ``out`` is complete or untouched: see :func:`_write_out`.
     """
     from . import Rule, sparsify, sparsity_report
     from .methods import SparseGPT, Wanda
@@ -367,6 +369,14 @@ def prune_model_dir(
             "weights are pruned; GPT-2 style Conv1D layers are not)"
         )
     teacher = copy.deepcopy(model) if recover_seconds else None
+    start = sparsity
+    if recover_seconds:
+        from .prune_recovery import recovery_start
+
+        # a gradual recovery: one-shot to the start, then recover_pruned prunes on to the target
+        start = recovery_start(pattern, sparsity, recover_seconds)
+        if start != sparsity:
+            sparsifier = check_pattern_layout(pattern, start, layout)
     tok = None
     if recover_seconds or method != "magnitude":
         cal = _calibration(srcp, calib, causal, data)
@@ -383,16 +393,18 @@ def prune_model_dir(
         fwd = (lambda m, b: m.base_model(**b, use_cache=False)) if causal else (lambda m, b: m(**b))
         wanted = set(names)
         config = (
-            Wanda(sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd)
+            Wanda(start, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd)
             if method == "wanda"
             else SparseGPT(
-                sparsity, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd, progress=progress
+                start, sparsifier=sparsifier, layout=layout, calibration=batches, forward=fwd, progress=progress
             )
         )
         sparsify(model, config, lambda m, n: n in wanted)
     if recover_seconds:
         from .prune_recovery import recover_pruned
 
+        if progress and start != sparsity:
+            print(f"recovering: pruned to {start:.0%}, then gradually to {sparsity:.0%} while distilling", flush=True)
         rep = recover_pruned(
             model,
             teacher,
@@ -569,8 +581,9 @@ def search_target_quality(
     passages) and evaluation text; default the built-in offline sentences (disjoint samples).
 
     ``recover_seconds`` > 0: then up to ``recover_candidates`` of the configurations that failed but
-    are faster than the one-shot winner (those closest to the target first) are pruned again and
-    distilled towards the dense model for ``recover_seconds`` each (:func:`sparsa.prune_recovery.
+    are faster than the one-shot winner (those closest to the target first) are pruned again (to
+    :func:`sparsa.prune_recovery.recovery_start`) and distilled towards the dense model for
+    ``recover_seconds`` each (:func:`sparsa.prune_recovery.
     recover_pruned`, on every text but the held-out ones), re-scored and re-timed; one that passes
     and is faster wins. The search then takes up to ``recover_candidates * recover_seconds`` more.
 
@@ -681,7 +694,7 @@ def search_target_quality(
         else:
             frontier.highest_passing(grid, lambda s, p=p: evaluate(p, s))
     if recover_seconds > 0:
-        from .prune_recovery import recover_pruned
+        from .prune_recovery import recover_pruned, recovery_start
 
         floor = best["row"]["speedup_vs_best_dense"] if best["row"] is not None else 0.0
         near_misses = sorted(
@@ -690,8 +703,12 @@ def search_target_quality(
         )[:recover_candidates]
         for miss in near_misses:
             cfg = frontier.pattern_config(miss["pattern"], miss["sparsity"])
-            say(f"  recovering {cfg.label} at {cfg.sparsity:.0%} for {recover_seconds:g} s ...")
-            model = frontier.prune_copy(dense, method, cfg, calibration, names)
+            start = recovery_start(miss["pattern"], cfg.sparsity, float(recover_seconds))
+            gradual = f" (from {start:.0%}, pruned gradually)" if start != cfg.sparsity else ""
+            say(f"  recovering {cfg.label} at {cfg.sparsity:.0%} for {recover_seconds:g} s{gradual} ...")
+            model = frontier.prune_copy(
+                dense, method, frontier.pattern_config(miss["pattern"], start), calibration, names
+            )
             rep = recover_pruned(
                 model,
                 dense,
@@ -708,7 +725,7 @@ def search_target_quality(
             )
             model.eval()
             row = {k: miss[k] for k in ("pattern", "label", "layout", "sparsity")}
-            row.update(recovered=True, recover_s=round(rep.seconds, 1), recover_steps=rep.steps)
+            row.update(recovered=True, recover_s=round(rep.seconds, 1), recover_steps=rep.steps, recover_start=start)
             row["one_shot_cosine"] = miss["quality_cosine"]
             row.update(frontier.embedding_quality(model, tok, held, ref))
             row.update(baselines.speedup(model))

@@ -8,6 +8,10 @@ What is matched depends on the model:
 - causal LMs: the next-token distributions (:func:`~sparsa.methods.logit_distillation_loss`),
   batches of 4 texts.
 
+Above :data:`GRADUAL_START` sparsity and given at least :data:`GRADUAL_MIN_SECONDS`, the one-shot
+start prunes only to :data:`GRADUAL_START` and recovery prunes gradually on to the target while it
+distils (:func:`recovery_start`): at the same budget that kept more than starting at the target.
+
 The text is the user's ``--data`` (every line) or, by default, the built-in offline docstring
 sentences (:func:`~sparsa.data.text.stdlib_sentences` and
 :func:`~sparsa.data.text.extra_stdlib_sentences`). The input embeddings (and a head tied to them)
@@ -26,12 +30,25 @@ from torch import Tensor, nn
 from .methods.distill import distillation_loss, logit_distillation_loss
 from .methods.recover import RecoverReport, _fixed_sparsity, pattern_sparsifier, recover
 
-__all__ = ["RECOVER_LR", "recover_pruned", "distillation_texts", "encoder_outputs"]
+__all__ = [
+    "RECOVER_LR",
+    "GRADUAL_START",
+    "GRADUAL_MIN_SECONDS",
+    "recovery_start",
+    "recover_pruned",
+    "distillation_texts",
+    "encoder_outputs",
+]
 
 #: AdamW learning rate per model kind: encoders (MiniLM, ``benchmarks/recover.py``) and causal LMs
 #: (SmolLM2-135M, ``benchmarks/llm_quality.py``)
 RECOVER_LR = {"encoder": 1e-3, "causal_lm": 1e-4}
 _BATCH = {"encoder": 16, "causal_lm": 4}
+#: the sparsity a gradual recovery's one-shot start prunes to (``benchmarks/recover.py --init-sparsity``)
+GRADUAL_START = 0.5
+#: the shortest recovery budget (seconds) at which the gradual start was measured to pay; shorter
+#: recoveries start at the target, since pruning the rest gradually leaves too little time to distil
+GRADUAL_MIN_SECONDS = 300.0
 _MAX_TOKENS = 128
 
 
@@ -42,6 +59,23 @@ def distillation_texts(data: Optional[Union[str, os.PathLike]]) -> List[str]:
     if data is not None:
         return read_user_texts(data, sys.maxsize)
     return stdlib_sentences() + extra_stdlib_sentences()
+
+
+def recovery_start(pattern: str, sparsity: float, seconds: float) -> float:
+    """The sparsity to prune to one-shot before a recovery of ``seconds`` towards ``sparsity`` in
+    ``pattern``: :data:`GRADUAL_START` for a pattern whose sparsity is free (unstructured, row groups)
+    when ``sparsity`` is above it and ``seconds >= GRADUAL_MIN_SECONDS``; else ``sparsity`` itself
+    (N:M patterns have one fixed sparsity).
+
+    >>> [recovery_start(p, s, 1200) for p, s in [("unstructured", 0.9), ("row_group16", 0.4), ("2:4", 0.5)]]
+    [0.5, 0.4, 0.5]
+    >>> recovery_start("unstructured", 0.9, 60)
+    0.9
+    """
+    sp, _ = pattern_sparsifier(pattern, sparsity)
+    if _fixed_sparsity(sp) is not None or seconds < GRADUAL_MIN_SECONDS:
+        return sparsity
+    return min(sparsity, GRADUAL_START)
 
 
 def _batches(tok: Any, texts: Sequence[str], size: int, causal: bool) -> List[Dict[str, Tensor]]:
@@ -85,8 +119,9 @@ def recover_pruned(
     exclude: Sequence[str] = (),
     progress: bool = True,
 ) -> RecoverReport:
-    """Distil ``model`` (pruned in place to ``pattern`` at ``sparsity``, stored in ``layout``) towards
-    ``teacher`` (the dense model) for ``seconds``; the weights end in ``layout`` at the same pattern.
+    """Distil ``model`` (pruned in place to ``pattern``, stored in ``layout``) towards ``teacher`` (the
+    dense model) for ``seconds``; the weights end in ``layout`` at ``sparsity`` in ``pattern``. A model
+    pruned below ``sparsity`` (to :func:`recovery_start`) is pruned gradually on to it while it distils.
     ``exclude``: texts never distilled on (the held-out evaluation text of a search)."""
     kind = "causal_lm" if causal else "encoder"
     held = set(exclude)

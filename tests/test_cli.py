@@ -267,6 +267,45 @@ def test_prune_with_recovery_moves_towards_the_dense_model(sensitive_model_dir, 
     assert recovered.embeddings.word_embeddings.weight.equal(dense.embeddings.word_embeddings.weight)
 
 
+@pytest.mark.parametrize("seconds, start", [(1.0, 0.75), (3.0, 0.5)])
+def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, monkeypatch, seconds, start):
+    """From GRADUAL_MIN_SECONDS on, the one-shot pruning stops at GRADUAL_START and the recovery
+    prunes on to the target; a shorter recovery starts at the target. Either way the output holds
+    exactly the target pattern."""
+    import sparsa.prune_recovery as pr
+    from sparsa.data.text import stdlib_sentences
+    from sparsa.prune import load_pruned, prune_model_dir
+
+    monkeypatch.setattr(pr, "GRADUAL_MIN_SECONDS", 2.0)
+    real, seen = pr.recover_pruned, []
+
+    def spy(model, *args, **kw):
+        seen.append(1.0 - model.encoder.layer[1].intermediate.dense.weight.sparse_layout.mask().float().mean().item())
+        return real(model, *args, **kw)
+
+    monkeypatch.setattr(pr, "recover_pruned", spy)
+    data = tmp_path / "mine.txt"
+    data.write_text("\n".join(stdlib_sentences()[:64]), encoding="utf-8")
+    out = tmp_path / "o"
+    prune_model_dir(
+        str(sensitive_model_dir), str(out), sparsity=0.75, recover_seconds=seconds, data=str(data), progress=False
+    )
+    assert seen == [pytest.approx(start)]
+    w = load_pruned(str(out)).encoder.layer[1].intermediate.dense.weight
+    assert w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
+
+
+def test_the_recover_help_states_the_gradual_constants():
+    from sparsa.prune_recovery import GRADUAL_MIN_SECONDS, GRADUAL_START
+
+    r = cli_main(["prune", "--help"])
+    text = " ".join(r.stdout.split())
+    assert (
+        f"from {GRADUAL_MIN_SECONDS:g} s on" in text
+        and f"above {GRADUAL_START:.0%} are pruned to {GRADUAL_START:.0%}" in text
+    )
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
