@@ -339,7 +339,7 @@ def prune_model_dir(
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
     dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
-    ``data`` or the built-in text); with enough seconds the one-shot pruning stops at
+    ``data`` or the built-in text); for an encoder given enough seconds the one-shot pruning stops at
     :func:`~sparsa.prune_recovery.recovery_start` and the recovery prunes gradually on to
     ``sparsity``. ``out`` is complete or untouched: see :func:`_write_out`.
     """
@@ -370,10 +370,11 @@ def prune_model_dir(
         )
     teacher = copy.deepcopy(model) if recover_seconds else None
     start = sparsity
-    if recover_seconds:
+    if recover_seconds and not causal:
         from .prune_recovery import recovery_start
 
-        # a gradual recovery: one-shot to the start, then recover_pruned prunes on to the target
+        # a gradual recovery (measured on encoders only): one-shot to the start, then recover_pruned
+        # prunes on to the target
         start = recovery_start(pattern, sparsity, recover_seconds)
         if start != sparsity:
             sparsifier = check_pattern_layout(pattern, start, layout)

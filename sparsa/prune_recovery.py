@@ -11,6 +11,7 @@ What is matched depends on the model:
 Above :data:`GRADUAL_START` sparsity and given at least :data:`GRADUAL_MIN_SECONDS`, the one-shot
 start prunes only to :data:`GRADUAL_START` and recovery prunes gradually on to the target while it
 distils (:func:`recovery_start`): at the same budget that kept more than starting at the target.
+``sparsa prune`` does so for encoders, where it was measured (MiniLM); causal LMs start at the target.
 
 The text is the user's ``--data`` (every line) or, by default, the built-in offline docstring
 sentences (:func:`~sparsa.data.text.stdlib_sentences` and

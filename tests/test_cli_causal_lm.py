@@ -336,3 +336,21 @@ def test_bad_inputs_give_one_line(llama_dir, gpt2_dir, bert_like_dir, tmp_path, 
     assert err.count("\n") == 1 and re.match(r"sparsa( generate| prune)?: error: ", err) and needle in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_causal_lm_recovery_starts_at_the_target(llama_dir, tmp_path, monkeypatch):
+    """The gradual start was measured on encoders only: a causal LM's one-shot pruning goes straight
+    to the target however long the recovery."""
+    import sparsa.prune_recovery as pr
+    from sparsa.prune import prune_model_dir
+
+    monkeypatch.setattr(pr, "GRADUAL_MIN_SECONDS", 0.0)
+    real, seen = pr.recover_pruned, []
+
+    def spy(model, *args, **kw):
+        seen.append(min(lin.weight.sparsity for lin in _block_linears(model).values()))
+        return real(model, *args, **kw)
+
+    monkeypatch.setattr(pr, "recover_pruned", spy)
+    prune_model_dir(str(llama_dir), str(tmp_path / "o"), sparsity=0.75, recover_seconds=1.0, progress=False)
+    assert seen == [pytest.approx(0.75, abs=1e-3)]
