@@ -92,6 +92,14 @@ def main() -> None:
         "distillation text (-1: all)",
     )
     ap.add_argument(
+        "--n-general",
+        type=int,
+        default=0,
+        help="sentences of general English written by SmolLM2-135M-Instruct "
+        "(sparsa.data.generated.general_sentences; needs make llm-model; written once, then cached) added to "
+        "the distillation text (default 0: none)",
+    )
+    ap.add_argument(
         "--dropout",
         type=float,
         default=0.0,
@@ -115,6 +123,8 @@ def main() -> None:
     args = ap.parse_args()
     if not 0.0 <= args.augment < 1.0:
         ap.error(f"--augment {args.augment}: give a fraction in [0, 1)")
+    if args.n_general < 0:
+        ap.error(f"--n-general {args.n_general}: give a number of sentences (0: none)")
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     from sparsa.data.text import (
@@ -135,6 +145,10 @@ def main() -> None:
     prose = python_docs_sentences()
     distil = train + (extra if args.n_extra < 0 else extra[: args.n_extra])
     distil += prose if args.n_prose < 0 else prose[: args.n_prose]
+    if args.n_general:
+        from sparsa.data.generated import general_sentences
+
+        distil += general_sentences(args.n_general, progress=True)
     by_len = sorted(distil, key=len)
     batches = [tokenize(tok, by_len[i : i + 16], max_length=48) for i in range(0, len(by_len), 16)]
     if args.augment:
@@ -164,6 +178,7 @@ def main() -> None:
         "dropout": args.dropout,
         "n_train": args.n_train,
         "n_prose": args.n_prose,
+        "n_general": args.n_general,
         "n_distil": len(distil),
         "teacher_cache_mb": args.teacher_cache_mb,
         "augment": args.augment,

@@ -677,6 +677,7 @@ RECOVER_COLS = [
     "dropout",
     "n_distil",
     "augment",
+    "n_general",
     "steps",
     "one_shot_sparsegpt_cosine",
     "one_shot_sparsegpt_cosine_readme",
@@ -694,7 +695,9 @@ def recover_section(d: Dict[str, Any]) -> str:
         "`sparsa.recover` for `budget_s` (calibration included). Cosine: dense against pruned sentence "
         "embeddings on held-out stdlib docstrings (`recovered_cosine`) and README prose "
         "(`recovered_cosine_readme`, a domain never distilled on). augment: the fraction of tokens "
-        "replaced by random word pieces in an added noisy copy of every distillation batch.\n\n"
+        "replaced by random word pieces in an added noisy copy of every distillation batch. n_general: "
+        "sentences of general English written by SmolLM2-135M-Instruct (`sparsa.data.generated`) among "
+        "the `n_distil` distillation sentences.\n\n"
     )
     return head + _md(rows, RECOVER_COLS, {"lr": "g"})
 
