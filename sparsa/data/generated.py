@@ -86,8 +86,9 @@ def text_cache_dir() -> Path:
 
 def smollm2_writer(seed: int = 0, max_new_tokens: int = _MAX_NEW_TOKENS) -> Writer:
     """A writer backed by SmolLM2-135M-Instruct: each prompt in its chat template, sampled at
-    temperature 0.9, top-p 0.95, from a generator seeded with ``seed``. Raises ``FileNotFoundError``
-    naming ``make llm-model`` when the weights are not installed."""
+    temperature 0.9, top-p 0.95. It reseeds torch's global generator with ``seed`` (``generate()``
+    samples from it), so the text is reproducible. Raises ``FileNotFoundError`` naming ``make
+    llm-model`` when the weights are not installed."""
     import torch
 
     from ..models.causal_lm import load_smollm2
