@@ -60,6 +60,9 @@ def test_the_cache_returns_a_prefix_without_writing(tmp_path, monkeypatch):
     calls.clear()
     assert general_sentences(7, batch=4) == first[:7] and not calls  # read from the cache
     assert general_sentences(12, seed=1, batch=4) != first and calls  # another seed writes anew
+    calls.clear()
+    general_sentences(7, batch=2)
+    assert calls  # another batch size pads differently, so it is another text: not read from the cache
 
 
 def test_without_the_model_the_error_names_make_llm_model(monkeypatch, tmp_path):

@@ -76,6 +76,7 @@ PROMPTS = (
 Writer = Callable[[List[str]], List[str]]
 _BATCH = 64
 _MAX_NEW_TOKENS = 96
+_TEMPERATURE, _TOP_P = 0.9, 0.95
 
 
 def text_cache_dir() -> Path:
@@ -110,8 +111,8 @@ def smollm2_writer(seed: int = 0, max_new_tokens: int = _MAX_NEW_TOKENS) -> Writ
                 **enc,
                 max_new_tokens=max_new_tokens,
                 do_sample=True,
-                temperature=0.9,
-                top_p=0.95,
+                temperature=_TEMPERATURE,
+                top_p=_TOP_P,
                 pad_token_id=tok.pad_token_id,
             )
         return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -123,17 +124,18 @@ def _prompts(rng: random.Random, k: int) -> List[str]:
     return [rng.choice(PROMPTS).format(rng.choice(TOPICS)) for _ in range(k)]
 
 
-def _cache_path(seed: int) -> Path:
-    # the cache is keyed by what decides the text: the model's source, the prompts and the sampling
+def _cache_path(seed: int, batch: int) -> Path:
+    # the cache is keyed by what decides the text: the model's source, the prompts, the batching
+    # (padding changes what is sampled) and the sampling
     key = json.dumps(
         {
             "model": "smollm2-135m-instruct",
             "topics": TOPICS,
             "prompts": PROMPTS,
             "seed": seed,
-            "batch": _BATCH,
+            "batch": batch,
             "max_new_tokens": _MAX_NEW_TOKENS,
-            "sampling": [0.9, 0.95],
+            "sampling": [_TEMPERATURE, _TOP_P],
         },
         sort_keys=True,
     )
@@ -161,7 +163,7 @@ def general_sentences(
         raise ValueError(f"n must be a positive number of sentences, got {n!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch <= 0:
         raise ValueError(f"batch must be a positive number of prompts, got {batch!r}")
-    path = _cache_path(seed) if cache and writer is None else None
+    path = _cache_path(seed, batch) if cache and writer is None else None
     if path is not None and path.is_file():
         have = path.read_text(encoding="utf-8").splitlines()
         if len(have) >= n:
