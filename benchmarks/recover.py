@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import sparsa
 import sparsa.cpu
 from sparsa.methods import SparseGPT
-from sparsa.methods.recover import pattern_sparsifier
+from sparsa.methods.recover import PRUNE_BY, pattern_sparsifier
 
 from _results import results_dir
 
@@ -67,6 +67,12 @@ def main() -> None:
     ap.add_argument("--layout", default=None)
     ap.add_argument("--sparsity", type=float, default=0.75)
     ap.add_argument("--budget", type=float, default=180.0, help="seconds of recover() (calibration included)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="exactly this many optimizer steps instead of --budget (a comparison the host's speed cannot skew)",
+    )
     ap.add_argument("--init", default="sparsegpt", choices=["none", "magnitude", "wanda", "sparsegpt"])
     ap.add_argument(
         "--init-sparsity",
@@ -75,6 +81,12 @@ def main() -> None:
         help="sparsity of the one-shot start (default: the target; lower: gradual pruning from there)",
     )
     ap.add_argument("--allocation", default=None, choices=[None, "owl"])
+    ap.add_argument(
+        "--prune-by",
+        default="magnitude",
+        choices=list(PRUNE_BY),
+        help="what the gradual schedule ranks weights by (recover(prune_by=...))",
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--n-train", type=int, default=2048)
     ap.add_argument("--n-eval", type=int, default=256)
@@ -170,10 +182,12 @@ def main() -> None:
         "pattern": args.pattern,
         "layout": args.layout,
         "sparsity": args.sparsity,
-        "budget_s": args.budget,
+        "budget_s": None if args.steps else args.budget,
+        "fixed_steps": args.steps,
         "init": args.init,
         "init_sparsity": args.init_sparsity,
         "allocation": args.allocation,
+        "prune_by": args.prune_by,
         "lr": args.lr,
         "dropout": args.dropout,
         "n_train": args.n_train,
@@ -207,6 +221,7 @@ def main() -> None:
         pattern=args.pattern,
         layout=args.layout,
         time_budget=args.budget,
+        steps=args.steps,
         names=names,
         forward=encoder_outputs,
         lr=args.lr,
@@ -214,6 +229,7 @@ def main() -> None:
         init_sparsity=args.init_sparsity,
         calibration=calib_batches,
         allocation=args.allocation,
+        prune_by=args.prune_by,
         progress=False,
         teacher_cache_bytes=args.teacher_cache_mb << 20,
         dropout=None if args.dropout < 0 else args.dropout,

@@ -12,6 +12,7 @@ Above :data:`GRADUAL_START` sparsity and given at least :data:`GRADUAL_MIN_SECON
 start prunes only to :data:`GRADUAL_START` and recovery prunes gradually on to the target while it
 distils (:func:`recovery_start`): at the same budget that kept more than starting at the target.
 ``sparsa prune`` does so for encoders, where it was measured (MiniLM); causal LMs start at the target.
+The gradual phase ranks weights as :data:`GRADUAL_PRUNE_BY` says for the pattern.
 
 The text is the user's ``--data`` (every line) or, by default, the built-in offline docstring
 sentences (:func:`~sparsa.data.text.stdlib_sentences` and
@@ -35,6 +36,7 @@ __all__ = [
     "RECOVER_LR",
     "GRADUAL_START",
     "GRADUAL_MIN_SECONDS",
+    "GRADUAL_PRUNE_BY",
     "recovery_start",
     "recover_pruned",
     "distillation_texts",
@@ -51,6 +53,9 @@ GRADUAL_START = 0.5
 #: and 1200 s; at 300 s it was a draw); shorter recoveries start at the target, which leaves them all
 #: their time to distil
 GRADUAL_MIN_SECONDS = 600.0
+#: what the gradual phase ranks weights by (``recover(prune_by=...)``), per pattern: Wanda's |W|·||X||
+#: where it was measured to keep more than magnitude (unstructured MiniLM), else magnitude
+GRADUAL_PRUNE_BY = {"unstructured": "wanda"}
 _MAX_TOKENS = 128
 
 
@@ -148,5 +153,6 @@ def recover_pruned(
         forward=_logits if causal else encoder_outputs,
         loss=logit_distillation_loss if causal else distillation_loss,
         lr=RECOVER_LR[kind],
+        prune_by=GRADUAL_PRUNE_BY.get(pattern, "magnitude"),
         progress=progress,
     )

@@ -284,6 +284,13 @@ def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, 
         return real(model, *args, **kw)
 
     monkeypatch.setattr(pr, "recover_pruned", spy)
+    real_recover, ranked_by = pr.recover, []
+
+    def recover_spy(*args, **kw):
+        ranked_by.append(kw["prune_by"])
+        return real_recover(*args, **kw)
+
+    monkeypatch.setattr(pr, "recover", recover_spy)
     data = tmp_path / "mine.txt"
     data.write_text("\n".join(stdlib_sentences()[:64]), encoding="utf-8")
     out = tmp_path / "o"
@@ -291,6 +298,7 @@ def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, 
         str(sensitive_model_dir), str(out), sparsity=0.75, recover_seconds=seconds, data=str(data), progress=False
     )
     assert seen == [pytest.approx(start)]
+    assert ranked_by == [pr.GRADUAL_PRUNE_BY["unstructured"]]
     w = load_pruned(str(out)).encoder.layer[1].intermediate.dense.weight
     assert w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
 

@@ -299,12 +299,42 @@ def test_the_students_dropout_is_off_while_it_distils_and_restored_after():
         (dict(target_sparsity=0.5, steps=0), "steps"),
         (dict(target_sparsity=0.5, teacher_cache_bytes=-1), "teacher_cache_bytes"),
         (dict(target_sparsity=0.5, dropout=1.0), "dropout"),
+        (dict(target_sparsity=0.5, prune_by="movement"), "prune_by"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):
     teacher = _mlp()
     with pytest.raises(ValueError, match=match):
         sparsa.recover(copy.deepcopy(teacher), teacher, _batches(1), progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("prune_by,col0_kept", [("magnitude", False), ("wanda", True)])
+def test_prune_by_wanda_ranks_by_weight_times_input_norm(prune_by, col0_kept):
+    # column 0 has the smallest weights but an input 100x larger than the others
+    teacher = nn.Linear(4, 3, bias=False)
+    with torch.no_grad():
+        teacher.weight.copy_(torch.tensor([[0.1, 1.0, 1.1, 1.2]] * 3))
+    g = torch.Generator().manual_seed(0)
+    # random signs, fixed sizes: the input norms are exactly [100, 1, 1, 1]
+    signs = [torch.randint(0, 2, (8, 4), generator=g) * 2.0 - 1.0 for _ in range(4)]
+    batches = [s * torch.tensor([100.0, 1.0, 1.0, 1.0]) for s in signs]
+    model = copy.deepcopy(teacher)
+    sparsa.recover(
+        model,
+        teacher,
+        batches,
+        target_sparsity=0.25,
+        steps=20,
+        prune_by=prune_by,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0),  # the weights stay put: only ranking
+        progress=False,
+    )
+    mask = model.weight.sparse_layout.mask()
+    assert mask.sum(1).tolist() == [3, 3, 3]
+    assert mask[:, 0].all() == col0_kept
+    if col0_kept:
+        assert not mask[:, 1].any()  # the smallest |W| * ||X|| left
+    assert not model._forward_pre_hooks  # the norm collectors are gone
 
 
 def test_teacher_and_data_errors():

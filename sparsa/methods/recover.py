@@ -61,6 +61,8 @@ from .pattern import set_pattern
 __all__ = ["recover", "RecoverReport", "pattern_sparsifier", "INITS", "PRUNE_FRACTION"]
 
 INITS = ("magnitude", "wanda", "sparsegpt")
+#: what the gradual schedule ranks weights by (``recover(prune_by=...)``)
+PRUNE_BY = ("magnitude", "wanda")
 #: the fraction of the budget (time or steps) by which the final sparsity is reached
 PRUNE_FRACTION = 0.7
 _TICKS = 1000  # schedule steps over the pruning window when it runs on the clock
@@ -121,6 +123,53 @@ class _Toward(Sparsifier):
 
     def _repr_args(self):
         return {"base": self.base, "sparsity": self.sparsity}
+
+
+class _InputWeighted(Sparsifier):
+    """``base`` ranking ``|W| * input_norm.read()`` (Wanda's score) instead of ``|W|``: the gradual
+    schedule's sparsifier when ``recover(prune_by="wanda")``."""
+
+    name = "input_weighted"
+
+    def __init__(self, base: Sparsifier, input_norm: "_InputNorm"):
+        self.base, self.input_norm = base, input_norm
+
+    def with_sparsity(self, sparsity: float) -> Sparsifier:
+        return _InputWeighted(self.base.with_sparsity(sparsity), self.input_norm)
+
+    def _mask(self, dense: Tensor) -> Tensor:
+        norm = self.input_norm.read().to(dense.device)
+        # a floor keeps a kept weight of a silent input above the zeros already pruned
+        return self.base.mask(dense.abs() * norm.clamp_min(norm.max().clamp_min(1e-30) * 1e-6))
+
+    def layout_params(self):
+        return self.base.layout_params()
+
+    def _repr_args(self):
+        return {"base": self.base}
+
+
+class _InputNorm:
+    """The root mean square of each input feature of a Linear over the student's forwards since the
+    last :meth:`read` (all ones before the first forward), collected by a forward pre-hook."""
+
+    def __init__(self, module: nn.Module):
+        self.sumsq = torch.zeros(module.in_features, dtype=torch.float64)
+        self.rows = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module: nn.Module, args: Tuple[Any, ...]) -> None:
+        x = args[0].detach()
+        self.sumsq += x.reshape(-1, x.shape[-1]).float().pow(2).sum(0).to(self.sumsq)
+        self.rows += x.numel() // x.shape[-1]
+
+    def read(self) -> Tensor:
+        if not self.rows:
+            return torch.ones(self.sumsq.numel())
+        out = (self.sumsq / self.rows).sqrt().float()
+        self.sumsq.zero_()
+        self.rows = 0
+        return out
 
 
 def _fixed_sparsity(sp: Sparsifier) -> Optional[float]:
@@ -233,6 +282,11 @@ class _Progress:
             self.bar.close()
 
 
+def _remove_hooks(norms: Dict[str, _InputNorm]) -> None:
+    for n in norms.values():
+        n.handle.remove()
+
+
 # ----------------------------------------------------------------------------- one-shot start
 def _one_shot(
     model: nn.Module,
@@ -296,6 +350,7 @@ def recover(
     optimizer: Optional[Callable[[List[nn.Parameter]], torch.optim.Optimizer]] = None,
     teacher_cache_bytes: int = 1 << 30,
     dropout: Optional[float] = 0.0,
+    prune_by: str = "magnitude",
 ) -> RecoverReport:
     """Prune ``model`` in place to ``target_sparsity`` in ``pattern`` while distilling it towards
     ``teacher`` (the dense model, e.g. ``copy.deepcopy(model)`` taken before), for ``time_budget``
@@ -328,6 +383,9 @@ def recover(
         dropout: the probability of every ``nn.Dropout`` of the student while it distils (restored
             afterwards); ``None`` keeps the model's own. Off by default: the student matches a
             deterministic teacher, and dropout noise only slows that.
+        prune_by: what the gradual schedule ranks: ``"magnitude"`` (``|W|``) or ``"wanda"``
+            (``|W| * ||X||``, ``||X||`` the root mean square of each input feature over the student's
+            forwards since the last pruning event).
 
     The budget covers calibration, the one-shot start and training (a step starts only if, at the mean
     step time so far, it ends within the budget); the student trains in train
@@ -370,6 +428,8 @@ def recover(
         raise ValueError(
             f"teacher_cache_bytes must be a non-negative int (0 turns the cache off), got {teacher_cache_bytes!r}"
         )
+    if prune_by not in PRUNE_BY:
+        raise ValueError(f"prune_by must be one of {PRUNE_BY}, got {prune_by!r}")
     if init is not None and init not in INITS:
         raise ValueError(f"init must be None or one of {INITS}, got {init!r}")
     if isinstance(batches, (Tensor, Mapping)) or not hasattr(batches, "__iter__"):
@@ -440,13 +500,20 @@ def recover(
     clock = steps is None
     end_step = _TICKS if clock else max(1, round(PRUNE_FRACTION * steps))
     every = max(1, end_step // _EVENTS)
+    growing = [n for n in names if targets[n] > start[n]]
+    norms = {n: _InputNorm(model.get_submodule(n)) for n in growing} if prune_by == "wanda" else {}
+
+    def ranked(n: str) -> Sparsifier:
+        sp = sp_at(n, targets[n])
+        return _InputWeighted(sp, norms[n]) if n in norms else sp
+
     pruners = [
         GradualPruning(
             [model.get_submodule(n).weight],
             CubicSchedule(start[n], targets[n], start_step=0, end_step=end_step, every=every)
             if targets[n] > start[n]
             else ConstantSparsity(targets[n]),
-            sp_at(n, targets[n]),
+            ranked(n),
         )
         for n in names
     ]
@@ -497,6 +564,7 @@ def recover(
                         p.schedule.every = every
             if final_step < 0 and sched_step >= end_step:
                 final_step = step
+                _remove_hooks(norms)
             # the learning rate: constant while pruning, then linear decay over the fine-tuning phase
             decay = (
                 1.0
@@ -522,6 +590,7 @@ def recover(
             step += 1
             bar.update(time.perf_counter() - t_start if clock else step, step, losses[-1], applied)
     finally:
+        _remove_hooks(norms)
         bar.close()
         model.train(was_training)
         for m, p in own_dropout.items():
