@@ -5,6 +5,10 @@ Every kernel path this CPU has runs: the native ``stream`` strategy's row loops 
 pure-PyTorch fallback; fp32 and bf16 (checked against float64 with a bf16 tolerance).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -237,3 +241,57 @@ def test_bf16_model_conversion_keeps_layout():
     assert lin.weight.layout_name == "bitmask" and lin.weight.dtype == BF
     x = torch.randn(2, 16, dtype=BF)
     _close(lin(x), _ref(x, lin.weight._layout, lin.bias), BF)
+
+
+_GUARDED_CALL = r"""
+import ctypes, mmap, sys, torch
+from sparsa.kernels import bitmask as bm
+from sparsa.layouts import Bitmask
+
+where, path, strategy, dtype = sys.argv[1], sys.argv[2], sys.argv[3], getattr(torch, sys.argv[4])
+bm.STREAM_PATH = path
+page = mmap.PAGESIZE
+buf = mmap.mmap(-1, 4 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+libc = ctypes.CDLL(None)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+assert libc.mprotect(base, page, 0) == 0 and libc.mprotect(base + 3 * page, page, 0) == 0  # PROT_NONE
+torch.manual_seed(0)
+w = Bitmask.from_dense(torch.randn(37, 83).to(dtype), sparsity=0.6)
+n, item = w.values.numel(), w.values.element_size()
+offset = page if where == "front" else 3 * page - n * item  # values touch the guard page before / after
+values = torch.frombuffer(buf, dtype=dtype, count=n, offset=offset)
+values.copy_(w.values)
+x = torch.randn(3, 83).to(dtype)
+y = bm.bitmask_linear_impl(x, w.bits, w.row_ptr, values, None, 37, strategy)
+ref = x.double() @ w.to_dense().double().T
+assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max())), "wrong result"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("where", ["front", "back"])
+@pytest.mark.parametrize(
+    "path,strategy,dtype",
+    [
+        ("avx2", "stream", "float32"),
+        ("pair16", "stream", "float32"),
+        ("avx2", "stream", "bfloat16"),
+        ("avx2", "expand", "float32"),
+        ("avx512", "stream", "float32"),
+    ],
+)
+def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, strategy, dtype):
+    # the fp32 row loop loads from up to 4 values before a group's first one and up to 8 past its last:
+    # with an unreadable page right before (after) the array, any read outside it kills the process
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    if path == "avx512" and not bm.has_avx512():
+        pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as pair16 (AVX2 halves)")
+    script = tmp_path / "guarded.py"
+    script.write_text(_GUARDED_CALL)
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARSA_NO_NATIVE", "SPARSA_ISA")}
+    run = subprocess.run(
+        [sys.executable, str(script), where, path, strategy, dtype], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])

@@ -1,11 +1,11 @@
 // Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values), for decoding:
 // a few tokens, weights streamed from memory once. Each group of 8 columns expands its packed values
-// into a vector with one permute (indices from a 256-entry table keyed by the mask byte), zeroes the
-// dropped lanes and multiplies with the dense X columns, so the work per byte read stays small enough
-// to run at memory bandwidth. On CPUs with AVX-512F a 16-column path expands each pair of mask bytes
-// with one masked expand (vexpandps), about a quarter of the AVX2 path's instructions per column. A
-// second entry point expands rows to dense, for the prefill path (expand a block of rows into cache,
-// then a BLAS GEMM on it).
+// into a vector with one in-lane byte shuffle (pattern from a 256-entry table keyed by the mask byte,
+// zeroing the dropped lanes) and multiplies with the dense X columns, so the work per byte read stays
+// small enough to run near memory bandwidth. On CPUs with AVX-512F a 16-column path expands each pair
+// of mask bytes with one masked expand (vexpandps), about a quarter of the AVX2 path's instructions per
+// column. A second entry point expands rows to dense, for the prefill path (expand a block of rows into
+// cache, then a BLAS GEMM on it).
 #include <immintrin.h>
 #include <omp.h>
 
@@ -19,18 +19,29 @@
 
 namespace {
 
-// kPerm[m] lane i: index, among the group's packed values, of lane i's value, with the sign bit set for
-// a dropped lane (blendv then zeroes it). 32-byte entries: no widening shuffle per group.
-struct Tables {
-    alignas(64) uint32_t perm[256][8];
-    Tables() {
+// kNibbles[m]: a byte shuffle that expands one group's fp32 values, loaded as 8 floats starting 4 before
+// the high nibble's first value (vp + popcount(m & 15) - 4). Both nibbles' values then sit in their own
+// 128-bit half: the low nibble's at the top of the low half, the high nibble's at the bottom of the high
+// half. So the expansion is one in-lane shuffle that also zeroes the dropped lanes (index 0x80): cheaper
+// than a cross-lane permute plus a blend, which bounded the AVX2 loop at high sparsity.
+struct NibbleTables {
+    alignas(64) uint8_t shuf[256][32];
+    NibbleTables() {
         for (int m = 0; m < 256; ++m) {
-            int k = 0;
-            for (int i = 0; i < 8; ++i) perm[m][i] = (m >> i & 1) ? (uint32_t)k++ : 0x80000000u;
+            const int low = __builtin_popcount(m & 15);
+            for (int half = 0; half < 2; ++half) {
+                int k = half ? 0 : 4 - low;  // position, within the half, of the nibble's first value
+                for (int i = 0; i < 4; ++i) {
+                    uint8_t* lane = shuf[m] + 16 * half + 4 * i;
+                    const bool kept = m >> (4 * half + i) & 1;
+                    for (int b = 0; b < 4; ++b) lane[b] = kept ? (uint8_t)(4 * k + b) : 0x80;
+                    k += kept;
+                }
+            }
         }
     }
 };
-const Tables kTables;
+const NibbleTables kNibbles;
 
 // kShuf[m]: a byte shuffle of the group's 8 packed bf16 values (16 bytes, in both 128-bit halves) into
 // 8 fp32 lanes: a kept lane takes its value's two bytes as the high half of the float, every other
@@ -57,12 +68,15 @@ struct Bf16Tables {
 };
 const Bf16Tables kBf16Tables;
 
-// the group's 8 weights, zero where the mask bit is clear (reads 8 packed values, uses popcount(m))
-inline __m256 expand8(const float* vp, unsigned m) {
-    const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTables.perm[m]));
-    const __m256 v = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vp), idx);
-    return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_castsi256_ps(idx));
+// the group's 8 weights from the 8 floats at q = vp + popcount(m & 15) - 4, zero where the mask bit is clear
+inline __m256 expand8_from(const float* q, unsigned m) {
+    const __m256i v = _mm256_castps_si256(_mm256_loadu_ps(q));
+    const __m256i sh = _mm256_load_si256(reinterpret_cast<const __m256i*>(kNibbles.shuf[m]));
+    return _mm256_castsi256_ps(_mm256_shuffle_epi8(v, sh));
 }
+
+// the group's 8 weights, zero where the mask bit is clear (reads vp[-4, 8): row_values pads both ends)
+inline __m256 expand8(const float* vp, unsigned m) { return expand8_from(vp + __builtin_popcount(m & 15u) - 4, m); }
 
 inline __m256 expand8(const uint16_t* vp, unsigned m) {
     const __m256i src = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vp)));
@@ -81,10 +95,28 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// the weights of the four groups of one 32-bit mask word m whose values start at vp. Each group's load
+// address is one popcount of a prefix of m, so the pointer advances once per word (a per-group pointer
+// chain would bound the loop by its latency).
+inline void expand_word(const float* vp, uint32_t m, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+    w0 = expand8_from(vp + __builtin_popcount(m & 0xfu) - 4, m & 0xffu);
+    w1 = expand8_from(vp + __builtin_popcount(m & 0xfffu) - 4, (m >> 8) & 0xffu);
+    w2 = expand8_from(vp + __builtin_popcount(m & 0xfffffu) - 4, (m >> 16) & 0xffu);
+    w3 = expand8_from(vp + __builtin_popcount(m & 0xfffffffu) - 4, m >> 24);
+}
+
+inline void expand_word(const uint16_t* vp, uint32_t m, __m256& w0, __m256& w1, __m256& w2, __m256& w3) {
+    const int p1 = __builtin_popcount(m & 0xffu), p2 = __builtin_popcount(m & 0xffffu);
+    const int p3 = __builtin_popcount(m & 0xffffffu);
+    w0 = expand8(vp, m & 0xffu);
+    w1 = expand8(vp + p1, (m >> 8) & 0xffu);
+    w2 = expand8(vp + p2, (m >> 16) & 0xffu);
+    w3 = expand8(vp + p3, m >> 24);
+}
+
 // out[t] = sum over the row's kept columns c of w[c] * x[t][c], for NT tokens of the padded X panel
-// (row stride kp, zero past K). Four groups (32 columns) per step: their value offsets come from
-// popcounts of one 32-bit mask word, so the pointer advances once per step (a per-group pointer chain
-// would bound the loop by its latency). NA accumulators per token hide the FMA latency.
+// (row stride kp, zero past K). Four groups (32 columns, one mask word) per step; NA accumulators per
+// token hide the FMA latency.
 template <int NT, class V>
 inline void row_dot(const uint8_t* bits, int64_t kb, const V* vp, const float* x, int64_t kp, float* out) {
     constexpr int NA = NT <= 2 ? 4 : 2;
@@ -95,14 +127,10 @@ inline void row_dot(const uint8_t* bits, int64_t kb, const V* vp, const float* x
     for (; g + 4 <= kb; g += 4) {
         uint32_t m;
         std::memcpy(&m, bits + g, 4);
-        const int p1 = __builtin_popcount(m & 0xffu), p2 = __builtin_popcount(m & 0xffffu);
-        const int p3 = __builtin_popcount(m & 0xffffffu), p4 = __builtin_popcount(m);
         _mm_prefetch(reinterpret_cast<const char*>(vp) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256 w0 = expand8(vp, m & 0xffu);
-        const __m256 w1 = expand8(vp + p1, (m >> 8) & 0xffu);
-        const __m256 w2 = expand8(vp + p2, (m >> 16) & 0xffu);
-        const __m256 w3 = expand8(vp + p3, m >> 24);
-        vp += p4;
+        __m256 w0, w1, w2, w3;
+        expand_word(vp, m, w0, w1, w2, w3);
+        vp += __builtin_popcount(m);
         const float* xc = x + 8 * g;
         for (int t = 0; t < NT; ++t) {
             const float* xt = xc + t * kp;
@@ -194,16 +222,18 @@ bool has_avx512() {
 #endif
 }
 
-// row r's packed values, safe to read 8 past any group: a padded copy in tail when the row ends
-// within 8 values of the array's end
+// row r's packed values, safe to read 8 past any group and (fp32, whose expansion loads from up to 4
+// before a group's first value) 4 before the row: a padded copy in tail where the row starts within 4
+// values of the array's start or ends within 8 of its end
 template <class V>
 inline const V* row_values(const V* values, const int64_t* row_ptr, int64_t r, int64_t nnz, std::vector<V>& tail) {
+    constexpr int64_t front = sizeof(V) == 4 ? 4 : 0;
     const V* vp = values + row_ptr[r];
-    if (row_ptr[r + 1] + 8 <= nnz) return vp;
+    if (row_ptr[r] >= front && row_ptr[r + 1] + 8 <= nnz) return vp;
     const int64_t n = row_ptr[r + 1] - row_ptr[r];
-    tail.assign(n + 8, V(0));
-    std::copy(vp, vp + n, tail.begin());
-    return tail.data();
+    tail.assign(front + n + 8, V(0));
+    std::copy(vp, vp + n, tail.begin() + front);
+    return tail.data() + front;
 }
 
 // y[t][r] for all T tokens and R rows; xp is the fp32 X panel (T x kp, zero-padded past K);
