@@ -13,6 +13,10 @@ float fields that do change are the metrics. Writes ``ab_commits.json`` (with th
 
     python benchmarks/ab_commits.py OLD [--new NEW] [--rounds 5] -- dispatch_overhead.py --quick
     python benchmarks/ab_commits.py OLD --rows models --key model,dtype -- adaptive_training.py --quick
+    python benchmarks/ab_commits.py OLD --script-from new -- bitmask_stream.py --quick
+
+``--script-from new`` runs the new side's copy of the benchmark (and its helpers) on both sides, each still
+importing its own ``sparsa``: for a benchmark written with or after the change it measures.
 
 ``NEW`` defaults to the working tree as it is (uncommitted changes included).
 """
@@ -49,11 +53,13 @@ def _checkout(rev: str, where: Path) -> Path:
     return where
 
 
-def _run(tree: Path, script: str, args: List[str], out: Path) -> Dict[str, Any]:
-    """Run ``tree``'s ``benchmarks/<script>`` with results going to ``out``; returns the JSON it wrote."""
+def _run(tree: Path, script: str, args: List[str], out: Path, script_tree: Optional[Path] = None) -> Dict[str, Any]:
+    """Run ``benchmarks/<script>`` of ``script_tree`` (default ``tree``) on ``tree``'s ``sparsa``, with results
+    going to ``out``; returns the JSON it wrote."""
     out.mkdir(parents=True)
     env = dict(os.environ, SPARSA_RESULTS_DIR=str(out), PYTHONPATH=str(tree))
-    subprocess.run([sys.executable, str(tree / "benchmarks" / script), *args], cwd=tree, env=env, check=True)
+    path = (script_tree or tree) / "benchmarks" / script
+    subprocess.run([sys.executable, str(path), *args], cwd=tree, env=env, check=True)
     written = sorted(out.rglob("*.json"), key=lambda p: p.stat().st_mtime)
     if not written:
         raise SystemExit(f"ab_commits: {script} in {tree} wrote no JSON under $SPARSA_RESULTS_DIR")
@@ -165,6 +171,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="comma-separated fields that identify a row (default: every field that does not vary), "
         "e.g. --rows models --key model,dtype for adaptive_training.py",
     )
+    ap.add_argument(
+        "--script-from",
+        choices=("each", "new"),
+        default="each",
+        help="each side runs its own copy of the benchmark (default), or both run the new side's",
+    )
     a = ap.parse_args(argv[:cut])
     if not argv[cut + 1 :]:
         raise SystemExit("ab_commits: name the benchmark script after '--', e.g. dispatch_overhead.py")
@@ -176,16 +188,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         trees = {"old": _checkout(a.old, tmp_path / "old")}
         trees["new"] = _checkout(a.new, tmp_path / "new") if a.new else ROOT
         try:
+            script_trees = {side: trees["new"] if a.script_from == "new" else tree for side, tree in trees.items()}
             for side, tree in trees.items():
-                if not (tree / "benchmarks" / script).exists():
-                    raise SystemExit(f"ab_commits: the {side} side ({tree}) has no benchmarks/{script}")
+                if not (script_trees[side] / "benchmarks" / script).exists():
+                    hint = "" if a.script_from == "new" else " (--script-from new runs the new side's copy on both)"
+                    raise SystemExit(
+                        f"ab_commits: the {side} side ({script_trees[side]}) has no benchmarks/{script}{hint}"
+                    )
                 _check_import(tree)
             results: Dict[str, List[Dict[str, Any]]] = {"old": [], "new": []}
             for i in range(a.rounds):
                 order = ("old", "new") if i % 2 == 0 else ("new", "old")
                 for side in order:
                     print(f"ab_commits: round {i + 1}/{a.rounds}, {side}", flush=True)
-                    results[side].append(_run(trees[side], script, sargs, tmp_path / "out" / f"{side}{i}"))
+                    out_dir = tmp_path / "out" / f"{side}{i}"
+                    results[side].append(_run(trees[side], script, sargs, out_dir, script_trees[side]))
         finally:
             for side in ("old", "new"):
                 if trees.get(side) is not None and trees[side] != ROOT:
@@ -199,6 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "benchmark": "ab_commits",
         "cpu": sparsa.cpu.cpu_info(),
         "script": [script, *sargs],
+        "script_from": a.script_from,
         "old": _git("rev-parse", a.old),
         "new": _git("rev-parse", a.new) if a.new else f"working tree at {_git('rev-parse', 'HEAD')}",
         "rounds": a.rounds,

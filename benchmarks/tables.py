@@ -28,6 +28,7 @@ BENCHES = (
     ("adaptive_union", "Sparse conv kernels GEMM by GEMM", "python benchmarks/adaptive_union.py"),
     ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
     ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
+    ("bitmask_stream", "The bitmask decode kernel alone", "python benchmarks/bitmask_stream.py"),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
@@ -657,6 +658,20 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
     return s + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
+def bitmask_stream_section(d: Dict[str, Any]) -> str:
+    """The stream kernel over a decoder's block linears against dense F.linear, per dtype, sparsity and tokens."""
+    r0 = d["rows"][0] if d["rows"] else {}
+    head = (
+        f"Every block linear of {r0.get('model')} ({r0.get('layers')} layers) times 1-4 tokens, one after another, "
+        f"the `stream` kernel (loop `{d.get('stream_path')}`) against dense `F.linear` in the same dtype, "
+        f"round-robin ({d.get('rounds')} rounds, medians), {d.get('threads')} threads: no model, attention or "
+        "dispatch. GB/s: bytes of the weights read per second.\n\n"
+    )
+    cols = ["dtype", "sparsity", "tokens", "stream_ms", "dense_ms", "speedup_vs_dense"]
+    cols += ["stream_gb_per_s", "dense_gb_per_s", "weight_bytes_ratio", "max_rel_err"]
+    return head + _md(d["rows"], cols, {"max_rel_err": ".1e"}) + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
 def llm_quality_section(d: Dict[str, Any]) -> str:
     cols = [
         c
@@ -749,6 +764,7 @@ SECTIONS = {
     "dispatch_overhead": dispatch_section,
     "relu_compact_ops": relu_compact_section,
     "llm_decode": llm_decode_section,
+    "bitmask_stream": bitmask_stream_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
     "recover": recover_section,

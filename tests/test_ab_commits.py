@@ -119,3 +119,29 @@ def test_compare_with_a_key_matches_rows_whose_other_fields_change():
         ab_commits.compare(old, new)
     with pytest.raises(SystemExit, match="lack"):
         ab_commits.compare(old, new, "models", ["model", "nope"])
+
+
+FAKE_ON_CODE = """import json, os, pathlib, random, sparsa
+ms = float(pathlib.Path(sparsa.__file__).with_name("speed.txt").read_text())  # the code under test
+out = pathlib.Path(os.environ["SPARSA_RESULTS_DIR"]) / "fake.json"
+out.write_text(json.dumps({"rows": [{"mode": "a", "ms": ms + random.random() * 1e-3}]}))
+"""
+
+
+def test_script_from_new_times_the_old_code_with_a_benchmark_it_lacks(repo):
+    root, _ = repo
+    (root / "sparsa" / "speed.txt").write_text("2.0")
+    _git(root, "add", "-A")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code at 2 ms")
+    old = _git(root, "rev-parse", "HEAD")
+    (root / "sparsa" / "speed.txt").write_text("1.0")  # the change, uncommitted, with its new benchmark
+    (root / "benchmarks" / "on_code.py").write_text(FAKE_ON_CODE)
+    p = _ab(root, old, "--rounds", "1", "--", "on_code.py")
+    assert p.returncode != 0 and "--script-from new" in p.stderr
+    out = root / "ab.json"
+    p = _ab(root, old, "--rounds", "1", "--script-from", "new", "--out", str(out), "--", "on_code.py")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert res["script_from"] == "new"
+    assert row["old"] == pytest.approx(2.0, abs=1e-2) and row["new"] == pytest.approx(1.0, abs=1e-2)
