@@ -267,8 +267,9 @@ def test_prune_with_recovery_moves_towards_the_dense_model(sensitive_model_dir, 
     assert recovered.embeddings.word_embeddings.weight.equal(dense.embeddings.word_embeddings.weight)
 
 
+@pytest.mark.parametrize("pattern", ["unstructured", "row_group16"])
 @pytest.mark.parametrize("seconds, start", [(1.0, 0.75), (3.0, 0.5)])
-def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, monkeypatch, seconds, start):
+def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, monkeypatch, seconds, start, pattern):
     """From GRADUAL_MIN_SECONDS on, the one-shot pruning stops at GRADUAL_START and the recovery
     prunes on to the target; a shorter recovery starts at the target. Either way the output holds
     exactly the target pattern."""
@@ -295,12 +296,19 @@ def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, 
     data.write_text("\n".join(stdlib_sentences()[:64]), encoding="utf-8")
     out = tmp_path / "o"
     prune_model_dir(
-        str(sensitive_model_dir), str(out), sparsity=0.75, recover_seconds=seconds, data=str(data), progress=False
+        str(sensitive_model_dir),
+        str(out),
+        sparsity=0.75,
+        pattern=pattern,
+        recover_seconds=seconds,
+        data=str(data),
+        progress=False,
     )
     assert seen == [pytest.approx(start)]
-    assert ranked_by == [pr.GRADUAL_PRUNE_BY["unstructured"]]
+    assert ranked_by == ["wanda"]  # measured to keep more than |W| for both patterns (GRADUAL_PRUNE_BY)
     w = load_pruned(str(out)).encoder.layer[1].intermediate.dense.weight
     assert w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
+    assert w.layout_name == ("row_group" if pattern == "row_group16" else "masked")
 
 
 def test_the_recover_help_states_the_gradual_constants():
