@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "time, the pattern kept (sparsa.recover; on --data, or the built-in offline text); e.g. 1200 "
         "(default 0: no recovery); from 600 s on, an encoder's unstructured and row-group patterns above "
         "50%% are pruned to 50%% first and gradually to the target while distilling (unstructured and "
-        "row_group16 ones ranked by |W|*||X||); with --target-quality, "
+        "row_group4/8/16 ones ranked by |W|*||X||); with --target-quality, "
         "the two faster configurations closest to the target are recovered for SECONDS each and win "
         "if they then pass",
     )

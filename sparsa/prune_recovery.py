@@ -54,8 +54,9 @@ GRADUAL_START = 0.5
 #: their time to distil
 GRADUAL_MIN_SECONDS = 600.0
 #: what the gradual phase ranks weights by (``recover(prune_by=...)``), per pattern: Wanda's |W|·||X||
-#: where it was measured to keep more than magnitude (MiniLM, unstructured and row_group16), else magnitude
-GRADUAL_PRUNE_BY = {"unstructured": "wanda", "row_group16": "wanda"}
+#: where it was measured to keep more than magnitude (MiniLM, unstructured and row groups of 4, 8 and 16),
+#: else magnitude
+GRADUAL_PRUNE_BY = {"unstructured": "wanda", "row_group4": "wanda", "row_group8": "wanda", "row_group16": "wanda"}
 _MAX_TOKENS = 128
 
 
