@@ -3,10 +3,12 @@
 The weights of every block linear of a Llama-style model (default: the 0.5B config of
 ``llm_decode.py``, 16 layers, more than the last-level cache) are multiplied by a few tokens, one
 layer after another, as one decode step would; the bitmask ``stream`` kernel (``sparsa.kernels.bitmask``)
-against dense ``F.linear`` in the same dtype, round-robin in one process, 2 threads. No model, attention
-or Python dispatch: this isolates what the kernel reads and computes, which ``llm_decode.py`` mixes with
-the rest of a decode step. Rows: ``dtype, sparsity, tokens, threads, stream_ms, dense_ms,
-speedup_vs_dense, stream_gb_per_s, weight_bytes_ratio``.
+against dense ``F.linear`` in the same dtype and in every other dtype of ``DTYPES`` (the same weights,
+rounded), round-robin in one process, 2 threads. No model, attention or Python dispatch: this isolates
+what the kernel reads and computes, which ``llm_decode.py`` mixes with the rest of a decode step. Rows:
+``dtype, sparsity, tokens, threads, stream_ms, dense_ms, speedup_vs_dense, best_dense,
+speedup_vs_best_dense, stream_gb_per_s, weight_bytes_ratio``; ``best_dense`` is the dtype whose dense pass
+was fastest (on a CPU without bf16 hardware a dense bf16 GEMV, half the bytes, often beats fp32).
 
     python benchmarks/bitmask_stream.py [--quick]
     python benchmarks/ab_commits.py OLD --script-from new -- bitmask_stream.py --quick   # a kernel change
@@ -44,18 +46,24 @@ def block_shapes(name: str, layers: int) -> list:
     return [(h, h), (kvd, h), (kvd, h), (h, h), (inter, h), (inter, h), (h, inter)] * layers
 
 
-def _passes(sparse: list, dense: list, xs: dict) -> tuple:
-    """One decode step's block linears: the stream kernel over the bitmask weights, and dense F.linear."""
+def stream_pass(sparse: list, xs: dict):
+    """One decode step's block linears through the stream kernel over the bitmask weights."""
 
-    def stream():
+    def run():
         for m in sparse:
             bm.bitmask_linear_impl(xs[m.shape[1]], m.bits, m.row_ptr, m.values, None, m.shape[0], "stream")
 
-    def dense_pass():
+    return run
+
+
+def dense_pass(dense: list, xs: dict):
+    """One decode step's block linears through dense F.linear."""
+
+    def run():
         for w in dense:
             F.linear(xs[w.shape[1]], w)
 
-    return stream, dense_pass
+    return run
 
 
 def main(argv=None) -> None:
@@ -87,22 +95,28 @@ def main(argv=None) -> None:
     shapes = block_shapes(a.model, layers)
     gen = torch.Generator().manual_seed(0)
     rows = []
+    # the dense weights in every dtype (the same values, rounded): each round robin times all of them
+    dense_by = {"float32": [torch.randn(r, k, generator=gen) for r, k in shapes]}
+    dense_by.update({d: [w.to(DTYPES[d]) for w in dense_by["float32"]] for d in DTYPES if d != "float32"})
     for dname in dtypes:
         dt = DTYPES[dname]
-        dense = [torch.randn(r, k, generator=gen).to(dt) for r, k in shapes]
+        dense = dense_by[dname]
         dense_bytes = sum(w.numel() * w.element_size() for w in dense)
         for s in a.sparsities:
             sparse = [Bitmask.from_dense(w, sparsity=s) for w in dense]
             sparse_bytes = sum(m.nbytes for m in sparse)
             for t in tokens:
-                xs = {k: torch.randn(t, k, generator=gen).to(dt) for k in {k for _, k in shapes}}
-
-                stream, dense_pass = _passes(sparse, dense, xs)
+                x32 = {k: torch.randn(t, k, generator=gen) for k in {k for _, k in shapes}}
+                xs = {k: x.to(dt) for k, x in x32.items()}
+                fns = {"stream": stream_pass(sparse, xs)}
+                for d, ws in dense_by.items():
+                    fns[d] = dense_pass(ws, {k: x.to(DTYPES[d]) for k, x in x32.items()})
                 w0, x0 = sparse[0], xs[shapes[0][1]]
                 got = bm.bitmask_linear_impl(x0, w0.bits, w0.row_ptr, w0.values, None, w0.shape[0], "stream")
                 want = F.linear(x0.float(), w0.to_dense().float())
                 err = float((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-                ms = round_robin_ms({"dense": dense_pass, "stream": stream}, rounds)
+                ms = round_robin_ms(fns, rounds)
+                best = min(dense_by, key=lambda d: ms[d])
                 row = {
                     "model": a.model,
                     "layers": layers,
@@ -111,10 +125,12 @@ def main(argv=None) -> None:
                     "tokens": t,
                     "threads": a.threads,
                     "stream_ms": round(ms["stream"], 3),
-                    "dense_ms": round(ms["dense"], 3),
-                    "speedup_vs_dense": round(ms["dense"] / ms["stream"], 3),
+                    "dense_ms": round(ms[dname], 3),
+                    "speedup_vs_dense": round(ms[dname] / ms["stream"], 3),
+                    "best_dense": best,
+                    "speedup_vs_best_dense": round(ms[best] / ms["stream"], 3),
                     "stream_gb_per_s": round(sparse_bytes / ms["stream"] / 1e6, 2),
-                    "dense_gb_per_s": round(dense_bytes / ms["dense"] / 1e6, 2),
+                    "dense_gb_per_s": round(dense_bytes / ms[dname] / 1e6, 2),
                     "weight_bytes_ratio": round(sparse_bytes / dense_bytes, 4),
                     "max_rel_err": float(f"{err:.2e}"),
                 }
@@ -122,11 +138,11 @@ def main(argv=None) -> None:
                 print(
                     f"{dname:>8} {s:.2f} T={t}: stream {row['stream_ms']:8.2f} ms ({row['stream_gb_per_s']:5.1f} "
                     f"GB/s)  dense {row['dense_ms']:8.2f} ms ({row['dense_gb_per_s']:5.1f} GB/s)  "
-                    f"x{row['speedup_vs_dense']:.2f}",
+                    f"x{row['speedup_vs_dense']:.2f}  x{row['speedup_vs_best_dense']:.2f} vs dense {best}",
                     flush=True,
                 )
             del sparse
-        del dense
+    del dense_by
     res = {
         "benchmark": "bitmask_stream",
         "cpu": sparsa.cpu.cpu_info(),

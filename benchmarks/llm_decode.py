@@ -11,9 +11,14 @@ medians):
 - **prefill**: the forward of the whole prompt.
 
 Engines: dense in the same dtype (``F.linear``, oneDNN/MKL), ``torch.compile`` of the dense model's
-decode step (``--compile``), and bitmask at each sparsity. Rows: ``model, params, dtype, layout,
-sparsity, batch, phase, ms, tokens_per_s, speedup_vs_dense, speedup_vs_best_dense, weight_bytes_ratio``;
-``best_dense`` is the faster of dense eager and compiled for that phase. The JSON also has the CPU,
+decode step (``--compile``), and bitmask at each sparsity. The dense model in every other dtype of
+:data:`REFERENCE_DTYPES` (eager, and compiled where the same dtype is) runs in the same round robin as a
+reference, whatever ``--dtypes`` asks for. Rows (of the asked dtypes only): ``model, params, dtype, layout,
+sparsity, batch, phase, ms, tokens_per_s, speedup_vs_dense, speedup_vs_best_dense,
+speedup_vs_best_dense_same_dtype, best_dense, weight_bytes_ratio``. ``speedup_vs_dense`` is against dense
+eager in the row's dtype; ``speedup_vs_best_dense`` against the fastest dense path timed with it, in any
+dtype (``best_dense`` names it, e.g. ``bfloat16 compiled``); ``..._same_dtype`` against the faster of
+dense eager and compiled in the row's dtype. The JSON also has the CPU,
 threads, peak RSS, where a batch-1 decode step's time goes (``breakdown``: block linears, ``lm_head``, the
 rest) and, when ``llm_quality.json`` exists beside it, the perplexity table.
 
@@ -44,6 +49,11 @@ from sparsa.timing import round_robin_ms  # noqa: E402
 from _results import results_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: the dtypes whose dense model every round robin times: a sparse model's speed-up counts against the
+#: fastest dense path of the machine, and on a CPU without bf16 hardware that is often dense bf16 decoding
+#: (half the bytes of fp32), not the fp32 model a sparse fp32 model was pruned from
+REFERENCE_DTYPES = (torch.float32, torch.bfloat16)
 
 #: (hidden, intermediate, layers, heads, kv heads, vocab): Llama-style shapes
 CONFIGS = {
@@ -168,6 +178,46 @@ def compiled_decode(model):
         return None, f"{type(e).__name__}: {e}"[:300]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def dense_references(name: str, use_compile: bool, notes: Dict[str, str]) -> Dict[torch.dtype, tuple]:
+    """The dense model of ``name`` in every :data:`REFERENCE_DTYPES` dtype, with its compiled forward
+    (None without ``use_compile`` or where compiling fails): ``{dtype: (model, compiled_forward)}``."""
+    refs = {}
+    for dt in REFERENCE_DTYPES:
+        model = build_model(name, dt)
+        comp = None
+        if use_compile:
+            comp, why = compiled_decode(model)
+            if why:
+                notes[f"{name}/{dtype_name(dt)}/compile"] = why
+        refs[dt] = (model, comp)
+    return refs
+
+
+def dense_label(key: str, dname: str) -> str:
+    """``"float32 eager"`` for the round robin's ``"dense"`` key of a float32 pass, ``"bfloat16 compiled"``
+    for ``"dense@bfloat16+compiled"``, and so on."""
+    if key.startswith("dense@"):
+        other, _, compiled = key[len("dense@") :].partition("+")
+        return f"{other} {'compiled' if compiled else 'eager'}"
+    return f"{dname} {'compiled' if key == 'dense_compiled' else 'eager'}"
+
+
+def _timed(label: str, make_fn: Callable[[], Callable[[], None]], fns: Dict, notes: Dict[str, str], key: str):
+    """``fns[label] = make_fn()`` after one untimed call (compiles outside the timing); a failure is a note."""
+    t0 = time.perf_counter()
+    try:
+        fn = make_fn()
+        fn()
+        fns[label] = fn
+        notes[f"{key}_s"] = f"{time.perf_counter() - t0:.1f}"
+    except Exception as e:  # pragma: no cover - depends on torch/transformers
+        notes[key] = f"{type(e).__name__}: {e}"[:300]
+
+
 def bench_model(
     name: str,
     dtype: torch.dtype,
@@ -177,27 +227,24 @@ def bench_model(
     prefill_batches,
     steps: int,
     rounds: int,
-    use_compile: bool,
+    refs: Dict[torch.dtype, tuple],
     notes: Dict[str, str],
     breakdown: List[Dict],
 ) -> List[Dict]:
     """The rows of one model and dtype (and, with ``--breakdown``, where a batch-1 decode step's time goes,
-    appended to ``breakdown``). Its models and compiled graphs die with this call's frame, so the next
-    model is built in the memory they held (1B fp32 plus pruned copies is most of 24 GiB)."""
+    appended to ``breakdown``). ``refs``: :func:`dense_references`; the dense models of the other dtypes
+    run in every round robin as references. The pruned copies die with this call's frame, so the next
+    dtype is built in the memory they held (1B fp32 plus pruned copies is most of 24 GiB)."""
     rows: List[Dict] = []
-    dense = build_model(name, dtype)
+    dense, comp = refs[dtype]
+    others = {dtype_name(dt): ref for dt, ref in refs.items() if dt != dtype}
     params = sum(p.numel() for p in dense.parameters())
     dense_bytes = linear_bytes(dense)
     engines = {"dense": (dense, None, 1.0)}
     for s in specs:
         m = prune_copy(dense, s)
         engines[f"bitmask@{s}"] = (m, s, linear_bytes(m) / dense_bytes)
-    comp = None
-    if use_compile:
-        comp, why = compiled_decode(dense)
-        if why:
-            notes[f"{name}/{dtype}/compile"] = why
-    dname = str(dtype).replace("torch.", "")
+    dname = dtype_name(dtype)
     if a.breakdown:
         for k, (m, spec, _) in engines.items():
             b = decode_breakdown(m, 1, a.prompt, steps)
@@ -209,30 +256,32 @@ def bench_model(
             phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
         for phase, make in phases:
             fns = {k: make(m) for k, (m, _, _) in engines.items()}
+            for oname, (om, _) in others.items():
+                fns[f"dense@{oname}"] = make(om)
             if comp is not None and phase == "decode" and batch in a.compile_batches:
-                t0 = time.perf_counter()
-                try:
-                    fc = make(dense, comp)
-                    fc()  # compile outside the timing
-                    fns["dense_compiled"] = fc
-                    notes[f"{name}/{dname}/b{batch}/compile_s"] = f"{time.perf_counter() - t0:.1f}"
-                except Exception as e:  # pragma: no cover - depends on torch/transformers
-                    notes[f"{name}/{dname}/b{batch}/compile"] = f"{type(e).__name__}: {e}"[:300]
+                _timed("dense_compiled", lambda: make(dense, comp), fns, notes, f"{name}/{dname}/b{batch}/compile")
+                for oname, (om, ocomp) in others.items():
+                    if ocomp is not None:
+                        key = f"{name}/{oname}/b{batch}/compile_as_reference"
+                        _timed(f"dense@{oname}+compiled", lambda om=om, oc=ocomp: make(om, oc), fns, notes, key)
                 for s in a.compile_sparse:
                     m = engines[f"bitmask@{s}"][0]
-                    t0 = time.perf_counter()
-                    try:
-                        fc = make(m, torch.compile(m.forward, dynamic=True))
-                        fc()
-                        fns[f"bitmask@{s}+compiled"] = fc
-                        notes[f"{name}/{dname}/b{batch}/sparse{s}_compile_s"] = f"{time.perf_counter() - t0:.1f}"
-                    except Exception as e:  # pragma: no cover - depends on torch/transformers
-                        notes[f"{name}/{dname}/b{batch}/sparse{s}_compile"] = f"{type(e).__name__}: {e}"[:300]
+                    key = f"{name}/{dname}/b{batch}/sparse{s}_compile"
+                    _timed(
+                        f"bitmask@{s}+compiled",
+                        lambda m=m: make(m, torch.compile(m.forward, dynamic=True)),
+                        fns,
+                        notes,
+                        key,
+                    )
             # a prefill is seconds long and steadier than a decode step: fewer rounds
             ms = round_robin_ms(fns, rounds if phase == "decode" else min(rounds, 3), min_seconds=0.0)
             per = steps if phase == "decode" else 1
-            best = min(ms["dense"], ms.get("dense_compiled", float("inf")))
+            best_same = min(ms["dense"], ms.get("dense_compiled", float("inf")))
+            best_key = min((k for k in ms if k.startswith("dense")), key=lambda k: ms[k])
             for k, t in ms.items():
+                if k.startswith("dense@"):  # another dtype's reference: its own pass reports it
+                    continue
                 base = k.replace("+compiled", "")
                 spec = engines[base][1] if base in engines else None
                 toks = batch * (steps if phase == "decode" else a.prompt)
@@ -248,7 +297,9 @@ def bench_model(
                         "ms": round(t / per, 3),
                         "tokens_per_s": round(toks / (t / 1e3), 2),
                         "speedup_vs_dense": round(ms["dense"] / t, 3),
-                        "speedup_vs_best_dense": round(best / t, 3),
+                        "speedup_vs_best_dense": round(ms[best_key] / t, 3),
+                        "speedup_vs_best_dense_same_dtype": round(best_same / t, 3),
+                        "best_dense": dense_label(best_key, dname),
                         "weight_bytes_ratio": round(engines[base][2], 4) if base in engines else 1.0,
                     }
                 )
@@ -256,6 +307,7 @@ def bench_model(
                 print(
                     f"{name} {dname} b{batch} {phase:7s} {k:16s} {r['ms']:9.2f} ms  "
                     f"{r['tokens_per_s']:9.1f} tok/s  x{r['speedup_vs_dense']:.2f} vs dense  "
+                    f"x{r['speedup_vs_best_dense']:.2f} vs best dense ({r['best_dense']})  "
                     f"bytes {r['weight_bytes_ratio']:.3f}",
                     flush=True,
                 )
@@ -330,13 +382,17 @@ def main(argv=None) -> int:
     breakdown: List[Dict] = []
     notes: Dict[str, str] = {}
     t_start = time.time()
+    # every model's forward shares one code object: the dense references of both dtypes and the compiled
+    # sparse models of a model are each a recompile of it
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     for name in models:
+        refs = dense_references(name, use_compile, notes)
         for dtype in dtypes:
-            rows += bench_model(
-                name, dtype, a, specs, batches, prefill_batches, steps, rounds, use_compile, notes, breakdown
-            )
+            rows += bench_model(name, dtype, a, specs, batches, prefill_batches, steps, rounds, refs, notes, breakdown)
             gc.collect()
-            torch._dynamo.reset()  # compiled graphs hold the weights they were traced with
+        del refs
+        gc.collect()
+        torch._dynamo.reset()  # compiled graphs hold the weights they were traced with
     res = {
         "benchmark": "llm_decode",
         "cpu": sparsa.cpu.cpu_info(),
@@ -358,7 +414,12 @@ def main(argv=None) -> int:
         old = json.loads(out.read_text())
         key = lambda r: (r["model"], r["dtype"], r["batch"], r["phase"], r["layout"], r["sparsity"])  # noqa: E731
         mine = {key(r) for r in rows}
-        res["rows"] = [r for r in old.get("rows", []) if key(r) not in mine] + rows
+        # rows without best_dense predate the cross-dtype reference: their speedup_vs_best_dense meant
+        # something else, so they are dropped rather than mixed in
+        kept = [r for r in old.get("rows", []) if key(r) not in mine and "best_dense" in r]
+        if len(kept) + len(mine) < len(old.get("rows", [])):
+            print("--append: dropped rows measured without the cross-dtype dense reference", flush=True)
+        res["rows"] = kept + rows
         res["notes"] = {**old.get("notes", {}), **notes}
         res["seconds"] = round(old.get("seconds", 0) + res["seconds"], 1)
         res["peak_rss_mb"] = max(old.get("peak_rss_mb", 0), res["peak_rss_mb"])

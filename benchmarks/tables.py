@@ -620,6 +620,7 @@ LLM_FMT = {
     "tokens_per_s": ".1f",
     "speedup_vs_dense": ".2f",
     "speedup_vs_best_dense": ".2f",
+    "speedup_vs_best_dense_same_dtype": ".2f",
     "weight_bytes_ratio": ".3f",
 }
 
@@ -631,10 +632,9 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
         f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
         f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
         "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
-        "speedup_vs_best_dense: the faster of dense eager and its torch.compile / this engine. weight_bytes_ratio: "
-        f"bytes of the decoder blocks' linear weights against dense. Both ratios are within one dtype; rows of "
-        "another dtype or model may come from a separate run (`--append`), so compare across them only "
-        "loosely (on an AVX2-only CPU dense bf16 decoding, half the bytes, can beat sparse fp32). "
+        "speedup_vs_best_dense: the fastest dense path timed beside it, in any dtype, eager or compiled "
+        "(best_dense names it) / this engine; same_dtype: the faster of dense eager and compiled in the row's "
+        "dtype / this engine. weight_bytes_ratio: bytes of the decoder blocks' linear weights against dense. "
         f"Peak RSS {d.get('peak_rss_mb')} MB.\n\n"
     )
     s += _md(
@@ -649,6 +649,8 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
             "tokens_per_s",
             "speedup_vs_dense",
             "speedup_vs_best_dense",
+            "best_dense",
+            "speedup_vs_best_dense_same_dtype",
             "weight_bytes_ratio",
         ],
         LLM_FMT,
@@ -663,11 +665,13 @@ def bitmask_stream_section(d: Dict[str, Any]) -> str:
     r0 = d["rows"][0] if d["rows"] else {}
     head = (
         f"Every block linear of {r0.get('model')} ({r0.get('layers')} layers) times 1-4 tokens, one after another, "
-        f"the `stream` kernel (loop `{d.get('stream_path')}`) against dense `F.linear` in the same dtype, "
+        f"the `stream` kernel (loop `{d.get('stream_path')}`) against dense `F.linear` in the same dtype "
+        "(dense_ms, speedup_vs_dense) and in every dtype (best_dense: the fastest; speedup_vs_best_dense), "
         f"round-robin ({d.get('rounds')} rounds, medians), {d.get('threads')} threads: no model, attention or "
         "dispatch. GB/s: bytes of the weights read per second.\n\n"
     )
-    cols = ["dtype", "sparsity", "tokens", "stream_ms", "dense_ms", "speedup_vs_dense"]
+    cols = ["dtype", "sparsity", "tokens", "stream_ms", "dense_ms", "speedup_vs_dense", "best_dense"]
+    cols += ["speedup_vs_best_dense"]
     cols += ["stream_gb_per_s", "dense_gb_per_s", "weight_bytes_ratio", "max_rel_err"]
     return head + _md(d["rows"], cols, {"max_rel_err": ".1e"}) + ("\n\n_(quick run)_" if d.get("quick") else "")
 

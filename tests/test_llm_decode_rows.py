@@ -1,0 +1,87 @@
+"""benchmarks/llm_decode.py's rows: every speed-up counts against the fastest dense path timed beside it, in
+any dtype, and the other dtypes' dense references are timed but not reported as rows."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import llm_decode  # noqa: E402
+
+TINY = (64, 176, 2, 4, 2, 320)  # (hidden, intermediate, layers, heads, kv heads, vocab)
+ARGS = ["--models", "tiny", "--batches", "1", "--sparsities", "0.5", "--prompt", "8", "--steps", "2"]
+ARGS += ["--rounds", "1", "--no-compile", "--no-breakdown", "--prefill-batches"]
+
+
+def _fixed_times(ms_by_key, seen):
+    """A round_robin_ms that runs each function once (so the engines are real) and returns fixed times."""
+
+    def fake(fns, rounds, min_seconds=0.0):
+        seen.append(sorted(fns))
+        for fn in fns.values():
+            fn()
+        return {k: ms_by_key[k] for k in fns}
+
+    return fake
+
+
+def test_a_faster_dense_dtype_is_the_baseline(monkeypatch, tmp_path):
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    seen = []
+    # per 2-step round: dense fp32 10 ms, sparse fp32 5 ms, and the dense bf16 reference 4 ms
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
+    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
+    out = tmp_path / "llm.json"
+    llm_decode.main(ARGS + ["--dtypes", "float32", "--out", str(out)])
+    assert seen == [["bitmask@0.5", "dense", "dense@bfloat16"]]
+    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", "bitmask"}  # the bf16 reference is no row of a float32 run
+    sparse = rows["bitmask"]
+    assert sparse["dtype"] == "float32" and sparse["best_dense"] == "bfloat16 eager"
+    assert sparse["speedup_vs_dense"] == 2.0
+    assert sparse["speedup_vs_best_dense_same_dtype"] == 2.0
+    assert sparse["speedup_vs_best_dense"] == 0.8
+    assert rows["dense"]["speedup_vs_best_dense"] == 0.4
+
+
+def test_the_own_dtype_stays_the_baseline_when_it_is_fastest(monkeypatch, tmp_path):
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    seen = []
+    times = {"dense": 4.0, "bitmask@0.5": 2.0, "dense@float32": 8.0}
+    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
+    out = tmp_path / "llm.json"
+    llm_decode.main(ARGS + ["--dtypes", "bfloat16", "--out", str(out)])
+    assert seen == [["bitmask@0.5", "dense", "dense@float32"]]
+    sparse = next(r for r in json.loads(out.read_text())["rows"] if r["layout"] == "bitmask")
+    assert sparse["best_dense"] == "bfloat16 eager"
+    assert sparse["speedup_vs_best_dense"] == sparse["speedup_vs_best_dense_same_dtype"] == 2.0
+
+
+def test_append_drops_rows_measured_without_the_cross_dtype_reference(monkeypatch, tmp_path):
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
+    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, []))
+    out = tmp_path / "llm.json"
+    old_row = {"model": "other", "dtype": "float32", "batch": 1, "phase": "decode", "layout": "dense"}
+    old_row.update(sparsity=None, speedup_vs_best_dense=1.0)
+    out.write_text(json.dumps({"rows": [old_row, dict(old_row, model="kept", best_dense="float32 eager")]}))
+    llm_decode.main(ARGS + ["--dtypes", "float32", "--out", str(out), "--append"])
+    models = sorted({r["model"] for r in json.loads(out.read_text())["rows"]})
+    assert models == ["kept", "tiny"]
+
+
+@pytest.mark.parametrize(
+    "key, label",
+    [
+        ("dense", "float32 eager"),
+        ("dense_compiled", "float32 compiled"),
+        ("dense@bfloat16", "bfloat16 eager"),
+        ("dense@bfloat16+compiled", "bfloat16 compiled"),
+    ],
+)
+def test_dense_labels(key, label):
+    assert llm_decode.dense_label(key, "float32") == label
