@@ -8,7 +8,8 @@ medians):
 
 - **decode**: steps of one new token per sequence on a KV cache holding the prompt (the cache is cut back
   after each round, so every round decodes the same positions), lm_head and sampling included;
-- **prefill**: the forward of the whole prompt.
+- **prefill**: the forward of the whole prompt up to the next token's logits (``logits_to_keep=1``, as
+  ``generate()`` runs it: ``lm_head`` on the last position only).
 
 Engines: dense in the same dtype (``F.linear``, oneDNN/MKL), ``torch.compile`` of the dense model's
 decode step (``--compile``), and bitmask at each sparsity. The dense model in every other dtype of
@@ -131,7 +132,7 @@ def prefill_fn(model, batch: int, prompt: int) -> Callable[[], None]:
 
     def run():
         with torch.no_grad():
-            model(ids, use_cache=True)
+            model(ids, use_cache=True, logits_to_keep=1)
 
     return run
 
@@ -251,8 +252,10 @@ def bench_model(
             breakdown.append({"model": name, "dtype": dname, "layout": "bitmask" if spec else k, "sparsity": spec, **b})
             print(f"{name} {dname} b1 decode breakdown {k:16s} {b}", flush=True)
     for batch in batches:
-        phases = [("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f))]
-        if batch in prefill_batches:
+        phases = []
+        if "decode" in a.phases:
+            phases.append(("decode", lambda m, f=None: decode_fn(m, batch, a.prompt, steps, f)))
+        if "prefill" in a.phases and batch in prefill_batches:
             phases.append(("prefill", lambda m, f=None: prefill_fn(m, batch, a.prompt)))
         for phase, make in phases:
             fns = {k: make(m) for k, (m, _, _) in engines.items()}
@@ -330,6 +333,13 @@ def main(argv=None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="also time torch.compile of the dense decode step (default: on, off with --quick)",
+    )
+    p.add_argument(
+        "--phases",
+        nargs="+",
+        choices=["decode", "prefill"],
+        default=["decode", "prefill"],
+        help="what to time (default both; e.g. --phases prefill --append re-measures the prefill rows)",
     )
     p.add_argument(
         "--prefill-batches",

@@ -85,3 +85,27 @@ def test_append_drops_rows_measured_without_the_cross_dtype_reference(monkeypatc
 )
 def test_dense_labels(key, label):
     assert llm_decode.dense_label(key, "float32") == label
+
+
+def test_prefill_computes_the_next_tokens_logits_only(monkeypatch):
+    # as generate() runs a prompt: lm_head on the last position, not on every prompt token
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    model = llm_decode.build_model("tiny", llm_decode.torch.float32)
+    seen = []
+    model.register_forward_hook(lambda mod, args, kwargs, out: seen.append(out.logits.shape), with_kwargs=True)
+    llm_decode.prefill_fn(model, batch=2, prompt=8)()
+    assert seen == [(2, 1, TINY[5])]
+
+
+def test_phases_selects_what_is_timed(monkeypatch, tmp_path):
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    seen = []
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 40.0}
+    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
+    out = tmp_path / "llm.json"
+    args = [a for a in ARGS if a != "--prefill-batches"] + ["--dtypes", "float32", "--phases", "prefill"]
+    llm_decode.main(args + ["--out", str(out)])
+    assert len(seen) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["phase"] for r in rows} == {"prefill"}
+    assert all(r["best_dense"] == "float32 eager" for r in rows)
