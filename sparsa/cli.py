@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="input rows (tokens) to time each layer at with --only-if-faster (default 128)",
+        help="input rows (tokens) to time each layer at with --only-if-faster (default 128; 1 for a "
+        "causal LM, whose generation runs one token per step)",
     )
 
     g = sub.add_parser(

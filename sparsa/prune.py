@@ -82,6 +82,12 @@ _EXTRA_FILES = ("generation_config.json",)
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # LMHeadModel: GPT-2 style names
 
 
+#: the token count ``only_if_faster=True`` times a causal LM's layers at: generation spends its time in
+#: steps of one new token per sequence, where a sparse layer's speed-up follows its bytes, not at a
+#: prompt's width (an explicit count still wins)
+DECODE_TIMING_TOKENS = 1
+
+
 def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
     """Whether the model directory ``path`` holds a causal (decoder) LM: its ``config.json`` names an
     architecture ending in ``ForCausalLM`` (or GPT-2's ``LMHeadModel``)."""
@@ -335,7 +341,8 @@ def prune_model_dir(
     wanda/sparsegpt (a text file, one passage per line, or a directory of ``*.txt``; default the
     built-in offline sentences). ``only_if_faster`` (``True`` or a token count, as in
     :class:`sparsa.methods.OneShot`): a pruned layer whose sparse layout is not measured faster than
-    dense on this machine is saved as a dense weight (same values). Returns the per-layer report rows
+    dense on this machine is saved as a dense weight (same values); ``True`` times a causal LM at
+    :data:`DECODE_TIMING_TOKENS` (decoding), other models at 128 tokens. Returns the per-layer report rows
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
     dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
@@ -358,6 +365,8 @@ def prune_model_dir(
     if not (srcp / "config.json").is_file():
         raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
     causal = is_causal_lm(srcp)
+    if causal and only_if_faster is True:
+        tokens = DECODE_TIMING_TOKENS
     layout = layout or default_layout(pattern, causal)
     sparsifier = check_pattern_layout(pattern, sparsity, layout)
     frontier.check_method_layout(method, layout, "--method")

@@ -354,3 +354,17 @@ def test_a_causal_lm_recovery_starts_at_the_target(llama_dir, tmp_path, monkeypa
     monkeypatch.setattr(pr, "recover_pruned", spy)
     prune_model_dir(str(llama_dir), str(tmp_path / "o"), sparsity=0.75, recover_seconds=1.0, progress=False)
     assert seen == [pytest.approx(0.75, abs=1e-3)]
+
+
+@pytest.mark.parametrize("extra, tokens", [([], 1), (["--timing-tokens", "8"], 8)])
+def test_only_if_faster_times_a_causal_lm_at_decode_width(llama_dir, tmp_path, monkeypatch, capsys, extra, tokens):
+    # generation runs one token per step: a prompt-width timing would judge the decode kernels wrongly
+    import sparsa.nn.linears as linears
+
+    calls = []
+    monkeypatch.setattr(linears, "linear_costs", lambda w, b, t: calls.append(t) or 3.0)
+    out = tmp_path / "out"
+    args = ["prune", str(llama_dir), "-o", str(out), "--sparsity", "0.5", "--calib", "16", "--only-if-faster"]
+    rc, _, err = _main(args + extra, capsys)
+    assert rc == 0, err
+    assert calls and set(calls) == {tokens}
