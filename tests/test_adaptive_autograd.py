@@ -29,7 +29,7 @@ def test_gradcheck_relu_linear():
 def _grads(f, *ts):
     ts = [t.detach().clone().requires_grad_(True) if t is not None else None for t in ts]
     y = f(*ts)
-    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7))
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y.dtype)
     y.backward(gy)
     return y.detach(), [None if t is None else t.grad for t in ts]
 
@@ -59,11 +59,14 @@ def test_native_conv_autograd_matches_dense(N, C, H, O, k, stride, cl, bias, see
         ys, gs = _grads(lambda x, w, b: relu_conv2d(x, w, b, stride, k // 2), x, w, b)
     finally:
         conv_union.KERNELS = "auto"
-    yd, gd = _grads(lambda x, w, b: F.conv2d(x.relu(), w, b, stride, k // 2), x, w, b)
-    torch.testing.assert_close(ys, yd, atol=1e-4, rtol=1e-4)
+    # the reference in float64: PyTorch's float32 CPU conv backward (1x1, stride 2, channels-last input,
+    # both gradients) returns a wrong weight gradient in about 1 call in 200 (torch 2.13)
+    xd, wd, bd = (None if t is None else t.double() for t in (x, w, b))
+    yd, gd = _grads(lambda x, w, b: F.conv2d(x.relu(), w, b, stride, k // 2), xd, wd, bd)
+    torch.testing.assert_close(ys, yd.float(), atol=1e-4, rtol=1e-4)
     for a, r in zip(gs, gd):
         if r is not None:
-            torch.testing.assert_close(a, r, atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(a, r.float(), atol=1e-3, rtol=1e-4)
 
 
 @settings(max_examples=20, deadline=None)

@@ -46,8 +46,10 @@ def _count_calls(monkeypatch, name):
 
 # ----------------------------------------------------------------------------- the ops
 def _dense_ref(op, z, w, b, **kw):
-    z, w = z.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    b = None if b is None else b.detach().clone().requires_grad_()
+    # float64: PyTorch's float32 CPU conv backward (1x1, stride 2, channels-last input) returns a wrong
+    # weight gradient in about 1 call in 200 (torch 2.13)
+    z, w = z.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b = None if b is None else b.detach().double().requires_grad_()
     y = op(z.relu(), w, b, **kw)
     return y, (z, w, b)
 
@@ -64,14 +66,14 @@ def _compare(op, z, w, b, slice, gen, **kw):
     y, leaves = _sparse(op, z, w, b, slice, **kw)
     yr, ref = _dense_ref(op, z, w, b, **kw)
     assert type(y) is torch.Tensor and y.shape == yr.shape
-    torch.testing.assert_close(y, yr, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, yr.float(), atol=1e-4, rtol=1e-4)
     gy = torch.randn(yr.shape, generator=gen)
     with sparsa.strict():
         y.backward(gy)
-    yr.backward(gy)
+    yr.backward(gy.double())
     for got, want in zip(leaves, ref):
         if want is not None:
-            torch.testing.assert_close(got.grad, want.grad, atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(got.grad, want.grad.float(), atol=1e-3, rtol=1e-4)
 
 
 @FAST
