@@ -29,16 +29,26 @@ def _fixed_times(ms_by_key, seen):
     return fake
 
 
-def test_a_faster_dense_dtype_is_the_baseline(monkeypatch, tmp_path):
+def _run(monkeypatch, tmp_path, times, args, old_rows=None):
+    """``main(ARGS + args)`` on the tiny config with fixed times (ms per round); (its rows, the key lists
+    each round robin timed). ``old_rows``: a results file to ``--append`` to."""
     monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
     seen = []
-    # per 2-step round: dense fp32 10 ms, sparse fp32 5 ms, and the dense bf16 reference 4 ms
-    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
     monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
     out = tmp_path / "llm.json"
-    llm_decode.main(ARGS + ["--dtypes", "float32", "--out", str(out)])
+    if old_rows is not None:
+        out.write_text(json.dumps({"rows": old_rows}))
+        args = args + ["--append"]
+    llm_decode.main(ARGS + args + ["--out", str(out)])
+    return json.loads(out.read_text())["rows"], seen
+
+
+def test_a_faster_dense_dtype_is_the_baseline(monkeypatch, tmp_path):
+    # per 2-step round: dense fp32 10 ms, sparse fp32 5 ms, and the dense bf16 reference 4 ms
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
+    rows, seen = _run(monkeypatch, tmp_path, times, ["--dtypes", "float32"])
     assert seen == [["bitmask@0.5", "dense", "dense@bfloat16"]]
-    rows = {r["layout"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["layout"]: r for r in rows}
     assert set(rows) == {"dense", "bitmask"}  # the bf16 reference is no row of a float32 run
     sparse = rows["bitmask"]
     assert sparse["dtype"] == "float32" and sparse["best_dense"] == "bfloat16 eager"
@@ -49,29 +59,21 @@ def test_a_faster_dense_dtype_is_the_baseline(monkeypatch, tmp_path):
 
 
 def test_the_own_dtype_stays_the_baseline_when_it_is_fastest(monkeypatch, tmp_path):
-    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
-    seen = []
     times = {"dense": 4.0, "bitmask@0.5": 2.0, "dense@float32": 8.0}
-    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
-    out = tmp_path / "llm.json"
-    llm_decode.main(ARGS + ["--dtypes", "bfloat16", "--out", str(out)])
+    rows, seen = _run(monkeypatch, tmp_path, times, ["--dtypes", "bfloat16"])
     assert seen == [["bitmask@0.5", "dense", "dense@float32"]]
-    sparse = next(r for r in json.loads(out.read_text())["rows"] if r["layout"] == "bitmask")
+    sparse = next(r for r in rows if r["layout"] == "bitmask")
     assert sparse["best_dense"] == "bfloat16 eager"
     assert sparse["speedup_vs_best_dense"] == sparse["speedup_vs_best_dense_same_dtype"] == 2.0
 
 
 def test_append_drops_rows_measured_without_the_cross_dtype_reference(monkeypatch, tmp_path):
-    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
     times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
-    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, []))
-    out = tmp_path / "llm.json"
     old_row = {"model": "other", "dtype": "float32", "batch": 1, "phase": "decode", "layout": "dense"}
     old_row.update(sparsity=None, speedup_vs_best_dense=1.0)
-    out.write_text(json.dumps({"rows": [old_row, dict(old_row, model="kept", best_dense="float32 eager")]}))
-    llm_decode.main(ARGS + ["--dtypes", "float32", "--out", str(out), "--append"])
-    models = sorted({r["model"] for r in json.loads(out.read_text())["rows"]})
-    assert models == ["kept", "tiny"]
+    old = [old_row, dict(old_row, model="kept", best_dense="float32 eager")]
+    rows, _ = _run(monkeypatch, tmp_path, times, ["--dtypes", "float32"], old_rows=old)
+    assert sorted({r["model"] for r in rows}) == ["kept", "tiny"]
 
 
 @pytest.mark.parametrize(
@@ -98,14 +100,10 @@ def test_prefill_computes_the_next_tokens_logits_only(monkeypatch):
 
 
 def test_phases_selects_what_is_timed(monkeypatch, tmp_path):
-    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
-    seen = []
     times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 40.0}
-    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
-    out = tmp_path / "llm.json"
-    args = [a for a in ARGS if a != "--prefill-batches"] + ["--dtypes", "float32", "--phases", "prefill"]
-    llm_decode.main(args + ["--out", str(out)])
+    rows, seen = _run(
+        monkeypatch, tmp_path, times, ["--dtypes", "float32", "--phases", "prefill", "--prefill-batches", "1"]
+    )
     assert len(seen) == 1
-    rows = json.loads(out.read_text())["rows"]
     assert {r["phase"] for r in rows} == {"prefill"}
     assert all(r["best_dense"] == "float32 eager" for r in rows)
