@@ -631,7 +631,8 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
     s = (
         f"Random-initialised Llama configs, prompt {d.get('prompt')} tokens, {d.get('threads')} threads; decode: "
         f"ms per step of one token per sequence on the prompt's KV cache ({d.get('decode_steps_per_round')} steps a "
-        "round), prefill: ms for the prompt. speedup_vs_dense: dense eager in the same dtype / this engine; "
+        "round), prefill: ms for the prompt up to the next token's logits (as generate() runs it). "
+        "speedup_vs_dense: dense eager in the same dtype / this engine; "
         "speedup_vs_best_dense: the fastest dense path timed beside it, in any dtype, eager or compiled "
         "(best_dense names it) / this engine; same_dtype: the faster of dense eager and compiled in the row's "
         "dtype / this engine. weight_bytes_ratio: bytes of the decoder blocks' linear weights against dense. "
