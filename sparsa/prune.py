@@ -82,12 +82,6 @@ _EXTRA_FILES = ("generation_config.json",)
 _CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")  # LMHeadModel: GPT-2 style names
 
 
-#: the token count ``only_if_faster=True`` times a causal LM's layers at: generation spends its time in
-#: steps of one new token per sequence, where a sparse layer's speed-up follows its bytes, not at a
-#: prompt's width (an explicit count still wins)
-DECODE_TIMING_TOKENS = 1
-
-
 def is_causal_lm(path: Union[str, os.PathLike]) -> bool:
     """Whether the model directory ``path`` holds a causal (decoder) LM: its ``config.json`` names an
     architecture ending in ``ForCausalLM`` (or GPT-2's ``LMHeadModel``)."""
@@ -342,7 +336,7 @@ def prune_model_dir(
     built-in offline sentences). ``only_if_faster`` (``True`` or a token count, as in
     :class:`sparsa.methods.OneShot`): a pruned layer whose sparse layout is not measured faster than
     dense on this machine is saved as a dense weight (same values); ``True`` times a causal LM at
-    :data:`DECODE_TIMING_TOKENS` (decoding), other models at 128 tokens. Returns the per-layer report rows
+    :data:`sparsa.nn.linears.DECODE_TOKENS` (decoding), other models at 128 tokens. Returns the per-layer report rows
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
     dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
@@ -352,21 +346,19 @@ def prune_model_dir(
     """
     from . import Rule, sparsify, sparsity_report
     from .methods import SparseGPT, Wanda
-    from .nn.linears import _tokens, annotate_paths, dense_where_slower
+    from .nn.linears import _tokens, annotate_paths, dense_where_slower, timing_tokens
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if isinstance(recover_seconds, bool) or not isinstance(recover_seconds, (int, float)) or not recover_seconds >= 0:
         raise ValueError(f"--recover must be a number of seconds >= 0, got {recover_seconds!r}")
-    tokens = _tokens(only_if_faster, "only_if_faster")
+    _tokens(only_if_faster, "only_if_faster")  # a bad value fails before any loading
     srcp, outp = Path(src), Path(out)
     if outp.exists() and not outp.is_dir():
         raise ValueError(f"--out {out!r} exists and is not a directory")
     if not (srcp / "config.json").is_file():
         raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
     causal = is_causal_lm(srcp)
-    if causal and only_if_faster is True:
-        tokens = DECODE_TIMING_TOKENS
     layout = layout or default_layout(pattern, causal)
     sparsifier = check_pattern_layout(pattern, sparsity, layout)
     frontier.check_method_layout(method, layout, "--method")
@@ -432,6 +424,7 @@ def prune_model_dir(
         if progress:
             first, last = (rep.losses[0], rep.losses[-1]) if rep.losses else (float("nan"), float("nan"))
             print(f"recovered: {rep.steps} steps in {rep.seconds:.0f} s, loss {first:.4f} -> {last:.4f}", flush=True)
+    tokens = timing_tokens(only_if_faster, model)
     if tokens:
         chosen = dense_where_slower(model, tokens, names=names)
     else:

@@ -210,3 +210,22 @@ def test_real_costs_are_cached_per_cpu_and_shape(tmp_path, monkeypatch):
     cost_model._DEFAULT.clear()  # a new process: the table comes from the file, nothing is timed
     monkeypatch.setattr(cost_model, "round_robin_ms", lambda *a, **k: pytest.fail("timed again"))
     assert linears.linear_costs(w, None, 4) == first
+
+
+@pytest.mark.parametrize("flag, tokens", [(True, linears.DECODE_TOKENS), (8, 8)])
+def test_a_generative_model_is_timed_at_decode_width(monkeypatch, flag, tokens):
+    # a causal LM spends its time decoding one token per step: True times it there, a count still wins
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    timer = FakeTimer({}, default=3.0)
+    monkeypatch.setattr(linears, "linear_costs", timer)
+    only_blocks = lambda m, n: n.startswith("model.layers.")  # noqa: E731
+    sparsa.sparsify(model, sparsa.methods.OneShot(0.5, layout="bitmask", only_if_faster=flag), only_blocks)
+    assert timer.calls and {t for _, t, _ in timer.calls} == {tokens}
+    timer.calls.clear()
+    sparsa.sparsify(_model(), sparsa.methods.OneShot(0.5, layout="bitmask", only_if_faster=True))
+    assert {t for _, t, _ in timer.calls} == {linears.DEFAULT_TOKENS}

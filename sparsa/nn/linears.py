@@ -54,6 +54,10 @@ _NM = {0.5: (2, 4), 0.75: (1, 4), 0.875: (1, 8), 0.9: (1, 10), 0.25: (3, 4)}
 
 #: token count (rows of the input) at which ``only_if_faster=True`` times a layer
 DEFAULT_TOKENS = 128
+#: token count at which ``only_if_faster=True`` times the layers of a generative model (its
+#: ``can_generate()`` is true, e.g. a ``...ForCausalLM``): generation spends its time in steps of one new
+#: token per sequence, where a sparse layer pays by the bytes it reads, not at a prompt's width
+DECODE_TOKENS = 1
 #: a sparse layer is kept only if it is at least this much faster than dense (ratio >= 1 + MARGIN):
 #: a kernel that merely ties dense is not worth its dispatch and its timing noise
 MARGIN = 0.05
@@ -92,6 +96,18 @@ def _tokens(only_if_faster: Union[bool, int], arg: str = "only_if_faster") -> in
     if only_if_faster <= 0:
         raise ValueError(f"{arg} must be a positive token count (or True/False), got {only_if_faster}")
     return int(only_if_faster)
+
+
+def timing_tokens(
+    only_if_faster: Union[bool, int], model: Optional[nn.Module] = None, arg: str = "only_if_faster"
+) -> int:
+    """The token count ``only_if_faster`` times ``model``'s layers at (0 when off): an explicit count, or for
+    ``True`` :data:`DECODE_TOKENS` on a generative model and :data:`DEFAULT_TOKENS` otherwise."""
+    tokens = _tokens(only_if_faster, arg)
+    can_generate = getattr(model, "can_generate", None)
+    if only_if_faster is True and callable(can_generate) and can_generate():
+        return DECODE_TOKENS
+    return tokens
 
 
 def _dense_option(dtype: torch.dtype) -> str:

@@ -26,7 +26,7 @@ from ..sparsifiers.base import Sparsifier
 from ..sparsifiers.resolve import resolve_pattern
 from ..tensor import SparseTensor
 from .config import FilterFn, SparsifyConfig
-from .linears import _tokens, default_sparsifier, dense_where_slower, record_paths
+from .linears import _tokens, default_sparsifier, dense_where_slower, record_paths, timing_tokens
 from .report import sparsity_report
 from .rule import Rule
 from .sparsify import sparsify
@@ -96,7 +96,7 @@ class OneShot(SparsifyConfig):
             for n, m in model.named_modules()
             if rule.matches(n, m) and (filter_fn is None or filter_fn(m, n)) and isinstance(m.weight, SparseTensor)
         ]
-        tokens = _tokens(self.only_if_faster)
+        tokens = timing_tokens(self.only_if_faster, model)
         if tokens:
             chosen = dense_where_slower(
                 model, tokens, names=[re.compile(re.escape(n)) for n in done], dtypes=self.dtypes
