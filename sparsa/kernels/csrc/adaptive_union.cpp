@@ -281,8 +281,8 @@ int sparsa_union_supported() {
 }
 
 // The operand of x (logical [N, C, H, W], element strides sn, sc, sh, sw): relu != 0 keeps x > 0
-// (xa = relu(x)), relu == 0 keeps x != 0. xa (NHWC, may be null when every pixel's channels are
-// contiguous, sc == 1) receives the kept values; bm the masks. union4 (may be null) receives how
+// (xa = relu(x)), relu == 0 keeps x != 0. xa (NHWC, or null for the masks alone) receives the kept
+// values; bm the masks. union4 (may be null) receives how
 // clustered the zeros are: the sum over runs of 4 consecutive pixels of each image (rows flattened, the
 // last run shorter) of the number of channels nonzero in any of them -- the work of the 4-pixel kernels
 // in units of one FMA row. Returns the number of nonzeros, or -1 when the CPU lacks AVX-512.
@@ -291,7 +291,6 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
                                  int64_t* union4, int nthreads) {
     if (!sparsa_union_supported()) return -1;
 #ifdef SPARSA_UNION_AVX512
-    if (!xa && sc != 1) return -2;
     const int64_t NW = words(C), rows = N * H;
     int64_t total = 0, uni = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : total, uni)
