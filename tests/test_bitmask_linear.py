@@ -1,8 +1,9 @@
 """The Bitmask layout and ``sparsa::bitmask_linear`` (decode/prefill kernels) against dense references.
 
 Every kernel path this CPU has runs: the native ``stream`` strategy's row loops (AVX2 8-column, the
-16-column loop on AVX2 halves, and AVX-512 where the CPU has it), the ``expand`` strategy and the
-pure-PyTorch fallback; fp32 and bf16 (checked against float64 with a bf16 tolerance).
+16-column loop on AVX2 halves, AVX-512 where the CPU has it, and the bf16 dot-product loop where it has
+AVX512-BF16 and VBMI2), the ``expand`` strategy and the pure-PyTorch fallback; fp32 and bf16 (checked
+against float64 with a bf16 tolerance).
 """
 
 import os
@@ -23,15 +24,21 @@ BF = torch.bfloat16
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "expand", "fallback"])
+@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "fallback"])
 def path(request, monkeypatch):
-    """A native strategy and row loop, or the pure-PyTorch reference."""
+    """A native strategy and row loop, or the pure-PyTorch reference. ``stream_dpbf16`` runs the
+    ``auto`` loop where the CPU has AVX512-BF16 and VBMI2: bfloat16 takes the dot-product loop there,
+    float32 the AVX-512 one."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if request.param == "stream_avx512":
         if not bm.has_avx512():
             pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as stream_pair16 (AVX2 halves)")
         monkeypatch.setattr(bm, "STREAM_PATH", "avx512")
+    elif request.param == "stream_dpbf16":
+        if not bm.has_dpbf16():
+            pytest.skip("this CPU has no AVX512-BF16 + VBMI2: bfloat16 runs the avx512 or avx2 loop")
+        monkeypatch.setattr(bm, "STREAM_PATH", "auto")
     elif request.param == "stream_pair16":
         monkeypatch.setattr(bm, "STREAM_PATH", "pair16")
     if request.param == "fallback":
@@ -131,6 +138,25 @@ def test_an_unknown_or_missing_row_loop_is_named(monkeypatch):
     monkeypatch.setattr(bm, "STREAM_PATH", "avx512")
     with pytest.raises(RuntimeError, match="STREAM_PATH='avx512' is not available"):
         bm.bitmask_linear_impl(torch.randn(1, 24), *_components(w), None, 4, "stream")
+
+
+def test_the_bf16_dot_product_loop_is_bfloat16_only(monkeypatch):
+    if not bm.has_dpbf16():
+        pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the dot-product loop is not built for it")
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    w = Bitmask.from_dense(torch.randn(40, 200), sparsity=0.5)
+    monkeypatch.setattr(bm, "STREAM_PATH", "dpbf16")
+    with pytest.raises(RuntimeError, match="takes bfloat16 operands only"):
+        bm.bitmask_linear_impl(torch.randn(2, 200), *_components(w), None, 40, "stream")
+    wb = Bitmask.from_dense(torch.randn(40, 200).to(BF), sparsity=0.5)
+    x = torch.randn(2, 200).to(BF)
+    forced = bm.bitmask_linear_impl(x, *_components(wb), None, 40, "stream")
+    monkeypatch.setattr(bm, "STREAM_PATH", "auto")  # auto picks the same loop for bfloat16: same bits
+    assert torch.equal(bm.bitmask_linear_impl(x, *_components(wb), None, 40, "stream"), forced)
+    monkeypatch.setenv("SPARSA_ISA", "avx2")  # lowered below avx512, the loop is off
+    monkeypatch.setattr(bm, "STREAM_PATH", "dpbf16")
+    with pytest.raises(RuntimeError, match="STREAM_PATH='dpbf16' is not available"):
+        bm.bitmask_linear_impl(x, *_components(wb), None, 40, "stream")
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -279,6 +305,7 @@ print("ok")
         ("avx2", "stream", "bfloat16"),
         ("avx2", "expand", "float32"),
         ("avx512", "stream", "float32"),
+        ("dpbf16", "stream", "bfloat16"),
     ],
 )
 def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, strategy, dtype):
@@ -288,6 +315,8 @@ def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, st
         pytest.skip("no native kernel here")
     if path == "avx512" and not bm.has_avx512():
         pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as pair16 (AVX2 halves)")
+    if path == "dpbf16" and not bm.has_dpbf16():
+        pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 dot-product loop does not run")
     script = tmp_path / "guarded.py"
     script.write_text(_GUARDED_CALL)
     env = {k: v for k, v in os.environ.items() if k not in ("SPARSA_NO_NATIVE", "SPARSA_ISA")}

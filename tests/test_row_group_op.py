@@ -146,6 +146,57 @@ def test_nan_and_inf_propagate(path):
         assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all()
 
 
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_bf16_dot_product_tiles(group, permute, activation, monkeypatch):
+    # 16 bf16 tokens or more take the AVX512-BF16 tiles: pairs of kept columns (odd k leaves a lone last
+    # column), token panels of 16 with a partial last one, a partial last group, 1 and 2 threads
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    if not rg.has_dpbf16():
+        pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
+    gen = torch.Generator().manual_seed(group + permute)
+    old = torch.get_num_threads()
+    try:
+        for K, sparsity in ((301, 0.5), (64, 0.75), (1030, 0.9)):
+            lay = RowGroup.from_dense(
+                torch.randn(2 * group + 3, K, generator=gen), group=group, sparsity=sparsity, permute=permute
+            )
+            lay = RowGroup(lay.columns, lay.values.bfloat16(), lay.shape, lay.row_perm, validate=False)
+            b = torch.randn(lay.shape[0], generator=gen).bfloat16()
+            for T, threads in ((16, 1), (17, 2), (47, 2), (130, 1)):
+                torch.set_num_threads(threads)
+                x = torch.randn(T, K, generator=gen).bfloat16()
+                y = rg.row_group_linear_impl(x, lay.columns, lay.values, b, lay.shape[0], lay.row_perm, activation)
+                _check(y, _reference(x, lay, b, activation), torch.bfloat16, _accumulated(x, lay, b))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_bf16_dot_product_tiles_propagate_nan_and_inf(monkeypatch):
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    if not rg.has_dpbf16():
+        pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
+    lay = RowGroup.from_dense(torch.ones(16, 9), group=16, sparsity=0.5)  # k = 5: a lone last column
+    for c in (lay.columns[0, 0], lay.columns[0, -1]):
+        x = torch.ones(16, 9, dtype=torch.bfloat16)
+        x[0, c] = float("nan")
+        x[1, c] = float("inf")
+        y = rg.row_group_linear_impl(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm)
+        assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all() and torch.isfinite(y[2:]).all()
+
+
+def test_bf16_dot_product_tiles_follow_sparsa_isa(monkeypatch):
+    if rg.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert not rg.has_dpbf16()
+    monkeypatch.delenv("SPARSA_ISA")
+    assert rg.has_dpbf16() == bool(cpu.cpu_flags()["avx512_bf16"] and cpu.hardware_isa() in ("avx512", "amx"))
+
+
 def test_unknown_activation_is_a_clear_error():
     lay = RowGroup.from_dense(torch.randn(16, 8), group=16, sparsity=0.5)
     with pytest.raises(ValueError, match="activation must be one of"):

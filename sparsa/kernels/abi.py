@@ -131,6 +131,7 @@ _ADAPTIVE = {
 
 _BITMASK = {
     "sparsa_bitmask_has_avx512": sig(INT),
+    "sparsa_bitmask_has_dpbf16": sig(INT),
     "sparsa_bitmask_linear_f32": sig(
         INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT, path=INT
     ),
@@ -166,6 +167,7 @@ _BITMASK = {
 }
 
 _ROW_GROUP = {
+    "sparsa_row_group_has_dpbf16": sig(INT),
     "sparsa_row_group_linear_f32": sig(
         INT,
         x=PTR,

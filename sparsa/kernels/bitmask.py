@@ -4,8 +4,9 @@ Two native strategies (``csrc/bitmask_linear.cpp``), both reading the compressed
 
 - ``"stream"`` for a few tokens (LLM decoding): every row's packed values are expanded in registers,
   8 columns at a time with AVX2 or 16 with AVX-512 (one masked expand per pair of mask bytes, where the
-  CPU has AVX-512F), and multiplied with the tokens; the weight is streamed from memory once, so the
-  time follows its bytes. :data:`STREAM_PATH` picks the row loop.
+  CPU has AVX-512F), and multiplied with the tokens; bfloat16 takes 32 columns a step with one word
+  expand and VDPBF16PS where the CPU has AVX512-BF16 and VBMI2. The weight is streamed from memory
+  once, so the time follows its bytes. :data:`STREAM_PATH` picks the row loop.
 - ``"expand"`` for many tokens (prefill): blocks of rows are expanded to dense rows that stay in cache,
   and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
   memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
@@ -49,6 +50,7 @@ __all__ = [
     "STREAM_PATH",
     "STREAM_PATHS",
     "has_avx512",
+    "has_dpbf16",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -66,10 +68,12 @@ STRATEGIES = ("stream", "expand")
 STREAM_MAX_TOKENS = 8
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
-#: the stream strategy's row loops: ``"auto"`` (AVX-512 where the CPU has it and ``SPARSA_ISA`` allows it,
-#: else AVX2), ``"avx2"`` (8 columns a step), ``"avx512"`` (16), ``"pair16"`` (the AVX-512 loop on two
-#: AVX2 halves: the same offsets and tails, so tests check that loop's logic on any AVX2 CPU)
-STREAM_PATHS = {"auto": 0, "avx2": 1, "avx512": 2, "pair16": 3}
+#: the stream strategy's row loops: ``"auto"`` (for bfloat16 the dot-product loop where the CPU has
+#: AVX512-BF16 and VBMI2, else AVX-512 where it has it, else AVX2; ``SPARSA_ISA`` can lower it),
+#: ``"avx2"`` (8 columns a step), ``"avx512"`` (16), ``"pair16"`` (the AVX-512 loop on two AVX2 halves:
+#: the same offsets and tails, so tests check that loop's logic on any AVX2 CPU), ``"dpbf16"`` (bfloat16
+#: only: 32 columns a step, one word expand and one VDPBF16PS per token, X kept in bfloat16)
+STREAM_PATHS = {"auto": 0, "avx2": 1, "avx512": 2, "pair16": 3, "dpbf16": 4}
 #: the row loop the stream strategy runs (one of :data:`STREAM_PATHS`)
 STREAM_PATH = "auto"
 
@@ -104,6 +108,13 @@ def has_avx512() -> bool:
     """Whether the stream strategy's AVX-512 row loop runs here (CPU, build and ``SPARSA_ISA``)."""
     lib = native_library()
     return lib is not None and bool(lib.sparsa_bitmask_has_avx512())
+
+
+def has_dpbf16() -> bool:
+    """Whether the stream strategy's bfloat16 dot-product loop runs here (AVX512-BF16 + VBMI2, build and
+    ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_dpbf16())
 
 
 def _stream_path() -> int:
@@ -157,6 +168,11 @@ def _stream(
     else:
         rc = lib.sparsa_bitmask_linear_f32(
             x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), R, bp, y.data_ptr(), nt, path
+        )
+    if rc == -4:
+        raise RuntimeError(
+            f"bitmask stream kernel: row loop STREAM_PATH={STREAM_PATH!r} takes bfloat16 operands only, got "
+            f"{x2.dtype}; use 'auto' or a float32 loop"
         )
     if rc:
         raise RuntimeError(

@@ -3,10 +3,11 @@
 A ``torch.library`` custom op with a fake implementation (so it traces under ``torch.compile``) and
 an autograd formula, around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp``
 (AVX-512 tiles chosen at run time when the CPU has them; ``SPARSA_ISA=avx2`` keeps the AVX2 ones).
-float32 and bfloat16 operands (bf16 weights widened in registers, fp32 accumulation, the output
-rounded once); ``activation="gelu"`` applies GELU in the kernel's epilogue, after the bias. When the
-kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs :func:`row_group_linear_reference`
-(gather + batched matmul).
+float32 and bfloat16 operands (fp32 accumulation, the output rounded once): bf16 with 16 tokens or
+more and groups of 16 or 32 runs VDPBF16PS tiles where the CPU has AVX512-BF16 (:func:`has_dpbf16`),
+otherwise bf16 weights are widened in registers. ``activation="gelu"`` applies GELU in the kernel's
+epilogue, after the bias. When the kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs
+:func:`row_group_linear_reference` (gather + batched matmul).
 
 Example::
 
@@ -40,6 +41,7 @@ __all__ = [
     "row_group_linear_reference",
     "native_library",
     "native_kind",
+    "has_dpbf16",
     "ACTIVATIONS",
 ]
 
@@ -50,6 +52,13 @@ _SOURCES = ["row_group_linear.cpp"]
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
     return loader.load("row_group_linear", _SOURCES)  # typed by abi.SIGNATURES["row_group_linear"]
+
+
+def has_dpbf16() -> bool:
+    """Whether bfloat16 calls with 16 tokens or more run the AVX512-BF16 dot-product tiles here (CPU,
+    build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_row_group_has_dpbf16())
 
 
 def row_group_linear_reference(

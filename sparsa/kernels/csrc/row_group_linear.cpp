@@ -36,6 +36,7 @@
 #endif
 #include "bf16.h"
 #include "gelu.h"
+#include "transpose8.h"
 
 namespace {
 
@@ -310,6 +311,161 @@ struct TileTable512<NV, 0, WT> {
 };
 #endif
 
+#if defined(SPARSA_HAVE_AVX512_PATH)
+// bf16 dot-product path (CPUs with AVX512-BF16), bf16 X and weights with 16 tokens or more. The tile is
+// transposed against the fp32 one: each accumulator holds one output row for 16 tokens, so a weight
+// pair broadcasts from memory into VDPBF16PS (two MACs per lane and instruction, twice the fp32 FMA).
+// A panel of 16 tokens is stored column-major as fp32 bit patterns, xt[c][t]; the bf16 pair of two
+// kept columns for all 16 tokens is then (xt[c0] >> 16) | xt[c1]: two loads and two integer ops per
+// pair, shared by the 16 output rows. Weights are repacked per call into pairs, wp[vg][p][r][2] for
+// virtual groups of 16 rows (a group of 32 is two), with a zero partner for an odd last column.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
+namespace dp {
+
+constexpr int NT = 16;  // tokens per tile: the fp32 lanes of one zmm
+
+// xt[c * 16 + t] = float(x[t][c]) (row stride K) for c < K and t < nt; lanes t >= nt are zero
+void pack_panel(const uint16_t* x, int64_t K, int nt, float* xt) {
+    int64_t c = 0;
+    for (; c + 8 <= K; c += 8) {
+        for (int h = 0; h < 2; ++h) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) {
+                const int t = 8 * h + i;
+                r[i] = t < nt ? sparsa_load8_bf16(x + t * K + c) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(xt + (c + i) * NT + 8 * h, r[i]);
+        }
+    }
+    for (; c < K; ++c)
+        for (int t = 0; t < NT; ++t) xt[c * NT + t] = t < nt ? sparsa_bf16_to_f32(x[t * K + c]) : 0.f;
+}
+
+// acc += xp . {w pair broadcast}: GCC 12 does not fold the broadcast into VDPBF16PS itself, and a
+// separate vpbroadcastd per MAC instruction costs a pipe slot
+static inline __m512 dot_bcast(__m512 acc, __m512i xp, const uint32_t* w) {
+    asm("vdpbf16ps %[w]%{1to16%}, %[x], %[acc]" : [acc] "+v"(acc) : [x] "v"(xp), [w] "m"(*w));
+    return acc;
+}
+
+// out[t][r] (t < 16, r < 16) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wp, int64_t k,
+          float out[NT][16]) {
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(wp);
+    const int64_t np = k / 2;
+    for (int64_t p = 0; p < np; ++p, w += 16) {
+        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(xt + cols[2 * p] * NT)), 16);
+        const __m512i xp = _mm512_or_si512(lo, _mm512_castps_si512(_mm512_loadu_ps(xt + cols[2 * p + 1] * NT)));
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r)
+            acc[r] = dot_bcast(acc[r], xp, w + r);
+    }
+    if (k & 1) {  // the odd last column: its partner lane is zero in x and w alike
+        const __m512i xp = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(xt + cols[k - 1] * NT)), 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r)
+            acc[r] = dot_bcast(acc[r], xp, w + r);
+    }
+    for (int h = 0; h < 2; ++h)      // token half
+        for (int q = 0; q < 2; ++q) {  // row half
+            __m256 b[8];
+            for (int i = 0; i < 8; ++i)
+                b[i] = h ? _mm512_extractf32x8_ps(acc[8 * q + i], 1) : _mm512_castps512_ps256(acc[8 * q + i]);
+            transpose8(b);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&out[8 * h + i][8 * q], b[i]);
+        }
+}
+
+// wp[vg][p][r][2] from vals[g][j][G] (vg = g * G / 16 + half)
+void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
+    const int64_t halves = G / 16, np = (k + 1) / 2, nvg = ng * halves;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t vg = 0; vg < nvg; ++vg) {
+        const int64_t g = vg / halves, r0 = (vg % halves) * 16;
+        const uint16_t* v = vals + g * k * G + r0;
+        uint16_t* o = wp + vg * np * 32;
+        for (int64_t p = 0; p < np; ++p)
+            for (int r = 0; r < 16; ++r) {
+                o[p * 32 + 2 * r] = v[(2 * p) * G + r];
+                o[p * 32 + 2 * r + 1] = 2 * p + 1 < k ? v[(2 * p + 1) * G + r] : (uint16_t)0;
+            }
+    }
+}
+
+// ybf (T x R bf16) = x W^T + bias (+ GELU); y (T x R floats) is scratch for permuted rows only
+void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng, int64_t k,
+         int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm, int nthreads,
+         bool act) {
+    const int64_t halves = G / 16, np = (k + 1) / 2, nvg = ng * halves;
+    std::vector<uint16_t> wp((size_t)(nvg * np * 32));
+    repack(vals, ng, k, G, wp.data(), nthreads);
+    // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
+    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, np * 64));
+    const int64_t npan = (T + NT - 1) / NT;
+    if (nthreads > 1 && npan < 2 * nthreads) vchunk = std::min<int64_t>(vchunk, std::max<int64_t>(1, nvg / (4 * nthreads)));
+    vchunk = std::max<int64_t>(1, std::min<int64_t>(vchunk, nvg));
+    const int64_t nchunks = (nvg + vchunk - 1) / vchunk;
+    int64_t nblocks = 1;
+    if (nthreads > 1 && nchunks < 4 * nthreads) nblocks = std::min<int64_t>(npan, (4 * nthreads + nchunks - 1) / nchunks);
+    const int64_t pan_per_block = (npan + nblocks - 1) / nblocks;
+    const int64_t ntasks = nchunks * nblocks;
+    auto task = [&](int64_t id) {
+        const int64_t ch = id / nblocks, bl = id % nblocks;
+        const int64_t v0 = ch * vchunk, v1 = std::min(nvg, v0 + vchunk);
+        const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
+        std::unique_ptr<float[]> xt(new float[(size_t)(K * NT)]);
+        alignas(64) float out[NT][16];
+        for (int64_t pa = p0; pa < p1; ++pa) {
+            const int64_t t0 = pa * NT;
+            const int nt = (int)std::min<int64_t>(NT, T - t0);
+            pack_panel(x + t0 * K, K, nt, xt.get());
+            for (int64_t vg = v0; vg < v1; ++vg) {
+                const int64_t g = vg / halves;
+                tile(xt.get(), cols + g * k, wp.data() + vg * np * 32, k, out);
+                const int64_t s0 = vg * 16;  // first slot
+                for (int t = 0; t < nt; ++t) {
+                    float* yr = y + (t0 + t) * R;
+                    if (perm) {
+                        for (int r = 0; r < 16; ++r) {
+                            const int32_t o = perm[s0 + r];
+                            if (o < R) yr[o] = out[t][r] + (bias ? bias[o] : 0.f);
+                        }
+                    } else {  // rounded to bf16 here: no float copy of y goes through memory
+                        const int nout = (int)std::min<int64_t>(16, R - s0);
+                        if (nout <= 0) continue;
+                        const __mmask16 m = (__mmask16)((1u << nout) - 1u);
+                        if (bias) _mm512_store_ps(out[t], _mm512_add_ps(_mm512_load_ps(out[t]), _mm512_maskz_loadu_ps(m, bias + s0)));
+                        if (act) sparsa_gelu_inplace(out[t], nout);
+                        const __m128i lo = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t]));
+                        const __m128i hi = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t] + 8));
+                        _mm256_mask_storeu_epi16(ybf + (t0 + t) * R + s0, m, _mm256_set_m128i(hi, lo));
+                    }
+                }
+            }
+        }
+    };
+    if (nthreads <= 1 || ntasks == 1) {
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    } else {
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+        for (int64_t id = 0; id < ntasks; ++id) task(id);
+    }
+    if (perm) {  // permuted slots land anywhere in a row: GELU and rounding once every row is complete
+        if (act)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+            for (int64_t t = 0; t < T; ++t) sparsa_gelu_inplace(y + t * R, (int)R);
+        sparsa_f32_to_bf16_n(y, ybf, T * R, nthreads);
+    }
+}
+
+}  // namespace dp
+#pragma GCC pop_options
+#endif
+
 // Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
 // of y: the token panels are taken in blocks whose y rows (about 512 KiB) stay in L2 while every
 // weight chunk passes over them (the chunk itself is reused across the block's panels).
@@ -517,6 +673,19 @@ bool use_avx512() {
 #endif
 }
 
+// the bf16 dot-product tiles run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
+bool use_dpbf16() {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    static const bool cpu = __builtin_cpu_supports("avx512bf16");
+    return cpu && sparsa_cpu_avx512_enabled();
+#else
+    return false;
+#endif
+}
+
+// fewest tokens for the bf16 dot-product tiles (16 token lanes each); fewer run the widening tiles
+constexpr int64_t kDpMinTokens = 16;
+
 bool is_identity(const int32_t* perm, int64_t n) {
     for (int64_t i = 0; i < n; ++i)
         if (perm[i] != i) return false;
@@ -529,6 +698,14 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
            int nthreads, bool act) {
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
 #ifdef SPARSA_HAVE_AVX512_PATH
+    if constexpr (std::is_same<WT, uint16_t>::value) {
+        if (x_bf16 && y_bf16 && (G == 16 || G == 32) && T >= kDpMinTokens && use_dpbf16()) {
+            dp::run(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
+                    perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm, nthreads,
+                    act);
+            return 0;
+        }
+    }
     if (use_avx512()) {
         switch (G) {
             case 16: return dispatch<16, 8, WT>(TileTable512<1, 8, WT>::fill, x, x_bf16, T, K, cols, vals, ng, k, bias,
@@ -560,6 +737,9 @@ int sparsa_row_group_version() { return 4; }
 
 // 1 when the AVX-512 tiles run on this CPU
 int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
+
+// 1 when bf16 calls with 16 tokens or more run the AVX512-BF16 dot-product tiles on this CPU
+int sparsa_row_group_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
 
 int sparsa_row_group_has_avx2() {
 #ifdef __AVX2__
