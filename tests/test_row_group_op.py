@@ -146,12 +146,12 @@ def test_nan_and_inf_propagate(path):
         assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all()
 
 
-@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("group", [4, 8, 16, 32])
 @pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("activation", ["none", "gelu"])
 def test_bf16_dot_product_tiles(group, permute, activation, monkeypatch):
     # 16 bf16 tokens or more take the AVX512-BF16 tiles: pairs of kept columns (odd k leaves a lone last
-    # column), token panels of 16 with a partial last one, a partial last group, 1 and 2 threads
+    # column), token panels of 16/32/64 with a partial last one, a partial last group, 1 and 2 threads
     monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)

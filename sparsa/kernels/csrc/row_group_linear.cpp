@@ -315,21 +315,26 @@ struct TileTable512<NV, 0, WT> {
 // bf16 dot-product path (CPUs with AVX512-BF16), bf16 X and weights with 16 tokens or more. The tile is
 // transposed against the fp32 one: each accumulator holds one output row for 16 tokens, so a weight
 // pair broadcasts from memory into VDPBF16PS (two MACs per lane and instruction, twice the fp32 FMA).
-// A panel of 16 tokens is stored column-major as fp32 bit patterns, xt[c][t]; the bf16 pair of two
-// kept columns for all 16 tokens is then (xt[c0] >> 16) | xt[c1]: two loads and two integer ops per
-// pair, shared by the 16 output rows. Weights are repacked per call into pairs, wp[vg][p][r][2] for
-// virtual groups of 16 rows (a group of 32 is two), with a zero partner for an odd last column.
+// A panel of NT = 16 TV tokens is stored column-major as fp32 bit patterns, xt[c][t]; the bf16 pair of
+// two kept columns for 16 tokens is then (xt[c0] >> 16) | xt[c1]: two loads and two integer ops per
+// pair, shared by the RT output rows of a tile. Groups of 16 and 32 take tiles of 16 rows x 16 tokens,
+// groups of 8 (4) 8 rows x 32 tokens (4 x 64), so every tile keeps 16 accumulators. Weights are repacked
+// per call into pairs, wp[vg][p][r][2] for virtual groups of RT rows (a group of 32 is two of 16), with
+// a zero partner for an odd last column.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
 namespace dp {
 
-constexpr int NT = 16;  // tokens per tile: the fp32 lanes of one zmm
-
-// xt[c * 16 + t] = float(x[t][c]) (row stride K) for c < K and t < nt; lanes t >= nt are zero
+// xt[c * NT + t] = float(x[t][c]) (row stride K) for c < K and t < nt; lanes t >= nt are zero
+template <int NT>
 void pack_panel(const uint16_t* x, int64_t K, int nt, float* xt) {
     int64_t c = 0;
     for (; c + 8 <= K; c += 8) {
-        for (int h = 0; h < 2; ++h) {
+        for (int h = 0; h < NT / 8; ++h) {
+            if (8 * h >= nt) {
+                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(xt + (c + i) * NT + 8 * h, _mm256_setzero_ps());
+                continue;
+            }
             __m256 r[8];
             for (int i = 0; i < 8; ++i) {
                 const int t = 8 * h + i;
@@ -350,61 +355,84 @@ static inline __m512 dot_bcast(__m512 acc, __m512i xp, const uint32_t* w) {
     return acc;
 }
 
-// out[t][r] (t < 16, r < 16) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
-void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wp, int64_t k,
-          float out[NT][16]) {
-    __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(wp);
-    const int64_t np = k / 2;
-    for (int64_t p = 0; p < np; ++p, w += 16) {
-        const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(xt + cols[2 * p] * NT)), 16);
-        const __m512i xp = _mm512_or_si512(lo, _mm512_castps_si512(_mm512_loadu_ps(xt + cols[2 * p + 1] * NT)));
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r)
-            acc[r] = dot_bcast(acc[r], xp, w + r);
-    }
-    if (k & 1) {  // the odd last column: its partner lane is zero in x and w alike
-        const __m512i xp = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(xt + cols[k - 1] * NT)), 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; ++r)
-            acc[r] = dot_bcast(acc[r], xp, w + r);
-    }
-    for (int h = 0; h < 2; ++h)      // token half
-        for (int q = 0; q < 2; ++q) {  // row half
-            __m256 b[8];
-            for (int i = 0; i < 8; ++i)
-                b[i] = h ? _mm512_extractf32x8_ps(acc[8 * q + i], 1) : _mm512_castps512_ps256(acc[8 * q + i]);
-            transpose8(b);
-            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&out[8 * h + i][8 * q], b[i]);
-        }
+// the bf16 pairs (x[t][c0], x[t][c1]) of 16 tokens from the fp32 panel rows at a and b
+static inline __m512i pair_of(const float* a, const float* b) {
+    const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(a)), 16);
+    return _mm512_or_si512(lo, _mm512_castps_si512(_mm512_loadu_ps(b)));
 }
 
-// wp[vg][p][r][2] from vals[g][j][G] (vg = g * G / 16 + half)
-void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
-    const int64_t halves = G / 16, np = (k + 1) / 2, nvg = ng * halves;
+// out[t][r] (t < 16 TV, r < RT; row stride 16) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+template <int RT, int TV>
+void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wp, int64_t k,
+          float (*out)[16]) {
+    constexpr int NT = 16 * TV;
+    __m512 acc[TV][RT];
+    for (int v = 0; v < TV; ++v)
+        for (int r = 0; r < RT; ++r) acc[v][r] = _mm512_setzero_ps();
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(wp);
+    const int64_t np = k / 2;
+    for (int64_t p = 0; p < np; ++p, w += RT) {
+        const float* a = xt + cols[2 * p] * NT;
+        const float* b = xt + cols[2 * p + 1] * NT;
+#pragma GCC unroll 4
+        for (int v = 0; v < TV; ++v) {
+            const __m512i xp = pair_of(a + 16 * v, b + 16 * v);
+#pragma GCC unroll 16
+            for (int r = 0; r < RT; ++r) acc[v][r] = dot_bcast(acc[v][r], xp, w + r);
+        }
+    }
+    if (k & 1) {  // the odd last column: its partner lane is zero in x and w alike
+        const float* a = xt + cols[k - 1] * NT;
+        for (int v = 0; v < TV; ++v) {
+            const __m512i xp = _mm512_srli_epi32(_mm512_castps_si512(_mm512_loadu_ps(a + 16 * v)), 16);
+            for (int r = 0; r < RT; ++r) acc[v][r] = dot_bcast(acc[v][r], xp, w + r);
+        }
+    }
+    if constexpr (RT == 16 && TV == 1) {  // 8x8 transposes: row vectors to token rows
+        for (int h = 0; h < 2; ++h)        // token half
+            for (int q = 0; q < 2; ++q) {  // row half
+                __m256 b[8];
+                for (int i = 0; i < 8; ++i)
+                    b[i] = h ? _mm512_extractf32x8_ps(acc[0][8 * q + i], 1) : _mm512_castps512_ps256(acc[0][8 * q + i]);
+                transpose8(b);
+                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&out[8 * h + i][8 * q], b[i]);
+            }
+    } else {
+        alignas(64) float buf[RT][NT];
+        for (int v = 0; v < TV; ++v)
+            for (int r = 0; r < RT; ++r) _mm512_store_ps(&buf[r][16 * v], acc[v][r]);
+        for (int t = 0; t < NT; ++t)
+            for (int r = 0; r < RT; ++r) out[t][r] = buf[r][t];
+    }
+}
+
+// wp[vg][p][r][2] from vals[g][j][G] (vg = g * G / RT + part)
+void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int RT, uint16_t* wp, int nthreads) {
+    const int64_t parts = G / RT, np = (k + 1) / 2, nvg = ng * parts;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t vg = 0; vg < nvg; ++vg) {
-        const int64_t g = vg / halves, r0 = (vg % halves) * 16;
+        const int64_t g = vg / parts, r0 = (vg % parts) * RT;
         const uint16_t* v = vals + g * k * G + r0;
-        uint16_t* o = wp + vg * np * 32;
+        uint16_t* o = wp + vg * np * 2 * RT;
         for (int64_t p = 0; p < np; ++p)
-            for (int r = 0; r < 16; ++r) {
-                o[p * 32 + 2 * r] = v[(2 * p) * G + r];
-                o[p * 32 + 2 * r + 1] = 2 * p + 1 < k ? v[(2 * p + 1) * G + r] : (uint16_t)0;
+            for (int r = 0; r < RT; ++r) {
+                o[(p * RT + r) * 2] = v[(2 * p) * G + r];
+                o[(p * RT + r) * 2 + 1] = 2 * p + 1 < k ? v[(2 * p + 1) * G + r] : (uint16_t)0;
             }
     }
 }
 
 // ybf (T x R bf16) = x W^T + bias (+ GELU); y (T x R floats) is scratch for permuted rows only
+template <int RT, int TV>
 void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng, int64_t k,
          int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm, int nthreads,
          bool act) {
-    const int64_t halves = G / 16, np = (k + 1) / 2, nvg = ng * halves;
-    std::vector<uint16_t> wp((size_t)(nvg * np * 32));
-    repack(vals, ng, k, G, wp.data(), nthreads);
+    constexpr int NT = 16 * TV;
+    const int64_t parts = G / RT, np = (k + 1) / 2, nvg = ng * parts;
+    std::vector<uint16_t> wp((size_t)(nvg * np * 2 * RT));
+    repack(vals, ng, k, G, RT, wp.data(), nthreads);
     // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
-    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, np * 64));
+    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, np * 4 * RT));
     const int64_t npan = (T + NT - 1) / NT;
     if (nthreads > 1 && npan < 2 * nthreads) vchunk = std::min<int64_t>(vchunk, std::max<int64_t>(1, nvg / (4 * nthreads)));
     vchunk = std::max<int64_t>(1, std::min<int64_t>(vchunk, nvg));
@@ -418,27 +446,29 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const int64_t v0 = ch * vchunk, v1 = std::min(nvg, v0 + vchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
         std::unique_ptr<float[]> xt(new float[(size_t)(K * NT)]);
-        alignas(64) float out[NT][16];
+        alignas(64) float out[NT][16] = {};  // lanes past RT are never stored
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
             const int nt = (int)std::min<int64_t>(NT, T - t0);
-            pack_panel(x + t0 * K, K, nt, xt.get());
+            pack_panel<NT>(x + t0 * K, K, nt, xt.get());
             for (int64_t vg = v0; vg < v1; ++vg) {
-                const int64_t g = vg / halves;
-                tile(xt.get(), cols + g * k, wp.data() + vg * np * 32, k, out);
-                const int64_t s0 = vg * 16;  // first slot
+                const int64_t g = vg / parts;
+                tile<RT, TV>(xt.get(), cols + g * k, wp.data() + vg * np * 2 * RT, k, out);
+                const int64_t s0 = vg * RT;  // first slot
                 for (int t = 0; t < nt; ++t) {
-                    float* yr = y + (t0 + t) * R;
                     if (perm) {
-                        for (int r = 0; r < 16; ++r) {
+                        float* yr = y + (t0 + t) * R;
+                        for (int r = 0; r < RT; ++r) {
                             const int32_t o = perm[s0 + r];
                             if (o < R) yr[o] = out[t][r] + (bias ? bias[o] : 0.f);
                         }
                     } else {  // rounded to bf16 here: no float copy of y goes through memory
-                        const int nout = (int)std::min<int64_t>(16, R - s0);
+                        const int nout = (int)std::min<int64_t>(RT, R - s0);
                         if (nout <= 0) continue;
                         const __mmask16 m = (__mmask16)((1u << nout) - 1u);
-                        if (bias) _mm512_store_ps(out[t], _mm512_add_ps(_mm512_load_ps(out[t]), _mm512_maskz_loadu_ps(m, bias + s0)));
+                        if (bias)
+                            _mm512_store_ps(out[t],
+                                            _mm512_add_ps(_mm512_load_ps(out[t]), _mm512_maskz_loadu_ps(m, bias + s0)));
                         if (act) sparsa_gelu_inplace(out[t], nout);
                         const __m128i lo = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t]));
                         const __m128i hi = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t] + 8));
@@ -460,6 +490,24 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
             for (int64_t t = 0; t < T; ++t) sparsa_gelu_inplace(y + t * R, (int)R);
         sparsa_f32_to_bf16_n(y, ybf, T * R, nthreads);
     }
+}
+
+// the tile shape for a group size: RT rows x 16 TV tokens, 16 accumulators where the panel (K x 16 TV
+// floats) stays within about 384 KiB of L2, else fewer tokens (at least 8 accumulators)
+void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng,
+             int64_t k, int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm,
+             int nthreads, bool act) {
+    const int64_t panel_bytes_per_16 = K * 16 * (int64_t)sizeof(float);
+    const bool wide_ok = 4 * panel_bytes_per_16 <= 384 * 1024, pair_ok = 2 * panel_bytes_per_16 <= 384 * 1024;
+    if (G == 4) {
+        if (wide_ok) return run<4, 4>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        return run<4, 2>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+    }
+    if (G == 8) {
+        if (pair_ok) return run<8, 2>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        return run<8, 1>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+    }
+    return run<16, 1>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
 }
 
 }  // namespace dp
@@ -699,8 +747,8 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
 #ifdef SPARSA_HAVE_AVX512_PATH
     if constexpr (std::is_same<WT, uint16_t>::value) {
-        if (x_bf16 && y_bf16 && (G == 16 || G == 32) && T >= kDpMinTokens && use_dpbf16()) {
-            dp::run(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
+        if (x_bf16 && y_bf16 && (G == 4 || G == 8 || G == 16 || G == 32) && T >= kDpMinTokens && use_dpbf16()) {
+            dp::run_any(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
                     perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm, nthreads,
                     act);
             return 0;
