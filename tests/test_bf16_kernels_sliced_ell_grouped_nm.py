@@ -124,12 +124,14 @@ def test_sliced_ell_bf16_noncontiguous_input(path):
 
 
 def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
-    """Where native kernels run, bf16 operands never reach the reference; and the native result is exactly the
-    fp32 kernel's result on the widened operands, rounded once (same accumulation order)."""
+    """Where native kernels run, bf16 operands never reach the reference; and the AVX2 path's result is exactly
+    the fp32 kernel's result on the widened operands, rounded once (same accumulation order). The AVX512-BF16
+    rows sum slots in pairs: test_sliced_ell_bf16_dot_product_rows checks them against float64."""
     if cpu.hardware_isa() == "portable":
         pytest.skip("no native kernels: this CPU lacks avx2/fma")
-    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+    for v in ("SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
         monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
     assert se.native_library() is not None, "native sliced_ell kernel failed to build"
     gen = torch.Generator().manual_seed(7)
     e, vb, wd = _se_weight(37, 85, 0.9, gen)
@@ -147,6 +149,32 @@ def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
         _check(y, x, wd, b)
     # mixed dtypes are not a native kind: they run the reference
     assert se.native_kind(x, vb.float(), None) is None and se.native_kind(x.float(), vb, None) is None
+
+
+@pytest.mark.parametrize("T", [2, 17, 32, 45, 100])
+@pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.75), (3000, 0.5)])
+def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
+    # two tokens or more take the AVX512-BF16 rows: slot pairs and a lone last slot, chunked weights
+    # (K = 3000 at 50%), panels of 32 tokens with a partial last one, GELU after a bias
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    if not se.has_dpbf16():
+        pytest.skip(f"this CPU has no avx512_bf16 (hardware_isa={cpu.hardware_isa()}): the bf16 rows do not run")
+    gen = torch.Generator().manual_seed(T + K)
+    e, vb, wd = _se_weight(29, K, sparsity, gen)
+    if K == 3000:
+        assert se.chunk_bounds(se.native_library(), e.slice_ptr, e.columns, K) is not None, "expected K chunks"
+    x = torch.randn(T, K, generator=gen).to(BF)
+    b = _bias("bf16", 29, gen)
+    with monkeypatch.context() as m:
+        m.setattr(se, "sliced_ell_linear_reference", _no_reference)
+        y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29)
+        g = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29, "gelu")
+    _check(y, x, wd, b)
+    ref = torch.nn.functional.gelu(x.double() @ wd.double().T + b.double())
+    assert (g.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert not se.has_dpbf16()
 
 
 def _no_reference(*a, **k):

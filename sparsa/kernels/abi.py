@@ -280,6 +280,7 @@ _GROUPED_NM = {
 _SE_LINEAR = dict(x=PTR, T=I64, K=I64, slice_ptr=PTR, cols=PTR, vals=PTR, bounds=PTR, nch=I64, R=I64, bias=PTR)
 
 _SLICED_ELL = {
+    "sparsa_sliced_ell_has_dpbf16": sig(INT),
     "sparsa_sliced_ell_n_chunks": sig(I64, K=I64, slice_ptr=PTR, ns=I64),
     "sparsa_sliced_ell_chunk_bounds": sig(INT, slice_ptr=PTR, cols=PTR, ns=I64, nch=I64, bounds=PTR),
     "sparsa_sliced_ell_linear_f32": sig(INT, **_SE_LINEAR, y=PTR, nthreads=INT, act=INT),

@@ -12,8 +12,9 @@ that definition, so a padding entry gets ``sum_t grad_y[t, row] * x[t, column]``
 
 The native kernel runs for CPU tensors with ``x`` and ``values`` both float32 (bias float32 or None), or both
 bfloat16 (bias bfloat16, float32 or None): then products accumulate in float32 and the bfloat16 output is
-rounded once (nearest even). Other combinations run the reference, which for bfloat16/float16 inputs also
-computes in float32 and rounds once. The output has ``x``'s dtype.
+rounded once (nearest even); where the CPU has AVX512-BF16 (:func:`has_dpbf16`), two tokens or more take
+VDPBF16PS rows, which sum a row's slots in pairs. Other combinations run the reference, which for
+bfloat16/float16 inputs also computes in float32 and rounds once. The output has ``x``'s dtype.
 
 Example::
 
@@ -51,6 +52,7 @@ __all__ = [
     "native_library",
     "native_kind",
     "chunk_bounds",
+    "has_dpbf16",
 ]
 
 _SOURCES = ["sliced_ell_linear.cpp"]
@@ -59,6 +61,13 @@ _SOURCES = ["sliced_ell_linear.cpp"]
 def native_library() -> Optional[ctypes.CDLL]:
     """The native kernel library, or None when the fallback must run."""
     return loader.load("sliced_ell_linear", _SOURCES)  # typed by abi.SIGNATURES["sliced_ell_linear"]
+
+
+def has_dpbf16() -> bool:
+    """Whether bfloat16 calls with two tokens or more run the AVX512-BF16 dot-product rows here (CPU,
+    build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_sliced_ell_has_dpbf16())
 
 
 def _entry_rows(slice_ptr: Tensor, n_entries: int) -> Tensor:

@@ -14,14 +14,17 @@
 // bfloat16 (sparsa_sliced_ell_linear_bf16): the same kernel with bf16 X, weight values and Y. X is widened
 // to fp32 while its panel is transposed into xt, each weight is widened (a shift) as it is broadcast,
 // products accumulate in fp32 exactly as in the fp32 kernel (same order),
-// and the output (+ bias, fp32 or bf16) is rounded to bf16 once (nearest even). AVX2 only: no AVX-512 here.
+// and the output (+ bias, fp32 or bf16) is rounded to bf16 once (nearest even). Where the CPU has
+// AVX512-BF16, panels of two tokens or more take the dot-product rows instead (namespace dp).
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 #include <omp.h>
 #ifdef __AVX2__
 #include <immintrin.h>
+#include "cpu_isa.h"
 #endif
 #include "bf16.h"
 #include "gelu.h"
@@ -304,6 +307,133 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
     }
 }
 
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_HAVE_DPBF16_PATH 1
+// bf16 dot-product rows (CPUs with AVX512-BF16, bf16 X, values and Y, two tokens or more): a panel of 32
+// tokens stays in bf16, column-major, xt[c][32], half the bytes of the fp32 panel the AVX2 path reads per
+// weight (these rows are bound by reading it). Each row takes its slots two at a time: the word unpacks
+// of two panel rows give the bf16 pairs (x[t][c0], x[t][c1]) of 16 tokens each, and one VDPBF16PS per
+// 16 tokens multiplies them with the broadcast weight pair (w0, w1). Tokens are stored in the order that
+// makes the unpacks come out as tokens 0-15 and 16-31 (see pack). A lone last slot pairs with zero.
+// Rows sum their slots in pairs, so rounding differs slightly from the AVX2 path.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
+namespace dp {
+
+constexpr int TB = 32;
+
+// xt[c * 32 + pos(t)] = x[t][c] (row stride K) for t < nt, zero for the other tokens; pos puts tokens
+// 4L..4L+3 at words 8L..8L+3 of 128-bit lane L and tokens 16+4L..16+4L+3 at words 8L+4..8L+7
+void pack(const uint16_t* __restrict x, int64_t K, int nt, uint16_t* __restrict xt) {
+    if (nt < TB) std::memset(xt, 0, sizeof(uint16_t) * (size_t)(K * TB));
+    for (int t = 0; t < nt; ++t) {
+        const int pos = ((t & 15) >> 2) * 8 + (t >> 4) * 4 + (t & 3);
+        const uint16_t* xr = x + (int64_t)t * K;
+        uint16_t* o = xt + pos;
+        for (int64_t c = 0; c < K; ++c) o[c * TB] = xr[c];
+    }
+}
+
+inline __m512 dot(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+inline __m512i wpair(uint16_t w0, uint16_t w1) { return _mm512_set1_epi32((int)((uint32_t)w0 | (uint32_t)w1 << 16)); }
+inline __m512i row_of(const uint16_t* xt, int32_t c) { return _mm512_loadu_si512(xt + (int64_t)c * TB); }
+
+// acc[0] (tokens 0-15), acc[1] (16-31) += pairs of columns (a, b) times the weight pair wp
+inline void step(__m512 acc[2], __m512i a, __m512i b, __m512i wp) {
+    acc[0] = dot(acc[0], _mm512_unpacklo_epi16(a, b), wp);
+    acc[1] = dot(acc[1], _mm512_unpackhi_epi16(a, b), wp);
+}
+
+// one row's slots [j, e) into acc (slot q: column c[2 q], value w[2 q]; c and w start at the row)
+inline void row_slots(const uint16_t* __restrict xt, const int32_t* __restrict c, const uint16_t* __restrict w,
+                      int64_t j, int64_t e, __m512 acc[2]) {
+    for (; j + 2 <= e; j += 2) step(acc, row_of(xt, c[2 * j]), row_of(xt, c[2 * j + 2]), wpair(w[2 * j], w[2 * j + 2]));
+    if (j < e) step(acc, row_of(xt, c[2 * j]), _mm512_setzero_si512(), wpair(w[2 * j], 0));
+}
+
+// panel_rows for bf16 on the dot-product path (see panel_rows for the blocking and chunks)
+void panel_rows(const uint16_t* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
+                const uint16_t* __restrict vals, const int32_t* __restrict bounds, int64_t nch, int64_t s0,
+                int64_t s1, int64_t R, const float* __restrict bias, uint16_t* __restrict y, bool act) {
+    alignas(64) float part[SBLOCK][2][TB];
+    // the two rows' weight pairs from one 64-bit broadcast of slots j and j+1 (r0 j, r1 j, r0 j+1, r1 j+1)
+    const __m512i row0 = _mm512_set1_epi32(0x05040100), row1 = _mm512_set1_epi32(0x07060302);
+    for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
+        const int64_t se = std::min(s1, sb + SBLOCK);
+        if (nch == 1) {  // both rows walk their padded slot lists in step
+            for (int64_t s = sb; s < se; ++s) {
+                const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+                const int32_t* c = cols + p0;
+                const uint16_t* w = vals + p0;
+                __m512 a0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                int64_t j = 0;
+                for (; j + 2 <= L; j += 2) {
+                    int64_t q;
+                    std::memcpy(&q, w + 2 * j, 8);
+                    const __m512i wq = _mm512_set1_epi64(q);
+                    step(a0, row_of(xt, c[2 * j]), row_of(xt, c[2 * j + 2]), _mm512_shuffle_epi8(wq, row0));
+                    step(a1, row_of(xt, c[2 * j + 1]), row_of(xt, c[2 * j + 3]), _mm512_shuffle_epi8(wq, row1));
+                }
+                if (j < L) {
+                    row_slots(xt, c, w, j, L, a0);
+                    row_slots(xt, c + 1, w + 1, j, L, a1);
+                }
+                for (int v = 0; v < 2; ++v) {
+                    _mm512_store_ps(part[s - sb][0] + 16 * v, a0[v]);
+                    _mm512_store_ps(part[s - sb][1] + 16 * v, a1[v]);
+                }
+            }
+        } else {
+            int64_t pos[SBLOCK][2];  // each row's next slot: chunk k takes [pos, its bound), the last the rest
+            for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
+            for (int64_t k = 0; k < nch; ++k) {
+                for (int64_t s = sb; s < se; ++s) {
+                    const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
+                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1], e0 = L, e1 = L;
+                    if (k + 1 < nch) {
+                        const int32_t* b = bounds + (s * (nch - 1) + k) * 2;
+                        e0 = std::min<int64_t>(L, std::max<int64_t>(j0, b[0]));
+                        e1 = std::min<int64_t>(L, std::max<int64_t>(j1, b[1]));
+                    }
+                    pos[s - sb][0] = e0;
+                    pos[s - sb][1] = e1;
+                    float* q0 = part[s - sb][0];
+                    float* q1 = part[s - sb][1];
+                    __m512 a0[2], a1[2];
+                    for (int v = 0; v < 2; ++v) {
+                        a0[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q0 + 16 * v);
+                        a1[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q1 + 16 * v);
+                    }
+                    row_slots(xt, cols + p0, vals + p0, j0, e0, a0);
+                    row_slots(xt, cols + p0 + 1, vals + p0 + 1, j1, e1, a1);
+                    for (int v = 0; v < 2; ++v) {
+                        _mm512_store_ps(q0 + 16 * v, a0[v]);
+                        _mm512_store_ps(q1 + 16 * v, a1[v]);
+                    }
+                }
+            }
+        }
+        const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
+        store_block(&part[0][0][0], TB, nt, r0, nr, R, bias, y, act);
+    }
+}
+
+}  // namespace dp
+#pragma GCC pop_options
+#endif
+
+// the dot-product rows run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
+bool use_dpbf16() {
+#ifdef SPARSA_HAVE_DPBF16_PATH
+    static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    return cpu && sparsa_isa_cap() >= 2;
+#else
+    return false;
+#endif
+}
+
 // One token: the panel path would spend a 32-byte load of mostly idle lanes on every kept weight. Instead
 // each weight multiplies its scalar X value; each row sums its even and odd slots in two chains (latency),
 // then adds them. Not auto-vectorised: gcc would turn the indexed loads into gathers, which are slower
@@ -377,6 +507,13 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     if (!bounds || nch < 2) nch = 1;
     static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
                                            &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
+    // the dot-product rows read a bf16 panel of 32 tokens (in their own order; see dp::pack)
+    bool dp_rows = false;
+#ifdef SPARSA_HAVE_DPBF16_PATH
+    constexpr bool all_bf16 = std::is_same<XT, uint16_t>::value && std::is_same<WT, uint16_t>::value &&
+                              std::is_same<YT, uint16_t>::value;
+    if constexpr (all_bf16) dp_rows = use_dpbf16();
+#endif
 
     auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(TBMAX, T - p * TBMAX); };
     // 64-byte aligned panels: a 32-byte load that straddles two cache lines costs two
@@ -387,11 +524,29 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     // slices [s0, s1) of panel p, whose transposed tokens are in xt
     auto rows = [&](int64_t p, const float* xt, int64_t s0, int64_t s1) {
         const int nt = panel_tokens(p), nv = (nt + 7) / 8;
-        if (s0 < s1)
-            fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
+        if (s0 >= s1) return;
+#ifdef SPARSA_HAVE_DPBF16_PATH
+        if constexpr (all_bf16) {
+            if (dp_rows) {
+                dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R,
+                               bias, y + p * TBMAX * R, act);
+                return;
+            }
+        }
+#endif
+        fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
     };
     auto transpose = [&](int64_t p, float* xt) {
         const int nt = panel_tokens(p);
+#ifdef SPARSA_HAVE_DPBF16_PATH
+        if constexpr (all_bf16) {
+            if (dp_rows) {  // the float buffer holds the (smaller) bf16 panel
+                static_assert(dp::TB == TBMAX, "a bf16 panel fits the float panel's buffer");
+                dp::pack(reinterpret_cast<const uint16_t*>(x + p * TBMAX * K), K, nt, reinterpret_cast<uint16_t*>(xt));
+                return;
+            }
+        }
+#endif
         transpose_panel(x + p * TBMAX * K, K, nt, 8 * ((nt + 7) / 8), xt);
     };
     if (nthreads <= 1 || (npan == 1 && ns < 2)) {
@@ -435,6 +590,9 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 extern "C" {
 
 int sparsa_sliced_ell_version() { return 7; }
+
+// 1 when bf16 calls with two tokens or more run the AVX512-BF16 dot-product rows on this CPU
+int sparsa_sliced_ell_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
 
 // The number of K chunks the kernel walks for this weight (1: none, and no bounds are needed).
 int64_t sparsa_sliced_ell_n_chunks(int64_t K, const int64_t* slice_ptr, int64_t ns) {
