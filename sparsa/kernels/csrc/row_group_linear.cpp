@@ -361,10 +361,10 @@ static inline __m512i pair_of(const float* a, const float* b) {
     return _mm512_or_si512(lo, _mm512_castps_si512(_mm512_loadu_ps(b)));
 }
 
-// out[t][r] (t < 16 TV, r < RT; row stride 16) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+// out[t * RT + r] (t < 16 TV, r < RT) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
 template <int RT, int TV>
 void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wp, int64_t k,
-          float (*out)[16]) {
+          float* __restrict out) {
     constexpr int NT = 16 * TV;
     __m512 acc[TV][RT];
     for (int v = 0; v < TV; ++v)
@@ -388,21 +388,21 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
             for (int r = 0; r < RT; ++r) acc[v][r] = dot_bcast(acc[v][r], xp, w + r);
         }
     }
-    if constexpr (RT == 16 && TV == 1) {  // 8x8 transposes: row vectors to token rows
-        for (int h = 0; h < 2; ++h)        // token half
-            for (int q = 0; q < 2; ++q) {  // row half
+    // row vectors to token rows through memory (indexing acc here made GCC spill it inside the loop)
+    alignas(64) float buf[RT][NT];
+    for (int v = 0; v < TV; ++v)
+        for (int r = 0; r < RT; ++r) _mm512_store_ps(&buf[r][16 * v], acc[v][r]);
+    if constexpr (RT % 8 == 0) {  // 8x8 transposes
+        for (int t0 = 0; t0 < NT; t0 += 8)
+            for (int q = 0; q < RT; q += 8) {
                 __m256 b[8];
-                for (int i = 0; i < 8; ++i)
-                    b[i] = h ? _mm512_extractf32x8_ps(acc[0][8 * q + i], 1) : _mm512_castps512_ps256(acc[0][8 * q + i]);
+                for (int i = 0; i < 8; ++i) b[i] = _mm256_load_ps(&buf[q + i][t0]);
                 transpose8(b);
-                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(&out[8 * h + i][8 * q], b[i]);
+                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (t0 + i) * RT + q, b[i]);
             }
     } else {
-        alignas(64) float buf[RT][NT];
-        for (int v = 0; v < TV; ++v)
-            for (int r = 0; r < RT; ++r) _mm512_store_ps(&buf[r][16 * v], acc[v][r]);
         for (int t = 0; t < NT; ++t)
-            for (int r = 0; r < RT; ++r) out[t][r] = buf[r][t];
+            for (int r = 0; r < RT; ++r) out[t * RT + r] = buf[r][t];
     }
 }
 
@@ -446,7 +446,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const int64_t v0 = ch * vchunk, v1 = std::min(nvg, v0 + vchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
         std::unique_ptr<float[]> xt(new float[(size_t)(K * NT)]);
-        alignas(64) float out[NT][16] = {};  // lanes past RT are never stored
+        alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
             const int nt = (int)std::min<int64_t>(NT, T - t0);
@@ -455,25 +455,31 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                 const int64_t g = vg / parts;
                 tile<RT, TV>(xt.get(), cols + g * k, wp.data() + vg * np * 2 * RT, k, out);
                 const int64_t s0 = vg * RT;  // first slot
-                for (int t = 0; t < nt; ++t) {
-                    if (perm) {
+                if (perm) {
+                    for (int t = 0; t < nt; ++t) {
                         float* yr = y + (t0 + t) * R;
                         for (int r = 0; r < RT; ++r) {
                             const int32_t o = perm[s0 + r];
-                            if (o < R) yr[o] = out[t][r] + (bias ? bias[o] : 0.f);
+                            if (o < R) yr[o] = out[t * RT + r] + (bias ? bias[o] : 0.f);
                         }
-                    } else {  // rounded to bf16 here: no float copy of y goes through memory
-                        const int nout = (int)std::min<int64_t>(RT, R - s0);
-                        if (nout <= 0) continue;
-                        const __mmask16 m = (__mmask16)((1u << nout) - 1u);
-                        if (bias)
-                            _mm512_store_ps(out[t],
-                                            _mm512_add_ps(_mm512_load_ps(out[t]), _mm512_maskz_loadu_ps(m, bias + s0)));
-                        if (act) sparsa_gelu_inplace(out[t], nout);
-                        const __m128i lo = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t]));
-                        const __m128i hi = sparsa_cvt8_f32_bf16(_mm256_load_ps(out[t] + 8));
-                        _mm256_mask_storeu_epi16(ybf + (t0 + t) * R + s0, m, _mm256_set_m128i(hi, lo));
                     }
+                    continue;
+                }
+                // rounded to bf16 here: no float copy of y goes through memory
+                const int nout = (int)std::min<int64_t>(RT, R - s0);
+                if (nout <= 0) continue;
+                const __mmask16 m = (__mmask16)((1u << nout) - 1u);
+                if (bias) {
+                    const __m512 b = _mm512_maskz_loadu_ps(m, bias + s0);
+                    for (int t = 0; t < nt; ++t)
+                        _mm512_mask_storeu_ps(out + t * RT, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + t * RT), b));
+                }
+                if (act) sparsa_gelu_inplace(out, nt * RT);  // one call for the tile (rows past nout: ignored)
+                for (int t = 0; t < nt; ++t) {
+                    const __m512 v = _mm512_maskz_loadu_ps(m, out + t * RT);
+                    const __m128i lo = sparsa_cvt8_f32_bf16(_mm512_castps512_ps256(v));
+                    const __m128i hi = sparsa_cvt8_f32_bf16(_mm512_extractf32x8_ps(v, 1));
+                    _mm256_mask_storeu_epi16(ybf + (t0 + t) * R + s0, m, _mm256_set_m128i(hi, lo));
                 }
             }
         }
