@@ -159,6 +159,21 @@ def test_the_bf16_dot_product_loop_is_bfloat16_only(monkeypatch):
         bm.bitmask_linear_impl(x, *_components(wb), None, 40, "stream")
 
 
+@pytest.mark.parametrize("whole_bytes", [0, 1 << 30])
+def test_bf16_expand_by_blocks_or_whole(monkeypatch, whole_bytes):
+    # with bf16 GEMM hardware a small weight is expanded whole (one F.linear), a large one by row blocks;
+    # both against float64 (elsewhere the expand strategy widens to float32 blocks either way)
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    monkeypatch.setattr(bm, "_WHOLE_BYTES", whole_bytes)
+    monkeypatch.setattr(bm, "_BLOCK_BYTES", 40 * 203 * 2)  # several row blocks
+    w = Bitmask.from_dense(torch.randn(150, 203).to(BF), sparsity=0.6)
+    x = torch.randn(2, 20, 203).to(BF)
+    b = torch.randn(150).to(BF)
+    _close(bm.bitmask_linear_impl(x, *_components(w), b, 150, "expand"), _ref(x, w, b), BF)
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 @SETTINGS
 @given(

@@ -255,6 +255,30 @@ void row_dot(const uint8_t* bits, int64_t kb, const uint16_t* vp, const uint16_t
         out[t] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc[t][0], acc[t][1 % NA]) : acc[t][0]);
 }
 
+// rows [r0, r1) of a bf16 W as dense bf16 rows of out ((r1 - r0) x K): one word expand per 32 columns
+void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const uint16_t* values, int64_t K,
+                 int64_t r0, int64_t r1, uint16_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* vp = values + row_ptr[r];  // the expand loads read exactly popcount values
+        const uint8_t* b = bits + r * kb;
+        uint16_t* o = out + (r - r0) * K;
+        int64_t c = 0;
+        for (; c + 32 <= K; c += 32) {
+            uint32_t m;
+            std::memcpy(&m, b + c / 8, 4);
+            _mm512_storeu_si512(o + c, _mm512_maskz_expandloadu_epi16((__mmask32)m, vp));
+            vp += __builtin_popcount(m);
+        }
+        if (c < K) {  // the last K - c columns: their mask bytes, a masked store
+            uint32_t m = 0;
+            std::memcpy(&m, b + c / 8, (size_t)(kb - c / 8));
+            const __mmask32 keep = (__mmask32)((K - c) >= 32 ? 0xffffffffu : ((1u << (K - c)) - 1u));
+            _mm512_mask_storeu_epi16(o + c, keep, _mm512_maskz_expandloadu_epi16((__mmask32)(m & keep), vp));
+        }
+    }
+}
+
 void row_dot_n(int nt, const uint8_t* bits, int64_t kb, const uint16_t* vp, const uint16_t* x, int64_t kp,
                float* out) {
     switch (nt) {
@@ -472,6 +496,13 @@ int sparsa_bitmask_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const ui
 int sparsa_bitmask_expand(const uint8_t* bits, const int64_t* row_ptr, const void* values, int values_bf16, int64_t R,
                           int64_t K, int64_t r0, int64_t r1, void* out, int out_bf16, int nthreads) {
     const int64_t kb = (K + 7) / 8;
+#ifdef SPARSA_HAVE_AVX512_PATH
+    if (values_bf16 && out_bf16 && has_dpbf16()) {
+        dpbf16::expand_rows(bits, kb, row_ptr, static_cast<const uint16_t*>(values), K, r0, r1,
+                            static_cast<uint16_t*>(out), nthreads);
+        return 0;
+    }
+#endif
     if (values_bf16 && out_bf16) {
         expand_rows(bits, kb, row_ptr, static_cast<const uint16_t*>(values), R, K, r0, r1, static_cast<uint16_t*>(out),
                     nthreads);
