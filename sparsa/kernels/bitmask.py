@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Optional
 
 import torch
@@ -69,8 +70,8 @@ STREAM_MAX_TOKENS = 8
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 #: with bf16 GEMM hardware, a weight whose dense bf16 copy is at most this many bytes is expanded whole
-#: and multiplied with one ``F.linear``: its GEMM runs as fast as the dense model's, the row-block GEMMs
-#: (each ``W_block @ X^T``) about 10% slower, and the expansion (one word expand per 32 columns) is cheap
+#: (into a per-thread buffer kept between calls) and multiplied with one ``F.linear``, the dense model's
+#: GEMM; the row-block GEMMs (each ``W_block @ X^T``) run slower in bf16 (docs/benchmarks.md)
 _WHOLE_BYTES = 64 << 20
 #: the stream strategy's row loops: ``"auto"`` (for bfloat16 the dot-product loop where the CPU has
 #: AVX512-BF16 and VBMI2, else AVX-512 where it has it, else AVX2; ``SPARSA_ISA`` can lower it),
@@ -186,6 +187,20 @@ def _stream(
     return y
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int, dtype: torch.dtype) -> Tensor:
+    """``n`` elements of a per-thread buffer kept between calls (at most ``_WHOLE_BYTES``): a fresh tensor
+    of tens of MiB per layer would be new pages from the OS on every call, whose page faults can cost as
+    much as the GEMM."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < n:
+        buf = torch.empty(n, dtype=dtype)
+        _SCRATCH.buf = buf
+    return buf[:n]
+
+
 def _expand(
     lib: ctypes.CDLL,
     kind: str,
@@ -202,7 +217,7 @@ def _expand(
     item = 2 if gemm_dtype == torch.bfloat16 else 4
     nt = torch.get_num_threads()
     if gemm_dtype == torch.bfloat16 and R * K * item <= _WHOLE_BYTES:
-        whole = torch.empty(R, K, dtype=gemm_dtype)
+        whole = _scratch(R * K, gemm_dtype).view(R, K)
         lib.sparsa_bitmask_expand(
             bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), 1, R, K, 0, R, whole.data_ptr(), 1, nt
         )
