@@ -180,6 +180,18 @@ void chunk_bounds(const int64_t* __restrict sptr, const int32_t* __restrict cols
     }
 }
 
+// Slice s's slots in chunk k: row i takes [start[i], end[i]) = [pos[i], its bound for the chunk), the last
+// chunk the rest, and pos[i] advances to the end. Clamped, so any bounds partition the slots in order.
+inline void chunk_slots(const int32_t* bounds, int64_t s, int64_t nch, int64_t k, int64_t L, int64_t pos[2],
+                        int64_t start[2], int64_t end[2]) {
+    for (int i = 0; i < 2; ++i) {
+        start[i] = pos[i];
+        const int64_t bound = k + 1 < nch ? bounds[(s * (nch - 1) + k) * 2 + i] : L;
+        end[i] = std::min<int64_t>(L, std::max<int64_t>(pos[i], bound));
+        pos[i] = end[i];
+    }
+}
+
 // Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt, 64-byte aligned). WT / YT:
 // float, or uint16_t for bf16 weight values / output.
 //
@@ -230,14 +242,10 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
                     const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
                     const int32_t* c = cols + p0;
                     const WT* w = vals + p0;
-                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1], e0 = L, e1 = L;
-                    if (k + 1 < nch) {  // clamped, so any bounds partition the slots (in slot order)
-                        const int32_t* b = bounds + (s * (nch - 1) + k) * 2;
-                        e0 = std::min<int64_t>(L, std::max<int64_t>(j0, b[0]));
-                        e1 = std::min<int64_t>(L, std::max<int64_t>(j1, b[1]));
-                    }
-                    pos[s - sb][0] = e0;
-                    pos[s - sb][1] = e1;
+                    int64_t st[2], en[2];
+                    chunk_slots(bounds, s, nch, k, L, pos[s - sb], st, en);
+                    int64_t j0 = st[0], j1 = st[1];
+                    const int64_t e0 = en[0], e1 = en[1];
                     float* q0 = part[s - sb][0];
                     float* q1 = part[s - sb][1];
                     __m256 a0[NV], a1[NV];
@@ -390,14 +398,8 @@ void panel_rows(const uint16_t* __restrict xt, int nt, const int64_t* __restrict
             for (int64_t k = 0; k < nch; ++k) {
                 for (int64_t s = sb; s < se; ++s) {
                     const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-                    int64_t j0 = pos[s - sb][0], j1 = pos[s - sb][1], e0 = L, e1 = L;
-                    if (k + 1 < nch) {
-                        const int32_t* b = bounds + (s * (nch - 1) + k) * 2;
-                        e0 = std::min<int64_t>(L, std::max<int64_t>(j0, b[0]));
-                        e1 = std::min<int64_t>(L, std::max<int64_t>(j1, b[1]));
-                    }
-                    pos[s - sb][0] = e0;
-                    pos[s - sb][1] = e1;
+                    int64_t st[2], en[2];
+                    chunk_slots(bounds, s, nch, k, L, pos[s - sb], st, en);
                     float* q0 = part[s - sb][0];
                     float* q1 = part[s - sb][1];
                     __m512 a0[2], a1[2];
@@ -405,8 +407,8 @@ void panel_rows(const uint16_t* __restrict xt, int nt, const int64_t* __restrict
                         a0[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q0 + 16 * v);
                         a1[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q1 + 16 * v);
                     }
-                    row_slots(xt, cols + p0, vals + p0, j0, e0, a0);
-                    row_slots(xt, cols + p0 + 1, vals + p0 + 1, j1, e1, a1);
+                    row_slots(xt, cols + p0, vals + p0, st[0], en[0], a0);
+                    row_slots(xt, cols + p0 + 1, vals + p0 + 1, st[1], en[1], a1);
                     for (int v = 0; v < 2; ++v) {
                         _mm512_store_ps(q0 + 16 * v, a0[v]);
                         _mm512_store_ps(q1 + 16 * v, a1[v]);
