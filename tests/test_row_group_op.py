@@ -188,6 +188,26 @@ def test_bf16_dot_product_tiles_propagate_nan_and_inf(monkeypatch):
         assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all() and torch.isfinite(y[2:]).all()
 
 
+def test_bf16_dot_product_gelu_epilogue_matches_torch(monkeypatch):
+    # identity weights make the products exact, so the epilogue's GELU (16 lanes, rcp14 + Newton) sees
+    # bf16 inputs as they are: rounded once, it must give torch's GELU within one bf16 rounding plus the
+    # erf approximation's absolute error (1.5e-7 times |x| / 2, which dominates in the far negative tail)
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    if not rg.has_dpbf16():
+        pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
+    w = torch.cat([torch.eye(16), torch.zeros(16, 16)], dim=1)
+    lay = RowGroup.from_dense(w, group=16, sparsity=0.5)
+    assert torch.equal(lay.to_dense(), w)
+    x = (torch.randn(500, 32, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    y = rg.row_group_linear_impl(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm, "gelu")
+    exact = F.gelu(x[:, :16].double())
+    bound = 2.0**-8 * exact.abs() + 1e-6 * x[:, :16].double().abs()
+    assert ((y.double() - exact).abs() <= bound).all()
+    monkeypatch.setenv("SPARSA_ISA", "avx2")  # the same formula on 8 lanes with a true divide
+    y8 = rg.row_group_linear_impl(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm, "gelu")
+    assert (y != y8).double().mean() < 0.01
+
+
 def test_bf16_dot_product_tiles_follow_sparsa_isa(monkeypatch):
     if rg.native_library() is None:
         pytest.skip("no native kernel here")

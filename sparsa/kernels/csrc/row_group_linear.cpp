@@ -474,7 +474,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                     for (int t = 0; t < nt; ++t)
                         _mm512_mask_storeu_ps(out + t * RT, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + t * RT), b));
                 }
-                if (act) sparsa_gelu_inplace(out, nt * RT);  // one call for the tile (rows past nout: ignored)
+                if (act) sparsa_gelu_inplace16(out, nt * RT);  // one call for the tile (rows past nout: ignored)
                 for (int t = 0; t < nt; ++t) {
                     const __m512 v = _mm512_maskz_loadu_ps(m, out + t * RT);
                     const __m128i lo = sparsa_cvt8_f32_bf16(_mm512_castps512_ps256(v));
