@@ -307,8 +307,8 @@ bool has_avx512() {
 // the bf16 dot-product loop needs AVX512-BF16 and VBMI2 besides the AVX-512 base (SPARSA_ISA >= avx512)
 bool has_dpbf16() {
 #ifdef SPARSA_HAVE_AVX512_PATH
-    static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi2");
-    return cpu && has_avx512();
+    static const bool vbmi2 = __builtin_cpu_supports("avx512vbmi2");
+    return vbmi2 && sparsa_cpu_dpbf16_enabled();
 #else
     return false;
 #endif
@@ -360,14 +360,16 @@ void bitmask_rows(const float* xp, int64_t T, int64_t kp, const uint8_t* bits, i
     }
 }
 
-// the fp32 panel of X (T x K, fp32 or bf16), rows padded with zeros to kp columns
-template <class X>
-std::vector<float> padded_panel(const X* x, int64_t T, int64_t K, int64_t kp) {
-    std::vector<float> p((size_t)(T * kp), 0.0f);
+// the panel of X (T x K, fp32 or bf16) as O (float, or uint16_t for bf16 kept as is), rows padded with
+// zeros to kp columns
+template <class O = float, class X>
+std::vector<O> padded_panel(const X* x, int64_t T, int64_t K, int64_t kp) {
+    std::vector<O> p((size_t)(T * kp), O(0));
     for (int64_t t = 0; t < T; ++t) {
-        if constexpr (sizeof(X) == 4) {
-            std::memcpy(p.data() + t * kp, x + t * K, K * sizeof(float));
+        if constexpr (sizeof(X) == sizeof(O)) {
+            std::memcpy(p.data() + t * kp, x + t * K, K * sizeof(X));
         } else {
+            static_assert(sizeof(X) == 2 && sizeof(O) == 4, "a bf16 panel widens to float only");
             sparsa_bf16_row_to_f32(x + t * K, p.data() + t * kp, K);
         }
     }
@@ -429,8 +431,7 @@ template <class Store>
 void bitmask_rows_dpbf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, int64_t kb,
                          const int64_t* row_ptr, const uint16_t* values, int64_t R, int nthreads, Store store) {
     const int64_t kp = 32 * ((8 * kb + 31) / 32) + 32;
-    std::vector<uint16_t> xp((size_t)(T * kp), 0);
-    for (int64_t t = 0; t < T; ++t) std::memcpy(xp.data() + t * kp, x + t * K, K * sizeof(uint16_t));
+    const std::vector<uint16_t> xp = padded_panel<uint16_t>(x, T, K, kp);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < R; ++r) {
         // the expand loads read exactly the row's popcount values: no padded copy needed

@@ -26,3 +26,13 @@ static inline bool sparsa_cpu_avx512_enabled() {
     return false;
 #endif
 }
+
+// True when the AVX-512 path is enabled and the CPU also has AVX512-BF16 (VDPBF16PS).
+static inline bool sparsa_cpu_dpbf16_enabled() {
+#if defined(__GNUC__) && defined(__x86_64__)
+    static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+    return bf16 && sparsa_cpu_avx512_enabled();
+#else
+    return false;
+#endif
+}

@@ -8,6 +8,13 @@
 #include <immintrin.h>
 #endif
 
+// Coefficients shared by the 8- and 16-lane versions: the exp polynomial (highest power first) and
+// A&S 7.1.26's p and a1..a5 (a5 first, Horner order).
+static constexpr float kSparsaExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+static constexpr float kSparsaErfP = 0.3275911f;
+static constexpr float kSparsaErfA[5] = {1.061405429f, -1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f};
+
 #ifdef __AVX2__
 static inline __m256 sparsa_exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
@@ -15,12 +22,8 @@ static inline __m256 sparsa_exp8(__m256 x) {
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 p = _mm256_set1_ps(kSparsaExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, x, _mm256_set1_ps(kSparsaExpPoly[i]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
@@ -30,13 +33,10 @@ static inline __m256 sparsa_gelu8(__m256 x) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256 z = _mm256_mul_ps(x, _mm256_set1_ps(0.70710678118654752f));  // x / sqrt(2)
     const __m256 az = _mm256_andnot_ps(sign, z);
-    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), az,
+    const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(kSparsaErfP), az,
                                                                        _mm256_set1_ps(1.0f)));
-    __m256 p = _mm256_set1_ps(1.061405429f);
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    __m256 p = _mm256_set1_ps(kSparsaErfA[0]);
+    for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(kSparsaErfA[i]));
     p = _mm256_mul_ps(p, t);
     const __m256 e = sparsa_exp8(_mm256_xor_ps(_mm256_mul_ps(az, az), sign));  // exp(-z^2)
     __m256 erf = _mm256_fnmadd_ps(p, e, _mm256_set1_ps(1.0f));                   // erf(|z|)
@@ -58,12 +58,8 @@ static inline __m512 sparsa_exp16(__m512 x) {
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
     x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 p = _mm512_set1_ps(kSparsaExpPoly[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(kSparsaExpPoly[i]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
@@ -72,14 +68,11 @@ static inline __m512 sparsa_exp16(__m512 x) {
 static inline __m512 sparsa_gelu16(__m512 x) {
     const __m512 z = _mm512_mul_ps(x, _mm512_set1_ps(0.70710678118654752f));  // x / sqrt(2)
     const __m512 az = _mm512_abs_ps(z);
-    const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(0.3275911f), az, _mm512_set1_ps(1.0f));
+    const __m512 d = _mm512_fmadd_ps(_mm512_set1_ps(kSparsaErfP), az, _mm512_set1_ps(1.0f));
     __m512 t = _mm512_rcp14_ps(d);
     t = _mm512_mul_ps(t, _mm512_fnmadd_ps(d, t, _mm512_set1_ps(2.0f)));  // Newton: t (2 - d t)
-    __m512 p = _mm512_set1_ps(1.061405429f);
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    __m512 p = _mm512_set1_ps(kSparsaErfA[0]);
+    for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kSparsaErfA[i]));
     p = _mm512_mul_ps(p, t);
     const __m512 e = sparsa_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(az, az)));  // exp(-z^2)
     __m512 erf = _mm512_fnmadd_ps(p, e, _mm512_set1_ps(1.0f));                                  // erf(|z|)

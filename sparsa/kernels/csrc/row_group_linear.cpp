@@ -730,8 +730,7 @@ bool use_avx512() {
 // the bf16 dot-product tiles run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
 bool use_dpbf16() {
 #ifdef SPARSA_HAVE_AVX512_PATH
-    static const bool cpu = __builtin_cpu_supports("avx512bf16");
-    return cpu && sparsa_cpu_avx512_enabled();
+    return sparsa_cpu_dpbf16_enabled();
 #else
     return false;
 #endif

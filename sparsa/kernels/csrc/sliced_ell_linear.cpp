@@ -428,9 +428,7 @@ void panel_rows(const uint16_t* __restrict xt, int nt, const int64_t* __restrict
 // the dot-product rows run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
 bool use_dpbf16() {
 #ifdef SPARSA_HAVE_DPBF16_PATH
-    static const bool cpu = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    return cpu && sparsa_isa_cap() >= 2;
+    return sparsa_cpu_dpbf16_enabled();
 #else
     return false;
 #endif
