@@ -356,6 +356,35 @@ def test_grouped_nm_bf16_no_pair_plans():
     assert gk.forward_plan(vb, w.columns, 1, 4).offsets is None
 
 
+@pytest.mark.parametrize("bias_kind", [None, "bf16"])
+def test_grouped_nm_bf16_linear_widens_to_fp32_pair_plans(path, bias_kind, monkeypatch):
+    """F.linear on a bf16 1:m weight takes the fp32 block-pair plan where the CPU runs its pieces: the result is
+    exactly the fp32 kernel's on the widened operands, rounded once, and within bf16 tolerance of float64."""
+    gen = torch.Generator().manual_seed(13)
+    wdense = torch.randn(64, 512, generator=gen).to(BF)
+    w = sparsa.to_sparse(wdense, "grouped_nm", n=1, m=4, g=4)
+    lay = w.sparse_layout
+    x = torch.randn(2, 40, 512, generator=gen).to(BF)
+    b = _bias(bias_kind, 64, gen)
+    ran = []  # (x dtype, plan value dtype, block-pair plan?) of each spmm F.linear runs
+    spmm = gk.spmm
+    monkeypatch.setattr(
+        gk, "spmm", lambda xx, p, *a: ran.append((xx.dtype, p.vals.dtype, p.offsets is not None)) or spmm(xx, p, *a)
+    )
+    y = torch.nn.functional.linear(x, w, b)
+    _check(y, x, w.to_dense().float(), b)
+    widened = gk.pairs_when_widened(lay.values, 1, 4)
+    assert widened == (path in ("avx512", "default") and cpu.hardware_isa() == "avx512")
+    assert ran == [(torch.float32, torch.float32, True) if widened else (BF, BF, False)]
+    if widened:
+        plan32 = gk.forward_plan(lay.values.float(), lay.columns, 1, 4)
+        assert plan32.offsets is not None  # a block-pair plan
+        exp = gk.spmm(x.float(), plan32, None if b is None else b.float(), 64).to(BF)
+        assert torch.equal(y, exp)
+    # a 2:4 weight has no pair plan to widen to
+    assert not gk.pairs_when_widened(sparsa.to_sparse(wdense, "grouped_nm", n=2, m=4, g=4).sparse_layout.values, 2, 4)
+
+
 def test_grouped_nm_bf16_nan_inf_propagate(path):
     gen = torch.Generator().manual_seed(6)
     R, K, T = 12, 40, 20

@@ -15,7 +15,8 @@ by column (``g = column``, ``n = 1``), so ``grad_x = grad_y @ W`` is an spmm too
 interleaved ``n = 1`` plans when the CPU has it, ``SPARSA_NO_AVX512=1`` to keep AVX2) runs for float32 CPU
 tensors, and spmm also for bfloat16 ``x`` and plan values (bias bfloat16, float32 or None): products accumulate
 in float32 and the bfloat16 output is rounded once (nearest even); bf16 runs the AVX2 pieces on every CPU and
-gets no block-pair plans. Otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
+gets no block-pair plans (``F.linear`` on a bf16 1:m weight widens its input to run the fp32 ones where
+:func:`pairs_when_widened`). Otherwise, or with ``SPARSA_NO_NATIVE=1``, the pure-PyTorch reference with the same
 semantics runs (gather + einsum + index_add, in chunks of groups; bfloat16/float16 computed in float32 and
 rounded once).
 
@@ -66,6 +67,7 @@ __all__ = [
     "sddmm_reference",
     "native_library",
     "spmm_native_kind",
+    "pairs_when_widened",
 ]
 
 _SOURCES = ["grouped_nm_linear.cpp"]
@@ -219,14 +221,21 @@ def pair_plan(values: Tensor, columns: Tensor, n: int, m: int, unit_cols: int = 
     )
 
 
-def _use_pairs(values: Tensor, n: int, m: int) -> bool:
+def _use_pairs(values: Tensor, n: int, m: int, widened: bool = False) -> bool:
     B, C, P, g, _ = values.shape
     if n != 1 or B < 2 or C * P * g < PAIR_MIN_RUN * P * P or values.device.type != "cpu":
         return False
-    if values.dtype != torch.float32:  # the AVX-512 pair pieces are fp32-only; bf16 runs AVX2 pieces
+    if values.dtype != torch.float32 and not widened:  # the AVX-512 pair pieces are fp32-only
         return False
     lib = native_library()
     return lib is not None and bool(lib.sparsa_grouped_nm_has_avx512())
+
+
+def pairs_when_widened(values: Tensor, n: int, m: int) -> bool:
+    """Whether bf16 ``values`` of a 1:m weight would get a block-pair plan in float32. The pair pieces are
+    fp32-only, and on such CPUs widening the bf16 input to run them beats the bf16 (AVX2) pieces; the
+    output is still rounded to bf16 once, from the same fp32 sums."""
+    return values.dtype == torch.bfloat16 and _use_pairs(values, n, m, widened=True)
 
 
 def pattern_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:

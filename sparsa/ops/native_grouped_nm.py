@@ -9,15 +9,16 @@ Replaces the pure-PyTorch registration of :mod:`sparsa.ops.linear` for this layo
     >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().T, atol=1e-4)
     True
 
-Forward: the spmm kernel on the layout's components reordered into a plan (cached on the layout,
-rebuilt when its values change; for ``1:m`` on AVX-512 CPUs a block-pair plan, where each loaded input
-vector feeds the rows of two row blocks). Backward, each part only when ``ctx.needs_input_grad`` asks for it:
-``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
-pattern only (up to 15% density the sddmm kernel, one dot product over tokens per stored value; above,
-BLAS ``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's shape that is
-zero elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float32 and for bfloat16
-(``x`` and the weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x likewise);
-without the native library, or for other dtype combinations, the same plans run in pure PyTorch.
+Forward: the spmm kernel on the layout's components reordered into a plan (cached on the layout, rebuilt when
+its values change; for ``1:m`` on AVX-512 CPUs a block-pair plan, where each loaded input vector feeds the
+rows of two row blocks; a bf16 ``1:m`` weight with a bf16 input gets that fp32 plan too, and its input is
+widened, because the pair pieces are fp32-only). Backward, each part only when ``ctx.needs_input_grad`` asks
+for it: ``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
+pattern only (up to 15% density the sddmm kernel, one dot product over tokens per stored value; above, BLAS
+``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's shape that is zero
+elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float32 and for bfloat16 (``x`` and the
+weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x likewise); without the native
+library, or for other dtype combinations, the same plans run in pure PyTorch.
 """
 
 from __future__ import annotations
@@ -50,9 +51,22 @@ def _plans(w: GroupedNM) -> dict:
 def _plan(w: GroupedNM, kind: str) -> _k.Plan:
     plans = _plans(w)
     if kind not in plans:
-        build = {"forward": _k.forward_plan, "pattern": _k.pattern_plan, "input_grad": _k.input_grad_plan}[kind]
-        plans[kind] = build(w.values.detach(), w.columns, w.n, w.m)
+        values = w.values.detach()
+        if kind == "forward_widened":
+            kind_of, values = "forward", values.float()
+        else:
+            kind_of = kind
+        build = {"forward": _k.forward_plan, "pattern": _k.pattern_plan, "input_grad": _k.input_grad_plan}[kind_of]
+        plans[kind] = build(values, w.columns, w.n, w.m)
     return plans[kind]
+
+
+def _forward(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> Tensor:
+    R = w.shape[0]
+    if x.dtype == torch.bfloat16 and _k.pairs_when_widened(w.values, w.n, w.m):
+        b = None if bias is None else bias.float()
+        return _k.spmm(x.float(), _plan(w, "forward_widened"), b, R).to(torch.bfloat16)
+    return _k.spmm(x, _plan(w, "forward"), bias, R)
 
 
 def _check_input(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> None:
@@ -73,7 +87,7 @@ class GroupedNMLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: GroupedNM, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _k.spmm(x, _plan(w, "forward"), bias, w.shape[0])
+        y = _forward(x, w, bias)
         ctx.save_for_backward(x)
         ctx.w = w
         return y
