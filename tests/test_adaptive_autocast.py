@@ -8,6 +8,7 @@ from torch import nn
 import sparsa.adaptive as sa
 from sparsa.adaptive.autocast import autocast_bf16, sparse_under_autocast
 from sparsa.adaptive.calibration import Calibration
+from sparsa.adaptive.conv_union import union_path_supported_for, union_paths
 
 SPARSE = sa.Policy(enter=1e-6, exit=1e-6, verify_below=0)  # sparse wherever the input is a ReLU output
 
@@ -48,6 +49,12 @@ def test_autocast_helpers():
             lambda t: seen.append((t.dtype, autocast_bf16())) or t + 1, torch.zeros(3, dtype=torch.bfloat16)
         )
         assert seen == [(torch.float32, False)] and y.dtype == torch.bfloat16
+        y = sparse_under_autocast(
+            lambda t: seen.append((t.dtype, autocast_bf16())) or t + 1,
+            torch.zeros(3, dtype=torch.bfloat16),
+            bf16_operands=True,
+        )
+        assert seen[1:] == [(torch.bfloat16, False)] and y.dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.float16):
         assert not autocast_bf16()
 
@@ -61,6 +68,30 @@ class _Fp32UnderAutocast(nn.Module):
 
     def forward(self, x):
         return sparse_under_autocast(self.inner, x)
+
+
+class _Bf16OperandsUnderAutocast(nn.Module):
+    """The numerics of the bf16 union kernels (AVX512-BF16) with dense kernels: the conv of the bf16 input with
+    the bf16-rounded weight in fp32, one rounding at the end; the weight gradient in fp32 (straight through the
+    rounding), the input gradient rounded to bf16."""
+
+    def __init__(self, inner: nn.Conv2d):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        w = self.inner.weight
+        w_rounded = w + (w.detach().bfloat16().float() - w.detach())
+        with torch.autocast("cpu", enabled=False):
+            y = F.conv2d(x.float(), w_rounded, self.inner.bias, padding=self.inner.padding)
+        return y.bfloat16()
+
+
+def _emulation(conv: nn.Module) -> nn.Module:
+    """The dense emulation of the sparse path that runs for ``conv`` here."""
+    if isinstance(conv, nn.Conv2d) and union_path_supported_for(torch.bfloat16, torch.device("cpu"), conv.weight, None):
+        return _Bf16OperandsUnderAutocast(conv)
+    return _Fp32UnderAutocast(conv)
 
 
 def _adaptive_grads(tmp_path, x, y):
@@ -84,10 +115,13 @@ def test_sparse_path_under_autocast_matches_its_dense_emulation(tmp_path, seed):
     y = torch.randint(0, 16, (4,))
     emu = _net()
     for name in ("2", "5", "7"):
-        emu[int(name)] = _Fp32UnderAutocast(emu[int(name)])
+        emu[int(name)] = _emulation(emu[int(name)])
     out_e = _train_step(emu, x, y)
     ge = {n.replace(".inner", ""): g for n, g in _grads(emu).items()}
+    before = union_paths["bf16_fwd"], union_paths["bf16_dx_dy"]
     out_a, ga = _adaptive_grads(tmp_path, x, y)
+    if isinstance(emu[2], _Bf16OperandsUnderAutocast):  # the bf16 kernels ran (forward and input gradient)
+        assert union_paths["bf16_fwd"] > before[0] and union_paths["bf16_dx_dy"] > before[1]
     assert out_a.dtype == out_e.dtype == torch.bfloat16
     torch.testing.assert_close(out_a, out_e, rtol=1e-2, atol=1e-2)
     for n, g in ge.items():

@@ -12,6 +12,7 @@ import torch
 from sparsa import cpu
 from sparsa.kernels import adaptive as A
 from sparsa.kernels import adaptive_union as U
+from sparsa.kernels import adaptive_union_bf16 as UB
 from sparsa.kernels import adaptive_union_ops  # noqa: F401 - registers the union ops
 from sparsa.kernels import bitmask, grouped_nm as gk, loader, row_group, sliced_ell  # noqa: F401 - register ops
 from sparsa.layouts import Bitmask, GroupedNM, RowGroup, SlicedELL
@@ -209,6 +210,34 @@ def _s_u_wgrad_dy(native):
     return [((u["gop"].values, u["gop"].mask, xr, u["geo"], None), ALL)]
 
 
+def _union_bf16():
+    u = _union()
+    xop = UB.union_operand_bf16(u["x"].bfloat16())
+    gop = UB.union_operand_bf16(u["dy"].bfloat16().permute(0, 3, 1, 2), relu=False)
+    wf2 = adaptive_union_ops.union_pair_pack(u["wf"], 16, 16)
+    wfl2 = adaptive_union_ops.union_pair_pack(u["wfl"], 16, 16)
+    return dict(u, xop=xop, gop=gop, wf2=wf2, wfl2=wfl2)
+
+
+def _s_u_compact_bf16(native):
+    x = torch.randn(2, 16, 3, 3, generator=_gen()).bfloat16()
+    xcl = x.contiguous(memory_format=torch.channels_last)
+    return [((x, True, True), ALL), ((xcl, False, False), ALL)]
+
+
+def _s_u_pair_pack(native):
+    return [((_union()["wf"], 16, 16), ALL)]
+
+
+def _s_u_fwd_bf16(native):
+    u = _union_bf16()
+    g2 = list(A.igrad_dy_geometry(u["geo"]))
+    return [
+        ((u["xop"].values, u["xop"].mask, u["wf2"], u["b"], u["geo"], None, 1, 4), ALL),
+        ((u["gop"].values, u["gop"].mask, u["wfl2"], None, g2, u["xop"].mask, 0, 2), ALL),
+    ]
+
+
 # -------------------------------------------------------------------------------------------- linear
 def _rg(native):
     lay = RowGroup.from_dense(torch.randn(24, 20, generator=_gen()), group=8, sparsity=0.5, permute=True)
@@ -295,7 +324,8 @@ def _fwd_only(fn):
     return lambda native: fn(native, grad=False)
 
 
-# name -> (samples(native) -> [(args, test_utils)], has a fallback, needs the union kernels (AVX-512))
+# name -> (samples(native) -> [(args, test_utils)], has a fallback, needs the union kernels (True: AVX-512,
+# "bf16": AVX-512 and AVX512-BF16))
 SAMPLES = {
     "adaptive_compact": (_s_compact, True, False),
     "adaptive_compact_signed": (_s_compact, True, False),
@@ -321,6 +351,9 @@ SAMPLES = {
     "adaptive_union_conv_igrad_x": (_s_u_igrad_x, False, True),
     "adaptive_union_conv_wgrad": (_s_u_wgrad, False, True),
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
+    "adaptive_union_compact_bf16": (_s_u_compact_bf16, False, "bf16"),
+    "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
+    "adaptive_union_conv_fwd_bf16": (_s_u_fwd_bf16, False, "bf16"),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),
@@ -363,6 +396,8 @@ def test_opcheck(name, mode):
         pytest.skip(f"sparsa::{name} is native only (its callers run the fallback themselves)")
     if native and needs_union and not U.union_native():
         pytest.skip("the union kernels need AVX-512")
+    if native and needs_union == "bf16" and not UB.union_dpbf16():
+        pytest.skip("the bf16 union kernels need AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
     op = getattr(torch.ops.sparsa, name).default
     for args, utils in samples(native):
         torch.library.opcheck(op, args, test_utils=utils)

@@ -1,10 +1,11 @@
 """bf16 autocast and the activation-sparse kernels.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` PyTorch's conv/linear take bf16 operands with fp32
-accumulation and return bf16. The sparse path takes the same inputs and returns the same dtype: it runs
-the fp32 kernels on the upcast activation and the fp32 master weights, and rounds once, at its output.
-Kernels with bf16 operands (AMX tiles, ``VDPBF16PS``) would slot in here; on CPUs without bf16 hardware
-the fp32 kernels are the fast ones anyway.
+accumulation and return bf16. The sparse path takes the same inputs and returns the same dtype. Where the
+CPU has AVX512-BF16, the union conv kernels take the bf16 activation and the bf16-rounded weight
+(:mod:`sparsa.kernels.adaptive_union_bf16`); elsewhere the sparse path runs the fp32 kernels on the
+upcast activation and the fp32 master weights, and rounds once, at its output. On CPUs without bf16
+hardware the fp32 kernels are the fast ones anyway.
 
 Example::
 
@@ -32,10 +33,13 @@ def autocast_bf16() -> bool:
     return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
-def sparse_under_autocast(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """``fn(x)`` through the fp32 kernels; under bf16 autocast ``fn`` gets an fp32 copy of ``x`` with autocast
-    off (so no op inside it is cast again) and the result comes back in bf16, as autocast's own op would."""
+def sparse_under_autocast(fn: Callable[[Tensor], Tensor], x: Tensor, bf16_operands: bool = False) -> Tensor:
+    """``fn(x)`` through the sparse kernels; under bf16 autocast ``fn`` runs with autocast off (so no op inside
+    it is cast again) and the result comes back in bf16, as autocast's own op would. ``fn`` gets ``x`` in
+    bf16 when ``bf16_operands`` (kernels that take bf16 operands and return bf16), else an fp32 copy."""
     if not autocast_bf16():
         return fn(x)
     with torch.autocast("cpu", enabled=False):
+        if bf16_operands:
+            return fn(x.to(torch.bfloat16))
         return fn(x.float()).to(torch.bfloat16)

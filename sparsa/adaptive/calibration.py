@@ -41,14 +41,14 @@ from ..kernels import loader
 from ..timing import round_robin_ms
 from .autocast import autocast_bf16, sparse_under_autocast
 from .conv import dy_path_supported, relu_conv2d
-from .conv_union import union_path_supported
+from .conv_union import union_path_supported, union_path_supported_for
 from ..kernels.adaptive_union import union_operand
 from .linear import relu_linear
 
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 20
+KERNEL_VERSION = 21
 
 
 #: output-gradient densities at which the dY-driven backward is timed
@@ -220,8 +220,9 @@ class Calibration:
             if kind == "conv2d":
                 y0 = F.conv2d(a, w, b, **conv_args)
                 dense = lambda xi: F.conv2d(xi, w, b, **conv_args)  # noqa: E731
+                bf16_ops = union_path_supported_for(torch.bfloat16, x.device, w, b)
                 sparse = lambda xi: sparse_under_autocast(  # noqa: E731
-                    lambda t: relu_conv2d(t, w, b, slice=slice, **conv_args), xi
+                    lambda t: relu_conv2d(t, w, b, slice=slice, **conv_args), xi, bf16_operands=bf16_ops
                 )
             else:
                 y0 = F.linear(a, w, b)

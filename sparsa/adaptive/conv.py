@@ -267,6 +267,9 @@ def relu_conv2d(
     ``stats``, if given, receives ``"nnz"``: the per-(pixel, slice) nonzero counts of ``relu(x)``.
     ``nonnegative=True`` promises ``x >= 0`` (a ReLU output): the dY-driven weight gradient then reads
     ``x`` itself instead of a ``relu(x)`` copy. The result is ``[N, O, Ho, Wo]`` with channels-last strides.
+    A bfloat16 ``x`` (with a float32 weight, as under autocast) gives a bfloat16 result accumulated in fp32: on
+    CPUs with AVX512-BF16 through the bf16 union kernels (the weight rounded to bf16, as autocast rounds it),
+    elsewhere through the fp32 kernels.
     """
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
@@ -284,6 +287,8 @@ def relu_conv2d(
 def _step(x: Tensor, weight: Tensor, bias: Optional[Tensor], geo, stats: Optional[dict], nonnegative: bool) -> Tensor:
     if union_path_supported(x, weight, bias):
         return UnionReluConv2d.apply(x, weight, bias, geo, stats)
+    if x.dtype == torch.bfloat16:  # no bf16 kernels here: the fp32 ones on the widened input, rounded once
+        return _step(x.float(), weight, bias, geo, stats, nonnegative).to(torch.bfloat16)
     return _ReluConv2d.apply(x, weight, bias, geo, stats, nonnegative)
 
 

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import adaptive_union as _u
+from ..kernels import adaptive_union_bf16 as _b
 from ..kernels.adaptive import _conv_args, igrad_dy_geometry
 from ..kernels.geometry import ConvGeometry
 from . import cost_fits as _fits
@@ -58,7 +59,8 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s nonzeros,
 #: dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy"
 #: (weight gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros),
-#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups)
+#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_dy": those that ran on bf16
+#: operands (bf16 x, under autocast)
 union_paths: Counter = Counter()
 
 
@@ -140,13 +142,17 @@ def union_path_supported(x: Tensor, weight: Tensor, bias) -> bool:
 
 
 def union_path_supported_for(dtype: torch.dtype, device: torch.device, weight: Tensor, bias) -> bool:
-    """:func:`union_path_supported` for a 4-D input of this dtype and device (not at hand, e.g. compacted)."""
-    if kernels_setting() == "list" or device.type != "cpu" or dtype != torch.float32:
+    """:func:`union_path_supported` for a 4-D input of this dtype and device (not at hand, e.g. compacted):
+    float32, or bfloat16 (with a float32 weight, as under autocast) where the bf16 kernels run."""
+    if kernels_setting() == "list" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
     for t in (weight, bias):
         if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32):
             return False
-    return weight.dim() == 4 and _u.union_supported(int(weight.shape[1]), int(weight.shape[0]))
+    if weight.dim() != 4:
+        return False
+    C, O = int(weight.shape[1]), int(weight.shape[0])
+    return _b.union_supported_bf16(C, O) if dtype == torch.bfloat16 else _u.union_supported(C, O)
 
 
 def kernel_family(kind: str, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> str:
@@ -169,7 +175,10 @@ class UnionReluConv2d(torch.autograd.Function):
         # pack_src: a long-lived detached tensor with weight's values (and version counter) that keys the
         # weight-pack caches when ``weight`` itself is a fresh view each call (relu_linear's 1x1 view)
         weight = weight if pack_src is None else pack_src
-        op = _u.union_operand(x.detach())
+        # bf16 x (under autocast): bf16 operands for the forward and the input gradient over dY's mask, the
+        # other backward kernels on the widened operands
+        ctx.bf16 = bf16 = x.dtype == torch.bfloat16
+        op = _b.union_operand_bf16(x.detach()) if bf16 else _u.union_operand(x.detach())
         C = geo.C
         d_x = op.nnz / max(1, op.values.numel())
         ctx.stride1 = _stride1(geo)
@@ -178,9 +187,13 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.x_dx = _dx_x_certain(d_x, C, geo.O)
         # a channels-last weight is read in place by the dY-driven input gradient (no flipped pack), as long as
         # it still holds the forward's values in backward (else the list side runs, from the forward pack)
-        in_place = ctx.stride1 and _u.reads_weight_in_place(weight)
+        in_place = ctx.stride1 and not bf16 and _u.reads_weight_in_place(weight)
         want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.x_dx and not in_place
-        wf, wfl = _u.union_packs(weight, flipped=want_flip)
+        if bf16:
+            packs = _b.union_pair_packs(weight, flipped=want_flip)
+            wf, wfl = packs.wf, packs.wfl2
+        else:
+            wf, wfl = _u.union_packs(weight, flipped=want_flip)
         ctx.w_ref = weakref.ref(weight) if in_place else None
         ctx.w_key = (weight._version, weight.data_ptr())
         # 2-pixel groups on images run in rows of 4 (no 2x2 tiles, see adaptive_union.cpp) once the 4-pixel
@@ -189,8 +202,13 @@ class UnionReluConv2d(torch.autograd.Function):
         ratio = ctx.x_ratio = op.union_ratio()
         tiles = geo.Ho % 2 == 0 and geo.Wo % 2 == 0 and geo.Ho >= 16 and geo.Wo >= 16
         group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
-        y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
+        if bf16:
+            y = _b.union_conv_fwd_bf16(op, weight, bias, geo, group=group, wf2=packs.wf2)
+        else:
+            y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
         union_paths[f"fwd_g{group}"] += 1
+        if bf16:
+            union_paths["bf16_fwd"] += 1
         if stats is not None:
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
             stats["union_ratio"] = op.union_ratio()
@@ -204,7 +222,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if ctx.stride1 and ctx.needs_input_grad[0]:
             extra = wfl
         elif ctx.needs_input_grad[0]:
-            extra = weight.detach()
+            extra = weight.detach().to(torch.bfloat16).float() if bf16 else weight.detach()
         else:
             extra = None
         ctx.save_for_backward(op.values, op.mask, extra, wf)
@@ -215,9 +233,25 @@ class UnionReluConv2d(torch.autograd.Function):
         values, mask, extra, wf = ctx.saved_tensors
         op = _u.UnionOperand(values, mask, ctx.nnz)
         geo = ctx.geo
+        bf16 = ctx.bf16
+        if bf16 and gy.dtype != torch.bfloat16:
+            gy = gy.to(torch.bfloat16)
         g = gy.permute(0, 2, 3, 1)
         if not g.is_contiguous():
             g = g.contiguous()
+        # the fp32 kernels' operands (bf16: widened once, when first needed)
+        wide = {}
+
+        def op32():
+            if "op" not in wide:
+                wide["op"] = _b.widened(op)
+            return wide["op"]
+
+        def g32():
+            if "g" not in wide:
+                wide["g"] = g.float() if bf16 else g
+            return wide["g"]
+
         dx = dw = db = None
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         C, O = geo.C, geo.O
@@ -232,7 +266,12 @@ class UnionReluConv2d(torch.autograd.Function):
             and dy_ok
             and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits).values()) > _dy_floor("conv_union.dw.dy", fits)
         )
-        gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False) if want_g else None
+        if not want_g:
+            gop = None
+        elif bf16:
+            gop = _b.union_operand_bf16(g.permute(0, 3, 1, 2), relu=False)
+        else:
+            gop = _u.union_operand(g.permute(0, 3, 1, 2), relu=False)
         d_g = gop.nnz / max(1, g.numel()) if gop is not None else None
         dx_side = dw_side = None
         w_now = None
@@ -245,7 +284,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if need_dw:
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits)
         if dx_side == "x":
-            dx = _u.union_conv_igrad_x(op, g, geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
+            dx = _u.union_conv_igrad_x(op32(), g32(), geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
         if dx_side is not None:
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has
@@ -253,12 +292,15 @@ class UnionReluConv2d(torch.autograd.Function):
                 # (figures in docs/benchmarks.md)
                 ratio = gop.union_ratio()
                 group = 2 if ratio is not None and ratio >= 2.2 else 4
-                dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=group)
+                if bf16:
+                    dx = _b.union_conv_igrad_bf16(gop, w_now, op, geo, wfl2=extra, group=group)
+                else:
+                    dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=group)
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(
-                    g.permute(0, 3, 1, 2),
-                    op.nchw(),
+                    g32().permute(0, 3, 1, 2),
+                    op32().nchw(),
                     extra,
                     None,
                     a["stride"],
@@ -274,15 +316,19 @@ class UnionReluConv2d(torch.autograd.Function):
                     if dxd.is_contiguous(memory_format=torch.channels_last)
                     else torch.where(op.nchw() != 0, dxd, torch.zeros(()))
                 )
+            if bf16 and dx.dtype != torch.bfloat16:
+                dx = dx.to(torch.bfloat16)
             union_paths["dx_" + dx_side] += 1
+            if bf16 and dx_side == "dy":
+                union_paths["bf16_dx_dy"] += 1
             if not ctx.channels_last:
                 dx = dx.contiguous()
         if dw_side == "dy":
-            dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride)
+            dw = _u.union_conv_wgrad_dy(_b.widened(gop), op32().values, geo, ctx.w_stride)
         elif dw_side in ("x", "lists"):
-            dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride, lists=dw_side == "lists")
+            dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride, lists=dw_side == "lists")
         if dw_side is not None:
             union_paths["dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum((0, 1, 2))
+            db = g32().sum((0, 1, 2))
         return dx, dw, db, None, None, None

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from .autocast import autocast_bf16, sparse_under_autocast
 from .calibration import Calibration, CostEntry
 from .conv import conv_supported, relu_conv2d
-from .conv_union import kernel_family
+from .conv_union import kernel_family, union_path_supported_for
 from .feedback import Feedback, time_backward
 from .linear import linear_supported, relu_linear
 from .monitor import SparsityMonitor
@@ -255,6 +255,7 @@ class AdaptiveConv2d(nn.Conv2d):
                     u, self.weight, self.bias, slice=self.sparsa_state.slice, stats=stats, nonnegative=True, **args
                 ),
                 t,
+                bf16_operands=union_path_supported_for(torch.bfloat16, t.device, self.weight, self.bias),
             ),
             self.weight,
             self.bias,

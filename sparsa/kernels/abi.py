@@ -127,6 +127,15 @@ _ADAPTIVE = {
     "sparsa_union_conv_igrad_x_f32": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, nthreads=INT),
     # adaptive_wgrad_lists.cpp
     "sparsa_union_conv_wgrad_lists_f32": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, dw=PTR, ws=I64S, nthreads=INT),
+    # adaptive_union_bf16.cpp
+    "sparsa_union_has_dpbf16": sig(INT),
+    "sparsa_union_compact_bf16": sig(
+        I64, x=PTR, N=I64, C=I64, H=I64, W=I64, relu=INT, xa=PTR, bm=PTR, union4=PTR, nthreads=INT
+    ),
+    "sparsa_union_pair_pack_bf16": sig(INT, src=PTR, blocks=I64, rows=I64, OB=I64, dst=PTR, nthreads=INT),
+    "sparsa_union_conv_fwd_bf16": sig(
+        INT, g=GEO, xa=PTR, bm=PTR, wp2=PTR, bias=PTR, y=PTR, omask=PTR, tiles=INT, group=INT, nthreads=INT
+    ),
 }
 
 _BITMASK = {

@@ -91,6 +91,7 @@ _SOURCES = [
     "adaptive_conv.cpp",
     "adaptive_bwd_s1.cpp",
     "adaptive_union.cpp",
+    "adaptive_union_bf16.cpp",
     "adaptive_wgrad_lists.cpp",
     "adaptive_igrad_x.cpp",
 ]

@@ -14,6 +14,9 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
 - ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
   the input and weight gradients over relu(x)'s or dY's mask
+- bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact_bf16(x, relu,
+  write_values)`` (x channels-last), ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired
+  bf16) and ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out)
 
 Example::
 
@@ -44,6 +47,9 @@ __all__ = [
     "union_conv_igrad_x",
     "union_conv_wgrad",
     "union_conv_wgrad_dy",
+    "union_compact_bf16",
+    "union_pair_pack",
+    "union_conv_fwd_bf16",
 ]
 
 
@@ -364,4 +370,115 @@ union_conv_wgrad_dy = kernel_op(
     "adaptive_union_conv_wgrad_dy(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, int[] geo, int[]? w_stride) -> Tensor",
     _wgrad_dy_impl,
     _wgrad_dy_fake,
+)
+
+
+# ------------------------------------------------------------------------------------------ bf16 operands
+def _compact_bf16_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    lib = _native_only("adaptive_union_compact_bf16")
+    if x.dim() != 4 or x.dtype != torch.bfloat16:
+        raise TypeError(f"adaptive_union_compact_bf16 needs a 4-D bfloat16 x, got {x.dtype} {tuple(x.shape)}")
+    N, C, H, W = x.shape
+    nhwc = x.permute(0, 2, 3, 1).contiguous()
+    values = torch.empty(N, H, W, C, dtype=torch.bfloat16) if write_values else torch.empty(0, dtype=torch.bfloat16)
+    mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
+    u4 = ctypes.c_int64(0)
+    nnz = lib.sparsa_union_compact_bf16(
+        nhwc.data_ptr(),
+        N,
+        C,
+        H,
+        W,
+        int(relu),
+        values.data_ptr() if write_values else None,
+        mask.data_ptr(),
+        ctypes.byref(u4),
+        _nthreads(),
+    )
+    if nnz < 0:
+        raise RuntimeError(f"sparsa_union_compact_bf16 failed ({nnz}): this CPU lacks AVX512-BF16")
+    return values, mask, torch.tensor([nnz, u4.value], dtype=torch.int64)
+
+
+def _compact_bf16_fake(x, relu, write_values):
+    N, C, H, W = x.shape
+    values = x.new_empty(N, H, W, C) if write_values else x.new_empty(0)
+    return values, x.new_empty(N * H * W, (C + 63) // 64, dtype=torch.int64), x.new_empty(2, dtype=torch.int64)
+
+
+union_compact_bf16 = kernel_op(
+    "adaptive_union_compact_bf16(Tensor x, bool relu, bool write_values) -> (Tensor, Tensor, Tensor)",
+    _compact_bf16_impl,
+    _compact_bf16_fake,
+)
+
+
+def _pair_pack_impl(pack: Tensor, rows: int, ob: int) -> Tensor:
+    lib = _native_only("adaptive_union_pair_pack")
+    if pack.dtype != torch.float32 or rows <= 0 or ob <= 0 or pack.numel() % (rows * ob):
+        raise ValueError(
+            f"adaptive_union_pair_pack: pack ({pack.dtype}, {pack.numel()} values) is not float32 blocks of "
+            f"rows={rows} x ob={ob}; pass a union pack with its own row count and output block"
+        )
+    src = pack.contiguous()
+    out = torch.empty(pack.numel(), dtype=torch.bfloat16)
+    blocks = pack.numel() // (rows * ob)
+    rc = lib.sparsa_union_pair_pack_bf16(src.data_ptr(), blocks, rows, ob, out.data_ptr(), _nthreads())
+    if rc:
+        raise ValueError(f"adaptive_union_pair_pack: rows={rows} must be even and ob={ob} a multiple of 16 (rc {rc})")
+    return out
+
+
+union_pair_pack = kernel_op(
+    "adaptive_union_pair_pack(Tensor pack, int rows, int ob) -> Tensor",
+    _pair_pack_impl,
+    lambda pack, rows, ob: pack.new_empty(pack.numel(), dtype=torch.bfloat16),
+)
+
+
+def _fwd_bf16_impl(
+    values: Tensor,
+    mask: Tensor,
+    wp2: Tensor,
+    bias: Optional[Tensor],
+    geo: List[int],
+    omask: Optional[Tensor],
+    tiles: int,
+    group: int,
+) -> Tensor:
+    lib = _native_only("adaptive_union_conv_fwd_bf16")
+    G = ConvGeometry.of(geo)
+    if values.dtype != torch.bfloat16 or wp2.dtype != torch.bfloat16:
+        raise TypeError(f"adaptive_union_conv_fwd_bf16 needs bfloat16 values and pack, got {values.dtype}, {wp2.dtype}")
+    b = None if bias is None else bias.float().contiguous()
+    y = torch.empty(G.N, G.O, G.Ho, G.Wo, dtype=torch.bfloat16, memory_format=torch.channels_last)
+    rc = lib.sparsa_union_conv_fwd_bf16(
+        G.c(),
+        values.data_ptr(),
+        mask.data_ptr(),
+        wp2.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        None if omask is None else omask.data_ptr(),
+        tiles,
+        group,
+        _nthreads(),
+    )
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_fwd_bf16 failed ({rc}) for geometry {G}")
+    return y
+
+
+def _fwd_bf16_fake(values, mask, wp2, bias, geo, omask, tiles, group):
+    G = ConvGeometry.of(geo)
+    return torch.empty(
+        G.N, G.O, G.Ho, G.Wo, dtype=torch.bfloat16, device=values.device, memory_format=torch.channels_last
+    )
+
+
+union_conv_fwd_bf16 = kernel_op(
+    "adaptive_union_conv_fwd_bf16(Tensor values, Tensor mask, Tensor wp2, Tensor? bias, int[] geo, "
+    "Tensor? omask, int tiles, int group) -> Tensor",
+    _fwd_bf16_impl,
+    _fwd_bf16_fake,
 )

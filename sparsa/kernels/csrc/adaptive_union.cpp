@@ -26,6 +26,7 @@
 
 #include "adaptive_geo.h"
 #include "adaptive_transpose.h"
+#include "adaptive_union_groups.h"
 #include "cpu_isa.h"
 
 namespace {
@@ -33,39 +34,10 @@ namespace {
 using sparsa_adaptive::Geo;
 using sparsa_adaptive::pick_ob;
 
-constexpr int P = 4;  // output pixels per group
+using sparsa_adaptive::Groups;
+constexpr int P = sparsa_adaptive::kUnionPixels;
 
-inline int64_t words(int64_t C) { return (C + 63) / 64; }
-
-// The groups of P = 4 output pixels of one image: runs of 4 along the flattened rows, or, when the caller
-// allows it and the image is even-sized and at least 16x16, 2x2 tiles. Neighbours in both directions
-// share more of relu(x)'s zeros (a tile's union is smaller than a row run's), which pays at 16x16 and
-// larger, but not on small images (rows skip whole kernel offsets at the border, tiles only half of them)
-// and not on dY's masks (max-pool backward leaves one nonzero per 2x2 window).
-struct Groups {
-    int64_t Ho, Wo, HW, tw, per_image, pg;
-    bool tiles;
-    // pg: pixels per group, 4 (2x2 tiles when allowed and the image fits, else row runs), 2 or 1 (row runs)
-    Groups(const Geo& G, bool allow_tiles, int64_t pixels = P)
-        : Ho(G.Ho), Wo(G.Wo), HW(G.Ho * G.Wo), tw(G.Wo / 2), per_image(0), pg(pixels),
-          tiles(pixels == 4 && allow_tiles && G.Ho % 2 == 0 && G.Wo % 2 == 0 && G.Ho >= 16 && G.Wo >= 16) {
-        per_image = tiles ? HW / 4 : (HW + pg - 1) / pg;
-    }
-    // (ho, wo) of member i of group g; false when the member lies past the image (row runs only)
-    bool member(int64_t g, int i, int64_t& ho, int64_t& wo) const {
-        if (tiles) {
-            const int64_t th = g / tw, t = g - th * tw;
-            ho = 2 * th + (i >> 1);
-            wo = 2 * t + (i & 1);
-            return true;
-        }
-        const int64_t pp = g * pg + i;
-        if (pp >= HW) return false;
-        ho = pp / Wo;
-        wo = pp - ho * Wo;
-        return true;
-    }
-};
+inline int64_t words(int64_t C) { return sparsa_adaptive::mask_words(C); }
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_UNION_AVX512 1
@@ -319,19 +291,7 @@ int64_t sparsa_union_compact_f32(const float* x, int64_t N, int64_t C, int64_t H
                 total += relu ? mask_pixel<true>(src, dst, bm + q * NW, C) : mask_pixel<false>(src, dst, bm + q * NW, C);
             }
         }
-        if (union4) {
-            // runs of 4 consecutive pixels of each image, rows flattened (the kernels' row groups)
-            const int64_t HW = H * W, runs = (HW + 3) / 4;
-#pragma omp for schedule(static)
-            for (int64_t t = 0; t < N * runs; ++t) {
-                const int64_t q0 = (t / runs) * HW + (t % runs) * 4, q1 = std::min(q0 + 4, (t / runs) * HW + HW);
-                for (int64_t j = 0; j < NW; ++j) {
-                    uint64_t m = 0;
-                    for (int64_t q = q0; q < q1; ++q) m |= bm[q * NW + j];
-                    uni += __builtin_popcountll(m);
-                }
-            }
-        }
+        if (union4) uni += sparsa_adaptive::union4_share(bm, N, H * W, NW);
     }
     if (union4) *union4 = uni;
     return total;

@@ -1,0 +1,258 @@
+// bf16 operands for the union kernels (AVX512-BF16, run-time check): the forward and the stride-1 input
+// gradient of conv2d(relu(x), W) under bf16 autocast, with fp32 accumulation and bf16 outputs.
+//
+// The operand is as in adaptive_union.cpp (values dense NHWC, one mask bit per element), in bf16. The weight
+// pack pairs adjacent input channels: wp2[block][k][c / 2][o][2] = (W[o, c], W[o, c + 1]) for c even, so one
+// VDPBF16PS multiplies 16 output channels by a pixel's (x[c], x[c + 1]) -- a single 32-bit broadcast from
+// the operand. A channel pair runs when either channel is set in the union of the group's masks; its other
+// channel is then a zero product.
+//
+//   forward  y[p, ob..ob+OB) = bf16(bias + sum_{off, pairs c in U} Wf[off, c, ob..] . x[q_i(p, off), c..c+1])
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+#include <omp.h>
+#include <vector>
+
+#include "adaptive_geo.h"
+#include "adaptive_union_groups.h"
+#include "cpu_isa.h"
+
+namespace {
+
+using sparsa_adaptive::Geo;
+using sparsa_adaptive::Groups;
+using sparsa_adaptive::mask_words;
+using sparsa_adaptive::pick_ob;
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_UNION_DPBF16 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma,bmi,popcnt")
+
+constexpr uint64_t kEvenBits = 0x5555555555555555ull;
+
+// One pixel's C contiguous bf16 channels -> (optional) masked copy dst and mask words m; returns its nnz.
+// RELU keeps x > 0 (NaN dropped), else x != 0 (NaN and +-inf kept), as the fp32 operand.
+template <bool RELU>
+int64_t mask_pixel(const uint16_t* src, uint16_t* dst, uint64_t* m, int64_t C) {
+    int64_t nnz = 0;
+    const __m512 z = _mm512_setzero_ps();
+    for (int64_t j = 0; j * 64 < C; ++j) {
+        uint64_t word = 0;
+        for (int k = 0; k < 4; ++k) {
+            const int64_t c0 = j * 64 + 16 * k;
+            if (c0 >= C) break;
+            const __mmask16 lm = C - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c0)) - 1);
+            const __m256i h = _mm256_maskz_loadu_epi16(lm, src + c0);
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            const __mmask16 nz = (RELU ? _mm512_cmp_ps_mask(v, z, _CMP_GT_OQ) : _mm512_cmp_ps_mask(v, z, _CMP_NEQ_UQ)) & lm;
+            if (dst) _mm256_mask_storeu_epi16(dst + c0, lm, _mm256_maskz_mov_epi16(nz, h));
+            word |= (uint64_t)nz << (16 * k);
+        }
+        m[j] = word;
+        nnz += __builtin_popcountll(word);
+    }
+    return nnz;
+}
+
+// the bf16 pair (x[c], x[c + 1]) at p broadcast to 16 lanes
+static inline __m512bh pair_bcast(const uint16_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return (__m512bh)_mm512_set1_epi32((int)v);
+}
+
+// y at the PP pixels of group g of image n, output channels [ob, ob + 16 V), from the paired pack: the
+// pair of input channels (c, c + 1) at kernel offset k holds wb + koff[k] + (c / 2) * 2 OB.
+template <int V, int PP>
+void fwd_group(const Geo& G, const Groups& GR, const uint16_t* xa, const uint64_t* bm, const uint16_t* zero,
+               const uint64_t* zm, const uint16_t* wb, const int64_t* koff, int64_t OB, const float* bias,
+               uint16_t* y, int64_t n, int64_t g, int64_t ob, const uint64_t* omask) {
+    const int64_t NW = mask_words(G.C), HW = G.Ho * G.Wo;
+    __m512 acc[PP][V];
+    for (int i = 0; i < PP; ++i)
+        for (int v = 0; v < V; ++v) acc[i][v] = bias ? _mm512_loadu_ps(bias + ob + 16 * v) : _mm512_setzero_ps();
+    int64_t ho[PP], wo[PP];
+    bool ok[PP];
+    for (int i = 0; i < PP; ++i) ok[i] = GR.member(g, i, ho[i], wo[i]);
+    for (int64_t kh = 0; kh < G.KH; ++kh)
+        for (int64_t kw = 0; kw < G.KW; ++kw) {
+            const uint16_t* xr[PP];
+            const uint64_t* mr[PP];
+            bool any = false;
+            for (int i = 0; i < PP; ++i) {
+                const int64_t hi = ho[i] * G.sh - G.ph + kh * G.dh, wi = wo[i] * G.sw - G.pw + kw * G.dw;
+                if (!ok[i] || hi < 0 || hi >= G.H || wi < 0 || wi >= G.W) {
+                    xr[i] = zero;
+                    mr[i] = zm;
+                } else {
+                    const int64_t q = (n * G.H + hi) * G.W + wi;
+                    xr[i] = xa + q * G.C;
+                    mr[i] = bm + q * NW;
+                    any = true;
+                }
+            }
+            if (!any) continue;
+            const uint16_t* w0 = wb + koff[kh * G.KW + kw];
+            for (int64_t j = 0; j < NW; ++j) {
+                uint64_t m = 0;
+                for (int i = 0; i < PP; ++i) m |= mr[i][j];
+                m = (m | (m >> 1)) & kEvenBits;  // pairs (c, c + 1) with c even
+                while (m) {
+                    const int64_t c = j * 64 + __builtin_ctzll(m);
+                    m &= m - 1;
+                    const uint16_t* wr = w0 + c * OB;  // (c / 2) * 2 OB
+                    __m512bh w[V];
+                    for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wr + 32 * v);
+                    for (int i = 0; i < PP; ++i) {
+                        const __m512bh b = pair_bcast(xr[i] + c);
+                        for (int v = 0; v < V; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], b);
+                    }
+                }
+            }
+        }
+    const int64_t NWo = mask_words(G.O);
+    for (int i = 0; i < PP; ++i) {
+        if (!ok[i]) continue;
+        const int64_t p = n * HW + ho[i] * G.Wo + wo[i];
+        uint16_t* yp = y + p * G.O + ob;
+        for (int v = 0; v < V; ++v) {
+            __m512 a = acc[i][v];
+            if (omask) {
+                const int64_t c = ob + 16 * v;
+                a = _mm512_maskz_mov_ps((__mmask16)(omask[p * NWo + c / 64] >> (c % 64)), a);
+            }
+            _mm256_storeu_si256((__m256i*)(yp + 16 * v), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+    }
+}
+
+template <int PP>
+void fwd_group_v(int64_t V, const Geo& G, const Groups& GR, const uint16_t* xa, const uint64_t* bm,
+                 const uint16_t* zero, const uint64_t* zm, const uint16_t* wb, const int64_t* koff, int64_t OB,
+                 const float* bias, uint16_t* y, int64_t n, int64_t g, int64_t ob, const uint64_t* omask) {
+    switch (V) {
+        case 1: fwd_group<1, PP>(G, GR, xa, bm, zero, zm, wb, koff, OB, bias, y, n, g, ob, omask); break;
+        case 2: fwd_group<2, PP>(G, GR, xa, bm, zero, zm, wb, koff, OB, bias, y, n, g, ob, omask); break;
+        case 3: fwd_group<3, PP>(G, GR, xa, bm, zero, zm, wb, koff, OB, bias, y, n, g, ob, omask); break;
+        default: fwd_group<4, PP>(G, GR, xa, bm, zero, zm, wb, koff, OB, bias, y, n, g, ob, omask); break;
+    }
+}
+
+int fwd_run(const Geo& G, const uint16_t* xa, const uint64_t* bm, const uint16_t* wp, const float* bias, uint16_t* y,
+            const uint64_t* omask, int tiles, int group, int nthreads) {
+    const int64_t OB = pick_ob(G.O), K2 = G.KH * G.KW;
+    const Groups GR(G, tiles != 0, group);
+    const int64_t nob = G.O / OB, ng = GR.per_image, bstride = K2 * G.C * OB;
+    std::vector<int64_t> koff((size_t)K2);
+    for (int64_t k = 0; k < K2; ++k) koff[k] = k * G.C * OB;
+    // about 32 pixels a task, fewer when that leaves under 8 tasks a thread (as the fp32 kernel)
+    const int64_t most = 32 / group;
+    const int64_t gpt = std::max<int64_t>(1, std::min<int64_t>(most, G.N * ng * nob / (8 * nthreads)));
+    const int64_t ngt = (ng + gpt - 1) / gpt, ntask = nob * G.N * ngt;
+    std::vector<uint16_t> zero((size_t)G.C + 32, 0);
+    std::vector<uint64_t> zm((size_t)mask_words(G.C), 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t t = 0; t < ntask; ++t) {
+        const int64_t obi = t / (G.N * ngt), n = (t / ngt) % G.N, gt = t % ngt;
+        const uint16_t* wb = wp + obi * bstride;
+        for (int64_t gi = gt * gpt; gi < std::min(ng, gt * gpt + gpt); ++gi) {
+            switch (GR.pg) {
+                case 1: fwd_group_v<1>(OB / 16, G, GR, xa, bm, zero.data(), zm.data(), wb, koff.data(), OB, bias, y, n, gi, obi * OB, omask); break;
+                case 2: fwd_group_v<2>(OB / 16, G, GR, xa, bm, zero.data(), zm.data(), wb, koff.data(), OB, bias, y, n, gi, obi * OB, omask); break;
+                default: fwd_group_v<4>(OB / 16, G, GR, xa, bm, zero.data(), zm.data(), wb, koff.data(), OB, bias, y, n, gi, obi * OB, omask); break;
+            }
+        }
+    }
+    return 0;
+}
+
+// dst[b][r / 2][o][2] = bf16 of (src[b][r][o], src[b][r + 1][o]), round to nearest even, for rows r even
+void pair_rows(const float* src, int64_t rows, int64_t OB, uint16_t* dst) {
+    for (int64_t r = 0; r < rows; r += 2) {
+        const float* a = src + r * OB;
+        const float* b = a + OB;
+        uint16_t* d = dst + r * OB;
+        for (int64_t o = 0; o < OB; o += 16) {
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + o)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + o)));
+            _mm512_storeu_si512(d + 2 * o, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 when this CPU runs the bf16 union kernels (the union kernels' AVX-512 plus AVX512-BF16, as SPARSA_ISA allows).
+int sparsa_union_has_dpbf16() {
+#ifdef SPARSA_UNION_DPBF16
+    return sparsa_cpu_dpbf16_enabled() ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// The bf16 operand of x (NHWC contiguous, [N, H, W, C]): as sparsa_union_compact_f32 (relu != 0 keeps x > 0,
+// else x != 0; xa may be null for the masks alone; union4 may be null). Returns the number of nonzeros, or -1
+// without AVX512-BF16.
+int64_t sparsa_union_compact_bf16(const uint16_t* x, int64_t N, int64_t C, int64_t H, int64_t W, int relu, uint16_t* xa,
+                                  uint64_t* bm, int64_t* union4, int nthreads) {
+    if (!sparsa_union_has_dpbf16()) return -1;
+#ifdef SPARSA_UNION_DPBF16
+    const int64_t NW = mask_words(C), P = N * H * W;
+    int64_t total = 0, uni = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : total, uni)
+    {
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < P; ++q) {
+            uint16_t* dst = xa ? xa + q * C : nullptr;
+            total += relu ? mask_pixel<true>(x + q * C, dst, bm + q * NW, C) : mask_pixel<false>(x + q * C, dst, bm + q * NW, C);
+        }
+        if (union4) uni += sparsa_adaptive::union4_share(bm, N, H * W, NW);
+    }
+    if (union4) *union4 = uni;
+    return total;
+#else
+    return -1;
+#endif
+}
+
+// A fp32 union pack [blocks][rows][OB] (sparsa_union_pack_f32's wf, rows = C, or wfl, rows = O) as the paired
+// bf16 pack [blocks][rows / 2][OB][2] the bf16 forward reads. Returns 1 for odd rows or OB % 16, 2 without
+// AVX512-BF16.
+int sparsa_union_pair_pack_bf16(const float* src, int64_t blocks, int64_t rows, int64_t OB, uint16_t* dst, int nthreads) {
+    if (rows % 2 || OB % 16) return 1;
+    if (!sparsa_union_has_dpbf16()) return 2;
+#ifdef SPARSA_UNION_DPBF16
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < blocks; ++b) pair_rows(src + b * rows * OB, rows, OB, dst + b * rows * OB);
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+// y [N, Ho, Wo, O] bf16 (NHWC) = conv(xa, W) + bias (fp32, may be null) from the paired pack wp2 of the forward
+// pack [O / OB][KH][KW][C][OB]; omask, tiles and group as sparsa_union_conv_fwd_f32 (with the flipped conv's
+// geometry and paired pack over dY's operand, and relu(x)'s masks as omask: the stride-1 input gradient).
+// Returns 1 for a bad geometry or group, 2 without AVX512-BF16.
+int sparsa_union_conv_fwd_bf16(const int64_t* g, const uint16_t* xa, const uint64_t* bm, const uint16_t* wp2,
+                               const float* bias, uint16_t* y, const uint64_t* omask, int tiles, int group, int nthreads) {
+    const Geo G(g);
+    if (G.O % 8 || G.C % 2 || pick_ob(G.O) % 16 || (group != 1 && group != 2 && group != 4)) return 1;
+    if (!sparsa_union_has_dpbf16()) return 2;
+#ifdef SPARSA_UNION_DPBF16
+    return fwd_run(G, xa, bm, wp2, bias, y, omask, tiles, group, nthreads);
+#else
+    return 2;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,208 @@
+"""The bf16 union kernels (AVX512-BF16) and their PyTorch fallback against float64 references: the operand,
+the paired weight pack, the forward and the stride-1 input gradient, and ``relu_conv2d`` on a bf16 input."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparsa.adaptive import relu_conv2d
+from sparsa.adaptive.conv_union import union_path_supported_for, union_paths
+from sparsa.kernels import adaptive_union as U
+from sparsa.kernels import adaptive_union_bf16 as B
+from sparsa.kernels import adaptive_union_ops as ops
+from sparsa.kernels.adaptive import _pick_ob
+
+BF = torch.bfloat16
+RTOL = 2.0**-8  # the one rounding to bf16 (half an ulp is 2^-9), with room
+ATOL_REL = 1e-5  # of the conv of |x| and |w|: fp32 accumulation
+
+
+def _need_native():
+    if not B.union_dpbf16():
+        pytest.skip("the bf16 union kernels need AVX-512 with AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
+
+
+@pytest.fixture(params=["native", "fallback"])
+def native(request):
+    if request.param == "native":
+        _need_native()
+        return True
+    return False
+
+
+def _operand(x, native, relu=True):
+    op = B.union_operand_bf16(x, relu=relu, native=native)
+    assert (op.mask is not None) == native
+    return op
+
+
+def _check(y, ref, scale):
+    y = y.double()
+    err = (y - ref).abs()
+    tol = RTOL * ref.abs() + ATOL_REL * scale + 1e-30
+    bad = err > tol
+    worst = float((err / tol).max())
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} outside tolerance; worst {worst:.3g} x tol"
+
+
+def _sparse_bf16(shape, sparsity, gen):
+    x = torch.randn(*shape, generator=gen)
+    return (x - torch.quantile(x.flatten()[:50000], sparsity)).to(BF)
+
+
+CONVS = [  # (N, C, H, W, O, kernel, stride, padding, dilation)
+    (2, 16, 6, 6, 32, 3, 1, 1, 1),
+    (1, 64, 16, 16, 64, 3, 1, 1, 1),
+    (3, 32, 9, 7, 48, 3, 2, 1, 1),
+    (2, 128, 4, 4, 256, 3, 1, 1, 1),
+    (2, 16, 8, 8, 16, 1, 1, 0, 1),
+    (1, 24, 10, 10, 32, 3, 1, 2, 2),
+]
+
+
+@pytest.mark.parametrize("N,C,H,W,O,k,s,p,d", CONVS)
+@pytest.mark.parametrize("group", [4, 2, 1])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_forward_matches_float64(native, N, C, H, W, O, k, s, p, d, group, with_bias):
+    gen = torch.Generator().manual_seed(N * 100 + C + O + k)
+    x = _sparse_bf16((N, C, H, W), 0.6, gen)
+    w = torch.randn(O, C, k, k, generator=gen) / (C * k * k) ** 0.5
+    b = torch.randn(O, generator=gen) if with_bias else None
+    geo = U.geometry(x.shape, w.shape, (s, s), (p, p), (d, d))
+    y = B.union_conv_fwd_bf16(_operand(x, native), w, b, geo, group=group)
+    assert y.dtype == BF and y.is_contiguous(memory_format=torch.channels_last)
+    xr, wr = x.double().relu(), w.to(BF).double()
+    ref = F.conv2d(xr, wr, None if b is None else b.double(), stride=s, padding=p, dilation=d)
+    scale = F.conv2d(xr.abs(), wr.abs(), None if b is None else b.double().abs(), stride=s, padding=p, dilation=d)
+    _check(y, ref, scale)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    N=st.integers(1, 3),
+    C=st.sampled_from([8, 16, 40, 64, 72]),
+    O=st.sampled_from([16, 32, 48, 80]),
+    H=st.integers(1, 9),
+    W=st.integers(1, 9),
+    sparsity=st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+    group=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 999),
+)
+def test_forward_property(native, N, C, O, H, W, sparsity, group, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = _sparse_bf16((N, C, H, W), sparsity, gen) if sparsity < 1 else -torch.rand(N, C, H, W).to(BF)
+    w = torch.randn(O, C, 3, 3, generator=gen)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    y = B.union_conv_fwd_bf16(_operand(x, native), w, None, geo, group=group)
+    xr, wr = x.double().relu(), w.to(BF).double()
+    _check(y, F.conv2d(xr, wr, padding=1), F.conv2d(xr.abs(), wr.abs(), padding=1))
+
+
+@pytest.mark.parametrize("N,C,H,W,O", [(2, 16, 6, 6, 32), (1, 64, 16, 16, 64), (2, 256, 4, 4, 128)])
+@pytest.mark.parametrize("group", [4, 2])
+def test_input_gradient_matches_float64(native, N, C, H, W, O, group):
+    gen = torch.Generator().manual_seed(C + O)
+    x = _sparse_bf16((N, C, H, W), 0.5, gen)
+    w = torch.randn(O, C, 3, 3, generator=gen)
+    gy = _sparse_bf16((N, O, H, W), 0.3, gen).contiguous(memory_format=torch.channels_last)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+    dx = B.union_conv_igrad_bf16(_operand(gy, native, relu=False), w, _operand(x, native), geo, group=group)
+    assert dx.dtype == BF and dx.shape == x.shape
+    xr, wr = x.double().relu(), w.to(BF).double()
+
+    def igrad(g, wt):
+        return torch.ops.aten.convolution_backward(
+            g, xr, wt, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]
+        )[0]
+
+    ref = torch.where(xr != 0, igrad(gy.double(), wr), 0)
+    scale = torch.where(xr != 0, igrad(gy.double().abs(), wr.abs()), 0)
+    _check(dx, ref, scale)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("relu", [True, False])
+def test_operand_is_the_fp32_operand_in_bf16(channels_last, relu):
+    _need_native()
+    gen = torch.Generator().manual_seed(5)
+    x = _sparse_bf16((2, 72, 5, 6), 0.5, gen)
+    x[0, 3, 1, 1], x[1, 70, 4, 5], x[0, 9, 2, 2], x[1, 0, 0, 0] = float("nan"), float("inf"), -0.0, -float("inf")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    op = B.union_operand_bf16(x, relu=relu)
+    ref = U.union_operand(x.float(), relu=relu)  # the fp32 kernels' operand of the same values
+    assert torch.equal(op.mask, ref.mask) and op.nnz == ref.nnz and op.union4 == ref.union4
+    assert op.values.dtype == BF
+    torch.testing.assert_close(op.values.float(), ref.values, rtol=0, atol=0, equal_nan=True)
+    fb = B.union_operand_bf16(x, relu=relu, native=False)
+    assert fb.nnz == op.nnz
+    torch.testing.assert_close(fb.values, op.values, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pair_pack_pairs_adjacent_input_channels():
+    _need_native()
+    w = torch.randn(48, 32, 3, 3)
+    wf, wfl = U.union_packs(w)
+    for pack, rows, ob in ((wf, 32, _pick_ob(48)), (wfl, 48, _pick_ob(32))):
+        got = ops.union_pair_pack(pack, rows, ob)
+        blocks = pack.view(-1, rows // 2, 2, ob).to(BF)  # [block][pair][channel of pair][o]
+        assert torch.equal(got.view(-1, rows // 2, ob, 2), blocks.transpose(2, 3))
+    with pytest.raises(ValueError, match="must be even"):
+        ops.union_pair_pack(torch.zeros(3 * 16), 3, 16)
+    with pytest.raises(ValueError, match="rows=5 x ob=16"):
+        ops.union_pair_pack(torch.zeros(64), 5, 16)
+
+
+def test_pair_packs_round_the_weight_and_follow_its_version():
+    _need_native()
+    w = torch.randn(32, 16, 3, 3)
+    packs = B.union_pair_packs(w, flipped=False)
+    assert packs.wfl2 is None and B.union_pair_packs(w, flipped=False) is packs
+    wf_rounded = U.union_packs(w.to(BF).float(), flipped=False)[0]
+    assert torch.equal(packs.wf, wf_rounded)  # the fp32 kernels' rows hold the bf16-rounded weight
+    assert torch.equal(packs.wf2, ops.union_pair_pack(wf_rounded, 16, 32))
+    with torch.no_grad():
+        w.mul_(2)
+    again = B.union_pair_packs(w)
+    assert again is not packs and again.wfl2 is not None
+    assert torch.equal(again.wf2.float(), packs.wf2.float() * 2)
+
+
+def test_operand_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="bfloat16"):
+        B.union_operand_bf16(torch.zeros(1, 8, 2, 2))
+    with pytest.raises(ValueError, match="4-D"):
+        B.union_operand_bf16(torch.zeros(8, 2, 2, dtype=BF))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_relu_conv2d_on_a_bf16_input(native, monkeypatch, stride):
+    """Forward and both gradients of ``relu_conv2d`` with a bf16 input and a float32 weight against float64 with
+    the weight rounded to bf16 (native) or kept (the fp32 kernels, where no bf16 kernel runs)."""
+    if not native:
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    gen = torch.Generator().manual_seed(stride)
+    x = _sparse_bf16((2, 32, 8, 8), 0.6, gen).requires_grad_(True)
+    w = (torch.randn(64, 32, 3, 3, generator=gen) / 17).requires_grad_(True)
+    b = torch.randn(64, generator=gen).requires_grad_(True)
+    bf16_path = union_path_supported_for(BF, x.device, w, b)
+    assert bf16_path == native
+    before = union_paths["bf16_fwd"]
+    y = relu_conv2d(x, w, b, stride=stride, padding=1)
+    assert y.dtype == BF
+    assert union_paths["bf16_fwd"] - before == int(native)
+    gy = torch.randn(y.shape, generator=gen).to(BF)
+    y.backward(gy)
+    assert x.grad.dtype == BF and w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = (w.detach().to(BF) if native else w.detach()).double().requires_grad_(True)
+    b64 = b.detach().double().requires_grad_(True)
+    y64 = F.conv2d(x64.relu(), w64, b64, stride=stride, padding=1)
+    y64.backward(gy.double())
+    # bf16 results: one rounding; fp32 gradients of bf16 operands: fp32 accumulation
+    torch.testing.assert_close(y.double(), y64, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)
