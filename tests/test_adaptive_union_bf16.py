@@ -122,6 +122,30 @@ def test_input_gradient_matches_float64(native, N, C, H, W, O, group):
     _check(dx, ref, scale)
 
 
+@pytest.mark.parametrize("N,C,H,W,O,s", [(2, 16, 6, 6, 16, 1), (1, 64, 16, 16, 48, 1), (2, 24, 9, 7, 64, 2)])
+def test_input_gradient_at_nonzeros_matches_float64(native, N, C, H, W, O, s):
+    """The input gradient at relu(x)'s nonzeros (dot products over pairs of output channels; O = 16 and 48 take
+    a last step of half a vector)."""
+    gen = torch.Generator().manual_seed(C * O + s)
+    x = _sparse_bf16((N, C, H, W), 0.6, gen)
+    w = torch.randn(O, C, 3, 3, generator=gen)
+    geo = U.geometry(x.shape, w.shape, (s, s), (1, 1), (1, 1))
+    Ho, Wo = geo.Ho, geo.Wo
+    gy = torch.randn(N, Ho, Wo, O, generator=gen).to(BF)
+    dx = B.union_conv_igrad_x_bf16(_operand(x, native), gy, geo, weight=w)
+    assert dx.dtype == BF and dx.shape == x.shape
+    xr, wr = x.double().relu(), w.to(BF).double()
+
+    def igrad(g, wt):
+        return torch.ops.aten.convolution_backward(
+            g.permute(0, 3, 1, 2), xr, wt, None, [s, s], [1, 1], [1, 1], False, [0, 0], 1, [True, False, False]
+        )[0]
+
+    _check(
+        dx, torch.where(xr != 0, igrad(gy.double(), wr), 0), torch.where(xr != 0, igrad(gy.double().abs(), wr.abs()), 0)
+    )
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("relu", [True, False])
 def test_operand_is_the_fp32_operand_in_bf16(channels_last, relu):

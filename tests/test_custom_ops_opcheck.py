@@ -238,6 +238,12 @@ def _s_u_fwd_bf16(native):
     ]
 
 
+def _s_u_igrad_x_bf16(native):
+    u = _union_bf16()
+    wc = UB.bf16_wc(u["wf"], u["geo"])
+    return [((u["xop"].mask, u["dy"].bfloat16(), wc, u["geo"]), ALL)]
+
+
 # -------------------------------------------------------------------------------------------- linear
 def _rg(native):
     lay = RowGroup.from_dense(torch.randn(24, 20, generator=_gen()), group=8, sparsity=0.5, permute=True)
@@ -354,6 +360,7 @@ SAMPLES = {
     "adaptive_union_compact_bf16": (_s_u_compact_bf16, False, "bf16"),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
     "adaptive_union_conv_fwd_bf16": (_s_u_fwd_bf16, False, "bf16"),
+    "adaptive_union_conv_igrad_x_bf16": (_s_u_igrad_x_bf16, False, "bf16"),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),

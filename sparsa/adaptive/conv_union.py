@@ -59,8 +59,8 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s nonzeros,
 #: dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy"
 #: (weight gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros),
-#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_dy": those that ran on bf16
-#: operands (bf16 x, under autocast)
+#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy": those that ran
+#: on bf16 operands (bf16 x, under autocast)
 union_paths: Counter = Counter()
 
 
@@ -283,7 +283,9 @@ class UnionReluConv2d(torch.autograd.Function):
                     dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits)
-        if dx_side == "x":
+        if dx_side == "x" and bf16:
+            dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=_b.bf16_wc(wf, geo))
+        elif dx_side == "x":
             dx = _u.union_conv_igrad_x(op32(), g32(), geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
         if dx_side is not None:
             if dx_side == "dy":
@@ -319,8 +321,8 @@ class UnionReluConv2d(torch.autograd.Function):
             if bf16 and dx.dtype != torch.bfloat16:
                 dx = dx.to(torch.bfloat16)
             union_paths["dx_" + dx_side] += 1
-            if bf16 and dx_side == "dy":
-                union_paths["bf16_dx_dy"] += 1
+            if bf16 and dx_side in ("x", "dy"):
+                union_paths["bf16_dx_" + dx_side] += 1
             if not ctx.channels_last:
                 dx = dx.contiguous()
         if dw_side == "dy":

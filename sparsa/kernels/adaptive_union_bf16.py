@@ -1,4 +1,4 @@
-"""bf16 operands for the union kernels: the forward and the stride-1 input gradient under bf16 autocast.
+"""bf16 operands for the union kernels: the forward and the input gradients under bf16 autocast.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a conv takes bf16 activations and the bf16-rounded
 weight, accumulates in fp32 and returns bf16. The union path does the same where the CPU has AVX512-BF16
@@ -8,8 +8,9 @@ adjacent input channels paired, and one ``VDPBF16PS`` multiplies 16 output chann
 channels. A pair runs when either of its channels is nonzero somewhere in the group of 4 pixels.
 
 Elsewhere the same functions run their PyTorch fallback with the same semantics (the fp32 conv of the
-bf16 values and the bf16-rounded weight, rounded once). The other union kernels (the input gradient at
-relu(x)'s nonzeros, the weight gradients) are fp32: :func:`widened` gives them the operand in fp32.
+bf16 values and the bf16-rounded weight, rounded once). The input gradient at relu(x)'s nonzeros
+(:func:`union_conv_igrad_x_bf16`) pairs adjacent output channels of dY and of the weight rows instead. The
+weight-gradient kernels are fp32: :func:`widened` gives them the operand in fp32.
 
 Example::
 
@@ -45,7 +46,9 @@ __all__ = [
     "PairPacks",
     "union_conv_fwd_bf16",
     "union_conv_igrad_bf16",
+    "union_conv_igrad_x_bf16",
     "widened",
+    "bf16_wc",
 ]
 
 BF16 = torch.bfloat16
@@ -195,3 +198,44 @@ def union_conv_igrad_bf16(
         return dx.to(BF16).contiguous(memory_format=torch.channels_last)
     wfl2 = union_pair_packs(weight, flipped=True).wfl2 if wfl2 is None else wfl2
     return _ops.union_conv_fwd_bf16(gop.values, gop.mask, wfl2, None, igrad_dy_geometry(G), xop.mask, 0, group)
+
+
+def union_conv_igrad_x_bf16(
+    xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None, wc: Optional[Tensor] = None
+) -> Tensor:
+    """The input gradient of ``conv2d(relu(x), W)`` (any stride) at relu(x)'s nonzeros (``xop``'s mask) from the
+    bf16 output gradient ``dy_nhwc`` (``[N, Ho, Wo, O]``): ``[N, C, H, W]`` bf16, channels-last strides. ``wc``:
+    the bf16 ``[C, KH, KW, O]`` rows of the bf16-rounded weight (from :class:`PairPacks`' ``wf`` by
+    :func:`~sparsa.kernels.adaptive_union.union_wc`); built from ``weight`` when not given."""
+    G = ConvGeometry.of(geo)
+    if wc is None and weight is None:
+        raise ValueError("union_conv_igrad_x_bf16 needs weight or wc")
+    if not (xop.mask is not None and dy_nhwc.dtype == BF16 and union_supported_bf16(G.C, G.O)):
+        if weight is None:
+            raise ValueError("union_conv_igrad_x_bf16: the PyTorch fallback needs weight (wc is the native pack)")
+        a = _conv_args(G)
+        xs = xop.nchw()
+        dx = torch.ops.aten.convolution_backward(
+            dy_nhwc.permute(0, 3, 1, 2).float(),
+            xs.float(),
+            _rounded(weight),
+            None,
+            a["stride"],
+            a["padding"],
+            a["dilation"],
+            False,
+            (0, 0),
+            1,
+            [True, False, False],
+        )[0]
+        return torch.where(xs != 0, dx, torch.zeros(())).to(BF16).contiguous(memory_format=torch.channels_last)
+    if wc is None:
+        wc = bf16_wc(union_pair_packs(weight, flipped=False).wf, G)
+    return _ops.union_conv_igrad_x_bf16(xop.mask, dy_nhwc, wc, G)
+
+
+def bf16_wc(wf: Tensor, geo: Sequence[int]) -> Tensor:
+    """The bf16 ``[C, KH, KW, O]`` weight rows of :func:`union_conv_igrad_x_bf16` from an fp32 forward pack ``wf``
+    (of the bf16-rounded weight: exact in bf16)."""
+    G = ConvGeometry.of(geo)
+    return _ops.union_wc(wf, [G.O, G.C, G.KH, G.KW]).to(BF16)

@@ -16,7 +16,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
   the input and weight gradients over relu(x)'s or dY's mask
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact_bf16(x, relu,
   write_values)`` (x channels-last), ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired
-  bf16) and ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out)
+  bf16) ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out) and
+  ``adaptive_union_conv_igrad_x_bf16(mask, dy, wc, geo)`` (bf16 dy, wc and dx)
 
 Example::
 
@@ -50,6 +51,7 @@ __all__ = [
     "union_compact_bf16",
     "union_pair_pack",
     "union_conv_fwd_bf16",
+    "union_conv_igrad_x_bf16",
 ]
 
 
@@ -481,4 +483,31 @@ union_conv_fwd_bf16 = kernel_op(
     "Tensor? omask, int tiles, int group) -> Tensor",
     _fwd_bf16_impl,
     _fwd_bf16_fake,
+)
+
+
+def _igrad_x_bf16_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
+    lib = _native_only("adaptive_union_conv_igrad_x_bf16")
+    G = ConvGeometry.of(geo)
+    if dy.dtype != torch.bfloat16 or wc.dtype != torch.bfloat16:
+        raise TypeError(f"adaptive_union_conv_igrad_x_bf16 needs bfloat16 dy and wc, got {dy.dtype}, {wc.dtype}")
+    dy, wc = dy.contiguous(), wc.contiguous()
+    dx = torch.empty(G.N, G.C, G.H, G.W, dtype=torch.bfloat16, memory_format=torch.channels_last)
+    rc = lib.sparsa_union_conv_igrad_x_bf16(
+        G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads()
+    )
+    if rc:
+        raise RuntimeError(f"sparsa_union_conv_igrad_x_bf16 failed ({rc}) for geometry {G}")
+    return dx
+
+
+def _igrad_x_bf16_fake(mask, dy, wc, geo):
+    G = ConvGeometry.of(geo)
+    return torch.empty(G.N, G.C, G.H, G.W, dtype=torch.bfloat16, device=dy.device, memory_format=torch.channels_last)
+
+
+union_conv_igrad_x_bf16 = kernel_op(
+    "adaptive_union_conv_igrad_x_bf16(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor",
+    _igrad_x_bf16_impl,
+    _igrad_x_bf16_fake,
 )

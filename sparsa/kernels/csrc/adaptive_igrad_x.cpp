@@ -10,6 +10,8 @@
 // at the end in one shuffle tree. dY rows of the group's patches stay in L1; the weight rows of a channel
 // (wc [C][KH*KW][O], the list kernels' pack) are contiguous.
 // Any stride, padding and dilation (a per-position table of the output pixel each kernel offset meets).
+// bf16 operands (AVX512-BF16): dY and the weight rows in bf16, where adjacent output channels pair up for
+// VDPBF16PS (fp32 accumulation); dX is rounded to bf16 once.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "adaptive_geo.h"
+#include "bf16.h"
 #include "cpu_isa.h"
 
 namespace {
@@ -27,10 +30,29 @@ using sparsa_adaptive::Geo;
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_IGX_AVX512 1
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi,popcnt")
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma,bmi,popcnt")
 
 constexpr int P = 4;   // pixels per group
 constexpr int CC = 4;  // channels per step
+
+// out lane 4 j + i = the horizontal sum of a[4 j + i] (16 vectors): the 16 sums in one tree (about 45 instructions
+// instead of 16 separate reductions)
+inline __m512 hsum16(const __m512* a) {
+    // fold the 256-bit halves of pairs, then the 128-bit lanes of pairs of those, then a 4x4 in-lane
+    // transpose-add; the inputs are paired so that lane l, element m of the result is the sum of vector 4 l + m
+    __m512 h[8], q[4];
+    for (int t = 0; t < 8; ++t) {  // t -> vectors (t % 4) + 4 * (t / 4) * 2 and the one 4 after it
+        const int v = (t / 4) * 8 + t % 4;
+        h[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[v], a[v + 4], 0x44), _mm512_shuffle_f32x4(a[v], a[v + 4], 0xEE));
+    }
+    for (int m = 0; m < 4; ++m)  // lanes: vectors m, m + 4, m + 8, m + 12
+        q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[m], h[m + 4], 0x88), _mm512_shuffle_f32x4(h[m], h[m + 4], 0xDD));
+    const __m512 v0 = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
+    const __m512 v1 = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
+    return _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))));
+}
 
 // dx[q_i, c_j] for the 4 pixels (row pointers dyr[k][i], zero rows where out of range) and 4 channels c[j]
 // (weight rows wr[j] = wc + c_j * K2 * O, contiguous): the 16 dot products of length K2 * O into out[j][i].
@@ -58,23 +80,92 @@ inline void dots(const float* const (*dyr)[P], const float* const* wr, int64_t K
             }
         }
     }
-    // the 16 horizontal sums in one tree (about 45 instructions instead of 16 separate reductions): fold the
-    // 256-bit halves of pairs, then the 128-bit lanes of pairs of those, then a 4x4 in-lane transpose-add; the
-    // inputs are paired so that lane l, element m of the result is the sum of vector 4 l + m
-    const __m512* a = &acc[0][0];
-    __m512 h[8], q[4];
-    for (int t = 0; t < 8; ++t) {  // t -> vectors (t % 4) + 4 * (t / 4) * 2 and the one 4 after it
-        const int v = (t / 4) * 8 + t % 4;
-        h[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[v], a[v + 4], 0x44), _mm512_shuffle_f32x4(a[v], a[v + 4], 0xEE));
+    _mm512_storeu_ps(&out[0][0], hsum16(&acc[0][0]));
+}
+
+// The same 16 dot products over bf16 rows: 32 output channels per step, pairs (o, o + 1) per VDPBF16PS (O is a
+// multiple of 16; a last step of 16 loads half a vector)
+inline void dots(const uint16_t* const (*dyr)[P], const uint16_t* const* wr, int64_t K2, int64_t O, float out[CC][P]) {
+    __m512 acc[CC][P];
+    for (int j = 0; j < CC; ++j)
+        for (int i = 0; i < P; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K2; ++k) {
+        const int64_t wo = k * O;
+        for (int64_t o = 0; o < O; o += 32) {
+            const __mmask32 lm = O - o >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
+            __m512bh a[P];
+            for (int i = 0; i < P; ++i) a[i] = (__m512bh)_mm512_maskz_loadu_epi16(lm, dyr[k][i] + o);
+            for (int j = 0; j < CC; ++j) {
+                const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(lm, wr[j] + wo + o);
+                for (int i = 0; i < P; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], w, a[i]);
+            }
+        }
     }
-    for (int m = 0; m < 4; ++m)  // lanes: vectors m, m + 4, m + 8, m + 12
-        q[m] = _mm512_add_ps(_mm512_shuffle_f32x4(h[m], h[m + 4], 0x88), _mm512_shuffle_f32x4(h[m], h[m + 4], 0xDD));
-    const __m512 v0 = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
-    const __m512 v1 = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
-    const __m512 w = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))));
-    _mm512_storeu_ps(&out[0][0], w);
+    _mm512_storeu_ps(&out[0][0], hsum16(&acc[0][0]));
+}
+
+template <typename T>
+T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) { return v; }
+template <>
+inline uint16_t from_f32<uint16_t>(float v) { return sparsa_f32_to_bf16(v); }
+
+// The kernel for fp32 (T = float) or bf16 (T = uint16_t) dY, weight rows and dX.
+template <typename T>
+void igrad_x_run(const Geo& G, const uint64_t* bm, const T* dy, const T* wc, T* dx, int nthreads) {
+    const int64_t C = G.C, O = G.O, HW = G.H * G.W, HWo = G.Ho * G.Wo, K2 = G.KH * G.KW, NW = (C + 63) / 64;
+    const std::vector<int32_t> tab = sparsa_adaptive::output_pixel_table(G);
+    std::vector<T> zero((size_t)O, T(0));
+    // groups of 4 pixels: 2x2 tiles on even-sized images of 16x16 and up (neighbours in both directions share
+    // more of relu(x)'s zeros, as in the union kernels' Groups), else runs of 4 along the flattened rows
+    const bool tiles = G.H % 2 == 0 && G.W % 2 == 0 && G.H >= 16 && G.W >= 16;
+    const int64_t per_image = tiles ? HW / 4 : (HW + P - 1) / P, groups = G.N * per_image, tw = G.W / 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<const T*> rows((size_t)K2 * P);
+        const T* const(*dyr)[P] = reinterpret_cast<const T* const(*)[P]>(rows.data());
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t t = 0; t < groups; ++t) {
+            const int64_t n = t / per_image, gi = t % per_image;
+            int64_t pos[P], q[P];
+            int np = 0;
+            for (int i = 0; i < P; ++i) {
+                const int64_t ps = tiles ? (2 * (gi / tw) + (i >> 1)) * G.W + 2 * (gi % tw) + (i & 1) : gi * P + i;
+                if (ps < HW) pos[np] = ps, q[np] = n * HW + ps, ++np;
+            }
+            for (int i = 0; i < np; ++i) std::memset(dx + q[i] * C, 0, sizeof(T) * C);
+            for (int i = 0; i < P; ++i)
+                for (int64_t k = 0; k < K2; ++k) {
+                    const int32_t p = i < np ? tab[pos[i] * K2 + k] : -1;
+                    rows[k * P + i] = p >= 0 ? dy + (n * HWo + p) * O : zero.data();
+                }
+            // the union's channels, CC at a time (the last step repeats its final channel)
+            int64_t cs[CC];
+            int nc = 0;
+            auto flush = [&](int cnt) {
+                const T* wr[CC];
+                for (int j = 0; j < CC; ++j) wr[j] = wc + cs[j < cnt ? j : cnt - 1] * K2 * O;
+                float out[CC][P];
+                dots(dyr, wr, K2, O, out);
+                for (int j = 0; j < cnt; ++j) {
+                    const int64_t c = cs[j];
+                    for (int i = 0; i < np; ++i)
+                        if ((bm[q[i] * NW + c / 64] >> (c % 64)) & 1) dx[q[i] * C + c] = from_f32<T>(out[j][i]);
+                }
+            };
+            for (int64_t w = 0; w < NW; ++w) {
+                uint64_t m = 0;
+                for (int i = 0; i < np; ++i) m |= bm[q[i] * NW + w];
+                while (m) {
+                    cs[nc++] = w * 64 + __builtin_ctzll(m);
+                    m &= m - 1;
+                    if (nc == CC) flush(CC), nc = 0;
+                }
+            }
+            if (nc) flush(nc);
+        }
+    }
 }
 
 #pragma GCC pop_options
@@ -92,58 +183,22 @@ int sparsa_union_conv_igrad_x_f32(const int64_t* g, const uint64_t* bm, const fl
     if (G.O % 16) return 1;
     if (!sparsa_cpu_avx512_enabled()) return 2;
 #ifdef SPARSA_IGX_AVX512
-    const int64_t C = G.C, O = G.O, HW = G.H * G.W, HWo = G.Ho * G.Wo, K2 = G.KH * G.KW, NW = (C + 63) / 64;
-    const std::vector<int32_t> tab = sparsa_adaptive::output_pixel_table(G);
-    std::vector<float> zero((size_t)O, 0.f);
-    // groups of 4 pixels: 2x2 tiles on even-sized images of 16x16 and up (neighbours in both directions share
-    // more of relu(x)'s zeros, as in the union kernels' Groups), else runs of 4 along the flattened rows
-    const bool tiles = G.H % 2 == 0 && G.W % 2 == 0 && G.H >= 16 && G.W >= 16;
-    const int64_t per_image = tiles ? HW / 4 : (HW + P - 1) / P, groups = G.N * per_image, tw = G.W / 2;
-#pragma omp parallel num_threads(nthreads)
-    {
-        std::vector<const float*> rows((size_t)K2 * P);
-        const float* const(*dyr)[P] = reinterpret_cast<const float* const(*)[P]>(rows.data());
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t t = 0; t < groups; ++t) {
-            const int64_t n = t / per_image, gi = t % per_image;
-            int64_t pos[P], q[P];
-            int np = 0;
-            for (int i = 0; i < P; ++i) {
-                const int64_t ps = tiles ? (2 * (gi / tw) + (i >> 1)) * G.W + 2 * (gi % tw) + (i & 1) : gi * P + i;
-                if (ps < HW) pos[np] = ps, q[np] = n * HW + ps, ++np;
-            }
-            for (int i = 0; i < np; ++i) std::memset(dx + q[i] * C, 0, sizeof(float) * C);
-            for (int i = 0; i < P; ++i)
-                for (int64_t k = 0; k < K2; ++k) {
-                    const int32_t p = i < np ? tab[pos[i] * K2 + k] : -1;
-                    rows[k * P + i] = p >= 0 ? dy + (n * HWo + p) * O : zero.data();
-                }
-            // the union's channels, CC at a time (the last step repeats its final channel)
-            int64_t cs[CC];
-            int nc = 0;
-            auto flush = [&](int cnt) {
-                const float* wr[CC];
-                for (int j = 0; j < CC; ++j) wr[j] = wc + cs[j < cnt ? j : cnt - 1] * K2 * O;
-                float out[CC][P];
-                dots(dyr, wr, K2, O, out);
-                for (int j = 0; j < cnt; ++j) {
-                    const int64_t c = cs[j];
-                    for (int i = 0; i < np; ++i)
-                        if ((bm[q[i] * NW + c / 64] >> (c % 64)) & 1) dx[q[i] * C + c] = out[j][i];
-                }
-            };
-            for (int64_t w = 0; w < NW; ++w) {
-                uint64_t m = 0;
-                for (int i = 0; i < np; ++i) m |= bm[q[i] * NW + w];
-                while (m) {
-                    cs[nc++] = w * 64 + __builtin_ctzll(m);
-                    m &= m - 1;
-                    if (nc == CC) flush(CC), nc = 0;
-                }
-            }
-            if (nc) flush(nc);
-        }
-    }
+    igrad_x_run<float>(G, bm, dy, wc, dx, nthreads);
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+// As sparsa_union_conv_igrad_x_f32 with bf16 dy, wc and dx (dX rounded to bf16 once). Returns 1 when O is not a
+// multiple of 16, 2 without AVX512-BF16.
+int sparsa_union_conv_igrad_x_bf16(const int64_t* g, const uint64_t* bm, const uint16_t* dy, const uint16_t* wc,
+                                   uint16_t* dx, int nthreads) {
+    const Geo G(g);
+    if (G.O % 16) return 1;
+    if (!sparsa_cpu_dpbf16_enabled()) return 2;
+#ifdef SPARSA_IGX_AVX512
+    igrad_x_run<uint16_t>(G, bm, dy, wc, dx, nthreads);
     return 0;
 #else
     return 2;
