@@ -271,3 +271,37 @@ def test_the_list_refit_regresses_on_the_terms_the_rule_multiplies(tmp_path, mon
     for sparse_work, dense_work in dy_rows[0]:
         assert dense_work == N * H * W * C * C  # numel(dY) * O, O == C in the refit's shape
         assert sparse_work % C == 0 and 0 < sparse_work <= N * H * W * C * C
+
+
+def test_bf16_mode_prices_with_its_own_models_and_the_dense_bf16_gradients(table):
+    # relative to the dense bf16 GEMM: a dense (masked) input gradient and a dense weight gradient are options
+    cost = U._dx_costs(0.5, 0.5, 64, 64, True, bf16=True)
+    assert set(cost) == {"x", "dy", "dense"} and cost["dense"] == cost_fits.coefficients("conv_union.dx.dense")["base"]
+    fx = cost_fits.coefficients("conv_union_bf16.dx.x")
+    assert cost["x"] == pytest.approx(fx["base"] + fx["per_dx"] * 0.5)
+    assert set(U._dx_costs(0.5, 0.5, 64, 64, True)) == {"x", "dy"}  # fp32 mode: unchanged
+    assert U._dw_costs(0.5, None, 64, 64, bf16=True)["dense"] == 1.0 and "dense" not in U._dw_costs(0.5, None, 64, 64)
+    # a stored bf16 fit moves only the bf16 decision
+    assert U._dx_side(0.9, None, 64, 64, True, bf16=True) == "dense"
+    table.set_fit(cost_fits.PREFIX + "conv_union_bf16.dx.x", {"base": 0.0, "per_dx": 0.1, "big_weight": 0.0})
+    assert U._dx_side(0.9, None, 64, 64, True, bf16=True) == "x"
+    assert U._dx_without_dy(0.9, 64, 64, bf16=True) == "x"
+    table.set_fit(cost_fits.PREFIX + "conv_union_bf16.dx.x", {"base": 5.0, "per_dx": 0.1, "big_weight": 0.0})
+    assert U._dx_without_dy(0.9, 64, 64, bf16=True) is None  # a sparse enough dY may still win: it decides
+    table.set_fit(cost_fits.PREFIX + "conv_union_bf16.dx.dy", {"base": 5.0, "per_dg": 0.1})
+    assert U._dx_without_dy(0.9, 64, 64, bf16=True) == "dense"  # neither sparse side can beat the dense one
+
+
+def test_the_bf16_union_refit_procedure_runs_on_the_fallbacks(tmp_path):
+    cm = CostModel(tmp_path / "t.json")
+    names = [n for n, f in cost_fits.COST_FITS.items() if f.kernels == "union_bf16"]
+    assert len(names) == 5
+    fitted, skipped = cost_fits_refit.refit(
+        cm, names=names, shape=(2, 16, 8, 8), rounds=1, force=["union_bf16"], max_residual=float("inf")
+    )
+    assert sorted(fitted) == sorted(names) and not skipped
+    for name in names:
+        assert set(fitted[name]) == set(cost_fits.COST_FITS[name].defaults)
+        assert cost_fits.coefficients(name, cm) == fitted[name]
+    why = cost_fits_refit.skip_reason("union_bf16")
+    assert (why is None) == cost_fits_refit._b.union_dpbf16()

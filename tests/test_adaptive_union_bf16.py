@@ -225,8 +225,8 @@ def test_relu_conv2d_on_a_bf16_input(native, monkeypatch, stride):
     b64 = b.detach().double().requires_grad_(True)
     y64 = F.conv2d(x64.relu(), w64, b64, stride=stride, padding=1)
     y64.backward(gy.double())
-    # bf16 results: one rounding; fp32 gradients of bf16 operands: fp32 accumulation
-    torch.testing.assert_close(y.double(), y64, rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2**-7, atol=1e-3)
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-4)
+    # bf16 results: one rounding; the weight gradient: fp32 kernels, or (the cost model's choice in bf16 mode)
+    # the dense bf16 one, rounded once as autocast's own
+    for got, ref in ((y, y64), (x.grad, x64.grad), (w.grad, w64.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
     torch.testing.assert_close(b.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)

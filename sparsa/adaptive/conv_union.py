@@ -70,47 +70,72 @@ union_paths: Counter = Counter()
 # docs/benchmarks.md). Input gradient: "x" at relu(x)'s nonzeros (dot products over 4-pixel unions, any
 # stride; includes rebuilding the weight rows from the forward pack, dearer for the largest weights); "dy"
 # over dY's mask (stride 1, the flipped conv's forward, stored where relu(x) != 0); "dense" for strided
-# convs (then masked).
+# convs (then masked). In bf16 mode (``bf16=True``: a bf16 input under autocast) the ``conv_union_bf16.*`` models
+# price the same choices relative to the dense bf16 GEMM, and the dense bf16 gradient (masked, for dX) is an
+# option at any stride.
 # ``fits``: the models' coefficients (``cost_fits.table()``), read once per decision by the callers below.
-def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None) -> dict:
+def _family(bf16: bool) -> str:
+    return "conv_union_bf16." if bf16 else "conv_union."
+
+
+def _dx_costs(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None, bf16: bool = False) -> dict:
     fits = _fits.table() if fits is None else fits
-    fx = fits["conv_union.dx.x"]
+    fam = _family(bf16)
+    fx = fits[fam + "dx.x"]
     cost = {"x": fx["base"] + fx["per_dx"] * d_x + (fx["big_weight"] if C * O >= _fits.BIG_WEIGHT else 0.0)}
-    if not stride1:
+    if not stride1 or bf16:
         cost["dense"] = fits["conv_union.dx.dense"]["base"]
-    elif d_g is not None:
-        fy = fits["conv_union.dx.dy"]
+    if stride1 and d_g is not None:
+        fy = fits[fam + "dx.dy"]
         cost["dy"] = fy["base"] + fy["per_dg"] * d_g
     return cost
 
 
 def _dy_floor(name: str, fits=None) -> float:
-    """The least a dY-driven kernel (``conv_union.dx.dy`` / ``dw.dy``) costs at any dY density."""
+    """The least a dY-driven kernel (``conv_union.dx.dy`` / ``dw.dy``, or the bf16 ones) costs at any dY
+    density."""
     f = (_fits.table() if fits is None else fits)[name]
     return f["base"] + min(0.0, f["per_dg"])
 
 
-def _dx_side(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None) -> str:
-    cost = _dx_costs(d_x, d_g, C, O, stride1, fits)
+def _dx_side(d_x: float, d_g: Optional[float], C: int, O: int, stride1: bool, fits=None, bf16: bool = False) -> str:
+    cost = _dx_costs(d_x, d_g, C, O, stride1, fits, bf16)
     return min(cost, key=cost.get)
+
+
+def _dx_without_dy(d_x: float, C: int, O: int, bf16: bool = False) -> Optional[str]:
+    """The input gradient's side when it wins whatever dY's density ("x", or in bf16 mode "dense"), else None
+    (then dY's operand is needed to decide)."""
+    fits = _fits.table()
+    cost = _dx_costs(d_x, None, C, O, True, fits, bf16)
+    side = min(cost, key=cost.get)
+    return side if cost[side] < _dy_floor(_family(bf16) + "dx.dy", fits) else None
 
 
 def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
     """Whether the relu(x) side wins the input gradient whatever dY's density."""
-    fits = _fits.table()
-    return _dx_costs(d_x, None, C, O, True, fits)["x"] < _dy_floor("conv_union.dx.dy", fits)
+    return _dx_without_dy(d_x, C, O) == "x"
 
 
 # Weight gradient, priced the same way: "lists", the per-channel list kernel (csrc/adaptive_wgrad_lists.cpp: its
 # work is exactly nnz(relu(x)) x KH*KW x O FMAs, one dY row load each; dearer at C <= 64 and for the largest
 # weights, 4x4 images whose lists are short per block of output channels); "x", the union kernel over relu(x)'s
 # mask (its work is the 4-pixel unions, so it scales with relu(x)'s union_ratio r, 2 when unknown); "dy", over
-# dY's mask (the flipped conv's weight gradient).
-def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None, fits=None) -> dict:
+# dY's mask (the flipped conv's weight gradient); in bf16 mode also "dense", the dense bf16 weight gradient.
+def _dw_costs(
+    d_x: float,
+    d_g: Optional[float],
+    C: int,
+    O: int = 0,
+    ratio: Optional[float] = None,
+    fits=None,
+    bf16: bool = False,
+) -> dict:
     fits = _fits.table() if fits is None else fits
+    fam = _family(bf16)
     r = 2.0 if ratio is None else min(4.0, max(1.0, ratio))
     big = C * O >= _fits.BIG_WEIGHT
-    fl, fx = fits["conv_union.dw.lists"], fits["conv_union.dw.x"]
+    fl, fx = fits[fam + "dw.lists"], fits[fam + "dw.x"]
     lists = (
         fl["base"]
         + fl["per_dx"] * d_x
@@ -119,13 +144,23 @@ def _dw_costs(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optio
     )
     cost = {"lists": lists, "x": fx["base"] + fx["per_dx_ratio"] * d_x * r + (fx["big_weight"] if big else 0.0)}
     if d_g is not None:
-        fy = fits["conv_union.dw.dy"]
+        fy = fits[fam + "dw.dy"]
         cost["dy"] = fy["base"] + fy["per_dg"] * d_g
+    if bf16:
+        cost["dense"] = 1.0
     return cost
 
 
-def _dw_side(d_x: float, d_g: Optional[float], C: int, O: int = 0, ratio: Optional[float] = None, fits=None) -> str:
-    cost = _dw_costs(d_x, d_g, C, O, ratio, fits)
+def _dw_side(
+    d_x: float,
+    d_g: Optional[float],
+    C: int,
+    O: int = 0,
+    ratio: Optional[float] = None,
+    fits=None,
+    bf16: bool = False,
+) -> str:
+    cost = _dw_costs(d_x, d_g, C, O, ratio, fits, bf16)
     return min(cost, key=cost.get)
 
 
@@ -182,9 +217,11 @@ class UnionReluConv2d(torch.autograd.Function):
         C = geo.C
         d_x = op.nnz / max(1, op.values.numel())
         ctx.stride1 = _stride1(geo)
-        # the flipped pack (input gradient over dY's mask) unless relu(x) is so sparse that its side of the
-        # input gradient wins whatever dY's density (it reads the forward pack)
-        ctx.x_dx = _dx_x_certain(d_x, C, geo.O)
+        # the flipped pack (input gradient over dY's mask) unless another side of the input gradient wins
+        # whatever dY's density: relu(x)'s when it is sparse enough (it reads the forward pack), or in bf16 mode
+        # the dense bf16 gradient
+        ctx.dx_fixed = _dx_without_dy(d_x, C, geo.O, bf16)
+        ctx.x_dx = ctx.dx_fixed is not None
         # a channels-last weight is read in place by the dY-driven input gradient (no flipped pack), as long as
         # it still holds the forward's values in backward (else the list side runs, from the forward pack)
         in_place = ctx.stride1 and not bf16 and _u.reads_weight_in_place(weight)
@@ -213,6 +250,8 @@ class UnionReluConv2d(torch.autograd.Function):
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
             stats["union_ratio"] = op.union_ratio()
         ctx.geo = geo
+        # bf16 mode: the dense bf16 gradients read the weight as autocast rounds it
+        ctx.w16 = weight.detach().to(torch.bfloat16) if bf16 else None
         ctx.nnz = op.nnz
         ctx.has_bias = bias is not None
         ctx.w_stride = tuple(weight.stride())
@@ -222,7 +261,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if ctx.stride1 and ctx.needs_input_grad[0]:
             extra = wfl
         elif ctx.needs_input_grad[0]:
-            extra = weight.detach().to(torch.bfloat16).float() if bf16 else weight.detach()
+            extra = None if bf16 else weight.detach()  # bf16 mode: the dense gradient reads ctx.w16
         else:
             extra = None
         ctx.save_for_backward(op.values, op.mask, extra, wf)
@@ -264,7 +303,8 @@ class UnionReluConv2d(torch.autograd.Function):
         want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or (
             need_dw
             and dy_ok
-            and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits).values()) > _dy_floor("conv_union.dw.dy", fits)
+            and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits, bf16).values())
+            > _dy_floor(_family(bf16) + "dw.dy", fits)
         )
         if not want_g:
             gop = None
@@ -276,13 +316,13 @@ class UnionReluConv2d(torch.autograd.Function):
         dx_side = dw_side = None
         w_now = None
         if need_dx:
-            dx_side = "x" if ctx.x_dx else _dx_side(d_x, d_g, C, O, ctx.stride1, fits)
+            dx_side = ctx.dx_fixed if ctx.x_dx else _dx_side(d_x, d_g, C, O, ctx.stride1, fits, bf16)
             if dx_side == "dy" and extra is None:
                 w_now = ctx.w_ref() if ctx.w_ref is not None else None
                 if w_now is None or (w_now._version, w_now.data_ptr()) != ctx.w_key:
                     dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
-            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits)
+            dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits, bf16)
         if dx_side == "x" and bf16:
             dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=_b.bf16_wc(wf, geo))
         elif dx_side == "x":
@@ -301,9 +341,9 @@ class UnionReluConv2d(torch.autograd.Function):
             elif dx_side == "dense":
                 a = _conv_args(geo)
                 dxd = torch.ops.aten.convolution_backward(
-                    g32().permute(0, 3, 1, 2),
-                    op32().nchw(),
-                    extra,
+                    g.permute(0, 3, 1, 2) if bf16 else g32().permute(0, 3, 1, 2),
+                    op.nchw(),
+                    ctx.w16 if bf16 else extra,
                     None,
                     a["stride"],
                     a["padding"],
@@ -325,7 +365,22 @@ class UnionReluConv2d(torch.autograd.Function):
                 union_paths["bf16_dx_" + dx_side] += 1
             if not ctx.channels_last:
                 dx = dx.contiguous()
-        if dw_side == "dy":
+        if dw_side == "dense":  # bf16 mode only
+            a = _conv_args(geo)
+            dw = torch.ops.aten.convolution_backward(
+                g.permute(0, 3, 1, 2),
+                op.nchw(),
+                ctx.w16,
+                None,
+                a["stride"],
+                a["padding"],
+                a["dilation"],
+                False,
+                (0, 0),
+                1,
+                [False, True, False],
+            )[1].float()
+        elif dw_side == "dy":
             dw = _u.union_conv_wgrad_dy(_b.widened(gop), op32().values, geo, ctx.w_stride)
         elif dw_side in ("x", "lists"):
             dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride, lists=dw_side == "lists")

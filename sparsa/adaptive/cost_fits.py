@@ -8,6 +8,7 @@ this CPU and stores new coefficients in the one cost table (:mod:`sparsa.cost_mo
 
 - ``conv_union.*``: the union (bitmask-operand) kernels, costs relative to the dense (oneDNN) GEMM;
   ``big_weight`` applies when ``C * O >= BIG_WEIGHT``, ``small_c`` when ``C <= SMALL_C``.
+- ``conv_union_bf16.*``: the same choices for a bf16 input under autocast, relative to the dense bf16 GEMM.
 - ``conv_list.*``: the list kernels' dY-driven input and weight gradients, in units of the x-driven
   kernel's work (see :mod:`sparsa.adaptive.conv`).
 
@@ -46,7 +47,8 @@ class CostFit:
 
     defaults: Mapping[str, float]
     decides: str
-    #: "union" (native union kernels: AVX-512) or "list" (the list kernels: any native build)
+    #: "union" (native union kernels: AVX-512), "union_bf16" (those with bf16 operands: AVX512-BF16) or "list"
+    #: (the list kernels: any native build)
     kernels: str
 
 
@@ -83,6 +85,37 @@ COST_FITS: Dict[str, CostFit] = {
         big_weight=-0.1,
     ),
     "conv_union.dw.dy": _fit("union", "weight gradient over dY's mask: base + per_dg d_g", base=0.45, per_dg=0.75),
+    # bf16 mode (bf16 x under autocast, CPUs with AVX512-BF16): costs relative to the dense bf16 GEMM; the input
+    # gradients run bf16 kernels, the weight gradients the fp32 ones on the widened operands. Defaults: the
+    # refit on an amd-avx512 machine (fit conditions in docs/benchmarks.md)
+    "conv_union_bf16.dx.x": _fit(
+        "union_bf16",
+        "bf16 input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
+        base=0.43,
+        per_dx=2.32,
+        big_weight=0.1,
+    ),
+    "conv_union_bf16.dx.dy": _fit(
+        "union_bf16", "bf16 input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.62, per_dg=0.77
+    ),
+    "conv_union_bf16.dw.lists": _fit(
+        "union_bf16",
+        "weight gradient of bf16 operands, per-channel lists: base + per_dx d_x (+ small_c, + big_weight)",
+        base=0.24,
+        per_dx=2.37,
+        small_c=0.08,
+        big_weight=0.12,
+    ),
+    "conv_union_bf16.dw.x": _fit(
+        "union_bf16",
+        "weight gradient of bf16 operands over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r (+ big_weight)",
+        base=0.16,
+        per_dx_ratio=1.89,
+        big_weight=-0.1,
+    ),
+    "conv_union_bf16.dw.dy": _fit(
+        "union_bf16", "weight gradient of bf16 operands over dY's mask: base + per_dg d_g", base=0.72, per_dg=2.52
+    ),
     "conv_list.dx.dy": _fit(
         "list",
         "input gradient over dY's nonzeros when (per_nnz nnz(dY) C + fixed numel(dY) O)"

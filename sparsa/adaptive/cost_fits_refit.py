@@ -32,6 +32,7 @@ from torch import Tensor
 from ..cost_model import CostModel, default_cost_model
 from ..kernels import adaptive as _k
 from ..kernels import adaptive_union as _u
+from ..kernels import adaptive_union_bf16 as _b
 from . import cost_fits as _fits
 from .compaction import DEFAULT_SLICE
 from .conv import dy_path_terms
@@ -51,8 +52,10 @@ def skip_reason(kernels: str) -> Optional[str]:
     """Why this CPU cannot time the ``kernels`` family ("union" / "list"), or None when it can."""
     if not _k.native_available():
         return "the native adaptive kernels are not built here (no compiler, or SPARSA_NO_NATIVE is set)"
-    if kernels == "union" and not _u.union_native():
+    if kernels in ("union", "union_bf16") and not _u.union_native():
         return "the union kernels need AVX-512 (this CPU runs the list kernels instead)"
+    if kernels == "union_bf16" and not _b.union_dpbf16():
+        return "the bf16 union kernels need AVX512-BF16 (bf16 inputs run the fp32 kernels here)"
     return None
 
 
@@ -213,44 +216,72 @@ def _fit_list(per_shape: Sequence[Mapping[str, list]]) -> Dict[str, Fit]:
 def _refit_union(shapes, densities, rounds) -> Dict[str, Fit]:
     """The ``conv_union.*`` models: each kernel's time over the dense GEMM's, against d_x or d_g, on the
     first shape (C = O; the size-class terms are not fitted)."""
+    return _time_and_fit_union(shapes, densities, rounds, bf16=False)
+
+
+def _refit_union_bf16(shapes, densities, rounds) -> Dict[str, Fit]:
+    """The ``conv_union_bf16.*`` models, as :func:`_refit_union` for a bf16 input: the bf16 input-gradient
+    kernels and the fp32 weight-gradient kernels on the widened operands, over the dense bf16 GEMMs."""
+    return _time_and_fit_union(shapes, densities, rounds, bf16=True)
+
+
+def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]:
     gen = torch.Generator().manual_seed(0)
     N, C, H, W, _ = shapes[0]
     shape = (N, C, H, W)
     O = C
-    native = _u.union_native()
+    native = _b.union_dpbf16() if bf16 else _u.union_native()
+    dt = torch.bfloat16 if bf16 else torch.float32
     w = torch.randn(O, C, 3, 3, generator=gen) * 0.05
+    wd = w.to(dt)  # the dense GEMMs' weight (autocast rounds it)
     geo = _k.geometry(shape, w.shape, (1, 1), (1, 1), (1, 1), DEFAULT_SLICE)
-    wf, wfl = _u.union_packs(w) if native else (None, None)
+    if not native:
+        wf = wfl = None
+    elif bf16:
+        packs = _b.union_pair_packs(w)
+        wf, wfl = packs.wf, packs.wfl2
+    else:
+        wf, wfl = _u.union_packs(w)
     xs, gys = _inputs(shape, densities, gen)
-    g_dense = torch.randn(N, O, H, W, generator=gen).contiguous(memory_format=CL)
+    xs, gys = {d: v.to(dt) for d, v in xs.items()}, {d: v.to(dt) for d, v in gys.items()}
+    g_dense = torch.randn(N, O, H, W, generator=gen).to(dt).contiguous(memory_format=CL)
     gd = g_dense.permute(0, 2, 3, 1)  # NHWC, contiguous: what the backward passes the kernels
     pts: Dict[str, List[Tuple[float, float]]] = {k: [] for k in ("dx.x", "dx.dy", "dw.lists", "dw.x", "dw.dy")}
+    operand = _b.union_operand_bf16 if bf16 else _u.union_operand
+    wide = _b.widened if bf16 else (lambda o: o)  # the weight-gradient kernels are fp32 (widening timed too)
 
     def bw(x, mask, stride=1, gy=g_dense):
-        return torch.ops.aten.convolution_backward(gy, x, w, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, mask)
+        return torch.ops.aten.convolution_backward(
+            gy, x, wd, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, mask
+        )
+
+    def dx_x(op):  # the backward rebuilds the weight rows from the forward pack each time: part of the cost
+        if bf16:
+            return _b.union_conv_igrad_x_bf16(op, gd, geo, weight=w, wc=_b.bf16_wc(wf, geo) if native else None)
+        return _u.union_conv_igrad_x(op, gd, geo, weight=w, wc=_u.union_wc(wf, O, C, 3, 3) if native else None)
+
+    def dx_dy(gop, op):
+        if bf16:
+            return _b.union_conv_igrad_bf16(gop, w, op, geo, wfl2=wfl)
+        return _u.union_conv_igrad(gop, w, op, geo, wflip=wfl)
 
     for dx_ in densities:
         x = xs[dx_]
-        op = _u.union_operand(x)
+        op = operand(x)
         r = op.union_ratio()
         r = 2.0 if r is None else min(4.0, max(1.0, r))
-        wc = _u.union_wc(wf, O, C, 3, 3) if native else None
         fns: Dict[str, Callable[[], object]] = {
             "dx_dense": lambda: bw(x, [True, False, False]),
             "dw_dense": lambda: bw(x, [False, True, False]),
-            # the backward rebuilds the weight rows from the forward pack each time: part of the cost
-            "dx_x": lambda: _u.union_conv_igrad_x(
-                op, gd, geo, weight=w, wc=_u.union_wc(wf, O, C, 3, 3) if native else None
-            ),
-            "dw_lists": lambda: _u.union_conv_wgrad(op, gd, geo, w.stride(), lists=True),
-            "dw_x": lambda: _u.union_conv_wgrad(op, gd, geo, w.stride()),
+            "dx_x": lambda: dx_x(op),
+            "dw_lists": lambda: _u.union_conv_wgrad(wide(op), gd.float(), geo, w.stride(), lists=True),
+            "dw_x": lambda: _u.union_conv_wgrad(wide(op), gd.float(), geo, w.stride()),
         }
-        del wc
         for dg in densities:
             g = gys[dg]
-            fns[f"dx_dy{dg}"] = lambda g=g: _u.union_conv_igrad(_u.union_operand(g, relu=False), w, op, geo, wflip=wfl)
+            fns[f"dx_dy{dg}"] = lambda g=g: dx_dy(operand(g, relu=False), op)
             fns[f"dw_dy{dg}"] = lambda g=g: _u.union_conv_wgrad_dy(
-                _u.union_operand(g, relu=False), op.values, geo, w.stride()
+                wide(operand(g, relu=False)), wide(op).values, geo, w.stride()
             )
         with torch.no_grad():
             t = _fastest_ms(fns, rounds)
@@ -260,19 +291,22 @@ def _refit_union(shapes, densities, rounds) -> Dict[str, Fit]:
         for dg in densities:
             pts["dx.dy"].append((dg, t[f"dx_dy{dg}"] / t["dx_dense"]))
             pts["dw.dy"].append((dg, t[f"dw_dy{dg}"] / t["dw_dense"]))
-    # strided convs: the dense input gradient, then masked by relu(x) != 0, against the dense one alone
-    x = xs[sorted(densities)[len(densities) // 2]]
-    g2 = torch.randn(N, O, (H + 1) // 2, (W + 1) // 2, generator=gen).contiguous(memory_format=CL)
-    nz = x != 0
-    with torch.no_grad():
-        t = _fastest_ms(
-            {
-                "plain": lambda: bw(x, [True, False, False], 2, g2),
-                "masked": lambda: bw(x, [True, False, False], 2, g2)[0].mul_(nz),
-            },
-            rounds,
-        )
-    out: Dict[str, Fit] = {"conv_union.dx.dense": ({"base": t["masked"] / t["plain"]}, 0.0)}
+    out: Dict[str, Fit] = {}
+    if not bf16:
+        # strided convs: the dense input gradient, then masked by relu(x) != 0, against the dense one alone
+        x = xs[sorted(densities)[len(densities) // 2]]
+        g2 = torch.randn(N, O, (H + 1) // 2, (W + 1) // 2, generator=gen).contiguous(memory_format=CL)
+        nz = x != 0
+        with torch.no_grad():
+            t = _fastest_ms(
+                {
+                    "plain": lambda: bw(x, [True, False, False], 2, g2),
+                    "masked": lambda: bw(x, [True, False, False], 2, g2)[0].mul_(nz),
+                },
+                rounds,
+            )
+        out["conv_union.dx.dense"] = ({"base": t["masked"] / t["plain"]}, 0.0)
+    family = "conv_union_bf16." if bf16 else "conv_union."
     for short, slope in (
         ("dx.x", "per_dx"),
         ("dx.dy", "per_dg"),
@@ -280,7 +314,7 @@ def _refit_union(shapes, densities, rounds) -> Dict[str, Fit]:
         ("dw.x", "per_dx_ratio"),
         ("dw.dy", "per_dg"),
     ):
-        name = "conv_union." + short
+        name = family + short
         (base, k), rel = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])
         c = dict(_fits.COST_FITS[name].defaults)  # size-class terms: not varied here, defaults kept
         c.update(base=base, **{slope: k})
@@ -294,6 +328,7 @@ Shape = Tuple[int, int, int, int, int]  # (N, C, H, W, O) of a stride-1 3x3 conv
 _FAMILIES: Dict[str, Tuple[Callable[..., Dict[str, Fit]], Tuple[Shape, ...]]] = {
     "list": (_refit_list, ((16, 64, 32, 32, 64), (16, 128, 16, 16, 128), (16, 64, 16, 16, 128), (16, 128, 16, 16, 64))),
     "union": (_refit_union, ((16, 128, 16, 16, 128),)),
+    "union_bf16": (_refit_union_bf16, ((16, 128, 16, 16, 128),)),
 }
 
 
@@ -316,7 +351,7 @@ def refit(
     """Time the kernels of the cost models ``names`` (default: all) this CPU runs, fit and store their
     coefficients; returns ``(fitted, skipped)``: the coefficients by name, and why each other name was not
     timed. ``shape`` ``(N, C, H, W)`` (C = O) or ``(N, C, H, W, O)`` replaces each family's convs; ``force`` names
-    families ("union", "list") to time even where the native kernels are missing (their PyTorch fallbacks
+    families ("union", "union_bf16", "list") to time even where the native kernels are missing (their PyTorch fallbacks
     then run: for tests of the procedure, not figures to keep). A model whose timings fit its line worse than
     ``max_residual`` (RMS residual over the mean) is not stored: it is skipped as too unsteady."""
     cm = cost_model if cost_model is not None else default_cost_model()
