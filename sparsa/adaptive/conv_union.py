@@ -235,10 +235,12 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.w_key = (weight._version, weight.data_ptr())
         # 2-pixel groups on images run in rows of 4 (no 2x2 tiles, see adaptive_union.cpp) once the 4-pixel
         # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
-        # reuse; 2x2 tiles of larger images waste less and stay ahead (figures in docs/benchmarks.md)
+        # reuse; 2x2 tiles of larger images waste less and stay ahead, except in bf16 mode from a ratio of 2.4,
+        # where a pair of channels runs when either is set in the group (figures in docs/benchmarks.md)
         ratio = ctx.x_ratio = op.union_ratio()
         tiles = geo.Ho % 2 == 0 and geo.Wo % 2 == 0 and geo.Ho >= 16 and geo.Wo >= 16
-        group = 2 if not tiles and ratio is not None and ratio >= 1.65 else 4
+        two = ratio is not None and (ratio >= 2.4 if bf16 and tiles else not tiles and ratio >= 1.65)
+        group = 2 if two else 4
         if bf16:
             y = _b.union_conv_fwd_bf16(op, weight, bias, geo, group=group, wf2=packs.wf2)
         else:
