@@ -273,7 +273,7 @@ def _cmd_cost(a: argparse.Namespace) -> int:
             print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.builtin_default(name):g})")
         fitted, skipped = cost_fits_refit.refit(cm)
         for name, c in fitted.items():
-            print(f"cost fit {name}: {_coeffs(c)} (default {_coeffs(cost_fits.COST_FITS[name].defaults)})")
+            print(f"cost fit {name}: {_coeffs(c)} (default {_coeffs(cost_fits.builtin(name))})")
         for why in dict.fromkeys(skipped.values()):
             print(f"skipped {', '.join(n for n, w in skipped.items() if w == why)}: {why}")
     for key in cm.keys():
@@ -304,9 +304,14 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({src})")
     for name in cost_fits.COST_FITS:
         measured = cost_fits.stored(name, cm) is not None
-        print(
-            f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} ({'refitted' if measured else 'default'})"
+        src = (
+            "refitted"
+            if measured
+            else "measured on this CPU class"
+            if cost_fits.measured_on_this_class(name)
+            else "default"
         )
+        print(f"  cost fit {name}: {_coeffs(cost_fits.coefficients(name, cm))} ({src})")
     return 0
 
 

@@ -15,7 +15,10 @@ from sparsa.kernels import adaptive as K
 
 @pytest.fixture
 def table(tmp_path, monkeypatch):
+    """An empty cost table, on a CPU class without measured coefficients (the defaults are in effect)."""
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    monkeypatch.setattr(cost_fits, "_this_class", lambda: "some-other-cpu")
+    monkeypatch.setattr(cost_fits, "_CACHE", {})
     return cost_model.default_cost_model()
 
 
@@ -65,7 +68,7 @@ def test_defaults_reproduce_the_old_decisions(table):
     for d_x, d_g, C, O, need_dw in itertools.product(DENSITIES, DENSITIES, CHANNELS, CHANNELS, (True, False)):
         nnz_x, nnz_dy = round(d_x * numel), d_g * numel
         assert M._dy_rule(nnz_x, nnz_dy, numel, C, O, need_dw) == _old_dy_rule(nnz_x, nnz_dy, numel, C, O, need_dw)
-    assert M._DW_DY_RATIO == 0.75
+    assert M._DW_DY_RATIO is None and cost_fits.coefficients("conv_list.dw.dy")["ratio"] == 0.75
 
 
 def test_a_stored_fit_changes_the_decision_and_forgetting_it_restores_the_default(table):
@@ -88,6 +91,29 @@ def test_a_stored_fit_changes_the_decision_and_forgetting_it_restores_the_defaul
     assert table.forget(cost_fits.PREFIX) == 3
     assert U._dx_side(0.3, 0.3, 128, 128, True) == "x" and not M._dy_rule(*args)
     assert cost_fits.coefficients("conv_union.dx.dy") is cost_fits.COST_FITS["conv_union.dx.dy"].defaults
+
+
+def test_coefficients_measured_on_this_cpu_class_replace_the_defaults(table, monkeypatch):
+    monkeypatch.setattr(cost_fits, "_this_class", lambda: "amd-avx512")
+    monkeypatch.setattr(cost_fits, "_CACHE", {})
+    measured = cost_fits.COST_FITS["conv_union.dx.dy"].by_class["amd-avx512"]
+    assert cost_fits.measured_on_this_class("conv_union.dx.dy")
+    assert cost_fits.coefficients("conv_union.dx.dy") == measured == cost_fits.builtin("conv_union.dx.dy")
+    # coefficients not measured (size classes) keep their defaults; the list rule reads the class's ratio
+    assert (
+        cost_fits.builtin("conv_union.dx.x")["big_weight"]
+        == cost_fits.COST_FITS["conv_union.dx.x"].defaults["big_weight"]
+    )
+    assert (
+        cost_fits.coefficients("conv_list.dw.dy")["ratio"]
+        == cost_fits.COST_FITS["conv_list.dw.dy"].by_class["amd-avx512"]["ratio"]
+    )
+    # a refit on this machine still wins
+    table.set_fit(cost_fits.PREFIX + "conv_union.dx.dy", {"base": 0.1, "per_dg": 0.2})
+    assert cost_fits.coefficients("conv_union.dx.dy")["base"] == 0.1
+    for name, fit in cost_fits.COST_FITS.items():
+        for cls, c in fit.by_class.items():
+            assert set(c) == set(fit.defaults), (name, cls)
 
 
 def test_a_fit_missing_a_coefficient_is_not_trusted(table):
@@ -163,7 +189,7 @@ def test_timings_that_do_not_fit_their_line_are_not_stored(tmp_path):
     fitted, skipped = cost_fits_refit.refit(cm, names=names, shape=(2, 16, 8, 8), rounds=1, max_residual=-1.0)
     assert not fitted and not cm.fit_keys() and sorted(skipped) == sorted(names)
     assert all("too unsteady" in why for why in skipped.values())
-    assert cost_fits.coefficients("conv_list.dx.dy", cm) == cost_fits.COST_FITS["conv_list.dx.dy"].defaults
+    assert cost_fits.coefficients("conv_list.dx.dy", cm) == cost_fits.builtin("conv_list.dx.dy")
 
 
 def test_the_list_fit_pools_shapes_and_recovers_the_coefficients():

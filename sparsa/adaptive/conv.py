@@ -53,10 +53,8 @@ backward_paths: Counter = Counter()
 # sqrt(C / O) when C > O, where it ran slower than predicted. It is taken below ``margin``, or
 # ``margin_with_dw`` when the weight gradient is needed too: the x path then computes both in one call that
 # shares its per-channel view of the operand and the padded dY. Fit conditions: docs/benchmarks.md.
-# The defaults stay module attributes so a test or benchmark can force a path by overriding them.
-_DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW = (
-    _fits.COST_FITS["conv_list.dx.dy"].defaults[k] for k in ("per_nnz", "fixed", "margin", "margin_with_dw")
-)
+# A test or benchmark can force a path by setting these module attributes (None: the model's coefficients).
+_DY_PER_NNZ = _DY_FIXED = _DY_MARGIN = _DY_MARGIN_WITH_DW = None
 _DY_SAMPLE_ELEMENTS = 16384
 _SAMPLE_BASE: Dict[Tuple[int, int, int], Tensor] = {}
 
@@ -89,11 +87,16 @@ def dy_path_terms(nnz_dy: float, numel_dy: int, C: int, O: int) -> Tuple[float, 
 
 
 def _dy_rule(nnz_x: int, nnz_dy: float, numel_dy: int, C: int, O: int, need_dw: bool) -> bool:
-    fit = _fits.stored("conv_list.dx.dy")
-    if fit is None:
-        per_nnz, fixed, margin, margin_dw = _DY_PER_NNZ, _DY_FIXED, _DY_MARGIN, _DY_MARGIN_WITH_DW
-    else:
-        per_nnz, fixed, margin, margin_dw = fit["per_nnz"], fit["fixed"], fit["margin"], fit["margin_with_dw"]
+    c = _fits.coefficients("conv_list.dx.dy")
+    per_nnz, fixed, margin, margin_dw = (
+        c[k] if v is None else v
+        for k, v in (
+            ("per_nnz", _DY_PER_NNZ),
+            ("fixed", _DY_FIXED),
+            ("margin", _DY_MARGIN),
+            ("margin_with_dw", _DY_MARGIN_WITH_DW),
+        )
+    )
     sparse_work, dense_work = dy_path_terms(nnz_dy, numel_dy, C, O)
     new = (per_nnz * sparse_work + fixed * dense_work) * max(1.0, C / O) ** 0.5
     return new < (margin_dw if need_dw else margin) * nnz_x * O
@@ -228,9 +231,9 @@ class _ReluConv2d(torch.autograd.Function):
 # dX, weight W'[c, o] = W[o, c] flipped) taken with relu(x) in the place of its output gradient, so the
 # stride-1 weight-gradient kernel runs over dY's compacted nonzeros (work ~ nnz(dY) * C) instead of
 # relu(x)'s (~ nnz(x) * O). Per nonzero it is slower than the x-driven kernel, so it is taken only when dY
-# is clearly the sparser side: nnz(dY) * C < ratio * nnz(x) * O, cost model ``conv_list.dw.dy`` (default
-# kept as a module attribute like the ones above; figures in docs/benchmarks.md).
-_DW_DY_RATIO = _fits.COST_FITS["conv_list.dw.dy"].defaults["ratio"]
+# is clearly the sparser side: nnz(dY) * C < ratio * nnz(x) * O, cost model ``conv_list.dw.dy`` (a module
+# attribute overrides it, like the ones above; figures in docs/benchmarks.md).
+_DW_DY_RATIO = None
 backward_paths_dw: Counter = Counter()
 
 
@@ -241,8 +244,7 @@ def _wgrad_dy(ctx, gc: Tensor, gi: Tensor, gv: Tensor, cnt: Tensor) -> Optional[
     x, version, nonnegative = ctx.x_keep
     geo = ctx.geo
     C, O = geo.C, geo.O
-    fit = _fits.stored("conv_list.dw.dy")
-    ratio = _DW_DY_RATIO if fit is None else fit["ratio"]
+    ratio = _fits.coefficients("conv_list.dw.dy")["ratio"] if _DW_DY_RATIO is None else _DW_DY_RATIO
     if x._version != version or int(gc.sum()) * C >= ratio * int(cnt.sum()) * O:
         return None
     xr = x if nonnegative else x.clamp_min(0)

@@ -1,10 +1,12 @@
 """Cost models of the activation-sparse conv backward: fitted coefficients as data, refitted per CPU.
 
 ``relu_conv2d``'s backward picks a kernel per GEMM from linear cost models in the densities of relu(x)
-(``d_x``) and of dY (``d_g``). Each model is named here with the coefficients it was first fitted with as
-its default; ``sparsa cost --refit`` (:func:`sparsa.adaptive.cost_fits_refit.refit`) times the kernels on
-this CPU and stores new coefficients in the one cost table (:mod:`sparsa.cost_model`, a fitted model under
-``costfit|<name>``), which then override the default; ``sparsa cost --clear`` forgets them again.
+(``d_x``) and of dY (``d_g``). Each model is named here with the coefficients it was first fitted with as its
+default, and with those measured on a CPU class, which replace the default there (``CostFit.by_class``, keyed
+by :func:`sparsa.cpu.cpu_class`); ``sparsa cost --refit`` (:func:`sparsa.adaptive.cost_fits_refit.refit`)
+times the kernels on this CPU and stores new coefficients in the one cost table (:mod:`sparsa.cost_model`, a
+fitted model under ``costfit|<name>``), which then override the default; ``sparsa cost --clear`` forgets them
+again.
 
 - ``conv_union.*``: the union (bitmask-operand) kernels, costs relative to the dense (oneDNN) GEMM;
   ``big_weight`` applies when ``C * O >= BIG_WEIGHT``, ``small_c`` when ``C <= SMALL_C``.
@@ -26,13 +28,26 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Dict, Mapping, Optional
 
+from .. import cpu
 from ..cost_model import CostModel, default_cost_model
 
-__all__ = ["CostFit", "COST_FITS", "coefficients", "stored", "table", "PREFIX", "BIG_WEIGHT", "SMALL_C"]
+__all__ = [
+    "CostFit",
+    "COST_FITS",
+    "builtin",
+    "measured_on_this_class",
+    "coefficients",
+    "stored",
+    "table",
+    "PREFIX",
+    "BIG_WEIGHT",
+    "SMALL_C",
+]
 
 PREFIX = "costfit|"
 
@@ -50,27 +65,41 @@ class CostFit:
     #: "union" (native union kernels: AVX-512), "union_bf16" (those with bf16 operands: AVX512-BF16) or "list"
     #: (the list kernels: any native build)
     kernels: str
+    #: coefficients ``sparsa cost --refit`` measured on a CPU class (2 threads; the fitted ones, the others as
+    #: in ``defaults``), which replace ``defaults`` there until this machine is refitted
+    by_class: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
 
-def _fit(kernels: str, decides: str, **defaults: float) -> CostFit:
-    return CostFit(MappingProxyType(dict(defaults)), decides, kernels)
+def _fit(
+    kernels: str, decides: str, by_class: Optional[Dict[str, Dict[str, float]]] = None, **defaults: float
+) -> CostFit:
+    measured = {cls: MappingProxyType({**defaults, **c}) for cls, c in (by_class or {}).items()}
+    return CostFit(MappingProxyType(dict(defaults)), decides, kernels, MappingProxyType(measured))
 
 
 COST_FITS: Dict[str, CostFit] = {
     "conv_union.dx.x": _fit(
         "union",
         "input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
+        {"amd-avx512": {"base": 0.36, "per_dx": 1.83}},
         base=0.2,
         per_dx=1.6,
         big_weight=0.1,
     ),
     "conv_union.dx.dy": _fit(
-        "union", "input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.5, per_dg=0.65
+        "union",
+        "input gradient over dY's mask (stride 1): base + per_dg d_g",
+        {"amd-avx512": {"base": 0.38, "per_dg": 1.24}},
+        base=0.5,
+        per_dg=0.65,
     ),
-    "conv_union.dx.dense": _fit("union", "strided input gradient, dense then masked: base", base=1.03),
+    "conv_union.dx.dense": _fit(
+        "union", "strided input gradient, dense then masked: base", {"amd-avx512": {"base": 1.08}}, base=1.03
+    ),
     "conv_union.dw.lists": _fit(
         "union",
         "weight gradient, per-channel lists of relu(x)'s nonzeros: base + per_dx d_x (+ small_c, + big_weight)",
+        {"amd-avx512": {"base": 0.16, "per_dx": 1.12}},
         base=0.04,
         per_dx=1.45,
         small_c=0.08,
@@ -80,11 +109,18 @@ COST_FITS: Dict[str, CostFit] = {
         "union",
         "weight gradient over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r "
         "(r: union ratio, 2 when unknown; + big_weight)",
+        {"amd-avx512": {"base": 0.14, "per_dx_ratio": 0.86}},
         base=0.3,
         per_dx_ratio=0.65,
         big_weight=-0.1,
     ),
-    "conv_union.dw.dy": _fit("union", "weight gradient over dY's mask: base + per_dg d_g", base=0.45, per_dg=0.75),
+    "conv_union.dw.dy": _fit(
+        "union",
+        "weight gradient over dY's mask: base + per_dg d_g",
+        {"amd-avx512": {"base": 0.38, "per_dg": 1.2}},
+        base=0.45,
+        per_dg=0.75,
+    ),
     # bf16 mode (bf16 x under autocast, CPUs with AVX512-BF16): costs relative to the dense bf16 GEMM; the input
     # gradients run bf16 kernels, the weight gradients the fp32 ones on the widened operands. Defaults: the
     # refit on an amd-avx512 machine (fit conditions in docs/benchmarks.md)
@@ -120,13 +156,35 @@ COST_FITS: Dict[str, CostFit] = {
         "list",
         "input gradient over dY's nonzeros when (per_nnz nnz(dY) C + fixed numel(dY) O)"
         " sqrt(max(1, C/O)) < margin (margin_with_dw) nnz(x) O",
+        {"amd-avx512": {"per_nnz": 0.3955, "fixed": 0.1035, "margin_with_dw": 0.514}},
         per_nnz=0.375,
         fixed=0.0625,
         margin=0.8,
         margin_with_dw=0.6,
     ),
-    "conv_list.dw.dy": _fit("list", "weight gradient over dY's nonzeros when nnz(dY) C < ratio nnz(x) O", ratio=0.75),
+    "conv_list.dw.dy": _fit(
+        "list",
+        "weight gradient over dY's nonzeros when nnz(dY) C < ratio nnz(x) O",
+        {"amd-avx512": {"ratio": 0.98}},
+        ratio=0.75,
+    ),
 }
+
+
+@functools.lru_cache(maxsize=1)
+def _this_class() -> str:
+    return cpu.cpu_class()
+
+
+def builtin(name: str) -> Mapping[str, float]:
+    """The coefficients ``name`` uses before a refit: those measured on this CPU class, else the defaults."""
+    f = _check_name(name)
+    return f.by_class.get(_this_class(), f.defaults)
+
+
+def measured_on_this_class(name: str) -> bool:
+    """Whether ``name`` has coefficients measured on this CPU class (``CostFit.by_class``)."""
+    return _this_class() in _check_name(name).by_class
 
 
 def _check_name(name: str) -> CostFit:
@@ -159,7 +217,7 @@ def _tables(cm: Optional[CostModel]) -> tuple:
         if len(_CACHE) > 16:
             _CACHE.clear()
         got = {n: _from_table(n, cm) for n in COST_FITS}
-        used = {n: (c if c is not None else COST_FITS[n].defaults) for n, c in got.items()}
+        used = {n: (c if c is not None else builtin(n)) for n, c in got.items()}
         hit = _CACHE[id(cm)] = (cm, cm.fits_version, MappingProxyType(got), MappingProxyType(used))
     return hit
 
@@ -176,6 +234,6 @@ def stored(name: str, cost_model: Optional[CostModel] = None) -> Optional[Mappin
 
 
 def coefficients(name: str, cost_model: Optional[CostModel] = None) -> Mapping[str, float]:
-    """The coefficients of ``name`` in effect: refitted on this CPU if stored, else the defaults."""
+    """The coefficients of ``name`` in effect: refitted on this CPU if stored, else :func:`builtin`."""
     _check_name(name)
     return _tables(cost_model)[3][name]

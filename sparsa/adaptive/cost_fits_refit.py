@@ -197,7 +197,7 @@ def _fit_list(per_shape: Sequence[Mapping[str, list]]) -> Dict[str, Fit]:
         g_t += [t / a for t in acc["dwdy_t"]]
     (per_nnz, fixed), r_dy = _lstsq(rows, ys)
     b, r_b = _through_origin(g_work, g_t)  # dY-driven weight gradient in units of the x-driven one
-    margin = _fits.COST_FITS["conv_list.dx.dy"].defaults["margin"]  # a safety factor, not measured
+    margin = _fits.builtin("conv_list.dx.dy")["margin"]  # a safety factor, not measured
     share = min(1.0, max(0.05, statistics.median([v for acc in per_shape for v in acc["both_share"]])))
     return {
         "conv_list.dx.dy": (
@@ -316,7 +316,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
     ):
         name = family + short
         (base, k), rel = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])
-        c = dict(_fits.COST_FITS[name].defaults)  # size-class terms: not varied here, defaults kept
+        c = dict(_fits.builtin(name))  # size-class terms: not varied here, defaults kept
         c.update(base=base, **{slope: k})
         out[name] = (c, rel)
     return out

@@ -56,19 +56,19 @@ CROSSOVERS: Dict[str, Crossover] = {
         0.15,
         "row_group grad_input and grad_weight: gather + batched matmul kernels against BLAS on the dense weight",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.0625},
+        by_class={"amd-avx2": 0.0625, "amd-avx512": 0.0625},
     ),
     "sliced_ell.grad_input": Crossover(
         0.10,
         "sliced_ell grad_input: the forward kernel on the transposed pattern against grad_y @ dense weight",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.0},  # slower than dense at every density timed (0.0625 up)
+        by_class={"amd-avx2": 0.0, "amd-avx512": 0.0},  # at most break-even from 0.0625 up
     ),
     "grouped_nm.grad_weight": Crossover(
         0.15,
         "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.125},
+        by_class={"amd-avx2": 0.125, "amd-avx512": 0.125},
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
@@ -78,7 +78,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.1, 0.2, 0.3, 0.4, 0.5),
         # (tokens, in_features, out_features): attention-sized and both MLP projections
         ((512, 768, 768), (512, 768, 3072), (512, 3072, 768)),
-        {"amd-avx2": 0.2},
+        {"amd-avx2": 0.2, "amd-avx512": 0.3},
     ),
     "relu_compact.conv2d": Crossover(
         0.55,
@@ -87,7 +87,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.3, 0.4, 0.5, 0.6, 0.7),
         # (batch, channels in = out, height = width) of 3x3 convs: the stages of a CIFAR ResNet/VGG
         ((8, 64, 32), (8, 128, 16), (8, 256, 8)),
-        {"amd-avx2": 0.6},
+        {"amd-avx2": 0.6, "amd-avx512": 0.4},
     ),
 }
 
