@@ -1,4 +1,7 @@
-"""Shared test setup: every test starts with empty dense-fallback counters."""
+"""Shared test setup: every test starts with empty dense-fallback counters, and the conv cost models and
+density crossovers in effect are their defaults on every CPU class (tests of kernel choices assert the
+defaults' decisions; the figures measured per class are tested on their own, in
+tests/test_adaptive_cost_fits.py and tests/test_crossovers.py)."""
 
 import pytest
 
@@ -23,3 +26,14 @@ def _private_cost_table(tmp_path_factory):
         os.environ.pop("SPARSA_COST_DIR", None)
     else:
         os.environ["SPARSA_COST_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _default_cost_fits(monkeypatch):
+    from sparsa.adaptive import cost_fits
+    from sparsa.ops import crossovers
+
+    monkeypatch.setattr(cost_fits, "_this_class", lambda: "tests-default")
+    monkeypatch.setattr(cost_fits, "_CACHE", {})
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "tests-default")
+    yield

@@ -163,7 +163,11 @@ def _union():
 
 def _s_u_compact(native):
     x = torch.randn(2, 16, 3, 3, generator=_gen())
-    return [((x, True, True), ALL), ((x, False, False), ALL)]
+    cases = [((x, True, True), ALL), ((x, False, False), ALL)]
+    if UB.union_dpbf16():  # bf16 operands (native only)
+        xb = x.bfloat16()
+        cases += [((xb, True, True), ALL), ((xb.contiguous(memory_format=torch.channels_last), False, False), ALL)]
+    return cases
 
 
 def _s_u_pack(native):
@@ -217,12 +221,6 @@ def _union_bf16():
     wf2 = adaptive_union_ops.union_pair_pack(u["wf"], 16, 16)
     wfl2 = adaptive_union_ops.union_pair_pack(u["wfl"], 16, 16)
     return dict(u, xop=xop, gop=gop, wf2=wf2, wfl2=wfl2)
-
-
-def _s_u_compact_bf16(native):
-    x = torch.randn(2, 16, 3, 3, generator=_gen()).bfloat16()
-    xcl = x.contiguous(memory_format=torch.channels_last)
-    return [((x, True, True), ALL), ((xcl, False, False), ALL)]
 
 
 def _s_u_pair_pack(native):
@@ -357,7 +355,6 @@ SAMPLES = {
     "adaptive_union_conv_igrad_x": (_s_u_igrad_x, False, True),
     "adaptive_union_conv_wgrad": (_s_u_wgrad, False, True),
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
-    "adaptive_union_compact_bf16": (_s_u_compact_bf16, False, "bf16"),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
     "adaptive_union_conv_fwd_bf16": (_s_u_fwd_bf16, False, "bf16"),
     "adaptive_union_conv_igrad_x_bf16": (_s_u_igrad_x_bf16, False, "bf16"),

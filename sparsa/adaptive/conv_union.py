@@ -47,7 +47,7 @@ from torch import Tensor
 
 from ..kernels import adaptive_union as _u
 from ..kernels import adaptive_union_bf16 as _b
-from ..kernels.adaptive import _conv_args, igrad_dy_geometry
+from ..kernels.adaptive import conv_backward, igrad_dy_geometry
 from ..kernels.geometry import ConvGeometry
 from . import cost_fits as _fits
 
@@ -151,16 +151,9 @@ def _dw_costs(
     return cost
 
 
-def _dw_side(
-    d_x: float,
-    d_g: Optional[float],
-    C: int,
-    O: int = 0,
-    ratio: Optional[float] = None,
-    fits=None,
-    bf16: bool = False,
-) -> str:
-    cost = _dw_costs(d_x, d_g, C, O, ratio, fits, bf16)
+def _dw_side(*args, **kwargs) -> str:
+    """The cheapest side of :func:`_dw_costs` (same arguments)."""
+    cost = _dw_costs(*args, **kwargs)
     return min(cost, key=cost.get)
 
 
@@ -252,8 +245,6 @@ class UnionReluConv2d(torch.autograd.Function):
             stats["nnz"] = torch.tensor([op.nnz], dtype=torch.int64)
             stats["union_ratio"] = op.union_ratio()
         ctx.geo = geo
-        # bf16 mode: the dense bf16 gradients read the weight as autocast rounds it
-        ctx.w16 = weight.detach().to(torch.bfloat16) if bf16 else None
         ctx.nnz = op.nnz
         ctx.has_bias = bias is not None
         ctx.w_stride = tuple(weight.stride())
@@ -263,15 +254,16 @@ class UnionReluConv2d(torch.autograd.Function):
         if ctx.stride1 and ctx.needs_input_grad[0]:
             extra = wfl
         elif ctx.needs_input_grad[0]:
-            extra = None if bf16 else weight.detach()  # bf16 mode: the dense gradient reads ctx.w16
+            extra = None if bf16 else weight.detach()  # bf16 mode: the dense gradient reads the weight saved below
         else:
             extra = None
-        ctx.save_for_backward(op.values, op.mask, extra, wf)
+        # bf16 mode: the dense bf16 gradients, when picked, read the weight rounded as autocast rounds it
+        ctx.save_for_backward(op.values, op.mask, extra, wf, weight.detach() if bf16 else None)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        values, mask, extra, wf = ctx.saved_tensors
+        values, mask, extra, wf, w_saved = ctx.saved_tensors
         op = _u.UnionOperand(values, mask, ctx.nnz)
         geo = ctx.geo
         bf16 = ctx.bf16
@@ -341,18 +333,11 @@ class UnionReluConv2d(torch.autograd.Function):
                 else:
                     dx = _u.union_conv_igrad(gop, w_now, op, geo, wflip=extra, group=group)
             elif dx_side == "dense":
-                a = _conv_args(geo)
-                dxd = torch.ops.aten.convolution_backward(
-                    g.permute(0, 3, 1, 2) if bf16 else g32().permute(0, 3, 1, 2),
+                dxd = conv_backward(
+                    g.permute(0, 3, 1, 2),
                     op.nchw(),
-                    ctx.w16 if bf16 else extra,
-                    None,
-                    a["stride"],
-                    a["padding"],
-                    a["dilation"],
-                    False,
-                    (0, 0),
-                    1,
+                    w_saved.to(torch.bfloat16) if bf16 else extra,
+                    geo,
                     [True, False, False],
                 )[0]
                 dx = (
@@ -368,20 +353,9 @@ class UnionReluConv2d(torch.autograd.Function):
             if not ctx.channels_last:
                 dx = dx.contiguous()
         if dw_side == "dense":  # bf16 mode only
-            a = _conv_args(geo)
-            dw = torch.ops.aten.convolution_backward(
-                g.permute(0, 3, 1, 2),
-                op.nchw(),
-                ctx.w16,
-                None,
-                a["stride"],
-                a["padding"],
-                a["dilation"],
-                False,
-                (0, 0),
-                1,
-                [False, True, False],
-            )[1].float()
+            dw = conv_backward(g.permute(0, 3, 1, 2), op.nchw(), w_saved.to(torch.bfloat16), geo, [False, True, False])[
+                1
+            ].float()
         elif dw_side == "dy":
             dw = _u.union_conv_wgrad_dy(_b.widened(gop), op32().values, geo, ctx.w_stride)
         elif dw_side in ("x", "lists"):

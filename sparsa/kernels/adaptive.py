@@ -60,6 +60,7 @@ from .opdef import kernel_op
 
 __all__ = [
     "compact",
+    "conv_backward",
     "compact_zeroed",
     "compact_signed",
     "restrict",
@@ -390,6 +391,15 @@ def _conv_args(geo: Sequence[int]):
     """``F.conv2d`` keyword arguments of ``geo`` (dilation from :func:`safe_dilation`)."""
     G = ConvGeometry.of(geo)
     return dict(stride=(G.sh, G.sw), padding=(G.ph, G.pw), dilation=safe_dilation(G.KH, G.KW, G.dh, G.dw))
+
+
+def conv_backward(gy: Tensor, x: Tensor, weight: Tensor, geo: Sequence[int], output_mask) -> tuple:
+    """``aten.convolution_backward`` of the dense conv ``geo`` (no bias): ``(dx, dW, None)``, each computed only
+    where ``output_mask`` (three bools) asks for it."""
+    a = _conv_args(geo)
+    return torch.ops.aten.convolution_backward(
+        gy, x, weight, None, a["stride"], a["padding"], a["dilation"], False, (0, 0), 1, list(output_mask)
+    )
 
 
 # ------------------------------------------------------------------------------------------ forward

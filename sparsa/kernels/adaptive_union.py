@@ -40,7 +40,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import adaptive_union_ops as _ops
-from .adaptive import _cached_pack, _conv_args, _dense_strides, _pick_ob, geometry, igrad_dy_geometry, native_library
+from .adaptive import (
+    _cached_pack,
+    _conv_args,
+    conv_backward,
+    _dense_strides,
+    _pick_ob,
+    geometry,
+    igrad_dy_geometry,
+    native_library,
+)
 from .geometry import ConvGeometry
 
 __all__ = [
@@ -232,20 +241,7 @@ def union_conv_igrad(
     if lib is None and weight is None:
         raise ValueError("union_conv_igrad: the PyTorch fallback needs weight (wflip is the native pack)")
     if lib is None:
-        a = _conv_args(geo)
-        dx = torch.ops.aten.convolution_backward(
-            gop.nchw(),
-            xop.nchw(),
-            weight.detach().float(),
-            None,
-            a["stride"],
-            a["padding"],
-            a["dilation"],
-            False,
-            (0, 0),
-            1,
-            [True, False, False],
-        )[0]
+        dx = conv_backward(gop.nchw(), xop.nchw(), weight.detach().float(), geo, [True, False, False])[0]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     g2 = igrad_dy_geometry(G)
     if wflip is None and reads_weight_in_place(weight):
@@ -270,20 +266,9 @@ def union_conv_igrad_x(
     if lib is None:
         if weight is None:
             raise ValueError("union_conv_igrad_x: the PyTorch fallback needs weight (wc is the native pack)")
-        a = _conv_args(geo)
-        dx = torch.ops.aten.convolution_backward(
-            dy_nhwc.permute(0, 3, 1, 2),
-            xop.nchw(),
-            weight.detach().float(),
-            None,
-            a["stride"],
-            a["padding"],
-            a["dilation"],
-            False,
-            (0, 0),
-            1,
-            [True, False, False],
-        )[0]
+        dx = conv_backward(dy_nhwc.permute(0, 3, 1, 2), xop.nchw(), weight.detach().float(), geo, [True, False, False])[
+            0
+        ]
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = union_wc(union_packs(weight, flipped=False)[0], O, C, KH, KW)
@@ -298,20 +283,9 @@ def _dw_empty(shape, w_stride: Optional[Sequence[int]]) -> Tensor:
 
 def _wgrad_reference(xnchw: Tensor, dy_nhwc: Tensor, geo: Sequence[int], w_stride) -> Tensor:
     G = ConvGeometry.of(geo)
-    a = _conv_args(G)
-    dw = torch.ops.aten.convolution_backward(
-        dy_nhwc.permute(0, 3, 1, 2),
-        xnchw,
-        torch.empty(G.O, G.C, G.KH, G.KW),
-        None,
-        a["stride"],
-        a["padding"],
-        a["dilation"],
-        False,
-        (0, 0),
-        1,
-        [False, True, False],
-    )[1]
+    dw = conv_backward(dy_nhwc.permute(0, 3, 1, 2), xnchw, torch.empty(G.O, G.C, G.KH, G.KW), G, [False, True, False])[
+        1
+    ]
     out = _dw_empty((G.O, G.C, G.KH, G.KW), w_stride)
     return out.copy_(dw)
 

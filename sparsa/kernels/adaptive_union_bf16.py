@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import adaptive_union_ops as _ops
-from .adaptive import _cached_pack, _conv_args, _pick_ob, igrad_dy_geometry
+from .adaptive import _cached_pack, _conv_args, _pick_ob, conv_backward, igrad_dy_geometry
 from .adaptive_union import UnionOperand, _check_group, _lib, union_supported
 from .geometry import ConvGeometry
 
@@ -77,7 +77,7 @@ def union_operand_bf16(x: Tensor, relu: bool = True, native: Optional[bool] = No
     if native is not False and x.device.type == "cpu" and union_dpbf16():
         nhwc = x.permute(0, 2, 3, 1)
         view = not relu and nhwc.is_contiguous()
-        values, mask, counts = _ops.union_compact_bf16(x, bool(relu), not view)
+        values, mask, counts = _ops.union_compact(x, bool(relu), not view)
         nnz, u4 = counts.tolist()
         return UnionOperand(nhwc if view else values, mask, nnz, u4)
     keep = x > 0 if relu else x != 0
@@ -179,21 +179,8 @@ def union_conv_igrad_bf16(
     if not (_native_for(gop, G.O, G.C) and xop.mask is not None):
         if weight is None:
             raise ValueError("union_conv_igrad_bf16: the PyTorch fallback needs weight (wfl2 is the native pack)")
-        a = _conv_args(G)
         xs = xop.nchw()
-        dx = torch.ops.aten.convolution_backward(
-            gop.nchw().float(),
-            xs.float(),
-            _rounded(weight),
-            None,
-            a["stride"],
-            a["padding"],
-            a["dilation"],
-            False,
-            (0, 0),
-            1,
-            [True, False, False],
-        )[0]
+        dx = conv_backward(gop.nchw().float(), xs.float(), _rounded(weight), G, [True, False, False])[0]
         dx = torch.where(xs != 0, dx, torch.zeros(()))
         return dx.to(BF16).contiguous(memory_format=torch.channels_last)
     wfl2 = union_pair_packs(weight, flipped=True).wfl2 if wfl2 is None else wfl2
@@ -213,21 +200,10 @@ def union_conv_igrad_x_bf16(
     if not (xop.mask is not None and dy_nhwc.dtype == BF16 and union_supported_bf16(G.C, G.O)):
         if weight is None:
             raise ValueError("union_conv_igrad_x_bf16: the PyTorch fallback needs weight (wc is the native pack)")
-        a = _conv_args(G)
         xs = xop.nchw()
-        dx = torch.ops.aten.convolution_backward(
-            dy_nhwc.permute(0, 3, 1, 2).float(),
-            xs.float(),
-            _rounded(weight),
-            None,
-            a["stride"],
-            a["padding"],
-            a["dilation"],
-            False,
-            (0, 0),
-            1,
-            [True, False, False],
-        )[0]
+        dx = conv_backward(dy_nhwc.permute(0, 3, 1, 2).float(), xs.float(), _rounded(weight), G, [True, False, False])[
+            0
+        ]
         return torch.where(xs != 0, dx, torch.zeros(())).to(BF16).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = bf16_wc(union_pair_packs(weight, flipped=False).wf, G)

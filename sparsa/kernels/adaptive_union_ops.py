@@ -7,6 +7,7 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 (an op may not return a view of its input).
 
 - ``adaptive_union_compact(x, relu, write_values) -> (values [N,H,W,C], mask, counts [nnz, union4])``
+  (x float32, or bfloat16 where the bf16 kernels run; values in x's dtype)
 - ``adaptive_union_pack(w, want_wf, want_wfl) -> (wf, wfl)``;
   ``adaptive_union_wc(wf, w_shape) -> wc``
 - ``adaptive_union_conv_fwd(values, mask, wp, bias, geo, omask, tiles, group)``: ``[N, O, Ho, Wo]``
@@ -14,9 +15,9 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
 - ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
   the input and weight gradients over relu(x)'s or dY's mask
-- bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact_bf16(x, relu,
-  write_values)`` (x channels-last), ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired
-  bf16) ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out) and
+- bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact`` of a bf16 x,
+  ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired bf16),
+  ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out) and
   ``adaptive_union_conv_igrad_x_bf16(mask, dy, wc, geo)`` (bf16 dy, wc and dx)
 
 Example::
@@ -48,7 +49,6 @@ __all__ = [
     "union_conv_igrad_x",
     "union_conv_wgrad",
     "union_conv_wgrad_dy",
-    "union_compact_bf16",
     "union_pair_pack",
     "union_conv_fwd_bf16",
     "union_conv_igrad_x_bf16",
@@ -77,31 +77,22 @@ def _dw_empty(shape: Sequence[int], w_stride: Optional[Sequence[int]], like: Opt
 # ------------------------------------------------------------------------------------------ operand
 def _compact_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Tensor, Tensor]:
     lib = _native_only("adaptive_union_compact")
-    if x.dim() != 4 or x.dtype != torch.float32:
-        raise TypeError(f"adaptive_union_compact needs a 4-D float32 x, got {x.dtype} {tuple(x.shape)}")
+    if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"adaptive_union_compact needs a 4-D float32 or bfloat16 x, got {x.dtype} {tuple(x.shape)}")
     N, C, H, W = x.shape
-    values = torch.empty(N, H, W, C, dtype=torch.float32) if write_values else torch.empty(0, dtype=torch.float32)
+    values = torch.empty(N, H, W, C, dtype=x.dtype) if write_values else torch.empty(0, dtype=x.dtype)
     mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
-    sn, sc, sh, sw = x.stride()
     u4 = ctypes.c_int64(0)
-    nnz = lib.sparsa_union_compact_f32(
-        x.data_ptr(),
-        N,
-        C,
-        H,
-        W,
-        sn,
-        sc,
-        sh,
-        sw,
-        int(relu),
-        values.data_ptr() if write_values else None,
-        mask.data_ptr(),
-        ctypes.byref(u4),
-        _nthreads(),
-    )
+    vp = values.data_ptr() if write_values else None
+    if x.dtype == torch.bfloat16:  # the bf16 kernel reads NHWC rows
+        nhwc = x.permute(0, 2, 3, 1).contiguous()
+        head = (nhwc.data_ptr(), N, C, H, W)
+        nnz = lib.sparsa_union_compact_bf16(*head, int(relu), vp, mask.data_ptr(), ctypes.byref(u4), _nthreads())
+    else:
+        head = (x.data_ptr(), N, C, H, W, *x.stride())
+        nnz = lib.sparsa_union_compact_f32(*head, int(relu), vp, mask.data_ptr(), ctypes.byref(u4), _nthreads())
     if nnz < 0:
-        raise RuntimeError(f"sparsa_union_compact_f32 failed ({nnz})")
+        raise RuntimeError(f"adaptive_union_compact failed ({nnz}): this CPU lacks AVX-512 (or AVX512-BF16 for bf16)")
     return values, mask, torch.tensor([nnz, u4.value], dtype=torch.int64)
 
 
@@ -376,45 +367,6 @@ union_conv_wgrad_dy = kernel_op(
 
 
 # ------------------------------------------------------------------------------------------ bf16 operands
-def _compact_bf16_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    lib = _native_only("adaptive_union_compact_bf16")
-    if x.dim() != 4 or x.dtype != torch.bfloat16:
-        raise TypeError(f"adaptive_union_compact_bf16 needs a 4-D bfloat16 x, got {x.dtype} {tuple(x.shape)}")
-    N, C, H, W = x.shape
-    nhwc = x.permute(0, 2, 3, 1).contiguous()
-    values = torch.empty(N, H, W, C, dtype=torch.bfloat16) if write_values else torch.empty(0, dtype=torch.bfloat16)
-    mask = torch.empty(N * H * W, (C + 63) // 64, dtype=torch.int64)
-    u4 = ctypes.c_int64(0)
-    nnz = lib.sparsa_union_compact_bf16(
-        nhwc.data_ptr(),
-        N,
-        C,
-        H,
-        W,
-        int(relu),
-        values.data_ptr() if write_values else None,
-        mask.data_ptr(),
-        ctypes.byref(u4),
-        _nthreads(),
-    )
-    if nnz < 0:
-        raise RuntimeError(f"sparsa_union_compact_bf16 failed ({nnz}): this CPU lacks AVX512-BF16")
-    return values, mask, torch.tensor([nnz, u4.value], dtype=torch.int64)
-
-
-def _compact_bf16_fake(x, relu, write_values):
-    N, C, H, W = x.shape
-    values = x.new_empty(N, H, W, C) if write_values else x.new_empty(0)
-    return values, x.new_empty(N * H * W, (C + 63) // 64, dtype=torch.int64), x.new_empty(2, dtype=torch.int64)
-
-
-union_compact_bf16 = kernel_op(
-    "adaptive_union_compact_bf16(Tensor x, bool relu, bool write_values) -> (Tensor, Tensor, Tensor)",
-    _compact_bf16_impl,
-    _compact_bf16_fake,
-)
-
-
 def _pair_pack_impl(pack: Tensor, rows: int, ob: int) -> Tensor:
     lib = _native_only("adaptive_union_pair_pack")
     if pack.dtype != torch.float32 or rows <= 0 or ob <= 0 or pack.numel() % (rows * ob):

@@ -86,20 +86,7 @@ void fwd_group(const Geo& G, const Groups& GR, const float* xa, const uint64_t* 
         for (int64_t kw = 0; kw < G.KW; ++kw) {
             const float* xr[PP];
             const uint64_t* mr[PP];
-            bool any = false;
-            for (int i = 0; i < PP; ++i) {
-                const int64_t hi = ho[i] * G.sh - G.ph + kh * G.dh, wi = wo[i] * G.sw - G.pw + kw * G.dw;
-                if (!ok[i] || hi < 0 || hi >= G.H || wi < 0 || wi >= G.W) {
-                    xr[i] = zero;
-                    mr[i] = zm;
-                } else {
-                    const int64_t q = (n * G.H + hi) * G.W + wi;
-                    xr[i] = xa + q * G.C;
-                    mr[i] = bm + q * NW;
-                    any = true;
-                }
-            }
-            if (!any) continue;
+            if (!sparsa_adaptive::offset_rows<float, PP>(G, ho, wo, ok, n, kh, kw, xa, bm, zero, zm, xr, mr)) continue;
             const float* w0 = wb + koff[kh * G.KW + kw];
             for (int64_t j = 0; j < NW; ++j) {
                 uint64_t m = 0;

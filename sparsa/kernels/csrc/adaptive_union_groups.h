@@ -41,6 +41,30 @@ struct Groups {
     }
 };
 
+// The operand rows the PP members of a group meet at kernel offset (kh, kw) of image n: xr[i] / mr[i] point at
+// the input pixel's values and mask words, or at the zero row / zero mask when member i (ok[i] false) or its
+// input pixel lies outside the image. Returns whether any member meets a pixel inside. T: float or bf16 bits.
+template <typename T, int PP>
+inline bool offset_rows(const Geo& G, const int64_t* ho, const int64_t* wo, const bool* ok, int64_t n, int64_t kh,
+                        int64_t kw, const T* xa, const uint64_t* bm, const T* zero, const uint64_t* zm, const T** xr,
+                        const uint64_t** mr) {
+    const int64_t NW = mask_words(G.C);
+    bool any = false;
+    for (int i = 0; i < PP; ++i) {
+        const int64_t hi = ho[i] * G.sh - G.ph + kh * G.dh, wi = wo[i] * G.sw - G.pw + kw * G.dw;
+        if (!ok[i] || hi < 0 || hi >= G.H || wi < 0 || wi >= G.W) {
+            xr[i] = zero;
+            mr[i] = zm;
+        } else {
+            const int64_t q = (n * G.H + hi) * G.W + wi;
+            xr[i] = xa + q * G.C;
+            mr[i] = bm + q * NW;
+            any = true;
+        }
+    }
+    return any;
+}
+
 // Part of the operand's union4 count (see sparsa_union_compact_f32) over this thread's share of the runs of
 // 4 consecutive pixels of each image (rows flattened); call inside an OpenMP parallel region and sum.
 inline int64_t union4_share(const uint64_t* bm, int64_t N, int64_t HW, int64_t NW) {
