@@ -146,6 +146,33 @@ def test_input_gradient_at_nonzeros_matches_float64(native, N, C, H, W, O, s):
     )
 
 
+@pytest.mark.parametrize(
+    "N,C,H,W,O,s,d",
+    [(2, 8, 6, 6, 16, 1, 1), (1, 64, 16, 16, 48, 1, 1), (2, 24, 9, 7, 64, 2, 1), (1, 32, 10, 10, 128, 1, 2)],
+)
+def test_weight_gradient_matches_float64(native, N, C, H, W, O, s, d):
+    """The weight gradient over relu(x)'s mask with the group's pixels paired (C = 8: rows shorter than an
+    output block; 16x16: 2x2 tiles; stride 2 and dilation 2: members outside the image)."""
+    gen = torch.Generator().manual_seed(C * O + s + d)
+    x = _sparse_bf16((N, C, H, W), 0.6, gen)
+    w = torch.randn(O, C, 3, 3, generator=gen)
+    geo = U.geometry(x.shape, w.shape, (s, s), (d, d), (d, d))
+    gy = torch.randn(N, geo.Ho, geo.Wo, O, generator=gen).to(BF)
+    ws = w.contiguous(memory_format=torch.channels_last).stride()
+    dw = B.union_conv_wgrad_bf16(_operand(x, native), gy, geo, ws)
+    assert dw.dtype == torch.float32 and dw.shape == w.shape and dw.stride() == ws
+    xr = x.double().relu()
+
+    def wgrad(g, xx):
+        return torch.ops.aten.convolution_backward(
+            g.permute(0, 3, 1, 2), xx, w.double(), None, [s, s], [d, d], [d, d], False, [0, 0], 1, [False, True, False]
+        )[1]
+
+    ref, scale = wgrad(gy.double(), xr), wgrad(gy.double().abs(), xr.abs())
+    err = (dw.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-6).all(), float((err / (scale + 1e-30)).max())  # fp32 sums of exact products
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("relu", [True, False])
 def test_operand_is_the_fp32_operand_in_bf16(channels_last, relu):

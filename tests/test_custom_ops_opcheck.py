@@ -205,7 +205,11 @@ def _s_u_igrad_x(native):
 def _s_u_wgrad(native):
     u = _union()
     a = (u["xop"].values, u["xop"].mask, u["dy"], u["geo"])
-    return [(a + (None, False), ALL), (a + ([144, 1, 48, 16], False), ALL), (a + (None, True), ALL)]
+    cases = [(a + (None, False), ALL), (a + ([144, 1, 48, 16], False), ALL), (a + (None, True), ALL)]
+    if UB.union_dpbf16():  # bf16 operands, fp32 dW (native only)
+        b = _union_bf16()
+        cases.append(((b["xop"].values, b["xop"].mask, b["dy"].bfloat16(), b["geo"], None, False), ALL))
+    return cases
 
 
 def _s_u_wgrad_dy(native):

@@ -59,8 +59,8 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s nonzeros,
 #: dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy"
 #: (weight gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros),
-#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy": those that ran
-#: on bf16 operands (bf16 x, under autocast)
+#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy" / "bf16_dw_x":
+#: those that ran on bf16 operands (bf16 x, under autocast)
 union_paths: Counter = Counter()
 
 
@@ -358,10 +358,14 @@ class UnionReluConv2d(torch.autograd.Function):
             ].float()
         elif dw_side == "dy":
             dw = _u.union_conv_wgrad_dy(_b.widened(gop), op32().values, geo, ctx.w_stride)
+        elif dw_side == "x" and bf16:
+            dw = _b.union_conv_wgrad_bf16(op, g, geo, ctx.w_stride)
         elif dw_side in ("x", "lists"):
             dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride, lists=dw_side == "lists")
         if dw_side is not None:
             union_paths["dw_" + dw_side] += 1
+            if bf16 and dw_side == "x":
+                union_paths["bf16_dw_x"] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g32().sum((0, 1, 2))
         return dx, dw, db, None, None, None

@@ -133,6 +133,9 @@ _ADAPTIVE = {
     "sparsa_union_compact_bf16": sig(
         I64, x=PTR, N=I64, C=I64, H=I64, W=I64, relu=INT, xa=PTR, bm=PTR, union4=PTR, nthreads=INT
     ),
+    "sparsa_union_conv_wgrad_bf16": sig(
+        INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, S=PTR, rs=I64S, ldS=I64, tiles=INT, nthreads=INT
+    ),
     "sparsa_union_pair_pack_bf16": sig(INT, src=PTR, blocks=I64, rows=I64, OB=I64, dst=PTR, nthreads=INT),
     "sparsa_union_conv_fwd_bf16": sig(
         INT, g=GEO, xa=PTR, bm=PTR, wp2=PTR, bias=PTR, y=PTR, omask=PTR, tiles=INT, group=INT, nthreads=INT

@@ -9,7 +9,8 @@ channels. A pair runs when either of its channels is nonzero somewhere in the gr
 
 Elsewhere the same functions run their PyTorch fallback with the same semantics (the fp32 conv of the
 bf16 values and the bf16-rounded weight, rounded once). The input gradient at relu(x)'s nonzeros
-(:func:`union_conv_igrad_x_bf16`) pairs adjacent output channels of dY and of the weight rows instead. The
+(:func:`union_conv_igrad_x_bf16`) pairs adjacent output channels of dY and of the weight rows instead, and the
+weight gradient over relu(x)'s mask (:func:`union_conv_wgrad_bf16`) pairs the pixels of a group. The other
 weight-gradient kernels are fp32: :func:`widened` gives them the operand in fp32.
 
 Example::
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from . import adaptive_union_ops as _ops
 from .adaptive import _cached_pack, _conv_args, _pick_ob, conv_backward, igrad_dy_geometry
-from .adaptive_union import UnionOperand, _check_group, _lib, union_supported
+from .adaptive_union import UnionOperand, _check_group, _lib, _wgrad_reference, union_supported
 from .geometry import ConvGeometry
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "union_conv_igrad_x_bf16",
     "widened",
     "bf16_wc",
+    "union_conv_wgrad_bf16",
 ]
 
 BF16 = torch.bfloat16
@@ -215,3 +217,17 @@ def bf16_wc(wf: Tensor, geo: Sequence[int]) -> Tensor:
     (of the bf16-rounded weight: exact in bf16)."""
     G = ConvGeometry.of(geo)
     return _ops.union_wc(wf, [G.O, G.C, G.KH, G.KW]).to(BF16)
+
+
+def union_conv_wgrad_bf16(
+    xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], w_stride: Optional[Sequence[int]] = None
+) -> Tensor:
+    """``dW [O, C, KH, KW]`` (float32) of ``conv2d(relu(x), W)`` (any stride) over the bf16 operand ``xop``'s mask
+    and the bf16 output gradient ``dy_nhwc`` (``[N, Ho, Wo, O]``), accumulated in fp32. ``w_stride``: strides to
+    give ``dW``."""
+    G = ConvGeometry.of(geo)
+    if not (xop.mask is not None and xop.values.dtype == BF16 and union_supported_bf16(G.C, G.O)):
+        return _wgrad_reference(xop.nchw().float(), dy_nhwc.float(), G, w_stride)
+    return _ops.union_conv_wgrad(
+        xop.values, xop.mask, dy_nhwc.to(BF16), G, None if w_stride is None else list(w_stride), False
+    )

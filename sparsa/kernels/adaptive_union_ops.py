@@ -18,7 +18,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact`` of a bf16 x,
   ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired bf16),
   ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out) and
-  ``adaptive_union_conv_igrad_x_bf16(mask, dy, wc, geo)`` (bf16 dy, wc and dx)
+  ``adaptive_union_conv_igrad_x_bf16(mask, dy, wc, geo)`` (bf16 dy, wc and dx), and
+  ``adaptive_union_conv_wgrad`` of bf16 values and dy (not ``lists``; dW in float32)
 
 Example::
 
@@ -269,6 +270,12 @@ def _wgrad_impl(
     C, O, KH, KW = G.C, G.O, G.KH, G.KW
     dy = dy.contiguous()
     dw = _dw_empty((O, C, KH, KW), w_stride)
+    bf16 = values.dtype == torch.bfloat16
+    if bf16 != (dy.dtype == torch.bfloat16) or (bf16 and lists):
+        raise TypeError(
+            f"adaptive_union_conv_wgrad: values {values.dtype} and dy {dy.dtype} must both be float32 or both "
+            f"bfloat16 (the list kernel: float32 only; got lists={lists})"
+        )
     if lists:  # written straight into dw's layout
         rc = lib.sparsa_union_conv_wgrad_lists_f32(
             G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(), dw.data_ptr(), _i64s(*dw.stride()), _nthreads()
@@ -285,7 +292,7 @@ def _wgrad_impl(
     else:
         rs = None
     S = torch.empty(C * K2, O, dtype=torch.float32)
-    rc = lib.sparsa_union_conv_wgrad_f32(
+    rc = (lib.sparsa_union_conv_wgrad_bf16 if bf16 else lib.sparsa_union_conv_wgrad_f32)(
         G.c(),
         values.data_ptr(),
         mask.data_ptr(),
@@ -297,7 +304,7 @@ def _wgrad_impl(
         _nthreads(),
     )
     if rc:
-        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 failed ({rc}) for geometry {G}")
+        raise RuntimeError(f"adaptive_union_conv_wgrad failed ({rc}) for geometry {G} ({values.dtype})")
     if rs is None:
         return dw.copy_(S.view(C, KH, KW, O).permute(3, 0, 1, 2))
     lib.sparsa_union_transpose_f32(S.data_ptr(), C * K2, O, dw.data_ptr(), _nthreads())

@@ -338,45 +338,11 @@ int sparsa_union_conv_wgrad_f32(const int64_t* g, const float* xa, const uint64_
     if (G.O % 8 || OB % 16) return 1;
     if (!sparsa_union_supported()) return 2;
 #ifdef SPARSA_UNION_AVX512
-    const Groups GR(G, tiles != 0);
-    const int64_t nob = G.O / OB, NW = words(G.C), K2 = G.KH * G.KW, GT = G.N * GR.per_image;
-    const int64_t base = K2 * NW * nob;  // blocks: (kernel offset, mask word, output block)
-    int64_t split = 1;
-    if (base < 8 * nthreads) split = std::min<int64_t>((8 * nthreads + base - 1) / base, std::max<int64_t>(1, GT / 16));
-    const int64_t chunk = (GT + split - 1) / split;
-    std::vector<float> part(split > 1 ? (size_t)split * base * 64 * OB : 0);
-    std::vector<float> zero((size_t)G.C + 16, 0.f);
-    auto row = [&](int64_t c, int64_t k) { return S + (rs[3] + c * rs[0] + (k / G.KW) * rs[1] + (k % G.KW) * rs[2]) * ldS; };
-#pragma omp parallel num_threads(nthreads)
-    {
-        std::vector<float> own((size_t)64 * OB);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < base * split; ++t) {
-            const int64_t sp = t / base, b = t % base;
-            const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW);
-            float* blk = split > 1 ? part.data() + (sp * base + b) * 64 * OB : own.data();
-            const int64_t g0 = sp * chunk, g1 = std::min(GT, g0 + chunk), cw = std::min<int64_t>(64, G.C - j * 64);
-            if (g0 >= g1) std::memset(blk, 0, sizeof(float) * 64 * OB);
-            else wgrad_block_any(OB / 16, G, GR, xa, bm, zero.data(), dy, blk, OB, k / G.KW, k % G.KW, j, obi * OB, g0, g1);
-            if (split == 1)
-                for (int64_t c = 0; c < cw; ++c) std::memcpy(row(j * 64 + c, k) + obi * OB, blk + c * OB, sizeof(float) * OB);
-        }
-        if (split > 1) {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < base; ++b) {
-                const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW), cw = std::min<int64_t>(64, G.C - j * 64);
-                for (int64_t c = 0; c < cw; ++c) {
-                    float* dst = row(j * 64 + c, k) + obi * OB;
-                    const float* src = part.data() + b * 64 * OB + c * OB;
-                    for (int64_t o = 0; o < OB; ++o) {
-                        float s = src[o];
-                        for (int64_t q = 1; q < split; ++q) s += src[q * base * 64 * OB + o];
-                        dst[o] = s;
-                    }
-                }
-            }
-        }
-    }
+    sparsa_adaptive::wgrad_run<float>(G, S, rs, ldS, tiles, nthreads,
+                                      [&](const Groups& GR, const float* zero, float* blk, int64_t kh, int64_t kw,
+                                          int64_t j, int64_t ob, int64_t g0, int64_t g1) {
+                                          wgrad_block_any(OB / 16, G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1);
+                                      });
     return 0;
 #else
     return 2;

@@ -1,5 +1,6 @@
-// bf16 operands for the union kernels (AVX512-BF16, run-time check): the forward and the stride-1 input
-// gradient of conv2d(relu(x), W) under bf16 autocast, with fp32 accumulation and bf16 outputs.
+// bf16 operands for the union kernels (AVX512-BF16, run-time check): the forward, the stride-1 input gradient
+// and the weight gradient of conv2d(relu(x), W) under bf16 autocast, with fp32 accumulation (bf16 outputs, an
+// fp32 weight gradient).
 //
 // The operand is as in adaptive_union.cpp (values dense NHWC, one mask bit per element), in bf16. The weight
 // pack pairs adjacent input channels: wp2[block][k][c / 2][o][2] = (W[o, c], W[o, c + 1]) for c even, so one
@@ -8,6 +9,7 @@
 // channel is then a zero product.
 //
 //   forward  y[p, ob..ob+OB) = bf16(bias + sum_{off, pairs c in U} Wf[off, c, ob..] . x[q_i(p, off), c..c+1])
+//   weight   S[row(c, off), ob..] = sum_{groups, c in U} sum_{pixel pairs} (dy[p_i], dy[p_i+1]) . (x[q_i, c], x[q_i+1, c])
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -156,6 +158,75 @@ int fwd_run(const Geo& G, const uint16_t* xa, const uint64_t* bm, const uint16_t
     return 0;
 }
 
+// Weight gradient block blk[c - 64 j][0..16 V) (channels of mask word j, output channels ob..) at kernel offset
+// (kh, kw) over the pixel groups [g0, g1), as the fp32 union kernel's, with the group's pixels paired: dY rows of
+// members (0, 1) and (2, 3) interleaved once per group, and per channel the pair (x[q0, c], x[q1, c]) broadcast,
+// so one VDPBF16PS adds two pixels' products per output channel.
+template <int V>
+void wgrad_block(const Geo& G, const Groups& GR, const uint16_t* xa, const uint64_t* bm, const uint16_t* zero,
+                 const uint16_t* dy, float* blk, int64_t OB, int64_t kh, int64_t kw, int64_t j, int64_t ob, int64_t g0,
+                 int64_t g1) {
+    const int64_t NW = mask_words(G.C), HW = G.Ho * G.Wo;
+    std::memset(blk, 0, sizeof(float) * std::min<int64_t>(64, G.C - j * 64) * OB);
+    float* b0 = blk - j * 64 * OB;  // indexed by absolute channel
+    // word t of the interleave: t even from the first row, odd from the second (16 words each)
+    alignas(64) uint16_t lanes[32];
+    for (int t = 0; t < 32; ++t) lanes[t] = (uint16_t)((t & 1) ? 32 + t / 2 : t / 2);
+    const __m512i inter = _mm512_load_si512(lanes);
+    int64_t n = g0 / GR.per_image, g = g0 - n * GR.per_image;
+    for (int64_t gg = g0; gg < g1; ++gg) {
+        const uint16_t* dr[4];
+        const uint16_t* xr[4];
+        uint64_t m = 0;
+        for (int i = 0; i < 4; ++i) {
+            xr[i] = zero;
+            dr[i] = zero;
+            int64_t ho, wo;
+            if (!GR.member(g, i, ho, wo)) continue;
+            dr[i] = dy + (n * HW + ho * G.Wo + wo) * G.O + ob;
+            const int64_t hi = ho * G.sh - G.ph + kh * G.dh, wi = wo * G.sw - G.pw + kw * G.dw;
+            if (hi >= 0 && hi < G.H && wi >= 0 && wi < G.W) {
+                const int64_t q = (n * G.H + hi) * G.W + wi;
+                xr[i] = xa + q * G.C;
+                m |= bm[q * NW + j];
+            }
+        }
+        if (++g == GR.per_image) g = 0, ++n;
+        if (!m) continue;
+        __m512bh d[2][V];
+        for (int h = 0; h < 2; ++h)
+            for (int v = 0; v < V; ++v) {
+                const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(dr[2 * h] + 16 * v)));
+                const __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(dr[2 * h + 1] + 16 * v)));
+                d[h][v] = (__m512bh)_mm512_permutex2var_epi16(a, inter, b);
+            }
+        while (m) {
+            const int64_t c = j * 64 + __builtin_ctzll(m);
+            m &= m - 1;
+            const __m512bh x01 = (__m512bh)_mm512_set1_epi32((int)((uint32_t)xr[0][c] | ((uint32_t)xr[1][c] << 16)));
+            const __m512bh x23 = (__m512bh)_mm512_set1_epi32((int)((uint32_t)xr[2][c] | ((uint32_t)xr[3][c] << 16)));
+            float* r = b0 + c * OB;
+            for (int v = 0; v < V; ++v) {
+                __m512 a = _mm512_loadu_ps(r + 16 * v);
+                a = _mm512_dpbf16_ps(a, d[0][v], x01);
+                a = _mm512_dpbf16_ps(a, d[1][v], x23);
+                _mm512_storeu_ps(r + 16 * v, a);
+            }
+        }
+    }
+}
+
+void wgrad_block_any(int64_t V, const Geo& G, const Groups& GR, const uint16_t* xa, const uint64_t* bm,
+                     const uint16_t* zero, const uint16_t* dy, float* blk, int64_t OB, int64_t kh, int64_t kw, int64_t j,
+                     int64_t ob, int64_t g0, int64_t g1) {
+    switch (V) {
+        case 1: wgrad_block<1>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
+        case 2: wgrad_block<2>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
+        case 3: wgrad_block<3>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
+        default: wgrad_block<4>(G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1); break;
+    }
+}
+
 // dst[b][r / 2][o][2] = bf16 of (src[b][r][o], src[b][r + 1][o]), round to nearest even, for rows r even
 void pair_rows(const float* src, int64_t rows, int64_t OB, uint16_t* dst) {
     for (int64_t r = 0; r < rows; r += 2) {
@@ -237,6 +308,27 @@ int sparsa_union_conv_fwd_bf16(const int64_t* g, const uint16_t* xa, const uint6
     if (!sparsa_union_has_dpbf16()) return 2;
 #ifdef SPARSA_UNION_DPBF16
     return fwd_run(G, xa, bm, wp2, bias, y, omask, tiles, group, nthreads);
+#else
+    return 2;
+#endif
+}
+
+// The weight gradient of conv2d over the bf16 operand (xa, bm) and the bf16 output gradient dy [N*Ho*Wo, O]
+// (contiguous), accumulated in fp32 into the rows of S as sparsa_union_conv_wgrad_f32 writes them. Returns 1 for a
+// bad geometry, 2 without AVX512-BF16.
+int sparsa_union_conv_wgrad_bf16(const int64_t* g, const uint16_t* xa, const uint64_t* bm, const uint16_t* dy, float* S,
+                                 const int64_t* rs, int64_t ldS, int tiles, int nthreads) {
+    const Geo G(g);
+    const int64_t OB = pick_ob(G.O);
+    if (G.O % 8 || OB % 16) return 1;
+    if (!sparsa_union_has_dpbf16()) return 2;
+#ifdef SPARSA_UNION_DPBF16
+    sparsa_adaptive::wgrad_run<uint16_t>(G, S, rs, ldS, tiles, nthreads,
+                                         [&](const Groups& GR, const uint16_t* zero, float* blk, int64_t kh, int64_t kw,
+                                             int64_t j, int64_t ob, int64_t g0, int64_t g1) {
+                                             wgrad_block_any(OB / 16, G, GR, xa, bm, zero, dy, blk, OB, kh, kw, j, ob, g0, g1);
+                                         });
+    return 0;
 #else
     return 2;
 #endif

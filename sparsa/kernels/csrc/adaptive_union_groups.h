@@ -2,6 +2,9 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <omp.h>
+#include <vector>
 
 #include "adaptive_geo.h"
 
@@ -63,6 +66,55 @@ inline bool offset_rows(const Geo& G, const int64_t* ho, const int64_t* wo, cons
         }
     }
     return any;
+}
+
+// The weight-gradient driver of the union kernels: for every (c, kh, kw) the row
+// S[(rs[3] + c*rs[0] + kh*rs[1] + kw*rs[2]) * ldS + o], o < O, is overwritten with sum_p x[q(p, kh, kw), c] *
+// dy[p, o]. Work is cut into blocks (kernel offset, mask word j, output block of OB = pick_ob(O) channels), and
+// the pixel groups into `split` ranges when there are too few blocks for the threads (partial sums added at the
+// end). block(GR, zero, blk, kh, kw, j, ob, g0, g1) fills blk[c - 64 j][0..OB) over groups [g0, g1); zero is a
+// zero row of T (the operand's element type) as long as an operand row or an output block, plus 32.
+template <typename T, typename Block>
+void wgrad_run(const Geo& G, float* S, const int64_t* rs, int64_t ldS, int tiles, int nthreads, Block block) {
+    const Groups GR(G, tiles != 0);
+    const int64_t OB = pick_ob(G.O), nob = G.O / OB, NW = mask_words(G.C), K2 = G.KH * G.KW, GT = G.N * GR.per_image;
+    const int64_t base = K2 * NW * nob;  // blocks: (kernel offset, mask word, output block)
+    int64_t split = 1;
+    if (base < 8 * nthreads) split = std::min<int64_t>((8 * nthreads + base - 1) / base, std::max<int64_t>(1, GT / 16));
+    const int64_t chunk = (GT + split - 1) / split;
+    std::vector<float> part(split > 1 ? (size_t)split * base * 64 * OB : 0);
+    std::vector<T> zero((size_t)std::max<int64_t>(G.C, 64) + 32, T(0));
+    auto row = [&](int64_t c, int64_t k) { return S + (rs[3] + c * rs[0] + (k / G.KW) * rs[1] + (k % G.KW) * rs[2]) * ldS; };
+#pragma omp parallel num_threads(nthreads)
+    {
+        std::vector<float> own((size_t)64 * OB);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < base * split; ++t) {
+            const int64_t sp = t / base, b = t % base;
+            const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW);
+            float* blk = split > 1 ? part.data() + (sp * base + b) * 64 * OB : own.data();
+            const int64_t g0 = sp * chunk, g1 = std::min(GT, g0 + chunk), cw = std::min<int64_t>(64, G.C - j * 64);
+            if (g0 >= g1) std::memset(blk, 0, sizeof(float) * 64 * OB);
+            else block(GR, zero.data(), blk, k / G.KW, k % G.KW, j, obi * OB, g0, g1);
+            if (split == 1)
+                for (int64_t c = 0; c < cw; ++c) std::memcpy(row(j * 64 + c, k) + obi * OB, blk + c * OB, sizeof(float) * OB);
+        }
+        if (split > 1) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < base; ++b) {
+                const int64_t obi = b % nob, j = (b / nob) % NW, k = b / (nob * NW), cw = std::min<int64_t>(64, G.C - j * 64);
+                for (int64_t c = 0; c < cw; ++c) {
+                    float* dst = row(j * 64 + c, k) + obi * OB;
+                    const float* src = part.data() + b * 64 * OB + c * OB;
+                    for (int64_t o = 0; o < OB; ++o) {
+                        float s = src[o];
+                        for (int64_t q = 1; q < split; ++q) s += src[q * base * 64 * OB + o];
+                        dst[o] = s;
+                    }
+                }
+            }
+        }
+    }
 }
 
 // Part of the operand's union4 count (see sparsa_union_compact_f32) over this thread's share of the runs of
