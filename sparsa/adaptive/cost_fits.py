@@ -122,35 +122,35 @@ COST_FITS: Dict[str, CostFit] = {
         per_dg=0.75,
     ),
     # bf16 mode (bf16 x under autocast, CPUs with AVX512-BF16): costs relative to the dense bf16 GEMM; the input
-    # gradients run bf16 kernels, the weight gradients the fp32 ones on the widened operands. Defaults: the
-    # refit on an amd-avx512 machine (fit conditions in docs/benchmarks.md)
+    # gradients and the union weight gradient run bf16 kernels, the list and dY-side weight gradients the fp32
+    # ones on the widened operands. Defaults: a refit on an amd-avx512 machine (docs/benchmarks.md)
     "conv_union_bf16.dx.x": _fit(
         "union_bf16",
         "bf16 input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
-        base=0.43,
-        per_dx=2.32,
+        base=0.46,
+        per_dx=2.34,
         big_weight=0.1,
     ),
     "conv_union_bf16.dx.dy": _fit(
-        "union_bf16", "bf16 input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.62, per_dg=0.77
+        "union_bf16", "bf16 input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.67, per_dg=0.86
     ),
     "conv_union_bf16.dw.lists": _fit(
         "union_bf16",
         "weight gradient of bf16 operands, per-channel lists: base + per_dx d_x (+ small_c, + big_weight)",
-        base=0.24,
-        per_dx=2.37,
+        base=0.48,
+        per_dx=2.33,
         small_c=0.08,
         big_weight=0.12,
     ),
     "conv_union_bf16.dw.x": _fit(
         "union_bf16",
-        "weight gradient of bf16 operands over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r (+ big_weight)",
-        base=0.16,
-        per_dx_ratio=1.89,
+        "bf16 weight gradient over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r (+ big_weight)",
+        base=0.5,
+        per_dx_ratio=1.72,
         big_weight=-0.1,
     ),
     "conv_union_bf16.dw.dy": _fit(
-        "union_bf16", "weight gradient of bf16 operands over dY's mask: base + per_dg d_g", base=0.72, per_dg=2.52
+        "union_bf16", "weight gradient of bf16 operands over dY's mask: base + per_dg d_g", base=1.04, per_dg=2.19
     ),
     "conv_list.dx.dy": _fit(
         "list",
