@@ -181,12 +181,15 @@ def _s_u_wc(native):
 
 
 def _s_u_fwd(native):
-    u = _union()
-    g2 = list(A.igrad_dy_geometry(u["geo"]))
-    return [
-        ((u["xop"].values, u["xop"].mask, u["wf"], u["b"], u["geo"], None, 1, 4), ALL),
-        ((u["gop"].values, u["gop"].mask, u["wfl"], None, g2, u["xop"].mask, 0, 2), ALL),
-    ]
+    cases = []
+    for u in (_union(),) + ((_union_bf16(),) if UB.union_dpbf16() else ()):  # fp32, and bf16 operands
+        wf, wfl = (u["wf2"], u["wfl2"]) if "wf2" in u else (u["wf"], u["wfl"])
+        g2 = list(A.igrad_dy_geometry(u["geo"]))
+        cases += [
+            ((u["xop"].values, u["xop"].mask, wf, u["b"], u["geo"], None, 1, 4), ALL),
+            ((u["gop"].values, u["gop"].mask, wfl, None, g2, u["xop"].mask, 0, 2), ALL),
+        ]
+    return cases
 
 
 def _s_u_igrad_w(native):
@@ -199,7 +202,10 @@ def _s_u_igrad_w(native):
 def _s_u_igrad_x(native):
     u = _union()
     wc = adaptive_union_ops.union_wc(u["wf"], list(u["w"].shape))
-    return [((u["xop"].mask, u["dy"], wc, u["geo"]), ALL)]
+    cases = [((u["xop"].mask, u["dy"], wc, u["geo"]), ALL)]
+    if UB.union_dpbf16():  # bf16 dY and weight rows (native only)
+        cases.append(((u["xop"].mask, u["dy"].bfloat16(), UB.bf16_wc(u["wf"], u["geo"]), u["geo"]), ALL))
+    return cases
 
 
 def _s_u_wgrad(native):
@@ -229,21 +235,6 @@ def _union_bf16():
 
 def _s_u_pair_pack(native):
     return [((_union()["wf"], 16, 16), ALL)]
-
-
-def _s_u_fwd_bf16(native):
-    u = _union_bf16()
-    g2 = list(A.igrad_dy_geometry(u["geo"]))
-    return [
-        ((u["xop"].values, u["xop"].mask, u["wf2"], u["b"], u["geo"], None, 1, 4), ALL),
-        ((u["gop"].values, u["gop"].mask, u["wfl2"], None, g2, u["xop"].mask, 0, 2), ALL),
-    ]
-
-
-def _s_u_igrad_x_bf16(native):
-    u = _union_bf16()
-    wc = UB.bf16_wc(u["wf"], u["geo"])
-    return [((u["xop"].mask, u["dy"].bfloat16(), wc, u["geo"]), ALL)]
 
 
 # -------------------------------------------------------------------------------------------- linear
@@ -360,8 +351,6 @@ SAMPLES = {
     "adaptive_union_conv_wgrad": (_s_u_wgrad, False, True),
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
-    "adaptive_union_conv_fwd_bf16": (_s_u_fwd_bf16, False, "bf16"),
-    "adaptive_union_conv_igrad_x_bf16": (_s_u_igrad_x_bf16, False, "bf16"),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),

@@ -20,6 +20,10 @@ dY side reads in place. Backward reads the forward's weight: the saved packs (th
 rows are rebuilt from the forward pack by row copies), or the weight in place after checking its version;
 when an optimizer step came in between, the relu(x) side runs from the forward pack.
 
+A bf16 input (under autocast, where the CPU has AVX512-BF16) takes the same path with bf16 operands
+(:mod:`sparsa.kernels.adaptive_union_bf16`): the weight rounded to bf16 as autocast rounds it, bf16 outputs,
+each backward GEMM priced against the dense bf16 one (``conv_union_bf16.*``), whose gradients are options too.
+
 The path needs the native kernels with AVX-512 and channel counts whose 16-wide output blocks fit
 (:func:`~sparsa.kernels.adaptive_union.union_supported`); elsewhere ``relu_conv2d`` runs the list
 kernels of :mod:`sparsa.adaptive.conv`. ``SPARSA_ADAPTIVE_KERNELS=list`` (or ``KERNELS = "list"``
@@ -203,8 +207,8 @@ class UnionReluConv2d(torch.autograd.Function):
         # pack_src: a long-lived detached tensor with weight's values (and version counter) that keys the
         # weight-pack caches when ``weight`` itself is a fresh view each call (relu_linear's 1x1 view)
         weight = weight if pack_src is None else pack_src
-        # bf16 x (under autocast): bf16 operands for the forward and the input gradient over dY's mask, the
-        # other backward kernels on the widened operands
+        # bf16 x (under autocast): bf16 operands for the forward, both input gradients and the weight gradient
+        # over relu(x)'s mask; the list and dY-side weight gradients run on the widened operands
         ctx.bf16 = bf16 = x.dtype == torch.bfloat16
         op = _b.union_operand_bf16(x.detach()) if bf16 else _u.union_operand(x.detach())
         C = geo.C

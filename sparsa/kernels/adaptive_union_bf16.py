@@ -157,7 +157,7 @@ def union_conv_fwd_bf16(
         y = F.conv2d(op.nchw().float(), _rounded(weight), b, **_conv_args(G))
         return y.to(BF16).contiguous(memory_format=torch.channels_last)
     wf2 = union_pair_packs(weight, flipped=False).wf2 if wf2 is None else wf2
-    return _ops.union_conv_fwd_bf16(op.values, op.mask, wf2, None if bias is None else bias.detach(), G, None, 1, group)
+    return _ops.union_conv_fwd(op.values, op.mask, wf2, None if bias is None else bias.detach(), G, None, 1, group)
 
 
 def union_conv_igrad_bf16(
@@ -186,7 +186,7 @@ def union_conv_igrad_bf16(
         dx = torch.where(xs != 0, dx, torch.zeros(()))
         return dx.to(BF16).contiguous(memory_format=torch.channels_last)
     wfl2 = union_pair_packs(weight, flipped=True).wfl2 if wfl2 is None else wfl2
-    return _ops.union_conv_fwd_bf16(gop.values, gop.mask, wfl2, None, igrad_dy_geometry(G), xop.mask, 0, group)
+    return _ops.union_conv_fwd(gop.values, gop.mask, wfl2, None, igrad_dy_geometry(G), xop.mask, 0, group)
 
 
 def union_conv_igrad_x_bf16(
@@ -209,7 +209,7 @@ def union_conv_igrad_x_bf16(
         return torch.where(xs != 0, dx, torch.zeros(())).to(BF16).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = bf16_wc(union_pair_packs(weight, flipped=False).wf, G)
-    return _ops.union_conv_igrad_x_bf16(xop.mask, dy_nhwc, wc, G)
+    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
 
 
 def bf16_wc(wf: Tensor, geo: Sequence[int]) -> Tensor:

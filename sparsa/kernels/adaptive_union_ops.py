@@ -15,11 +15,10 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
 - ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
   the input and weight gradients over relu(x)'s or dY's mask
-- bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact`` of a bf16 x,
-  ``adaptive_union_pair_pack(pack, rows, ob)`` (an fp32 pack as paired bf16),
-  ``adaptive_union_conv_fwd_bf16(values, mask, wp2, bias, geo, omask, tiles, group)`` (bf16 out) and
-  ``adaptive_union_conv_igrad_x_bf16(mask, dy, wc, geo)`` (bf16 dy, wc and dx), and
-  ``adaptive_union_conv_wgrad`` of bf16 values and dy (not ``lists``; dW in float32)
+- bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
+  ``adaptive_union_conv_fwd`` (with the paired pack of ``adaptive_union_pair_pack(pack, rows, ob)``; bf16 out),
+  ``adaptive_union_conv_igrad_x`` (bf16 dy and wc; bf16 dx) and ``adaptive_union_conv_wgrad`` (not ``lists``;
+  float32 dW) take bf16 operands where the CPU has AVX512-BF16
 
 Example::
 
@@ -51,14 +50,20 @@ __all__ = [
     "union_conv_wgrad",
     "union_conv_wgrad_dy",
     "union_pair_pack",
-    "union_conv_fwd_bf16",
-    "union_conv_igrad_x_bf16",
 ]
 
 
-def _empty_cl(N: int, C: int, H: int, W: int, like: Optional[Tensor] = None) -> Tensor:
+def _empty_cl(N: int, C: int, H: int, W: int, like: Optional[Tensor] = None, dtype=torch.float32) -> Tensor:
     dev = like.device if like is not None else None
-    return torch.empty(N, C, H, W, dtype=torch.float32, device=dev, memory_format=torch.channels_last)
+    return torch.empty(N, C, H, W, dtype=dtype, device=dev, memory_format=torch.channels_last)
+
+
+def _same_dtype(op: str, *tensors: Tensor) -> torch.dtype:
+    """The one dtype, float32 or bfloat16, of ``tensors`` (a TypeError naming ``op`` otherwise)."""
+    dts = {t.dtype for t in tensors}
+    if len(dts) != 1 or not dts <= {torch.float32, torch.bfloat16}:
+        raise TypeError(f"{op}: operands must all be float32 or all bfloat16, got {[t.dtype for t in tensors]}")
+    return dts.pop()
 
 
 def _none0(t: Optional[Tensor], like: Optional[Tensor] = None) -> Tensor:
@@ -175,9 +180,10 @@ def _fwd_impl(
 ) -> Tensor:
     lib = _native_only("adaptive_union_conv_fwd")
     G = ConvGeometry.of(geo)
+    dt = _same_dtype("adaptive_union_conv_fwd", values, wp)
     b = None if bias is None else bias.float().contiguous()
-    y = _empty_cl(G.N, G.O, G.Ho, G.Wo)
-    rc = lib.sparsa_union_conv_fwd_f32(
+    y = _empty_cl(G.N, G.O, G.Ho, G.Wo, dtype=dt)
+    rc = (lib.sparsa_union_conv_fwd_bf16 if dt == torch.bfloat16 else lib.sparsa_union_conv_fwd_f32)(
         G.c(),
         values.data_ptr(),
         mask.data_ptr(),
@@ -190,13 +196,13 @@ def _fwd_impl(
         _nthreads(),
     )
     if rc:
-        raise RuntimeError(f"sparsa_union_conv_fwd_f32 failed ({rc}) for geometry {G}")
+        raise RuntimeError(f"adaptive_union_conv_fwd failed ({rc}) for geometry {G} ({dt})")
     return y
 
 
 def _fwd_fake(values, mask, wp, bias, geo, omask, tiles, group):
     G = ConvGeometry.of(geo)
-    return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values)
+    return _empty_cl(G.N, G.O, G.Ho, G.Wo, like=values, dtype=values.dtype)
 
 
 union_conv_fwd = kernel_op(
@@ -242,19 +248,19 @@ union_conv_igrad_w = kernel_op(
 def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
     lib = _native_only("adaptive_union_conv_igrad_x")
     G = ConvGeometry.of(geo)
-    dy = dy.contiguous()
-    dx = _empty_cl(G.N, G.C, G.H, G.W)
-    rc = lib.sparsa_union_conv_igrad_x_f32(
-        G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads()
-    )
+    dt = _same_dtype("adaptive_union_conv_igrad_x", dy, wc)
+    dy, wc = dy.contiguous(), wc.contiguous()
+    dx = _empty_cl(G.N, G.C, G.H, G.W, dtype=dt)
+    kernel = lib.sparsa_union_conv_igrad_x_bf16 if dt == torch.bfloat16 else lib.sparsa_union_conv_igrad_x_f32
+    rc = kernel(G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads())
     if rc:
-        raise RuntimeError(f"sparsa_union_conv_igrad_x_f32 failed ({rc}) for geometry {G}")
+        raise RuntimeError(f"adaptive_union_conv_igrad_x failed ({rc}) for geometry {G} ({dt})")
     return dx
 
 
 def _igrad_x_fake(mask, dy, wc, geo):
     G = ConvGeometry.of(geo)
-    return _empty_cl(G.N, G.C, G.H, G.W, like=dy)
+    return _empty_cl(G.N, G.C, G.H, G.W, like=dy, dtype=dy.dtype)
 
 
 union_conv_igrad_x = kernel_op(
@@ -394,79 +400,4 @@ union_pair_pack = kernel_op(
     "adaptive_union_pair_pack(Tensor pack, int rows, int ob) -> Tensor",
     _pair_pack_impl,
     lambda pack, rows, ob: pack.new_empty(pack.numel(), dtype=torch.bfloat16),
-)
-
-
-def _fwd_bf16_impl(
-    values: Tensor,
-    mask: Tensor,
-    wp2: Tensor,
-    bias: Optional[Tensor],
-    geo: List[int],
-    omask: Optional[Tensor],
-    tiles: int,
-    group: int,
-) -> Tensor:
-    lib = _native_only("adaptive_union_conv_fwd_bf16")
-    G = ConvGeometry.of(geo)
-    if values.dtype != torch.bfloat16 or wp2.dtype != torch.bfloat16:
-        raise TypeError(f"adaptive_union_conv_fwd_bf16 needs bfloat16 values and pack, got {values.dtype}, {wp2.dtype}")
-    b = None if bias is None else bias.float().contiguous()
-    y = torch.empty(G.N, G.O, G.Ho, G.Wo, dtype=torch.bfloat16, memory_format=torch.channels_last)
-    rc = lib.sparsa_union_conv_fwd_bf16(
-        G.c(),
-        values.data_ptr(),
-        mask.data_ptr(),
-        wp2.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        None if omask is None else omask.data_ptr(),
-        tiles,
-        group,
-        _nthreads(),
-    )
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_fwd_bf16 failed ({rc}) for geometry {G}")
-    return y
-
-
-def _fwd_bf16_fake(values, mask, wp2, bias, geo, omask, tiles, group):
-    G = ConvGeometry.of(geo)
-    return torch.empty(
-        G.N, G.O, G.Ho, G.Wo, dtype=torch.bfloat16, device=values.device, memory_format=torch.channels_last
-    )
-
-
-union_conv_fwd_bf16 = kernel_op(
-    "adaptive_union_conv_fwd_bf16(Tensor values, Tensor mask, Tensor wp2, Tensor? bias, int[] geo, "
-    "Tensor? omask, int tiles, int group) -> Tensor",
-    _fwd_bf16_impl,
-    _fwd_bf16_fake,
-)
-
-
-def _igrad_x_bf16_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
-    lib = _native_only("adaptive_union_conv_igrad_x_bf16")
-    G = ConvGeometry.of(geo)
-    if dy.dtype != torch.bfloat16 or wc.dtype != torch.bfloat16:
-        raise TypeError(f"adaptive_union_conv_igrad_x_bf16 needs bfloat16 dy and wc, got {dy.dtype}, {wc.dtype}")
-    dy, wc = dy.contiguous(), wc.contiguous()
-    dx = torch.empty(G.N, G.C, G.H, G.W, dtype=torch.bfloat16, memory_format=torch.channels_last)
-    rc = lib.sparsa_union_conv_igrad_x_bf16(
-        G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads()
-    )
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_igrad_x_bf16 failed ({rc}) for geometry {G}")
-    return dx
-
-
-def _igrad_x_bf16_fake(mask, dy, wc, geo):
-    G = ConvGeometry.of(geo)
-    return torch.empty(G.N, G.C, G.H, G.W, dtype=torch.bfloat16, device=dy.device, memory_format=torch.channels_last)
-
-
-union_conv_igrad_x_bf16 = kernel_op(
-    "adaptive_union_conv_igrad_x_bf16(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor",
-    _igrad_x_bf16_impl,
-    _igrad_x_bf16_fake,
 )
