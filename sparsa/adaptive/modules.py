@@ -255,7 +255,8 @@ class AdaptiveConv2d(nn.Conv2d):
                     u, self.weight, self.bias, slice=self.sparsa_state.slice, stats=stats, nonnegative=True, **args
                 ),
                 t,
-                bf16_operands=union_path_supported_for(torch.bfloat16, t.device, self.weight, self.bias),
+                bf16_operands=autocast_bf16()
+                and union_path_supported_for(torch.bfloat16, t.device, self.weight, self.bias),
             ),
             self.weight,
             self.bias,

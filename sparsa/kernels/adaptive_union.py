@@ -56,6 +56,7 @@ __all__ = [
     "UnionOperand",
     "union_native",
     "union_supported",
+    "union_dpbf16",
     "union_packs",
     "union_operand",
     "union_conv_fwd",
@@ -121,18 +122,26 @@ class UnionOperand:
         return self.values.permute(0, 3, 1, 2)
 
 
-def union_operand(x: Tensor, relu: bool = True, native: Optional[bool] = None) -> UnionOperand:
-    """The operand of ``x`` (logical ``[N, C, H, W]`` float32, any strides): ``relu=True`` keeps
-    ``x > 0`` (values ``relu(x)``), ``relu=False`` keeps ``x != 0`` (NaN and inf included; for dY).
-    When ``x`` is channels-last contiguous and ``relu=False`` the values are ``x`` itself (no copy).
-    ``native=False`` forces the PyTorch fallback (masks then None)."""
+def union_dpbf16() -> bool:
+    """True when the bf16 union kernels run here (the union kernels' AVX-512 plus AVX512-BF16)."""
+    lib = _lib()
+    return lib is not None and bool(lib.sparsa_union_has_dpbf16())
+
+
+def union_operand(
+    x: Tensor, relu: bool = True, native: Optional[bool] = None, dtype: torch.dtype = torch.float32
+) -> UnionOperand:
+    """The operand of ``x`` (logical ``[N, C, H, W]`` of ``dtype``, float32 or bfloat16, any strides):
+    ``relu=True`` keeps ``x > 0`` (values ``relu(x)``), ``relu=False`` keeps ``x != 0`` (NaN and inf
+    included; for dY). When ``x`` is channels-last contiguous and ``relu=False`` the values are ``x`` itself
+    (no copy). ``native=False`` forces the PyTorch fallback (masks then None); bfloat16 runs natively where
+    :func:`union_dpbf16`."""
     if x.dim() != 4:
         raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be float32, got {x.dtype}; convert it with x.float()")
-    N, C, H, W = x.shape
+    if x.dtype != dtype:
+        raise ValueError(f"x must be {dtype}, got {x.dtype}; convert it with x.to({dtype})")
     lib = _lib() if native is not False and x.device.type == "cpu" else None
-    if lib is not None and lib.sparsa_union_supported():
+    if lib is not None and (union_dpbf16() if dtype == torch.bfloat16 else lib.sparsa_union_supported()):
         nhwc = x.permute(0, 2, 3, 1)
         view = not relu and nhwc.is_contiguous()  # dY read in place: the op writes only the mask
         values, mask, counts = _ops.union_compact(x, bool(relu), not view)

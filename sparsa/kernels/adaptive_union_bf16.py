@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from torch import Tensor
 
 from . import adaptive_union_ops as _ops
 from .adaptive import _cached_pack, _conv_args, _pick_ob, conv_backward, igrad_dy_geometry
-from .adaptive_union import UnionOperand, _check_group, _lib, _wgrad_reference, union_supported
+from .adaptive_union import UnionOperand, _check_group, _wgrad_reference, union_dpbf16, union_operand, union_supported
 from .geometry import ConvGeometry
 
 __all__ = [
@@ -56,35 +56,15 @@ __all__ = [
 BF16 = torch.bfloat16
 
 
-def union_dpbf16() -> bool:
-    """True when the bf16 union kernels run here (the union kernels' AVX-512 plus AVX512-BF16)."""
-    lib = _lib()
-    return lib is not None and bool(lib.sparsa_union_has_dpbf16())
-
-
 def union_supported_bf16(C: int, O: int) -> bool:
     """Whether the native bf16 kernels take a conv with ``C`` input and ``O`` output channels."""
     return union_dpbf16() and union_supported(C, O)
 
 
 def union_operand_bf16(x: Tensor, relu: bool = True, native: Optional[bool] = None) -> UnionOperand:
-    """The bf16 operand of ``x`` (logical ``[N, C, H, W]`` bfloat16, any strides), as
-    :func:`~sparsa.kernels.adaptive_union.union_operand` for float32: ``relu=True`` keeps ``x > 0``,
-    ``relu=False`` keeps ``x != 0`` and reads a channels-last ``x`` in place. ``native=False`` forces the
-    PyTorch fallback (masks then None)."""
-    if x.dim() != 4:
-        raise ValueError(f"x must be 4-D [N, C, H, W], got shape {tuple(x.shape)}")
-    if x.dtype != BF16:
-        raise ValueError(f"x must be bfloat16, got {x.dtype}; convert it with x.bfloat16()")
-    if native is not False and x.device.type == "cpu" and union_dpbf16():
-        nhwc = x.permute(0, 2, 3, 1)
-        view = not relu and nhwc.is_contiguous()
-        values, mask, counts = _ops.union_compact(x, bool(relu), not view)
-        nnz, u4 = counts.tolist()
-        return UnionOperand(nhwc if view else values, mask, nnz, u4)
-    keep = x > 0 if relu else x != 0
-    values = torch.where(keep, x, torch.zeros((), dtype=x.dtype)).permute(0, 2, 3, 1).contiguous()
-    return UnionOperand(values, None, int(keep.sum()))
+    """The bf16 operand of ``x`` (logical ``[N, C, H, W]`` bfloat16, any strides):
+    :func:`~sparsa.kernels.adaptive_union.union_operand` with ``dtype=torch.bfloat16``."""
+    return union_operand(x, relu, native, dtype=BF16)
 
 
 def widened(op: UnionOperand) -> UnionOperand:
@@ -116,17 +96,14 @@ def union_pair_packs(weight: Tensor, flipped: bool = True) -> PairPacks:
     already."""
     O, C = int(weight.shape[0]), int(weight.shape[1])
 
-    def paired(wr: Tensor, want_flipped: bool) -> Tuple[Tensor, Optional[Tensor]]:
-        wf, wfl = _ops.union_pack(wr, True, want_flipped)
-        return wf, (_ops.union_pair_pack(wfl, O, _pick_ob(C)) if want_flipped else None)
-
     def build(w: Tensor) -> PairPacks:
-        wf, wfl2 = paired(_rounded(w), flipped)
+        wf, wfl = _ops.union_pack(_rounded(w), True, flipped)
+        wfl2 = _ops.union_pair_pack(wfl, O, _pick_ob(C)) if flipped else None
         return PairPacks(wf, _ops.union_pair_pack(wf, C, _pick_ob(O)), wfl2)
 
     packs = _cached_pack(_PAIR_PACKS, weight, build)
-    if flipped and packs.wfl2 is None:
-        packs.wfl2 = paired(_rounded(weight), True)[1]
+    if flipped and packs.wfl2 is None:  # asked for later: the flipped pack alone
+        packs.wfl2 = _ops.union_pair_pack(_ops.union_pack(_rounded(weight), False, True)[1], O, _pick_ob(C))
     return packs
 
 
