@@ -154,8 +154,9 @@ def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
 @pytest.mark.parametrize("T", [2, 17, 32, 45, 100])
 @pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.75), (3000, 0.5)])
 def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
-    # two tokens or more take the AVX512-BF16 rows: slot pairs and a lone last slot, chunked weights
-    # (K = 3000 at 50%), panels of 32 tokens with a partial last one, GELU after a bias
+    # two tokens or more take the AVX512-BF16 rows: slot pairs and a lone last slot, a weight the AVX2 rows
+    # walk in K chunks (K = 3000 at 50%; the bf16 rows do not chunk), panels of 32 tokens with a partial
+    # last one, GELU after a bias
     for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
         monkeypatch.delenv(v, raising=False)
     if not se.has_dpbf16():
@@ -175,6 +176,91 @@ def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
     assert (g.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
     monkeypatch.setenv("SPARSA_ISA", "avx2")
     assert not se.has_dpbf16()
+
+
+@pytest.fixture
+def dp_rows(monkeypatch):
+    """The AVX512-BF16 rows in force (skips on CPUs without them)."""
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    if not se.has_dpbf16():
+        pytest.skip(f"this CPU has no avx512_bf16 (hardware_isa={cpu.hardware_isa()}): the bf16 rows do not run")
+
+
+def test_sliced_ell_dp_plan_pairs_each_rows_slots(dp_rows):
+    # rows of unequal length (padding slots), odd slot counts (a lone last slot pairs with the zero row),
+    # an odd R (the last slice's second row is padding)
+    gen = torch.Generator().manual_seed(3)
+    R, K = 7, 50
+    mask = torch.rand(R, K, generator=gen) < torch.linspace(0.05, 0.6, R).unsqueeze(1)
+    w = (torch.randn(R, K, generator=gen) * mask).to(BF)
+    e = SlicedELL.from_dense(w.float(), mask=mask)
+    vb = e.values.to(BF)
+    pair_ptr, pairs = se.dp_plan(se.native_library(), e.slice_ptr, e.columns, vb, K)
+    vbits = vb.view(torch.int16).int() & 0xFFFF
+    for s in range(e.slice_ptr.numel() - 1):
+        p0, L = int(e.slice_ptr[s]), int(e.slice_ptr[s + 1] - e.slice_ptr[s]) // 2
+        n = (L + 1) // 2
+        assert int(pair_ptr[s + 1] - pair_ptr[s]) == 2 * n
+        for i in range(2):
+            for j in range(n):
+                a, b, wp = (int(v) & 0xFFFFFFFF for v in pairs[int(pair_ptr[s]) + 2 * j + i])
+                e0 = p0 + 4 * j + i
+                assert a == int(e.columns[e0]) * 64 and wp & 0xFFFF == int(vbits[e0])
+                if 2 * j + 1 < L:
+                    assert b == int(e.columns[e0 + 2]) * 64 and wp >> 16 == int(vbits[e0 + 2])
+                else:  # the zero row, weight 0
+                    assert b == K * 64 and wp >> 16 == 0
+
+
+def test_sliced_ell_dp_plan_cached_and_rebuilt_after_in_place_update(dp_rows, monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    e, vb, wd = _se_weight(30, 90, 0.7, gen)
+    x = torch.randn(40, 90, generator=gen).to(BF)
+    built = []
+    orig = se.dp_plan
+
+    def spy(*a):
+        plan = orig(*a)
+        built.append(plan)
+        return plan
+
+    monkeypatch.setattr(se, "dp_plan", spy)
+    y1 = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 30)
+    y2 = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 30)
+    assert len(built) == 2 and built[0] is built[1], "the plan is built once per weight"
+    assert torch.equal(y1, y2)
+    _check(y1, x, wd, None)
+    with torch.no_grad():
+        vb.mul_(-2)  # an in-place update (an optimizer step) must not leave a stale plan
+    y3 = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 30)
+    assert built[2] is not built[0]
+    _check(y3, x, wd * -2, None)
+    assert not se.sliced_ell_linear_impl(x[:1], e.slice_ptr, e.columns, vb, None, 30).isnan().any()
+    assert len(built) == 3, "one token runs the one-token rows, without the plan"
+
+
+def test_sliced_ell_dp_plan_inference_tensors(dp_rows):
+    # inference tensors have no version counter: the plan is rebuilt per call, never stale
+    gen = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        e, vb, wd = _se_weight(12, 64, 0.6, gen)
+        x = torch.randn(5, 64, generator=gen).to(BF)
+        _check(se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 12), x, wd, None)
+        vb.mul_(-2)  # exact in bf16
+        _check(se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 12), x, wd * -2, None)
+
+
+def test_sliced_ell_dp_rows_do_not_depend_on_the_batch(dp_rows):
+    # each (row, token) sums its pairs in one fixed order: a token's output is bit-identical whether it is
+    # multiplied alone with one other token or in a batch of 100
+    gen = torch.Generator().manual_seed(8)
+    e, vb, _ = _se_weight(45, 300, 0.75, gen)
+    x = torch.randn(100, 300, generator=gen).to(BF)
+    full = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 45)
+    for i in (0, 33, 99):
+        two = se.sliced_ell_linear_impl(x[[i, (i + 1) % 100]], e.slice_ptr, e.columns, vb, None, 45)
+        assert torch.equal(two[0], full[i])
 
 
 def _no_reference(*a, **k):

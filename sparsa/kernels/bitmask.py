@@ -130,7 +130,8 @@ def _stream_path() -> int:
 
 
 def _bf16_gemm_hardware() -> bool:
-    flags = cpu.cpu_info()["flags"]
+    # cpu_flags, not cpu_info: cpu_info asks torch for its build config (~0.2 ms), on every prefill linear
+    flags = cpu.cpu_flags()
     return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
 
 

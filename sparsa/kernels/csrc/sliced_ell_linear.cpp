@@ -315,24 +315,58 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
     }
 }
 
+// A plan for the bf16 dot-product rows (built once per weight, sparsa_sliced_ell_dp_plan): each row's
+// slots in order, two to a pair, as {byte offset of the first slot's panel row, of the second's, the bf16
+// weight pair (first slot in the low half)}. The offsets are column * 64 (a panel row is 32 bf16 tokens);
+// an odd last slot pairs with the panel's zero row (column K) and weight 0. Both rows of a slice have
+// the same number of pairs; slice s holds pairs [pair_ptr[s], pair_ptr[s + 1]), those of its two rows
+// interleaved (pair j of row i at pair_ptr[s] + 2 j + i), so the kernel reads one sequential stream. Twelve
+// bytes a pair: about the bytes of the slots themselves (a 4-byte column and a 2-byte value each).
+struct DpPair {
+    uint32_t a, b, w;
+};
+static_assert(sizeof(DpPair) == 12, "three 32-bit words per pair");
+
+// fills pair_ptr [ns + 1]; pairs null: only pair_ptr (to size the pairs)
+void dp_plan(const int64_t* __restrict sptr, const int32_t* __restrict cols, const uint16_t* __restrict vals,
+             int64_t ns, int64_t K, int64_t* __restrict pair_ptr, DpPair* __restrict pairs) {
+    const uint32_t zero_row = (uint32_t)(K * 64);
+    pair_ptr[0] = 0;
+    for (int64_t s = 0; s < ns; ++s) {
+        const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2, n = (L + 1) / 2;
+        pair_ptr[s + 1] = pair_ptr[s] + 2 * n;
+        if (!pairs) continue;
+        DpPair* q = pairs + pair_ptr[s];
+        for (int64_t j = 0; j < n; ++j)
+            for (int i = 0; i < 2; ++i) {
+                const int64_t e = p0 + 4 * j + i;  // slot 2 j of row i; slot 2 j + 1 at e + 2
+                const bool two = 2 * j + 1 < L;
+                q[2 * j + i].a = (uint32_t)cols[e] * 64u;
+                q[2 * j + i].b = two ? (uint32_t)cols[e + 2] * 64u : zero_row;
+                q[2 * j + i].w = (uint32_t)vals[e] | (two ? (uint32_t)vals[e + 2] << 16 : 0u);
+            }
+    }
+}
+
 #if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_HAVE_DPBF16_PATH 1
 // bf16 dot-product rows (CPUs with AVX512-BF16, bf16 X, values and Y, two tokens or more): a panel of 32
 // tokens stays in bf16, column-major, xt[c][32], half the bytes of the fp32 panel the AVX2 path reads per
-// weight (these rows are bound by reading it). Each row takes its slots two at a time: the word unpacks
-// of two panel rows give the bf16 pairs (x[t][c0], x[t][c1]) of 16 tokens each, and one VDPBF16PS per
-// 16 tokens multiplies them with the broadcast weight pair (w0, w1). Tokens are stored in the order that
-// makes the unpacks come out as tokens 0-15 and 16-31 (see pack). A lone last slot pairs with zero.
-// Rows sum their slots in pairs, so rounding differs slightly from the AVX2 path.
+// weight. A row takes its plan's pairs: the word unpacks of the two panel rows give the bf16 pairs
+// (x[t][c0], x[t][c1]) of 16 tokens each, and one VDPBF16PS per 16 tokens multiplies them with the
+// broadcast weight pair. Tokens are stored in the order that makes the unpacks come out as tokens 0-15 and
+// 16-31 (see pack). Rows sum their slots in pairs, so rounding differs slightly from the AVX2 path.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
 namespace dp {
 
 constexpr int TB = 32;
 
-// xt[c * 32 + pos(t)] = x[t][c] (row stride K) for t < nt, zero for the other tokens; pos puts tokens
-// 4L..4L+3 at words 8L..8L+3 of 128-bit lane L and tokens 16+4L..16+4L+3 at words 8L+4..8L+7
+// xt[c * 32 + pos(t)] = x[t][c] (row stride K) for t < nt, zero for the other tokens and for the zero row
+// c = K; pos puts tokens 4L..4L+3 at words 8L..8L+3 of 128-bit lane L and tokens 16+4L..16+4L+3 at words
+// 8L+4..8L+7
 void pack(const uint16_t* __restrict x, int64_t K, int nt, uint16_t* __restrict xt) {
+    std::memset(xt + K * TB, 0, sizeof(uint16_t) * TB);
     if (nt < TB) std::memset(xt, 0, sizeof(uint16_t) * (size_t)(K * TB));
     for (int t = 0; t < nt; ++t) {
         const int pos = ((t & 15) >> 2) * 8 + (t >> 4) * 4 + (t & 3);
@@ -342,79 +376,46 @@ void pack(const uint16_t* __restrict x, int64_t K, int nt, uint16_t* __restrict 
     }
 }
 
-inline __m512 dot(__m512 acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-inline __m512i wpair(uint16_t w0, uint16_t w1) { return _mm512_set1_epi32((int)((uint32_t)w0 | (uint32_t)w1 << 16)); }
-inline __m512i row_of(const uint16_t* xt, int32_t c) { return _mm512_loadu_si512(xt + (int64_t)c * TB); }
-
-// acc[0] (tokens 0-15), acc[1] (16-31) += pairs of columns (a, b) times the weight pair wp
-inline void step(__m512 acc[2], __m512i a, __m512i b, __m512i wp) {
-    acc[0] = dot(acc[0], _mm512_unpacklo_epi16(a, b), wp);
-    acc[1] = dot(acc[1], _mm512_unpackhi_epi16(a, b), wp);
+// lo (tokens 0-15), hi (16-31) += one plan pair (xt: the panel's bytes)
+inline void pair_step(const char* __restrict xt, const DpPair& p, __m512& lo, __m512& hi) {
+    const __m512i a = _mm512_loadu_si512(xt + p.a), b = _mm512_loadu_si512(xt + p.b);
+    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p.w);
+    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), w);
+    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), w);
 }
 
-// one row's slots [j, e) into acc (slot q: column c[2 q], value w[2 q]; c and w start at the row)
-inline void row_slots(const uint16_t* __restrict xt, const int32_t* __restrict c, const uint16_t* __restrict w,
-                      int64_t j, int64_t e, __m512 acc[2]) {
-    for (; j + 2 <= e; j += 2) step(acc, row_of(xt, c[2 * j]), row_of(xt, c[2 * j + 2]), wpair(w[2 * j], w[2 * j + 2]));
-    if (j < e) step(acc, row_of(xt, c[2 * j]), _mm512_setzero_si512(), wpair(w[2 * j], 0));
-}
-
-// panel_rows for bf16 on the dot-product path (see panel_rows for the blocking and chunks)
-void panel_rows(const uint16_t* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
-                const uint16_t* __restrict vals, const int32_t* __restrict bounds, int64_t nch, int64_t s0,
-                int64_t s1, int64_t R, const float* __restrict bias, uint16_t* __restrict y, bool act) {
+// slices [s0, s1) of one panel of nt tokens, from the plan (blocks of SBLOCK slices as in panel_rows). A
+// row's even pairs and odd pairs go to two sums, added at the end: a VDPBF16PS waits for the one before it
+// on its accumulator, and the two rows times two sums times two token halves keep eight of them in flight.
+void panel_rows(const uint16_t* __restrict xt16, int nt, const int64_t* __restrict pair_ptr,
+                const DpPair* __restrict pairs, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
+                uint16_t* __restrict y, bool act) {
+    const char* xt = reinterpret_cast<const char*>(xt16);
     alignas(64) float part[SBLOCK][2][TB];
-    // the two rows' weight pairs from one 64-bit broadcast of slots j and j+1 (r0 j, r1 j, r0 j+1, r1 j+1)
-    const __m512i row0 = _mm512_set1_epi32(0x05040100), row1 = _mm512_set1_epi32(0x07060302);
     for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
         const int64_t se = std::min(s1, sb + SBLOCK);
-        if (nch == 1) {  // both rows walk their padded slot lists in step
-            for (int64_t s = sb; s < se; ++s) {
-                const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-                const int32_t* c = cols + p0;
-                const uint16_t* w = vals + p0;
-                __m512 a0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-                __m512 a1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-                int64_t j = 0;
-                for (; j + 2 <= L; j += 2) {
-                    int64_t q;
-                    std::memcpy(&q, w + 2 * j, 8);
-                    const __m512i wq = _mm512_set1_epi64(q);
-                    step(a0, row_of(xt, c[2 * j]), row_of(xt, c[2 * j + 2]), _mm512_shuffle_epi8(wq, row0));
-                    step(a1, row_of(xt, c[2 * j + 1]), row_of(xt, c[2 * j + 3]), _mm512_shuffle_epi8(wq, row1));
-                }
-                if (j < L) {
-                    row_slots(xt, c, w, j, L, a0);
-                    row_slots(xt, c + 1, w + 1, j, L, a1);
-                }
-                for (int v = 0; v < 2; ++v) {
-                    _mm512_store_ps(part[s - sb][0] + 16 * v, a0[v]);
-                    _mm512_store_ps(part[s - sb][1] + 16 * v, a1[v]);
-                }
+        for (int64_t s = sb; s < se; ++s) {
+            const DpPair* q = pairs + pair_ptr[s];
+            const int64_t n = (pair_ptr[s + 1] - pair_ptr[s]) / 2;
+            __m512 e0l = _mm512_setzero_ps(), e0h = e0l, e1l = e0l, e1h = e0l;  // even pairs, rows 0 and 1
+            __m512 o0l = e0l, o0h = e0l, o1l = e0l, o1h = e0l;                  // odd pairs
+            int64_t j = 0;
+            for (; j + 2 <= n; j += 2, q += 4) {
+                pair_step(xt, q[0], e0l, e0h);
+                pair_step(xt, q[1], e1l, e1h);
+                pair_step(xt, q[2], o0l, o0h);
+                pair_step(xt, q[3], o1l, o1h);
             }
-        } else {
-            int64_t pos[SBLOCK][2];  // each row's next slot: chunk k takes [pos, its bound), the last the rest
-            for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
-            for (int64_t k = 0; k < nch; ++k) {
-                for (int64_t s = sb; s < se; ++s) {
-                    const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-                    int64_t st[2], en[2];
-                    chunk_slots(bounds, s, nch, k, L, pos[s - sb], st, en);
-                    float* q0 = part[s - sb][0];
-                    float* q1 = part[s - sb][1];
-                    __m512 a0[2], a1[2];
-                    for (int v = 0; v < 2; ++v) {
-                        a0[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q0 + 16 * v);
-                        a1[v] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(q1 + 16 * v);
-                    }
-                    row_slots(xt, cols + p0, vals + p0, st[0], en[0], a0);
-                    row_slots(xt, cols + p0 + 1, vals + p0 + 1, st[1], en[1], a1);
-                    for (int v = 0; v < 2; ++v) {
-                        _mm512_store_ps(q0 + 16 * v, a0[v]);
-                        _mm512_store_ps(q1 + 16 * v, a1[v]);
-                    }
-                }
+            if (j < n) {
+                pair_step(xt, q[0], e0l, e0h);
+                pair_step(xt, q[1], e1l, e1h);
             }
+            float* r0 = part[s - sb][0];
+            float* r1 = part[s - sb][1];
+            _mm512_store_ps(r0, _mm512_add_ps(e0l, o0l));
+            _mm512_store_ps(r0 + 16, _mm512_add_ps(e0h, o0h));
+            _mm512_store_ps(r1, _mm512_add_ps(e1l, o1l));
+            _mm512_store_ps(r1 + 16, _mm512_add_ps(e1h, o1h));
         }
         const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
         store_block(&part[0][0][0], TB, nt, r0, nr, R, bias, y, act);
@@ -498,9 +499,16 @@ template <typename WT, typename YT>
 using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, const int32_t*, int64_t,
                          int64_t, int64_t, int64_t, const float*, YT*, bool);
 
+// the bf16 dot-product rows' plan for one weight (see DpPair); pairs null: none given
+struct DpPlan {
+    const int64_t* pair_ptr = nullptr;
+    const DpPair* pairs = nullptr;
+};
+
 template <typename XT, typename WT, typename YT>
 void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int32_t* cols, const WT* vals,
-         const int32_t* bounds, int64_t nch, int64_t R, const float* bias, YT* y, int nthreads, bool act) {
+         const int32_t* bounds, int64_t nch, int64_t R, const float* bias, YT* y, int nthreads, bool act,
+         const DpPlan& plan = DpPlan()) {
     if (T == 1) return run_one_token(x, slice_ptr, cols, vals, R, bias, y, nthreads, act);
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
@@ -512,7 +520,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 #ifdef SPARSA_HAVE_DPBF16_PATH
     constexpr bool all_bf16 = std::is_same<XT, uint16_t>::value && std::is_same<WT, uint16_t>::value &&
                               std::is_same<YT, uint16_t>::value;
-    if constexpr (all_bf16) dp_rows = use_dpbf16();
+    if constexpr (all_bf16) dp_rows = plan.pairs && use_dpbf16();
 #endif
 
     auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(TBMAX, T - p * TBMAX); };
@@ -528,8 +536,8 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 #ifdef SPARSA_HAVE_DPBF16_PATH
         if constexpr (all_bf16) {
             if (dp_rows) {
-                dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R,
-                               bias, y + p * TBMAX * R, act);
+                dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, plan.pair_ptr, plan.pairs, s0, s1, R, bias,
+                               y + p * TBMAX * R, act);
                 return;
             }
         }
@@ -541,6 +549,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 #ifdef SPARSA_HAVE_DPBF16_PATH
         if constexpr (all_bf16) {
             if (dp_rows) {  // the float buffer holds the (smaller) bf16 panel
+                // K + 1 rows (the zero row last) of 32 bf16 fit in the K rows of 32 floats
                 static_assert(dp::TB == TBMAX, "a bf16 panel fits the float panel's buffer");
                 dp::pack(reinterpret_cast<const uint16_t*>(x + p * TBMAX * K), K, nt, reinterpret_cast<uint16_t*>(xt));
                 return;
@@ -589,7 +598,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 7; }
+int sparsa_sliced_ell_version() { return 8; }
 
 // 1 when bf16 calls with two tokens or more run the AVX512-BF16 dot-product rows on this CPU
 int sparsa_sliced_ell_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
@@ -606,6 +615,15 @@ int sparsa_sliced_ell_chunk_bounds(const int64_t* slice_ptr, const int32_t* cols
     return 0;
 }
 
+// The bf16 dot-product plan of a weight (see DpPair): pair_ptr int64 [ns + 1]; pairs uint32 [pair_ptr[ns], 3],
+// or null to fill pair_ptr only (to size pairs). vals: bf16 bits. K < 2^26 (byte offsets in 32 bits).
+int sparsa_sliced_ell_dp_plan(const int64_t* slice_ptr, const int32_t* cols, const uint16_t* vals, int64_t ns,
+                              int64_t K, int64_t* pair_ptr, void* pairs) {
+    if (K >= (int64_t(1) << 26)) return -1;
+    dp_plan(slice_ptr, cols, vals, ns, K, pair_ptr, static_cast<DpPair*>(pairs));
+    return 0;
+}
+
 // x: [T, K]; slice_ptr: [ceil(R/2) + 1]; cols, vals: [slice_ptr[last]]; bounds: null (no chunks) or
 // [ceil(R/2), nch - 1, 2] from sparsa_sliced_ell_chunk_bounds (any values are safe: they are clamped, and only
 // the speed depends on them); bias: [R] or null; y: [T, R]; act: 0 none, 1 GELU (erf form) after the bias.
@@ -618,12 +636,18 @@ int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int
 
 // The same with bf16 (raw uint16 bits) x, vals and y; fp32 accumulation, y rounded to bf16 once (nearest
 // even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
+// dp_pair_ptr, dp_pairs: the weight's dot-product plan (sparsa_sliced_ell_dp_plan), which the AVX512-BF16 rows
+// read instead of cols / vals; dp_pairs null: the widening rows run.
 int sparsa_sliced_ell_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int64_t* slice_ptr,
                                   const int32_t* cols, const uint16_t* vals, const int32_t* bounds, int64_t nch,
-                                  int64_t R, const void* bias, int bias_bf16, uint16_t* y, int nthreads, int act) {
+                                  int64_t R, const void* bias, int bias_bf16, uint16_t* y, int nthreads, int act,
+                                  const int64_t* dp_pair_ptr, const void* dp_pairs) {
     std::vector<float> b32;
     const float* b = sparsa_bias_f32(bias, bias_bf16, R, b32);
-    run(x, T, K, slice_ptr, cols, vals, bounds, nch, R, b, y, nthreads, act == 1);
+    DpPlan plan;
+    plan.pair_ptr = dp_pair_ptr;
+    plan.pairs = static_cast<const DpPair*>(dp_pairs);
+    run(x, T, K, slice_ptr, cols, vals, bounds, nch, R, b, y, nthreads, act == 1, plan);
     return 0;
 }
 
