@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -64,6 +65,14 @@ def _run(tree: Path, script: str, args: List[str], out: Path, script_tree: Optio
     if not written:
         raise SystemExit(f"ab_commits: {script} in {tree} wrote no JSON under $SPARSA_RESULTS_DIR")
     return json.loads(written[-1].read_text())
+
+
+def _copy_benchmarks(src: Path, dst: Path) -> None:
+    """The new side's benchmark scripts and helpers into the old side's (temporary) checkout: a benchmark
+    puts its own checkout's root first on ``sys.path``, so run from the new tree it would import the new
+    ``sparsa`` on both sides, whatever ``PYTHONPATH`` says."""
+    for f in (src / "benchmarks").glob("*.py"):
+        shutil.copy2(f, dst / "benchmarks" / f.name)
 
 
 def _check_import(tree: Path) -> None:
@@ -188,7 +197,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         trees = {"old": _checkout(a.old, tmp_path / "old")}
         trees["new"] = _checkout(a.new, tmp_path / "new") if a.new else ROOT
         try:
-            script_trees = {side: trees["new"] if a.script_from == "new" else tree for side, tree in trees.items()}
+            if a.script_from == "new":
+                _copy_benchmarks(trees["new"], trees["old"])
+            script_trees = dict(trees)
             for side, tree in trees.items():
                 if not (script_trees[side] / "benchmarks" / script).exists():
                     hint = "" if a.script_from == "new" else " (--script-from new runs the new side's copy on both)"

@@ -145,3 +145,25 @@ def test_script_from_new_times_the_old_code_with_a_benchmark_it_lacks(repo):
     (row,) = res["rows"]
     assert res["script_from"] == "new"
     assert row["old"] == pytest.approx(2.0, abs=1e-2) and row["new"] == pytest.approx(1.0, abs=1e-2)
+
+
+FAKE_ON_CODE_OWN_ROOT = """import sys, pathlib
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # as the real benchmarks do
+""" + FAKE_ON_CODE
+
+
+def test_script_from_new_imports_the_old_code_although_the_script_puts_its_root_first(repo):
+    # the real benchmarks put their checkout's root first on sys.path; run from the new tree, both sides
+    # imported the new sparsa and the comparison read 1.0x
+    root, _ = repo
+    (root / "sparsa" / "speed.txt").write_text("2.0")
+    _git(root, "add", "-A")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code at 2 ms")
+    old = _git(root, "rev-parse", "HEAD")
+    (root / "sparsa" / "speed.txt").write_text("1.0")
+    (root / "benchmarks" / "on_code.py").write_text(FAKE_ON_CODE_OWN_ROOT)
+    out = root / "ab.json"
+    p = _ab(root, old, "--rounds", "1", "--script-from", "new", "--out", str(out), "--", "on_code.py")
+    assert p.returncode == 0, p.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["old"] == pytest.approx(2.0, abs=1e-2) and row["new"] == pytest.approx(1.0, abs=1e-2)
