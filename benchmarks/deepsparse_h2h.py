@@ -404,9 +404,10 @@ def run(a: argparse.Namespace) -> int:
                 sm = _sparsa_model(pruned, masks, layout)
                 models[f"sparsa_{layout}_fp32"] = (sm, "fp32")
                 fused = copy.deepcopy(sm)
+                models[f"sparsa_{layout}_bf16"] = (copy.deepcopy(sm).to(torch.bfloat16), "bf16")
                 if sparsa.fuse_gelu(fused):  # GELU in the kernel's epilogue, where the layout has one
                     models[f"sparsa_{layout}_gelu_fused_fp32"] = (fused, "fp32")
-                models[f"sparsa_{layout}_bf16"] = (copy.deepcopy(sm).to(torch.bfloat16), "bf16")
+                    models[f"sparsa_{layout}_gelu_fused_bf16"] = (copy.deepcopy(fused).to(torch.bfloat16), "bf16")
             onnx_path = ds.export(pruned, sp)
             if onnx_path is not None and ds.status["onnx_zero_weights"][str(sp)] < zeros:
                 ds._fail(
