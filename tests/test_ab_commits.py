@@ -147,9 +147,12 @@ def test_script_from_new_times_the_old_code_with_a_benchmark_it_lacks(repo):
     assert row["old"] == pytest.approx(2.0, abs=1e-2) and row["new"] == pytest.approx(1.0, abs=1e-2)
 
 
-FAKE_ON_CODE_OWN_ROOT = """import sys, pathlib
+FAKE_ON_CODE_OWN_ROOT = (
+    """import sys, pathlib
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # as the real benchmarks do
-""" + FAKE_ON_CODE
+"""
+    + FAKE_ON_CODE
+)
 
 
 def test_script_from_new_imports_the_old_code_although_the_script_puts_its_root_first(repo):
