@@ -152,11 +152,11 @@ def test_sliced_ell_bf16_native_path_is_taken(monkeypatch):
 
 
 @pytest.mark.parametrize("T", [2, 17, 32, 45, 100])
-@pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.75), (3000, 0.5)])
+@pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.75), (3000, 0.5), (2100, 0.85)])
 def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
-    # two tokens or more take the AVX512-BF16 rows: slot pairs and a lone last slot, a weight the AVX2 rows
-    # walk in K chunks (K = 3000 at 50%; the bf16 rows do not chunk), panels of 32 tokens with a partial
-    # last one, GELU after a bias
+    # two tokens or more take the AVX512-BF16 rows: slot pairs and a lone last slot, weights walked in
+    # column chunks (K = 3000 at 50%, 2100 at 85%) or not, panels of 32 tokens with a partial last one,
+    # GELU after a bias
     for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
         monkeypatch.delenv(v, raising=False)
     if not se.has_dpbf16():
@@ -187,30 +187,51 @@ def dp_rows(monkeypatch):
         pytest.skip(f"this CPU has no avx512_bf16 (hardware_isa={cpu.hardware_isa()}): the bf16 rows do not run")
 
 
-def test_sliced_ell_dp_plan_pairs_each_rows_slots(dp_rows):
-    # rows of unequal length (padding slots), odd slot counts (a lone last slot pairs with the zero row),
-    # an odd R (the last slice's second row is padding)
-    gen = torch.Generator().manual_seed(3)
-    R, K = 7, 50
-    mask = torch.rand(R, K, generator=gen) < torch.linspace(0.05, 0.6, R).unsqueeze(1)
+def _plan_rows(e, vb, K):
+    """Per (chunk, slice, row): the plan's pairs decoded to (column, value bits) slots, zero row dropped."""
+    chunk_ptr, pairs, nch = se.dp_plan(se.native_library(), e.slice_ptr, e.columns, vb, K)
+    ns = e.slice_ptr.numel() - 1
+    assert chunk_ptr.numel() == nch * (ns + 1)
+    out = {}
+    for k in range(nch):
+        for s in range(ns):
+            lo, hi = int(chunk_ptr[k * (ns + 1) + s]), int(chunk_ptr[k * (ns + 1) + s + 1])
+            assert (hi - lo) % 2 == 0, "both rows of a slice have the same number of pairs"
+            for i in range(2):
+                got = []
+                for a, b, wp in (tuple(int(v) & 0xFFFFFFFF for v in pairs[q]) for q in range(lo + i, hi, 2)):
+                    for off, bits in ((a, wp & 0xFFFF), (b, wp >> 16)):
+                        if off == K * 64:
+                            assert bits == 0, "the zero row carries weight 0"
+                        else:
+                            got.append((off // 64, bits))
+                out[k, s, i] = got
+    return out, nch
+
+
+@pytest.mark.parametrize("K,sparsity,chunked", [(50, None, False), (700, 0.7, False), (700, 0.5, True), (2100, 0.8, True)])
+def test_sliced_ell_dp_plan_pairs_each_rows_slots(dp_rows, K, sparsity, chunked):
+    # every slot of every row exactly once, in slot order, in the chunk of its column (512 columns, on wide
+    # or dense enough weights); rows of unequal length (padding slots), odd counts (the zero row), odd R
+    gen = torch.Generator().manual_seed(K)
+    R = 7
+    if sparsity is None:
+        mask = torch.rand(R, K, generator=gen) < torch.linspace(0.05, 0.6, R).unsqueeze(1)
+    else:
+        mask = torch.rand(R, K, generator=gen) >= sparsity
     w = (torch.randn(R, K, generator=gen) * mask).to(BF)
     e = SlicedELL.from_dense(w.float(), mask=mask)
     vb = e.values.to(BF)
-    pair_ptr, pairs = se.dp_plan(se.native_library(), e.slice_ptr, e.columns, vb, K)
+    got, nch = _plan_rows(e, vb, K)
+    assert (nch > 1) == chunked
     vbits = vb.view(torch.int16).int() & 0xFFFF
     for s in range(e.slice_ptr.numel() - 1):
         p0, L = int(e.slice_ptr[s]), int(e.slice_ptr[s + 1] - e.slice_ptr[s]) // 2
-        n = (L + 1) // 2
-        assert int(pair_ptr[s + 1] - pair_ptr[s]) == 2 * n
         for i in range(2):
-            for j in range(n):
-                a, b, wp = (int(v) & 0xFFFFFFFF for v in pairs[int(pair_ptr[s]) + 2 * j + i])
-                e0 = p0 + 4 * j + i
-                assert a == int(e.columns[e0]) * 64 and wp & 0xFFFF == int(vbits[e0])
-                if 2 * j + 1 < L:
-                    assert b == int(e.columns[e0 + 2]) * 64 and wp >> 16 == int(vbits[e0 + 2])
-                else:  # the zero row, weight 0
-                    assert b == K * 64 and wp >> 16 == 0
+            slots = [(int(e.columns[p0 + 2 * j + i]), int(vbits[p0 + 2 * j + i])) for j in range(L)]
+            for k in range(nch):
+                want = [c for c in slots if nch == 1 or min(c[0] // 512, nch - 1) == k]
+                assert got[k, s, i] == want
 
 
 def test_sliced_ell_dp_plan_cached_and_rebuilt_after_in_place_update(dp_rows, monkeypatch):

@@ -298,9 +298,12 @@ _SLICED_ELL = {
     "sparsa_sliced_ell_chunk_bounds": sig(INT, slice_ptr=PTR, cols=PTR, ns=I64, nch=I64, bounds=PTR),
     "sparsa_sliced_ell_linear_f32": sig(INT, **_SE_LINEAR, y=PTR, nthreads=INT, act=INT),
     "sparsa_sliced_ell_linear_bf16": sig(
-        INT, **_SE_LINEAR, bias_bf16=INT, y=PTR, nthreads=INT, act=INT, dp_pair_ptr=PTR, dp_pairs=PTR
+        INT, **_SE_LINEAR, bias_bf16=INT, y=PTR, nthreads=INT, act=INT, dp_chunk_ptr=PTR, dp_pairs=PTR, dp_nch=I64
     ),
-    "sparsa_sliced_ell_dp_plan": sig(INT, slice_ptr=PTR, cols=PTR, vals=PTR, ns=I64, K=I64, pair_ptr=PTR, pairs=PTR),
+    "sparsa_sliced_ell_dp_chunks": sig(I64, slice_ptr=PTR, ns=I64, K=I64),
+    "sparsa_sliced_ell_dp_plan": sig(
+        INT, slice_ptr=PTR, cols=PTR, vals=PTR, ns=I64, K=I64, nch=I64, chunk_ptr=PTR, pairs=PTR
+    ),
 }
 
 _PROBE = {

@@ -133,7 +133,7 @@ def chunk_bounds(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, in_featur
     return bounds
 
 
-#: the bf16 dot-product plan per ``values`` tensor: (validity key, (pair_ptr, pairs))
+#: the bf16 dot-product plan per ``values`` tensor: (validity key, (chunk_ptr, pairs, n_chunks))
 _DP_PLANS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
 #: widest input the plan's 32-bit byte offsets (column * 64) can address
 _DP_MAX_K = (1 << 26) - 1
@@ -148,9 +148,10 @@ def _versions(*ts: Tensor) -> Optional[tuple]:
 
 
 def dp_plan(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, values: Tensor, in_features: int) -> Optional[tuple]:
-    """``(pair_ptr, pairs)``: the bf16 dot-product rows' plan of a weight (``DpPair`` in the kernel source),
-    each row's slots paired as the byte offsets of their two activation-panel rows and the weight pair, 12
-    bytes a pair (about the bytes of the slots themselves). None when ``in_features`` is too wide for it.
+    """``(chunk_ptr, pairs, n_chunks)``: the bf16 dot-product rows' plan of a weight (``DpPair`` in the kernel
+    source): each row's slots paired, within chunks of input columns on wide or dense enough weights, as the
+    byte offsets of their two activation-panel rows and the weight pair, 12 bytes a pair (about the bytes of
+    the slots themselves). None when ``in_features`` is too wide for it.
 
     Built once per weight and cached while ``slice_ptr``, ``columns`` and ``values`` are unchanged: their
     versions are part of the key, so an in-place update rebuilds it. Inference tensors, which have no version
@@ -164,13 +165,13 @@ def dp_plan(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, values: Tensor
         return hit[1]
     sp, c, v = slice_ptr.contiguous(), columns.contiguous(), values.contiguous()
     ns = sp.numel() - 1
-    pair_ptr = torch.empty(ns + 1, dtype=torch.int64)
-    lib.sparsa_sliced_ell_dp_plan(sp.data_ptr(), c.data_ptr(), v.data_ptr(), ns, in_features, pair_ptr.data_ptr(), None)
-    pairs = torch.empty(int(pair_ptr[-1]), 3, dtype=torch.int32)
-    lib.sparsa_sliced_ell_dp_plan(
-        sp.data_ptr(), c.data_ptr(), v.data_ptr(), ns, in_features, pair_ptr.data_ptr(), pairs.data_ptr()
-    )
-    plan = (pair_ptr, pairs)
+    nch = int(lib.sparsa_sliced_ell_dp_chunks(sp.data_ptr(), ns, in_features))
+    chunk_ptr = torch.empty(nch * (ns + 1), dtype=torch.int64)
+    args = (sp.data_ptr(), c.data_ptr(), v.data_ptr(), ns, in_features, nch, chunk_ptr.data_ptr())
+    lib.sparsa_sliced_ell_dp_plan(*args, None)
+    pairs = torch.empty(int(chunk_ptr[-1]), 3, dtype=torch.int32)
+    lib.sparsa_sliced_ell_dp_plan(*args, pairs.data_ptr())
+    plan = (chunk_ptr, pairs, nch)
     if key is not None:
         _DP_PLANS[values] = (key, plan)
     return plan
@@ -200,7 +201,7 @@ def _native_forward(
         bnd, nch = (None, 1) if bounds is None else (bounds.data_ptr(), bounds.shape[1] + 1)
         if kind == "bf16":
             plan = dp_plan(lib, slice_ptr, columns, values, K) if T > 1 and has_dpbf16() else None
-            pair_ptr, pairs = (None, None) if plan is None else plan
+            chunk_ptr, pairs, plan_nch = (None, None, 1) if plan is None else plan
             lib.sparsa_sliced_ell_linear_bf16(
                 x2.data_ptr(),
                 T,
@@ -216,8 +217,9 @@ def _native_forward(
                 y.data_ptr(),
                 torch.get_num_threads(),
                 act,
-                None if pair_ptr is None else pair_ptr.data_ptr(),
+                None if chunk_ptr is None else chunk_ptr.data_ptr(),
                 None if pairs is None else pairs.data_ptr(),
+                plan_nch,
             )
         else:
             lib.sparsa_sliced_ell_linear_f32(

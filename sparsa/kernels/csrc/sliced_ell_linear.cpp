@@ -317,34 +317,58 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
 
 // A plan for the bf16 dot-product rows (built once per weight, sparsa_sliced_ell_dp_plan): each row's
 // slots in order, two to a pair, as {byte offset of the first slot's panel row, of the second's, the bf16
-// weight pair (first slot in the low half)}. The offsets are column * 64 (a panel row is 32 bf16 tokens);
-// an odd last slot pairs with the panel's zero row (column K) and weight 0. Both rows of a slice have
-// the same number of pairs; slice s holds pairs [pair_ptr[s], pair_ptr[s + 1]), those of its two rows
-// interleaved (pair j of row i at pair_ptr[s] + 2 j + i), so the kernel reads one sequential stream. Twelve
-// bytes a pair: about the bytes of the slots themselves (a 4-byte column and a 2-byte value each).
+// weight pair (first slot in the low half)}. The offsets are column * 64 (a panel row is 32 bf16 tokens).
+// With nch > 1 chunks of DP_CHUNK input columns, a row's slots are paired within each chunk (slot order
+// kept), so the kernel walks one chunk of the panel for a block of rows while it stays in L1. In chunk k,
+// slice s holds pairs [chunk_ptr[k (ns + 1) + s], chunk_ptr[k (ns + 1) + s + 1]), its two rows interleaved
+// (pair j of row i at the start + 2 j + i) and padded to the same count: an odd last slot pairs with the
+// panel's zero row (column K) and weight 0, a missing pair is zero row twice. Twelve bytes a pair: about
+// the bytes of the slots themselves (a 4-byte column and a 2-byte value each).
 struct DpPair {
     uint32_t a, b, w;
 };
 static_assert(sizeof(DpPair) == 12, "three 32-bit words per pair");
 
-// fills pair_ptr [ns + 1]; pairs null: only pair_ptr (to size the pairs)
+constexpr int64_t DP_CHUNK = 512;  // 32 KiB of the panel
+
+// Chunks pay when the whole panel falls out of L1 often enough to outweigh the per-chunk reload of each
+// row's sums: wide layers, or dense enough ones (figures in docs/benchmarks.md).
+int64_t dp_chunks(const int64_t* sptr, int64_t ns, int64_t K) {
+    const double density = ns > 0 && K > 0 ? (double)sptr[ns] / (2.0 * (double)ns * (double)K) : 0.0;
+    const bool chunk = K >= 2048 || (K > DP_CHUNK && density >= 0.4);
+    return chunk ? (K + DP_CHUNK - 1) / DP_CHUNK : 1;
+}
+
+// fills chunk_ptr [nch (ns + 1)]; pairs null: only chunk_ptr (to size the pairs)
 void dp_plan(const int64_t* __restrict sptr, const int32_t* __restrict cols, const uint16_t* __restrict vals,
-             int64_t ns, int64_t K, int64_t* __restrict pair_ptr, DpPair* __restrict pairs) {
+             int64_t ns, int64_t K, int64_t nch, int64_t* __restrict chunk_ptr, DpPair* __restrict pairs) {
     const uint32_t zero_row = (uint32_t)(K * 64);
-    pair_ptr[0] = 0;
-    for (int64_t s = 0; s < ns; ++s) {
-        const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2, n = (L + 1) / 2;
-        pair_ptr[s + 1] = pair_ptr[s] + 2 * n;
-        if (!pairs) continue;
-        DpPair* q = pairs + pair_ptr[s];
-        for (int64_t j = 0; j < n; ++j)
+    auto chunk_of = [&](int32_t c) { return std::min<int64_t>(nch - 1, (int64_t)c / DP_CHUNK); };
+    std::vector<int64_t> sel[2];  // a row's slots (entry indices) in the current chunk
+    int64_t n = 0;
+    for (int64_t k = 0; k < nch; ++k) {
+        for (int64_t s = 0; s < ns; ++s) {
+            chunk_ptr[k * (ns + 1) + s] = n;
+            const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
             for (int i = 0; i < 2; ++i) {
-                const int64_t e = p0 + 4 * j + i;  // slot 2 j of row i; slot 2 j + 1 at e + 2
-                const bool two = 2 * j + 1 < L;
-                q[2 * j + i].a = (uint32_t)cols[e] * 64u;
-                q[2 * j + i].b = two ? (uint32_t)cols[e + 2] * 64u : zero_row;
-                q[2 * j + i].w = (uint32_t)vals[e] | (two ? (uint32_t)vals[e + 2] << 16 : 0u);
+                sel[i].clear();
+                for (int64_t j = 0; j < L; ++j)
+                    if (nch == 1 || chunk_of(cols[p0 + 2 * j + i]) == k) sel[i].push_back(p0 + 2 * j + i);
             }
+            const int64_t np = (int64_t)(std::max(sel[0].size(), sel[1].size()) + 1) / 2;
+            if (pairs)
+                for (int64_t j = 0; j < np; ++j)
+                    for (int i = 0; i < 2; ++i) {
+                        const int64_t m = (int64_t)sel[i].size();
+                        DpPair& q = pairs[n + 2 * j + i];
+                        q.a = 2 * j < m ? (uint32_t)cols[sel[i][2 * j]] * 64u : zero_row;
+                        q.b = 2 * j + 1 < m ? (uint32_t)cols[sel[i][2 * j + 1]] * 64u : zero_row;
+                        q.w = (2 * j < m ? (uint32_t)vals[sel[i][2 * j]] : 0u) |
+                              (2 * j + 1 < m ? (uint32_t)vals[sel[i][2 * j + 1]] << 16 : 0u);
+                    }
+            n += 2 * np;
+        }
+        chunk_ptr[k * (ns + 1) + ns] = n;
     }
 }
 
@@ -407,38 +431,63 @@ inline void pair_step(const char* __restrict xt, const DpPair& p, __m512& lo, __
     hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), w);
 }
 
-// slices [s0, s1) of one panel of nt tokens, from the plan (blocks of SBLOCK slices as in panel_rows). A
-// row's even pairs and odd pairs go to two sums, added at the end: a VDPBF16PS waits for the one before it
-// on its accumulator, and the two rows times two sums times two token halves keep eight of them in flight.
-void panel_rows(const uint16_t* __restrict xt16, int nt, const int64_t* __restrict pair_ptr,
-                const DpPair* __restrict pairs, int64_t s0, int64_t s1, int64_t R, const float* __restrict bias,
-                uint16_t* __restrict y, bool act) {
+// Slices [s0, s1) of one panel of nt tokens, from the plan. A row's even pairs and odd pairs (within a
+// chunk) go to two sums, added at the end: a VDPBF16PS waits for the one before it on its accumulator, and
+// two rows times two sums times two token halves keep eight in flight. With chunks, blocks of DP_SBLOCK
+// slices walk the chunks in turn, their sums kept between chunks in a small L1-resident buffer.
+constexpr int DP_SBLOCK = 16;
+
+void panel_rows(const uint16_t* __restrict xt16, int nt, const int64_t* __restrict chunk_ptr, int64_t nch,
+                const DpPair* __restrict pairs, int64_t ns, int64_t s0, int64_t s1, int64_t R,
+                const float* __restrict bias, uint16_t* __restrict y, bool act) {
     const char* xt = reinterpret_cast<const char*>(xt16);
     alignas(64) float part[SBLOCK][2][TB];
+    alignas(64) float sums[DP_SBLOCK][8][16];  // [slice][row 0 even lo, hi, row 1 even lo, hi, then odd]
     for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
         const int64_t se = std::min(s1, sb + SBLOCK);
-        for (int64_t s = sb; s < se; ++s) {
-            const DpPair* q = pairs + pair_ptr[s];
-            const int64_t n = (pair_ptr[s + 1] - pair_ptr[s]) / 2;
-            __m512 e0l = _mm512_setzero_ps(), e0h = e0l, e1l = e0l, e1h = e0l;  // even pairs, rows 0 and 1
-            __m512 o0l = e0l, o0h = e0l, o1l = e0l, o1h = e0l;                  // odd pairs
-            int64_t j = 0;
-            for (; j + 2 <= n; j += 2, q += 4) {
-                pair_step(xt, q[0], e0l, e0h);
-                pair_step(xt, q[1], e1l, e1h);
-                pair_step(xt, q[2], o0l, o0h);
-                pair_step(xt, q[3], o1l, o1h);
+        for (int64_t cb = sb; cb < se; cb += DP_SBLOCK) {
+            const int64_t ce = std::min(se, cb + DP_SBLOCK);
+            for (int64_t k = 0; k < nch; ++k) {
+                const int64_t* cp = chunk_ptr + k * (ns + 1);
+                for (int64_t s = cb; s < ce; ++s) {
+                    const DpPair* q = pairs + cp[s];
+                    const int64_t n = (cp[s + 1] - cp[s]) / 2;
+                    float(*S)[16] = sums[s - cb];
+                    __m512 e0l, e0h, e1l, e1h, o0l, o0h, o1l, o1h;  // even / odd pairs, rows 0 / 1, token halves
+                    if (k == 0) {
+                        e0l = e0h = e1l = e1h = o0l = o0h = o1l = o1h = _mm512_setzero_ps();
+                    } else {
+                        e0l = _mm512_load_ps(S[0]), e0h = _mm512_load_ps(S[1]);
+                        e1l = _mm512_load_ps(S[2]), e1h = _mm512_load_ps(S[3]);
+                        o0l = _mm512_load_ps(S[4]), o0h = _mm512_load_ps(S[5]);
+                        o1l = _mm512_load_ps(S[6]), o1h = _mm512_load_ps(S[7]);
+                    }
+                    int64_t j = 0;
+                    for (; j + 2 <= n; j += 2, q += 4) {
+                        pair_step(xt, q[0], e0l, e0h);
+                        pair_step(xt, q[1], e1l, e1h);
+                        pair_step(xt, q[2], o0l, o0h);
+                        pair_step(xt, q[3], o1l, o1h);
+                    }
+                    if (j < n) {
+                        pair_step(xt, q[0], e0l, e0h);
+                        pair_step(xt, q[1], e1l, e1h);
+                    }
+                    if (k + 1 < nch) {
+                        _mm512_store_ps(S[0], e0l), _mm512_store_ps(S[1], e0h);
+                        _mm512_store_ps(S[2], e1l), _mm512_store_ps(S[3], e1h);
+                        _mm512_store_ps(S[4], o0l), _mm512_store_ps(S[5], o0h);
+                        _mm512_store_ps(S[6], o1l), _mm512_store_ps(S[7], o1h);
+                    } else {
+                        float* r0 = part[s - sb][0];
+                        float* r1 = part[s - sb][1];
+                        _mm512_store_ps(r0, _mm512_add_ps(e0l, o0l));
+                        _mm512_store_ps(r0 + 16, _mm512_add_ps(e0h, o0h));
+                        _mm512_store_ps(r1, _mm512_add_ps(e1l, o1l));
+                        _mm512_store_ps(r1 + 16, _mm512_add_ps(e1h, o1h));
+                    }
+                }
             }
-            if (j < n) {
-                pair_step(xt, q[0], e0l, e0h);
-                pair_step(xt, q[1], e1l, e1h);
-            }
-            float* r0 = part[s - sb][0];
-            float* r1 = part[s - sb][1];
-            _mm512_store_ps(r0, _mm512_add_ps(e0l, o0l));
-            _mm512_store_ps(r0 + 16, _mm512_add_ps(e0h, o0h));
-            _mm512_store_ps(r1, _mm512_add_ps(e1l, o1l));
-            _mm512_store_ps(r1 + 16, _mm512_add_ps(e1h, o1h));
         }
         const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
         store_block(&part[0][0][0], TB, nt, r0, nr, R, bias, y, act);
@@ -524,8 +573,9 @@ using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, cons
 
 // the bf16 dot-product rows' plan for one weight (see DpPair); pairs null: none given
 struct DpPlan {
-    const int64_t* pair_ptr = nullptr;
+    const int64_t* chunk_ptr = nullptr;
     const DpPair* pairs = nullptr;
+    int64_t nch = 1;
 };
 
 template <typename XT, typename WT, typename YT>
@@ -559,8 +609,8 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 #ifdef SPARSA_HAVE_DPBF16_PATH
         if constexpr (all_bf16) {
             if (dp_rows) {
-                dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, plan.pair_ptr, plan.pairs, s0, s1, R, bias,
-                               y + p * TBMAX * R, act);
+                dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, plan.chunk_ptr, plan.nch, plan.pairs, ns, s0,
+                               s1, R, bias, y + p * TBMAX * R, act);
                 return;
             }
         }
@@ -638,12 +688,18 @@ int sparsa_sliced_ell_chunk_bounds(const int64_t* slice_ptr, const int32_t* cols
     return 0;
 }
 
-// The bf16 dot-product plan of a weight (see DpPair): pair_ptr int64 [ns + 1]; pairs uint32 [pair_ptr[ns], 3],
-// or null to fill pair_ptr only (to size pairs). vals: bf16 bits. K < 2^26 (byte offsets in 32 bits).
+// The number of column chunks of the bf16 dot-product plan of this weight (1: none).
+int64_t sparsa_sliced_ell_dp_chunks(const int64_t* slice_ptr, int64_t ns, int64_t K) {
+    return dp_chunks(slice_ptr, ns, K);
+}
+
+// The bf16 dot-product plan of a weight (see DpPair): chunk_ptr int64 [nch (ns + 1)]; pairs uint32
+// [chunk_ptr[last], 3], or null to fill chunk_ptr only (to size pairs). vals: bf16 bits. K < 2^26 (byte
+// offsets in 32 bits); nch >= 1.
 int sparsa_sliced_ell_dp_plan(const int64_t* slice_ptr, const int32_t* cols, const uint16_t* vals, int64_t ns,
-                              int64_t K, int64_t* pair_ptr, void* pairs) {
-    if (K >= (int64_t(1) << 26)) return -1;
-    dp_plan(slice_ptr, cols, vals, ns, K, pair_ptr, static_cast<DpPair*>(pairs));
+                              int64_t K, int64_t nch, int64_t* chunk_ptr, void* pairs) {
+    if (K >= (int64_t(1) << 26) || nch < 1) return -1;
+    dp_plan(slice_ptr, cols, vals, ns, K, nch, chunk_ptr, static_cast<DpPair*>(pairs));
     return 0;
 }
 
@@ -659,17 +715,18 @@ int sparsa_sliced_ell_linear_f32(const float* x, int64_t T, int64_t K, const int
 
 // The same with bf16 (raw uint16 bits) x, vals and y; fp32 accumulation, y rounded to bf16 once (nearest
 // even). bias: null, fp32 (bias_bf16 = 0) or bf16 (bias_bf16 = 1), added in fp32 before the rounding.
-// dp_pair_ptr, dp_pairs: the weight's dot-product plan (sparsa_sliced_ell_dp_plan), which the AVX512-BF16 rows
-// read instead of cols / vals; dp_pairs null: the widening rows run.
+// dp_chunk_ptr, dp_pairs, dp_nch: the weight's dot-product plan (sparsa_sliced_ell_dp_plan), which the
+// AVX512-BF16 rows read instead of cols / vals; dp_pairs null: the widening rows run.
 int sparsa_sliced_ell_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const int64_t* slice_ptr,
                                   const int32_t* cols, const uint16_t* vals, const int32_t* bounds, int64_t nch,
                                   int64_t R, const void* bias, int bias_bf16, uint16_t* y, int nthreads, int act,
-                                  const int64_t* dp_pair_ptr, const void* dp_pairs) {
+                                  const int64_t* dp_chunk_ptr, const void* dp_pairs, int64_t dp_nch) {
     std::vector<float> b32;
     const float* b = sparsa_bias_f32(bias, bias_bf16, R, b32);
     DpPlan plan;
-    plan.pair_ptr = dp_pair_ptr;
+    plan.chunk_ptr = dp_chunk_ptr;
     plan.pairs = static_cast<const DpPair*>(dp_pairs);
+    plan.nch = dp_nch;
     run(x, T, K, slice_ptr, cols, vals, bounds, nch, R, b, y, nthreads, act == 1, plan);
     return 0;
 }
