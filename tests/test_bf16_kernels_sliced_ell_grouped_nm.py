@@ -209,7 +209,9 @@ def _plan_rows(e, vb, K):
     return out, nch
 
 
-@pytest.mark.parametrize("K,sparsity,chunked", [(50, None, False), (700, 0.7, False), (700, 0.5, True), (2100, 0.8, True)])
+@pytest.mark.parametrize(
+    "K,sparsity,chunked", [(50, None, False), (700, 0.7, False), (700, 0.5, True), (2100, 0.8, True)]
+)
 def test_sliced_ell_dp_plan_pairs_each_rows_slots(dp_rows, K, sparsity, chunked):
     # every slot of every row exactly once, in slot order, in the chunk of its column (512 columns, on wide
     # or dense enough weights); rows of unequal length (padding slots), odd counts (the zero row), odd R
