@@ -229,3 +229,24 @@ def test_a_generative_model_is_timed_at_decode_width(monkeypatch, flag, tokens):
     timer.calls.clear()
     sparsa.sparsify(_model(), sparsa.methods.OneShot(0.5, layout="bitmask", only_if_faster=True))
     assert {t for _, t, _ in timer.calls} == {linears.DEFAULT_TOKENS}
+
+
+def test_cached_linear_costs_are_remeasured_after_a_kernel_change(monkeypatch):
+    # a cost table measured with older kernels must not answer for the new ones: the key names the
+    # kernels' source digest
+    from sparsa import cost_model
+    from sparsa.kernels import loader
+
+    cm = cost_model.CostModel(None)
+    monkeypatch.setattr(linears, "default_cost_model", lambda: cm)
+    w = sparsa.to_sparse(torch.randn(16, 32), "sliced_ell", sparsity=0.5)
+    measured = []
+    real_measure = cm.measure
+    monkeypatch.setattr(cm, "measure", lambda key, options: measured.append(key) or real_measure(key, options))
+    linears.linear_costs(w, None, 4)
+    linears.linear_costs(w, None, 4)
+    assert len(measured) == 1, "the second call is answered from the table"
+    assert f"|k{loader.kernels_digest()}" in measured[0]
+    monkeypatch.setattr(loader, "kernels_digest", lambda: "000000000000")
+    linears.linear_costs(w, None, 4)
+    assert len(measured) == 2 and measured[1].endswith("|k000000000000")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import threading
@@ -33,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-__all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info"]
+__all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info", "kernels_digest"]
 
 CSRC = Path(__file__).parent / "csrc"
 _LIBS: Dict[str, Optional[ctypes.CDLL]] = {}
@@ -82,6 +83,18 @@ def cache_dir() -> Path:
 def build_info() -> Dict[str, dict]:
     """Per library: build seconds (0 if cached), path, or the error that forced the fallback."""
     return dict(_INFO)
+
+
+@functools.lru_cache(maxsize=1)
+def kernels_digest() -> str:
+    """12 hex digits of a hash over every native kernel source and the Python kernel wrappers: cached
+    timings (``sparsa.cost_model``) name it, so a kernel change is re-measured, never answered from a table
+    measured with the old code."""
+    h = hashlib.sha256()
+    for f in sorted(list(CSRC.iterdir()) + list(CSRC.parent.glob("*.py"))):
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _warn_once(key: str, msg: str) -> None:

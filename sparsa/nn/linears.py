@@ -116,6 +116,7 @@ def _dense_option(dtype: torch.dtype) -> str:
 
 def _cost_key(w: SparseTensor, has_bias: bool, tokens: int) -> str:
     from .. import cpu
+    from ..kernels.loader import kernels_digest
 
     lay = w.sparse_layout
     params = ",".join(f"{k}={v!r}" for k, v in sorted(lay.params().items()))
@@ -123,7 +124,7 @@ def _cost_key(w: SparseTensor, has_bias: bool, tokens: int) -> str:
     return (
         f"linear|{type(lay).name}|{params}|{tuple(lay.shape)}|d{nnz_bucket}|bias{int(has_bias)}|"
         f"{str(lay.dtype).replace('torch.', '')}|{lay.device}|T{tokens}|threads{torch.get_num_threads()}|"
-        f"{cpu.isa()}"
+        f"{cpu.isa()}|k{kernels_digest()}"
     )
 
 
