@@ -578,13 +578,19 @@ PARETO_COLS = [
     "quality_top1",
     "speedup_vs_best_dense",
     "best_dense",
+    "sparse_dtype",
 ]
 
 
 def _pareto_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Rows sorted by speed, the method column saying ``+recover`` for recovered rows."""
     return [
-        dict(r, method=r["method"] + ("+recover" if r.get("recovered") else ""), label=r.get("label", r.get("layout")))
+        dict(
+            r,
+            method=r["method"] + ("+recover" if r.get("recovered") else ""),
+            label=r.get("label", r.get("layout")),
+            sparse_dtype=r.get("sparse_dtype", "float32"),  # runs before it was recorded timed float32 only
+        )
         for r in sorted(rows, key=lambda r: (-r["speedup_vs_best_dense"], -r["quality_cosine"]))
     ]
 
@@ -599,7 +605,9 @@ def pareto_section(d: Dict[str, Any], frontier_only: bool = False) -> str:
         + ", ".join(f"{k} {v} ms" for k, v in (d.get("dense_ms") or {}).items())
         + "); quality: mean cosine to the "
         "dense sentence embeddings (and top-1 nearest-neighbour agreement) on held-out stdlib docstrings and "
-        "README prose, averaged. label: the layout (unstructured = sliced_ell). The frontier: rows no other row "
+        "README prose, averaged. label: the layout (unstructured = sliced_ell); sparse_dtype: the dtype the "
+        "pruned model was timed in (the faster of float32 and bfloat16; quality is measured in float32). The "
+        "frontier: rows no other row "
         "(nor the best dense path) beats in both speed and cosine.\n\n"
     )
     s += _md(_pareto_rows(front), PARETO_COLS, PARETO_FMT)

@@ -131,6 +131,7 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
     assert set(base.ms) == {"fp32", "bf16"} and base.best in base.ms
     speed = pareto.speed_rows(model, cfgs, base, log=lambda s: None)
     assert set(speed) == {("sliced_ell", 0.5), ("row_group4", 0.5)}
+    assert all(v["sparse_dtype"] in ("float32", "bfloat16") for v in speed.values())
     quality, skipped = pareto.quality_rows(
         model, tok, cfgs, ["magnitude", "wanda"], calibration, held, log=lambda s: None
     )
@@ -148,6 +149,7 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
             assert k in r, k
         assert r["cpu"] == "test-cpu" and r["recovered"] is False and -1.0 <= r["quality_cosine"] <= 1.0
         assert 0.0 <= r["quality_top1"] <= 1.0 and r["speedup_vs_best_dense"] > 0
+        assert r["sparse_dtype"] == speed[(r["label"], r["sparsity"])]["sparse_dtype"]
         assert abs(r["quality_cosine"] - (r["cosine_docstrings"] + r["cosine_readme"]) / 2) < 1e-3
     json.dumps(rows)
     pareto.plot(rows, tmp_path / "p.png", "tiny")
