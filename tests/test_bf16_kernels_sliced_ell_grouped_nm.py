@@ -199,12 +199,12 @@ def _plan_rows(e, vb, K):
             assert (hi - lo) % 2 == 0, "both rows of a slice have the same number of pairs"
             for i in range(2):
                 got = []
-                for a, b, wp in (tuple(int(v) & 0xFFFFFFFF for v in pairs[q]) for q in range(lo + i, hi, 2)):
-                    for off, bits in ((a, wp & 0xFFFF), (b, wp >> 16)):
-                        if off == K * 64:
+                for ab, wp in (tuple(int(v) & 0xFFFFFFFF for v in pairs[q]) for q in range(lo + i, hi, 2)):
+                    for col, bits in ((ab & 0xFFFF, wp & 0xFFFF), (ab >> 16, wp >> 16)):
+                        if col == K:
                             assert bits == 0, "the zero row carries weight 0"
                         else:
-                            got.append((off // 64, bits))
+                            got.append((col, bits))
                 out[k, s, i] = got
     return out, nch
 
@@ -234,6 +234,16 @@ def test_sliced_ell_dp_plan_pairs_each_rows_slots(dp_rows, K, sparsity, chunked)
             for k in range(nch):
                 want = [c for c in slots if nch == 1 or min(c[0] // 512, nch - 1) == k]
                 assert got[k, s, i] == want
+
+
+def test_sliced_ell_dp_plan_too_wide_runs_the_widening_rows(dp_rows):
+    # the plan's 16-bit columns cannot address K > 65535: no plan, and the widening rows give the result
+    gen = torch.Generator().manual_seed(2)
+    K = 70000
+    e, vb, wd = _se_weight(5, K, 0.999, gen)
+    assert se.dp_plan(se.native_library(), e.slice_ptr, e.columns, vb, K) is None
+    x = torch.randn(3, K, generator=gen).to(BF)
+    _check(se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, None, 5), x, wd, None)
 
 
 def test_sliced_ell_dp_plan_cached_and_rebuilt_after_in_place_update(dp_rows, monkeypatch):

@@ -135,8 +135,8 @@ def chunk_bounds(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, in_featur
 
 #: the bf16 dot-product plan per ``values`` tensor: (validity key, (chunk_ptr, pairs, n_chunks))
 _DP_PLANS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
-#: widest input the plan's 32-bit byte offsets (column * 64) can address
-_DP_MAX_K = (1 << 26) - 1
+#: widest input the plan's 16-bit columns can address (the zero row is column K)
+_DP_MAX_K = 65535
 
 
 def _versions(*ts: Tensor) -> Optional[tuple]:
@@ -149,9 +149,9 @@ def _versions(*ts: Tensor) -> Optional[tuple]:
 
 def dp_plan(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, values: Tensor, in_features: int) -> Optional[tuple]:
     """``(chunk_ptr, pairs, n_chunks)``: the bf16 dot-product rows' plan of a weight (``DpPair`` in the kernel
-    source): each row's slots paired, within chunks of input columns on wide or dense enough weights, as the
-    byte offsets of their two activation-panel rows and the weight pair, 12 bytes a pair (about the bytes of
-    the slots themselves). None when ``in_features`` is too wide for it.
+    source): each row's slots paired, within chunks of input columns on wide or dense enough weights, as
+    their two columns and the weight pair, 8 bytes a pair (two thirds of the slots' own bytes). None when
+    ``in_features`` is too wide for it (over 65535): the widening rows run then.
 
     Built once per weight and cached while ``slice_ptr``, ``columns`` and ``values`` are unchanged: their
     versions are part of the key, so an in-place update rebuilds it. Inference tensors, which have no version
@@ -169,7 +169,7 @@ def dp_plan(lib: ctypes.CDLL, slice_ptr: Tensor, columns: Tensor, values: Tensor
     chunk_ptr = torch.empty(nch * (ns + 1), dtype=torch.int64)
     args = (sp.data_ptr(), c.data_ptr(), v.data_ptr(), ns, in_features, nch, chunk_ptr.data_ptr())
     lib.sparsa_sliced_ell_dp_plan(*args, None)
-    pairs = torch.empty(int(chunk_ptr[-1]), 3, dtype=torch.int32)
+    pairs = torch.empty(int(chunk_ptr[-1]), 2, dtype=torch.int32)  # (column | column << 16, weight pair)
     lib.sparsa_sliced_ell_dp_plan(*args, pairs.data_ptr())
     plan = (chunk_ptr, pairs, nch)
     if key is not None:

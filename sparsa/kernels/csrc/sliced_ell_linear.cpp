@@ -316,18 +316,20 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
 }
 
 // A plan for the bf16 dot-product rows (built once per weight, sparsa_sliced_ell_dp_plan): each row's
-// slots in order, two to a pair, as {byte offset of the first slot's panel row, of the second's, the bf16
-// weight pair (first slot in the low half)}. The offsets are column * 64 (a panel row is 32 bf16 tokens).
+// slots in order, two to a pair, as {the first slot's column, the second's, the bf16 weight pair (first slot
+// in the low half)}; a column's panel row is 64 bytes (32 bf16 tokens).
 // With nch > 1 chunks of DP_CHUNK input columns, a row's slots are paired within each chunk (slot order
 // kept), so the kernel walks one chunk of the panel for a block of rows while it stays in L1. In chunk k,
 // slice s holds pairs [chunk_ptr[k (ns + 1) + s], chunk_ptr[k (ns + 1) + s + 1]), its two rows interleaved
 // (pair j of row i at the start + 2 j + i) and padded to the same count: an odd last slot pairs with the
-// panel's zero row (column K) and weight 0, a missing pair is zero row twice. Twelve bytes a pair: about
-// the bytes of the slots themselves (a 4-byte column and a 2-byte value each).
+// panel's zero row (column K) and weight 0, a missing pair is zero row twice. Eight bytes a pair, two thirds
+// of the slots' own bytes (a 4-byte column and a 2-byte value each): K <= 65535.
 struct DpPair {
-    uint32_t a, b, w;
+    uint16_t a, b;
+    uint32_t w;
 };
-static_assert(sizeof(DpPair) == 12, "three 32-bit words per pair");
+static_assert(sizeof(DpPair) == 8, "two 16-bit columns and a 32-bit weight pair");
+constexpr int64_t DP_MAX_K = 65535;  // the zero row's column K fits 16 bits
 
 constexpr int64_t DP_CHUNK = 512;  // 32 KiB of the panel
 
@@ -342,7 +344,7 @@ int64_t dp_chunks(const int64_t* sptr, int64_t ns, int64_t K) {
 // fills chunk_ptr [nch (ns + 1)]; pairs null: only chunk_ptr (to size the pairs)
 void dp_plan(const int64_t* __restrict sptr, const int32_t* __restrict cols, const uint16_t* __restrict vals,
              int64_t ns, int64_t K, int64_t nch, int64_t* __restrict chunk_ptr, DpPair* __restrict pairs) {
-    const uint32_t zero_row = (uint32_t)(K * 64);
+    const uint16_t zero_row = (uint16_t)K;
     auto chunk_of = [&](int32_t c) { return std::min<int64_t>(nch - 1, (int64_t)c / DP_CHUNK); };
     std::vector<int64_t> sel[2];  // a row's slots (entry indices) in the current chunk
     int64_t n = 0;
@@ -361,8 +363,8 @@ void dp_plan(const int64_t* __restrict sptr, const int32_t* __restrict cols, con
                     for (int i = 0; i < 2; ++i) {
                         const int64_t m = (int64_t)sel[i].size();
                         DpPair& q = pairs[n + 2 * j + i];
-                        q.a = 2 * j < m ? (uint32_t)cols[sel[i][2 * j]] * 64u : zero_row;
-                        q.b = 2 * j + 1 < m ? (uint32_t)cols[sel[i][2 * j + 1]] * 64u : zero_row;
+                        q.a = 2 * j < m ? (uint16_t)cols[sel[i][2 * j]] : zero_row;
+                        q.b = 2 * j + 1 < m ? (uint16_t)cols[sel[i][2 * j + 1]] : zero_row;
                         q.w = (2 * j < m ? (uint32_t)vals[sel[i][2 * j]] : 0u) |
                               (2 * j + 1 < m ? (uint32_t)vals[sel[i][2 * j + 1]] << 16 : 0u);
                     }
@@ -425,7 +427,7 @@ void pack(const uint16_t* __restrict x, int64_t K, int nt, uint16_t* __restrict 
 
 // lo (tokens 0-15), hi (16-31) += one plan pair (xt: the panel's bytes)
 inline void pair_step(const char* __restrict xt, const DpPair& p, __m512& lo, __m512& hi) {
-    const __m512i a = _mm512_loadu_si512(xt + p.a), b = _mm512_loadu_si512(xt + p.b);
+    const __m512i a = _mm512_loadu_si512(xt + ((size_t)p.a << 6)), b = _mm512_loadu_si512(xt + ((size_t)p.b << 6));
     const __m512bh w = (__m512bh)_mm512_set1_epi32((int)p.w);
     lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), w);
     hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), w);
@@ -693,12 +695,11 @@ int64_t sparsa_sliced_ell_dp_chunks(const int64_t* slice_ptr, int64_t ns, int64_
     return dp_chunks(slice_ptr, ns, K);
 }
 
-// The bf16 dot-product plan of a weight (see DpPair): chunk_ptr int64 [nch (ns + 1)]; pairs uint32
-// [chunk_ptr[last], 3], or null to fill chunk_ptr only (to size pairs). vals: bf16 bits. K < 2^26 (byte
-// offsets in 32 bits); nch >= 1.
+// The bf16 dot-product plan of a weight (see DpPair): chunk_ptr int64 [nch (ns + 1)]; pairs 8 bytes each
+// [chunk_ptr[last]], or null to fill chunk_ptr only (to size pairs). vals: bf16 bits. K <= 65535; nch >= 1.
 int sparsa_sliced_ell_dp_plan(const int64_t* slice_ptr, const int32_t* cols, const uint16_t* vals, int64_t ns,
                               int64_t K, int64_t nch, int64_t* chunk_ptr, void* pairs) {
-    if (K >= (int64_t(1) << 26) || nch < 1) return -1;
+    if (K > DP_MAX_K || nch < 1) return -1;
     dp_plan(slice_ptr, cols, vals, ns, K, nch, chunk_ptr, static_cast<DpPair*>(pairs));
     return 0;
 }
