@@ -128,14 +128,21 @@ out.write_text(json.dumps({"rows": [{"mode": "a", "ms": ms + random.random() * 1
 """
 
 
-def test_script_from_new_times_the_old_code_with_a_benchmark_it_lacks(repo):
-    root, _ = repo
+def _code_change(root, script: str) -> str:
+    """Commits code that runs at 2 ms and returns that commit; the working tree then has the change (1 ms)
+    and, uncommitted, its new benchmark ``on_code.py``."""
     (root / "sparsa" / "speed.txt").write_text("2.0")
     _git(root, "add", "-A")
     _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code at 2 ms")
     old = _git(root, "rev-parse", "HEAD")
-    (root / "sparsa" / "speed.txt").write_text("1.0")  # the change, uncommitted, with its new benchmark
-    (root / "benchmarks" / "on_code.py").write_text(FAKE_ON_CODE)
+    (root / "sparsa" / "speed.txt").write_text("1.0")
+    (root / "benchmarks" / "on_code.py").write_text(script)
+    return old
+
+
+def test_script_from_new_times_the_old_code_with_a_benchmark_it_lacks(repo):
+    root, _ = repo
+    old = _code_change(root, FAKE_ON_CODE)
     p = _ab(root, old, "--rounds", "1", "--", "on_code.py")
     assert p.returncode != 0 and "--script-from new" in p.stderr
     out = root / "ab.json"
@@ -159,12 +166,7 @@ def test_script_from_new_imports_the_old_code_although_the_script_puts_its_root_
     # the real benchmarks put their checkout's root first on sys.path; run from the new tree, both sides
     # imported the new sparsa and the comparison read 1.0x
     root, _ = repo
-    (root / "sparsa" / "speed.txt").write_text("2.0")
-    _git(root, "add", "-A")
-    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "code at 2 ms")
-    old = _git(root, "rev-parse", "HEAD")
-    (root / "sparsa" / "speed.txt").write_text("1.0")
-    (root / "benchmarks" / "on_code.py").write_text(FAKE_ON_CODE_OWN_ROOT)
+    old = _code_change(root, FAKE_ON_CODE_OWN_ROOT)
     out = root / "ab.json"
     p = _ab(root, old, "--rounds", "1", "--script-from", "new", "--out", str(out), "--", "on_code.py")
     assert p.returncode == 0, p.stderr
