@@ -197,11 +197,12 @@ def _native_forward(
         sp, c, v = slice_ptr.contiguous(), columns.contiguous(), values.contiguous()
         b = None if bias is None else bias.contiguous()
         bp = None if b is None else b.data_ptr()
-        bounds = chunk_bounds(lib, slice_ptr, columns, K) if chunked and T > 1 else None
+        # the bf16 dot-product rows read their plan; the K-chunk bounds are for the other rows only
+        plan = dp_plan(lib, slice_ptr, columns, values, K) if kind == "bf16" and T > 1 and has_dpbf16() else None
+        chunk_ptr, pairs, plan_nch = (None, None, 1) if plan is None else plan
+        bounds = chunk_bounds(lib, slice_ptr, columns, K) if chunked and T > 1 and plan is None else None
         bnd, nch = (None, 1) if bounds is None else (bounds.data_ptr(), bounds.shape[1] + 1)
         if kind == "bf16":
-            plan = dp_plan(lib, slice_ptr, columns, values, K) if T > 1 and has_dpbf16() else None
-            chunk_ptr, pairs, plan_nch = (None, None, 1) if plan is None else plan
             lib.sparsa_sliced_ell_linear_bf16(
                 x2.data_ptr(),
                 T,

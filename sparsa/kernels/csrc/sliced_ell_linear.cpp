@@ -15,7 +15,8 @@
 // to fp32 while its panel is transposed into xt, each weight is widened (a shift) as it is broadcast,
 // products accumulate in fp32 exactly as in the fp32 kernel (same order),
 // and the output (+ bias, fp32 or bf16) is rounded to bf16 once (nearest even). Where the CPU has
-// AVX512-BF16, panels of two tokens or more take the dot-product rows instead (namespace dp).
+// AVX512-BF16, panels of two tokens or more take the dot-product rows instead (namespace dp), which read a
+// per-weight plan (DpPair) with their own column chunks (DP_CHUNK) instead of cols / vals and the bounds.
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
