@@ -24,11 +24,11 @@ BF = torch.bfloat16
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "fallback"])
+@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "panel", "fallback"])
 def path(request, monkeypatch):
     """A native strategy and row loop, or the pure-PyTorch reference. ``stream_dpbf16`` runs the
     ``auto`` loop where the CPU has AVX512-BF16 and VBMI2: bfloat16 takes the dot-product loop there,
-    float32 the AVX-512 one."""
+    float32 the AVX-512 one. ``panel`` runs the bfloat16 panel kernel (float32 operands: expand)."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if request.param == "stream_avx512":
@@ -39,6 +39,9 @@ def path(request, monkeypatch):
         if not bm.has_dpbf16():
             pytest.skip("this CPU has no AVX512-BF16 + VBMI2: bfloat16 runs the avx512 or avx2 loop")
         monkeypatch.setattr(bm, "STREAM_PATH", "auto")
+    elif request.param == "panel":
+        if not bm.has_panel_bf16():
+            pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 panel kernel does not run")
     elif request.param == "stream_pair16":
         monkeypatch.setattr(bm, "STREAM_PATH", "pair16")
     if request.param == "fallback":
@@ -56,7 +59,7 @@ def path(request, monkeypatch):
         raise AssertionError("the reference ran although the native kernel should have")
 
     monkeypatch.setattr(bm, "bitmask_linear_reference", no_reference)
-    monkeypatch.setattr(bm, "choose_strategy", lambda tokens: request.param.split("_")[0])
+    monkeypatch.setattr(bm, "choose_strategy", lambda tokens, *a, **k: request.param.split("_")[0])
     return request.param
 
 
@@ -225,13 +228,131 @@ def test_threads_do_not_change_the_result(path):
     assert torch.equal(one, two)
 
 
+# ---------------------------------------------------------------------------------------------- panel
+@pytest.fixture
+def needs_panel():
+    if not bm.has_panel_bf16():
+        pytest.skip("this CPU (or SPARSA_ISA) has no AVX512-BF16 + VBMI2: the bf16 panel kernel does not run")
+
+
+def _spy_strategies(monkeypatch):
+    """Which strategy functions ran, in order."""
+    ran = []
+    for name in ("_stream", "_expand", "_panel"):
+        real = getattr(bm, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            ran.append(_name[1:])
+            return _real(*a, **k)
+
+        monkeypatch.setattr(bm, name, spy)
+    return ran
+
+
+def _bf16_weight(R, K, density, seed, odd_rows=False):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(R, K, generator=gen) < density
+    if odd_rows and R > 2:
+        mask[0] = False  # an empty row
+        mask[1] = False
+        mask[1, K - 1] = True  # one kept column, the last: an odd count pairs with the zero row
+    return Bitmask.from_dense(torch.randn(R, K, generator=gen).to(BF), mask=mask)
+
+
+@pytest.mark.usefixtures("needs_panel")
+@pytest.mark.parametrize(
+    "T,R,K,density",
+    [
+        (128, 64, 96, 0.5),  # one chunk, whole panels
+        (37, 33, 1536, 0.5),  # column chunks (K > 512 at density >= 0.4), odd R, a part panel
+        (40, 67, 2100, 0.3),  # chunks from K >= 2048, K past the last whole 64 columns
+        (70, 130, 600, 0.2),  # no chunks (sparse), more than one block of rows
+        (9, 5, 7, 0.9),  # K under one mask word
+        (33, 3, 1, 1.0),
+    ],
+)
+@pytest.mark.parametrize("bias", [None, "bf16", "f32"])
+def test_panel_matches_float64(monkeypatch, T, R, K, density, bias):
+    ran = _spy_strategies(monkeypatch)
+    w = _bf16_weight(R, K, density, seed=T + R + K, odd_rows=True)
+    x = torch.randn(T, K).to(BF)
+    b = None if bias is None else torch.randn(R).to(BF if bias == "bf16" else torch.float32)
+    y = bm.bitmask_linear_impl(x, *_components(w), b, R, "panel")
+    assert ran == ["panel"]  # no fallback to expand
+    _close(y, _ref(x, w, b), BF)
+
+
+@pytest.mark.usefixtures("needs_panel")
+def test_panel_token_results_do_not_depend_on_the_batch():
+    # each token is one lane of a panel with a fixed pair order, so it is bit-exact alone or in a batch
+    w = _bf16_weight(70, 1100, 0.45, seed=3, odd_rows=True)
+    x = torch.randn(45, 1100).to(BF)
+    whole = bm.bitmask_linear_impl(x, *_components(w), None, 70, "panel")
+    for i in (0, 31, 32, 44):
+        one = bm.bitmask_linear_impl(x[i : i + 9], *_components(w), None, 70, "panel")
+        assert torch.equal(one[0], whole[i])
+
+
+@pytest.mark.usefixtures("needs_panel")
+def test_panel_nan_or_inf_in_x_runs_expand_like_dense(monkeypatch):
+    ran = _spy_strategies(monkeypatch)
+    w = Bitmask.from_dense(torch.randn(6, 40).to(BF), mask=torch.eye(6, 40, dtype=torch.bool))
+    x = torch.randn(12, 40).to(BF)
+    x[4, 39] = float("inf")  # column 39 is kept by no row: only the dense product spreads it
+    y = bm.bitmask_linear_impl(x, *_components(w), None, 6, "panel")
+    assert ran == ["panel", "expand"]
+    assert torch.isnan(y[4]).all()
+    keep = torch.arange(12) != 4
+    _close(y[keep], _ref(x[keep], w, None), BF)
+
+
+@pytest.mark.usefixtures("needs_panel")
+def test_panel_with_columns_past_16_bits_runs_expand(monkeypatch):
+    ran = _spy_strategies(monkeypatch)
+    K = 65536
+    w = _bf16_weight(3, K, 0.01, seed=1)
+    x = torch.randn(9, K).to(BF)
+    y = bm.bitmask_linear_impl(x, *_components(w), None, 3, "panel")
+    assert ran == ["panel", "expand"]
+    _close(y, _ref(x, w, None), BF)
+
+
+def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch):
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    ran = _spy_strategies(monkeypatch)
+    sparse, dense = _bf16_weight(20, 64, 0.4, seed=0), _bf16_weight(20, 64, 0.9, seed=0)
+    x = torch.randn(16, 64).to(BF)
+    bm.bitmask_linear_impl(x[: bm.STREAM_MAX_TOKENS], *_components(sparse), None, 20)
+    bm.bitmask_linear_impl(x, *_components(sparse), None, 20)
+    bm.bitmask_linear_impl(x, *_components(dense), None, 20)
+    w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.6)
+    bm.bitmask_linear_impl(x.float(), *_components(w32), None, 20)
+    many = "panel" if bm.has_panel_bf16() else "expand"
+    assert ran == ["stream", many, "expand", "expand"]
+
+
+def test_panel_strategy_without_the_kernel_runs_expand(monkeypatch):
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert not bm.has_panel_bf16()
+    ran = _spy_strategies(monkeypatch)
+    w = _bf16_weight(10, 50, 0.5, seed=2)
+    x = torch.randn(20, 50).to(BF)
+    y = bm.bitmask_linear_impl(x, *_components(w), None, 10, "panel")
+    assert ran == ["panel", "expand"]
+    _close(y, _ref(x, w, None), BF)
+
+
 # ---------------------------------------------------------------------------------------------- op
 @pytest.mark.parametrize(
     "dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, BF), (BF, torch.float32)]
 )
-def test_opcheck(dtype, bias):
+@pytest.mark.parametrize("tokens", [3, 12])  # stream; expand or (bf16) panel
+def test_opcheck(dtype, bias, tokens):
     w = Bitmask.from_dense(torch.randn(9, 21).to(dtype), sparsity=0.5)
-    x = torch.randn(3, 21, dtype=dtype, requires_grad=True)
+    x = torch.randn(tokens, 21, dtype=dtype, requires_grad=True)
     v = w.values.clone().requires_grad_(True)
     b = None if bias is None else torch.randn(9, dtype=bias, requires_grad=True)
     torch.library.opcheck(torch.ops.sparsa.bitmask_linear.default, (x, w.bits, w.row_ptr, v, b, 9))
@@ -321,6 +442,7 @@ print("ok")
         ("avx2", "expand", "float32"),
         ("avx512", "stream", "float32"),
         ("dpbf16", "stream", "bfloat16"),
+        ("dpbf16", "panel", "bfloat16"),
     ],
 )
 def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, strategy, dtype):
@@ -332,6 +454,8 @@ def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, st
         pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as pair16 (AVX2 halves)")
     if path == "dpbf16" and not bm.has_dpbf16():
         pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 dot-product loop does not run")
+    if strategy == "panel" and not bm.has_panel_bf16():
+        pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 panel kernel does not run")
     script = tmp_path / "guarded.py"
     script.write_text(_GUARDED_CALL)
     env = {k: v for k, v in os.environ.items() if k not in ("SPARSA_NO_NATIVE", "SPARSA_ISA")}

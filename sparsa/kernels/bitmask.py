@@ -11,8 +11,14 @@ Two native strategies (``csrc/bitmask_linear.cpp``), both reading the compressed
   and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
   memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
   (AVX-512 BF16 or AMX), where PyTorch's bf16 GEMM is far slower than float32.
+- ``"panel"`` for many bfloat16 tokens where the CPU has AVX512-BF16 and VBMI2
+  (``csrc/bitmask_panel_bf16.cpp``): sparse compute. Tokens are packed into bf16 panels of 32; each row's
+  kept columns are listed from its mask bits as it is reached, and pairs of kept columns multiply their
+  two adjacent packed values in one VDPBF16PS per 16 tokens. Only kept weights are multiplied, so its time
+  falls with the density, where the expansion only adds to a dense GEMM. An X holding NaN or Inf runs
+  ``"expand"`` instead (only the dense product spreads it to every output, as ``F.linear`` does).
 
-:func:`choose_strategy` picks one by token count. When the kernels cannot be built, or
+:func:`choose_strategy` picks one by token count, dtype and density. When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
 
 Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
@@ -52,6 +58,8 @@ __all__ = [
     "STREAM_PATHS",
     "has_avx512",
     "has_dpbf16",
+    "has_panel_bf16",
+    "PANEL_MAX_DENSITY",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -62,11 +70,13 @@ __all__ = [
     "STRATEGIES",
 ]
 
-_SOURCES = ["bitmask_linear.cpp"]
-STRATEGIES = ("stream", "expand")
-#: most tokens the stream strategy takes; above it the expand strategy runs (its GEMM reuses each
+_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp"]
+STRATEGIES = ("stream", "expand", "panel")
+#: most tokens the stream strategy takes; above it the expand or panel strategy runs (both reuse each
 #: weight across tokens, the stream kernel re-expands it for every 4 tokens)
 STREAM_MAX_TOKENS = 8
+#: densest bfloat16 weight (kept fraction) the panel strategy takes; above it, expand (dense GEMM) wins
+PANEL_MAX_DENSITY = 0.6
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 #: with bf16 GEMM hardware, a weight whose dense bf16 copy is at most this many bytes is expanded whole
@@ -135,9 +145,20 @@ def _bf16_gemm_hardware() -> bool:
     return bool(flags.get("avx512_bf16") or flags.get("amx_bf16"))
 
 
-def choose_strategy(tokens: int) -> str:
-    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens, else ``"expand"``."""
-    return "stream" if tokens <= STREAM_MAX_TOKENS else "expand"
+def has_panel_bf16() -> bool:
+    """Whether the bfloat16 panel strategy runs here (AVX512-BF16 + VBMI2, build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_panel_bf16())
+
+
+def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
+    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a bfloat16
+    weight of at most :data:`PANEL_MAX_DENSITY` kept where :func:`has_panel_bf16`, else ``"expand"``."""
+    if tokens <= STREAM_MAX_TOKENS:
+        return "stream"
+    if dtype == torch.bfloat16 and density <= PANEL_MAX_DENSITY and has_panel_bf16():
+        return "panel"
+    return "expand"
 
 
 def _stream(
@@ -249,6 +270,39 @@ def _expand(
     return y.to(x2.dtype).contiguous()
 
 
+def _panel(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+) -> Tensor:
+    T, K = x2.shape
+    if kind != "bf16":
+        return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+    y = torch.empty(T, R, dtype=torch.bfloat16)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    rc = lib.sparsa_bitmask_panel_bf16(
+        x2.data_ptr(),
+        T,
+        K,
+        bits.data_ptr(),
+        row_ptr.data_ptr(),
+        values.data_ptr(),
+        R,
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if rc == 0:
+        return y
+    # 1: X holds NaN or Inf; -1: no panel kernel here (CPU, build, SPARSA_ISA) or K > 65535
+    return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+
+
 def bitmask_linear_impl(
     x: Tensor,
     bits: Tensor,
@@ -259,9 +313,10 @@ def bitmask_linear_impl(
     strategy: str = "auto",
 ) -> Tensor:
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
-    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"`` or ``"expand"``."""
+    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"``, ``"expand"`` or ``"panel"`` (float32
+    operands, or a CPU without the panel kernel, run ``"expand"``)."""
     if strategy not in ("auto",) + STRATEGIES:
-        raise ValueError(f"strategy must be 'auto', 'stream' or 'expand', got {strategy!r}")
+        raise ValueError(f"strategy must be 'auto', 'stream', 'expand' or 'panel', got {strategy!r}")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
@@ -273,8 +328,9 @@ def bitmask_linear_impl(
     if T == 0 or out_features == 0:
         return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
     if strategy == "auto":
-        strategy = choose_strategy(T)
-    fn = _stream if strategy == "stream" else _expand
+        density = values.numel() / max(1, out_features * K)
+        strategy = choose_strategy(T, torch.bfloat16 if kind == "bf16" else torch.float32, density)
+    fn = {"stream": _stream, "expand": _expand, "panel": _panel}[strategy]
     y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
     return y.reshape(*x.shape[:-1], out_features) if flat else y
 

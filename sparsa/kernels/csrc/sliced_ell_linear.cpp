@@ -30,21 +30,22 @@
 #include "bf16.h"
 #include "gelu.h"
 #include "transpose8.h"
+#include "panel_store.h"
+#include "dp_pack.h"
 
 namespace {
+
+using sparsa_panel::store_block;
+using sparsa_panel::store_y;
 
 constexpr int TBMAX = 32;
 
 // element access of X / weights as fp32 (float: as is; bf16 stored as uint16_t: widened)
 inline float to_f32(float v) { return v; }
 inline float to_f32(uint16_t v) { return sparsa_bf16_to_f32(v); }
-inline void store_y(float* p, float v) { *p = v; }
-inline void store_y(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return sparsa_load8_bf16(p); }
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), sparsa_cvt8_f32_bf16(v)); }
 #endif
 
 // xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB (widened to fp32)
@@ -71,41 +72,6 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
 #endif
     for (; c < K; ++c)
         for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? to_f32(x[(int64_t)i * K + c]) : 0.f;
-}
-
-// Rows [r0, r0 + nr) of one panel, held as part[row][0:TB] (token vectors, TB a multiple of 8): + bias,
-// optional GELU, then stored token by token, so each token's nr outputs go to y as one contiguous run.
-// Lanes past nt are computed (on zeros) but never stored.
-template <typename YT>
-inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int64_t nr, int64_t R,
-                        const float* __restrict bias, YT* __restrict y, bool act) {
-    for (int64_t r = 0; r < nr; ++r) {
-        float* p = part + r * TB;
-        if (bias) {
-            const float b = bias[r0 + r];
-            for (int i = 0; i < TB; ++i) p[i] += b;
-        }
-        if (act) sparsa_gelu_inplace(p, TB);  // GELU after the bias
-    }
-    int64_t r = 0;
-#ifdef __AVX2__
-    // 8 rows x 8 tokens at a time: one transpose turns 8 row vectors into 8 token runs
-    for (; r + 8 <= nr; r += 8) {
-        int i = 0;
-        for (; i + 8 <= nt; i += 8) {
-            __m256 v[8];
-            for (int k = 0; k < 8; ++k) v[k] = _mm256_load_ps(part + (r + k) * TB + i);
-            transpose8(v);
-            for (int k = 0; k < 8; ++k) store8(y + (int64_t)(i + k) * R + r0 + r, v[k]);
-        }
-        for (; i < nt; ++i)
-            for (int k = 0; k < 8; ++k) store_y(y + (int64_t)i * R + r0 + r + k, part[(r + k) * TB + i]);
-    }
-#endif
-    for (int i = 0; i < nt; ++i) {
-        YT* yi = y + (int64_t)i * R + r0;
-        for (int64_t q = r; q < nr; ++q) store_y(yi + q, part[q * TB + i]);
-    }
 }
 
 // Columns per chunk: a 32-token panel's chunk (KCHUNK x 128 B) stays in L1 while every row of a block
@@ -387,44 +353,8 @@ void dp_plan(const int64_t* __restrict sptr, const int32_t* __restrict cols, con
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
 namespace dp {
 
-constexpr int TB = 32;
-
-// xt[c * 32 + pos(t)] = x[t][c] (row stride K) for t < nt, zero for the other tokens and for the zero row
-// c = K; pos puts tokens 4L..4L+3 at words 8L..8L+3 of 128-bit lane L and tokens 16+4L..16+4L+3 at words
-// 8L+4..8L+7. So the 8 tokens of lane L fill words 8L..8L+7 of every column: one 8x8 word transpose of
-// their rows per 8 columns gives 8 column runs (scalar copies were a few percent of a wide layer).
-void pack(const uint16_t* __restrict x, int64_t K, int nt, uint16_t* __restrict xt) {
-    std::memset(xt + K * TB, 0, sizeof(uint16_t) * TB);
-    for (int L = 0; L < 4; ++L) {
-        int tok[8];
-        for (int i = 0; i < 8; ++i) tok[i] = (i < 4 ? 4 * L : 16 + 4 * L - 4) + i;
-        int64_t c = 0;
-        for (; c + 8 <= K; c += 8) {
-            __m128i a[8];
-            for (int i = 0; i < 8; ++i)
-                a[i] = tok[i] < nt ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + (int64_t)tok[i] * K + c))
-                                   : _mm_setzero_si128();
-            __m128i t[8], u[8];
-            for (int i = 0; i < 4; ++i) {
-                t[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
-                t[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
-            }
-            for (int h = 0; h < 2; ++h)  // tokens 0-3 (h = 0) and 4-7 of the lane
-                for (int i = 0; i < 2; ++i) {
-                    u[4 * h + 2 * i] = _mm_unpacklo_epi32(t[4 * h + i], t[4 * h + i + 2]);
-                    u[4 * h + 2 * i + 1] = _mm_unpackhi_epi32(t[4 * h + i], t[4 * h + i + 2]);
-                }
-            for (int j = 0; j < 4; ++j) {  // columns 2j and 2j + 1
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(xt + (c + 2 * j) * TB + 8 * L),
-                                 _mm_unpacklo_epi64(u[j], u[j + 4]));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(xt + (c + 2 * j + 1) * TB + 8 * L),
-                                 _mm_unpackhi_epi64(u[j], u[j + 4]));
-            }
-        }
-        for (; c < K; ++c)
-            for (int i = 0; i < 8; ++i) xt[c * TB + 8 * L + i] = tok[i] < nt ? x[(int64_t)tok[i] * K + c] : 0;
-    }
-}
+using sparsa_dp::TB;
+using sparsa_dp::pack;
 
 // lo (tokens 0-15), hi (16-31) += one plan pair (xt: the panel's bytes)
 inline void pair_step(const char* __restrict xt, const DpPair& p, __m512& lo, __m512& hi) {

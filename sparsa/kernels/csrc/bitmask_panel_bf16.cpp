@@ -1,0 +1,248 @@
+// Y[T, R] = X[T, K] W^T (+ bias) for a bf16 W in the Bitmask layout (per-row mask bits, packed values) and
+// many bf16 tokens (prefill), on CPUs with AVX512-BF16 and VBMI2: sparse compute instead of expanding W to
+// dense rows for a BLAS GEMM, whose expansion from memory cost more than the GEMM saved at these sparsities.
+//
+// X is packed once into bf16 panels of 32 tokens (sparsa_dp::pack, with a zero row at column K). Each thread
+// takes a range of row pairs and walks it in blocks of BLOCK_ROWS rows: it lists each row's kept columns
+// from its mask bytes (one VBMI2 word compress per 32 columns) into a small buffer, then, for every panel,
+// multiplies pairs of consecutive kept columns, (x[t][a], x[t][b]) from a word unpack of the two panel
+// rows, with the two adjacent packed values (w[a], w[b]) in one VDPBF16PS per 16 tokens. So the weight is
+// read from memory once per call and no plan is stored beside it. Two rows, each with even and odd pairs
+// in their own sums, keep 8 VDPBF16PS chains in flight; wide rows are walked in column chunks of
+// CHUNK_COLS so that the panel's rows being read stay in L1 (pairs never straddle a chunk). A row's odd
+// last column pairs with the zero row.
+//
+// Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
+// it does in F.linear: the entry point checks X first and returns 1 (the caller then expands W instead).
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+#include "bf16.h"
+#include "cpu_isa.h"
+#include "dp_pack.h"
+#include "panel_store.h"
+
+namespace {
+
+constexpr int64_t MAX_K = 65535;  // columns are 16-bit, and the zero row's column K too
+constexpr int64_t CHUNK_COLS = 512;  // 32 KiB of a panel
+constexpr int BLOCK_SLICES = 32;  // row pairs per block: their column lists stay in L2 across panels
+constexpr int BLOCK_ROWS = 2 * BLOCK_SLICES;
+
+// Chunks pay when the panel falls out of L1 often enough to outweigh reloading each row's sums per chunk
+// (the same rule as the sliced_ell plan's chunks).
+int64_t n_chunks(int64_t K, double density) {
+    const bool chunk = K >= 2048 || (K > CHUNK_COLS && density >= 0.4);
+    return chunk ? (K + CHUNK_COLS - 1) / CHUNK_COLS : 1;
+}
+
+}  // namespace
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_HAVE_PANEL_BF16 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx512vbmi2,avx2,fma")
+namespace {
+
+bool x_finite(const uint16_t* x, int64_t n) {
+    const __m512i e = _mm512_set1_epi16(0x7f80);
+    __mmask32 bad = 0;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(x + i), e), e);
+    if (i < n) {
+        const __mmask32 tail = (__mmask32)((1u << (n - i)) - 1u);
+        bad |= _mm512_mask_cmpeq_epi16_mask(tail, _mm512_and_si512(_mm512_maskz_loadu_epi16(tail, x + i), e), e);
+    }
+    return bad == 0;
+}
+
+// One row's kept columns (16-bit) into cols, and where each chunk's columns start in it: start[k] for
+// chunk k, start[nch] = the row's count. cols needs 32 slots of slack past the count.
+void list_columns(const uint8_t* bits, int64_t K, int64_t nch, uint16_t* cols, int32_t* start) {
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                          13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i step = _mm512_set1_epi16(32);
+    int32_t n = 0;
+    for (int64_t k = 0; k < nch; ++k) {
+        start[k] = n;
+        const int64_t c1 = std::min(K, (k + 1) * (nch > 1 ? CHUNK_COLS : K));
+        int64_t c = k * CHUNK_COLS;
+        __m512i idx = _mm512_add_epi16(iota, _mm512_set1_epi16((short)c));
+        for (; c + 64 <= c1; c += 64) {  // fixed-size mask loads: a variable memcpy would be a call
+            uint64_t m;
+            std::memcpy(&m, bits + c / 8, 8);
+            const uint32_t lo = (uint32_t)m, hi = (uint32_t)(m >> 32);
+            _mm512_storeu_si512(cols + n, _mm512_maskz_compress_epi16((__mmask32)lo, idx));
+            n += __builtin_popcount(lo);
+            idx = _mm512_add_epi16(idx, step);
+            _mm512_storeu_si512(cols + n, _mm512_maskz_compress_epi16((__mmask32)hi, idx));
+            n += __builtin_popcount(hi);
+            idx = _mm512_add_epi16(idx, step);
+        }
+        for (; c < c1; c += 32) {
+            uint32_t m = 0;
+            const int64_t left = c1 - c;
+            std::memcpy(&m, bits + c / 8, (size_t)std::min<int64_t>(4, (left + 7) / 8));
+            if (left < 32) m &= (1u << left) - 1u;  // bits past K are not columns
+            _mm512_storeu_si512(cols + n, _mm512_maskz_compress_epi16((__mmask32)m, idx));
+            n += __builtin_popcount(m);
+            idx = _mm512_add_epi16(idx, step);
+        }
+    }
+    start[nch] = n;
+}
+
+// one pair of kept columns (a, b) with its two packed weights: lo (tokens 0-15), hi (16-31) += x w
+inline void pair_step(const char* __restrict xt, const uint16_t* __restrict c, const uint16_t* __restrict v,
+                      __m512& lo, __m512& hi) {
+    const __m512i a = _mm512_loadu_si512(xt + ((size_t)c[0] << 6)), b = _mm512_loadu_si512(xt + ((size_t)c[1] << 6));
+    uint32_t w2;
+    std::memcpy(&w2, v, 4);
+    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)w2);
+    lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(a, b), w);
+    hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(a, b), w);
+}
+
+// the odd last column of a row's chunk: its weight with zero, against the panel's zero row (column K)
+inline void single_step(const char* __restrict xt, uint16_t c, uint16_t v, int64_t K, __m512& lo, __m512& hi) {
+    const uint16_t cc[2] = {c, (uint16_t)K}, vv[2] = {v, 0};
+    pair_step(xt, cc, vv, lo, hi);
+}
+
+// One row's pairs in one chunk into its even / odd sums (both token halves).
+inline void row_pairs(const char* xt, const uint16_t* c, const uint16_t* v, int64_t n, int64_t K, __m512& el,
+                      __m512& eh, __m512& ol, __m512& oh) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        pair_step(xt, c + j, v + j, el, eh);
+        pair_step(xt, c + j + 2, v + j + 2, ol, oh);
+    }
+    if (j + 2 <= n) pair_step(xt, c + j, v + j, el, eh), j += 2;
+    if (j < n) single_step(xt, c[j], v[j], K, ol, oh);
+}
+
+struct Weight {
+    const uint8_t* bits;
+    int64_t kb;
+    const int64_t* row_ptr;
+    const uint16_t* values;
+    int64_t R, K, nch;
+};
+
+// Rows [r0, r0 + nr) (nr <= BLOCK_ROWS) of one panel from their column lists; part[row][32 tokens].
+void block_panel(const Weight& W, const char* xt, const uint16_t* cols, int64_t stride, const int32_t* start,
+                 int64_t r0, int64_t nr, float (*part)[sparsa_dp::TB]) {
+    alignas(64) float sums[BLOCK_ROWS][4][16];  // [row][even lo, even hi, odd lo, odd hi], kept between chunks
+    for (int64_t k = 0; k < W.nch; ++k) {
+        for (int64_t r = 0; r < nr; r += 2) {
+            const bool two = r + 1 < nr;
+            __m512 s[2][4];
+            for (int i = 0; i < 2; ++i)
+                for (int q = 0; q < 4; ++q) s[i][q] = k == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums[r + i][q]);
+            const uint16_t *c[2], *v[2];
+            int64_t n[2] = {0, 0};
+            for (int i = 0; i < (two ? 2 : 1); ++i) {
+                const int32_t* st = start + (r + i) * (W.nch + 1);
+                c[i] = cols + (r + i) * stride + st[k];
+                v[i] = W.values + W.row_ptr[r0 + r + i] + st[k];
+                n[i] = st[k + 1] - st[k];
+            }
+            // both rows together while both have pairs left: 8 independent chains
+            const int64_t both = two ? std::min(n[0], n[1]) & ~int64_t(3) : 0;
+            for (int64_t j = 0; j < both; j += 4) {
+                pair_step(xt, c[0] + j, v[0] + j, s[0][0], s[0][1]);
+                pair_step(xt, c[1] + j, v[1] + j, s[1][0], s[1][1]);
+                pair_step(xt, c[0] + j + 2, v[0] + j + 2, s[0][2], s[0][3]);
+                pair_step(xt, c[1] + j + 2, v[1] + j + 2, s[1][2], s[1][3]);
+            }
+            for (int i = 0; i < (two ? 2 : 1); ++i)
+                row_pairs(xt, c[i] + both, v[i] + both, n[i] - both, W.K, s[i][0], s[i][1], s[i][2], s[i][3]);
+            for (int i = 0; i < (two ? 2 : 1); ++i) {
+                if (k + 1 < W.nch) {
+                    for (int q = 0; q < 4; ++q) _mm512_store_ps(sums[r + i][q], s[i][q]);
+                } else {
+                    _mm512_store_ps(part[r + i], _mm512_add_ps(s[i][0], s[i][2]));
+                    _mm512_store_ps(part[r + i] + 16, _mm512_add_ps(s[i][1], s[i][3]));
+                }
+            }
+        }
+    }
+}
+
+void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, uint16_t* y, int nthreads) {
+    constexpr int TB = sparsa_dp::TB;
+    const int64_t K = W.K, R = W.R, npan = (T + TB - 1) / TB;
+    const int64_t prow = (K + 1) * TB;  // one panel: K columns and the zero row, 32 bf16 each
+    std::vector<uint16_t> pbuf((size_t)(npan * prow + 32));
+    uint16_t* panels = pbuf.data() + ((64 - (reinterpret_cast<uintptr_t>(pbuf.data()) & 63)) & 63) / 2;
+    const int64_t nblk = (R + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, std::max(nblk, npan)));
+#pragma omp parallel num_threads(nth)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < npan; ++p)
+            sparsa_dp::pack(x + p * TB * K, K, (int)std::min<int64_t>(TB, T - p * TB), panels + p * prow);
+        const int64_t stride = K + 32;  // a row's column list, with the compress store's slack
+        std::vector<uint16_t> cols((size_t)(BLOCK_ROWS * stride));
+        std::vector<int32_t> start((size_t)(BLOCK_ROWS * (W.nch + 1)));
+        alignas(64) float part[BLOCK_ROWS][TB];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblk; ++b) {
+            const int64_t r0 = b * BLOCK_ROWS, nr = std::min<int64_t>(BLOCK_ROWS, R - r0);
+            for (int64_t r = 0; r < nr; ++r)
+                list_columns(W.bits + (r0 + r) * W.kb, K, W.nch, cols.data() + r * stride,
+                             start.data() + r * (W.nch + 1));
+            for (int64_t p = 0; p < npan; ++p) {
+                const int nt = (int)std::min<int64_t>(TB, T - p * TB);
+                block_panel(W, reinterpret_cast<const char*>(panels + p * prow), cols.data(), stride, start.data(), r0,
+                            nr, part);
+                sparsa_panel::store_block(&part[0][0], TB, nt, r0, nr, R, bias, y + p * TB * R, false);
+            }
+        }
+    }
+}
+
+}  // namespace
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+bool panel_available() {
+#ifdef SPARSA_HAVE_PANEL_BF16
+    static const bool vbmi2 = __builtin_cpu_supports("avx512vbmi2");
+    return vbmi2 && sparsa_cpu_dpbf16_enabled();
+#else
+    return false;
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when sparsa_bitmask_panel_bf16 runs on this CPU (AVX512-BF16 and VBMI2, SPARSA_ISA >= avx512)
+int sparsa_bitmask_has_panel_bf16() { return panel_available() ? 1 : 0; }
+
+// x: bf16 [T, K]; bits: [R, ceil(K / 8)]; row_ptr: [R + 1]; values: bf16 [row_ptr[R]]; bias: fp32 [R] or
+// null; y: bf16 [T, R], fp32 accumulation rounded once (nearest even). Returns 0 when done; 1 when X holds
+// a NaN or Inf (y untouched: only the dense product propagates it to every row); -1 when this CPU or
+// build has no panel kernel or K > 65535.
+int sparsa_bitmask_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
+                              const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads) {
+    if (!panel_available() || K > MAX_K) return -1;
+#ifdef SPARSA_HAVE_PANEL_BF16
+    if (!x_finite(x, T * K)) return 1;
+    if (T <= 0 || R <= 0) return 0;
+    const double density = K > 0 ? (double)row_ptr[R] / ((double)R * (double)K) : 0.0;
+    const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K, density)};
+    run(x, T, W, bias, y, nthreads);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+}  // extern "C"
