@@ -75,7 +75,7 @@ def _layouts(
     """(label, sparsifier, layout, layout params) to benchmark at ``sparsity``; ``only`` keeps those whose
     label or layout name is listed (``row_group`` keeps both row_group16 and row_group4)."""
     from sparsa.methods.pattern import RowGroupSparsifier
-    from sparsa.sparsifiers import GroupedNM, Magnitude
+    from sparsa.sparsifiers import NM, GroupedNM, Magnitude
 
     out = [
         ("row_group16", RowGroupSparsifier(sparsity, group=16), "row_group", {}),
@@ -86,6 +86,8 @@ def _layouts(
         nm = {0.5: (2, 4), 0.75: (1, 4), 0.9: (1, 10)}.get(sparsity)
         if nm is not None:
             out.append((f"grouped_nm{nm[0]}:{nm[1]}", GroupedNM(nm[0], nm[1], 4), "grouped_nm", {}))
+        if sparsity == 0.5:  # plain 2:4, the pattern GPUs accelerate (CPU: the Bitmask kernels)
+            out.append(("nm2:4", NM(2, 4), "nm", {}))
     if only:
         out = [o for o in out if o[0] in only or o[2] in only]
     return out

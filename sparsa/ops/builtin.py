@@ -9,5 +9,6 @@ implementations (:mod:`.gpu_impls`), which are chosen by device over whatever ru
 from . import linear, matmul, pointwise  # noqa: F401
 from . import native_linear, bitmask_linear  # noqa: F401
 from . import native_grouped_nm  # noqa: F401  (after linear: replaces its grouped_nm linear)
+from . import nm_linear  # noqa: F401  (after linear: replaces its nm linear)
 from . import gpu_impls  # noqa: F401
 from . import activation_impls  # noqa: F401  (F.conv2d / F.linear with a relu_compact input)

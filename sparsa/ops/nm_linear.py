@@ -1,0 +1,77 @@
+"""``F.linear`` with an N:M weight on the CPU: the Bitmask kernels on the layout's own values.
+
+An N:M weight's stored values, row by row, are already packed in ascending column order, which is what the
+Bitmask layout stores; only its bit rows are missing. They are built once from ``indices`` and cached on
+the layout (``ceil(K / 8)`` bytes a row), so ``F.linear(x, nm_weight, bias)`` runs
+:func:`sparsa.kernels.bitmask.bitmask_linear_kernel`: the stream kernel for a few tokens (decode), the
+expand or bf16 panel kernel for many (prefill, encoders), instead of materialising the dense weight on
+every call::
+
+    >>> import torch, sparsa
+    >>> w = sparsa.to_sparse(torch.randn(64, 32), "nm", n=2, m=4)
+    >>> x = torch.randn(3, 32)
+    >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().T, atol=1e-4)
+    True
+
+Replaces the pure-PyTorch registration of :mod:`sparsa.ops.linear` for this layout (CUDA inputs still take
+the GPU implementations first). Backward as for Bitmask: dense products, ``grad_W`` on the stored pattern.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..kernels import bitmask as _bm
+from ..layouts.bitmask import pack_bits
+from ..layouts.dense import Dense
+from ..layouts.nm import NM
+from .bitmask_linear import BitmaskLinear
+from .native_linear import _check_input
+from .registry import implements
+
+__all__ = ["NMLinear", "nm_bitmask_components"]
+
+_CACHE_KEY = "bitmask_bits"
+
+
+def nm_bitmask_components(w: NM) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(bits, row_ptr, values)`` of a 2-D N:M weight in the Bitmask layout's terms. ``values`` is a view
+    of ``w.values`` (in-place updates reach the kernels) unless the last group is padded past ``K``, whose
+    stored padding positions are dropped by a copy per call; the bits depend on ``indices`` only and are
+    cached on the layout."""
+    if len(w.shape) != 2:
+        raise ValueError(f"linear: an N:M weight must be 2-D (out, in), got shape {tuple(w.shape)}")
+    R, K = w.shape
+    pos = w._positions().reshape(R, -1)
+    real = None if K % w.m == 0 else pos < K
+    cached = w._cache.get(_CACHE_KEY)
+    if cached is None:
+        mask = torch.zeros(R, K + w.m, dtype=torch.bool, device=pos.device)
+        mask.scatter_(1, pos, True)  # padding positions land past K and are cut off below
+        per_row = pos.shape[1] if real is None else int(real[0].sum()) if R else 0
+        row_ptr = torch.arange(R + 1, dtype=torch.int64, device=pos.device) * per_row
+        cached = w._cache[_CACHE_KEY] = (pack_bits(mask[:, :K].contiguous()), row_ptr)
+    bits, row_ptr = cached
+    values = w.values.reshape(R, -1)
+    if real is not None:
+        values = values[real].reshape(R, -1)  # every row drops the same padding positions (see NM)
+    return bits, row_ptr, values.reshape(-1)
+
+
+@implements("linear", (Dense, NM, Dense), replace=True)
+class NMLinear:
+    """``y = x @ W.T + b`` for an :class:`~sparsa.layouts.NM` weight, by the Bitmask kernels."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: NM, bias: Optional[Tensor] = None) -> Tensor:
+        bits, row_ptr, values = nm_bitmask_components(w)
+        _check_input(x, w, bias)
+        y = _bm.bitmask_linear_kernel(x, bits, row_ptr, values, bias, w.shape[0])
+        ctx.save_for_backward(x, bits, row_ptr, values)
+        ctx.weight_shape = tuple(w.shape)
+        return y
+
+    backward = staticmethod(BitmaskLinear.backward)
