@@ -436,6 +436,8 @@ def main(argv=None) -> int:
         bkey = lambda r: (r["model"], r["dtype"], r["layout"], r["sparsity"])  # noqa: E731
         fresh = {bkey(r) for r in breakdown}
         res["breakdown"] = [r for r in old.get("breakdown", []) if bkey(r) not in fresh] + breakdown
+        if "reruns" in old:  # the hand-written record of which rows were re-measured, and why
+            res["reruns"] = old["reruns"]
     quality = out.parent / "llm_quality.json"
     if quality.is_file():
         res["perplexity"] = json.loads(quality.read_text()).get("rows", [])

@@ -29,15 +29,16 @@ def _fixed_times(ms_by_key, seen):
     return fake
 
 
-def _run(monkeypatch, tmp_path, times, args, old_rows=None):
+def _run(monkeypatch, tmp_path, times, args, old_rows=None, old_extra=None):
     """``main(ARGS + args)`` on the tiny config with fixed times (ms per round); (its rows, the key lists
-    each round robin timed). ``old_rows``: a results file to ``--append`` to."""
+    each round robin timed). ``old_rows``: a results file to ``--append`` to (``old_extra``: more of its
+    top-level keys)."""
     monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
     seen = []
     monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
     out = tmp_path / "llm.json"
     if old_rows is not None:
-        out.write_text(json.dumps({"rows": old_rows}))
+        out.write_text(json.dumps({"rows": old_rows, **(old_extra or {})}))
         args = args + ["--append"]
     llm_decode.main(ARGS + args + ["--out", str(out)])
     return json.loads(out.read_text())["rows"], seen
@@ -74,6 +75,13 @@ def test_append_drops_rows_measured_without_the_cross_dtype_reference(monkeypatc
     old = [old_row, dict(old_row, model="kept", best_dense="float32 eager")]
     rows, _ = _run(monkeypatch, tmp_path, times, ["--dtypes", "float32"], old_rows=old)
     assert sorted({r["model"] for r in rows}) == ["kept", "tiny"]
+
+
+def test_append_keeps_the_record_of_reruns(monkeypatch, tmp_path):
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 4.0}
+    reruns = [{"rows": "x", "why": "y", "command": "z"}]
+    _run(monkeypatch, tmp_path, times, ["--dtypes", "float32"], old_rows=[], old_extra={"reruns": reruns})
+    assert json.loads((tmp_path / "llm.json").read_text())["reruns"] == reruns
 
 
 @pytest.mark.parametrize(
