@@ -4,7 +4,8 @@ Order: exact registered implementation for the argument layouts; else the cheape
 conversion of the sparse arguments to layouts that have one; else dense fallback (convert, run the
 dense op; gradients flow back to the sparse tensors). The fallback warns once per (op, layouts) and
 is counted: :func:`fallback_counts`; in strict mode (:func:`sparsa.strict`) it raises instead. Plans
-are cached per (op, layouts, needs-grad).
+are cached per (op, layouts, needs-grad). Under ``torch.autocast`` the operands of autocast's ops are
+cast first (:mod:`sparsa.ops.autocast`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..layouts.base import Layout, conversion_path
 from ..layouts.dense import Dense
 from ..tensor_base import SparseTensorBase
 from . import registry
+from .autocast import AUTOCAST_OPS, FLOAT32_LAYOUTS, autocast_dtype, run_under_autocast
 from .op_table import OpCall, TORCH_FNS
 from .strict import fallback_error, is_strict
 
@@ -235,6 +237,7 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
     needs_grad = empty = False
     dtype = None
     mixed = False
+    device_type = None
     layouts = []
     # in the same pass: what an implementation that converts nothing receives (``uargs``), and what
     # autograd's apply receives (``aargs``: dead functorch wrappers unwrapped, as Function.apply does)
@@ -260,12 +263,18 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
                     aargs.append(a)
                 if dtype is None:
                     dtype = a.dtype
+                    device_type = "cpu" if a.is_cpu else a.device.type
                 elif a.dtype != dtype:
                     mixed = True
             else:
                 layouts.append(Dense)
                 uargs.append(a)
                 aargs.append(a)
+    if device_type is not None and call.name in AUTOCAST_OPS:
+        ac = autocast_dtype(device_type)
+        # cast unless every operand already has autocast's dtype and computes in it
+        if ac is not None and (mixed or dtype != ac or any(t.name in FLOAT32_LAYOUTS for t in layouts)):
+            return run_under_autocast(func, args, kwargs, device_type, ac)
     if mixed and call.same_dtype:
         with torch._C.DisableTorchFunctionSubclass():
             _check_dtypes(call, targs)
