@@ -87,6 +87,12 @@ def main() -> None:
         choices=list(PRUNE_BY),
         help="what the gradual schedule ranks weights by (recover(prune_by=...))",
     )
+    ap.add_argument(
+        "--autocast",
+        default="none",
+        choices=["none", "bf16"],
+        help="run the student under torch.autocast bf16 (recover(autocast=...)); fp32 master weights",
+    )
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--n-train", type=int, default=2048)
     ap.add_argument("--n-eval", type=int, default=256)
@@ -188,6 +194,7 @@ def main() -> None:
         "init_sparsity": args.init_sparsity,
         "allocation": args.allocation,
         "prune_by": args.prune_by,
+        "autocast": args.autocast,
         "lr": args.lr,
         "dropout": args.dropout,
         "n_train": args.n_train,
@@ -230,6 +237,7 @@ def main() -> None:
         calibration=calib_batches,
         allocation=args.allocation,
         prune_by=args.prune_by,
+        autocast=torch.bfloat16 if args.autocast == "bf16" else None,
         progress=False,
         teacher_cache_bytes=args.teacher_cache_mb << 20,
         dropout=None if args.dropout < 0 else args.dropout,

@@ -115,6 +115,38 @@ def test_recovery_beats_one_shot_and_fine_tuning_lowers_the_loss():
     assert sum(rep.losses[-8:]) / 8 < after_prune
 
 
+@pytest.mark.parametrize("pattern,layout", [("unstructured", None), ("unstructured", "sliced_ell"), ("2:4", None)])
+def test_recovery_under_bf16_autocast(pattern, layout):
+    # mixed precision: the student runs under autocast, its weights and optimizer stay fp32
+    teacher = _mlp(seed=3)
+    train, held_out = _batches(8, seed=4), _batches(4, seed=5)
+    one_shot = sparsa.sparsify(
+        copy.deepcopy(teacher), sparsa.Rule(sparsifier=pattern_sparsifier(pattern, 0.5)[0], module_types=nn.Linear)
+    )
+    model = copy.deepcopy(teacher)
+    seen = []
+    model[2].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    rep = sparsa.recover(
+        model,
+        teacher,
+        train,
+        target_sparsity=0.5,
+        pattern=pattern,
+        layout=layout,
+        steps=60,
+        lr=3e-3,
+        progress=False,
+        autocast=torch.bfloat16,
+    )
+    assert seen and set(seen) == {torch.bfloat16}
+    for n in LINEARS:
+        w = model.get_submodule(n).weight
+        assert w.dtype == torch.float32
+        _check_pattern(w, pattern, 0.5)
+    assert _held_out_loss(model, teacher, held_out) < _held_out_loss(one_shot, teacher, held_out)
+    assert rep.steps == 60
+
+
 def test_time_budget_progress_and_checkpoint(tmp_path, capsys):
     teacher = _mlp()
     model = copy.deepcopy(teacher)
@@ -300,6 +332,7 @@ def test_the_students_dropout_is_off_while_it_distils_and_restored_after():
         (dict(target_sparsity=0.5, teacher_cache_bytes=-1), "teacher_cache_bytes"),
         (dict(target_sparsity=0.5, dropout=1.0), "dropout"),
         (dict(target_sparsity=0.5, prune_by="movement"), "prune_by"),
+        (dict(target_sparsity=0.5, autocast=torch.float32), "autocast"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):

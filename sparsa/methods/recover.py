@@ -351,6 +351,7 @@ def recover(
     teacher_cache_bytes: int = 1 << 30,
     dropout: Optional[float] = 0.0,
     prune_by: str = "magnitude",
+    autocast: Optional[torch.dtype] = None,
 ) -> RecoverReport:
     """Prune ``model`` in place to ``target_sparsity`` in ``pattern`` while distilling it towards
     ``teacher`` (the dense model, e.g. ``copy.deepcopy(model)`` taken before), for ``time_budget``
@@ -386,6 +387,9 @@ def recover(
         prune_by: what the gradual schedule ranks: ``"magnitude"`` (``|W|``) or ``"wanda"``
             (``|W| * ||X||``, ``||X||`` the root mean square of each input feature over the student's
             forwards since the last pruning event).
+        autocast: ``torch.bfloat16`` (or ``torch.float16``) runs the student's forward under
+            ``torch.autocast`` on its device (mixed precision: fp32 master weights, optimizer and loss);
+            ``None`` trains in the model's dtype. The teacher's outputs stay in its own dtype.
 
     The budget covers calibration, the one-shot start and training (a step starts only if, at the mean
     step time so far, it ends within the budget); the student trains in train
@@ -430,6 +434,8 @@ def recover(
         )
     if prune_by not in PRUNE_BY:
         raise ValueError(f"prune_by must be one of {PRUNE_BY}, got {prune_by!r}")
+    if autocast is not None and autocast not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
     if init is not None and init not in INITS:
         raise ValueError(f"init must be None or one of {INITS}, got {init!r}")
     if isinstance(batches, (Tensor, Mapping)) or not hasattr(batches, "__iter__"):
@@ -520,6 +526,7 @@ def recover(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     base_lrs = [g["lr"] for g in opt.param_groups]
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
     teacher.eval()
     was_training = model.training
     model.train()
@@ -582,7 +589,12 @@ def recover(
                 size = sum(t.numel() * t.element_size() for t in target_out)
                 if cached_bytes + size <= teacher_cache_bytes:
                     cache[index], cached_bytes = target_out, cached_bytes + size
-            value = loss(_tensors(forward(model, b)), target_out)
+            if autocast is None:
+                value = loss(_tensors(forward(model, b)), target_out)
+            else:
+                with torch.autocast(device_type, dtype=autocast):
+                    outs = _tensors(forward(model, b))
+                value = loss([t.float() for t in outs], target_out)
             opt.zero_grad(set_to_none=True)
             value.backward()
             opt.step()
