@@ -703,6 +703,7 @@ RECOVER_COLS = [
     "budget_s",
     "fixed_steps",
     "prune_by",
+    "autocast",
     "lr",
     "dropout",
     "n_distil",
@@ -719,7 +720,15 @@ RECOVER_COLS = [
 def recover_section(d: Dict[str, Any]) -> str:
     """One row per run of ``benchmarks/recover.py`` (they append), oldest first."""
     # runs before a flag had its default of then: dropout 0.1, magnitude ranking
-    rows = [dict(r, dropout=r.get("dropout", 0.1), prune_by=r.get("prune_by", "magnitude")) for r in d.get("rows", [])]
+    rows = [
+        dict(
+            r,
+            dropout=r.get("dropout", 0.1),
+            prune_by=r.get("prune_by", "magnitude"),
+            autocast=r.get("autocast", "none"),
+        )
+        for r in d.get("rows", [])
+    ]
     head = (
         f"{d.get('model', 'MiniLM')}, every block Linear pruned; SparseGPT one-shot at the target (or at "
         "`init_sparsity`, then pruned gradually to the target while distilling), then "
@@ -729,7 +738,8 @@ def recover_section(d: Dict[str, Any]) -> str:
         "replaced by random word pieces in an added noisy copy of every distillation batch. n_general: "
         "sentences of general English written by SmolLM2-135M-Instruct (`sparsa.data.generated`) among "
         "the `n_distil` distillation sentences. fixed_steps: exactly that many optimizer steps instead of a "
-        "budget. prune_by: what the gradual schedule ranks (`magnitude` |W|, `wanda` |W|·||X||).\n\n"
+        "budget. prune_by: what the gradual schedule ranks (`magnitude` |W|, `wanda` |W|·||X||). autocast: "
+        "`bf16` ran the student under `torch.autocast` (fp32 master weights, `recover(autocast=...)`).\n\n"
     )
     return head + _md(rows, RECOVER_COLS, {"lr": "g"})
 

@@ -100,6 +100,15 @@ def test_operands_already_in_autocast_dtype_are_not_cast_again(monkeypatch):
     assert y.dtype == BF and calls == []
 
 
+def test_float64_operands_are_left_as_autocast_leaves_them():
+    w = sparsa.to_sparse(torch.randn(8, 16, dtype=torch.float64), "masked", mask=torch.rand(8, 16) < 0.5)
+    x = torch.randn(3, 16, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=BF):
+        y = F.linear(x, w)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, x @ w.sparse_layout.to_dense().T)
+
+
 def test_mixed_dtypes_outside_autocast_are_still_an_error():
     w = _weight("sliced_ell")
     with pytest.raises(TypeError, match="same dtype"):

@@ -1,12 +1,12 @@
 """``sparsa::bitmask_linear``: Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values).
 
-Two native strategies (``csrc/bitmask_linear.cpp``), both reading the compressed weight once:
+Three native strategies, each reading the compressed weight once per call:
 
-- ``"stream"`` for a few tokens (LLM decoding): every row's packed values are expanded in registers,
-  8 columns at a time with AVX2 or 16 with AVX-512 (one masked expand per pair of mask bytes, where the
-  CPU has AVX-512F), and multiplied with the tokens; bfloat16 takes 32 columns a step with one word
-  expand and VDPBF16PS where the CPU has AVX512-BF16 and VBMI2. The weight is streamed from memory
-  once, so the time follows its bytes. :data:`STREAM_PATH` picks the row loop.
+- ``"stream"`` for a few tokens (LLM decoding, ``csrc/bitmask_linear.cpp``): every row's packed values
+  are expanded in registers, 8 columns at a time with AVX2 or 16 with AVX-512 (one masked expand per pair
+  of mask bytes, where the CPU has AVX-512F), and multiplied with the tokens; bfloat16 takes 32 columns a
+  step with one word expand and VDPBF16PS where the CPU has AVX512-BF16 and VBMI2. The weight is streamed
+  from memory once, so the time follows its bytes. :data:`STREAM_PATH` picks the row loop.
 - ``"expand"`` for many tokens (prefill): blocks of rows are expanded to dense rows that stay in cache,
   and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
   memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware

@@ -4,10 +4,10 @@ A ``SparseTensor`` argument reaches sparsa's dispatcher at the torch-function le
 dispatch key, so autocast never sees the call. Without this module a model trained or run under
 ``torch.autocast("cpu", dtype=torch.bfloat16)`` would meet a bf16 activation and an fp32 sparse weight in
 one ``F.linear`` and fail. For the ops autocast runs in the lower precision (:data:`AUTOCAST_OPS`), every
-floating-point argument is cast to autocast's dtype (a differentiable copy: gradients reach the fp32
-master weights in fp32), and the op runs with autocast off. Layouts whose kernels compute in float32 only
-(:data:`FLOAT32_LAYOUTS`) run the op in float32 instead and cast its output to autocast's dtype, so what
-follows sees the dtype it would see from the dense op.
+float32 argument is cast to autocast's dtype (a differentiable copy: gradients reach the fp32 master
+weights in fp32; float64 ones stay, as autocast leaves them), and the op runs with autocast off.
+Layouts whose kernels compute in float32 only (:data:`FLOAT32_LAYOUTS`) run the op in float32 instead and
+cast its output to autocast's dtype, so what follows sees the dtype it would see from the dense op.
 
 Example::
 
@@ -46,14 +46,16 @@ def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _cast(a: Any, dtype: torch.dtype) -> Any:
-    if isinstance(a, Tensor) and a.is_floating_point() and a.dtype != dtype:
-        return a.to(dtype)
-    return a
+    if not isinstance(a, Tensor) or a.dtype == dtype:
+        return a
+    # as autocast: float32 goes down to autocast's dtype and float64 stays; the float32 path widens bf16/fp16
+    castable = (torch.bfloat16, torch.float16) if dtype == torch.float32 else (torch.float32,)
+    return a.to(dtype) if a.dtype in castable else a
 
 
 def run_under_autocast(func: Callable, args: tuple, kwargs: dict, device_type: str, dtype: torch.dtype) -> Any:
-    """``func(*args, **kwargs)`` as autocast would run it: floating-point arguments cast to ``dtype`` (or to
-    float32 when a sparse argument's layout is in :data:`FLOAT32_LAYOUTS`, the result then cast to
+    """``func(*args, **kwargs)`` as autocast would run it: float32 arguments cast to ``dtype`` (or the reduced
+    ones to float32 when a sparse argument's layout is in :data:`FLOAT32_LAYOUTS`, the result then cast to
     ``dtype``), with autocast off inside."""
     wide = any(isinstance(a, SparseTensorBase) and a.layout_name in FLOAT32_LAYOUTS for a in (*args, *kwargs.values()))
     to = torch.float32 if wide else dtype

@@ -272,8 +272,8 @@ def dispatch(cls: type, call: OpCall, func: Callable, args: tuple, kwargs: dict)
                 aargs.append(a)
     if device_type is not None and call.name in AUTOCAST_OPS:
         ac = autocast_dtype(device_type)
-        # cast unless every operand already has autocast's dtype and computes in it
-        if ac is not None and (mixed or dtype != ac or any(t.name in FLOAT32_LAYOUTS for t in layouts)):
+        # cast when a float32 operand is there to cast, or a layout computes in float32 only
+        if ac is not None and (mixed or dtype == torch.float32 or any(t.name in FLOAT32_LAYOUTS for t in layouts)):
             return run_under_autocast(func, args, kwargs, device_type, ac)
     if mixed and call.same_dtype:
         with torch._C.DisableTorchFunctionSubclass():
