@@ -177,6 +177,27 @@ def test_bf16_expand_by_blocks_or_whole(monkeypatch, whole_bytes):
     _close(bm.bitmask_linear_impl(x, *_components(w), b, 150, "expand"), _ref(x, w, b), BF)
 
 
+@pytest.mark.parametrize("dtype,bf16_gemm", [(torch.float32, False), (BF, False), (BF, True)])
+@pytest.mark.parametrize("tokens", [12, 40])
+def test_expand_whole_from_many_tokens(monkeypatch, dtype, bf16_gemm, tokens):
+    # a float32 GEMM (fp32 operands, or bf16 ones widened where bf16 GEMMs are slow) takes the whole
+    # expanded weight from WHOLE_MIN_TOKENS tokens on, row blocks below; a bf16 GEMM always the whole one
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.setattr(bm, "WHOLE_MIN_TOKENS", 32)
+    monkeypatch.setattr(bm, "_bf16_gemm_hardware", lambda: bf16_gemm)
+    monkeypatch.setattr(bm, "_BLOCK_BYTES", 40 * 203 * 4)
+    whole = []
+    real = bm._scratch
+    monkeypatch.setattr(bm, "_scratch", lambda n, dt: whole.append(dt) or real(n, dt))
+    w = Bitmask.from_dense(torch.randn(150, 203).to(dtype), sparsity=0.6)
+    x = torch.randn(tokens, 203).to(dtype)
+    b = torch.randn(150).to(dtype)
+    _close(bm.bitmask_linear_impl(x, *_components(w), b, 150, "expand"), _ref(x, w, b), dtype)
+    gemm = BF if bf16_gemm else torch.float32
+    assert whole == ([gemm] if bf16_gemm or tokens >= 32 else [])
+
+
 # ---------------------------------------------------------------------------------------------- kernels
 @SETTINGS
 @given(

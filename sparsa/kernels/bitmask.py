@@ -60,6 +60,7 @@ __all__ = [
     "has_dpbf16",
     "has_panel_bf16",
     "PANEL_MAX_DENSITY",
+    "WHOLE_MIN_TOKENS",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -83,6 +84,9 @@ _BLOCK_BYTES = 2 << 20
 #: (into a per-thread buffer kept between calls) and multiplied with one ``F.linear``, the dense model's
 #: GEMM; the row-block GEMMs (each ``W_block @ X^T``) run slower in bf16 (docs/benchmarks.md)
 _WHOLE_BYTES = 64 << 20
+#: from this many tokens a float32 GEMM also takes the whole expanded weight: its row-block GEMMs
+#: (``W_block @ X^T``, then a transpose of the output) lose to one ``F.linear`` there (docs/benchmarks.md)
+WHOLE_MIN_TOKENS = 512
 #: the stream strategy's row loops: ``"auto"`` (for bfloat16 the dot-product loop where the CPU has
 #: AVX512-BF16 and VBMI2, else AVX-512 where it has it, else AVX2; ``SPARSA_ISA`` can lower it),
 #: ``"avx2"`` (8 columns a step), ``"avx512"`` (16), ``"pair16"`` (the AVX-512 loop on two AVX2 halves:
@@ -238,10 +242,20 @@ def _expand(
     xg = x2 if x2.dtype == gemm_dtype else x2.to(gemm_dtype)
     item = 2 if gemm_dtype == torch.bfloat16 else 4
     nt = torch.get_num_threads()
-    if gemm_dtype == torch.bfloat16 and R * K * item <= _WHOLE_BYTES:
+    if (gemm_dtype == torch.bfloat16 or T >= WHOLE_MIN_TOKENS) and R * K * item <= _WHOLE_BYTES:
         whole = _scratch(R * K, gemm_dtype).view(R, K)
         lib.sparsa_bitmask_expand(
-            bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), 1, R, K, 0, R, whole.data_ptr(), 1, nt
+            bits.data_ptr(),
+            row_ptr.data_ptr(),
+            values.data_ptr(),
+            int(kind == "bf16"),
+            R,
+            K,
+            0,
+            R,
+            whole.data_ptr(),
+            int(gemm_dtype == torch.bfloat16),
+            nt,
         )
         return torch.nn.functional.linear(xg, whole, None if bias is None else bias.to(gemm_dtype)).to(x2.dtype)
     rows = max(8, min(R, _BLOCK_BYTES // max(1, K * item)))
