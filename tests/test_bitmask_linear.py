@@ -304,6 +304,21 @@ def test_panel_matches_float64(monkeypatch, T, R, K, density, bias):
 
 
 @pytest.mark.usefixtures("needs_panel")
+@settings(max_examples=20, deadline=None)
+@given(
+    R=st.integers(1, 70),
+    K=st.integers(1, 2300),  # chunked from K > 512 at density >= 0.4 and from K >= 2048
+    T=st.integers(9, 70),
+    density=st.sampled_from([0.02, 0.3, 0.45, 0.6, 1.0]),
+    seed=st.integers(0, 999),
+)
+def test_panel_property_against_float64(R, K, T, density, seed):
+    w = _bf16_weight(R, K, density, seed)
+    x = torch.randn(T, K, generator=torch.Generator().manual_seed(seed)).to(BF)
+    _close(bm.bitmask_linear_impl(x, *_components(w), None, R, "panel"), _ref(x, w, None), BF)
+
+
+@pytest.mark.usefixtures("needs_panel")
 def test_panel_token_results_do_not_depend_on_the_batch():
     # each token is one lane of a panel with a fixed pair order, so it is bit-exact alone or in a batch
     w = _bf16_weight(70, 1100, 0.45, seed=3, odd_rows=True)
