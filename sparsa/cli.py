@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--layout",
         default=None,
         help="storage layout (default: the pattern's natural one: masked, nm, grouped_nm or row_group; "
-        "for a causal LM with an unstructured or N:M pattern, bitmask where available)",
+        "for a causal LM with an unstructured or N:M pattern, bitmask where available; for an encoder "
+        "with an unstructured pattern at --sparsity >= 0.5, sliced_ell)",
     )
     pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
     pr.add_argument(
@@ -360,7 +361,7 @@ def _cmd_prune(a: argparse.Namespace) -> int:
             raise UsageError(f"unknown --layout {a.layout!r}; choose one of {', '.join(sorted(registered_layouts()))}")
     causal = is_causal_lm(a.model)  # a config.json that is no JSON fails here (exit 1)
     try:
-        layout = a.layout or default_layout(a.pattern, causal)
+        layout = a.layout or default_layout(a.pattern, causal, a.sparsity)
     except ValueError as e:
         raise UsageError(f"--pattern: {e}") from None
     try:

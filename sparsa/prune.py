@@ -133,21 +133,38 @@ def _pattern_sparsifier(
     return p.sparsifier, parse_pattern(pattern, sparsity, arg=arg).layout
 
 
-def default_layout(pattern: str, causal_lm: bool = False) -> str:
+#: from this sparsity on, an encoder's unstructured weights are stored as ``sliced_ell``: whole-model
+#: BERT-base runs at dense fp32's speed there and faster in bf16, while ``masked`` always runs a dense
+#: product (``benchmarks/bert_inference.py``, ``benchmarks/linear_kernels.py``); below it, ``masked``.
+SLICED_ELL_MIN_SPARSITY = 0.5
+
+
+def default_layout(pattern: str, causal_lm: bool = False, sparsity: Optional[float] = None) -> str:
     """The layout ``prune_model_dir`` stores ``pattern`` in when none is given: the pattern's natural
-    one (masked, nm, grouped_nm or row_group), except that a causal LM's ``'unstructured'`` or
-    ``'N:M'`` weights go to ``"bitmask"`` (fast single-token decode) when that layout is registered.
+    one (masked, nm, grouped_nm or row_group), except that
+    - a causal LM's ``'unstructured'`` or ``'N:M'`` weights go to ``"bitmask"`` (fast single-token
+      decode, sparse bf16 prefill) when that layout is registered;
+    - another model's ``'unstructured'`` weights go to ``"sliced_ell"`` (sparse compute for many tokens)
+      at ``sparsity`` >= :data:`SLICED_ELL_MIN_SPARSITY` (``None``: 0.5, the CLI's default).
 
     >>> default_layout("2:4"), default_layout("grouped_2:4"), default_layout("row_group16")
     ('nm', 'grouped_nm', 'row_group')
+    >>> default_layout("unstructured", sparsity=0.75), default_layout("unstructured", sparsity=0.3)
+    ('sliced_ell', 'masked')
     """
     from .layouts.base import get_layout
 
-    _, natural = _pattern_sparsifier(pattern, 0.5, arg="pattern")
+    s = 0.5 if sparsity is None else sparsity
+    _, natural = _pattern_sparsifier(pattern, s, arg="pattern")
+    fast = None
     if causal_lm and natural in ("masked", "nm"):
+        fast = "bitmask"
+    elif not causal_lm and natural == "masked" and s >= SLICED_ELL_MIN_SPARSITY:
+        fast = "sliced_ell"
+    if fast is not None:
         try:
-            get_layout("bitmask")
-            return "bitmask"
+            get_layout(fast)
+            return fast
         except ValueError:
             pass
     return natural
@@ -359,7 +376,7 @@ def prune_model_dir(
     if not (srcp / "config.json").is_file():
         raise FileNotFoundError(f"MODEL_DIR {src!r}: not a model directory (expected a config.json inside)")
     causal = is_causal_lm(srcp)
-    layout = layout or default_layout(pattern, causal)
+    layout = layout or default_layout(pattern, causal, sparsity)
     sparsifier = check_pattern_layout(pattern, sparsity, layout)
     frontier.check_method_layout(method, layout, "--method")
     model = load_pruned(src)

@@ -94,7 +94,7 @@ def test_prune_then_inspect_then_reload(tiny_model_dir, tmp_path):
     out = tmp_path / "pruned"
     r = _run("prune", str(tiny_model_dir), "-o", str(out), "--method", "wanda", "--sparsity", "0.5", "--calib", "16")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "encoder.layer.0.attention.self.query.weight" in r.stdout and "masked" in r.stdout
+    assert "encoder.layer.0.attention.self.query.weight" in r.stdout and "sliced_ell" in r.stdout
     r2 = _run("inspect", str(out))
     assert r2.returncode == 0, r2.stderr
     assert "50.0%" in r2.stdout and "file size" in r2.stdout
@@ -102,7 +102,7 @@ def test_prune_then_inspect_then_reload(tiny_model_dir, tmp_path):
 
     m = load_pruned(str(out))
     w = m.encoder.layer[0].attention.self.query.weight
-    assert w.layout_name == "masked" and abs(w.sparsity - 0.5) < 1e-6
+    assert w.layout_name == "sliced_ell" and abs(w.sparsity - 0.5) < 1e-6
     # prune again (a pruned directory is a valid input) with N:M
     r3 = _run("prune", str(out), "-o", str(tmp_path / "p2"), "--pattern", "2:4", "--sparsity", "0.5")
     assert r3.returncode == 0, r3.stderr[-3000:]
@@ -260,7 +260,7 @@ def test_prune_with_recovery_moves_towards_the_dense_model(sensitive_model_dir, 
     one_shot, recovered = load_pruned(str(tmp_path / "one_shot")), load_pruned(str(tmp_path / "recovered"))
     for m in (one_shot, recovered):
         w = m.encoder.layer[1].intermediate.dense.weight
-        assert w.layout_name == "masked" and w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
+        assert w.layout_name == "sliced_ell" and w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
     held_out = readme_sentences()[:32]
     before, after = (_held_out_loss(m, dense, tok, held_out) for m in (one_shot, recovered))
     assert after < 0.9 * before, (before, after)  # measured: 2.63 -> 0.98 alone, 2.06 on a busy machine
@@ -308,7 +308,7 @@ def test_a_long_enough_recovery_prunes_gradually(sensitive_model_dir, tmp_path, 
     assert ranked_by == ["wanda"]  # measured to keep more than |W| for both kinds (GRADUAL_PRUNE_BY)
     w = load_pruned(str(out)).encoder.layer[1].intermediate.dense.weight
     assert w.sparse_layout.mask().sum(1).eq(8).all()  # 25% of 32 per row
-    assert w.layout_name == ("row_group" if pattern.startswith("row_group") else "masked")
+    assert w.layout_name == ("row_group" if pattern.startswith("row_group") else "sliced_ell")
 
 
 def test_the_recover_help_states_the_gradual_constants():

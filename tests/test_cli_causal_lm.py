@@ -210,7 +210,7 @@ def test_default_layout_is_bitmask_for_causal_lms_when_registered():
     assert default_layout("unstructured", True) == ("bitmask" if fast else "masked")
     assert default_layout("2:4", True) == ("bitmask" if fast else "nm")
     assert default_layout("row_group16", True) == "row_group"
-    assert default_layout("unstructured", False) == "masked"
+    assert default_layout("unstructured", False) == "sliced_ell"
 
 
 @pytest.mark.parametrize("exc, status", [(KeyboardInterrupt, 130), (RuntimeError, 1)])

@@ -42,7 +42,7 @@ def test_every_pattern_layout_pair_works_or_names_the_fix(pattern, layout):
 
 def test_default_layouts():
     assert [default_layout(p) for p in PATTERNS] == [
-        "masked",
+        "sliced_ell",
         "nm",
         "nm",
         "nm",
@@ -50,6 +50,20 @@ def test_default_layouts():
         "grouped_nm",
         "row_group",
     ]
+
+
+@pytest.mark.parametrize(
+    "sparsity, layout", [(0.3, "masked"), (0.49, "masked"), (0.5, "sliced_ell"), (0.9, "sliced_ell")]
+)
+def test_an_encoders_unstructured_default_is_sliced_ell_from_half(sparsity, layout):
+    """sliced_ell computes sparsely (as fast as dense fp32 at 50%, faster above and in bf16); masked
+    always runs a dense product, so it is the default only below SLICED_ELL_MIN_SPARSITY."""
+    from sparsa.prune import SLICED_ELL_MIN_SPARSITY
+
+    assert SLICED_ELL_MIN_SPARSITY == 0.5
+    assert default_layout("unstructured", False, sparsity) == layout
+    assert default_layout("unstructured", True, sparsity) == "bitmask"  # causal LMs: decode first
+    assert default_layout("2:4", False, sparsity) == "nm"
 
 
 @pytest.mark.parametrize(
