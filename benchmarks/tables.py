@@ -29,10 +29,14 @@ BENCHES = (
     ("deepsparse_h2h", "Head to head with DeepSparse on the same weights", "make bench-deepsparse"),
     ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
     ("bitmask_stream", "The bitmask decode kernel alone", "python benchmarks/bitmask_stream.py"),
+    ("bitmask_prefill", "The bitmask strategies per layer", "python benchmarks/bitmask_prefill.py"),
+    ("bf16_paths", "The VDPBF16PS kernel paths", "python benchmarks/bf16_paths.py"),
+    ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
     ("recover", "Recovery to high sparsity on MiniLM", "python benchmarks/recover.py"),
+    ("allocation", "Per-layer sparsity allocation on MiniLM", "python benchmarks/allocation.py"),
     ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"),
     ("relu_compact_ops", "Ops on the relu_compact layout", "python benchmarks/relu_compact_ops.py"),
 )
@@ -685,6 +689,60 @@ def bitmask_stream_section(d: Dict[str, Any]) -> str:
     return head + _md(d["rows"], cols, {"max_rel_err": ".1e"}) + ("\n\n_(quick run)_" if d.get("quick") else "")
 
 
+def bitmask_prefill_section(d: Dict[str, Any]) -> str:
+    """Each bitmask strategy on one weight against dense ``F.linear`` in the same dtype, and the one chosen."""
+    t = d.get("thresholds") or {}
+    head = (
+        f"Each strategy of `sparsa::bitmask_linear` on one weight (the weight in cache), {d.get('threads')} "
+        "threads, side by side with dense `F.linear` in the same dtype (`<strategy>_vs_dense`); auto: the "
+        "strategy `choose_strategy` picks, against the faster dense dtype (auto_vs_best_dense). Thresholds: "
+        + ", ".join(f"{k} {v}" for k, v in t.items())
+        + ".\n\n"
+    )
+    rows = [dict(r, shape="x".join(str(v) for v in r.get("shape", []))) for r in d["rows"]]
+    cols = ["model", "shape", "dtype", "sparsity", "tokens", "dense_ms", "stream_vs_dense"]
+    cols += ["expand_blocks_vs_dense", "expand_whole_vs_dense", "panel_vs_dense", "auto_strategy"]
+    cols += ["best_dense", "auto_vs_best_dense"]
+    return head + _md(rows, cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
+def bf16_paths_section(d: Dict[str, Any]) -> str:
+    """The VDPBF16PS paths against the path below them and against the faster dense dtype."""
+    head = (
+        f"Each bf16 dot-product kernel path (dp_ms) beside the path below it (below_path, below_ms) and dense "
+        f"bf16 and fp32 `F.linear`, {d.get('threads')} thread(s), one process; speedup_vs_best_dense: the faster "
+        "dense dtype / the dp path.\n\n"
+    )
+    cols = ["kernel", "out_features", "in_features", "tokens", "sparsity", "dp_ms", "below_path", "below_ms"]
+    cols += ["dense_bf16_ms", "dense_fp32_ms", "speedup_vs_below", "speedup_vs_best_dense"]
+    return head + _md(d["rows"], cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
+def adaptive_bf16_section(d: Dict[str, Any]) -> str:
+    """Fwd+bwd of conv2d(relu(x), W) with the bf16 and fp32 activation-sparse kernels against dense."""
+    head = (
+        "Forward and backward of `conv2d(relu(x), W)` (3x3, batch 32, clustered zeros) under bf16 autocast: "
+        "the bf16 activation-sparse kernels and the fp32 kernels on the widened operands, against dense bf16 "
+        "autocast and dense fp32 in both memory formats (best_dense: the fastest).\n\n"
+    )
+    rows = [dict(r, shape="x".join(str(v) for v in r.get("shape", []))) for r in d["rows"]]
+    cols = ["shape", "sparsity", "threads", "bf16_kernels_ms", "fp32_kernels_ms", "dense_bf16_nchw_ms"]
+    cols += ["dense_bf16_cl_ms", "dense_fp32_nchw_ms", "dense_fp32_cl_ms", "best_dense"]
+    cols += ["speedup_vs_best_dense", "speedup_fp32_kernels_vs_best_dense"]
+    return head + _md(rows, cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+
+
+def allocation_section(d: Dict[str, Any]) -> str:
+    """Uniform against non-uniform (OWL) per-layer sparsity at the same overall target."""
+    head = (
+        f"MiniLM, each method one-shot at the overall target, uniform or allocated per layer/block "
+        f"(OWL outlier ratios, strength lam), mean cosine to the dense embeddings on {d.get('n_eval')} held-out "
+        "texts.\n\n"
+    )
+    cols = ["method", "allocation", "target", "sparsity", "mean_cosine", "seconds"]
+    return head + _md(d["rows"], cols)
+
+
 def llm_quality_section(d: Dict[str, Any]) -> str:
     cols = [
         c
@@ -788,9 +846,13 @@ SECTIONS = {
     "relu_compact_ops": relu_compact_section,
     "llm_decode": llm_decode_section,
     "bitmask_stream": bitmask_stream_section,
+    "bitmask_prefill": bitmask_prefill_section,
+    "bf16_paths": bf16_paths_section,
+    "adaptive_bf16": adaptive_bf16_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
     "recover": recover_section,
+    "allocation": allocation_section,
 }
 
 

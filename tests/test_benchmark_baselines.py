@@ -232,3 +232,65 @@ def test_bert_dense_baselines_keep_their_batch():
     fns[8]["fp32"]()
     fns[1]["fp32"]()
     assert seen == [8, 1]
+
+
+def test_every_result_of_a_measured_class_has_a_section():
+    """A JSON that a benchmark writes into a measured class's directory must appear in docs/benchmarks.md."""
+    known = {name for name, _, _ in tables.BENCHES}
+    assert known == set(tables.SECTIONS)
+    for d in tables.class_dirs():
+        if d.name.startswith("legacy"):
+            continue
+        names = {p.stem for p in d.glob("*.json")} - {"cpu"}
+        assert names <= known, f"{d.name}: no tables.py section for {sorted(names - known)}"
+
+
+@pytest.mark.parametrize("name", ["bitmask_prefill", "bf16_paths", "adaptive_bf16"])
+def test_the_kernel_sections_render_their_rows(name):
+    d = {"threads": 2, "rows": [], "thresholds": {"STREAM_MAX_TOKENS": 8}}
+    row = {
+        "bitmask_prefill": {
+            "model": "m",
+            "shape": [4, 8],
+            "dtype": "bfloat16",
+            "sparsity": "0.5",
+            "tokens": 128,
+            "dense_ms": 1.0,
+            "panel_vs_dense": 1.25,
+            "auto_strategy": "panel",
+            "best_dense": "bfloat16",
+            "auto_vs_best_dense": 1.25,
+        },
+        "bf16_paths": {
+            "kernel": "row_group16",
+            "out_features": 4,
+            "in_features": 8,
+            "tokens": 128,
+            "sparsity": 0.5,
+            "dp_ms": 1.0,
+            "below_path": "SPARSA_ISA=avx2",
+            "below_ms": 2.0,
+            "speedup_vs_below": 2.0,
+            "speedup_vs_best_dense": 1.25,
+        },
+        "adaptive_bf16": {
+            "shape": [32, 64, 32, 32],
+            "sparsity": 0.9,
+            "threads": 2,
+            "bf16_kernels_ms": 1.0,
+            "best_dense": "dense_bf16_cl",
+            "speedup_vs_best_dense": 1.17,
+        },
+    }[name]
+    d["rows"] = [row]
+    s = tables.SECTIONS[name](d)
+    line = next(
+        l
+        for l in s.splitlines()
+        if l.startswith("| ")
+        and "---" not in l
+        and not l.startswith("| model")
+        and not l.startswith("| kernel")
+        and not l.startswith("| shape")
+    )
+    assert ("4x8" in line or "32x64x32x32" in line or "row_group16" in line) and "1.25" in line or "1.17" in line, s
