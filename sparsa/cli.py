@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--only-if-faster",
         action="store_true",
-        help="keep a layer's sparse layout only where it is measured faster than dense on this "
-        "machine (at the current thread count); save the others dense (same values)",
+        help="time each pruned layer on this machine (at the current thread count) in its layout and "
+        "in sliced_ell and bitmask where they store the same pattern; keep the fastest sparse layout "
+        "where it beats dense, and save the others dense (same values)",
     )
     pr.add_argument(
         "--timing-tokens",

@@ -351,8 +351,10 @@ def prune_model_dir(
     ``layout``: the storage layout (default :func:`default_layout`). ``data``: calibration text for
     wanda/sparsegpt (a text file, one passage per line, or a directory of ``*.txt``; default the
     built-in offline sentences). ``only_if_faster`` (``True`` or a token count, as in
-    :class:`sparsa.methods.OneShot`): a pruned layer whose sparse layout is not measured faster than
-    dense on this machine is saved as a dense weight (same values); ``True`` times a causal LM at
+    :class:`sparsa.methods.OneShot`): each pruned layer is timed in its layout and in the
+    :data:`~sparsa.nn.linears.SAME_PATTERN_LAYOUTS` that store its pattern exactly, and the fastest is
+    kept; a layer whose fastest sparse layout is not measured faster than dense on this machine is saved
+    as a dense weight (same values); ``True`` times a causal LM at
     :data:`sparsa.nn.linears.DECODE_TOKENS` (decoding), other models at 128 tokens. Returns the per-layer report rows
     (see :func:`sparsa.sparsity_report`; the pruned weights' rows also carry ``path`` and
     ``ratio_vs_dense``). ``recover_seconds``: after pruning, distil the pruned model towards the
@@ -363,7 +365,7 @@ def prune_model_dir(
     """
     from . import Rule, sparsify, sparsity_report
     from .methods import SparseGPT, Wanda
-    from .nn.linears import _tokens, annotate_paths, dense_where_slower, timing_tokens
+    from .nn.linears import SAME_PATTERN_LAYOUTS, _tokens, annotate_paths, dense_where_slower, timing_tokens
 
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -443,7 +445,7 @@ def prune_model_dir(
             print(f"recovered: {rep.steps} steps in {rep.seconds:.0f} s, loss {first:.4f} -> {last:.4f}", flush=True)
     tokens = timing_tokens(only_if_faster, model)
     if tokens:
-        chosen = dense_where_slower(model, tokens, names=names)
+        chosen = dense_where_slower(model, tokens, names=names, layouts=SAME_PATTERN_LAYOUTS)
     else:
         chosen = {f"{n}.weight": {"path": "sparse", "ratio_vs_dense": None} for n in names}
 

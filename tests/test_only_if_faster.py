@@ -250,3 +250,80 @@ def test_cached_linear_costs_are_remeasured_after_a_kernel_change(monkeypatch):
     monkeypatch.setattr(loader, "kernels_digest", lambda: "000000000000")
     linears.linear_costs(w, None, 4)
     assert len(measured) == 2 and measured[1].endswith("|k000000000000")
+
+
+class LayoutTimer:
+    """linear_costs stand-in: ms per option by the weight's layout (dense always 1 ms); records layouts."""
+
+    def __init__(self, sparse_ms):
+        self.sparse_ms, self.seen = sparse_ms, []
+
+    def __call__(self, weight, bias, tokens):
+        self.seen.append(weight.layout_name)
+        return {"sparse": self.sparse_ms[weight.layout_name], "dense_float32": 1.0, "dense_bfloat16": 1.5}
+
+
+def _masked_model():
+    m = _model()
+    sparsa.sparsify_linears(m, "masked", 0.75)
+    return m
+
+
+@pytest.mark.parametrize(
+    "sparse_ms, path, layout",
+    [
+        ({"masked": 1.2, "sliced_ell": 0.5, "bitmask": 0.8}, "sparse", "sliced_ell"),
+        ({"masked": 1.2, "sliced_ell": 0.9, "bitmask": 0.4}, "sparse", "bitmask"),
+        ({"masked": 0.5, "sliced_ell": 0.9, "bitmask": 0.8}, "sparse", "masked"),
+        ({"masked": 1.2, "sliced_ell": 1.1, "bitmask": 0.99}, "dense", "dense"),
+    ],
+)
+def test_the_fastest_layout_on_the_same_pattern_is_kept(sparse_ms, path, layout):
+    """With layouts=, each weight is timed in its layout and in every listed one that stores its pattern;
+    the fastest sparse one is compared with dense and stored, with the same values and pattern."""
+    plain, m = _masked_model(), _masked_model()
+    timer = LayoutTimer(sparse_ms)
+    chosen = linears.dense_where_slower(m, 16, timer=timer, layouts=linears.SAME_PATTERN_LAYOUTS)
+    assert set(timer.seen) == {"masked", "sliced_ell", "bitmask"}
+    best = min(sparse_ms, key=sparse_ms.get)
+    for name, d in chosen.items():
+        assert d["path"] == path and d["sparse_layout"] == best
+        w = m.get_parameter(name)
+        assert (w.layout_name if isinstance(w, sparsa.SparseTensor) else "dense") == layout
+        ref = plain.get_parameter(name)
+        assert torch.equal(sparsa.to_dense(w).detach(), ref.sparse_layout.to_dense())
+        if layout != "dense":
+            assert torch.equal(w.pattern(), ref.pattern()) and w.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(m(_x()), plain(_x()))
+
+
+def test_a_layout_that_cannot_hold_the_pattern_is_not_timed():
+    """grouped_nm stores only its own pattern: an unstructured mask is never moved there."""
+    m = _masked_model()
+    timer = LayoutTimer({"masked": 1.2, "grouped_nm": 0.1})
+    chosen = linears.dense_where_slower(m, 16, timer=timer, layouts=("grouped_nm",))
+    assert set(timer.seen) == {"masked"} and all(d["path"] == "dense" for d in chosen.values())
+
+
+@pytest.mark.parametrize("bad, exc", [("sliced_ell", TypeError), (("no_such_layout",), ValueError)])
+def test_bad_layouts_name_the_argument(bad, exc):
+    with pytest.raises(exc, match="layout"):
+        linears.dense_where_slower(_masked_model(), 16, timer=LayoutTimer({"masked": 1.0}), layouts=bad)
+
+
+def test_same_pattern_weights_are_exact():
+    w = _masked_model()[2].weight
+    alts = linears.same_pattern_weights(w, ("masked", "sliced_ell", "bitmask", "csr", "dense", "row_group"))
+    # masked is its own; dense accepts the values but not the pattern; row_group refuses the mask
+    assert set(alts) == {"sliced_ell", "bitmask", "csr"}
+    for sp in alts.values():
+        assert torch.equal(sp.pattern(), w.pattern()) and torch.equal(sp.to_dense(), w.sparse_layout.to_dense())
+
+
+def test_real_timing_picks_among_layouts_and_outputs_match():
+    plain, m = _masked_model(), _masked_model()
+    chosen = linears.dense_where_slower(m, 8, layouts=linears.SAME_PATTERN_LAYOUTS)
+    assert all(d["sparse_layout"] in ("masked", "sliced_ell", "bitmask") for d in chosen.values())
+    with torch.no_grad():
+        torch.testing.assert_close(m(_x()), plain(_x()), rtol=1e-5, atol=1e-5)

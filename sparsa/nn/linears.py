@@ -31,7 +31,7 @@ from torch import nn
 
 from ..cost_model import CostModel, default_cost_model
 from ..sparsifiers import BlockMagnitude, GroupedNM, Magnitude, NM, RowGroupSparsifier, Sparsifier
-from ..tensor import SparseTensor
+from ..tensor import SparseTensor, to_sparse
 from .cast_linear import CastLinear
 from .report import PATH_ATTR
 from .rule import NamePattern, Rule
@@ -44,6 +44,7 @@ __all__ = [
     "DEFAULT_TOKENS",
     "MARGIN",
     "DENSE_OPTIONS",
+    "SAME_PATTERN_LAYOUTS",
 ]
 
 #: the dense paths every sparse layer is measured against, by option name
@@ -58,6 +59,9 @@ DEFAULT_TOKENS = 128
 #: ``can_generate()`` is true, e.g. a ``...ForCausalLM``): generation spends its time in steps of one new
 #: token per sequence, where a sparse layer pays by the bytes it reads, not at a prompt's width
 DECODE_TOKENS = 1
+#: layouts that store any mask exactly and compute sparsely: the alternatives ``sparsa prune --only-if-faster``
+#: times beside a weight's own layout (sliced_ell for many tokens, bitmask for decode and bf16 prefill)
+SAME_PATTERN_LAYOUTS = ("sliced_ell", "bitmask")
 #: a sparse layer is kept only if it is at least this much faster than dense (ratio >= 1 + MARGIN):
 #: a kernel that merely ties dense is not worth its dispatch and its timing noise
 MARGIN = 0.05
@@ -179,6 +183,40 @@ def _as_costs(result: Any, dtype: torch.dtype) -> Dict[str, float]:
     return {"sparse": 1.0, _dense_option(dtype): float(result)}
 
 
+def same_pattern_weights(w: SparseTensor, layouts: Sequence[str]) -> Dict[str, SparseTensor]:
+    """``w`` stored in each of ``layouts`` (besides its own) that keeps exactly its pattern and values:
+    ``{layout name: SparseTensor}``. A layout that cannot store it (or only approximately) is left out."""
+    from ..layouts.base import get_layout
+
+    dense, mask = w.sparse_layout.to_dense().detach(), w.pattern()
+    out: Dict[str, SparseTensor] = {}
+    for name in layouts:
+        get_layout(name)  # an unknown name is an error, not a silent skip
+        if name == w.layout_name:
+            continue
+        try:
+            sp = to_sparse(dense, name, mask=mask)
+        except (ValueError, TypeError, NotImplementedError):
+            continue
+        if sp.pattern().equal(mask) and sp.sparse_layout.to_dense().equal(dense):
+            out[name] = sp
+    return out
+
+
+def _fastest_layout(
+    w: SparseTensor, bias: Optional[torch.Tensor], tokens: int, timer: Callable[..., Any], layouts: Sequence[str]
+) -> Tuple[SparseTensor, Dict[str, float]]:
+    """The weight among ``w`` and its :func:`same_pattern_weights` whose sparse ``F.linear`` is the fastest
+    against dense in its dtype (ratios from side-by-side timings, so runs at different moments compare)."""
+    own = _dense_option(w.dtype)
+    best, best_costs = w, _as_costs(timer(w, bias, tokens), w.dtype)
+    for cand in same_pattern_weights(w, layouts).values():
+        costs = _as_costs(timer(cand, bias, tokens), w.dtype)
+        if costs[own] / costs["sparse"] > best_costs[own] / best_costs["sparse"]:
+            best, best_costs = cand, costs
+    return best, best_costs
+
+
 def dense_where_slower(
     model: nn.Module,
     tokens: int = DEFAULT_TOKENS,
@@ -187,6 +225,7 @@ def dense_where_slower(
     margin: float = MARGIN,
     timer: Optional[Callable[..., Any]] = None,
     dtypes: Optional[Sequence[torch.dtype]] = None,
+    layouts: Sequence[str] = (),
 ) -> Dict[str, Dict[str, Any]]:
     """Time every sparse ``nn.Linear`` weight of ``model`` (or of the modules ``names`` matches) against
     the dense paths and replace it by the fastest dense one where the sparse ``F.linear`` is not at
@@ -196,6 +235,11 @@ def dense_where_slower(
     the model computes the same function). With ``(torch.float32, torch.bfloat16)`` a float32 layer
     may become a :class:`~sparsa.nn.cast_linear.CastLinear` computing in bfloat16, where that is the
     fastest option on this CPU (untied weights only).
+
+    ``layouts``: other layouts to time on the same pattern (e.g. :data:`SAME_PATTERN_LAYOUTS`); each that
+    stores a weight's pattern and values exactly is timed beside its own layout, and the fastest sparse
+    one (against dense in the weight's dtype) is what is compared with dense and kept. The decision's
+    ``sparse_layout`` names it.
 
     ``timer(weight, bias, tokens)`` defaults to :func:`linear_costs` (a dict of ms per option); a timer
     that returns a float gives the speed-up over dense in the weight's dtype. Layers with the same
@@ -215,7 +259,9 @@ def dense_where_slower(
             raise ValueError(f"dtypes must be a non-empty subset of {list(DENSE_OPTIONS.values())}, got {dtypes!r}")
     timer = timer if timer is not None else linear_costs
     select = Rule(names=names, module_types=nn.Linear)
-    cache: Dict[Tuple, Dict[str, float]] = {}
+    if isinstance(layouts, str):
+        raise TypeError(f"layouts must be a sequence of layout names such as ('sliced_ell',), got {layouts!r}")
+    cache: Dict[str, Tuple[str, Dict[str, float]]] = {}
     done: Dict[int, Tuple[nn.Parameter, Dict[str, Any]]] = {}  # id(old weight) -> (new weight, decision)
     users: Dict[int, int] = {}
     for _, mod in model.named_modules():
@@ -236,11 +282,17 @@ def dense_where_slower(
             continue
         key = _cost_key(w, mod.bias is not None, tokens)
         if key not in cache:
-            cache[key] = _as_costs(timer(w, mod.bias, tokens), w.dtype)
+            fast, costs = _fastest_layout(w, mod.bias, tokens, timer, layouts)
+            cache[key] = (fast.layout_name, costs)
+        layout, costs = cache[key]
         can_cast = users.get(id(w), 0) == 1 and mname != ""  # a dtype switch replaces this one module
-        decision = _decide(cache[key], w.dtype, dtypes, margin, can_cast)
+        decision = dict(_decide(costs, w.dtype, dtypes, margin, can_cast), sparse_layout=layout)
         new = w
-        if decision["path"] != "sparse":
+        if decision["path"] == "sparse" and layout != w.layout_name:
+            sp = same_pattern_weights(w, [layout])[layout]
+            new = nn.Parameter(sp, requires_grad=w.requires_grad)
+            setattr(mod, "weight", new)
+        elif decision["path"] != "sparse":
             with torch.no_grad():
                 new = nn.Parameter(w.sparse_layout.to_dense().detach().clone(), requires_grad=w.requires_grad)
             if decision["path"] == "dense":
