@@ -4,12 +4,13 @@ one weight, against dense ``F.linear`` in every dtype, side by side in one proce
 Per weight shape (0.5B Llama and BERT-base linears), dtype, sparsity (a fraction kept per row, or 2:4)
 and token count, the strategies are timed round-robin with the dense passes: ``stream`` (up to 24
 tokens), ``expand_blocks`` (row blocks, ``WHOLE_MIN_TOKENS`` out of reach; only where the GEMM is
-float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16, where the CPU
-has AVX512-BF16 + VBMI2), and ``auto`` (what ``choose_strategy`` picks). The weight stays in cache
+float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
+AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), and ``auto`` (what ``choose_strategy`` picks). The weight stays in cache
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
 Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
 ``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It is what the thresholds
-``STREAM_MAX_TOKENS``, ``PANEL_MAX_DENSITY`` and ``WHOLE_MIN_TOKENS`` of ``sparsa.kernels.bitmask``
+``STREAM_MAX_TOKENS``, ``PANEL_MAX_DENSITY``, ``PANEL_F32_MAX_DENSITY`` and ``WHOLE_MIN_TOKENS`` of
+``sparsa.kernels.bitmask``
 rest on.
 
     python benchmarks/bitmask_prefill.py [--quick]
@@ -107,7 +108,8 @@ def main(argv=None) -> None:
                     # row blocks run only where the GEMM is float32 (with bf16 hardware a bf16 GEMM takes the whole)
                     blocks = dt == torch.float32 or not bm._bf16_gemm_hardware()
                     names = (["expand_blocks"] if blocks else []) + ["expand_whole"]
-                    names += ["panel"] if dt == torch.bfloat16 else []
+                    has_panel = bm.has_panel_bf16() if dt == torch.bfloat16 else bm.has_panel_f32()
+                    names += ["panel"] if has_panel else []
                     for t in tokens:
                         x32 = torch.randn(t, K, generator=gen)
                         x = x32.to(dt)
@@ -123,8 +125,6 @@ def main(argv=None) -> None:
                         best = min(DTYPES, key=lambda d: ms[f"dense_{d}"])
                         density = w.values.numel() / (R * K)
                         auto = bm.choose_strategy(t, dt, density)
-                        if auto == "panel" and dt != torch.bfloat16:
-                            auto = "expand"
                         whole = not blocks or t >= bm.WHOLE_MIN_TOKENS
                         auto_key = auto if auto != "expand" else ("expand_whole" if whole else "expand_blocks")
                         row = {
@@ -158,9 +158,11 @@ def main(argv=None) -> None:
         "quick": a.quick,
         "rounds": rounds,
         "panel_kernel": bm.has_panel_bf16(),
+        "panel_f32_kernel": bm.has_panel_f32(),
         "thresholds": {
             "STREAM_MAX_TOKENS": bm.STREAM_MAX_TOKENS,
             "PANEL_MAX_DENSITY": bm.PANEL_MAX_DENSITY,
+            "PANEL_F32_MAX_DENSITY": bm.PANEL_F32_MAX_DENSITY,
             "WHOLE_MIN_TOKENS": bm.WHOLE_MIN_TOKENS,
         },
         "torch": torch.__version__,

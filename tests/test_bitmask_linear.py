@@ -24,11 +24,15 @@ BF = torch.bfloat16
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-@pytest.fixture(params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "panel", "fallback"])
+@pytest.fixture(
+    params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "panel", "panel_f32", "fallback"]
+)
 def path(request, monkeypatch):
     """A native strategy and row loop, or the pure-PyTorch reference. ``stream_dpbf16`` runs the
     ``auto`` loop where the CPU has AVX512-BF16 and VBMI2: bfloat16 takes the dot-product loop there,
-    float32 the AVX-512 one. ``panel`` runs the bfloat16 panel kernel (float32 operands: expand)."""
+    float32 the AVX-512 one. ``panel`` runs the panel kernels (bfloat16 where the CPU has AVX512-BF16 and
+    VBMI2, float32 with AVX2); ``panel_f32`` runs them under ``SPARSA_ISA=avx2`` (float32 panel, bfloat16
+    operands expand), so the float32 panel kernel is tested on every AVX2 CPU."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if request.param == "stream_avx512":
@@ -51,7 +55,7 @@ def path(request, monkeypatch):
     monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
     if cpu.ISA_LEVELS.index(cpu.hardware_isa()) < cpu.ISA_LEVELS.index("avx2"):
         pytest.skip("this CPU has no avx2/fma: only the fallback runs")
-    if request.param in ("stream", "expand"):
+    if request.param in ("stream", "expand", "panel_f32"):
         monkeypatch.setenv("SPARSA_ISA", "avx2")
     assert bm.native_library() is not None, "native bitmask kernel failed to build"
 
@@ -362,10 +366,13 @@ def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch):
     bm.bitmask_linear_impl(x[: bm.STREAM_MAX_TOKENS], *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(dense), None, 20)
-    w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.6)
+    w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=1.05 - bm.PANEL_F32_MAX_DENSITY)
     bm.bitmask_linear_impl(x.float(), *_components(w32), None, 20)
+    dense32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.3)
+    bm.bitmask_linear_impl(x.float(), *_components(dense32), None, 20)
     many = "panel" if bm.has_panel_bf16() else "expand"
-    assert ran == ["stream", many, "expand", "expand"]
+    many32 = "panel" if bm.has_panel_f32() else "expand"
+    assert ran == ["stream", many, "expand", many32, "expand"]
 
 
 def test_panel_strategy_without_the_kernel_runs_expand(monkeypatch):
@@ -379,6 +386,79 @@ def test_panel_strategy_without_the_kernel_runs_expand(monkeypatch):
     y = bm.bitmask_linear_impl(x, *_components(w), None, 10, "panel")
     assert ran == ["panel", "expand"]
     _close(y, _ref(x, w, None), BF)
+
+
+# ------------------------------------------------------------------------------------------ panel f32
+@pytest.fixture
+def needs_panel_f32():
+    if bm.native_library() is None or not bm.has_panel_f32():
+        pytest.skip("no AVX2 build of the bitmask kernels here: the float32 panel kernel does not run")
+
+
+def _f32_weight(R, K, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(R, K, generator=gen) < density
+    if R > 2:
+        mask[0] = False  # an empty row
+        mask[1] = False
+        mask[1, K - 1] = True  # one kept column, the last
+    return Bitmask.from_dense(torch.randn(R, K, generator=gen), mask=mask)
+
+
+@pytest.mark.usefixtures("needs_panel_f32")
+@pytest.mark.parametrize(
+    "T,R,K,density",
+    [
+        (128, 64, 96, 0.5),  # one chunk, whole panels
+        (37, 33, 1537, 0.3),  # column chunks (K > 512), K not a multiple of 8, odd R, a part panel
+        (70, 130, 600, 0.2),  # chunks, more than one block of rows
+        (9, 5, 7, 0.9),  # K under one mask byte
+        (33, 3, 1, 1.0),
+    ],
+)
+@pytest.mark.parametrize("bias", [None, "f32"])
+def test_panel_f32_matches_float64(monkeypatch, T, R, K, density, bias):
+    ran = _spy_strategies(monkeypatch)
+    w = _f32_weight(R, K, density, seed=T + R + K)
+    x = torch.randn(T, K)
+    b = None if bias is None else torch.randn(R)
+    y = bm.bitmask_linear_impl(x, *_components(w), b, R, "panel")
+    assert ran == ["panel"]  # no fallback to expand
+    _close(y, _ref(x, w, b), torch.float32)
+
+
+@pytest.mark.usefixtures("needs_panel_f32")
+@SETTINGS
+@given(
+    R=st.integers(1, 140), K=st.integers(1, 1300), T=st.integers(1, 70), density=st.floats(0, 1), seed=st.integers(0, 9)
+)
+def test_panel_f32_property_against_float64(R, K, T, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = Bitmask.from_dense(torch.randn(R, K, generator=gen), mask=torch.rand(R, K, generator=gen) < density)
+    x = torch.randn(T, K, generator=gen)
+    _close(bm.bitmask_linear_impl(x, *_components(w), None, R, "panel"), _ref(x, w, None), torch.float32)
+
+
+@pytest.mark.usefixtures("needs_panel_f32")
+def test_panel_f32_token_results_do_not_depend_on_the_batch():
+    w = _f32_weight(70, 900, 0.3, seed=5)
+    x = torch.randn(75, 900)
+    whole = bm.bitmask_linear_impl(x, *_components(w), None, 70, "panel")
+    for i in (0, 31, 40):
+        one = bm.bitmask_linear_impl(x[i : i + 9], *_components(w), None, 70, "panel")
+        assert torch.equal(one, whole[i : i + 9])
+
+
+@pytest.mark.usefixtures("needs_panel_f32")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_panel_f32_nan_or_inf_in_x_runs_expand_like_dense(monkeypatch, bad):
+    ran = _spy_strategies(monkeypatch)
+    w = Bitmask.from_dense(torch.randn(6, 40), mask=torch.eye(6, 40, dtype=torch.bool))
+    x = torch.randn(20, 40)
+    x[3, 39] = bad  # column 39 is kept by no row
+    y = bm.bitmask_linear_impl(x, *_components(w), None, 6, "panel")
+    assert ran == ["panel", "expand"]
+    assert torch.isnan(y[3]).all() and torch.isnan(torch.nn.functional.linear(x, w.to_dense())[3]).all()
 
 
 # ---------------------------------------------------------------------------------------------- op
@@ -479,6 +559,7 @@ print("ok")
         ("avx512", "stream", "float32"),
         ("dpbf16", "stream", "bfloat16"),
         ("dpbf16", "panel", "bfloat16"),
+        ("avx2", "panel", "float32"),
     ],
 )
 def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, strategy, dtype):

@@ -17,6 +17,8 @@ Three native strategies, each reading the compressed weight once per call:
   two adjacent packed values in one VDPBF16PS per 16 tokens. Only kept weights are multiplied, so its time
   falls with the density, where the expansion only adds to a dense GEMM. An X holding NaN or Inf runs
   ``"expand"`` instead (only the dense product spreads it to every output, as ``F.linear`` does).
+  float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
+  panels of 32 tokens, each kept weight broadcast against its column's 32 tokens.
 
 :func:`choose_strategy` picks one by token count, dtype and density. When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
@@ -60,6 +62,8 @@ __all__ = [
     "has_dpbf16",
     "has_panel_bf16",
     "PANEL_MAX_DENSITY",
+    "PANEL_F32_MAX_DENSITY",
+    "has_panel_f32",
     "WHOLE_MIN_TOKENS",
     "bitmask_linear",
     "bitmask_linear_kernel",
@@ -71,13 +75,16 @@ __all__ = [
     "STRATEGIES",
 ]
 
-_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp"]
+_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp"]
 STRATEGIES = ("stream", "expand", "panel")
 #: most tokens the stream strategy takes; above it the expand or panel strategy runs (both reuse each
 #: weight across tokens, the stream kernel re-expands it for every 4 tokens)
 STREAM_MAX_TOKENS = 8
 #: densest bfloat16 weight (kept fraction) the panel strategy takes; above it, expand (dense GEMM) wins
 PANEL_MAX_DENSITY = 0.6
+#: densest float32 weight the panel strategy takes (AVX2 FMA, one load per kept weight and 8 tokens);
+#: above it the expanded weight's BLAS GEMM wins (benchmarks/bitmask_prefill.py)
+PANEL_F32_MAX_DENSITY = 0.55
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 #: with bf16 GEMM hardware, a weight whose dense bf16 copy is at most this many bytes is expanded whole
@@ -155,12 +162,21 @@ def has_panel_bf16() -> bool:
     return lib is not None and bool(lib.sparsa_bitmask_has_panel_bf16())
 
 
+def has_panel_f32() -> bool:
+    """Whether the float32 panel strategy runs here (an AVX2 build)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_panel_f32())
+
+
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a bfloat16
-    weight of at most :data:`PANEL_MAX_DENSITY` kept where :func:`has_panel_bf16`, else ``"expand"``."""
+    weight of at most :data:`PANEL_MAX_DENSITY` kept where :func:`has_panel_bf16`, or a float32 one of at
+    most :data:`PANEL_F32_MAX_DENSITY` kept where :func:`has_panel_f32`; else ``"expand"``."""
     if tokens <= STREAM_MAX_TOKENS:
         return "stream"
     if dtype == torch.bfloat16 and density <= PANEL_MAX_DENSITY and has_panel_bf16():
+        return "panel"
+    if dtype == torch.float32 and density <= PANEL_F32_MAX_DENSITY and has_panel_f32():
         return "panel"
     return "expand"
 
@@ -295,11 +311,12 @@ def _panel(
     R: int,
 ) -> Tensor:
     T, K = x2.shape
-    if kind != "bf16":
+    if kind not in ("bf16", "f32"):
         return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
-    y = torch.empty(T, R, dtype=torch.bfloat16)
+    y = torch.empty(T, R, dtype=x2.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()
-    rc = lib.sparsa_bitmask_panel_bf16(
+    entry = lib.sparsa_bitmask_panel_bf16 if kind == "bf16" else lib.sparsa_bitmask_panel_f32
+    rc = entry(
         x2.data_ptr(),
         T,
         K,
@@ -327,8 +344,8 @@ def bitmask_linear_impl(
     strategy: str = "auto",
 ) -> Tensor:
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
-    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"``, ``"expand"`` or ``"panel"`` (float32
-    operands, or a CPU without the panel kernel, run ``"expand"``)."""
+    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"``, ``"expand"`` or ``"panel"`` (a CPU or
+    build without that dtype's panel kernel, or an X holding NaN or Inf, runs ``"expand"``)."""
     if strategy not in ("auto",) + STRATEGIES:
         raise ValueError(f"strategy must be 'auto', 'stream', 'expand' or 'panel', got {strategy!r}")
     kind = native_kind(x, values, bias)

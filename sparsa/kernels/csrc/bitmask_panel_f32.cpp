@@ -1,0 +1,215 @@
+// Y[T, R] = X[T, K] W^T (+ bias) for an fp32 W in the Bitmask layout (per-row mask bits, packed values) and
+// many fp32 tokens (prefill), with AVX2 + FMA: sparse compute instead of expanding W to dense rows for a
+// BLAS GEMM, which can only add the expansion to the dense GEMM's time.
+//
+// X is transposed once into fp32 panels of 32 tokens (xt[c][32], plus a zero row at column K). Each thread
+// takes blocks of BLOCK_ROWS rows: it lists each row's kept columns from its mask bytes (an 8-column table
+// lookup per byte) into a small buffer, then, for every panel, multiplies each kept column's 32 tokens
+// (four 8-float loads) by the row's next packed value, broadcast: one FMA per 8 tokens and kept weight.
+// Two rows run together, 8 accumulator chains. The weight's values are read in place (a row's packed
+// values are in column order, as its list); nothing is stored beside the bitmask. Wide rows are walked in
+// chunks of CHUNK_COLS columns so that the panel's rows being read stay in L1.
+//
+// Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
+// it does in F.linear: the entry point checks X first and returns 1 (the caller then expands W instead).
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <vector>
+#include <omp.h>
+#include "panel_store.h"
+#include "transpose8.h"
+
+namespace {
+
+constexpr int TB = 32;               // tokens per panel: four 8-float vectors
+constexpr int64_t CHUNK_COLS = 256;  // 32 KiB of a panel
+constexpr int BLOCK_ROWS = 64;       // rows whose column lists stay in L2 across panels
+constexpr int64_t MAX_K = (int64_t)1 << 30;
+
+// Chunks pay when the panel falls out of L1 often enough to outweigh reloading each row's sums per chunk.
+int64_t n_chunks(int64_t K) { return K > 2 * CHUNK_COLS ? (K + CHUNK_COLS - 1) / CHUNK_COLS : 1; }
+
+}  // namespace
+
+#ifdef __AVX2__
+namespace {
+
+// for each mask byte: its set bits' positions, in order (unused slots 0)
+struct ByteLists {
+    alignas(8) uint8_t pos[256][8];
+    ByteLists() {
+        for (int b = 0; b < 256; ++b) {
+            int n = 0;
+            for (int i = 0; i < 8; ++i) pos[b][i] = 0;
+            for (int i = 0; i < 8; ++i)
+                if (b >> i & 1) pos[b][n++] = (uint8_t)i;
+        }
+    }
+};
+const ByteLists BYTE_LISTS;
+
+bool x_finite(const float* x, int64_t n) {
+    const __m256i e = _mm256_set1_epi32(0x7f800000);
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), e);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(v, e));
+    }
+    bool ok = _mm256_testz_si256(bad, bad);
+    for (; i < n; ++i) {
+        uint32_t u;
+        std::memcpy(&u, x + i, 4);
+        ok = ok && (u & 0x7f800000u) != 0x7f800000u;
+    }
+    return ok;
+}
+
+// xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB and for the zero row c = K
+void pack(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
+    std::memset(xt + K * TB, 0, sizeof(float) * TB);
+    int64_t c = 0;
+    for (; c + 8 <= K; c += 8)
+        for (int i0 = 0; i0 < TB; i0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i)
+                r[i] = i0 + i < nt ? _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int k = 0; k < 8; ++k) _mm256_store_ps(xt + (c + k) * TB + i0, r[k]);
+        }
+    for (; c < K; ++c)
+        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
+}
+
+// One row's kept columns into cols (8 slots of slack past the count), and where each chunk's columns start:
+// start[k] for chunk k, start[nch] = the row's count.
+void list_columns(const uint8_t* bits, int64_t K, int64_t nch, int32_t* cols, int32_t* start) {
+    int32_t n = 0;
+    const int64_t kb = (K + 7) / 8;
+    for (int64_t k = 0; k < nch; ++k) {
+        start[k] = n;
+        const int64_t b0 = k * CHUNK_COLS / 8, b1 = nch > 1 ? std::min(kb, (k + 1) * CHUNK_COLS / 8) : kb;
+        for (int64_t b = b0; b < b1; ++b) {
+            uint32_t m = bits[b];
+            if (b == kb - 1 && (K & 7)) m &= (1u << (K & 7)) - 1u;  // bits past K are not columns
+            if (!m) continue;
+            const __m128i p = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(BYTE_LISTS.pos[m]));
+            const __m256i c8 = _mm256_add_epi32(_mm256_cvtepu8_epi32(p), _mm256_set1_epi32((int)(8 * b)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(cols + n), c8);
+            n += __builtin_popcount(m);
+        }
+    }
+    start[nch] = n;
+}
+
+inline void step(const float* __restrict xt, int32_t c, float w, __m256 a[4]) {
+    const __m256 wv = _mm256_set1_ps(w);
+    const float* p = xt + (int64_t)c * TB;
+    for (int v = 0; v < 4; ++v) a[v] = _mm256_fmadd_ps(wv, _mm256_load_ps(p + 8 * v), a[v]);
+}
+
+struct Weight {
+    const uint8_t* bits;
+    int64_t kb;
+    const int64_t* row_ptr;
+    const float* values;
+    int64_t R, K, nch;
+};
+
+// Rows [r0, r0 + nr) of one panel from their column lists into part[row][TB tokens], which holds each
+// row's sums between chunks (chunk outside, rows inside: the chunk of the panel stays in L1).
+void block_panel(const Weight& W, const float* xt, const int32_t* cols, int64_t stride, const int32_t* start,
+                 int64_t r0, int64_t nr, float (*part)[TB]) {
+    for (int64_t k = 0; k < W.nch; ++k) {
+        for (int64_t r = 0; r < nr; r += 2) {
+            const bool two = r + 1 < nr;
+            __m256 a[2][4];
+            for (int i = 0; i < 2; ++i)
+                for (int v = 0; v < 4; ++v) a[i][v] = k == 0 ? _mm256_setzero_ps() : _mm256_load_ps(part[r + i] + 8 * v);
+            const int32_t* c[2] = {nullptr, nullptr};
+            const float* w[2] = {nullptr, nullptr};
+            int64_t n[2] = {0, 0};
+            for (int i = 0; i < (two ? 2 : 1); ++i) {
+                const int32_t* st = start + (r + i) * (W.nch + 1);
+                c[i] = cols + (r + i) * stride + st[k];
+                w[i] = W.values + W.row_ptr[r0 + r + i] + st[k];
+                n[i] = st[k + 1] - st[k];
+            }
+            const int64_t both = two ? std::min(n[0], n[1]) : 0;
+            for (int64_t j = 0; j < both; ++j) {
+                step(xt, c[0][j], w[0][j], a[0]);
+                step(xt, c[1][j], w[1][j], a[1]);
+            }
+            for (int i = 0; i < (two ? 2 : 1); ++i)
+                for (int64_t j = both; j < n[i]; ++j) step(xt, c[i][j], w[i][j], a[i]);
+            for (int i = 0; i < (two ? 2 : 1); ++i)
+                for (int v = 0; v < 4; ++v) _mm256_store_ps(part[r + i] + 8 * v, a[i][v]);
+        }
+    }
+}
+
+void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y, int nthreads) {
+    const int64_t K = W.K, R = W.R, npan = (T + TB - 1) / TB;
+    const int64_t prow = (K + 1) * TB;  // one panel: K columns and the zero row
+    std::vector<float> pbuf((size_t)(npan * prow + 16));
+    float* panels = pbuf.data() + ((64 - (reinterpret_cast<uintptr_t>(pbuf.data()) & 63)) & 63) / 4;
+    const int64_t nblk = (R + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, std::max(nblk, npan)));
+#pragma omp parallel num_threads(nth)
+    {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < npan; ++p)
+            pack(x + p * TB * K, K, (int)std::min<int64_t>(TB, T - p * TB), panels + p * prow);
+        const int64_t stride = K + 8;  // a row's column list, with the table store's slack
+        std::vector<int32_t> cols((size_t)(BLOCK_ROWS * stride));
+        std::vector<int32_t> start((size_t)(BLOCK_ROWS * (W.nch + 1)));
+        alignas(64) float part[BLOCK_ROWS][TB];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nblk; ++b) {
+            const int64_t r0 = b * BLOCK_ROWS, nr = std::min<int64_t>(BLOCK_ROWS, R - r0);
+            for (int64_t r = 0; r < nr; ++r)
+                list_columns(W.bits + (r0 + r) * W.kb, K, W.nch, cols.data() + r * stride,
+                             start.data() + r * (W.nch + 1));
+            for (int64_t p = 0; p < npan; ++p) {
+                const int nt = (int)std::min<int64_t>(TB, T - p * TB);
+                block_panel(W, panels + p * prow, cols.data(), stride, start.data(), r0, nr, part);
+                sparsa_panel::store_block(&part[0][0], TB, nt, r0, nr, R, bias, y + p * TB * R, false);
+            }
+        }
+    }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// 1 when sparsa_bitmask_panel_f32 runs in this build (AVX2 + FMA)
+int sparsa_bitmask_has_panel_f32() {
+#ifdef __AVX2__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// x: fp32 [T, K]; bits: [R, ceil(K / 8)]; row_ptr: [R + 1]; values: fp32 [row_ptr[R]]; bias: fp32 [R] or
+// null; y: fp32 [T, R]. Returns 0 when done; 1 when X holds a NaN or Inf (y untouched: only the dense
+// product propagates it to every row); -1 when this build has no panel kernel or K is too large.
+int sparsa_bitmask_panel_f32(const float* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
+                             const float* values, int64_t R, const float* bias, float* y, int nthreads) {
+#ifdef __AVX2__
+    if (K > MAX_K) return -1;
+    if (!x_finite(x, T * K)) return 1;
+    if (T <= 0 || R <= 0) return 0;
+    const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K)};
+    run(x, T, W, bias, y, nthreads);
+    return 0;
+#else
+    (void)x, (void)T, (void)K, (void)bits, (void)row_ptr, (void)values, (void)R, (void)bias, (void)y, (void)nthreads;
+    return -1;
+#endif
+}
+
+}  // extern "C"
