@@ -81,7 +81,8 @@ STRATEGIES = ("stream", "expand", "panel")
 #: weight across tokens, the stream kernel re-expands it for every 4 tokens)
 STREAM_MAX_TOKENS = 8
 #: densest bfloat16 weight (kept fraction) the panel strategy takes; above it, expand (dense GEMM) wins
-PANEL_MAX_DENSITY = 0.6
+#: (at 60% kept expand wins from 512 tokens on, benchmarks/bitmask_prefill.py)
+PANEL_MAX_DENSITY = 0.55
 #: densest float32 weight the panel strategy takes (AVX2 FMA, one load per kept weight and 8 tokens);
 #: above it the expanded weight's BLAS GEMM wins (benchmarks/bitmask_prefill.py)
 PANEL_F32_MAX_DENSITY = 0.55
