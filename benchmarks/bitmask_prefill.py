@@ -9,9 +9,8 @@ AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), and ``auto`` (what ``choose_strate
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
 Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
 ``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It is what the thresholds
-``STREAM_MAX_TOKENS``, ``PANEL_MAX_DENSITY``, ``PANEL_F32_MAX_DENSITY`` and ``WHOLE_MIN_TOKENS`` of
-``sparsa.kernels.bitmask``
-rest on.
+``STREAM_MAX_TOKENS`` and ``WHOLE_MIN_TOKENS`` of ``sparsa.kernels.bitmask`` and the panel crossovers
+measured on a CPU class (``bitmask.panel_bf16`` / ``bitmask.panel_f32`` in ``sparsa.crossovers``) rest on.
 
     python benchmarks/bitmask_prefill.py [--quick]
 
@@ -161,8 +160,9 @@ def main(argv=None) -> None:
         "panel_f32_kernel": bm.has_panel_f32(),
         "thresholds": {
             "STREAM_MAX_TOKENS": bm.STREAM_MAX_TOKENS,
-            "PANEL_MAX_DENSITY": bm.PANEL_MAX_DENSITY,
-            "PANEL_F32_MAX_DENSITY": bm.PANEL_F32_MAX_DENSITY,
+            # the panel crossovers in force (sparsa.crossovers: refitted here, this class's, or the default)
+            "panel_max_density bfloat16": bm.panel_max_density(torch.bfloat16),
+            "panel_max_density float32": bm.panel_max_density(torch.float32),
             "WHOLE_MIN_TOKENS": bm.WHOLE_MIN_TOKENS,
         },
         "torch": torch.__version__,

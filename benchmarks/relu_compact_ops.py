@@ -37,7 +37,7 @@ import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from _results import results_dir  # noqa: E402
 from sparsa.adaptive import relu_conv2d, relu_linear  # noqa: E402
-from sparsa.ops.crossovers import crossover  # noqa: E402
+from sparsa.crossovers import crossover  # noqa: E402
 from sparsa.timing import best_dense, round_robin_ms  # noqa: E402
 
 DENSE = ("fp32", "fp32_cl", "bf16")

@@ -826,7 +826,7 @@ def relu_compact_section(d: Dict[str, Any]) -> str:
     return _md(rows, cols + [f"{k} x" for k in routes]) + (
         f"\n\n{d['timing']}, {d['rows'][0]['threads']} threads. `x`: speed-up over the fastest dense route. "
         "`op_route`: what the op ran, the kernels or (relu(x) denser than the op's crossover in "
-        "`sparsa.ops.crossovers`) the dense op on relu(x)."
+        "`sparsa.crossovers`) the dense op on relu(x)."
     )
 
 

@@ -265,7 +265,7 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         print("cleared")
         return 0
     from .adaptive import cost_fits
-    from .ops import crossovers
+    from . import crossovers
 
     if a.refit:
         from .adaptive import cost_fits_refit

@@ -31,7 +31,7 @@ def _private_cost_table(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _default_cost_fits(monkeypatch):
     from sparsa.adaptive import cost_fits
-    from sparsa.ops import crossovers
+    from sparsa import crossovers
 
     monkeypatch.setattr(cost_fits, "_this_class", lambda: "tests-default")
     monkeypatch.setattr(cost_fits, "_CACHE", {})

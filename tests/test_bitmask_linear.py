@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import sparsa
-from sparsa import cpu
+from sparsa import cost_model, cpu, crossovers
 from sparsa.kernels import bitmask as bm
 from sparsa.layouts import Bitmask
 from sparsa.layouts.bitmask import pack_bits, unpack_bits
@@ -357,22 +357,39 @@ def test_panel_with_columns_past_16_bits_runs_expand(monkeypatch):
     _close(y, _ref(x, w, None), BF)
 
 
-def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch):
+@pytest.mark.parametrize("panel_crossover", [0.55, 0.0])
+def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_crossover):
+    # stream up to STREAM_MAX_TOKENS; above, panel up to the crossover in the cost table, else expand
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    for name in bm.PANEL_CROSSOVERS.values():
+        cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_density": panel_crossover})
+    assert bm.panel_max_density(BF) == bm.panel_max_density(torch.float32) == panel_crossover
     ran = _spy_strategies(monkeypatch)
-    sparse, dense = _bf16_weight(20, 64, 0.4, seed=0), _bf16_weight(20, 64, 0.9, seed=0)
+    sparse, dense = _bf16_weight(20, 64, 0.5, seed=0), _bf16_weight(20, 64, 0.6, seed=0)
     x = torch.randn(16, 64).to(BF)
     bm.bitmask_linear_impl(x[: bm.STREAM_MAX_TOKENS], *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(dense), None, 20)
-    w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=1.05 - bm.PANEL_F32_MAX_DENSITY)
+    w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.5)
     bm.bitmask_linear_impl(x.float(), *_components(w32), None, 20)
-    dense32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.3)
+    dense32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.4)
     bm.bitmask_linear_impl(x.float(), *_components(dense32), None, 20)
-    many = "panel" if bm.has_panel_bf16() else "expand"
-    many32 = "panel" if bm.has_panel_f32() else "expand"
+    many = "panel" if bm.has_panel_bf16() and panel_crossover else "expand"
+    many32 = "panel" if bm.has_panel_f32() and panel_crossover else "expand"
     assert ran == ["stream", many, "expand", many32, "expand"]
+
+
+def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
+    # measured on amd-avx512; elsewhere the bf16 panel waits for a refit (a dense bf16 GEMM may be AMX)
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
+    assert bm.panel_max_density(BF) == 0.5 and bm.panel_max_density(torch.float32) == 0.55
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")
+    assert bm.panel_max_density(BF) == 0.0 and 0 < bm.panel_max_density(torch.float32) < 0.55
+    assert bm.choose_strategy(128, BF, 0.1) == "expand"
+    assert bm.panel_max_density(torch.float16) == 0.0
 
 
 def test_panel_strategy_without_the_kernel_runs_expand(monkeypatch):

@@ -1,4 +1,4 @@
-"""sparsa.ops.crossovers: the sparse backward kernels' density crossovers are data, refitted per CPU."""
+"""sparsa.crossovers: the sparse backward kernels' density crossovers are data, refitted per CPU."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ import sparsa
 from sparsa import cli, cost_model
 from sparsa.cost_model import CostModel
 from sparsa.layouts import GroupedNM, RowGroup, SlicedELL
-from sparsa.ops import crossover_refit, crossovers
+from sparsa import crossovers
+from sparsa.ops import crossover_refit
 from sparsa.ops import native_grouped_nm, native_linear
 
 
@@ -84,12 +85,39 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
     assert set(out) == set(crossovers.CROSSOVERS)
     for name, d in out.items():
         fit = CostModel(tmp_path / "t.json").fit(crossovers.PREFIX + name)
+        if not fit["ratios"]:  # a bitmask panel kernel this CPU lacks: nothing timed, the dense side stays
+            assert name in ("bitmask.panel_bf16", "bitmask.panel_f32") and d == 0.0
+            continue
         assert fit["max_density"] == d and (d == 0.0 or str(d) in fit["ratios"]) and len(fit["ratios"]) == 2
         assert crossovers.crossover(name, cm) == d
     with pytest.raises(ValueError, match="densities"):
         crossover_refit.refit(cm, densities=(1.5,))
     with pytest.raises(ValueError, match="unknown name"):
         crossover_refit.refit(cm, names=["nope"])
+
+
+def test_refit_of_a_panel_kernel_this_cpu_lacks_keeps_expand(tmp_path, monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    monkeypatch.setattr(bm, "has_panel_bf16", lambda: False)
+    cm = CostModel(tmp_path / "t.json")
+    out = crossover_refit.refit(cm, names=["bitmask.panel_bf16"], densities=(0.5,), shape=(32, 64), tokens=16)
+    assert out == {"bitmask.panel_bf16": 0.0}
+    assert cm.fit(crossovers.PREFIX + "bitmask.panel_bf16")["ratios"] == {}
+    assert bm.panel_max_density(torch.bfloat16) == crossovers.builtin_default("bitmask.panel_bf16")
+    assert bm.choose_strategy(64, torch.bfloat16, 0.01) == "expand"
+
+
+def test_refit_times_the_panel_against_expand(tmp_path):
+    from sparsa.kernels import bitmask as bm
+
+    if not bm.has_panel_f32():
+        pytest.skip("no AVX2 build of the bitmask kernels here: the float32 panel kernel does not run")
+    cm = CostModel(tmp_path / "t.json")
+    crossover_refit.refit(cm, names=["bitmask.panel_f32"], densities=(0.3, 0.5), shape=(64, 200), tokens=64)
+    fit = cm.fit(crossovers.PREFIX + "bitmask.panel_f32")
+    assert sorted(fit["ratios"]) == ["0.3", "0.5"] and all(r > 0 for r in fit["ratios"].values())
+    assert crossovers.crossover("bitmask.panel_f32", cm) == fit["max_density"]
 
 
 def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from sparsa.adaptive.conv import compacted_path_supported
 from sparsa.kernels import adaptive as adaptive_kernels
 from sparsa.layouts import ReluCompact
 from sparsa import cost_model
-from sparsa.ops import activation_impls, crossovers
+from sparsa import crossovers
+from sparsa.ops import activation_impls
 
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 CROSSOVERS = ("relu_compact.linear", "relu_compact.conv2d")

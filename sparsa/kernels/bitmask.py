@@ -20,7 +20,9 @@ Three native strategies, each reading the compressed weight once per call:
   float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
   panels of 32 tokens, each kept weight broadcast against its column's 32 tokens.
 
-:func:`choose_strategy` picks one by token count, dtype and density. When the kernels cannot be built, or
+:func:`choose_strategy` picks one by token count, dtype and density: the panel strategy up to the density
+crossover measured on this CPU (``bitmask.panel_bf16`` / ``bitmask.panel_f32`` in :mod:`sparsa.crossovers`,
+``sparsa cost --refit``). When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
 
 Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
@@ -50,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import cpu
+from ..crossovers import crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
@@ -61,8 +64,8 @@ __all__ = [
     "has_avx512",
     "has_dpbf16",
     "has_panel_bf16",
-    "PANEL_MAX_DENSITY",
-    "PANEL_F32_MAX_DENSITY",
+    "PANEL_CROSSOVERS",
+    "panel_max_density",
     "has_panel_f32",
     "WHOLE_MIN_TOKENS",
     "bitmask_linear",
@@ -80,12 +83,9 @@ STRATEGIES = ("stream", "expand", "panel")
 #: most tokens the stream strategy takes; above it the expand or panel strategy runs (both reuse each
 #: weight across tokens, the stream kernel re-expands it for every 4 tokens)
 STREAM_MAX_TOKENS = 8
-#: densest bfloat16 weight (kept fraction) the panel strategy takes; above it, expand (dense GEMM) wins
-#: (at 60% kept expand wins from 512 tokens on, benchmarks/bitmask_prefill.py)
-PANEL_MAX_DENSITY = 0.55
-#: densest float32 weight the panel strategy takes (AVX2 FMA, one load per kept weight and 8 tokens);
-#: above it the expanded weight's BLAS GEMM wins (benchmarks/bitmask_prefill.py)
-PANEL_F32_MAX_DENSITY = 0.55
+#: the crossovers (sparsa.crossovers, measured per CPU by ``sparsa cost --refit``) holding the densest
+#: weight (kept fraction) each dtype's panel strategy takes; above it, expand (the dense GEMM) wins
+PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.panel_bf16", torch.float32: "bitmask.panel_f32"}
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 #: with bf16 GEMM hardware, a weight whose dense bf16 copy is at most this many bytes is expanded whole
@@ -169,15 +169,22 @@ def has_panel_f32() -> bool:
     return lib is not None and bool(lib.sparsa_bitmask_has_panel_f32())
 
 
+def panel_max_density(dtype: torch.dtype) -> float:
+    """The densest weight (kept fraction) of ``dtype`` the panel strategy takes on this CPU: its crossover
+    in :mod:`sparsa.crossovers` (measured here by ``sparsa cost --refit``, else the figure measured on this
+    CPU class, else a default); 0.0 for a dtype without a panel kernel."""
+    name = PANEL_CROSSOVERS.get(dtype)
+    return 0.0 if name is None else crossover(name)
+
+
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
-    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a bfloat16
-    weight of at most :data:`PANEL_MAX_DENSITY` kept where :func:`has_panel_bf16`, or a float32 one of at
-    most :data:`PANEL_F32_MAX_DENSITY` kept where :func:`has_panel_f32`; else ``"expand"``."""
+    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a weight of at
+    most :func:`panel_max_density` kept where that dtype's panel kernel runs (:func:`has_panel_bf16`,
+    :func:`has_panel_f32`); else ``"expand"``."""
     if tokens <= STREAM_MAX_TOKENS:
         return "stream"
-    if dtype == torch.bfloat16 and density <= PANEL_MAX_DENSITY and has_panel_bf16():
-        return "panel"
-    if dtype == torch.float32 and density <= PANEL_F32_MAX_DENSITY and has_panel_f32():
+    has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
+    if has_panel is not None and density <= panel_max_density(dtype) and has_panel():
         return "panel"
     return "expand"
 

@@ -6,7 +6,7 @@ On the CPU the call runs the activation-sparse training kernels of :mod:`sparsa.
 gradient over the nonzeros of ``relu(x)``, input gradient only on its pattern. Shapes those kernels
 do not take (grouped or string-padded convolutions, dtypes other than float32/float64), and a ``relu(x)``
 denser than the op's crossover on this CPU (``relu_compact.linear`` / ``relu_compact.conv2d`` in
-:mod:`sparsa.ops.crossovers`, measured by ``sparsa cost --refit``), run the dense op on ``relu(x)``:
+:mod:`sparsa.crossovers`, measured by ``sparsa cost --refit``), run the dense op on ``relu(x)``:
 the same result.
 
 On a GPU the same user call maps onto the ``Masked`` route: the layout converts to
@@ -53,7 +53,7 @@ from ..layouts.base import mark_restricted
 from ..layouts.dense import Dense
 from ..layouts.relu_compact import ReluCompact, relu_compact_to_masked
 from .gpu_impls import ActSparseConv2d, ActSparseLinear
-from .crossovers import crossover
+from ..crossovers import crossover
 from .registry import register_impl
 
 __all__ = ["ReluCompactLinear", "ReluCompactConv2d"]

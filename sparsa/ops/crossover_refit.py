@@ -1,4 +1,4 @@
-"""Measure the density crossovers of :mod:`sparsa.ops.crossovers` on this CPU (``sparsa cost --refit``).
+"""Measure the density crossovers of :mod:`sparsa.crossovers` on this CPU (``sparsa cost --refit``).
 
 Each crossover's sparse and dense sides are timed side by side (round robin, median) at a few densities
 on each of its representative shapes (``Crossover.shapes``). A shape's crossover is the highest density
@@ -26,12 +26,14 @@ from torch import Tensor
 from ..adaptive.conv import relu_conv2d
 from ..adaptive.linear import relu_linear
 from ..cost_model import CostModel, default_cost_model
+from ..kernels import bitmask as bm
 from ..kernels import sliced_ell as se
+from ..layouts.bitmask import Bitmask
 from ..layouts.grouped_nm import GroupedNM
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
 from ..timing import round_robin_ms
-from .crossovers import CROSSOVERS, PREFIX, crossover
+from ..crossovers import CROSSOVERS, PREFIX, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
 
@@ -40,7 +42,8 @@ __all__ = ["refit", "DEFAULT_DENSITIES", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
 #: the densities a crossover without its own grid is timed at
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.1875, 0.25, 0.375)
 
-Case = Tuple[float, Dict[str, Callable[[], object]]]  # (the density actually built, {"sparse": fn, "dense": fn})
+# (the density actually built, {"sparse": fn, "dense": fn}); a case is None where its sparse kernel does not run
+Case = Tuple[float, Dict[str, Callable[[], object]]]
 Dims = Tuple[int, ...]
 
 
@@ -70,6 +73,22 @@ def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
     w = GroupedNM.from_dense(torch.randn(R, K), n=n, m=m, g=4)
     g2, x2 = torch.randn(T, R), torch.randn(T, K)
     return n / m, {"sparse": lambda: _grad_weight_sparse(w, g2, x2), "dense": lambda: _grad_weight_dense(w, g2, x2)}
+
+
+def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
+    def case(d: float, R: int, K: int, T: int) -> Optional[Case]:
+        has_panel = bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32
+        if not has_panel():
+            return None  # the panel kernel does not run here: nothing to time
+        w = Bitmask.from_dense(torch.randn(R, K).to(dtype), sparsity=1.0 - d)
+        x = torch.randn(T, K).to(dtype)
+        parts = (w.bits, w.row_ptr, w.values, None, R)
+        return w.values.numel() / (R * K), {
+            "sparse": lambda: bm.bitmask_linear_impl(x, *parts, "panel"),
+            "dense": lambda: bm.bitmask_linear_impl(x, *parts, "expand"),
+        }
+
+    return case
 
 
 def _relu_input(shape: Tuple[int, ...], d: float) -> Tensor:
@@ -107,10 +126,12 @@ def _relu_conv2d_case(d: float, N: int, C: int, H: int) -> Case:
     }
 
 
-_CASES: Dict[str, Callable[..., Case]] = {
+_CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "row_group.backward": _row_group_case,
     "sliced_ell.grad_input": _sliced_ell_case,
     "grouped_nm.grad_weight": _grouped_nm_case,
+    "bitmask.panel_bf16": _bitmask_panel_case(torch.bfloat16),
+    "bitmask.panel_f32": _bitmask_panel_case(torch.float32),
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
 }
@@ -139,7 +160,10 @@ def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> 
     dense / sparse time ratio at each density built (keyed by it)."""
     timings: Dict[float, Dict[str, float]] = {}
     for d in sorted(grid):
-        actual, fns = _CASES[name](d, *dims)
+        case = _CASES[name](d, *dims)
+        if case is None:  # the sparse side cannot run on this CPU: the dense side everywhere
+            return 0.0, {}
+        actual, fns = case
         actual = round(float(actual), 4)
         if actual not in timings:
             with torch.no_grad():

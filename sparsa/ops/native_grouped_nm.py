@@ -31,7 +31,7 @@ from torch import Tensor
 from ..kernels import grouped_nm as _k
 from ..layouts.dense import Dense
 from ..layouts.grouped_nm import GroupedNM
-from .crossovers import crossover
+from ..crossovers import crossover
 from .registry import implements
 
 __all__ = ["GroupedNMLinear"]

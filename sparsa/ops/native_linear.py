@@ -27,7 +27,7 @@ from ..kernels import sliced_ell as _se
 from ..layouts.dense import Dense
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
-from .crossovers import crossover
+from ..crossovers import crossover
 from .registry import implements
 
 __all__ = ["RowGroupLinear", "SlicedELLLinear"]

@@ -1,7 +1,8 @@
 """Density crossovers of the sparse kernels: data measured on this CPU, not constants in code.
 
-Below its crossover density a sparse kernel (a weight-sparse backward, or the activation-sparse ops of
-the ``relu_compact`` layout) computes a product faster than the dense path; above it, the dense path wins.
+Below its crossover density a sparse kernel (a weight-sparse backward, the activation-sparse ops of the
+``relu_compact`` layout, or the bitmask panel kernels for many tokens) computes a product faster than the
+dense path; above it, the dense path wins.
 Each crossover has a default, the one measured on this CPU class if one was (``Crossover.by_class``,
 keyed by :func:`sparsa.cpu.cpu_class`), used until
 ``sparsa cost --refit`` (or :func:`refit`) times both sides on this CPU and stores the measured
@@ -10,11 +11,11 @@ the measurement is in :mod:`sparsa.ops.crossover_refit`). ``sparsa cost --clear`
 
 Example::
 
-    >>> from sparsa.ops import crossovers
+    >>> from sparsa import crossovers
     >>> 0 < crossovers.crossover("row_group.backward") <= 1
     True
     >>> sorted(crossovers.CROSSOVERS)[:3]
-    ['grouped_nm.grad_weight', 'relu_compact.conv2d', 'relu_compact.linear']
+    ['bitmask.panel_bf16', 'bitmask.panel_f32', 'grouped_nm.grad_weight']
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
-from .. import cpu
-from ..cost_model import CostModel, default_cost_model
+from . import cpu
+from .cost_model import CostModel, default_cost_model
 
 __all__ = ["Crossover", "CROSSOVERS", "crossover", "builtin_default", "measured_on_this_class", "PREFIX"]
 
@@ -51,6 +52,11 @@ class Crossover:
 #: projection and both MLP projections
 _WEIGHT_SHAPES = ((768, 768, 512), (3072, 768, 512), (768, 3072, 512))
 
+#: (out_features, in_features, tokens) of the bitmask prefill crossovers: 0.5B Llama projections (the
+#: narrow k/v one, a square one, the MLP's up and down) at a 256-token prompt
+_PREFILL_SHAPES = ((512, 1536, 256), (1536, 1536, 256), (4096, 1536, 256), (1536, 4096, 256))
+_PANEL_DENSITIES = (0.3, 0.4, 0.5, 0.55, 0.6, 0.7)
+
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
         0.15,
@@ -69,6 +75,25 @@ CROSSOVERS: Dict[str, Crossover] = {
         "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking",
         shapes=_WEIGHT_SHAPES,
         by_class={"amd-avx2": 0.125, "amd-avx512": 0.125},
+    ),
+    # density = the kept fraction of a bitmask weight, the sides its two prefill strategies (many tokens).
+    # Where unmeasured the bf16 panel stays off: a dense bf16 GEMM ranges from slow to AMX-fast by CPU.
+    "bitmask.panel_bf16": Crossover(
+        0.0,
+        "bitmask_linear with bf16 tokens above STREAM_MAX_TOKENS: the panel kernel (only kept weights, "
+        "VDPBF16PS) against expanding the weight for the dense bf16 GEMM",
+        _PANEL_DENSITIES,
+        _PREFILL_SHAPES,
+        {"amd-avx512": 0.5},
+    ),
+    # unmeasured classes: only weights sparse enough to win where dense fp32 has twice the panel's FMA width
+    "bitmask.panel_f32": Crossover(
+        0.3,
+        "bitmask_linear with float32 tokens above STREAM_MAX_TOKENS: the panel kernel (only kept weights, "
+        "AVX2 FMA) against expanding the weight for the dense float32 GEMM",
+        _PANEL_DENSITIES,
+        _PREFILL_SHAPES,
+        {"amd-avx512": 0.55},
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
