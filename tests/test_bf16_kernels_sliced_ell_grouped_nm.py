@@ -15,6 +15,7 @@ from sparsa import cpu
 from sparsa.kernels import grouped_nm as gk
 from sparsa.kernels import sliced_ell as se
 from sparsa.layouts import GroupedNM, SlicedELL
+from sparsa.ops import native_grouped_nm
 
 BF = torch.bfloat16
 RTOL = 2.0**-8  # half a bf16 ulp, relative
@@ -475,23 +476,38 @@ def test_grouped_nm_bf16_no_pair_plans():
     assert gk.forward_plan(vb, w.columns, 1, 4).offsets is None
 
 
+def _spy_linear_paths(monkeypatch):
+    """Record what F.linear on a grouped_nm weight runs: ("twin",) for the sliced_ell kernel, else
+    (x dtype, plan value dtype, block-pair plan?) of each grouped spmm."""
+    ran = []
+    spmm, twin = gk.spmm, se.sliced_ell_linear_impl
+    monkeypatch.setattr(
+        gk, "spmm", lambda xx, p, *a: ran.append((xx.dtype, p.vals.dtype, p.offsets is not None)) or spmm(xx, p, *a)
+    )
+    monkeypatch.setattr(se, "sliced_ell_linear_impl", lambda *a, **k: ran.append(("twin",)) or twin(*a, **k))
+    return ran
+
+
 @pytest.mark.parametrize("bias_kind", [None, "bf16"])
-def test_grouped_nm_bf16_linear_widens_to_fp32_pair_plans(path, bias_kind, monkeypatch):
-    """F.linear on a bf16 1:m weight takes the fp32 block-pair plan where the CPU runs its pieces: the result is
-    exactly the fp32 kernel's on the widened operands, rounded once, and within bf16 tolerance of float64."""
+def test_grouped_nm_bf16_linear_path(path, bias_kind, monkeypatch):
+    """F.linear on a bf16 1:m weight with bf16 tokens: where the CPU has the sliced_ell VDPBF16PS rows, they run
+    on the weight's SlicedELL twin (exactly its pattern and values); else the fp32 block-pair plan where its
+    pieces run (the fp32 kernel's result on the widened operands, rounded once); else the bf16 plan."""
     gen = torch.Generator().manual_seed(13)
     wdense = torch.randn(64, 512, generator=gen).to(BF)
     w = sparsa.to_sparse(wdense, "grouped_nm", n=1, m=4, g=4)
     lay = w.sparse_layout
     x = torch.randn(2, 40, 512, generator=gen).to(BF)
     b = _bias(bias_kind, 64, gen)
-    ran = []  # (x dtype, plan value dtype, block-pair plan?) of each spmm F.linear runs
-    spmm = gk.spmm
-    monkeypatch.setattr(
-        gk, "spmm", lambda xx, p, *a: ran.append((xx.dtype, p.vals.dtype, p.offsets is not None)) or spmm(xx, p, *a)
-    )
+    ran = _spy_linear_paths(monkeypatch)
     y = torch.nn.functional.linear(x, w, b)
     _check(y, x, w.to_dense().float(), b)
+    if se.has_dpbf16():
+        assert ran == [("twin",)] and path in ("avx512", "default")
+        twin = native_grouped_nm._sliced_ell_twin(lay)
+        assert torch.equal(twin.mask(), lay.mask()) and torch.equal(twin.to_dense(), lay.to_dense())
+        assert torch.equal(y, se.sliced_ell_linear_impl(x, twin.slice_ptr, twin.columns, twin.values, b, 64))
+        return
     widened = gk.pairs_when_widened(lay.values, 1, 4)
     assert widened == (path in ("avx512", "default") and cpu.hardware_isa() == "avx512")
     assert ran == [(torch.float32, torch.float32, True) if widened else (BF, BF, False)]
@@ -502,6 +518,31 @@ def test_grouped_nm_bf16_linear_widens_to_fp32_pair_plans(path, bias_kind, monke
         assert torch.equal(y, exp)
     # a 2:4 weight has no pair plan to widen to
     assert not gk.pairs_when_widened(sparsa.to_sparse(wdense, "grouped_nm", n=2, m=4, g=4).sparse_layout.values, 2, 4)
+
+
+def test_grouped_nm_bf16_twin_cached_rebuilt_after_update_and_not_for_one_token(monkeypatch):
+    if not se.has_dpbf16():
+        pytest.skip("this CPU (or SPARSA_ISA) has no AVX512-BF16: the sliced_ell dot-product rows do not run")
+    gen = torch.Generator().manual_seed(21)
+    w = sparsa.to_sparse(torch.randn(48, 96, generator=gen).to(BF), "grouped_nm", n=2, m=4, g=4)
+    lay = w.sparse_layout
+    built = []
+    real = SlicedELL.from_dense
+    monkeypatch.setattr(SlicedELL, "from_dense", lambda *a, **k: built.append(1) or real(*a, **k))
+    x = torch.randn(7, 96, generator=gen).to(BF)
+    y1 = torch.nn.functional.linear(x, w)
+    torch.nn.functional.linear(x, w)
+    assert len(built) == 1  # cached with the plans
+    with torch.no_grad():
+        lay.values.mul_(2)
+    y2 = torch.nn.functional.linear(x, w)
+    assert len(built) == 2
+    _check(y2, x, w.to_dense().float(), None)
+    torch.testing.assert_close(y2.float(), 2 * y1.float(), rtol=RTOL, atol=1e-2)
+    ran = _spy_linear_paths(monkeypatch)
+    y = torch.nn.functional.linear(x[:1], w)  # one token: the grouped stream of plans, no twin
+    assert ran and ("twin",) not in ran
+    _check(y, x[:1], w.to_dense().float(), None)
 
 
 def test_grouped_nm_bf16_nan_inf_propagate(path):

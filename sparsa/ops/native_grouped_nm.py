@@ -12,13 +12,15 @@ Replaces the pure-PyTorch registration of :mod:`sparsa.ops.linear` for this layo
 Forward: the spmm kernel on the layout's components reordered into a plan (cached on the layout, rebuilt when
 its values change; for ``1:m`` on AVX-512 CPUs a block-pair plan, where each loaded input vector feeds the
 rows of two row blocks; a bf16 ``1:m`` weight with a bf16 input gets that fp32 plan too, and its input is
-widened, because the pair pieces are fp32-only). Backward, each part only when ``ctx.needs_input_grad`` asks
-for it: ``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by column), ``grad_W`` on the kept
-pattern only (up to 15% density the sddmm kernel, one dot product over tokens per stored value; above, BLAS
-``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's shape that is zero
-elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float32 and for bfloat16 (``x`` and the
-weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x likewise); without the native
-library, or for other dtype combinations, the same plans run in pure PyTorch.
+widened, because the pair pieces are fp32-only). A bf16 weight with a bf16 input of two tokens or more, on CPUs
+with AVX512-BF16, runs the ``sliced_ell`` kernel's ``VDPBF16PS`` rows instead, on a SlicedELL twin of the weight
+(the same pattern and values, built once and cached with the plans). Backward, each part only when
+``ctx.needs_input_grad`` asks for it: ``grad_x = grad_y @ W`` (the spmm kernel on W's entries grouped by
+column), ``grad_W`` on the kept pattern only (up to 15% density the sddmm kernel, one dot product over tokens
+per stored value; above, BLAS ``grad_y.T @ x`` masked, which is faster there), returned as a dense tensor of W's
+shape that is zero elsewhere, ``grad_b = grad_y.sum``. The spmm kernel runs natively for float32 and for
+bfloat16 (``x`` and the weight both bfloat16: fp32 accumulation, output rounded to bfloat16 once; grad_x
+likewise); without the native library, or for other dtype combinations, the same plans run in pure PyTorch.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 from torch import Tensor
 
 from ..kernels import grouped_nm as _k
+from ..kernels import sliced_ell as _se
 from ..layouts.dense import Dense
 from ..layouts.grouped_nm import GroupedNM
+from ..layouts.sliced_ell import SlicedELL
 from ..crossovers import crossover
 from .registry import implements
 
@@ -61,8 +65,20 @@ def _plan(w: GroupedNM, kind: str) -> _k.Plan:
     return plans[kind]
 
 
+def _sliced_ell_twin(w: GroupedNM) -> SlicedELL:
+    """``w``'s pattern and values as a SlicedELL (built once, cached with the plans)."""
+    plans = _plans(w)
+    if "sliced_ell" not in plans:
+        plans["sliced_ell"] = SlicedELL.from_dense(w.to_dense().detach(), mask=w.mask())
+    return plans["sliced_ell"]
+
+
 def _forward(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> Tensor:
     R = w.shape[0]
+    if x.dtype == w.values.dtype == torch.bfloat16 and x.numel() > x.shape[-1] and _se.has_dpbf16():
+        # the sliced_ell VDPBF16PS rows beat the grouped pieces (fp32 FMAs) on every grouped pattern measured
+        s = _sliced_ell_twin(w)
+        return _se.sliced_ell_linear_impl(x, s.slice_ptr, s.columns, s.values, bias, R)
     if x.dtype == torch.bfloat16 and _k.pairs_when_widened(w.values, w.n, w.m):
         b = None if bias is None else bias.float()
         return _k.spmm(x.float(), _plan(w, "forward_widened"), b, R).to(torch.bfloat16)
