@@ -344,6 +344,7 @@ def prune_model_dir(
     only_if_faster: Union[bool, int] = False,
     data: Optional[Union[str, os.PathLike]] = None,
     recover_seconds: float = 0.0,
+    recover_autocast: Optional[torch.dtype] = None,
 ) -> List[Dict[str, Any]]:
     """Prune the Linear layers of the transformer blocks of the model in ``src`` (see
     :func:`prunable_linears`) and write ``out``.
@@ -361,7 +362,9 @@ def prune_model_dir(
     dense one for that many seconds, pattern kept (:func:`sparsa.prune_recovery.recover_pruned`, on
     ``data`` or the built-in text); for an encoder given enough seconds the one-shot pruning stops at
     :func:`~sparsa.prune_recovery.recovery_start` and the recovery prunes gradually on to
-    ``sparsity``. ``out`` is complete or untouched: see :func:`_write_out`.
+    ``sparsity``. ``recover_autocast``: the recovery's student forward under ``torch.autocast`` of that
+    dtype (e.g. ``torch.bfloat16``: faster steps on CPUs with bf16 hardware; weights stay fp32).
+    ``out`` is complete or untouched: see :func:`_write_out`.
     """
     from . import Rule, sparsify, sparsity_report
     from .methods import SparseGPT, Wanda
@@ -438,6 +441,7 @@ def prune_model_dir(
             seconds=recover_seconds,
             data=data,
             progress=progress,
+            autocast=recover_autocast,
         )
         del teacher
         if progress:
@@ -587,6 +591,7 @@ def search_target_quality(
     reps: int = 3,
     recover_seconds: float = 0.0,
     recover_candidates: int = 2,
+    recover_autocast: Optional[torch.dtype] = None,
     log: Optional[Callable[[str], None]] = print,
 ) -> TargetQualityResult:
     """Prune the encoder in ``src`` into the fastest configuration whose held-out embedding quality
@@ -608,6 +613,7 @@ def search_target_quality(
     ``recover_seconds`` each (:func:`sparsa.prune_recovery.
     recover_pruned`, on every text but the held-out ones), re-scored and re-timed; one that passes
     and is faster wins. The search then takes up to ``recover_candidates * recover_seconds`` more.
+    ``recover_autocast``: as in :func:`prune_model_dir`.
 
     Raises :class:`TargetNotReached` (a ``ValueError``, with ``.result``) without writing ``out`` when
     no candidate passes; ``ValueError`` for a bad argument or a causal LM (not supported yet).
@@ -744,6 +750,7 @@ def search_target_quality(
                 data=data,
                 exclude=eval_texts,
                 progress=log is not None,
+                autocast=recover_autocast,
             )
             model.eval()
             row = {k: miss[k] for k in ("pattern", "label", "layout", "sparsity")}

@@ -27,6 +27,7 @@ import random
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import torch
 from torch import Tensor, nn
 
 from .methods.distill import distillation_loss, logit_distillation_loss
@@ -126,11 +127,13 @@ def recover_pruned(
     data: Optional[Union[str, os.PathLike]] = None,
     exclude: Sequence[str] = (),
     progress: bool = True,
+    autocast: Optional[torch.dtype] = None,
 ) -> RecoverReport:
     """Distil ``model`` (pruned in place to ``pattern``, stored in ``layout``) towards ``teacher`` (the
     dense model) for ``seconds``; the weights end in ``layout`` at ``sparsity`` in ``pattern``. A model
     pruned below ``sparsity`` (to :func:`recovery_start`) is pruned gradually on to it while it distils.
-    ``exclude``: texts never distilled on (the held-out evaluation text of a search)."""
+    ``exclude``: texts never distilled on (the held-out evaluation text of a search). ``autocast``: the
+    student's forward under ``torch.autocast`` of that dtype (:func:`sparsa.recover`)."""
     kind = "causal_lm" if causal else "encoder"
     held = set(exclude)
     texts = [t for t in distillation_texts(data) if t not in held]
@@ -156,4 +159,5 @@ def recover_pruned(
         lr=RECOVER_LR[kind],
         prune_by=GRADUAL_PRUNE_BY.get(pattern, "magnitude"),
         progress=progress,
+        autocast=autocast,
     )

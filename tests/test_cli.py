@@ -327,12 +327,34 @@ def test_the_recover_help_states_the_gradual_constants():
     [
         (["--recover", "-1"], "--recover"),
         (["--recover", "-1", "--target-quality", "0.9"], "--recover"),
+        (["--recover-bf16"], "--recover-bf16"),
     ],
 )
 def test_bad_recover_arguments(tiny_model_dir, tmp_path, extra, needle):
     r = cli_main(["prune", str(tiny_model_dir), "-o", str(tmp_path / "o"), *extra])
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag, autocast", [([], None), (["--recover-bf16"], torch.bfloat16)])
+def test_recover_bf16_runs_the_recovery_under_bf16_autocast(tiny_model_dir, tmp_path, monkeypatch, flag, autocast):
+    import sparsa.cli
+    import sparsa.prune_recovery as pr
+    from sparsa.prune import load_pruned
+
+    real, seen = pr.recover, []
+
+    def spy(*args, **kw):
+        seen.append(kw["autocast"])
+        return real(*args, **dict(kw, time_budget=0.5))
+
+    monkeypatch.setattr(pr, "recover", spy)
+    out = tmp_path / "o"
+    args = ["prune", str(tiny_model_dir), "-o", str(out), "--sparsity", "0.5", "--recover", "1", *flag]
+    assert sparsa.cli.main(args) == 0
+    assert seen == [autocast]
+    w = load_pruned(str(out)).encoder.layer[0].intermediate.dense.weight
+    assert w.dtype == torch.float32 and w.sparse_layout.mask().float().mean().item() == pytest.approx(0.5)
 
 
 def test_recovery_without_a_tokenizer_is_named(tmp_path):
