@@ -279,20 +279,13 @@ void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const 
     }
 }
 
-// up to DP_TOKENS tokens a pass: each expanded weight vector then feeds that many dot products
-constexpr int DP_TOKENS = 8;
-
 void row_dot_n(int nt, const uint8_t* bits, int64_t kb, const uint16_t* vp, const uint16_t* x, int64_t kp,
                float* out) {
     switch (nt) {
         case 1: row_dot<1>(bits, kb, vp, x, kp, out); break;
         case 2: row_dot<2>(bits, kb, vp, x, kp, out); break;
         case 3: row_dot<3>(bits, kb, vp, x, kp, out); break;
-        case 4: row_dot<4>(bits, kb, vp, x, kp, out); break;
-        case 5: row_dot<5>(bits, kb, vp, x, kp, out); break;
-        case 6: row_dot<6>(bits, kb, vp, x, kp, out); break;
-        case 7: row_dot<7>(bits, kb, vp, x, kp, out); break;
-        default: row_dot<8>(bits, kb, vp, x, kp, out); break;
+        default: row_dot<4>(bits, kb, vp, x, kp, out); break;
     }
 }
 
@@ -443,9 +436,9 @@ void bitmask_rows_dpbf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t*
     for (int64_t r = 0; r < R; ++r) {
         // the expand loads read exactly the row's popcount values: no padded copy needed
         const uint16_t* vp = values + row_ptr[r];
-        float out[dpbf16::DP_TOKENS];
-        for (int64_t t0 = 0; t0 < T; t0 += dpbf16::DP_TOKENS) {
-            const int nt = (int)std::min<int64_t>(dpbf16::DP_TOKENS, T - t0);
+        float out[4];
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int nt = (int)std::min<int64_t>(4, T - t0);
             dpbf16::row_dot_n(nt, bits + r * kb, kb, vp, xp.data() + t0 * kp, kp, out);
             for (int i = 0; i < nt; ++i) store(t0 + i, r, out[i]);
         }
