@@ -76,7 +76,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         shapes=_WEIGHT_SHAPES,
         by_class={"amd-avx2": 0.125, "amd-avx512": 0.125},
     ),
-    # density = the kept fraction of a bitmask weight, the sides its two prefill strategies (many tokens).
+    # density = the kept fraction of a bitmask weight; the two sides are its prefill strategies (many tokens).
     # Where unmeasured the bf16 panel stays off: a dense bf16 GEMM ranges from slow to AMX-fast by CPU.
     "bitmask.panel_bf16": Crossover(
         0.0,
