@@ -96,6 +96,16 @@ def cpu_heading(cls: str, cpu: Dict[str, Any]) -> str:
     return "; ".join(parts) + "."
 
 
+def _quick_mark(d: Dict[str, Any]) -> str:
+    """The line that marks a ``--quick`` run's table."""
+    return "\n\n_(quick run)_" if d.get("quick") else ""
+
+
+def _shape_rows(d: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``d``'s rows with their ``shape`` list written as ``AxBx...``."""
+    return [dict(r, shape="x".join(str(v) for v in r.get("shape", []))) for r in d["rows"]]
+
+
 def _md(
     rows: List[Dict[str, Any]], cols: List[str], fmt: Optional[Dict[str, str]] = None, drop_empty: bool = True
 ) -> str:
@@ -330,7 +340,7 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
             ["layout", "sparsity", "weight_norm_kept", "mean_cosine"],
             {"weight_norm_kept": ".3f", "mean_cosine": ".3f"},
         )
-    return s + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return s + _quick_mark(d)
 
 
 H2H_FMT = {
@@ -670,7 +680,7 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
     )
     if d.get("notes"):
         s += "\n\nNotes: " + "; ".join(f"{k}: {v}" for k, v in d["notes"].items())
-    return s + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return s + _quick_mark(d)
 
 
 def bitmask_stream_section(d: Dict[str, Any]) -> str:
@@ -686,7 +696,7 @@ def bitmask_stream_section(d: Dict[str, Any]) -> str:
     cols = ["dtype", "sparsity", "tokens", "stream_ms", "dense_ms", "speedup_vs_dense", "best_dense"]
     cols += ["speedup_vs_best_dense"]
     cols += ["stream_gb_per_s", "dense_gb_per_s", "weight_bytes_ratio", "max_rel_err"]
-    return head + _md(d["rows"], cols, {"max_rel_err": ".1e"}) + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return head + _md(d["rows"], cols, {"max_rel_err": ".1e"}) + _quick_mark(d)
 
 
 def bitmask_prefill_section(d: Dict[str, Any]) -> str:
@@ -699,11 +709,11 @@ def bitmask_prefill_section(d: Dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in t.items())
         + ".\n\n"
     )
-    rows = [dict(r, shape="x".join(str(v) for v in r.get("shape", []))) for r in d["rows"]]
+    rows = _shape_rows(d)
     cols = ["model", "shape", "dtype", "sparsity", "tokens", "dense_ms", "stream_vs_dense"]
     cols += ["expand_blocks_vs_dense", "expand_whole_vs_dense", "panel_vs_dense", "auto_strategy"]
     cols += ["best_dense", "auto_vs_best_dense"]
-    return head + _md(rows, cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return head + _md(rows, cols) + _quick_mark(d)
 
 
 def bf16_paths_section(d: Dict[str, Any]) -> str:
@@ -715,7 +725,7 @@ def bf16_paths_section(d: Dict[str, Any]) -> str:
     )
     cols = ["kernel", "out_features", "in_features", "tokens", "sparsity", "dp_ms", "below_path", "below_ms"]
     cols += ["dense_bf16_ms", "dense_fp32_ms", "speedup_vs_below", "speedup_vs_best_dense"]
-    return head + _md(d["rows"], cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return head + _md(d["rows"], cols) + _quick_mark(d)
 
 
 def adaptive_bf16_section(d: Dict[str, Any]) -> str:
@@ -725,11 +735,11 @@ def adaptive_bf16_section(d: Dict[str, Any]) -> str:
         "the bf16 activation-sparse kernels and the fp32 kernels on the widened operands, against dense bf16 "
         "autocast and dense fp32 in both memory formats (best_dense: the fastest).\n\n"
     )
-    rows = [dict(r, shape="x".join(str(v) for v in r.get("shape", []))) for r in d["rows"]]
+    rows = _shape_rows(d)
     cols = ["shape", "sparsity", "threads", "bf16_kernels_ms", "fp32_kernels_ms", "dense_bf16_nchw_ms"]
     cols += ["dense_bf16_cl_ms", "dense_fp32_nchw_ms", "dense_fp32_cl_ms", "best_dense"]
     cols += ["speedup_vs_best_dense", "speedup_fp32_kernels_vs_best_dense"]
-    return head + _md(rows, cols) + ("\n\n_(quick run)_" if d.get("quick") else "")
+    return head + _md(rows, cols) + _quick_mark(d)
 
 
 def allocation_section(d: Dict[str, Any]) -> str:
@@ -749,9 +759,7 @@ def llm_quality_section(d: Dict[str, Any]) -> str:
         for c in ("model", "method", "pattern", "sparsity", "domain", "perplexity", "ppl_ratio_vs_dense")
         if any(c in r for r in d.get("rows", []))
     ]
-    return _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + (
-        "\n\n_(quick run)_" if d.get("quick") else ""
-    )
+    return _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + _quick_mark(d)
 
 
 RECOVER_COLS = [
