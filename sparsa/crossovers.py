@@ -15,7 +15,7 @@ Example::
     >>> 0 < crossovers.crossover("row_group.backward") <= 1
     True
     >>> sorted(crossovers.CROSSOVERS)[:3]
-    ['bitmask.panel_bf16', 'bitmask.panel_f32', 'grouped_nm.grad_weight']
+    ['bitmask.batch_panel_bf16', 'bitmask.batch_panel_f32', 'bitmask.panel_bf16']
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ _WEIGHT_SHAPES = ((768, 768, 512), (3072, 768, 512), (768, 3072, 512))
 #: narrow k/v one, a square one, the MLP's up and down) at a 256-token prompt
 _PREFILL_SHAPES = ((512, 1536, 256), (1536, 1536, 256), (4096, 1536, 256), (1536, 4096, 256))
 _PANEL_DENSITIES = (0.3, 0.4, 0.5, 0.55, 0.6, 0.7)
+#: the same projections at 16 tokens (batched decoding)
+_BATCH_SHAPES = tuple((r, k, 16) for r, k, _ in _PREFILL_SHAPES)
+_BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
@@ -80,7 +83,7 @@ CROSSOVERS: Dict[str, Crossover] = {
     # Where unmeasured the bf16 panel stays off: a dense bf16 GEMM ranges from slow to AMX-fast by CPU.
     "bitmask.panel_bf16": Crossover(
         0.0,
-        "bitmask_linear with bf16 tokens above STREAM_MAX_TOKENS: the panel kernel (only kept weights, "
+        "bitmask_linear with bf16 tokens above BATCH_MAX_TOKENS: the panel kernel (only kept weights, "
         "VDPBF16PS) against expanding the weight for the dense bf16 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
@@ -89,11 +92,27 @@ CROSSOVERS: Dict[str, Crossover] = {
     # unmeasured classes: only weights sparse enough to win where dense fp32 has twice the panel's FMA width
     "bitmask.panel_f32": Crossover(
         0.3,
-        "bitmask_linear with float32 tokens above STREAM_MAX_TOKENS: the panel kernel (only kept weights, "
+        "bitmask_linear with float32 tokens above BATCH_MAX_TOKENS: the panel kernel (only kept weights, "
         "AVX2 FMA) against expanding the weight for the dense float32 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
         {"amd-avx512": 0.55},
+    ),
+    # the same two strategies at 9-32 tokens (batched decoding), where the panel kernels run one narrow
+    # panel and the dense GEMM is short: timed at 16 tokens
+    "bitmask.batch_panel_bf16": Crossover(
+        0.0,
+        "bitmask_linear with STREAM_MAX_TOKENS + 1 to BATCH_MAX_TOKENS bf16 tokens: the panel kernel (one "
+        "16-token panel) against expanding the weight for the dense bf16 GEMM",
+        _BATCH_DENSITIES,
+        _BATCH_SHAPES,
+    ),
+    "bitmask.batch_panel_f32": Crossover(
+        0.3,
+        "bitmask_linear with STREAM_MAX_TOKENS + 1 to BATCH_MAX_TOKENS float32 tokens: the panel kernel (one "
+        "16-token panel) against expanding the weight for the dense float32 GEMM",
+        _BATCH_DENSITIES,
+        _BATCH_SHAPES,
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(

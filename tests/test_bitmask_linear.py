@@ -294,6 +294,8 @@ def _bf16_weight(R, K, density, seed, odd_rows=False):
         (70, 130, 600, 0.2),  # no chunks (sparse), more than one block of rows
         (9, 5, 7, 0.9),  # K under one mask word
         (33, 3, 1, 1.0),
+        (16, 67, 1536, 0.5),  # one 16-token panel (batched decoding), column chunks
+        (12, 130, 2100, 0.3),  # a part 16-token panel, chunks from K >= 2048, two blocks of rows
     ],
 )
 @pytest.mark.parametrize("bias", [None, "bf16", "f32"])
@@ -359,26 +361,37 @@ def test_panel_with_columns_past_16_bits_runs_expand(monkeypatch):
 
 @pytest.mark.parametrize("panel_crossover", [0.55, 0.0])
 def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_crossover):
-    # stream up to STREAM_MAX_TOKENS; above, panel up to the crossover in the cost table, else expand
+    # stream up to STREAM_MAX_TOKENS; above, panel up to the crossover in the cost table, else expand:
+    # the batch crossovers up to BATCH_MAX_TOKENS (here the opposite of the prefill ones), the prefill ones above
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    batch_crossover = 0.55 - panel_crossover
     for name in bm.PANEL_CROSSOVERS.values():
         cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_density": panel_crossover})
+    for name in bm.BATCH_PANEL_CROSSOVERS.values():
+        cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_density": batch_crossover})
     assert bm.panel_max_density(BF) == bm.panel_max_density(torch.float32) == panel_crossover
+    assert bm.panel_max_density(BF, bm.BATCH_MAX_TOKENS) == batch_crossover
+    assert bm.panel_max_density(torch.float32, bm.STREAM_MAX_TOKENS + 1) == batch_crossover
+    assert bm.panel_max_density(BF, bm.BATCH_MAX_TOKENS + 1) == panel_crossover
     ran = _spy_strategies(monkeypatch)
     sparse, dense = _bf16_weight(20, 64, 0.5, seed=0), _bf16_weight(20, 64, 0.6, seed=0)
-    x = torch.randn(16, 64).to(BF)
+    x = torch.randn(bm.BATCH_MAX_TOKENS + 8, 64).to(BF)
     bm.bitmask_linear_impl(x[: bm.STREAM_MAX_TOKENS], *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(dense), None, 20)
+    bm.bitmask_linear_impl(x[:16], *_components(sparse), None, 20)
     w32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.5)
     bm.bitmask_linear_impl(x.float(), *_components(w32), None, 20)
     dense32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.4)
     bm.bitmask_linear_impl(x.float(), *_components(dense32), None, 20)
+    bm.bitmask_linear_impl(x[:16].float(), *_components(w32), None, 20)
     many = "panel" if bm.has_panel_bf16() and panel_crossover else "expand"
     many32 = "panel" if bm.has_panel_f32() and panel_crossover else "expand"
-    assert ran == ["stream", many, "expand", many32, "expand"]
+    few = "panel" if bm.has_panel_bf16() and batch_crossover else "expand"
+    few32 = "panel" if bm.has_panel_f32() and batch_crossover else "expand"
+    assert ran == ["stream", many, "expand", few, many32, "expand", few32]
 
 
 def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
@@ -431,6 +444,9 @@ def _f32_weight(R, K, density, seed):
         (70, 130, 600, 0.2),  # chunks, more than one block of rows
         (9, 5, 7, 0.9),  # K under one mask byte
         (33, 3, 1, 1.0),
+        (5, 67, 1537, 0.3),  # one 8-token panel: 8 rows at a time, a short last group
+        (16, 70, 600, 0.5),  # one 16-token panel
+        (41, 33, 700, 0.4),  # a 32-token panel, then an 8-token one
     ],
 )
 @pytest.mark.parametrize("bias", [None, "f32"])
@@ -461,9 +477,10 @@ def test_panel_f32_token_results_do_not_depend_on_the_batch():
     w = _f32_weight(70, 900, 0.3, seed=5)
     x = torch.randn(75, 900)
     whole = bm.bitmask_linear_impl(x, *_components(w), None, 70, "panel")
-    for i in (0, 31, 40):
-        one = bm.bitmask_linear_impl(x[i : i + 9], *_components(w), None, 70, "panel")
-        assert torch.equal(one, whole[i : i + 9])
+    # every panel width (8, 16 and 32 tokens) sums a token's products in the same order
+    for i, n in ((0, 9), (31, 9), (40, 9), (3, 5), (66, 8), (10, 33)):
+        one = bm.bitmask_linear_impl(x[i : i + n], *_components(w), None, 70, "panel")
+        assert torch.equal(one, whole[i : i + n])
 
 
 @pytest.mark.usefixtures("needs_panel_f32")

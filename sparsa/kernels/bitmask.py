@@ -12,17 +12,20 @@ Three native strategies, each reading the compressed weight once per call:
   memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
   (AVX-512 BF16 or AMX), where PyTorch's bf16 GEMM is far slower than float32.
 - ``"panel"`` for many bfloat16 tokens where the CPU has AVX512-BF16 and VBMI2
-  (``csrc/bitmask_panel_bf16.cpp``): sparse compute. Tokens are packed into bf16 panels of 32; each row's
+  (``csrc/bitmask_panel_bf16.cpp``): sparse compute. Tokens are packed into bf16 panels of 32 (one panel
+  of 16 for a call of at most 16 tokens, batched decoding); each row's
   kept columns are listed from its mask bits as it is reached, and pairs of kept columns multiply their
   two adjacent packed values in one VDPBF16PS per 16 tokens. Only kept weights are multiplied, so its time
   falls with the density, where the expansion only adds to a dense GEMM. An X holding NaN or Inf runs
   ``"expand"`` instead (only the dense product spreads it to every output, as ``F.linear`` does).
   float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
-  panels of 32 tokens, each kept weight broadcast against its column's 32 tokens.
+  panels of 32 tokens (the last one 8, 16 or 32 wide), each kept weight broadcast against its column's
+  tokens. A token's result does not depend on the panel width.
 
 :func:`choose_strategy` picks one by token count, dtype and density: the panel strategy up to the density
-crossover measured on this CPU (``bitmask.panel_bf16`` / ``bitmask.panel_f32`` in :mod:`sparsa.crossovers`,
-``sparsa cost --refit``). When the kernels cannot be built, or
+crossover measured on this CPU (``bitmask.batch_panel_bf16`` / ``bitmask.batch_panel_f32`` up to
+:data:`BATCH_MAX_TOKENS` tokens, ``bitmask.panel_bf16`` / ``bitmask.panel_f32`` above, in
+:mod:`sparsa.crossovers`; ``sparsa cost --refit``). When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
 
 Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
@@ -65,6 +68,8 @@ __all__ = [
     "has_dpbf16",
     "has_panel_bf16",
     "PANEL_CROSSOVERS",
+    "BATCH_PANEL_CROSSOVERS",
+    "BATCH_MAX_TOKENS",
     "panel_max_density",
     "has_panel_f32",
     "WHOLE_MIN_TOKENS",
@@ -86,6 +91,12 @@ STREAM_MAX_TOKENS = 8
 #: the crossovers (sparsa.crossovers, measured per CPU by ``sparsa cost --refit``) holding the densest
 #: weight (kept fraction) each dtype's panel strategy takes; above it, expand (the dense GEMM) wins
 PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.panel_bf16", torch.float32: "bitmask.panel_f32"}
+#: most tokens of a batched-decoding call: up to here the panel kernels run one narrow panel and the dense
+#: GEMM is short, so the panel's crossover is its own (measured at 16 tokens)
+BATCH_MAX_TOKENS = 32
+#: the crossovers holding the densest weight each dtype's panel strategy takes at STREAM_MAX_TOKENS + 1 to
+#: BATCH_MAX_TOKENS tokens
+BATCH_PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.batch_panel_bf16", torch.float32: "bitmask.batch_panel_f32"}
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
 #: with bf16 GEMM hardware, a weight whose dense bf16 copy is at most this many bytes is expanded whole
@@ -169,22 +180,25 @@ def has_panel_f32() -> bool:
     return lib is not None and bool(lib.sparsa_bitmask_has_panel_f32())
 
 
-def panel_max_density(dtype: torch.dtype) -> float:
-    """The densest weight (kept fraction) of ``dtype`` the panel strategy takes on this CPU: its crossover
-    in :mod:`sparsa.crossovers` (measured here by ``sparsa cost --refit``, else the figure measured on this
-    CPU class, else a default); 0.0 for a dtype without a panel kernel."""
-    name = PANEL_CROSSOVERS.get(dtype)
+def panel_max_density(dtype: torch.dtype, tokens: Optional[int] = None) -> float:
+    """The densest weight (kept fraction) of ``dtype`` the panel strategy takes on this CPU for a call of
+    ``tokens`` tokens (None: a prefill): its crossover in :mod:`sparsa.crossovers`
+    (:data:`BATCH_PANEL_CROSSOVERS` up to :data:`BATCH_MAX_TOKENS` tokens, else :data:`PANEL_CROSSOVERS`;
+    measured here by ``sparsa cost --refit``, else the figure measured on this CPU class, else a default);
+    0.0 for a dtype without a panel kernel."""
+    table = BATCH_PANEL_CROSSOVERS if tokens is not None and tokens <= BATCH_MAX_TOKENS else PANEL_CROSSOVERS
+    name = table.get(dtype)
     return 0.0 if name is None else crossover(name)
 
 
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a weight of at
-    most :func:`panel_max_density` kept where that dtype's panel kernel runs (:func:`has_panel_bf16`,
-    :func:`has_panel_f32`); else ``"expand"``."""
+    most :func:`panel_max_density` kept (at this many tokens) where that dtype's panel kernel runs
+    (:func:`has_panel_bf16`, :func:`has_panel_f32`); else ``"expand"``."""
     if tokens <= STREAM_MAX_TOKENS:
         return "stream"
     has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
-    if has_panel is not None and density <= panel_max_density(dtype) and has_panel():
+    if has_panel is not None and density <= panel_max_density(dtype, tokens) and has_panel():
         return "panel"
     return "expand"
 

@@ -132,6 +132,8 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "grouped_nm.grad_weight": _grouped_nm_case,
     "bitmask.panel_bf16": _bitmask_panel_case(torch.bfloat16),
     "bitmask.panel_f32": _bitmask_panel_case(torch.float32),
+    "bitmask.batch_panel_bf16": _bitmask_panel_case(torch.bfloat16),
+    "bitmask.batch_panel_f32": _bitmask_panel_case(torch.float32),
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
 }

@@ -1,14 +1,15 @@
 // Y[T, R] = X[T, K] W^T (+ bias) for an fp32 W in the Bitmask layout (per-row mask bits, packed values) and
-// many fp32 tokens (prefill), with AVX2 + FMA: sparse compute instead of expanding W to dense rows for a
-// BLAS GEMM, which can only add the expansion to the dense GEMM's time.
+// many fp32 tokens (prefill, batched decoding), with AVX2 + FMA: sparse compute instead of expanding W to
+// dense rows for a BLAS GEMM, which can only add the expansion to the dense GEMM's time.
 //
-// X is transposed once into fp32 panels of 32 tokens (xt[c][32], plus a zero row at column K). Each thread
-// takes blocks of BLOCK_ROWS rows: it lists each row's kept columns from its mask bytes (an 8-column table
-// lookup per byte) into a small buffer, then, for every panel, multiplies each kept column's 32 tokens
-// (four 8-float loads) by the row's next packed value, broadcast: one FMA per 8 tokens and kept weight.
-// Two rows run together, 8 accumulator chains. The weight's values are read in place (a row's packed
-// values are in column order, as its list); nothing is stored beside the bitmask. Wide rows are walked in
-// chunks of CHUNK_COLS columns so that the panel's rows being read stay in L1.
+// X is transposed once into fp32 panels (xt[c][TB], plus a zero row at column K): panels of 32 tokens, the
+// last one 8, 16 or 32 wide (the fewest that hold its tokens), so a call of 9-16 tokens multiplies 16
+// lanes per kept weight, not 32. Each thread takes blocks of BLOCK_ROWS rows: it lists each row's kept
+// columns from its mask bytes (an 8-column table lookup per byte) into a small buffer, then, for every
+// panel, multiplies each kept column's tokens (TB / 8 loads) by the row's next packed value, broadcast: one
+// FMA per 8 tokens and kept weight; 64 / TB rows run together (8 FMA chains). The weight's values are read
+// in place (a row's packed values are in column order, as its list); nothing is stored beside the bitmask.
+// Wide rows are walked in chunks of CHUNK_COLS columns so that the panel's rows being read stay in L1.
 //
 // Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
 // it does in F.linear: the entry point checks X first and returns 1 (the caller then expands W instead).
@@ -22,13 +23,17 @@
 
 namespace {
 
-constexpr int TB = 32;               // tokens per panel: four 8-float vectors
-constexpr int64_t CHUNK_COLS = 256;  // 32 KiB of a panel
+constexpr int TB_MAX = 32;           // tokens per full panel: four 8-float vectors
+constexpr int64_t CHUNK_COLS = 256;  // 32 KiB of a full panel
 constexpr int BLOCK_ROWS = 64;       // rows whose column lists stay in L2 across panels
 constexpr int64_t MAX_K = (int64_t)1 << 30;
 
 // Chunks pay when the panel falls out of L1 often enough to outweigh reloading each row's sums per chunk.
-int64_t n_chunks(int64_t K) { return K > 2 * CHUNK_COLS ? (K + CHUNK_COLS - 1) / CHUNK_COLS : 1; }
+// A call of at most 16 tokens (one narrow panel, from L2) walks K whole: chunks would read each row's
+// values in pieces, one block of rows after another, which streams the weight from memory slower.
+int64_t n_chunks(int64_t K, int64_t T) {
+    return K > 2 * CHUNK_COLS && T > 16 ? (K + CHUNK_COLS - 1) / CHUNK_COLS : 1;
+}
 
 }  // namespace
 
@@ -67,6 +72,7 @@ bool x_finite(const float* x, int64_t n) {
 }
 
 // xt[c * TB + i] = x[i * K + c] for i < nt, zero for nt <= i < TB and for the zero row c = K
+template <int TB>
 void pack(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
     std::memset(xt + K * TB, 0, sizeof(float) * TB);
     int64_t c = 0;
@@ -103,10 +109,12 @@ void list_columns(const uint8_t* bits, int64_t K, int64_t nch, int32_t* cols, in
     start[nch] = n;
 }
 
-inline void step(const float* __restrict xt, int32_t c, float w, __m256 a[4]) {
+// one kept weight w of column c times the panel's TB tokens, into the NV = TB / 8 sums a
+template <int NV>
+inline void step(const float* __restrict xt, int32_t c, float w, __m256* a) {
     const __m256 wv = _mm256_set1_ps(w);
-    const float* p = xt + (int64_t)c * TB;
-    for (int v = 0; v < 4; ++v) a[v] = _mm256_fmadd_ps(wv, _mm256_load_ps(p + 8 * v), a[v]);
+    const float* p = xt + (int64_t)c * (8 * NV);
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(wv, _mm256_load_ps(p + 8 * v), a[v]);
 }
 
 struct Weight {
@@ -117,54 +125,76 @@ struct Weight {
     int64_t R, K, nch;
 };
 
-// Rows [r0, r0 + nr) of one panel from their column lists into part[row][TB tokens], which holds each
-// row's sums between chunks (chunk outside, rows inside: the chunk of the panel stays in L1).
+// Rows [r0, r0 + nr) of one panel of TB = 8 NV tokens from their column lists into part[row][TB], which
+// holds each row's sums between chunks (chunk outside, rows inside: the chunk of the panel stays in L1).
+// G = 8 / NV rows run together, so 8 FMA chains are in flight at every panel width, while each token's
+// sum takes the row's kept columns in order, one FMA each: a token's result does not depend on the panel
+// width, nor so on how many tokens the call has.
+template <int NV>
 void block_panel(const Weight& W, const float* xt, const int32_t* cols, int64_t stride, const int32_t* start,
-                 int64_t r0, int64_t nr, float (*part)[TB]) {
+                 int64_t r0, int64_t nr, float* part) {
+    constexpr int TB = 8 * NV, G = 8 / NV;
     for (int64_t k = 0; k < W.nch; ++k) {
-        for (int64_t r = 0; r < nr; r += 2) {
-            const bool two = r + 1 < nr;
-            __m256 a[2][4];
-            for (int i = 0; i < 2; ++i)
-                for (int v = 0; v < 4; ++v) a[i][v] = k == 0 ? _mm256_setzero_ps() : _mm256_load_ps(part[r + i] + 8 * v);
-            const int32_t* c[2] = {nullptr, nullptr};
-            const float* w[2] = {nullptr, nullptr};
-            int64_t n[2] = {0, 0};
-            for (int i = 0; i < (two ? 2 : 1); ++i) {
+        for (int64_t r = 0; r < nr; r += G) {
+            const int g = (int)std::min<int64_t>(G, nr - r);
+            __m256 a[G][NV];
+            const int32_t* c[G];
+            const float* w[G];
+            int64_t n[G];
+            for (int i = 0; i < g; ++i) {
+                for (int v = 0; v < NV; ++v)
+                    a[i][v] = k == 0 ? _mm256_setzero_ps() : _mm256_load_ps(part + (r + i) * TB + 8 * v);
                 const int32_t* st = start + (r + i) * (W.nch + 1);
                 c[i] = cols + (r + i) * stride + st[k];
                 w[i] = W.values + W.row_ptr[r0 + r + i] + st[k];
                 n[i] = st[k + 1] - st[k];
             }
-            const int64_t both = two ? std::min(n[0], n[1]) : 0;
-            for (int64_t j = 0; j < both; ++j) {
-                step(xt, c[0][j], w[0][j], a[0]);
-                step(xt, c[1][j], w[1][j], a[1]);
+            int64_t all = 0;  // kept columns every one of the G rows has in this chunk
+            if (g == G) {
+                all = n[0];
+                for (int i = 1; i < G; ++i) all = std::min(all, n[i]);
             }
-            for (int i = 0; i < (two ? 2 : 1); ++i)
-                for (int64_t j = both; j < n[i]; ++j) step(xt, c[i][j], w[i][j], a[i]);
-            for (int i = 0; i < (two ? 2 : 1); ++i)
-                for (int v = 0; v < 4; ++v) _mm256_store_ps(part[r + i] + 8 * v, a[i][v]);
+            for (int64_t j = 0; j < all; ++j)
+                for (int i = 0; i < G; ++i) step<NV>(xt, c[i][j], w[i][j], a[i]);
+            for (int i = 0; i < g; ++i) {
+                for (int64_t j = all; j < n[i]; ++j) step<NV>(xt, c[i][j], w[i][j], a[i]);
+                for (int v = 0; v < NV; ++v) _mm256_store_ps(part + (r + i) * TB + 8 * v, a[i][v]);
+            }
         }
     }
 }
 
+// tokens in a panel holding nt of them: 8, 16 or 32
+inline int panel_width(int64_t nt) { return nt <= 8 ? 8 : nt <= 16 ? 16 : TB_MAX; }
+
 void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y, int nthreads) {
-    const int64_t K = W.K, R = W.R, npan = (T + TB - 1) / TB;
-    const int64_t prow = (K + 1) * TB;  // one panel: K columns and the zero row
-    std::vector<float> pbuf((size_t)(npan * prow + 16));
+    const int64_t K = W.K, R = W.R, npan = (T + TB_MAX - 1) / TB_MAX;
+    // panel p holds tokens [32 p, 32 p + nt_p) in width[p] lanes, from offset[p] floats of the buffer
+    std::vector<int> width((size_t)npan);
+    std::vector<int64_t> offset((size_t)npan + 1, 0);
+    for (int64_t p = 0; p < npan; ++p) {
+        width[p] = panel_width(std::min<int64_t>(TB_MAX, T - p * TB_MAX));
+        offset[p + 1] = offset[p] + (K + 1) * width[p];  // K columns and the zero row
+    }
+    std::vector<float> pbuf((size_t)(offset[npan] + 16));
     float* panels = pbuf.data() + ((64 - (reinterpret_cast<uintptr_t>(pbuf.data()) & 63)) & 63) / 4;
     const int64_t nblk = (R + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, std::max(nblk, npan)));
 #pragma omp parallel num_threads(nth)
     {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < npan; ++p)
-            pack(x + p * TB * K, K, (int)std::min<int64_t>(TB, T - p * TB), panels + p * prow);
+        for (int64_t p = 0; p < npan; ++p) {
+            const float* xp = x + p * TB_MAX * K;
+            const int nt = (int)std::min<int64_t>(TB_MAX, T - p * TB_MAX);
+            float* xt = panels + offset[p];
+            if (width[p] == 8) pack<8>(xp, K, nt, xt);
+            else if (width[p] == 16) pack<16>(xp, K, nt, xt);
+            else pack<TB_MAX>(xp, K, nt, xt);
+        }
         const int64_t stride = K + 8;  // a row's column list, with the table store's slack
         std::vector<int32_t> cols((size_t)(BLOCK_ROWS * stride));
         std::vector<int32_t> start((size_t)(BLOCK_ROWS * (W.nch + 1)));
-        alignas(64) float part[BLOCK_ROWS][TB];
+        alignas(64) float part[BLOCK_ROWS * TB_MAX];
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; ++b) {
             const int64_t r0 = b * BLOCK_ROWS, nr = std::min<int64_t>(BLOCK_ROWS, R - r0);
@@ -172,9 +202,12 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y
                 list_columns(W.bits + (r0 + r) * W.kb, K, W.nch, cols.data() + r * stride,
                              start.data() + r * (W.nch + 1));
             for (int64_t p = 0; p < npan; ++p) {
-                const int nt = (int)std::min<int64_t>(TB, T - p * TB);
-                block_panel(W, panels + p * prow, cols.data(), stride, start.data(), r0, nr, part);
-                sparsa_panel::store_block(&part[0][0], TB, nt, r0, nr, R, bias, y + p * TB * R, false);
+                const int nt = (int)std::min<int64_t>(TB_MAX, T - p * TB_MAX);
+                const float* xt = panels + offset[p];
+                if (width[p] == 8) block_panel<1>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                else if (width[p] == 16) block_panel<2>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                else block_panel<4>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                sparsa_panel::store_block(part, width[p], nt, r0, nr, R, bias, y + p * TB_MAX * R, false);
             }
         }
     }
@@ -203,7 +236,7 @@ int sparsa_bitmask_panel_f32(const float* x, int64_t T, int64_t K, const uint8_t
     if (K > MAX_K) return -1;
     if (!x_finite(x, T * K)) return 1;
     if (T <= 0 || R <= 0) return 0;
-    const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K)};
+    const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K, T)};
     run(x, T, W, bias, y, nthreads);
     return 0;
 #else
