@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--refit",
         action="store_true",
         help="measure the sparse backward kernels' density crossovers and the adaptive conv backward's "
-        "cost models on this CPU (well under a minute) and store them in the table; kernels this "
+        "cost models on this CPU (one to two minutes) and store them in the table; kernels this "
         "CPU cannot run are skipped, with the reason",
     )
     return p

@@ -58,7 +58,7 @@ _PREFILL_SHAPES = ((512, 1536, 256), (1536, 1536, 256), (4096, 1536, 256), (1536
 _PANEL_DENSITIES = (0.3, 0.4, 0.5, 0.55, 0.6, 0.7)
 #: the same projections at 16 tokens (batched decoding)
 _BATCH_SHAPES = tuple((r, k, 16) for r, k, _ in _PREFILL_SHAPES)
-_BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+_BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
@@ -99,13 +99,14 @@ CROSSOVERS: Dict[str, Crossover] = {
         {"amd-avx512": 0.55},
     ),
     # the same two strategies at 9-32 tokens (batched decoding), where the panel kernels run one narrow
-    # panel and the dense GEMM is short: timed at 16 tokens
+    # panel and the dense GEMM is short: timed at 16 tokens on copies of the weight past the cache
     "bitmask.batch_panel_bf16": Crossover(
         0.0,
         "bitmask_linear with STREAM_MAX_TOKENS + 1 to BATCH_MAX_TOKENS bf16 tokens: the panel kernel (one "
         "16-token panel) against expanding the weight for the dense bf16 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
+        {"amd-avx512": 0.4},
     ),
     "bitmask.batch_panel_f32": Crossover(
         0.3,
@@ -113,6 +114,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "16-token panel) against expanding the weight for the dense float32 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
+        {"amd-avx512": 0.9},  # the top of the grid: the panel won at every density timed
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(

@@ -120,6 +120,32 @@ def test_refit_times_the_panel_against_expand(tmp_path):
     assert crossovers.crossover("bitmask.panel_f32", cm) == fit["max_density"]
 
 
+def test_batch_panel_case_streams_copies_of_the_weight(monkeypatch):
+    # batched decoding reads every weight from memory: up to BATCH_MAX_TOKENS the case cycles through copies
+    from sparsa.kernels import bitmask as bm
+
+    monkeypatch.setattr(bm, "has_panel_f32", lambda: True)
+    calls = []
+    monkeypatch.setattr(bm, "bitmask_linear_impl", lambda x, bits, *a: calls.append((x.shape[0], bits.data_ptr())))
+    case = crossover_refit._CASES["bitmask.batch_panel_f32"]
+    for tokens in (16, bm.BATCH_MAX_TOKENS + 1):
+        calls.clear()
+        _, fns = case(0.5, 32, 64, tokens)
+        fns["sparse"]()
+        copies = 1 if tokens > bm.BATCH_MAX_TOKENS else 1024  # capped; (32 x 64) is far under STREAM_BYTES
+        assert len(calls) == copies and len({p for _, p in calls}) == copies and calls[0][0] == tokens
+
+
+def test_batch_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
+    from sparsa.kernels import bitmask as bm
+
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
+    assert bm.panel_max_density(torch.bfloat16, 16) == 0.4 and bm.panel_max_density(torch.float32, 16) == 0.9
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # unmeasured: bf16 waits for a refit
+    assert bm.panel_max_density(torch.bfloat16, 16) == 0.0 and bm.panel_max_density(torch.float32, 16) == 0.3
+
+
 def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):
     # a fake measurement whose crossover grows with the first dimension: 0.2, 0.4 and 0.6 at the three shapes
     wins_below = {1: 0.25, 2: 0.45, 3: 0.65}

@@ -37,7 +37,7 @@ from ..crossovers import CROSSOVERS, PREFIX, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
 
-__all__ = ["refit", "DEFAULT_DENSITIES", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
+__all__ = ["refit", "DEFAULT_DENSITIES", "STREAM_BYTES", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
 
 #: the densities a crossover without its own grid is timed at
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.1875, 0.25, 0.375)
@@ -75,6 +75,11 @@ def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
     return n / m, {"sparse": lambda: _grad_weight_sparse(w, g2, x2), "dense": lambda: _grad_weight_dense(w, g2, x2)}
 
 
+#: bytes of weight copies a batched-decoding case cycles through: a decoder reads each weight from memory
+#: once per step, so the batch crossovers are timed on weights well past the last-level cache
+STREAM_BYTES = 128 << 20
+
+
 def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
     def case(d: float, R: int, K: int, T: int) -> Optional[Case]:
         has_panel = bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32
@@ -82,11 +87,15 @@ def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
             return None  # the panel kernel does not run here: nothing to time
         w = Bitmask.from_dense(torch.randn(R, K).to(dtype), sparsity=1.0 - d)
         x = torch.randn(T, K).to(dtype)
-        parts = (w.bits, w.row_ptr, w.values, None, R)
-        return w.values.numel() / (R * K), {
-            "sparse": lambda: bm.bitmask_linear_impl(x, *parts, "panel"),
-            "dense": lambda: bm.bitmask_linear_impl(x, *parts, "expand"),
-        }
+        parts = [(w.bits, w.row_ptr, w.values, None, R)]
+        if T <= bm.BATCH_MAX_TOKENS:  # copies in their own memory, so that each call streams its weight
+            copies = min(1024, -(-STREAM_BYTES // max(1, w.nbytes)))
+            parts += [(w.bits.clone(), w.row_ptr.clone(), w.values.clone(), None, R) for _ in range(copies - 1)]
+
+        def run(strategy: str) -> Callable[[], object]:
+            return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
+
+        return w.values.numel() / (R * K), {"sparse": run("panel"), "dense": run("expand")}
 
     return case
 
