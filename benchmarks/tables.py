@@ -634,7 +634,9 @@ def pareto_section(d: Dict[str, Any], frontier_only: bool = False) -> str:
         if d.get("skipped"):
             reasons = "; ".join(sorted({x["reason"] for x in d["skipped"]}))
             s += f"\n\nSkipped: {len(d['skipped'])} rows ({reasons})."
-    return s + (f"\n\n_(quick run, {d.get('seconds')} s)_" if d.get("quick") else f"\n\n_({d.get('seconds')} s)_")
+    run = f"`{d['command']}`, " if d.get("command") else ""
+    quick = "quick run, " if d.get("quick") else ""
+    return s + f"\n\n_({run}{quick}{d.get('seconds')} s)_"
 
 
 LLM_FMT = {
