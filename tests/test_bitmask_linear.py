@@ -224,6 +224,20 @@ def test_matches_float64_reference(path, R, K, T, density, dtype, bias, seed):
     _close(y, _ref(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("T", [3, 4, 5, 8])
+@pytest.mark.parametrize("R", [1, 6, 7])
+def test_dpbf16_stream_row_pairs_match_float64(monkeypatch, T, R):
+    # from 4 tokens the bf16 loop takes two rows a pass; an odd last row, K past the last 64 columns
+    if bm.native_library() is None or not bm.has_dpbf16():
+        pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 stream loop does not run")
+    monkeypatch.setattr(bm, "STREAM_PATH", "auto")
+    gen = torch.Generator().manual_seed(T * 10 + R)
+    w = Bitmask.from_dense(torch.randn(R, 203, generator=gen).to(BF), mask=torch.rand(R, 203, generator=gen) < 0.4)
+    x = torch.randn(T, 203, generator=gen).to(BF)
+    b = torch.randn(R, generator=gen).to(BF)
+    _close(bm.bitmask_linear_impl(x, *_components(w), b, R, "stream"), _ref(x, w, b), BF)
+
+
 def test_leading_dims_and_llm_shapes(path):
     # K not a multiple of 8, the last row ends at the array end, several token chunks
     w = Bitmask.from_dense(torch.randn(96, 203), sparsity=0.6)

@@ -255,6 +255,64 @@ void row_dot(const uint8_t* bits, int64_t kb, const uint16_t* vp, const uint16_t
         out[t] = _mm512_reduce_add_ps(NA == 2 ? _mm512_add_ps(acc[t][0], acc[t][1 % NA]) : acc[t][0]);
 }
 
+// out0[t], out1[t] for two rows at once: each X load feeds both rows' dot products, half the X loads per
+// row of row_dot (whose loop is bound by them from a few tokens up)
+template <int NT>
+void row_pair_dot(const uint8_t* bits0, const uint8_t* bits1, int64_t kb, const uint16_t* vp0, const uint16_t* vp1,
+                  const uint16_t* x, int64_t kp, float* out0, float* out1) {
+    __m512 a0[NT], a1[NT];
+    for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= kb; g += 8) {  // 64 columns: two expands per row
+        uint64_t m, n;
+        std::memcpy(&m, bits0 + g, 8);
+        std::memcpy(&n, bits1 + g, 8);
+        _mm_prefetch(reinterpret_cast<const char*>(vp0) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vp1) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512i w0 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)m, vp0);
+        const __m512i w1 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)(m >> 32), vp0 + __builtin_popcount((uint32_t)m));
+        const __m512i v0 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)n, vp1);
+        const __m512i v1 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)(n >> 32), vp1 + __builtin_popcount((uint32_t)n));
+        vp0 += __builtin_popcountll(m);
+        vp1 += __builtin_popcountll(n);
+        const uint16_t* xc = x + 8 * g;
+        for (int t = 0; t < NT; ++t) {
+            const __m512bh xl = (__m512bh)_mm512_loadu_si512(xc + t * kp);
+            const __m512bh xh = (__m512bh)_mm512_loadu_si512(xc + t * kp + 32);
+            a0[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a0[t], (__m512bh)w0, xl), (__m512bh)w1, xh);
+            a1[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a1[t], (__m512bh)v0, xl), (__m512bh)v1, xh);
+        }
+    }
+    for (; g < kb; g += 4) {  // the last columns, 32 at a time (mask bytes past kb read as zero)
+        uint32_t m = 0, n = 0;
+        std::memcpy(&m, bits0 + g, (size_t)std::min<int64_t>(4, kb - g));
+        std::memcpy(&n, bits1 + g, (size_t)std::min<int64_t>(4, kb - g));
+        const __m512i w = _mm512_maskz_expandloadu_epi16((__mmask32)m, vp0);
+        const __m512i v = _mm512_maskz_expandloadu_epi16((__mmask32)n, vp1);
+        vp0 += __builtin_popcount(m);
+        vp1 += __builtin_popcount(n);
+        for (int t = 0; t < NT; ++t) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + 8 * g + t * kp);
+            a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)w, xv);
+            a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)v, xv);
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        out0[t] = _mm512_reduce_add_ps(a0[t]);
+        out1[t] = _mm512_reduce_add_ps(a1[t]);
+    }
+}
+
+void row_pair_dot_n(int nt, const uint8_t* bits0, const uint8_t* bits1, int64_t kb, const uint16_t* vp0,
+                    const uint16_t* vp1, const uint16_t* x, int64_t kp, float* out0, float* out1) {
+    switch (nt) {
+        case 1: row_pair_dot<1>(bits0, bits1, kb, vp0, vp1, x, kp, out0, out1); break;
+        case 2: row_pair_dot<2>(bits0, bits1, kb, vp0, vp1, x, kp, out0, out1); break;
+        case 3: row_pair_dot<3>(bits0, bits1, kb, vp0, vp1, x, kp, out0, out1); break;
+        default: row_pair_dot<4>(bits0, bits1, kb, vp0, vp1, x, kp, out0, out1); break;
+    }
+}
+
 // rows [r0, r1) of a bf16 W as dense bf16 rows of out ((r1 - r0) x K): one word expand per 32 columns
 void expand_rows(const uint8_t* bits, int64_t kb, const int64_t* row_ptr, const uint16_t* values, int64_t K,
                  int64_t r0, int64_t r1, uint16_t* out, int nthreads) {
@@ -433,13 +491,28 @@ void bitmask_rows_dpbf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t*
     const int64_t kp = 32 * ((8 * kb + 31) / 32) + 32;
     const std::vector<uint16_t> xp = padded_panel<uint16_t>(x, T, K, kp);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t rp = 0; rp < (R + 1) / 2; ++rp) {
+        const int64_t r = 2 * rp;
         // the expand loads read exactly the row's popcount values: no padded copy needed
         const uint16_t* vp = values + row_ptr[r];
-        float out[4];
+        float out[4], out1[4];
+        // two rows a pass from 4 tokens up, where the X loads bound the loop; below, one row's two
+        // sums per token ran faster
+        const bool pair = r + 1 < R && T >= 4;
         for (int64_t t0 = 0; t0 < T; t0 += 4) {
             const int nt = (int)std::min<int64_t>(4, T - t0);
-            dpbf16::row_dot_n(nt, bits + r * kb, kb, vp, xp.data() + t0 * kp, kp, out);
+            if (pair) {
+                dpbf16::row_pair_dot_n(nt, bits + r * kb, bits + (r + 1) * kb, kb, vp, values + row_ptr[r + 1],
+                                       xp.data() + t0 * kp, kp, out, out1);
+                for (int i = 0; i < nt; ++i) store(t0 + i, r + 1, out1[i]);
+            } else {
+                dpbf16::row_dot_n(nt, bits + r * kb, kb, vp, xp.data() + t0 * kp, kp, out);
+                if (r + 1 < R) {
+                    dpbf16::row_dot_n(nt, bits + (r + 1) * kb, kb, values + row_ptr[r + 1], xp.data() + t0 * kp, kp,
+                                      out1);
+                    for (int i = 0; i < nt; ++i) store(t0 + i, r + 1, out1[i]);
+                }
+            }
             for (int i = 0; i < nt; ++i) store(t0 + i, r, out[i]);
         }
     }
