@@ -4,15 +4,15 @@
 //
 // X is packed once into bf16 panels of 32 tokens (sparsa_dp::pack, with a zero row at column K), or, for a
 // call of at most 16 tokens (batched decoding), one panel of 16 whose pairs take 256-bit VDPBF16PS: half
-// the work of a 32-token panel. Each thread
-// takes a range of row pairs and walks it in blocks of BLOCK_ROWS rows: it lists each row's kept columns
-// from its mask bytes (one VBMI2 word compress per 32 columns) into a small buffer, then, for every panel,
-// multiplies pairs of consecutive kept columns, (x[t][a], x[t][b]) from a word unpack of the two panel
-// rows, with the two adjacent packed values (w[a], w[b]) in one VDPBF16PS per 16 tokens. So the weight is
-// read from memory once per call and no plan is stored beside it. Two rows, each with even and odd pairs
-// in their own sums, keep 8 VDPBF16PS chains in flight; wide rows are walked in column chunks of
-// CHUNK_COLS so that the panel's rows being read stay in L1 (pairs never straddle a chunk). A row's odd
-// last column pairs with the zero row.
+// the work of a 32-token panel. Each thread takes a range of row pairs and walks it in blocks of
+// BLOCK_ROWS rows: it lists each row's kept columns from its mask bytes (one VBMI2 word compress per 32
+// columns) into a small buffer, then, for every panel, multiplies pairs of consecutive kept columns,
+// (x[t][a], x[t][b]) from a word unpack of the two panel rows, with the two adjacent packed values
+// (w[a], w[b]) in one VDPBF16PS per 16 (or 8) tokens. So the weight is read from memory once per call
+// and no plan is stored beside it. Two rows, each with even and odd pairs in their own sums, keep 8
+// VDPBF16PS chains in flight; wide rows are walked in column chunks of CHUNK_COLS so that the panel's
+// rows being read stay in L1 (pairs never straddle a chunk). A row's odd last column pairs with the
+// zero row.
 //
 // Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
 // it does in F.linear: the entry point checks X first and returns 1 (the caller then expands W instead).
