@@ -269,10 +269,12 @@ void row_pair_dot(const uint8_t* bits0, const uint8_t* bits1, int64_t kb, const 
         std::memcpy(&n, bits1 + g, 8);
         _mm_prefetch(reinterpret_cast<const char*>(vp0) + kPrefetchBytes, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vp1) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512i w0 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)m, vp0);
-        const __m512i w1 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)(m >> 32), vp0 + __builtin_popcount((uint32_t)m));
-        const __m512i v0 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)n, vp1);
-        const __m512i v1 = _mm512_maskz_expandloadu_epi16((__mmask32)(uint32_t)(n >> 32), vp1 + __builtin_popcount((uint32_t)n));
+        const __mmask32 m0 = (__mmask32)(uint32_t)m, m1 = (__mmask32)(uint32_t)(m >> 32);
+        const __mmask32 n0 = (__mmask32)(uint32_t)n, n1 = (__mmask32)(uint32_t)(n >> 32);
+        const __m512i w0 = _mm512_maskz_expandloadu_epi16(m0, vp0);
+        const __m512i w1 = _mm512_maskz_expandloadu_epi16(m1, vp0 + __builtin_popcount((uint32_t)m));
+        const __m512i v0 = _mm512_maskz_expandloadu_epi16(n0, vp1);
+        const __m512i v1 = _mm512_maskz_expandloadu_epi16(n1, vp1 + __builtin_popcount((uint32_t)n));
         vp0 += __builtin_popcountll(m);
         vp1 += __builtin_popcountll(n);
         const uint16_t* xc = x + 8 * g;
@@ -501,19 +503,17 @@ void bitmask_rows_dpbf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t*
         const bool pair = r + 1 < R && T >= 4;
         for (int64_t t0 = 0; t0 < T; t0 += 4) {
             const int nt = (int)std::min<int64_t>(4, T - t0);
+            const uint16_t* xt = xp.data() + t0 * kp;
             if (pair) {
-                dpbf16::row_pair_dot_n(nt, bits + r * kb, bits + (r + 1) * kb, kb, vp, values + row_ptr[r + 1],
-                                       xp.data() + t0 * kp, kp, out, out1);
-                for (int i = 0; i < nt; ++i) store(t0 + i, r + 1, out1[i]);
+                dpbf16::row_pair_dot_n(nt, bits + r * kb, bits + (r + 1) * kb, kb, vp, values + row_ptr[r + 1], xt,
+                                       kp, out, out1);
             } else {
-                dpbf16::row_dot_n(nt, bits + r * kb, kb, vp, xp.data() + t0 * kp, kp, out);
-                if (r + 1 < R) {
-                    dpbf16::row_dot_n(nt, bits + (r + 1) * kb, kb, values + row_ptr[r + 1], xp.data() + t0 * kp, kp,
-                                      out1);
-                    for (int i = 0; i < nt; ++i) store(t0 + i, r + 1, out1[i]);
-                }
+                dpbf16::row_dot_n(nt, bits + r * kb, kb, vp, xt, kp, out);
+                if (r + 1 < R) dpbf16::row_dot_n(nt, bits + (r + 1) * kb, kb, values + row_ptr[r + 1], xt, kp, out1);
             }
             for (int i = 0; i < nt; ++i) store(t0 + i, r, out[i]);
+            if (r + 1 < R)
+                for (int i = 0; i < nt; ++i) store(t0 + i, r + 1, out1[i]);
         }
     }
 }

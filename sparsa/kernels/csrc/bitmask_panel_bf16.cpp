@@ -210,7 +210,7 @@ template <class P>
 void block_panel(const Weight& W, const char* xt, const uint16_t* cols, int64_t stride, const int32_t* start,
                  int64_t r0, int64_t nr, float* part) {
     using V = typename P::V;
-    if (P::TBW == 16) {
+    if constexpr (P::TBW == 16) {
         for (int64_t r = 0; r < nr; r += 2) {
             const bool two = r + 1 < nr;
             V s[2][4];
