@@ -3,14 +3,14 @@ one weight, against dense ``F.linear`` in every dtype, side by side in one proce
 
 Per weight shape (0.5B Llama and BERT-base linears), dtype, sparsity (a fraction kept per row, or 2:4)
 and token count, the strategies are timed round-robin with the dense passes: ``stream`` (up to 24
-tokens), ``expand_blocks`` (row blocks, ``WHOLE_MIN_TOKENS`` out of reach; only where the GEMM is
+tokens), ``expand_blocks`` (row blocks at any token count; only where the GEMM is
 float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
 AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), and ``auto`` (what ``choose_strategy`` picks). The weight stays in cache
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
 Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
-``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It is what the thresholds
-``STREAM_MAX_TOKENS`` and ``WHOLE_MIN_TOKENS`` of ``sparsa.kernels.bitmask`` and the panel crossovers
-measured on a CPU class (``bitmask.panel_bf16`` / ``bitmask.panel_f32`` in ``sparsa.crossovers``) rest on.
+``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It shows the choices the crossovers of
+``sparsa.crossovers`` make (``bitmask.stream_*``, ``bitmask.row_blocks_f32``, ``bitmask.panel_*``: measured
+per CPU by ``sparsa cost --refit``), each against every strategy on the weights of a model.
 
     python benchmarks/bitmask_prefill.py [--quick]
 
@@ -44,19 +44,19 @@ STREAM_MAX = 24  # the stream kernel re-reads the weight per few tokens: beyond 
 
 
 def _strategy(name: str):
-    """A call of one strategy (``expand_blocks`` / ``expand_whole`` pin ``WHOLE_MIN_TOKENS``)."""
+    """A call of one strategy (``expand_blocks`` / ``expand_whole`` pin ``row_blocks_max_tokens``)."""
 
     def call(x, w):
-        old = bm.WHOLE_MIN_TOKENS
+        old = bm.row_blocks_max_tokens
         if name == "expand_blocks":
-            bm.WHOLE_MIN_TOKENS = 1 << 62
+            bm.row_blocks_max_tokens = lambda: 1 << 62
         elif name == "expand_whole":
-            bm.WHOLE_MIN_TOKENS = 0
+            bm.row_blocks_max_tokens = lambda: 0
         try:
             strategy = "expand" if name.startswith("expand") else name
             return bm.bitmask_linear_impl(x, w.bits, w.row_ptr, w.values, None, w.shape[0], strategy)
         finally:
-            bm.WHOLE_MIN_TOKENS = old
+            bm.row_blocks_max_tokens = old
 
     return call
 
@@ -124,7 +124,7 @@ def main(argv=None) -> None:
                         best = min(DTYPES, key=lambda d: ms[f"dense_{d}"])
                         density = w.values.numel() / (R * K)
                         auto = bm.choose_strategy(t, dt, density)
-                        whole = not blocks or t >= bm.WHOLE_MIN_TOKENS
+                        whole = not blocks or t > bm.row_blocks_max_tokens()
                         auto_key = auto if auto != "expand" else ("expand_whole" if whole else "expand_blocks")
                         row = {
                             "model": model,
@@ -159,11 +159,12 @@ def main(argv=None) -> None:
         "panel_kernel": bm.has_panel_bf16(),
         "panel_f32_kernel": bm.has_panel_f32(),
         "thresholds": {
-            "STREAM_MAX_TOKENS": bm.STREAM_MAX_TOKENS,
-            # the panel crossovers in force (sparsa.crossovers: refitted here, this class's, or the default)
+            # the crossovers in force (sparsa.crossovers: refitted here, this class's, or the default)
+            "stream_max_tokens bfloat16": bm.stream_max_tokens(torch.bfloat16),
+            "stream_max_tokens float32": bm.stream_max_tokens(torch.float32),
             "panel_max_density bfloat16": bm.panel_max_density(torch.bfloat16),
             "panel_max_density float32": bm.panel_max_density(torch.float32),
-            "WHOLE_MIN_TOKENS": bm.WHOLE_MIN_TOKENS,
+            "row_blocks_max_tokens": bm.row_blocks_max_tokens(),
         },
         "torch": torch.__version__,
         "seconds": round(time.time() - t_start, 1),

@@ -83,10 +83,10 @@ def main(argv=None) -> None:
     tokens = a.tokens or ([1] if a.quick else [1, 2, 4])
     rounds = a.rounds if a.rounds is not None else (7 if a.quick else 15)
     bad = [s for s in a.sparsities if not 0.0 < s < 1.0]
-    if bad or layers < 1 or rounds < 1 or min(tokens) < 1 or max(tokens) > bm.STREAM_MAX_TOKENS:
+    if bad or layers < 1 or rounds < 1 or min(tokens) < 1 or max(tokens) > bm.BATCH_MAX_TOKENS:
         raise SystemExit(
             f"bitmask_stream: need 0 < sparsity < 1 (got {bad}), --layers and --rounds >= 1, and 1 <= tokens <= "
-            f"{bm.STREAM_MAX_TOKENS} (the stream strategy's range)"
+            f"{bm.BATCH_MAX_TOKENS} (decoding batches)"
         )
     if bm.native_library() is None:
         raise SystemExit("bitmask_stream: no native bitmask kernel here (SPARSA_NO_NATIVE is set, or it did not build)")

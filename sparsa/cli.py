@@ -241,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--refit",
         action="store_true",
-        help="measure the sparse backward kernels' density crossovers and the adaptive conv backward's "
-        "cost models on this CPU (one to two minutes) and store them in the table; kernels this "
+        help="measure the sparse kernels' density and token crossovers and the adaptive conv backward's "
+        "cost models on this CPU (two to three minutes) and store them in the table; kernels this "
         "CPU cannot run are skipped, with the reason",
     )
     return p
@@ -278,7 +278,7 @@ def _cmd_cost(a: argparse.Namespace) -> int:
         from .ops import crossover_refit
 
         for name, d in crossover_refit.refit(cm).items():
-            print(f"crossover {name}: sparse at density <= {d:g} (default {crossovers.builtin_default(name):g})")
+            print(f"crossover {name}: {crossovers.describe(name, d)} (default {crossovers.builtin_default(name):g})")
         fitted, skipped = cost_fits_refit.refit(cm)
         for name, c in fitted.items():
             print(f"cost fit {name}: {_coeffs(c)} (default {_coeffs(cost_fits.builtin(name))})")
@@ -309,7 +309,7 @@ def _cmd_cost(a: argparse.Namespace) -> int:
             if crossovers.measured_on_this_class(name)
             else "default"
         )
-        print(f"  crossover {name}: {crossovers.crossover(name, cm):g} ({src})")
+        print(f"  crossover {name}: {crossovers.describe(name, crossovers.crossover(name, cm))} ({src})")
     for name in cost_fits.COST_FITS:
         measured = cost_fits.stored(name, cm) is not None
         src = (

@@ -1,8 +1,11 @@
-"""Density crossovers of the sparse kernels: data measured on this CPU, not constants in code.
+"""Crossovers of the sparse kernels: data measured on this CPU, not constants in code.
 
-Below its crossover density a sparse kernel (a weight-sparse backward, the activation-sparse ops of the
-``relu_compact`` layout, or the bitmask panel kernels for many tokens) computes a product faster than the
-dense path; above it, the dense path wins.
+A crossover splits a choice between two ways to compute a product in two. Most split by density
+(``unit="density"``): below its crossover density a sparse kernel (a weight-sparse backward, the
+activation-sparse ops of the ``relu_compact`` layout, or the bitmask panel kernels for many tokens)
+computes a product faster than the dense path; above it, the dense path wins. Some split by token count
+(``unit="tokens"``): up to the crossover the ``low`` side runs (the bitmask stream loop for decoding, the
+row-block GEMMs of a bitmask expansion), above it the ``high`` one.
 Each crossover has a default, the one measured on this CPU class if one was (``Crossover.by_class``,
 keyed by :func:`sparsa.cpu.cpu_class`), used until
 ``sparsa cost --refit`` (or :func:`refit`) times both sides on this CPU and stores the measured
@@ -21,31 +24,53 @@ Example::
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
 from . import cpu
 from .cost_model import CostModel, default_cost_model
 
-__all__ = ["Crossover", "CROSSOVERS", "crossover", "builtin_default", "measured_on_this_class", "PREFIX"]
+__all__ = [
+    "Crossover",
+    "CROSSOVERS",
+    "crossover",
+    "token_crossover",
+    "builtin_default",
+    "measured_on_this_class",
+    "describe",
+    "PREFIX",
+    "UNITS",
+]
 
 PREFIX = "crossover|"
+#: what a crossover's value counts, and the key its fit is stored under in the cost table
+UNITS = {"density": "max_density", "tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
 class Crossover:
-    """A named crossover: its default density, what it decides and, if not the refit's usual ones, the
-    densities and the shapes ``sparsa cost --refit`` times it at (``shapes``: the dimensions its
-    measurement in :mod:`sparsa.ops.crossover_refit` takes; the stored crossover is the median of the
-    shapes' crossovers)."""
+    """A named crossover: its default, what it decides and, if not the refit's usual ones, the grid of
+    densities (or token counts) and the shapes ``sparsa cost --refit`` times it at (``shapes``: the
+    dimensions its measurement in :mod:`sparsa.ops.crossover_refit` takes; the stored crossover is the
+    median of the shapes' crossovers). ``unit``: ``"density"`` (the ``low`` side runs at or below the
+    crossover density) or ``"tokens"`` (the ``low`` side runs up to the crossover token count)."""
 
     default: float
     decides: str
-    densities: Tuple[float, ...] = ()
+    grid: Tuple[float, ...] = ()
     shapes: Tuple[Tuple[int, ...], ...] = ()
     #: the crossover ``sparsa cost --refit`` measured on a CPU class (2 threads), which replaces
     #: ``default`` there until this machine is refitted
     by_class: Mapping[str, float] = field(default_factory=dict)
+    unit: str = "density"
+    #: what runs at or below the crossover, and above it (for ``sparsa cost``)
+    low: str = "sparse"
+    high: str = "dense"
+
+    def __post_init__(self):
+        if self.unit not in UNITS:
+            raise ValueError(f"Crossover: unit must be one of {sorted(UNITS)}, got {self.unit!r}")
 
 
 #: (out_features, in_features, tokens) of the weight-sparse backward crossovers: a BERT-base attention
@@ -59,6 +84,10 @@ _PANEL_DENSITIES = (0.3, 0.4, 0.5, 0.55, 0.6, 0.7)
 #: the same projections at 16 tokens (batched decoding)
 _BATCH_SHAPES = tuple((r, k, 16) for r, k, _ in _PREFILL_SHAPES)
 _BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: (out_features, in_features) of the same projections, for the token crossovers (timed at one density)
+_WEIGHTS = tuple((r, k) for r, k, _ in _PREFILL_SHAPES)
+_STREAM_TOKENS = (4, 6, 8, 10, 12, 16, 20, 24, 32)
+_ROW_BLOCK_TOKENS = (64, 128, 256, 384, 512, 768, 1024)
 
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
@@ -98,11 +127,12 @@ CROSSOVERS: Dict[str, Crossover] = {
         _PREFILL_SHAPES,
         {"amd-avx512": 0.55},
     ),
-    # the same two strategies at 9-32 tokens (batched decoding), where the panel kernels run one narrow
-    # panel and the dense GEMM is short: timed at 16 tokens on copies of the weight past the cache
+    # the same two strategies from above the stream loop's tokens to 32 (batched decoding), where the
+    # panel kernels run one narrow panel and the dense GEMM is short: timed at 16 tokens on copies of the
+    # weight past the cache
     "bitmask.batch_panel_bf16": Crossover(
         0.0,
-        "bitmask_linear with STREAM_MAX_TOKENS + 1 to BATCH_MAX_TOKENS bf16 tokens: the panel kernel (one "
+        "bitmask_linear with bf16 tokens above the stream loop's, up to BATCH_MAX_TOKENS: the panel kernel (one "
         "16-token panel) against expanding the weight for the dense bf16 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
@@ -110,11 +140,48 @@ CROSSOVERS: Dict[str, Crossover] = {
     ),
     "bitmask.batch_panel_f32": Crossover(
         0.3,
-        "bitmask_linear with STREAM_MAX_TOKENS + 1 to BATCH_MAX_TOKENS float32 tokens: the panel kernel (one "
+        "bitmask_linear with float32 tokens above the stream loop's, up to BATCH_MAX_TOKENS: the panel kernel (one "
         "16-token panel) against expanding the weight for the dense float32 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
         {"amd-avx512": 0.9},  # the top of the grid: the panel won at every density timed
+    ),
+    # tokens: how many tokens the bitmask stream loop takes (it re-expands the weight for every 4 tokens)
+    # before the best many-token strategy (panel or expand) wins; timed at half the weight kept
+    "bitmask.stream_bf16": Crossover(
+        8,
+        "bitmask_linear with bf16 tokens: the stream loop (decoding) against the faster of the panel kernel "
+        "and the expansion",
+        _STREAM_TOKENS,
+        _WEIGHTS,
+        {"amd-avx512": 12},
+        unit="tokens",
+        low="stream",
+        high="panel or expand",
+    ),
+    "bitmask.stream_f32": Crossover(
+        8,
+        "bitmask_linear with float32 tokens: the stream loop (decoding) against the faster of the panel "
+        "kernel and the expansion",
+        _STREAM_TOKENS,
+        _WEIGHTS,
+        {"amd-avx512": 6},
+        unit="tokens",
+        low="stream",
+        high="panel or expand",
+    ),
+    # tokens: a float32 expansion's row-block GEMMs (W_block @ X^T, then a transposed output) against
+    # the whole weight expanded and one F.linear
+    "bitmask.row_blocks_f32": Crossover(
+        511,
+        "bitmask_linear's float32 expansion: dense row blocks, each multiplied as W_block @ X^T, against "
+        "the whole weight expanded into a kept buffer and one F.linear",
+        _ROW_BLOCK_TOKENS,
+        _WEIGHTS,
+        {"amd-avx512": 256},
+        unit="tokens",
+        low="row blocks",
+        high="the whole weight",
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
@@ -161,9 +228,37 @@ def builtin_default(name: str) -> float:
     return float(c.by_class.get(_this_class(), c.default))
 
 
+#: per cost model (weakly held), name -> (its fits version, CPU class, crossover entry, the value): the
+#: token crossovers are read on every decoding call
+_READ: "weakref.WeakKeyDictionary[CostModel, Dict[str, tuple]]" = weakref.WeakKeyDictionary()
+
+
 def crossover(name: str, cost_model: Optional[CostModel] = None) -> float:
-    """The density at or below which the sparse side of ``name`` runs: measured here if refitted, else
-    :func:`builtin_default`."""
-    _check_name(name)
-    fit = (cost_model if cost_model is not None else default_cost_model()).fit(PREFIX + name)
-    return float(fit["max_density"]) if fit is not None else builtin_default(name)
+    """The density (or, for a ``unit="tokens"`` crossover, the token count) at or below which the ``low``
+    side of ``name`` runs: measured here if refitted, else :func:`builtin_default`."""
+    cm = cost_model if cost_model is not None else default_cost_model()
+    c, cls, version = CROSSOVERS.get(name), _this_class(), cm.fits_version
+    read = _READ.get(cm)
+    hit = None if read is None else read.get(name)
+    if hit is not None and hit[0] == version and hit[1] == cls and hit[2] is c:
+        return hit[3]
+    c = _check_name(name)
+    fit = cm.fit(PREFIX + name)
+    value = float(fit[UNITS[c.unit]]) if fit is not None and UNITS[c.unit] in fit else builtin_default(name)
+    _READ.setdefault(cm, {})[name] = (version, cls, c, value)
+    return value
+
+
+def token_crossover(name: str, cost_model: Optional[CostModel] = None) -> int:
+    """:func:`crossover` of a ``unit="tokens"`` crossover, as a token count."""
+    if _check_name(name).unit != "tokens":
+        raise ValueError(f"token_crossover: {name!r} is a density crossover; use crossover()")
+    return int(crossover(name, cost_model))
+
+
+def describe(name: str, value: float) -> str:
+    """What the crossover ``value`` of ``name`` means, e.g. ``"sparse at density <= 0.2"``."""
+    c = _check_name(name)
+    if c.unit == "tokens":
+        return f"{c.low} up to {int(value)} tokens, {c.high} above"
+    return f"{c.low} at density <= {value:g}"

@@ -247,7 +247,7 @@ def test_every_result_of_a_measured_class_has_a_section():
 
 @pytest.mark.parametrize("name", ["bitmask_prefill", "bf16_paths", "adaptive_bf16"])
 def test_the_kernel_sections_render_their_rows(name):
-    d = {"threads": 2, "rows": [], "thresholds": {"STREAM_MAX_TOKENS": 8}}
+    d = {"threads": 2, "rows": [], "thresholds": {"stream_max_tokens float32": 8}}
     row = {
         "bitmask_prefill": {
             "model": "m",

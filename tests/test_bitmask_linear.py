@@ -183,12 +183,15 @@ def test_bf16_expand_by_blocks_or_whole(monkeypatch, whole_bytes):
 
 @pytest.mark.parametrize("dtype,bf16_gemm", [(torch.float32, False), (BF, False), (BF, True)])
 @pytest.mark.parametrize("tokens", [12, 40])
-def test_expand_whole_from_many_tokens(monkeypatch, dtype, bf16_gemm, tokens):
+def test_expand_whole_from_many_tokens(monkeypatch, tmp_path, dtype, bf16_gemm, tokens):
     # a float32 GEMM (fp32 operands, or bf16 ones widened where bf16 GEMMs are slow) takes the whole
-    # expanded weight from WHOLE_MIN_TOKENS tokens on, row blocks below; a bf16 GEMM always the whole one
+    # expanded weight above the bitmask.row_blocks_f32 crossover, row blocks up to it; a bf16 GEMM always
+    # the whole one
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
-    monkeypatch.setattr(bm, "WHOLE_MIN_TOKENS", 32)
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    cost_model.default_cost_model().set_fit(crossovers.PREFIX + bm.ROW_BLOCKS_CROSSOVER, {"max_tokens": 31})
+    assert bm.row_blocks_max_tokens() == 31
     monkeypatch.setattr(bm, "_bf16_gemm_hardware", lambda: bf16_gemm)
     monkeypatch.setattr(bm, "_BLOCK_BYTES", 40 * 203 * 4)
     whole = []
@@ -375,7 +378,7 @@ def test_panel_with_columns_past_16_bits_runs_expand(monkeypatch):
 
 @pytest.mark.parametrize("panel_crossover", [0.55, 0.0])
 def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_crossover):
-    # stream up to STREAM_MAX_TOKENS; above, panel up to the crossover in the cost table, else expand:
+    # stream up to the stream crossover; above, panel up to the crossover in the cost table, else expand:
     # the batch crossovers up to BATCH_MAX_TOKENS (here the opposite of the prefill ones), the prefill ones above
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
@@ -385,14 +388,17 @@ def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_
         cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_density": panel_crossover})
     for name in bm.BATCH_PANEL_CROSSOVERS.values():
         cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_density": batch_crossover})
+    for name in bm.STREAM_CROSSOVERS.values():
+        cost_model.default_cost_model().set_fit(crossovers.PREFIX + name, {"max_tokens": 8})
     assert bm.panel_max_density(BF) == bm.panel_max_density(torch.float32) == panel_crossover
     assert bm.panel_max_density(BF, bm.BATCH_MAX_TOKENS) == batch_crossover
-    assert bm.panel_max_density(torch.float32, bm.STREAM_MAX_TOKENS + 1) == batch_crossover
+    assert bm.stream_max_tokens(BF) == bm.stream_max_tokens(torch.float32) == 8
+    assert bm.panel_max_density(torch.float32, 9) == batch_crossover
     assert bm.panel_max_density(BF, bm.BATCH_MAX_TOKENS + 1) == panel_crossover
     ran = _spy_strategies(monkeypatch)
     sparse, dense = _bf16_weight(20, 64, 0.5, seed=0), _bf16_weight(20, 64, 0.6, seed=0)
     x = torch.randn(bm.BATCH_MAX_TOKENS + 8, 64).to(BF)
-    bm.bitmask_linear_impl(x[: bm.STREAM_MAX_TOKENS], *_components(sparse), None, 20)
+    bm.bitmask_linear_impl(x[:8], *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(sparse), None, 20)
     bm.bitmask_linear_impl(x, *_components(dense), None, 20)
     bm.bitmask_linear_impl(x[:16], *_components(sparse), None, 20)

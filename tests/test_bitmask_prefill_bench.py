@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from sparsa.kernels import bitmask as bm
 
@@ -45,5 +46,5 @@ def test_rows_strategies_and_cpu(monkeypatch, tmp_path):
         assert ("panel_ms" in r) == has_panel
         assert r["best_dense"] in ("float32", "bfloat16")
         assert r["auto_vs_best_dense"] == r[f"{r['auto_strategy']}_vs_best_dense"]
-        if r["tokens"] <= bm.STREAM_MAX_TOKENS:
+        if r["tokens"] <= bm.stream_max_tokens(getattr(torch, r["dtype"])):
             assert r["auto_strategy"] == "stream"

@@ -35,7 +35,7 @@ def test_block_shapes_are_the_llama_block_linears():
 
 @pytest.mark.parametrize(
     "args",
-    [["--sparsities", "1.0"], ["--tokens", "9"], ["--tokens", "0"], ["--layers", "0"], ["--rounds", "0"]],
+    [["--sparsities", "1.0"], ["--tokens", "33"], ["--tokens", "0"], ["--layers", "0"], ["--rounds", "0"]],
 )
 def test_bad_arguments_are_named(args, tmp_path):
     with pytest.raises(SystemExit, match="bitmask_stream: need"):

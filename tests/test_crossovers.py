@@ -85,6 +85,15 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
     assert set(out) == set(crossovers.CROSSOVERS)
     for name, d in out.items():
         fit = CostModel(tmp_path / "t.json").fit(crossovers.PREFIX + name)
+        c = crossovers.CROSSOVERS[name]
+        if c.unit == "tokens":  # its own grid of token counts; the low side wins up to d at every one
+            grid = [int(t) for t in c.grid]
+            assert fit["max_tokens"] == d and sorted(fit["ratios"], key=int) == [str(t) for t in grid]
+            assert all(fit["ratios"][str(t)] >= 1 for t in grid if t <= d) and (d == grid[0] - 1 or d in grid)
+            if d < grid[-1]:  # the next point up lost
+                assert fit["ratios"][str(min(t for t in grid if t > d))] <= 1
+            assert crossovers.crossover(name, cm) == d
+            continue
         if not fit["ratios"]:  # a bitmask panel kernel this CPU lacks: nothing timed, the dense side stays
             assert name in ("bitmask.panel_bf16", "bitmask.panel_f32") and d == 0.0
             continue
@@ -131,7 +140,7 @@ def test_batch_panel_case_streams_copies_of_the_weight(monkeypatch):
     for tokens in (16, bm.BATCH_MAX_TOKENS + 1):
         calls.clear()
         _, fns = case(0.5, 32, 64, tokens)
-        fns["sparse"]()
+        fns["low"]()
         copies = 1 if tokens > bm.BATCH_MAX_TOKENS else 1024  # capped; (32 x 64) is far under STREAM_BYTES
         assert len(calls) == copies and len({p for _, p in calls}) == copies and calls[0][0] == tokens
 
@@ -146,13 +155,25 @@ def test_batch_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
     assert bm.panel_max_density(torch.bfloat16, 16) == 0.0 and bm.panel_max_density(torch.float32, 16) == 0.3
 
 
+def test_token_crossovers_by_cpu_class(monkeypatch, tmp_path):
+    from sparsa.kernels import bitmask as bm
+
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
+    assert bm.stream_max_tokens(torch.bfloat16) == 12 and bm.stream_max_tokens(torch.float32) == 6
+    assert bm.row_blocks_max_tokens() == 256
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # unmeasured: the old constants
+    assert bm.stream_max_tokens(torch.bfloat16) == bm.stream_max_tokens(torch.float32) == 8
+    assert bm.row_blocks_max_tokens() == 511
+
+
 def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):
     # a fake measurement whose crossover grows with the first dimension: 0.2, 0.4 and 0.6 at the three shapes
     wins_below = {1: 0.25, 2: 0.45, 3: 0.65}
 
     def fake_case(d, a, b, c):
         fast, slow = (lambda: 1.0), (lambda: 2.0)
-        return d, {"sparse": fast if d < wins_below[a] else slow, "dense": slow if d < wins_below[a] else fast}
+        return d, {"low": fast if d < wins_below[a] else slow, "high": slow if d < wins_below[a] else fast}
 
     monkeypatch.setitem(crossover_refit._CASES, "relu_compact.linear", fake_case)
     monkeypatch.setitem(
@@ -184,3 +205,91 @@ def test_cli_refit_and_clear(table, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["cost", "--clear", "--refit"])
     assert e.value.code == 2 and "not both" in capsys.readouterr().err
+
+
+def _fake_timer(monkeypatch):
+    monkeypatch.setattr(crossover_refit, "round_robin_ms", lambda fns, rounds: {k: f() for k, f in fns.items()})
+
+
+@pytest.mark.parametrize(
+    "low_wins_at,expected",
+    [({4, 6, 8, 12}, 8), (set(), 3), (set(crossovers.CROSSOVERS["bitmask.stream_f32"].grid), 32), ({6, 8}, 3)],
+)
+def test_a_token_crossover_is_the_top_of_the_low_sides_first_winning_run(tmp_path, monkeypatch, low_wins_at, expected):
+    # the stream loop wins at 4, 6, 8, loses at 10 and wins again at 12 by noise: it takes up to 8 tokens
+    calls = []
+
+    def fake_case(T, R, K):
+        calls.append((T, R, K))
+        low = 1.0 if T in low_wins_at else 3.0
+        # the high side's fastest way counts: 2.0, not the slower 5.0
+        return T, {"low": lambda: low, "high_expand": lambda: 5.0, "high_panel": lambda: 2.0}
+
+    monkeypatch.setitem(crossover_refit._CASES, "bitmask.stream_f32", fake_case)
+    _fake_timer(monkeypatch)
+    cm = CostModel(tmp_path / "t.json")
+    out = crossover_refit.refit(cm, names=["bitmask.stream_f32"], densities=(0.5,), shape=(24, 40), tokens=7)
+    assert out == {"bitmask.stream_f32": expected}
+    fit = CostModel(tmp_path / "t.json").fit(crossovers.PREFIX + "bitmask.stream_f32")
+    assert fit["max_tokens"] == expected and "max_density" not in fit
+    assert fit["ratios"]["4"] == (2.0 if 4 in low_wins_at else round(2 / 3, 3))
+    # its own token grid at the explicit shape; neither densities nor tokens apply to it
+    assert {c[1:] for c in calls} == {(24, 40)}
+    assert [c[0] for c in calls] == list(crossovers.CROSSOVERS["bitmask.stream_f32"].grid)
+    assert crossovers.crossover("bitmask.stream_f32", cm) == crossovers.token_crossover("bitmask.stream_f32", cm)
+
+
+def test_token_crossovers_decide_the_bitmask_strategies(table):
+    from sparsa.kernels import bitmask as bm
+
+    bf = torch.bfloat16
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_bf16", {"max_tokens": 12})
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_f32", {"max_tokens": 1})
+    assert bm.stream_max_tokens(bf) == 12 and bm.choose_strategy(12, bf, 0.5) == "stream"
+    assert bm.choose_strategy(13, bf, 0.5) == bm.many_token_strategy(13, bf, 0.5) != "stream"
+    # fewer tokens than the grid starts at always stream: no refit measured them
+    assert bm.stream_max_tokens(torch.float32) == 3 and bm.choose_strategy(3, torch.float32, 0.5) == "stream"
+    assert bm.choose_strategy(4, torch.float32, 0.5) != "stream"
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_f32", {"max_tokens": 20})  # a refit: read again
+    assert bm.choose_strategy(20, torch.float32, 0.5) == "stream"
+    table.set_fit(crossovers.PREFIX + bm.ROW_BLOCKS_CROSSOVER, {"max_tokens": 256})
+    assert bm.row_blocks_max_tokens() == 256
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        bm.choose_strategy(4, torch.float16)
+    with pytest.raises(ValueError, match="density crossover"):
+        crossovers.token_crossover("bitmask.panel_f32")
+    with pytest.raises(ValueError, match="unit must be one of"):
+        crossovers.Crossover(1, "x", unit="rows")
+    assert crossovers.describe("bitmask.stream_bf16", 12.0) == "stream up to 12 tokens, panel or expand above"
+    assert crossovers.describe("row_group.backward", 0.2) == "sparse at density <= 0.2"
+
+
+def test_the_stream_case_times_stream_against_panel_and_expand_on_streamed_copies(monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    calls = []
+    monkeypatch.setattr(
+        bm, "bitmask_linear_impl", lambda x, bits, rp, v, b, R, s: calls.append((x.shape[0], bits.data_ptr(), s))
+    )
+    T, fns = crossover_refit._CASES["bitmask.stream_bf16"](10, 32, 64)
+    assert T == 10 and set(fns) == {"low", "high_expand"} | ({"high_panel"} if bm.has_panel_bf16() else set())
+    for key, strategy in (("low", "stream"), ("high_expand", "expand")):
+        calls.clear()
+        fns[key]()
+        assert {s for *_, s in calls} == {strategy} and len({p for _, p, _ in calls}) == len(calls) == 1024
+        assert calls[0][0] == 10
+
+
+def test_the_row_blocks_case_times_row_blocks_against_the_whole_weight(monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    seen = []
+    monkeypatch.setattr(bm, "_expand", lambda *a, whole: seen.append((a[2].shape, whole)))
+    T, fns = crossover_refit._CASES["bitmask.row_blocks_f32"](64, 32, 48)
+    fns["low"]()
+    fns["high"]()
+    assert T == 64 and seen == [((64, 48), False), ((64, 48), True)]

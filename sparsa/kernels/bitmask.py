@@ -2,15 +2,18 @@
 
 Three native strategies, each reading the compressed weight once per call:
 
-- ``"stream"`` for a few tokens (LLM decoding, ``csrc/bitmask_linear.cpp``): every row's packed values
+- ``"stream"`` for a few tokens (LLM decoding, ``csrc/bitmask_linear.cpp``; up to the token crossover
+  ``bitmask.stream_bf16`` / ``bitmask.stream_f32``, :func:`stream_max_tokens`): every row's packed values
   are expanded in registers, 8 columns at a time with AVX2 or 16 with AVX-512 (one masked expand per pair
   of mask bytes, where the CPU has AVX-512F), and multiplied with the tokens; bfloat16 takes 32 columns a
   step with one word expand and VDPBF16PS where the CPU has AVX512-BF16 and VBMI2. The weight is streamed
   from memory once, so the time follows its bytes. :data:`STREAM_PATH` picks the row loop.
 - ``"expand"`` for many tokens (prefill): blocks of rows are expanded to dense rows that stay in cache,
   and a BLAS GEMM multiplies each block, so the GEMM runs at dense speed on the compressed weight's
-  memory traffic. bfloat16 weights are expanded to float32 when this CPU has no bf16 matrix hardware
-  (AVX-512 BF16 or AMX), where PyTorch's bf16 GEMM is far slower than float32.
+  memory traffic. A bf16 GEMM, and a float32 one above the token crossover ``bitmask.row_blocks_f32``
+  (:func:`row_blocks_max_tokens`), takes the whole expanded weight instead. bfloat16 weights are expanded
+  to float32 when this CPU has no bf16 matrix hardware (AVX-512 BF16 or AMX), where PyTorch's bf16 GEMM
+  is far slower than float32.
 - ``"panel"`` for many bfloat16 tokens where the CPU has AVX512-BF16 and VBMI2
   (``csrc/bitmask_panel_bf16.cpp``): sparse compute. Tokens are packed into bf16 panels of 32 (one panel
   of 16 for a call of at most 16 tokens, batched decoding); each row's
@@ -22,7 +25,8 @@ Three native strategies, each reading the compressed weight once per call:
   panels of 32 tokens (the last one 8, 16 or 32 wide), each kept weight broadcast against its column's
   tokens. A token's result does not depend on the panel width.
 
-:func:`choose_strategy` picks one by token count, dtype and density: the panel strategy up to the density
+:func:`choose_strategy` picks one by token count, dtype and density: the stream strategy up to its token
+crossover, then the panel strategy up to the density
 crossover measured on this CPU (``bitmask.batch_panel_bf16`` / ``bitmask.batch_panel_f32`` up to
 :data:`BATCH_MAX_TOKENS` tokens, ``bitmask.panel_bf16`` / ``bitmask.panel_f32`` above, in
 :mod:`sparsa.crossovers`; ``sparsa cost --refit``). When the kernels cannot be built, or
@@ -55,7 +59,7 @@ import torch
 from torch import Tensor
 
 from .. import cpu
-from ..crossovers import crossover
+from ..crossovers import CROSSOVERS, crossover, token_crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
@@ -70,32 +74,41 @@ __all__ = [
     "PANEL_CROSSOVERS",
     "BATCH_PANEL_CROSSOVERS",
     "BATCH_MAX_TOKENS",
+    "STREAM_CROSSOVERS",
+    "ROW_BLOCKS_CROSSOVER",
     "panel_max_density",
+    "stream_max_tokens",
+    "row_blocks_max_tokens",
     "has_panel_f32",
-    "WHOLE_MIN_TOKENS",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
     "bitmask_linear_reference",
     "bitmask_dense_weight",
     "choose_strategy",
+    "many_token_strategy",
     "native_library",
     "STRATEGIES",
 ]
 
 _SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp"]
 STRATEGIES = ("stream", "expand", "panel")
-#: most tokens the stream strategy takes; above it the expand or panel strategy runs (both reuse each
-#: weight across tokens, the stream kernel re-expands it for every 4 tokens)
-STREAM_MAX_TOKENS = 8
+#: the token crossovers (sparsa.crossovers) holding the most tokens each dtype's stream strategy takes;
+#: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel
+#: re-expands it for every 4 tokens)
+STREAM_CROSSOVERS = {torch.bfloat16: "bitmask.stream_bf16", torch.float32: "bitmask.stream_f32"}
+#: the token crossover holding the most tokens a float32 expansion multiplies block by block; above, the
+#: whole expanded weight and one ``F.linear`` (its row-block GEMMs, ``W_block @ X^T`` then a transpose of
+#: the output, lose to it at many tokens)
+ROW_BLOCKS_CROSSOVER = "bitmask.row_blocks_f32"
 #: the crossovers (sparsa.crossovers, measured per CPU by ``sparsa cost --refit``) holding the densest
 #: weight (kept fraction) each dtype's panel strategy takes; above it, expand (the dense GEMM) wins
 PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.panel_bf16", torch.float32: "bitmask.panel_f32"}
 #: most tokens of a batched-decoding call: up to here the panel kernels run one narrow panel and the dense
 #: GEMM is short, so the panel's crossover is its own (measured at 16 tokens)
 BATCH_MAX_TOKENS = 32
-#: the crossovers holding the densest weight each dtype's panel strategy takes at STREAM_MAX_TOKENS + 1 to
-#: BATCH_MAX_TOKENS tokens
+#: the crossovers holding the densest weight each dtype's panel strategy takes from above the stream
+#: strategy's tokens to BATCH_MAX_TOKENS tokens
 BATCH_PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.batch_panel_bf16", torch.float32: "bitmask.batch_panel_f32"}
 #: bytes of dense rows expanded per GEMM block (fits the last-level cache of the CPUs we target)
 _BLOCK_BYTES = 2 << 20
@@ -103,9 +116,6 @@ _BLOCK_BYTES = 2 << 20
 #: (into a per-thread buffer kept between calls) and multiplied with one ``F.linear``, the dense model's
 #: GEMM; the row-block GEMMs (each ``W_block @ X^T``) run slower in bf16 (docs/benchmarks.md)
 _WHOLE_BYTES = 64 << 20
-#: from this many tokens a float32 GEMM also takes the whole expanded weight: its row-block GEMMs
-#: (``W_block @ X^T``, then a transpose of the output) lose to one ``F.linear`` there (docs/benchmarks.md)
-WHOLE_MIN_TOKENS = 512
 #: the stream strategy's row loops: ``"auto"`` (for bfloat16 the dot-product loop where the CPU has
 #: AVX512-BF16 and VBMI2, else AVX-512 where it has it, else AVX2; ``SPARSA_ISA`` can lower it),
 #: ``"avx2"`` (8 columns a step), ``"avx512"`` (16), ``"pair16"`` (the AVX-512 loop on two AVX2 halves:
@@ -191,12 +201,37 @@ def panel_max_density(dtype: torch.dtype, tokens: Optional[int] = None) -> float
     return 0.0 if name is None else crossover(name)
 
 
+def stream_max_tokens(dtype: torch.dtype) -> int:
+    """The most tokens of ``dtype`` the stream strategy takes on this CPU: its token crossover in
+    :mod:`sparsa.crossovers` (:data:`STREAM_CROSSOVERS`; measured here by ``sparsa cost --refit``, else on
+    this CPU class, else a default). Fewer tokens than the crossover's grid starts at always stream."""
+    name = STREAM_CROSSOVERS.get(dtype)
+    if name is None:
+        raise ValueError(f"stream_max_tokens: dtype must be one of {list(STREAM_CROSSOVERS)}, got {dtype}")
+    return max(token_crossover(name), int(CROSSOVERS[name].grid[0]) - 1)
+
+
+def row_blocks_max_tokens() -> int:
+    """The most tokens a float32 expansion multiplies in row blocks on this CPU (the token crossover
+    :data:`ROW_BLOCKS_CROSSOVER`); above, the whole expanded weight and one ``F.linear``."""
+    return token_crossover(ROW_BLOCKS_CROSSOVER)
+
+
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
-    """``"stream"`` for up to :data:`STREAM_MAX_TOKENS` tokens; above that ``"panel"`` for a weight of at
+    """``"stream"`` for up to :func:`stream_max_tokens` tokens; above that ``"panel"`` for a weight of at
     most :func:`panel_max_density` kept (at this many tokens) where that dtype's panel kernel runs
     (:func:`has_panel_bf16`, :func:`has_panel_f32`); else ``"expand"``."""
-    if tokens <= STREAM_MAX_TOKENS:
+    name = STREAM_CROSSOVERS.get(dtype)
+    if name is None:
+        raise ValueError(f"choose_strategy: dtype must be one of {list(STREAM_CROSSOVERS)}, got {dtype}")
+    # below the crossover's grid no refit decides: the stream loop, without a table read on each decode call
+    if tokens < CROSSOVERS[name].grid[0] or tokens <= stream_max_tokens(dtype):
         return "stream"
+    return many_token_strategy(tokens, dtype, density)
+
+
+def many_token_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
+    """What :func:`choose_strategy` picks above the stream strategy's tokens: ``"panel"`` or ``"expand"``."""
     has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
     if has_panel is not None and density <= panel_max_density(dtype, tokens) and has_panel():
         return "panel"
@@ -274,14 +309,20 @@ def _expand(
     values: Tensor,
     bias: Optional[Tensor],
     R: int,
+    whole: Optional[bool] = None,
 ) -> Tensor:
+    """The expand strategy; ``whole``: expand the whole weight for one ``F.linear`` (True), or multiply row
+    blocks (False); None: the whole weight for a bf16 GEMM or above :func:`row_blocks_max_tokens`
+    (either way only if its dense copy fits ``_WHOLE_BYTES``)."""
     T, K = x2.shape
     gemm_dtype = torch.bfloat16 if kind == "bf16" and _bf16_gemm_hardware() else torch.float32
     xg = x2 if x2.dtype == gemm_dtype else x2.to(gemm_dtype)
     item = 2 if gemm_dtype == torch.bfloat16 else 4
     nt = torch.get_num_threads()
-    if (gemm_dtype == torch.bfloat16 or T >= WHOLE_MIN_TOKENS) and R * K * item <= _WHOLE_BYTES:
-        whole = _scratch(R * K, gemm_dtype).view(R, K)
+    if whole is None:
+        whole = gemm_dtype == torch.bfloat16 or T > row_blocks_max_tokens()
+    if whole and R * K * item <= _WHOLE_BYTES:
+        dense = _scratch(R * K, gemm_dtype).view(R, K)
         lib.sparsa_bitmask_expand(
             bits.data_ptr(),
             row_ptr.data_ptr(),
@@ -291,11 +332,11 @@ def _expand(
             K,
             0,
             R,
-            whole.data_ptr(),
+            dense.data_ptr(),
             int(gemm_dtype == torch.bfloat16),
             nt,
         )
-        return torch.nn.functional.linear(xg, whole, None if bias is None else bias.to(gemm_dtype)).to(x2.dtype)
+        return torch.nn.functional.linear(xg, dense, None if bias is None else bias.to(gemm_dtype)).to(x2.dtype)
     rows = max(8, min(R, _BLOCK_BYTES // max(1, K * item)))
     buf = torch.empty(rows, K, dtype=gemm_dtype)
     yt = torch.empty(R, T, dtype=gemm_dtype)

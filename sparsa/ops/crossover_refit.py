@@ -1,9 +1,11 @@
 """Measure the density crossovers of :mod:`sparsa.crossovers` on this CPU (``sparsa cost --refit``).
 
-Each crossover's sparse and dense sides are timed side by side (round robin, median) at a few densities
-on each of its representative shapes (``Crossover.shapes``). A shape's crossover is the highest density
-at which the sparse side wins; the stored crossover is the median over the shapes, each shape's figures
-kept beside it.
+Each crossover's two sides are timed side by side (round robin, median) at the points of its grid (a few
+densities, or token counts) on each of its representative shapes (``Crossover.shapes``). A density
+crossover's figure at a shape is the highest density at which its low (sparse) side wins; a token
+crossover's is the most tokens up to which its low side wins at every token count timed (one below the
+grid's first if it loses there). The stored crossover is the median over the shapes, each shape's
+figures kept beside it.
 
 Example::
 
@@ -33,16 +35,18 @@ from ..layouts.grouped_nm import GroupedNM
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
 from ..timing import round_robin_ms
-from ..crossovers import CROSSOVERS, PREFIX, crossover
+from ..crossovers import CROSSOVERS, PREFIX, UNITS, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
 
-__all__ = ["refit", "DEFAULT_DENSITIES", "STREAM_BYTES", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
+__all__ = ["refit", "DEFAULT_DENSITIES", "STREAM_BYTES", "TOKEN_CASE_DENSITY", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
 
 #: the densities a crossover without its own grid is timed at
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.1875, 0.25, 0.375)
 
-# (the density actually built, {"sparse": fn, "dense": fn}); a case is None where its sparse kernel does not run
+# (the grid point actually built, {"low": fn, "high": fn, ...}); "low" is the side that runs at or below the
+# crossover, every other key a way the high side can run (the fastest counts); None where the low side
+# (a sparse kernel) does not run on this CPU
 Case = Tuple[float, Dict[str, Callable[[], object]]]
 Dims = Tuple[int, ...]
 
@@ -51,8 +55,8 @@ def _row_group_case(d: float, R: int, K: int, T: int) -> Case:
     w = RowGroup.from_dense(torch.randn(R, K), group=16, sparsity=1.0 - d)
     g2, x2 = torch.randn(T, R), torch.randn(T, K)
     return w.values.shape[1] / K, {
-        "sparse": lambda: (_rg_grad_input(g2, w, True), _rg_grad_weight(g2, x2, w, True)),
-        "dense": lambda: (_rg_grad_input(g2, w, False), _rg_grad_weight(g2, x2, w, False)),
+        "low": lambda: (_rg_grad_input(g2, w, True), _rg_grad_weight(g2, x2, w, True)),
+        "high": lambda: (_rg_grad_input(g2, w, False), _rg_grad_weight(g2, x2, w, False)),
     }
 
 
@@ -64,7 +68,7 @@ def _sliced_ell_case(d: float, R: int, K: int, T: int) -> Case:
         wt = SlicedELL.from_dense(w.to_dense().t(), mask=w.mask().t())
         return se.sliced_ell_linear_kernel(g2, wt.slice_ptr, wt.columns, wt.values, None, K)
 
-    return w.density, {"sparse": sparse, "dense": lambda: g2 @ w.to_dense()}
+    return w.density, {"low": sparse, "high": lambda: g2 @ w.to_dense()}
 
 
 def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
@@ -72,7 +76,7 @@ def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
     n = max(1, min(m - 1, round(d * m)))
     w = GroupedNM.from_dense(torch.randn(R, K), n=n, m=m, g=4)
     g2, x2 = torch.randn(T, R), torch.randn(T, K)
-    return n / m, {"sparse": lambda: _grad_weight_sparse(w, g2, x2), "dense": lambda: _grad_weight_dense(w, g2, x2)}
+    return n / m, {"low": lambda: _grad_weight_sparse(w, g2, x2), "high": lambda: _grad_weight_dense(w, g2, x2)}
 
 
 #: bytes of weight copies a batched-decoding case cycles through: a decoder reads each weight from memory
@@ -80,24 +84,65 @@ def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
 STREAM_BYTES = 128 << 20
 
 
+#: the kept fraction of the weights the bitmask token crossovers are timed on
+TOKEN_CASE_DENSITY = {"bitmask.stream_bf16": 0.5, "bitmask.stream_f32": 0.5, "bitmask.row_blocks_f32": 0.7}
+
+
+def _bitmask_weights(dtype: torch.dtype, d: float, R: int, K: int, streamed: bool) -> Tuple[Bitmask, list]:
+    """A bitmask weight keeping about ``d`` and the component tuples a call cycles through: ``streamed``
+    (decoding), copies in their own memory, so that each call streams its weight from memory."""
+    w = Bitmask.from_dense(torch.randn(R, K).to(dtype), sparsity=1.0 - d)
+    parts = [(w.bits, w.row_ptr, w.values, None, R)]
+    if streamed:
+        copies = min(1024, -(-STREAM_BYTES // max(1, w.nbytes)))
+        parts += [(w.bits.clone(), w.row_ptr.clone(), w.values.clone(), None, R) for _ in range(copies - 1)]
+    return w, parts
+
+
 def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
     def case(d: float, R: int, K: int, T: int) -> Optional[Case]:
         has_panel = bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32
         if not has_panel():
             return None  # the panel kernel does not run here: nothing to time
-        w = Bitmask.from_dense(torch.randn(R, K).to(dtype), sparsity=1.0 - d)
+        w, parts = _bitmask_weights(dtype, d, R, K, T <= bm.BATCH_MAX_TOKENS)
         x = torch.randn(T, K).to(dtype)
-        parts = [(w.bits, w.row_ptr, w.values, None, R)]
-        if T <= bm.BATCH_MAX_TOKENS:  # copies in their own memory, so that each call streams its weight
-            copies = min(1024, -(-STREAM_BYTES // max(1, w.nbytes)))
-            parts += [(w.bits.clone(), w.row_ptr.clone(), w.values.clone(), None, R) for _ in range(copies - 1)]
 
         def run(strategy: str) -> Callable[[], object]:
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
-        return w.values.numel() / (R * K), {"sparse": run("panel"), "dense": run("expand")}
+        return w.values.numel() / (R * K), {"low": run("panel"), "high": run("expand")}
 
     return case
+
+
+def _bitmask_stream_case(dtype: torch.dtype, name: str) -> Callable[..., Optional[Case]]:
+    def case(T: float, R: int, K: int) -> Optional[Case]:
+        if bm.native_library() is None:
+            return None  # no native kernels here: the reference runs whatever the strategy
+        T = int(T)
+        _, parts = _bitmask_weights(dtype, TOKEN_CASE_DENSITY[name], R, K, True)
+        x = torch.randn(T, K).to(dtype)
+
+        def run(strategy: str) -> Callable[[], object]:
+            return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
+
+        sides = {"low": run("stream"), "high_expand": run("expand")}
+        if (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
+            sides["high_panel"] = run("panel")
+        return T, sides
+
+    return case
+
+
+def _bitmask_row_blocks_case(T: float, R: int, K: int) -> Optional[Case]:
+    lib = bm.native_library()
+    if lib is None:
+        return None
+    T = int(T)
+    w, _ = _bitmask_weights(torch.float32, TOKEN_CASE_DENSITY["bitmask.row_blocks_f32"], R, K, False)
+    x = torch.randn(T, K)
+    parts = (lib, "f32", x, w.bits, w.row_ptr, w.values, None, R)
+    return T, {"low": lambda: bm._expand(*parts, whole=False), "high": lambda: bm._expand(*parts, whole=True)}
 
 
 def _relu_input(shape: Tuple[int, ...], d: float) -> Tensor:
@@ -121,8 +166,8 @@ def _fwd_bwd(fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor) -> Ca
 def _relu_linear_case(d: float, T: int, K: int, R: int) -> Case:
     x, w = _relu_input((T, K), d), torch.randn(R, K)
     return float((x > 0).float().mean()), {
-        "sparse": _fwd_bwd(relu_linear, x, w),
-        "dense": _fwd_bwd(lambda a, b: F.linear(a.relu(), b), x, w),
+        "low": _fwd_bwd(relu_linear, x, w),
+        "high": _fwd_bwd(lambda a, b: F.linear(a.relu(), b), x, w),
     }
 
 
@@ -130,8 +175,8 @@ def _relu_conv2d_case(d: float, N: int, C: int, H: int) -> Case:
     # a 3x3 conv, C -> C channels, padding 1, on an N x C x H x H input
     x, w = _relu_input((N, C, H, H), d), torch.randn(C, C, 3, 3)
     return float((x > 0).float().mean()), {
-        "sparse": _fwd_bwd(lambda a, b: relu_conv2d(a, b, padding=1), x, w),
-        "dense": _fwd_bwd(lambda a, b: F.conv2d(a.relu(), b, padding=1), x, w),
+        "low": _fwd_bwd(lambda a, b: relu_conv2d(a, b, padding=1), x, w),
+        "high": _fwd_bwd(lambda a, b: F.conv2d(a.relu(), b, padding=1), x, w),
     }
 
 
@@ -143,6 +188,9 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.panel_f32": _bitmask_panel_case(torch.float32),
     "bitmask.batch_panel_bf16": _bitmask_panel_case(torch.bfloat16),
     "bitmask.batch_panel_f32": _bitmask_panel_case(torch.float32),
+    "bitmask.stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.stream_bf16"),
+    "bitmask.stream_f32": _bitmask_stream_case(torch.float32, "bitmask.stream_f32"),
+    "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
 }
@@ -153,8 +201,11 @@ WEIGHT_SHAPE, WEIGHT_TOKENS = (768, 768), 512
 
 def _dims(name: str, shape: Optional[Tuple[int, int]], tokens: Optional[int]) -> List[Dims]:
     """The shapes ``name`` is timed at: its own (``Crossover.shapes``), or one built from an explicit
-    ``shape`` (out, in) and ``tokens``."""
-    own = CROSSOVERS[name].shapes
+    ``shape`` (out, in) and ``tokens`` (a token crossover: ``shape`` only, its grid is the tokens)."""
+    c = CROSSOVERS[name]
+    if c.unit == "tokens":
+        return list(c.shapes) if shape is None else [tuple(shape)]
+    own = c.shapes
     if shape is None and tokens is None and own:
         return list(own)
     R, K = shape if shape is not None else WEIGHT_SHAPE
@@ -167,20 +218,32 @@ def _dims(name: str, shape: Optional[Tuple[int, int]], tokens: Optional[int]) ->
 
 
 def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> Tuple[float, Dict[str, float]]:
-    """The highest density of ``grid`` at which the sparse side wins at ``dims`` (0.0 if none), and the
-    dense / sparse time ratio at each density built (keyed by it)."""
+    """The crossover at ``dims`` and the high / low side time ratio at each grid point built (keyed by it;
+    the high side's fastest way). A density crossover: the highest density at which the low side wins (0.0
+    if none). A token crossover: the most tokens up to which the low side wins at every point (one below
+    the grid's first if it loses there). A low side that cannot run on this CPU: the high side everywhere."""
+    tokens = CROSSOVERS[name].unit == "tokens"
     timings: Dict[float, Dict[str, float]] = {}
     for d in sorted(grid):
         case = _CASES[name](d, *dims)
-        if case is None:  # the sparse side cannot run on this CPU: the dense side everywhere
-            return 0.0, {}
+        if case is None:
+            return (min(grid) - 1 if tokens else 0.0), {}
         actual, fns = case
         actual = round(float(actual), 4)
         if actual not in timings:
             with torch.no_grad():
-                timings[actual] = round_robin_ms(fns, rounds)
-    wins = [d for d, ms in timings.items() if ms["sparse"] < ms["dense"]]
-    return (max(wins) if wins else 0.0), {str(d): round(ms["dense"] / ms["sparse"], 3) for d, ms in timings.items()}
+                ms = round_robin_ms(fns, rounds)
+            timings[actual] = {"low": ms["low"], "high": min(v for k, v in ms.items() if k != "low")}
+    ratios = {str(int(d) if tokens else d): round(ms["high"] / ms["low"], 3) for d, ms in timings.items()}
+    if tokens:
+        best = min(grid) - 1
+        for d in sorted(timings):
+            if timings[d]["low"] >= timings[d]["high"]:
+                break
+            best = d
+        return int(best), ratios
+    wins = [d for d, ms in timings.items() if ms["low"] < ms["high"]]
+    return (max(wins) if wins else 0.0), ratios
 
 
 def refit(
@@ -191,13 +254,14 @@ def refit(
     tokens: Optional[int] = None,
     rounds: int = 5,
 ) -> Dict[str, float]:
-    """Time the sparse and dense side of each crossover at ``densities`` (side by side, round robin, at
-    the current thread count) on each of its shapes, store the median over the shapes of the highest
-    density at which the sparse side was faster (0.0 if at none) and return them by name. A layout that
-    cannot hold a density exactly is timed at the nearest one it holds (grouped_nm: n/8).
-    ``densities=None``: each crossover's own grid (``Crossover.densities``), else
-    :data:`DEFAULT_DENSITIES`. ``shape`` (out, in) / ``tokens``: time every crossover at that one size
-    instead of its own shapes (:data:`WEIGHT_SHAPE`, :data:`WEIGHT_TOKENS` for what is not given)."""
+    """Time the low and high side of each crossover at the points of its grid (side by side, round robin,
+    at the current thread count) on each of its shapes, store the median over the shapes of each shape's
+    crossover (:func:`_crossover_at`) and return them by name. A layout that cannot hold a density exactly
+    is timed at the nearest one it holds (grouped_nm: n/8). ``densities``: the grid of every density
+    crossover (None: each one's own, ``Crossover.grid``, else :data:`DEFAULT_DENSITIES`); a token
+    crossover always takes its own. ``shape`` (out, in) / ``tokens``: time every crossover at that one
+    size instead of its own shapes (:data:`WEIGHT_SHAPE`, :data:`WEIGHT_TOKENS` for what is not given;
+    a token crossover takes ``shape`` only)."""
     cm = cost_model if cost_model is not None else default_cost_model()
     names = list(CROSSOVERS) if names is None else list(names)
     for n in names:
@@ -206,19 +270,24 @@ def refit(
         raise ValueError(f"refit: densities must be fractions in (0, 1), got {list(densities)}")
     out: Dict[str, float] = {}
     for name in names:
-        grid = densities if densities is not None else (CROSSOVERS[name].densities or DEFAULT_DENSITIES)
+        c = CROSSOVERS[name]
+        key = UNITS[c.unit]
+        if c.unit == "tokens":
+            grid = c.grid
+        else:
+            grid = densities if densities is not None else (c.grid or DEFAULT_DENSITIES)
         per_shape = []
         for dims in _dims(name, shape, tokens):
             best, ratios = _crossover_at(name, dims, grid, rounds)
-            per_shape.append({"dims": list(dims), "max_density": best, "ratios": ratios})
-        bests = sorted(p["max_density"] for p in per_shape)
-        median = bests[(len(bests) - 1) // 2]  # the lower median: one of the measured densities
+            per_shape.append({"dims": list(dims), key: best, "ratios": ratios})
+        bests = sorted(p[key] for p in per_shape)
+        median = bests[(len(bests) - 1) // 2]  # the lower median: one of the measured points
         cm.set_fit(
             PREFIX + name,
             {
-                "max_density": median,
+                key: median,
                 "threads": torch.get_num_threads(),
-                "ratios": next(p["ratios"] for p in per_shape if p["max_density"] == median),
+                "ratios": next(p["ratios"] for p in per_shape if p[key] == median),
                 "shapes": per_shape,
             },
             save=False,
