@@ -5,7 +5,9 @@ A crossover splits a choice between two ways to compute a product in two. Most s
 activation-sparse ops of the ``relu_compact`` layout, or the bitmask panel kernels for many tokens)
 computes a product faster than the dense path; above it, the dense path wins. Some split by token count
 (``unit="tokens"``): up to the crossover the ``low`` side runs (the bitmask stream loop for decoding, the
-row-block GEMMs of a bitmask expansion), above it the ``high`` one.
+row-block GEMMs of a bitmask expansion), above it the ``high`` one. The adaptive union kernels' group
+size splits by an activation's union ratio (``unit="ratio"``, the work per kept element of 4-pixel
+groups): 4-pixel groups up to the crossover, 2-pixel groups above.
 Each crossover has a default, the one measured on this CPU class if one was (``Crossover.by_class``,
 keyed by :func:`sparsa.cpu.cpu_class`), used until
 ``sparsa cost --refit`` (or :func:`refit`) times both sides on this CPU and stores the measured
@@ -45,7 +47,7 @@ __all__ = [
 
 PREFIX = "crossover|"
 #: what a crossover's value counts, and the key its fit is stored under in the cost table
-UNITS = {"density": "max_density", "tokens": "max_tokens"}
+UNITS = {"density": "max_density", "tokens": "max_tokens", "ratio": "max_ratio"}
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,8 @@ class Crossover:
     densities (or token counts) and the shapes ``sparsa cost --refit`` times it at (``shapes``: the
     dimensions its measurement in :mod:`sparsa.ops.crossover_refit` takes; the stored crossover is the
     median of the shapes' crossovers). ``unit``: ``"density"`` (the ``low`` side runs at or below the
-    crossover density) or ``"tokens"`` (the ``low`` side runs up to the crossover token count)."""
+    crossover density), ``"tokens"`` (the ``low`` side runs up to the crossover token count) or ``"ratio"``
+    (the ``low`` side runs up to the crossover union ratio)."""
 
     default: float
     decides: str
@@ -88,6 +91,7 @@ _BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 _WEIGHTS = tuple((r, k) for r, k, _ in _PREFILL_SHAPES)
 _STREAM_TOKENS = (4, 6, 8, 10, 12, 16, 20, 24, 32)
 _ROW_BLOCK_TOKENS = (64, 128, 256, 384, 512, 768, 1024)
+_UNION_RATIOS = (1.2, 1.4, 1.65, 1.9, 2.2, 2.6, 3.0, 3.5)
 
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
@@ -183,6 +187,42 @@ CROSSOVERS: Dict[str, Crossover] = {
         low="row blocks",
         high="the whole weight",
     ),
+    # ratio: an activation's union ratio (4 x its (4-pixel group, channel) pairs with a nonzero / its
+    # nonzeros, from 1 to 4): up to it the union kernels take 4 output pixels a group, above it 2, which
+    # waste less on channels set in only some pixels but reuse each weight row half as often. Timed at
+    # 25% nonzeros on clustered patterns of each ratio.
+    "conv_union.fwd_group4": Crossover(
+        1.65,
+        "the union conv forward on images without 2x2 tiles (float32 and bf16): 4-pixel groups against 2-pixel groups",
+        _UNION_RATIOS,
+        # (batch, channels in = out, height = width) of 3x3 convs on small images: VGG's last stages
+        ((16, 256, 8), (16, 512, 4), (16, 128, 8)),
+        {"amd-avx512": 1.4},
+        unit="ratio",
+        low="4-pixel groups",
+        high="2-pixel groups",
+    ),
+    "conv_union.fwd_group4_bf16_tiles": Crossover(
+        2.4,
+        "the bf16 union conv forward on images of 2x2 tiles: 4-pixel groups against 2-pixel groups",
+        _UNION_RATIOS,
+        ((8, 128, 16), (8, 64, 32), (8, 256, 16)),
+        {"amd-avx512": 1.0},  # the bottom: 2-pixel groups won at every ratio timed
+        unit="ratio",
+        low="4-pixel groups",
+        high="2-pixel groups",
+    ),
+    "conv_union.dy_group4": Crossover(
+        2.2,
+        "the union conv input gradient over dY's mask (timed in float32, used for bf16 too): 4-pixel groups "
+        "against 2-pixel groups (behind a max-pool dY has at most one nonzero per 2x2 window)",
+        _UNION_RATIOS,
+        ((16, 128, 16), (16, 256, 8), (16, 64, 32)),
+        {"amd-avx512": 1.4},
+        unit="ratio",
+        low="4-pixel groups",
+        high="2-pixel groups",
+    ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
         0.25,
@@ -251,8 +291,9 @@ def crossover(name: str, cost_model: Optional[CostModel] = None) -> float:
 
 def token_crossover(name: str, cost_model: Optional[CostModel] = None) -> int:
     """:func:`crossover` of a ``unit="tokens"`` crossover, as a token count."""
-    if _check_name(name).unit != "tokens":
-        raise ValueError(f"token_crossover: {name!r} is a density crossover; use crossover()")
+    unit = _check_name(name).unit
+    if unit != "tokens":
+        raise ValueError(f"token_crossover: {name!r} is a {unit} crossover; use crossover()")
     return int(crossover(name, cost_model))
 
 
@@ -261,4 +302,6 @@ def describe(name: str, value: float) -> str:
     c = _check_name(name)
     if c.unit == "tokens":
         return f"{c.low} up to {int(value)} tokens, {c.high} above"
+    if c.unit == "ratio":
+        return f"{c.low} up to a union ratio of {value:g}, {c.high} above"
     return f"{c.low} at density <= {value:g}"

@@ -11,6 +11,7 @@ from sparsa.layouts import GroupedNM, RowGroup, SlicedELL
 from sparsa import crossovers
 from sparsa.ops import crossover_refit
 from sparsa.ops import native_grouped_nm, native_linear
+from sparsa.kernels import adaptive_union_bf16 as B
 
 
 @pytest.fixture
@@ -93,6 +94,11 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
             if d < grid[-1]:  # the next point up lost
                 assert fit["ratios"][str(min(t for t in grid if t > d))] <= 1
             assert crossovers.crossover(name, cm) == d
+            continue
+        if c.unit == "ratio":  # 4-pixel groups up to d: a ratio built there, or 1 (2-pixel groups always)
+            assert fit["max_ratio"] == d and (d == 1.0 or str(d) in fit["ratios"])
+            assert bool(fit["ratios"]) == (name != "conv_union.fwd_group4_bf16_tiles" or B.union_dpbf16())
+            assert crossovers.crossover(name, cm) == d and fit["shapes"][0]["dims"] == [2, 64, 16]
             continue
         if not fit["ratios"]:  # a bitmask panel kernel this CPU lacks: nothing timed, the dense side stays
             assert name in ("bitmask.panel_bf16", "bitmask.panel_f32") and d == 0.0

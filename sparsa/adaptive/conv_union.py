@@ -54,6 +54,7 @@ from ..kernels import adaptive_union_bf16 as _b
 from ..kernels.adaptive import conv_backward, igrad_dy_geometry
 from ..kernels.geometry import ConvGeometry
 from . import cost_fits as _fits
+from ..crossovers import crossover
 
 __all__ = ["union_path_supported", "kernel_family", "kernels_setting", "union_paths", "KERNELS"]
 
@@ -231,12 +232,15 @@ class UnionReluConv2d(torch.autograd.Function):
         ctx.w_ref = weakref.ref(weight) if in_place else None
         ctx.w_key = (weight._version, weight.data_ptr())
         # 2-pixel groups on images run in rows of 4 (no 2x2 tiles, see adaptive_union.cpp) once the 4-pixel
-        # unions hold 65% more channel rows than nonzeros: the waste then costs more than the halved weight-row
-        # reuse; 2x2 tiles of larger images waste less and stay ahead, except in bf16 mode from a ratio of 2.4,
-        # where a pair of channels runs when either is set in the group (figures in docs/benchmarks.md)
+        # unions hold enough more channel rows than nonzeros that the waste costs more than the halved
+        # weight-row reuse; 2x2 tiles of larger images waste less and stay ahead, except in bf16 mode, where
+        # a pair of channels runs when either is set in the group (the crossovers, measured per CPU)
         ratio = ctx.x_ratio = op.union_ratio()
         tiles = geo.Ho % 2 == 0 and geo.Wo % 2 == 0 and geo.Ho >= 16 and geo.Wo >= 16
-        two = ratio is not None and (ratio >= 2.4 if bf16 and tiles else not tiles and ratio >= 1.65)
+        if ratio is None or (tiles and not bf16):
+            two = False
+        else:
+            two = ratio > crossover("conv_union.fwd_group4_bf16_tiles" if tiles else "conv_union.fwd_group4")
         group = 2 if two else 4
         if bf16:
             y = _b.union_conv_fwd_bf16(op, weight, bias, geo, group=group, wf2=packs.wf2)
@@ -329,9 +333,8 @@ class UnionReluConv2d(torch.autograd.Function):
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has
                 # at most one nonzero per 2x2 window, which lifts its union ratio well above other layers'
-                # (figures in docs/benchmarks.md)
                 ratio = gop.union_ratio()
-                group = 2 if ratio is not None and ratio >= 2.2 else 4
+                group = 2 if ratio is not None and ratio > crossover("conv_union.dy_group4") else 4
                 if bf16:
                     dx = _b.union_conv_igrad_bf16(gop, w_now, op, geo, wfl2=extra, group=group)
                 else:

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -39,7 +40,16 @@ from ..crossovers import CROSSOVERS, PREFIX, UNITS, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
 
-__all__ = ["refit", "DEFAULT_DENSITIES", "STREAM_BYTES", "TOKEN_CASE_DENSITY", "WEIGHT_SHAPE", "WEIGHT_TOKENS"]
+__all__ = [
+    "refit",
+    "union_pattern",
+    "DEFAULT_DENSITIES",
+    "STREAM_BYTES",
+    "TOKEN_CASE_DENSITY",
+    "UNION_CASE_DENSITY",
+    "WEIGHT_SHAPE",
+    "WEIGHT_TOKENS",
+]
 
 #: the densities a crossover without its own grid is timed at
 DEFAULT_DENSITIES = (0.0625, 0.125, 0.1875, 0.25, 0.375)
@@ -180,6 +190,90 @@ def _relu_conv2d_case(d: float, N: int, C: int, H: int) -> Case:
     }
 
 
+#: the fraction of an activation kept in the union group-size cases (about VGG's mid-training relu(x))
+UNION_CASE_DENSITY = 0.25
+
+
+def _block_ratio(k: int) -> float:
+    """The union ratio of a 2 x 4 pixel block holding ``k`` (1-8) nonzeros at random: 4 x its expected
+    nonempty runs of 4 pixels (its two rows) / ``k``."""
+    return 8.0 * (1.0 - math.comb(4, k) / math.comb(8, k)) / k
+
+
+def union_pattern(shape: Tuple[int, int, int, int], ratio: float, density: float = UNION_CASE_DENSITY) -> Tensor:
+    """A ``[N, C, H, W]`` activation (nonnegative) whose union ratio is about ``ratio`` (1-4), with about
+    ``density`` of it nonzero (less from a ratio of about 3, where the pattern cannot hold that many).
+    Each (2 x 4 pixel block, channel) holds nonzeros or not, and one that does holds ``k`` of its 8
+    pixels, ``k`` one of the two counts whose block ratios bracket ``ratio``: runs of 4 pixels along a row
+    and 2 x 2 tiles see the same clustering, as in a real ReLU output."""
+    N, C, H, W = shape
+    if H % 2 or W % 4:
+        raise ValueError(f"union_pattern: the height must be even and the width a multiple of 4, got {H}x{W}")
+    r = min(4.0, max(1.0, float(ratio)))
+    k_hi = next(k for k in range(8, 0, -1) if k == 1 or _block_ratio(k - 1) > r)  # ratio(k_hi) <= r
+    k_lo = max(1, k_hi - 1)
+    e = {k: 2.0 * (1.0 - math.comb(4, k) / math.comb(8, k)) for k in (k_lo, k_hi)}  # nonempty runs
+    den = r * (k_lo - k_hi) - 4.0 * (e[k_lo] - e[k_hi])
+    p = 0.0 if den == 0 else min(1.0, max(0.0, (4.0 * e[k_hi] - r * k_hi) / den))  # P(k = k_lo)
+    blocks = (N, C, H // 2, W // 4)
+    k = torch.where(torch.rand(blocks) < p, k_lo, k_hi)
+    mean_k = p * k_lo + (1.0 - p) * k_hi
+    full = torch.rand(blocks) < min(1.0, 8.0 * density / mean_k)
+    rank = torch.rand(*blocks, 8).argsort(-1).argsort(-1)  # k of a block's 8 pixels: rank below k
+    keep = (rank < k.unsqueeze(-1)) & full.unsqueeze(-1)
+    keep = keep.reshape(N, C, H // 2, W // 4, 2, 4).permute(0, 1, 2, 4, 3, 5).reshape(N, C, H, W)
+    return torch.where(keep, torch.rand(N, C, H, W) + 0.1, torch.zeros(()))
+
+
+def _conv_geo(x: Tensor, w: Tensor):
+    from ..kernels.geometry import ConvGeometry
+
+    return ConvGeometry.of_conv(x.shape, w.shape, (1, 1), (1, 1), (1, 1))
+
+
+def _union_fwd_case(bf16: bool) -> Callable[..., Optional[Case]]:
+    def case(r: float, N: int, C: int, H: int) -> Optional[Case]:
+        from ..kernels import adaptive_union as u
+        from ..kernels import adaptive_union_bf16 as b
+
+        if not (b.union_dpbf16() and b.union_supported_bf16(C, C) if bf16 else u.union_supported(C, C)):
+            return None
+        x, w = union_pattern((N, C, H, H), r), torch.randn(C, C, 3, 3) * 0.05
+        geo = _conv_geo(x, w)
+        if bf16:
+            op = b.union_operand_bf16(x.to(torch.bfloat16))
+            wf2 = b.union_pair_packs(w, flipped=False).wf2
+
+            def run(g: int) -> Callable[[], object]:
+                return lambda: b.union_conv_fwd_bf16(op, w, None, geo, group=g, wf2=wf2)
+        else:
+            op = u.union_operand(x)
+            wf = u.union_packs(w, flipped=False)[0]
+
+            def run(g: int) -> Callable[[], object]:
+                return lambda: u.union_conv_fwd(op, w, None, geo, wf=wf, group=g)
+
+        return op.union_ratio(), {"low": run(4), "high": run(2)}
+
+    return case
+
+
+def _union_dy_case(r: float, N: int, C: int, H: int) -> Optional[Case]:
+    from ..kernels import adaptive_union as u
+
+    if not u.union_supported(C, C):
+        return None
+    x, w = _relu_input((N, C, H, H), 0.5), torch.randn(C, C, 3, 3) * 0.05
+    geo = _conv_geo(x, w)
+    xop = u.union_operand(x)
+    gop = u.union_operand(union_pattern((N, C, H, H), r).contiguous(memory_format=torch.channels_last), relu=False)
+    wfl = u.union_packs(w, flipped=True)[1]
+    return gop.union_ratio(), {
+        "low": lambda: u.union_conv_igrad(gop, None, xop, geo, wflip=wfl, group=4),
+        "high": lambda: u.union_conv_igrad(gop, None, xop, geo, wflip=wfl, group=2),
+    }
+
+
 _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "row_group.backward": _row_group_case,
     "sliced_ell.grad_input": _sliced_ell_case,
@@ -193,6 +287,9 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
+    "conv_union.fwd_group4": _union_fwd_case(bf16=False),
+    "conv_union.fwd_group4_bf16_tiles": _union_fwd_case(bf16=True),
+    "conv_union.dy_group4": _union_dy_case,
 }
 
 #: the size (out_features, in_features) and token count an explicit ``shape`` / ``tokens`` completes
@@ -205,6 +302,8 @@ def _dims(name: str, shape: Optional[Tuple[int, int]], tokens: Optional[int]) ->
     c = CROSSOVERS[name]
     if c.unit == "tokens":
         return list(c.shapes) if shape is None else [tuple(shape)]
+    if c.unit == "ratio":  # its own conv shapes, or a 3x3 conv over 16x16 images with in_features channels
+        return list(c.shapes) if shape is None else [(2, int(shape[1]), 16)]
     own = c.shapes
     if shape is None and tokens is None and own:
         return list(own)
@@ -220,28 +319,32 @@ def _dims(name: str, shape: Optional[Tuple[int, int]], tokens: Optional[int]) ->
 def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> Tuple[float, Dict[str, float]]:
     """The crossover at ``dims`` and the high / low side time ratio at each grid point built (keyed by it;
     the high side's fastest way). A density crossover: the highest density at which the low side wins (0.0
-    if none). A token crossover: the most tokens up to which the low side wins at every point (one below
-    the grid's first if it loses there). A low side that cannot run on this CPU: the high side everywhere."""
-    tokens = CROSSOVERS[name].unit == "tokens"
+    if none). A token or ratio crossover: the top of the points up to which the low side wins at every one
+    (one below the grid's first token count, or a ratio of 1, if it loses there). A side that cannot run
+    on this CPU: the high side everywhere."""
+    unit = CROSSOVERS[name].unit
+    tokens = unit == "tokens"
+    # a token or ratio crossover below which nothing was timed: the high side from the smallest there is
+    floor = {"tokens": min(grid) - 1, "ratio": 1.0}.get(unit, 0.0)
     timings: Dict[float, Dict[str, float]] = {}
     for d in sorted(grid):
         case = _CASES[name](d, *dims)
         if case is None:
-            return (min(grid) - 1 if tokens else 0.0), {}
+            return floor, {}
         actual, fns = case
-        actual = round(float(actual), 4)
+        actual = round(float(actual), 2 if unit == "ratio" else 4)
         if actual not in timings:
             with torch.no_grad():
                 ms = round_robin_ms(fns, rounds)
             timings[actual] = {"low": ms["low"], "high": min(v for k, v in ms.items() if k != "low")}
     ratios = {str(int(d) if tokens else d): round(ms["high"] / ms["low"], 3) for d, ms in timings.items()}
-    if tokens:
-        best = min(grid) - 1
+    if unit != "density":
+        best = floor
         for d in sorted(timings):
             if timings[d]["low"] >= timings[d]["high"]:
                 break
             best = d
-        return int(best), ratios
+        return (int(best) if tokens else best), ratios
     wins = [d for d, ms in timings.items() if ms["low"] < ms["high"]]
     return (max(wins) if wins else 0.0), ratios
 
@@ -259,9 +362,10 @@ def refit(
     crossover (:func:`_crossover_at`) and return them by name. A layout that cannot hold a density exactly
     is timed at the nearest one it holds (grouped_nm: n/8). ``densities``: the grid of every density
     crossover (None: each one's own, ``Crossover.grid``, else :data:`DEFAULT_DENSITIES`); a token
-    crossover always takes its own. ``shape`` (out, in) / ``tokens``: time every crossover at that one
-    size instead of its own shapes (:data:`WEIGHT_SHAPE`, :data:`WEIGHT_TOKENS` for what is not given;
-    a token crossover takes ``shape`` only)."""
+    crossover always takes its own, a ratio crossover too. ``shape`` (out, in) / ``tokens``: time every
+    crossover at that one size instead of its own shapes (:data:`WEIGHT_SHAPE`, :data:`WEIGHT_TOKENS`
+    for what is not given; a token crossover takes ``shape`` only, a ratio crossover a 16x16 conv with
+    ``shape[1]`` channels)."""
     cm = cost_model if cost_model is not None else default_cost_model()
     names = list(CROSSOVERS) if names is None else list(names)
     for n in names:
@@ -272,7 +376,7 @@ def refit(
     for name in names:
         c = CROSSOVERS[name]
         key = UNITS[c.unit]
-        if c.unit == "tokens":
+        if c.unit != "density":
             grid = c.grid
         else:
             grid = densities if densities is not None else (c.grid or DEFAULT_DENSITIES)
