@@ -165,9 +165,10 @@ def compare(
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
+    asks_help = "--" not in argv and any(a in ("-h", "--help") for a in argv)
+    if "--" not in argv and not asks_help:
         raise SystemExit("ab_commits: put the benchmark after '--', e.g. ... OLD -- dispatch_overhead.py --quick")
-    cut = argv.index("--")
+    cut = len(argv) if asks_help else argv.index("--")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old", help="the commit before the change")
     ap.add_argument("--new", default=None, help="the commit after it (default: the working tree as it is)")

@@ -82,7 +82,7 @@ def _cases(C: int, H: int, sparsity: float, batch: int, gen: torch.Generator) ->
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two shapes, 70% and 90%, 5 rounds")
+    ap.add_argument("--quick", action="store_true", help="two shapes, 70%% and 90%%, 5 rounds")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="output JSON (default: results dir, adaptive_bf16.json)")
     args = ap.parse_args(argv)

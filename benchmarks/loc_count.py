@@ -93,8 +93,9 @@ def count(
 
 
 def main(argv: Sequence[str]) -> None:
-    if not argv:
-        raise SystemExit(__doc__)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
     argv = list(argv)
     show = "--show" in argv
     if show:

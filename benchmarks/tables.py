@@ -12,6 +12,7 @@ saying which CPU class it comes from, so the tables always come from the scripts
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -963,7 +964,8 @@ sparsegpt`.
 HAND_WRITTEN = "## Design measurements behind the kernels"
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     doc = ROOT / "docs" / "benchmarks.md"
     old = doc.read_text() if doc.is_file() else ""
     kept = old[old.index(HAND_WRITTEN) :] if HAND_WRITTEN in old else ""
