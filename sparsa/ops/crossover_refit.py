@@ -357,7 +357,8 @@ def refit(
     tokens: Optional[int] = None,
     rounds: int = 5,
 ) -> Dict[str, float]:
-    """Time the low and high side of each crossover at the points of its grid (side by side, round robin,
+    """Time the low and high side of each crossover (``names``; None: every one with
+    ``refit_by_default``) at the points of its grid (side by side, round robin,
     at the current thread count) on each of its shapes, store the median over the shapes of each shape's
     crossover (:func:`_crossover_at`) and return them by name. A layout that cannot hold a density exactly
     is timed at the nearest one it holds (grouped_nm: n/8). ``densities``: the grid of every density
@@ -367,7 +368,7 @@ def refit(
     for what is not given; a token crossover takes ``shape`` only, a ratio crossover a 16x16 conv with
     ``shape[1]`` channels)."""
     cm = cost_model if cost_model is not None else default_cost_model()
-    names = list(CROSSOVERS) if names is None else list(names)
+    names = [n for n, c in CROSSOVERS.items() if c.refit_by_default] if names is None else list(names)
     for n in names:
         crossover(n)  # a ValueError names an unknown crossover
     if densities is not None and (not densities or not all(0 < d < 1 for d in densities)):
