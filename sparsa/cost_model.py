@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import torch
 
 from . import cpu
+from .environ import raw
 from .timing import round_robin_ms
 
 __all__ = ["CostModel", "default_cost_model", "cost_path"]
@@ -206,7 +207,7 @@ _BY_ENV: Dict[tuple, CostModel] = {}
 def default_cost_model() -> CostModel:
     """The process's cost model for :func:`cost_path` (one per path, so tests can point it elsewhere)."""
     # the path depends only on these variables (and the CPU): skip rebuilding it on every call
-    env = (os.environ.get("SPARSA_COST_DIR", ""), os.environ.get("XDG_CACHE_HOME", ""), os.environ.get("HOME", ""))
+    env = (raw(b"SPARSA_COST_DIR"), raw(b"XDG_CACHE_HOME"), raw(b"HOME"))
     cm = _BY_ENV.get(env)
     if cm is None:
         p = cost_path()

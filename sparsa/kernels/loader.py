@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from ..environ import raw
+
 __all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info", "kernels_digest"]
 
 CSRC = Path(__file__).parent / "csrc"
@@ -47,24 +49,10 @@ CFLAGS = ["-O3", "-std=c++17", "-march=haswell", "-mavx2", "-mfma", "-fopenmp", 
 LDFLAGS = ["-fopenmp"]
 
 
-# os.environ's backing dict (bytes keys on POSIX): a plain dict lookup instead of the mapping's
-# per-call key encoding; every kernel call asks, and tests change the variables between calls
-_RAW_ENV = getattr(os.environ, "_data", None)
-if not (isinstance(_RAW_ENV, dict) and os.name == "posix"):
-    _RAW_ENV = None
-
-
-def _env(name: bytes) -> bytes:
-    """One environment variable as bytes (b"" when unset)."""
-    if _RAW_ENV is not None:
-        return _RAW_ENV.get(name, b"")
-    return os.environ.get(name.decode(), "").encode()
-
-
 def native_enabled() -> bool:
     """False when ``SPARSA_NO_NATIVE`` is set to a true value, or the kernel path is ``portable`` (a CPU
     without AVX2/FMA, or ``SPARSA_ISA=portable``). An unknown ``SPARSA_ISA`` raises ValueError."""
-    env = (_env(b"SPARSA_NO_NATIVE"), _env(b"SPARSA_ISA"), _env(b"SPARSA_NO_AVX512"))
+    env = (raw(b"SPARSA_NO_NATIVE"), raw(b"SPARSA_ISA"), raw(b"SPARSA_NO_AVX512"))
     hit = _ENABLED.get(env)
     if hit is None:  # memoised per environment: every kernel call asks, tests flip the variables
         from .. import cpu
