@@ -93,6 +93,9 @@ _BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: (out_features, in_features) of the same projections, for the token crossovers (timed at one density)
 _WEIGHTS = tuple((r, k) for r, k, _ in _PREFILL_SHAPES)
 _STREAM_TOKENS = (4, 6, 8, 10, 12, 16, 20, 24, 32)
+#: the 0.5B projections and the 1B ones: a bf16 weight past the last-level cache (the 1B MLP's 32 MiB)
+#: makes expanding it for batched decoding cost more
+_DECODE_WEIGHTS = _WEIGHTS + ((512, 2048), (2048, 2048), (8192, 2048), (2048, 8192))
 _ROW_BLOCK_TOKENS = (64, 128, 256, 384, 512, 768, 1024)
 _UNION_RATIOS = (1.2, 1.4, 1.65, 1.9, 2.2, 2.6, 3.0, 3.5)
 
@@ -176,6 +179,19 @@ CROSSOVERS: Dict[str, Crossover] = {
         unit="tokens",
         low="stream",
         high="panel or expand",
+    ),
+    # tokens: above the stream loop's tokens, a bf16 weight too dense for the panel kernel runs the stream
+    # loop up to this many tokens, else the expansion (timed at half the weight kept)
+    "bitmask.batch_stream_bf16": Crossover(
+        0,
+        "bitmask_linear with bf16 tokens above the stream loop's, up to BATCH_MAX_TOKENS, on a weight too "
+        "dense for the panel kernel: the stream loop against expanding the weight for the dense bf16 GEMM",
+        (8, 10, 12, 16, 20, 24, 32),
+        _DECODE_WEIGHTS,
+        {"amd-avx512": 16},
+        unit="tokens",
+        low="stream",
+        high="expand",
     ),
     # tokens: a float32 expansion's row-block GEMMs (W_block @ X^T, then a transposed output) against
     # the whole weight expanded and one F.linear

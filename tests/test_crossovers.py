@@ -170,9 +170,11 @@ def test_token_crossovers_by_cpu_class(monkeypatch, tmp_path):
     monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
     assert bm.stream_max_tokens(torch.bfloat16) == 12 and bm.stream_max_tokens(torch.float32) == 6
     assert bm.row_blocks_max_tokens() == 256
+    assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 16
     monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # unmeasured: the old constants
     assert bm.stream_max_tokens(torch.bfloat16) == bm.stream_max_tokens(torch.float32) == 8
     assert bm.row_blocks_max_tokens() == 511
+    assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 0  # never: expand, as before
 
 
 def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):
@@ -301,3 +303,31 @@ def test_the_row_blocks_case_times_row_blocks_against_the_whole_weight(monkeypat
     fns["low"]()
     fns["high"]()
     assert T == 64 and seen == [((64, 48), False), ((64, 48), True)]
+
+
+def test_a_bf16_weight_too_dense_for_the_panel_streams_up_to_the_batch_stream_crossover(table, monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    bf = torch.bfloat16
+    monkeypatch.setattr(bm, "has_panel_bf16", lambda: True)
+    monkeypatch.setattr(bm, "has_panel_f32", lambda: True)
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_bf16", {"max_tokens": 8})
+    table.set_fit(crossovers.PREFIX + "bitmask.batch_panel_bf16", {"max_density": 0.4})
+    table.set_fit(crossovers.PREFIX + "bitmask.batch_panel_f32", {"max_density": 0.4})
+    table.set_fit(crossovers.PREFIX + bm.BATCH_STREAM_CROSSOVER, {"max_tokens": 16})
+    assert [bm.choose_strategy(t, bf, 0.5) for t in (8, 9, 16, 17)] == ["stream", "stream", "stream", "expand"]
+    assert bm.choose_strategy(16, bf, 0.3) == "panel"  # sparse enough for the panel: it comes first
+    assert bm.choose_strategy(16, torch.float32, 0.5) == "expand"  # bf16 only
+    table.set_fit(crossovers.PREFIX + bm.BATCH_STREAM_CROSSOVER, {"max_tokens": 0})
+    assert bm.choose_strategy(9, bf, 0.5) == "expand"
+
+
+def test_the_batch_stream_case_times_stream_against_expand_only(monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.setattr(bm, "bitmask_linear_impl", lambda x, bits, rp, v, b, R, s: s)
+    T, fns = crossover_refit._CASES["bitmask.batch_stream_bf16"](16, 32, 64)
+    assert T == 16 and set(fns) == {"low", "high_expand"}
+    assert set(fns["low"]()) == {"stream"} and set(fns["high_expand"]()) == {"expand"}

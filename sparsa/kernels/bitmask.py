@@ -76,6 +76,7 @@ __all__ = [
     "BATCH_MAX_TOKENS",
     "STREAM_CROSSOVERS",
     "ROW_BLOCKS_CROSSOVER",
+    "BATCH_STREAM_CROSSOVER",
     "panel_max_density",
     "stream_max_tokens",
     "row_blocks_max_tokens",
@@ -97,6 +98,10 @@ STRATEGIES = ("stream", "expand", "panel")
 #: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel
 #: re-expands it for every 4 tokens)
 STREAM_CROSSOVERS = {torch.bfloat16: "bitmask.stream_bf16", torch.float32: "bitmask.stream_f32"}
+#: the token crossover holding the most tokens a bf16 weight too dense for the panel kernel streams in
+#: batched decoding (above the stream strategy's own tokens): expanding a weight past the cache for the
+#: dense GEMM costs more than the stream loop's dense compute
+BATCH_STREAM_CROSSOVER = "bitmask.batch_stream_bf16"
 #: the token crossover holding the most tokens a float32 expansion multiplies block by block; above, the
 #: whole expanded weight and one ``F.linear`` (its row-block GEMMs, ``W_block @ X^T`` then a transpose of
 #: the output, lose to it at many tokens)
@@ -231,10 +236,13 @@ def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: fl
 
 
 def many_token_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
-    """What :func:`choose_strategy` picks above the stream strategy's tokens: ``"panel"`` or ``"expand"``."""
+    """What :func:`choose_strategy` picks above the stream strategy's tokens: ``"panel"``; for a bf16
+    weight too dense for it, up to :data:`BATCH_STREAM_CROSSOVER` tokens, ``"stream"``; else ``"expand"``."""
     has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
     if has_panel is not None and density <= panel_max_density(dtype, tokens) and has_panel():
         return "panel"
+    if dtype == torch.bfloat16 and tokens <= token_crossover(BATCH_STREAM_CROSSOVER):
+        return "stream"
     return "expand"
 
 

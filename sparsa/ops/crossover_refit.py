@@ -95,7 +95,12 @@ STREAM_BYTES = 128 << 20
 
 
 #: the kept fraction of the weights the bitmask token crossovers are timed on
-TOKEN_CASE_DENSITY = {"bitmask.stream_bf16": 0.5, "bitmask.stream_f32": 0.5, "bitmask.row_blocks_f32": 0.7}
+TOKEN_CASE_DENSITY = {
+    "bitmask.stream_bf16": 0.5,
+    "bitmask.stream_f32": 0.5,
+    "bitmask.batch_stream_bf16": 0.5,
+    "bitmask.row_blocks_f32": 0.7,
+}
 
 
 def _bitmask_weights(dtype: torch.dtype, d: float, R: int, K: int, streamed: bool) -> Tuple[Bitmask, list]:
@@ -125,7 +130,9 @@ def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
     return case
 
 
-def _bitmask_stream_case(dtype: torch.dtype, name: str) -> Callable[..., Optional[Case]]:
+def _bitmask_stream_case(dtype: torch.dtype, name: str, against: Sequence[str] = ("expand", "panel")):
+    """The stream loop against the faster of the strategies ``against`` (the panel where it runs)."""
+
     def case(T: float, R: int, K: int) -> Optional[Case]:
         if bm.native_library() is None:
             return None  # no native kernels here: the reference runs whatever the strategy
@@ -137,7 +144,7 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str) -> Callable[..., Optiona
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
         sides = {"low": run("stream"), "high_expand": run("expand")}
-        if (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
+        if "panel" in against and (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
             sides["high_panel"] = run("panel")
         return T, sides
 
@@ -284,6 +291,7 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.batch_panel_f32": _bitmask_panel_case(torch.float32),
     "bitmask.stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.stream_bf16"),
     "bitmask.stream_f32": _bitmask_stream_case(torch.float32, "bitmask.stream_f32"),
+    "bitmask.batch_stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.batch_stream_bf16", ("expand",)),
     "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
