@@ -19,8 +19,10 @@ Example::
     >>> from sparsa import crossovers
     >>> 0 < crossovers.crossover("row_group.backward") <= 1
     True
-    >>> sorted(crossovers.CROSSOVERS)[:3]
-    ['bitmask.batch_panel_bf16', 'bitmask.batch_panel_f32', 'bitmask.panel_bf16']
+    >>> crossovers.CROSSOVERS["bitmask.stream_bf16"].unit
+    'tokens'
+    >>> crossovers.describe("bitmask.stream_bf16", 12)
+    'stream up to 12 tokens, panel or expand above'
 """
 
 from __future__ import annotations
