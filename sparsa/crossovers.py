@@ -101,6 +101,22 @@ _DECODE_WEIGHTS = _WEIGHTS + ((512, 2048), (2048, 2048), (8192, 2048), (2048, 81
 _ROW_BLOCK_TOKENS = (64, 128, 256, 384, 512, 768, 1024)
 _UNION_RATIOS = (1.2, 1.4, 1.65, 1.9, 2.2, 2.6, 3.0, 3.5)
 
+
+def _union_group4(default: float, decides: str, shapes: Tuple[Tuple[int, ...], ...]) -> Crossover:
+    """A union kernels' group-size crossover: 4-pixel groups up to a union ratio, 2-pixel above;
+    refitted on request only (see the entries below)."""
+    return Crossover(
+        default,
+        decides,
+        _UNION_RATIOS,
+        shapes,
+        unit="ratio",
+        low="4-pixel groups",
+        high="2-pixel groups",
+        refit_by_default=False,
+    )
+
+
 CROSSOVERS: Dict[str, Crossover] = {
     "row_group.backward": Crossover(
         0.15,
@@ -213,37 +229,22 @@ CROSSOVERS: Dict[str, Crossover] = {
     # waste less on channels set in only some pixels but reuse each weight row half as often. Timed at
     # 25% nonzeros on synthetic patterns of each ratio, whose figures did not carry over to the
     # clustered activations of benchmarks/adaptive_bf16.py: refitted on request only (docs/benchmarks.md)
-    "conv_union.fwd_group4": Crossover(
+    "conv_union.fwd_group4": _union_group4(
         1.65,
         "the union conv forward on images without 2x2 tiles (float32 and bf16): 4-pixel groups against 2-pixel groups",
-        _UNION_RATIOS,
         # (batch, channels in = out, height = width) of 3x3 convs on small images: VGG's last stages
         ((16, 256, 8), (16, 512, 4), (16, 128, 8)),
-        unit="ratio",
-        low="4-pixel groups",
-        high="2-pixel groups",
-        refit_by_default=False,
     ),
-    "conv_union.fwd_group4_bf16_tiles": Crossover(
+    "conv_union.fwd_group4_bf16_tiles": _union_group4(
         2.4,
         "the bf16 union conv forward on images of 2x2 tiles: 4-pixel groups against 2-pixel groups",
-        _UNION_RATIOS,
         ((8, 128, 16), (8, 64, 32), (8, 256, 16)),
-        unit="ratio",
-        low="4-pixel groups",
-        high="2-pixel groups",
-        refit_by_default=False,
     ),
-    "conv_union.dy_group4": Crossover(
+    "conv_union.dy_group4": _union_group4(
         2.2,
         "the union conv input gradient over dY's mask (timed in float32, used for bf16 too): 4-pixel groups "
         "against 2-pixel groups (behind a max-pool dY has at most one nonzero per 2x2 window)",
-        _UNION_RATIOS,
         ((16, 128, 16), (16, 256, 8), (16, 64, 32)),
-        unit="ratio",
-        low="4-pixel groups",
-        high="2-pixel groups",
-        refit_by_default=False,
     ),
     # density = the fraction of relu(x) that is nonzero
     "relu_compact.linear": Crossover(
