@@ -2,8 +2,10 @@
 
 Tiny shapes (so the kernel itself costs ~1-2 us) make the Python dispatch cost visible. Reports the
 median over repetitions of the per-call difference, for inference (no grad) and training (grad
-recorded: includes autograd.Function bookkeeping). Writes
-benchmarks/results/<cpu class>/dispatch_overhead.json.
+recorded: includes autograd.Function bookkeeping) on a Masked weight, and for a decode call
+(``decode_bitmask``: one bf16 token, no grad) on a Bitmask weight, whose "direct" is the native stream
+kernel called through ctypes with its arguments prepared: everything above it is Python a decoder pays
+per linear per token. Writes benchmarks/results/<cpu class>/dispatch_overhead.json.
 
     python benchmarks/dispatch_overhead.py [--quick]
 """
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import sparsa
+from sparsa.kernels import bitmask as bm
 from sparsa.layouts import Dense, Masked
 from sparsa.ops import registry
 from sparsa.ops.dispatch import _Ctx
@@ -34,6 +37,46 @@ def _per_call(fn, n):
     for _ in range(n):
         fn()
     return (time.perf_counter() - t0) / n
+
+
+def _overhead_row(mode, direct, dispatched, x, w, reps, n) -> dict:
+    """Median per-call times of ``direct`` and ``dispatched``, alternating, after a warm-up."""
+    for _ in range(3):
+        _per_call(direct, n // 4), _per_call(dispatched, n // 4)
+    diffs, d_times, s_times = [], [], []
+    for _ in range(reps):
+        a = _per_call(direct, n)
+        b = _per_call(dispatched, n)
+        diffs.append(b - a)
+        d_times.append(a)
+        s_times.append(b)
+    return {
+        "mode": mode,
+        "shape_x": list(x.shape),
+        "shape_w": list(w.shape),
+        "threads": 1,
+        "direct_us": round(statistics.median(d_times) * 1e6, 2),
+        "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
+        "overhead_us": round(statistics.median(diffs) * 1e6, 2),
+    }
+
+
+def decode_row(reps: int, n: int):
+    """``F.linear`` of one bf16 token with a 64x64 Bitmask weight against the stream kernel's ctypes call;
+    None where the native kernel does not run."""
+    lib = bm.native_library()
+    if lib is None:
+        return None
+    w = sparsa.to_sparse(torch.randn(64, 64).to(torch.bfloat16), "bitmask", sparsity=0.7)
+    lay = w.sparse_layout
+    x = torch.randn(1, 1, 64).to(torch.bfloat16)
+    y = torch.empty(1, 64, dtype=torch.bfloat16)
+    args = (x.data_ptr(), 1, 64, lay.bits.data_ptr(), lay.row_ptr.data_ptr(), lay.values.data_ptr(), 64, None, 0)
+    kernel = lib.sparsa_bitmask_linear_bf16
+    direct = lambda: kernel(*args, y.data_ptr(), 1, 0)  # noqa: E731 - the kernel alone
+    dispatched = lambda: F.linear(x, w)  # noqa: E731
+    with torch.no_grad():
+        return _overhead_row("decode_bitmask", direct, dispatched, x, w, reps, n)
 
 
 def main() -> None:
@@ -57,26 +100,10 @@ def main() -> None:
         dispatched = lambda: F.linear(xs, spw)  # noqa: E731
         ctx = torch.enable_grad() if mode == "training" else torch.no_grad()
         with ctx:
-            for _ in range(3):
-                _per_call(direct, n // 4), _per_call(dispatched, n // 4)
-            diffs, d_times, s_times = [], [], []
-            for _ in range(reps):
-                a = _per_call(direct, n)
-                b = _per_call(dispatched, n)
-                diffs.append(b - a)
-                d_times.append(a)
-                s_times.append(b)
-        rows.append(
-            {
-                "mode": mode,
-                "shape_x": list(x.shape),
-                "shape_w": list(w.shape),
-                "threads": 1,
-                "direct_us": round(statistics.median(d_times) * 1e6, 2),
-                "dispatched_us": round(statistics.median(s_times) * 1e6, 2),
-                "overhead_us": round(statistics.median(diffs) * 1e6, 2),
-            }
-        )
+            rows.append(_overhead_row(mode, direct, dispatched, x, w, reps, n))
+    decode = decode_row(reps, n)
+    if decode is not None:
+        rows.append(decode)
     res = {
         "benchmark": "dispatch_overhead",
         "cpu": sparsa.cpu.cpu_info(),

@@ -84,6 +84,7 @@ __all__ = [
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
+    "stream_decode",
     "bitmask_linear_reference",
     "bitmask_dense_weight",
     "choose_strategy",
@@ -249,22 +250,22 @@ def many_token_strategy(tokens: int, dtype: torch.dtype = torch.float32, density
 def _stream(
     lib: ctypes.CDLL,
     kind: str,
-    x2: Tensor,
+    x: Tensor,
     bits: Tensor,
     row_ptr: Tensor,
     values: Tensor,
     bias: Optional[Tensor],
     R: int,
 ) -> Tensor:
-    T, K = x2.shape
-    y = torch.empty(T, R, dtype=x2.dtype)
-    b = None if bias is None else bias.contiguous()
-    bp = None if b is None else b.data_ptr()
-    nt = torch.get_num_threads()
-    path = _stream_path()
+    """The stream strategy on a contiguous ``x`` of any rank (``[..., K]``, at least one token); the
+    result has ``x``'s leading dimensions (a reshape per call would cost a decode call a microsecond)."""
+    K = x.shape[-1]
+    T = x.numel() // K
+    y = torch.empty(*x.shape[:-1], R, dtype=x.dtype)
+    bp = None if bias is None else bias.contiguous().data_ptr()
     if kind == "bf16":
         rc = lib.sparsa_bitmask_linear_bf16(
-            x2.data_ptr(),
+            x.data_ptr(),
             T,
             K,
             bits.data_ptr(),
@@ -272,19 +273,29 @@ def _stream(
             values.data_ptr(),
             R,
             bp,
-            int(b is not None and b.dtype == torch.bfloat16),
+            bias is not None and bias.dtype == torch.bfloat16,
             y.data_ptr(),
-            nt,
-            path,
+            torch.get_num_threads(),
+            _stream_path(),
         )
     else:
         rc = lib.sparsa_bitmask_linear_f32(
-            x2.data_ptr(), T, K, bits.data_ptr(), row_ptr.data_ptr(), values.data_ptr(), R, bp, y.data_ptr(), nt, path
+            x.data_ptr(),
+            T,
+            K,
+            bits.data_ptr(),
+            row_ptr.data_ptr(),
+            values.data_ptr(),
+            R,
+            bp,
+            y.data_ptr(),
+            torch.get_num_threads(),
+            _stream_path(),
         )
     if rc == -4:
         raise RuntimeError(
             f"bitmask stream kernel: row loop STREAM_PATH={STREAM_PATH!r} takes bfloat16 operands only, got "
-            f"{x2.dtype}; use 'auto' or a float32 loop"
+            f"{x.dtype}; use 'auto' or a float32 loop"
         )
     if rc:
         raise RuntimeError(
@@ -448,6 +459,42 @@ def bitmask_linear(
 @bitmask_linear.register_fake
 def _forward_fake(x, bits, row_ptr, values, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_tracing_state = torch._C._get_tracing_state
+
+
+def stream_decode(
+    x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
+) -> Optional[Tensor]:
+    """What :data:`bitmask_linear_kernel` returns for an eager decode call (a stream-sized number of tokens,
+    plain contiguous CPU tensors that the native stream kernel takes, no tracer, dispatch mode or autograd
+    recording), computed by the stream kernel with only the checks such a call needs; None for any other
+    call, which the caller sends to :data:`bitmask_linear_kernel`. The kernel op's generic checks and
+    strategy choice cost a decode call about as much as the kernel (``benchmarks/dispatch_overhead.py``)."""
+    if not (type(x) is Tensor and type(values) is Tensor and type(bits) is Tensor and type(row_ptr) is Tensor):
+        return None
+    if bias is not None and type(bias) is not Tensor:
+        return None
+    if _is_compiling() or _dispatch_modes() or _tracing_state() is not None:
+        return None
+    if torch.is_grad_enabled() and (
+        x.requires_grad or values.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return None
+    kind = native_kind(x, values, bias)
+    if kind is None or not x.is_contiguous():
+        return None
+    K = x.shape[-1]
+    T = x.numel() // K if K else 0
+    if T == 0 or out_features == 0 or choose_strategy(T, x.dtype) != "stream":
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    return _stream(lib, kind, x, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
 
 
 # forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
