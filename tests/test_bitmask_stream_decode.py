@@ -130,3 +130,13 @@ def test_f_linear_takes_it_for_a_decode_call(monkeypatch):
     with torch.no_grad():
         F.linear(torch.randn(64, 40).to(BF), w)
     assert calls == [torch.Size([64, 40])]
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (2, 1, 0), (0, 5)])
+def test_empty_inputs_give_the_bias(shape):
+    K = shape[-1]
+    w = _weight(4, K, torch.float32)
+    bias = torch.randn(4)
+    assert bm.stream_decode(torch.randn(shape), *_args(w, bias)) is None
+    got = bm.bitmask_linear_impl(torch.randn(shape), *_args(w, bias))
+    torch.testing.assert_close(got, torch.zeros(*shape[:-1], 4) + bias)

@@ -435,15 +435,19 @@ def bitmask_linear_impl(
     if lib is None:
         return bitmask_linear_reference(x, bits, row_ptr, values, bias, out_features).contiguous()
     K = x.shape[-1]
-    flat = x.dim() != 2  # a 2-D input needs no reshape round trip
-    x2 = (x.reshape(-1, K) if flat else x).contiguous()
-    T = x2.shape[0]
-    if T == 0 or out_features == 0:
+    if x.numel() == 0 or out_features == 0:  # no tokens, or K == 0: the sum over no columns is zero
         return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
+    T = x.numel() // K
     if strategy == "auto":
         density = values.numel() / max(1, out_features * K)
         strategy = choose_strategy(T, torch.bfloat16 if kind == "bf16" else torch.float32, density)
-    fn = {"stream": _stream, "expand": _expand, "panel": _panel}[strategy]
+    if strategy == "stream":  # takes any rank: no reshape round trip on a decode call
+        return _stream(
+            lib, kind, x.contiguous(), bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features
+        )
+    flat = x.dim() != 2  # a 2-D input needs no reshape round trip
+    x2 = (x.reshape(-1, K) if flat else x).contiguous()
+    fn = {"expand": _expand, "panel": _panel}[strategy]
     y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
     return y.reshape(*x.shape[:-1], out_features) if flat else y
 
