@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import hashlib
 from typing import Any, Optional, Type, Union
 
 import torch
@@ -80,6 +81,25 @@ class SparseTensor(SparseTensorBase):
         names = list(comps)
         ctx = (type(self._layout), tuple(self._layout.shape), self._layout.params(), tuple(names))
         return [f"_c_{n}" for n in names], ctx
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key ``torch.compile``'s AOT autograd cache files this tensor under: its layout, shape, dtype,
+        parameters and its components' metadata (not their values), the same in every process."""
+        lay = self._layout
+        comps = sorted(
+            (n, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type) for n, t in lay.components().items()
+        )
+        params = sorted((k, repr(v)) for k, v in lay.params().items())
+        key = (
+            type(lay).__module__,
+            type(lay).__qualname__,
+            tuple(lay.shape),
+            str(self.dtype),
+            self.requires_grad,
+            params,
+            comps,
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):

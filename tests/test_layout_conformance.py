@@ -483,6 +483,20 @@ class TestLayoutConformance:
         t2 = copy.deepcopy(sparsa.SparseTensor(lay))
         assert not t2.requires_grad and torch.equal(t2.to_dense(), before)
 
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
+    def test_compile_cache_key(self, name, data):
+        """``_stable_hash_for_caching`` (torch.compile's AOT autograd cache key): the same for another tensor
+        of the same layout metadata, different when the pattern's size or the dtype differ."""
+        lay, model, gen = _sparse_linear(data, name, bias=False)
+        w = sparsa.SparseTensor(lay)
+        key = w._stable_hash_for_caching()
+        assert isinstance(key, str) and len(key) == 32 and key == w._stable_hash_for_caching()
+        comps = {k: v * 2 if v.is_floating_point() else v.clone() for k, v in lay.components().items()}
+        twin = sparsa.SparseTensor(type(lay).from_components(comps, lay.shape, **lay.params()))
+        assert twin._stable_hash_for_caching() == key  # values are not part of the key
+        assert sparsa.SparseTensor(lay.to(torch.float64))._stable_hash_for_caching() != key
+
 
 def _sparse_linear(data, name, bias):
     """A drawn layout of ``name``, an ``nn.Linear`` whose weight is that layout as a Parameter, and the
