@@ -111,9 +111,11 @@ def test_a_dispatch_mode_sees_the_kernel_op():
     torch.testing.assert_close(y, x @ w.to_dense().T, rtol=1e-5, atol=1e-5)
 
 
-def test_f_linear_takes_it_for_a_decode_call(monkeypatch):
-    """An eager decode call of ``F.linear`` never reaches the kernel op's implementation; a prefill call does."""
-    w = sparsa.to_sparse(torch.randn(16, 40).to(BF), "bitmask", sparsity=0.5)
+@pytest.mark.parametrize("layout,params", [("bitmask", {"sparsity": 0.5}), ("nm", {"n": 2, "m": 4})])
+def test_f_linear_takes_it_for_a_decode_call(monkeypatch, layout, params):
+    """An eager decode call of ``F.linear`` never reaches the kernel op's implementation; a prefill call does
+    (Bitmask weights, and N:M ones, which run the same kernels)."""
+    w = sparsa.to_sparse(torch.randn(16, 40).to(BF), layout, **params)
     calls = []
     real = bm.bitmask_linear_impl
 

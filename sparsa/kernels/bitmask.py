@@ -85,6 +85,7 @@ __all__ = [
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
     "stream_decode",
+    "linear_forward",
     "bitmask_linear_reference",
     "bitmask_dense_weight",
     "choose_strategy",
@@ -508,6 +509,15 @@ bitmask_linear_kernel = kernel_op(
     bitmask_linear_impl,
     _forward_fake,
 )
+
+
+def linear_forward(
+    x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
+) -> Tensor:
+    """The forward of the dispatcher's linear implementations on these components (Bitmask, N:M):
+    :func:`stream_decode` where it takes the call, else :data:`bitmask_linear_kernel`."""
+    y = stream_decode(x, bits, row_ptr, values, bias, out_features)
+    return y if y is not None else bitmask_linear_kernel(x, bits, row_ptr, values, bias, out_features)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

@@ -36,9 +36,7 @@ class BitmaskLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: Bitmask, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        y = _bm.stream_decode(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
-        if y is None:
-            y = _bm.bitmask_linear_kernel(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
+        y = _bm.linear_forward(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
         ctx.save_for_backward(x, w.bits, w.row_ptr, w.values)
         ctx.weight_shape = tuple(w.shape)
         return y

@@ -3,7 +3,7 @@
 An N:M weight's stored values, row by row, are already packed in ascending column order, which is what the
 Bitmask layout stores; only its bit rows are missing. They are built once from ``indices`` and cached on
 the layout (``ceil(K / 8)`` bytes a row), so ``F.linear(x, nm_weight, bias)`` runs
-:func:`sparsa.kernels.bitmask.bitmask_linear_kernel`: the stream kernel for a few tokens (decode), the
+:func:`sparsa.kernels.bitmask.linear_forward`: the stream kernel for a few tokens (decode), the
 expand or bf16 panel kernel for many (prefill, encoders), instead of materialising the dense weight on
 every call::
 
@@ -69,7 +69,7 @@ class NMLinear:
     def forward(ctx, x: Tensor, w: NM, bias: Optional[Tensor] = None) -> Tensor:
         bits, row_ptr, values = nm_bitmask_components(w)
         _check_input(x, w, bias)
-        y = _bm.bitmask_linear_kernel(x, bits, row_ptr, values, bias, w.shape[0])
+        y = _bm.linear_forward(x, bits, row_ptr, values, bias, w.shape[0])
         ctx.save_for_backward(x, bits, row_ptr, values)
         ctx.weight_shape = tuple(w.shape)
         return y
