@@ -142,3 +142,16 @@ def test_empty_inputs_give_the_bias(shape):
     assert bm.stream_decode(torch.randn(shape), *_args(w, bias)) is None
     got = bm.bitmask_linear_impl(torch.randn(shape), *_args(w, bias))
     torch.testing.assert_close(got, torch.zeros(*shape[:-1], 4) + bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_a_strided_bias(dtype):
+    """A bias view that is not contiguous is copied, and the copy outlives the kernel call."""
+    w = _weight(48, 64, dtype)
+    bias = torch.randn(96).to(dtype)[::2]
+    x = torch.randn(1, 64).to(dtype)
+    want = x.double() @ w.to_dense().double().T + bias.double()
+    for _ in range(20):  # a freed copy would be overwritten by the allocations in between
+        got = bm.stream_decode(x, *_args(w, bias))
+        torch.randn(96).to(dtype)
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)

@@ -84,8 +84,6 @@ __all__ = [
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
-    "stream_decode",
-    "linear_forward",
     "bitmask_linear_reference",
     "bitmask_dense_weight",
     "choose_strategy",
@@ -263,7 +261,8 @@ def _stream(
     K = x.shape[-1]
     T = x.numel() // K
     y = torch.empty(*x.shape[:-1], R, dtype=x.dtype)
-    bp = None if bias is None else bias.contiguous().data_ptr()
+    b = None if bias is None else bias.contiguous()  # held until the call returns: the kernel reads its memory
+    bp = None if b is None else b.data_ptr()
     if kind == "bf16":
         rc = lib.sparsa_bitmask_linear_bf16(
             x.data_ptr(),
@@ -274,7 +273,7 @@ def _stream(
             values.data_ptr(),
             R,
             bp,
-            bias is not None and bias.dtype == torch.bfloat16,
+            b is not None and b.dtype == torch.bfloat16,
             y.data_ptr(),
             torch.get_num_threads(),
             _stream_path(),
@@ -515,7 +514,9 @@ def linear_forward(
     x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
 ) -> Tensor:
     """The forward of the dispatcher's linear implementations on these components (Bitmask, N:M):
-    :func:`stream_decode` where it takes the call, else :data:`bitmask_linear_kernel`."""
+    :func:`stream_decode` where it takes the call, else :data:`bitmask_linear_kernel`. Like the kernel op,
+    it trusts its arguments: the components of a valid layout, x and bias checked against the weight's
+    shape (the implementations do both)."""
     y = stream_decode(x, bits, row_ptr, values, bias, out_features)
     return y if y is not None else bitmask_linear_kernel(x, bits, row_ptr, values, bias, out_features)
 
