@@ -155,3 +155,25 @@ def test_a_strided_bias(dtype):
         got = bm.stream_decode(x, *_args(w, bias))
         torch.randn(96).to(dtype)
         torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+@pytest.mark.parametrize("density", [0.1, 0.3, 0.5, 0.9])
+def test_takes_exactly_the_calls_the_op_would_stream(monkeypatch, dtype, density):
+    """Above the stream loop's token limit the density decides (batched bf16 decoding streams a weight too
+    dense for the panel kernel): the decode path follows the op's choice at every token count. The
+    crossovers are set to the figures measured on amd-avx512 (the tests' CPU class has none)."""
+    real_token_crossover = bm.token_crossover
+    monkeypatch.setattr(bm, "stream_max_tokens", lambda dt: 12 if dt == BF else 6)
+    monkeypatch.setattr(bm, "panel_max_density", lambda dt, tokens=None: 0.4)
+    monkeypatch.setattr(bm, "has_panel_bf16", lambda: True)
+    monkeypatch.setattr(bm, "has_panel_f32", lambda: True)
+    monkeypatch.setattr(
+        bm, "token_crossover", lambda n, cm=None: 16 if n == bm.BATCH_STREAM_CROSSOVER else real_token_crossover(n, cm)
+    )
+    w = _weight(32, 96, dtype, density)
+    dens = w.values.numel() / (32 * 96)
+    for tokens in range(1, 33):
+        x = torch.randn(tokens, 96).to(dtype)
+        took = bm.stream_decode(x, *_args(w)) is not None
+        assert took == (bm.choose_strategy(tokens, dtype, dens) == "stream"), (tokens, dens)
