@@ -9,14 +9,14 @@ The dY path's time includes compacting dY (it runs in every backward that takes 
 
     flock /tmp/sparsa-bench.lock .venv/bin/python benchmarks/adaptive_igrad_dy.py [--quick] [--threads 2]
 
-Writes ``$SPARSA_RESULTS_DIR/adaptive_igrad_dy.json`` (default ``benchmarks/results``).
+Writes ``benchmarks/results/<cpu class>/adaptive_igrad_dy.json`` (``$SPARSA_RESULTS_DIR`` moves it), with
+the CPU it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sparsa  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.adaptive import conv as M  # noqa: E402
 from sparsa.adaptive.memory import retain_freed_memory  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
@@ -148,11 +151,12 @@ def main() -> None:
                     f" {to / tn:7.2f} {td / tn:7.2f} {td / to:7.2f} {tbo / tbn:8.2f} {rule:>4}",
                     flush=True,
                 )
-    out = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results")) / "adaptive_igrad_dy.json"
+    out = results_dir() / "adaptive_igrad_dy.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
             dict(
+                cpu=sparsa.cpu.cpu_info(),
                 threads=args.threads,
                 slice=args.slice,
                 quick=args.quick,

@@ -16,12 +16,14 @@ ratio is dense time / sparse time measured side by side in this run.
 
     python benchmarks/adaptive_union.py            # 6 layers, 3 sparsities, 9 repetitions
     python benchmarks/adaptive_union.py --quick    # 3 layers, < 1 minute
+
+Writes ``benchmarks/results/<cpu class>/adaptive_union.json`` (``--out`` or ``$SPARSA_RESULTS_DIR`` move it),
+with the CPU it ran on.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import sys
 import time
@@ -32,7 +34,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import adaptive_training as B  # noqa: E402
+import sparsa  # noqa: E402
 import sparsa.adaptive as sa  # noqa: E402
+from _results import results_dir  # noqa: E402
 from sparsa.adaptive.memory import retain_freed_memory  # noqa: E402
 from sparsa.kernels import adaptive as K  # noqa: E402
 from sparsa.kernels import adaptive_union as U  # noqa: E402
@@ -97,9 +101,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    results = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results"))
-    ap.add_argument("--out", default=str(results / "adaptive_union.json"))
+    ap.add_argument("--out", default=None, help="default: <results dir of this CPU class>/adaptive_union.json")
     args = ap.parse_args(argv)
+    out = args.out or str(results_dir() / "adaptive_union.json")
     if not U.union_native():
         print("the union kernels need AVX-512 and the native build; nothing to measure here")
         return
@@ -131,6 +135,9 @@ def main(argv=None):
                 flush=True,
             )
     res = {
+        "cpu": sparsa.cpu.cpu_info(),
+        # the dense side of every ratio; the bf16 union kernels against dense bf16: adaptive_bf16.py
+        "baseline": "dense float32 F.conv2d (channels_last), forward / input gradient / weight gradient",
         "config": {
             "threads": args.threads,
             "quick": args.quick,
@@ -142,7 +149,7 @@ def main(argv=None):
         },
         "rows": rows,
     }
-    B.write_results(res, args.out)
+    B.write_results(res, out)
 
 
 if __name__ == "__main__":

@@ -424,7 +424,14 @@ def adaptive_union_section(d: Dict[str, Any]) -> str:
         f"{d['config']['data']}; real output gradients; union4_density: the fraction of (run of 4 pixels, "
         f"channel) pairs with a nonzero, i.e. what the union kernels still compute; fwd_union2 / "
         f"dx_union_dy2: the union kernels on 2-pixel groups; dx_union_x: the input gradient at relu(x)'s "
-        f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n" + _md(rows, cols, fmt)
+        f"nonzeros; dw_lists: the per-channel list weight gradient):\n\n"
+        + _md(rows, cols, fmt)
+        + (
+            f"\n\nDense side: {d['baseline']}. These are the float32 kernels; where the CPU has bf16 hardware "
+            "the fastest dense path is bf16 (`adaptive_bf16.py` times the bf16 kernels against it)."
+            if d.get("baseline")
+            else ""
+        )
     )
 
 
