@@ -130,8 +130,8 @@ def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
     return case
 
 
-def _bitmask_stream_case(dtype: torch.dtype, name: str, against: Sequence[str] = ("expand", "panel")):
-    """The stream loop against the faster of the strategies ``against`` (the panel where it runs)."""
+def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
+    """The stream loop against expand, and (``panel``, where it runs) the faster of expand and the panel."""
 
     def case(T: float, R: int, K: int) -> Optional[Case]:
         if bm.native_library() is None:
@@ -144,7 +144,7 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str, against: Sequence[str] =
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
         sides = {"low": run("stream"), "high_expand": run("expand")}
-        if "panel" in against and (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
+        if panel and (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
             sides["high_panel"] = run("panel")
         return T, sides
 
@@ -201,10 +201,15 @@ def _relu_conv2d_case(d: float, N: int, C: int, H: int) -> Case:
 UNION_CASE_DENSITY = 0.25
 
 
+def _nonempty_runs(k: int) -> float:
+    """The expected nonempty runs of 4 pixels (of its two rows) in a 2 x 4 pixel block holding ``k`` (1-8)
+    nonzeros at random."""
+    return 2.0 * (1.0 - math.comb(4, k) / math.comb(8, k))
+
+
 def _block_ratio(k: int) -> float:
-    """The union ratio of a 2 x 4 pixel block holding ``k`` (1-8) nonzeros at random: 4 x its expected
-    nonempty runs of 4 pixels (its two rows) / ``k``."""
-    return 8.0 * (1.0 - math.comb(4, k) / math.comb(8, k)) / k
+    """The union ratio of such a block: 4 x its nonempty runs / ``k``."""
+    return 4.0 * _nonempty_runs(k) / k
 
 
 def union_pattern(shape: Tuple[int, int, int, int], ratio: float, density: float = UNION_CASE_DENSITY) -> Tensor:
@@ -219,7 +224,7 @@ def union_pattern(shape: Tuple[int, int, int, int], ratio: float, density: float
     r = min(4.0, max(1.0, float(ratio)))
     k_hi = next(k for k in range(8, 0, -1) if k == 1 or _block_ratio(k - 1) > r)  # ratio(k_hi) <= r
     k_lo = max(1, k_hi - 1)
-    e = {k: 2.0 * (1.0 - math.comb(4, k) / math.comb(8, k)) for k in (k_lo, k_hi)}  # nonempty runs
+    e = {k: _nonempty_runs(k) for k in (k_lo, k_hi)}
     den = r * (k_lo - k_hi) - 4.0 * (e[k_lo] - e[k_hi])
     p = 0.0 if den == 0 else min(1.0, max(0.0, (4.0 * e[k_hi] - r * k_hi) / den))  # P(k = k_lo)
     blocks = (N, C, H // 2, W // 4)
@@ -291,7 +296,7 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.batch_panel_f32": _bitmask_panel_case(torch.float32),
     "bitmask.stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.stream_bf16"),
     "bitmask.stream_f32": _bitmask_stream_case(torch.float32, "bitmask.stream_f32"),
-    "bitmask.batch_stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.batch_stream_bf16", ("expand",)),
+    "bitmask.batch_stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.batch_stream_bf16", panel=False),
     "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
