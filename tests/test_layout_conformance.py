@@ -492,8 +492,11 @@ class TestLayoutConformance:
         w = sparsa.SparseTensor(lay)
         key = w._stable_hash_for_caching()
         assert isinstance(key, str) and len(key) == 32 and key == w._stable_hash_for_caching()
-        comps = {k: v * 2 if v.is_floating_point() else v.clone() for k, v in lay.components().items()}
-        twin = sparsa.SparseTensor(type(lay).from_components(comps, lay.shape, **lay.params()))
+        twin_lay = copy.deepcopy(lay)  # same sizes and strides, own storage
+        for t in twin_lay.components().values():
+            if t.is_floating_point():
+                t.mul_(2)
+        twin = sparsa.SparseTensor(twin_lay)
         assert twin._stable_hash_for_caching() == key  # values are not part of the key
         assert sparsa.SparseTensor(lay.to(torch.float64))._stable_hash_for_caching() != key
 
