@@ -75,10 +75,15 @@ class Crossover:
     #: whether ``sparsa cost --refit`` (``refit()`` without names) measures it; False where its timing
     #: case is not yet known to carry over to real models (``refit(names=[...])`` still measures it)
     refit_by_default: bool = True
+    #: the side a refit stores where a side's kernel does not run on this CPU (nothing timed): ``"high"``
+    #: (the crossover below every grid point) or ``"low"`` (the top of the grid)
+    absent: str = "high"
 
     def __post_init__(self):
         if self.unit not in UNITS:
             raise ValueError(f"Crossover: unit must be one of {sorted(UNITS)}, got {self.unit!r}")
+        if self.absent not in ("low", "high"):
+            raise ValueError(f"Crossover: absent must be 'low' or 'high', got {self.absent!r}")
 
 
 #: (out_features, in_features, tokens) of the weight-sparse backward crossovers: a BERT-base attention
@@ -95,6 +100,8 @@ _BATCH_DENSITIES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: (out_features, in_features) of the same projections, for the token crossovers (timed at one density)
 _WEIGHTS = tuple((r, k) for r, k, _ in _PREFILL_SHAPES)
 _STREAM_TOKENS = (4, 6, 8, 10, 12, 16, 20, 24, 32)
+#: token counts of the 2:4 panel crossover: decoding batches to a long prompt
+_NM24_TOKENS = (1, 4, 8, 12, 16, 24, 32, 64, 128, 512, 2048)
 #: the 0.5B projections and the 1B ones: a bf16 weight past the last-level cache (the 1B MLP's 32 MiB)
 #: makes expanding it for batched decoding cost more
 _DECODE_WEIGHTS = _WEIGHTS + ((512, 2048), (2048, 2048), (8192, 2048), (2048, 8192))
@@ -210,6 +217,19 @@ CROSSOVERS: Dict[str, Crossover] = {
         unit="tokens",
         low="stream",
         high="expand",
+    ),
+    # tokens: a 2:4 bf16 weight (the N:M layout) runs the bitmask strategies up to this many tokens, the 2:4
+    # panel kernel above; at the top of the grid (the default: a dense bf16 GEMM on AMX tiles can win) never
+    "nm24.panel_bf16": Crossover(
+        _NM24_TOKENS[-1],
+        "F.linear with bf16 tokens on a 2:4 weight: the bitmask strategies (stream, panel, expand) against the "
+        "2:4 panel kernel (each kept pair one VDPBF16PS per 16 tokens, X reused across a block of rows)",
+        _NM24_TOKENS,
+        _WEIGHTS,
+        unit="tokens",
+        low="the bitmask strategies",
+        high="the 2:4 panel kernel",
+        absent="low",
     ),
     # tokens: a float32 expansion's row-block GEMMs (W_block @ X^T, then a transposed output) against
     # the whole weight expanded and one F.linear

@@ -91,6 +91,9 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
         c = crossovers.CROSSOVERS[name]
         if c.unit == "tokens":  # its own grid of token counts; the low side wins up to d at every one
             grid = [int(t) for t in c.grid]
+            if not fit["ratios"]:  # the 2:4 panel kernel does not run here: the bitmask strategies always
+                assert name == "nm24.panel_bf16" and d == grid[-1] and c.absent == "low"
+                continue
             assert fit["max_tokens"] == d and sorted(fit["ratios"], key=int) == [str(t) for t in grid]
             assert all(fit["ratios"][str(t)] >= 1 for t in grid if t <= d) and (d == grid[0] - 1 or d in grid)
             if d < grid[-1]:  # the next point up lost

@@ -92,7 +92,7 @@ __all__ = [
     "STRATEGIES",
 ]
 
-_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp"]
+_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp", "nm24_panel_bf16.cpp"]
 STRATEGIES = ("stream", "expand", "panel")
 #: the token crossovers (sparsa.crossovers) holding the most tokens each dtype's stream strategy takes;
 #: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel

@@ -30,15 +30,18 @@ from ..adaptive.conv import relu_conv2d
 from ..adaptive.linear import relu_linear
 from ..cost_model import CostModel, default_cost_model
 from ..kernels import bitmask as bm
+from ..kernels import nm24
 from ..kernels import sliced_ell as se
 from ..layouts.bitmask import Bitmask
 from ..layouts.grouped_nm import GroupedNM
+from ..layouts.nm import NM
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
 from ..timing import round_robin_ms
 from ..crossovers import CROSSOVERS, PREFIX, UNITS, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
+from .nm_linear import nm_bitmask_components
 
 __all__ = [
     "refit",
@@ -149,6 +152,26 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
         return T, sides
 
     return case
+
+
+def _nm24_case(T: float, R: int, K: int) -> Optional[Case]:
+    """A 2:4 bf16 weight: the bitmask strategies' own choice against the 2:4 panel kernel (decoding batches
+    on weight copies past the cache, as the stream crossovers are)."""
+    if not nm24.has_nm24_panel():
+        return None  # the 2:4 panel kernel does not run here: the bitmask strategies everywhere
+    T = int(T)
+    w = NM.from_dense(torch.randn(R, K).to(torch.bfloat16), n=2, m=4)
+    copies = min(1024, -(-STREAM_BYTES // max(1, w.values.nbytes))) if T <= bm.BATCH_MAX_TOKENS else 1
+    parts = []
+    for _ in range(copies):
+        bits, row_ptr, _v = nm_bitmask_components(w)
+        parts.append((nm24.nm24_slots(w.indices), w.values.clone(), bits.clone(), row_ptr))
+    x = torch.randn(T, K).to(torch.bfloat16)
+
+    def run(strategy: str) -> Callable[[], object]:
+        return lambda: [nm24.nm24_linear_impl(x, s, v, b, rp, None, R, strategy) for s, v, b, rp in parts]
+
+    return T, {"low": run("bitmask"), "high": run("panel")}
 
 
 def _bitmask_row_blocks_case(T: float, R: int, K: int) -> Optional[Case]:
@@ -298,6 +321,7 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.stream_f32": _bitmask_stream_case(torch.float32, "bitmask.stream_f32"),
     "bitmask.batch_stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.batch_stream_bf16", panel=False),
     "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
+    "nm24.panel_bf16": _nm24_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
     "conv_union.fwd_group4": _union_fwd_case(bf16=False),
@@ -334,7 +358,7 @@ def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> 
     the high side's fastest way). A density crossover: the highest density at which the low side wins (0.0
     if none). A token or ratio crossover: the top of the points up to which the low side wins at every one
     (one below the grid's first token count, or a ratio of 1, if it loses there). A side that cannot run
-    on this CPU: the high side everywhere."""
+    on this CPU: the crossover's ``absent`` side everywhere (the high side unless it says otherwise)."""
     unit = CROSSOVERS[name].unit
     tokens = unit == "tokens"
     # a token or ratio crossover below which nothing was timed: the high side from the smallest there is
@@ -343,6 +367,8 @@ def _crossover_at(name: str, dims: Dims, grid: Sequence[float], rounds: int) -> 
     for d in sorted(grid):
         case = _CASES[name](d, *dims)
         if case is None:
+            if CROSSOVERS[name].absent == "low":
+                return (int(max(grid)) if tokens else max(grid) if unit == "ratio" else 1.0), {}
             return floor, {}
         actual, fns = case
         actual = round(float(actual), 2 if unit == "ratio" else 4)

@@ -22,6 +22,7 @@
 #include <vector>
 #include <omp.h>
 #include "bf16.h"
+#include "bf16_finite.h"
 #include "cpu_isa.h"
 #include "dp_pack.h"
 #include "panel_store.h"
@@ -47,18 +48,6 @@ int64_t n_chunks(int64_t K, double density) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx512vbmi2,avx2,fma")
 namespace {
-
-bool x_finite(const uint16_t* x, int64_t n) {
-    const __m512i e = _mm512_set1_epi16(0x7f80);
-    __mmask32 bad = 0;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(x + i), e), e);
-    if (i < n) {
-        const __mmask32 tail = (__mmask32)((1u << (n - i)) - 1u);
-        bad |= _mm512_mask_cmpeq_epi16_mask(tail, _mm512_and_si512(_mm512_maskz_loadu_epi16(tail, x + i), e), e);
-    }
-    return bad == 0;
-}
 
 // One row's kept columns (16-bit) into cols, and where each chunk's columns start in it: start[k] for
 // chunk k, start[nch] = the row's count. cols needs 32 slots of slack past the count.
@@ -310,7 +299,7 @@ int sparsa_bitmask_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uin
                               const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads) {
     if (!panel_available() || K > MAX_K) return -1;
 #ifdef SPARSA_HAVE_PANEL_BF16
-    if (!x_finite(x, T * K)) return 1;
+    if (!sparsa_bf16_finite(x, T * K)) return 1;
     if (T <= 0 || R <= 0) return 0;
     const double density = K > 0 ? (double)row_ptr[R] / ((double)R * (double)K) : 0.0;
     const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K, density)};
