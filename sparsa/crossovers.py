@@ -226,6 +226,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "2:4 panel kernel (each kept pair one VDPBF16PS per 16 tokens, X reused across a block of rows)",
         _NM24_TOKENS,
         _WEIGHTS,
+        {"amd-avx512": 12},
         unit="tokens",
         low="the bitmask strategies",
         high="the 2:4 panel kernel",
