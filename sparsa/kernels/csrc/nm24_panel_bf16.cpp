@@ -26,6 +26,7 @@
 #include "bf16_finite.h"
 #include "cpu_isa.h"
 #include "panel_store.h"
+#include "thread_scratch.h"
 #include "transpose8.h"
 
 namespace {
@@ -69,17 +70,6 @@ void pack_groups(const uint16_t* x, int64_t K, int64_t t0, int nt, int64_t g0, i
         for (int s = 0; s < SLOTS; ++s)
             _mm512_store_si512(o + s * SLOT_BYTES, _mm512_permutex2var_epi16(lo, idx[s], hi));
     }
-}
-
-// n elements of 64-byte aligned per-thread buffer ID, kept between calls: fresh pages on every call (a
-// panel buffer is MiBs) cost a short product more than its arithmetic.
-template <class E, int ID>
-E* scratch(size_t n) {
-    thread_local std::vector<char> buf;
-    const size_t bytes = n * sizeof(E) + 128;
-    if (buf.size() < bytes) buf.resize(bytes);
-    char* p = buf.data();
-    return reinterpret_cast<E*>(p + ((64 - (reinterpret_cast<uintptr_t>(p) & 63)) & 63));
 }
 
 // Rows [0, nr) of vals / slots (row stride G; rows nr..RB-1 zero weights) group-major, so that one pointer
@@ -190,10 +180,10 @@ void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const ui
     const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, nsb * npg));
 #pragma omp parallel num_threads(nth)
     {
-        char* panels = scratch<char, 0>((size_t)(pblk * pbytes));
-        uint32_t* wb = scratch<uint32_t, 1>((size_t)(SB * G));
-        uint8_t* sb = scratch<uint8_t, 2>((size_t)(SB * G));
-        float* sums = scratch<float, 3>((size_t)(SB * TBW));
+        char* panels = sparsa_thread_scratch<char, 0>((size_t)(pblk * pbytes));
+        uint32_t* wb = sparsa_thread_scratch<uint32_t, 1>((size_t)(SB * G));
+        uint8_t* sb = sparsa_thread_scratch<uint8_t, 2>((size_t)(SB * G));
+        float* sums = sparsa_thread_scratch<float, 3>((size_t)(SB * TBW));
         std::vector<char> packed((size_t)pblk);
         for (int64_t q0 = 0; q0 < npan; q0 += pblk) {  // every thread walks the same blocks of tokens
             const int64_t q1 = std::min(npan, q0 + pblk);
