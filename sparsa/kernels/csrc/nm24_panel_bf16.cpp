@@ -160,9 +160,9 @@ void pack_panel(const uint16_t* x, int64_t T, int64_t K, int64_t t0, char* out) 
 
 // RB: rows whose sums stay in registers; GC: groups per chunk of a panel, kept in L1 while every block of a
 // super block passes over it. A work item is a super block of at most SUPER_ROWS rows (repacked once per
-// block of tokens) and a range of panels: as many super blocks as threads, or a multiple, and the panels
-// split when rows are few. Each thread packs the panels its items read into its own buffer, a block of
-// tokens at a time: panels one core packed and another read ran up to 1.4x slower, by run.
+// block of tokens) and a share of the panels. Each thread packs the panels its items read into its own
+// buffer, a block of tokens at a time: panels one core packed and another read ran up to 1.4x slower, by
+// run.
 template <int RB, int H, int GC>
 void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const uint32_t* vals, int64_t R,
          const float* bias, uint16_t* y, int nthreads) {
@@ -170,11 +170,17 @@ void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const ui
     constexpr int64_t GBYTES = (int64_t)H * SLOTS * SLOT_BYTES;
     const int64_t G = K / 4, npan = (T + TBW - 1) / TBW, pbytes = std::max<int64_t>(64, G * GBYTES);
     const int64_t nrb = (R + RB - 1) / RB, per_sb = (SUPER_ROWS / RB);
-    int64_t nsb = std::max<int64_t>(nthreads, (nrb + per_sb - 1) / per_sb);
-    nsb = std::min(nrb, (nsb + nthreads - 1) / nthreads * nthreads);
+    // Threads split the tokens where each repacking the whole weight costs less than each packing every
+    // panel (few rows, many tokens), else the rows (and the tokens too when rows are few).
+    const bool by_tokens = npan >= nthreads && R * 5 < npan * GBYTES;
+    const int64_t want = by_tokens ? 1 : nthreads;
+    int64_t nsb = std::max<int64_t>(want, (nrb + per_sb - 1) / per_sb);
+    nsb = std::min(nrb, (nsb + want - 1) / want * want);
     const int64_t SB = (nrb + nsb - 1) / nsb * RB;
     nsb = (R + SB - 1) / SB;
-    const int64_t npg = nsb >= nthreads ? 1 : std::min<int64_t>(npan, (nthreads + nsb - 1) / nsb);
+    const int64_t npg = by_tokens ? nthreads
+                        : nsb >= nthreads ? 1
+                                          : std::min<int64_t>(npan, (nthreads + nsb - 1) / nsb);
     const int64_t pan_per = (npan + npg - 1) / npg;
     const int64_t pblk = std::max<int64_t>(1, std::min<int64_t>(npan, PANEL_BLOCK_BYTES / pbytes));
     const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, nsb * npg));
@@ -190,7 +196,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const ui
             std::fill(packed.begin(), packed.end(), 0);
 #pragma omp for schedule(static) nowait
             for (int64_t item = 0; item < nsb * npg; ++item) {
-                const int64_t b = item / npg, share = item % npg;
+                const int64_t share = item / nsb, b = item % nsb;  // a thread's items: one share of panels
                 const int64_t p0 = std::max(q0, share * pan_per), p1 = std::min(q1, (share + 1) * pan_per);
                 const int64_t r0 = b * SB, rows = std::min<int64_t>(SB, R - r0);
                 if (p0 >= p1) continue;
