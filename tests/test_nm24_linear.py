@@ -8,8 +8,8 @@ import sparsa
 from sparsa import crossovers
 from sparsa.kernels import bitmask as bm
 from sparsa.kernels import nm24
-from sparsa.layouts import NM
-from sparsa.ops import nm_linear
+from sparsa.layouts import NM, Bitmask, nm_mask
+from sparsa.ops import bitmask_linear, nm_linear
 
 BF = torch.bfloat16
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -256,3 +256,41 @@ def test_backward_through_f_linear_on_the_kernel_path(table, monkeypatch):
     gy = torch.randn(40, 24).to(BF)
     torch.nn.functional.linear(x, w).backward(gy)
     _close(x.grad, gy.double() @ w.sparse_layout.to_dense().double())
+
+
+# ---------------------------------------------------------------------------------------------- bitmask
+@SETTINGS
+@given(R=st.integers(1, 9), G=st.integers(1, 12), seed=st.integers(0, 99))
+def test_a_2_4_bitmask_pattern_has_the_n_m_slots_and_values(R, G, seed):
+    dense = torch.randn(R, 4 * G, generator=torch.Generator().manual_seed(seed))
+    w = Bitmask.from_dense(dense, mask=nm_mask(dense, 2, 4))
+    slots = nm24.bitmask_slots(w.bits, 4 * G)
+    nm = NM.from_dense(dense, n=2, m=4)
+    assert torch.equal(slots, nm24.nm24_slots(nm.indices))
+    assert torch.equal(nm24.nm24_dense_weight(slots, w.values), w.to_dense())
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        torch.tensor([[1, 1, 0, 0, 1, 0, 0, 0]]),  # a group keeping one
+        torch.tensor([[1, 1, 1, 0, 1, 1, 0, 0]]),  # a group keeping three
+        torch.tensor([[1, 1, 0, 0, 0, 0, 1, 1, 1, 0]]),  # in_features not a multiple of 4
+    ],
+)
+def test_other_bitmask_patterns_have_no_slots(mask):
+    w = Bitmask.from_dense(torch.randn(mask.shape), mask=mask.bool())
+    assert nm24.bitmask_slots(w.bits, mask.shape[1]) is None
+    assert bitmask_linear.bitmask_nm24_slots(w) is None
+
+
+@pytest.mark.usefixtures("needs_kernel")
+def test_f_linear_on_a_2_4_bitmask_weight_takes_the_kernel(table, monkeypatch):
+    codes = _spy_kernel(monkeypatch)
+    table.set_fit(crossovers.PREFIX + nm24.PANEL_CROSSOVER, {"max_tokens": 12})
+    dense = torch.randn(40, 36).to(BF)
+    w = sparsa.to_sparse(dense, "bitmask", mask=nm_mask(dense.float(), 2, 4))
+    x = torch.randn(30, 36).to(BF)
+    _close(torch.nn.functional.linear(x, w), _want(x, w.sparse_layout, None))
+    assert codes == [0]
+    assert bitmask_linear.bitmask_nm24_slots(w.sparse_layout) is bitmask_linear.bitmask_nm24_slots(w.sparse_layout)

@@ -1,12 +1,13 @@
 """``sparsa::nm24_linear``: Y = X W^T + b for a 2:4 weight, by a kernel that only a 2:4 pattern allows.
 
 In every group of four input columns a 2:4 row keeps one of six column pairs. Its weight is given by
-``values`` (``[R, K / 4, 2]``, the kept pair's values in column order: the N:M layout's own values) and
-``slots`` (uint8 ``[R, K / 4]``, which pair: :data:`SLOT_PAIRS`, built once per weight by
-:func:`nm24_slots`). For many bfloat16 tokens on a CPU with AVX512-BF16, ``csrc/nm24_panel_bf16.cpp`` packs
-the tokens once into the six pair vectors of every group, so each kept pair costs one ``VDPBF16PS`` per
-16 tokens against a vector that stays in L1 while a block of rows reads it: half the dense GEMM's
-products, where the bitmask panel kernel (any pattern) is bound by loading X for every pair.
+``values`` (the kept pairs' values in column order, ``[R, K / 4, 2]`` or flat: the N:M layout's values,
+and the Bitmask layout's of a 2:4 pattern) and ``slots`` (uint8 ``[R, K / 4]``, which pair:
+:data:`SLOT_PAIRS`, built once per weight by :func:`nm24_slots` or :func:`bitmask_slots`). For many
+bfloat16 tokens on a CPU with AVX512-BF16, ``csrc/nm24_panel_bf16.cpp`` packs the tokens once into the
+six pair vectors of every group, so each kept pair costs one ``VDPBF16PS`` per 16 tokens against a
+vector that stays in L1 while a block of rows reads it: half the dense GEMM's products, where the bitmask
+panel kernel (any pattern) is bound by loading X for every pair.
 
 Every other call runs the bitmask kernels on the same weight (``bits``, ``row_ptr``: the Bitmask layout's
 terms of the same pattern, :func:`sparsa.ops.nm_linear.nm_bitmask_components`): the stream kernel for a
@@ -46,6 +47,7 @@ __all__ = [
     "SLOT_PAIRS",
     "PANEL_CROSSOVER",
     "nm24_slots",
+    "bitmask_slots",
     "nm24_dense_weight",
     "nm24_linear_reference",
     "has_nm24_panel",
@@ -77,6 +79,23 @@ def nm24_slots(indices: Tensor) -> Tensor:
     if bool(((a < 0) | (b > 3) | (a >= b)).any()):
         raise ValueError("nm24_slots: indices must hold two ascending positions in 0..3 per group")
     return _SLOT_OF.to(indices.device)[a * 4 + b].contiguous()
+
+
+_NIBBLE_SLOT = torch.full((16,), 255, dtype=torch.uint8)
+for _s, (_a, _b) in enumerate(SLOT_PAIRS):
+    _NIBBLE_SLOT[(1 << _a) | (1 << _b)] = _s
+
+
+def bitmask_slots(bits: Tensor, in_features: int) -> Optional[Tensor]:
+    """The slots of a Bitmask pattern (``bits``: uint8 ``[R, ceil(K / 8)]``, bit ``j % 8`` of byte ``j // 8``)
+    that keeps exactly two of every four columns, else None: a 2:4 weight in the Bitmask layout, whose
+    packed values are then already the pairs the 2:4 kernel takes."""
+    K = in_features
+    if bits.dim() != 2 or K % 4 or K == 0:
+        return None
+    nib = torch.stack((bits & 15, bits >> 4), dim=-1).reshape(bits.shape[0], -1)[:, : K // 4]
+    slots = _NIBBLE_SLOT.to(bits.device)[nib.to(torch.int64)]
+    return None if bool((slots == 255).any()) else slots.contiguous()
 
 
 def nm24_dense_weight(slots: Tensor, values: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -195,10 +214,10 @@ nm24_linear.register_fake(_forward_fake)
 def linear_forward(
     x: Tensor, slots: Tensor, values: Tensor, bits: Tensor, row_ptr: Tensor, bias: Optional[Tensor], out_features: int
 ) -> Tensor:
-    """The forward of the dispatcher's N:M linear on a 2:4 weight: the stream kernel's eager decode path
-    (:func:`sparsa.kernels.bitmask.stream_decode`) where it takes the call, else :data:`nm24_linear_kernel`.
-    Trusts its arguments as :func:`sparsa.kernels.bitmask.linear_forward` does."""
-    y = _bm.stream_decode(x, bits, row_ptr, values.reshape(-1), bias, out_features)
+    """The forward of the dispatcher's N:M and Bitmask linears on a 2:4 weight (``values`` flat): the stream
+    kernel's eager decode path (:func:`sparsa.kernels.bitmask.stream_decode`) where it takes the call, else
+    :data:`nm24_linear_kernel`. Trusts its arguments as :func:`sparsa.kernels.bitmask.linear_forward` does."""
+    y = _bm.stream_decode(x, bits, row_ptr, values, bias, out_features)
     return y if y is not None else nm24_linear_kernel(x, slots, values, bits, row_ptr, bias, out_features)
 
 

@@ -66,9 +66,10 @@ def nm_bitmask_components(w: NM) -> Tuple[Tensor, Tensor, Tensor]:
 
 def nm24_components(w: NM) -> Optional[Tensor]:
     """The slots (:func:`sparsa.kernels.nm24.nm24_slots`, cached on the layout) of a 2-D 2:4 weight whose
-    in_features are a multiple of 4, which the 2:4 kernels take; None for any other N:M weight."""
-    if w.n != 2 or w.m != 4 or len(w.shape) != 2 or w.shape[1] % 4:
-        return None
+    in_features are a multiple of 4, which the 2:4 kernels take; None for any other N:M weight, and for
+    one being traced (``torch.compile``: fake components), which runs the bitmask kernels."""
+    if w.n != 2 or w.m != 4 or len(w.shape) != 2 or w.shape[1] % 4 or type(w.indices) is not Tensor:
+        return None  # (a traced weight's fake components run the bitmask kernels)
     slots = w._cache.get(_SLOTS_KEY)
     if slots is None:
         slots = w._cache[_SLOTS_KEY] = _nm24.nm24_slots(w.indices.reshape(w.shape[0], -1, 2))
@@ -87,7 +88,7 @@ class NMLinear:
         if slots is None:
             y = _bm.linear_forward(x, bits, row_ptr, values, bias, w.shape[0])
         else:
-            y = _nm24.linear_forward(x, slots, w.values, bits, row_ptr, bias, w.shape[0])
+            y = _nm24.linear_forward(x, slots, values, bits, row_ptr, bias, w.shape[0])
         ctx.save_for_backward(x, bits, row_ptr, values)
         ctx.weight_shape = tuple(w.shape)
         return y
