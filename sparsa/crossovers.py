@@ -78,6 +78,9 @@ class Crossover:
     #: the side a refit stores where a side's kernel does not run on this CPU (nothing timed): ``"high"``
     #: (the crossover below every grid point) or ``"low"`` (the top of the grid)
     absent: str = "high"
+    #: a token crossover at the top of its grid keeps the low side beyond it too (``"never"`` the high one)
+    #: rather than handing the larger counts to the high side
+    low_beyond_top: bool = False
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -231,6 +234,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         low="the bitmask strategies",
         high="the 2:4 panel kernel",
         absent="low",
+        low_beyond_top=True,
     ),
     # tokens: a float32 expansion's row-block GEMMs (W_block @ X^T, then a transposed output) against
     # the whole weight expanded and one F.linear
@@ -345,6 +349,8 @@ def describe(name: str, value: float) -> str:
     """What the crossover ``value`` of ``name`` means, e.g. ``"sparse at density <= 0.2"``."""
     c = _check_name(name)
     if c.unit == "tokens":
+        if c.low_beyond_top and c.grid and value >= c.grid[-1]:
+            return f"{c.low} at every token count, never {c.high}"
         return f"{c.low} up to {int(value)} tokens, {c.high} above"
     if c.unit == "ratio":
         return f"{c.low} up to a union ratio of {value:g}, {c.high} above"

@@ -205,6 +205,8 @@ def test_the_crossover_decides_and_its_top_means_never(table, monkeypatch):
     assert crossovers.CROSSOVERS[nm24.PANEL_CROSSOVER].default == grid[-1]
     monkeypatch.setattr(crossovers, "_this_class", lambda: "some-other-cpu")
     assert nm24.panel_min_tokens() is None and not nm24.uses_panel(10**6, BF)
+    assert crossovers.describe(nm24.PANEL_CROSSOVER, grid[-1]).endswith("never the 2:4 panel kernel")
+    assert crossovers.describe(nm24.PANEL_CROSSOVER, 12).startswith("the bitmask strategies up to 12 tokens")
     monkeypatch.setattr(nm24, "has_nm24_panel", lambda: True)
     table.set_fit(crossovers.PREFIX + nm24.PANEL_CROSSOVER, {"max_tokens": 12})
     assert nm24.panel_min_tokens() == 13

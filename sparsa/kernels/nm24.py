@@ -127,9 +127,9 @@ def panel_min_tokens() -> Optional[int]:
     """The fewest tokens the 2:4 panel kernel takes on this CPU: one above its crossover (the most tokens
     the bitmask strategies keep); None where the crossover is at the top of its grid (never: the default
     where unmeasured)."""
-    top = int(CROSSOVERS[PANEL_CROSSOVER].grid[-1])
+    c = CROSSOVERS[PANEL_CROSSOVER]
     t = token_crossover(PANEL_CROSSOVER)
-    return None if t >= top else t + 1
+    return None if c.low_beyond_top and t >= c.grid[-1] else t + 1
 
 
 def uses_panel(tokens: int, dtype: torch.dtype) -> bool:
