@@ -6,9 +6,8 @@ and token count, the strategies are timed round-robin with the dense passes: ``s
 tokens), ``expand_blocks`` (row blocks at any token count; only where the GEMM is
 float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
 AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), ``nm24`` (2:4 bf16 rows where the CPU has AVX512-BF16: the 2:4
-panel kernel of ``sparsa.kernels.nm24`` on the same pattern in the N:M layout), and ``auto`` (what
-``choose_strategy`` picks; for 2:4 bf16 rows, what an N:M weight runs: ``nm24`` above the crossover
-``nm24.panel_bf16``). The weight stays in cache
+kernel of ``sparsa.kernels.nm24``), and ``auto`` (what the op's automatic choice picks: ``choose_strategy``,
+and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``). The weight stays in cache
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
 Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
 ``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It shows the choices the crossovers of
@@ -35,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparsa  # noqa: E402
 from sparsa.kernels import bitmask as bm  # noqa: E402
 from sparsa.kernels import nm24  # noqa: E402
-from sparsa.layouts import NM, Bitmask, nm_mask  # noqa: E402
-from sparsa.ops.nm_linear import nm24_components  # noqa: E402
+from sparsa.layouts import Bitmask, nm_mask  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
 from _results import results_dir  # noqa: E402
 
@@ -48,14 +46,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STREAM_MAX = 24  # the stream kernel re-reads the weight per few tokens: beyond this it only loses
 
 
-def _strategy(name: str, nm=None):
-    """A call of one strategy (``expand_blocks`` / ``expand_whole`` pin ``row_blocks_max_tokens``; ``nm24``
-    runs the 2:4 panel kernel on ``nm``, the same pattern in the N:M layout)."""
+def _strategy(name: str):
+    """A call of one strategy (``expand_blocks`` / ``expand_whole`` pin ``row_blocks_max_tokens``)."""
 
     def call(x, w):
-        if name == "nm24":
-            bits, row_ptr = w.bits, w.row_ptr
-            return nm24.nm24_linear_impl(x, nm24_components(nm), nm.values, bits, row_ptr, None, w.shape[0], "panel")
         old = bm.row_blocks_max_tokens
         if name == "expand_blocks":
             bm.row_blocks_max_tokens = lambda: 1 << 62
@@ -118,19 +112,18 @@ def main(argv=None) -> None:
                     names = (["expand_blocks"] if blocks else []) + ["expand_whole"]
                     has_panel = bm.has_panel_bf16() if dt == torch.bfloat16 else bm.has_panel_f32()
                     names += ["panel"] if has_panel else []
-                    nm = NM.from_dense(wd[dname], mask=w.mask(), n=2, m=4) if spec == "2:4" else None
-                    if nm is not None and dt == torch.bfloat16 and nm24.has_nm24_panel():
+                    if spec == "2:4" and dt == torch.bfloat16 and bm.has_nm24_panel():
                         names += ["nm24"]
                     for t in tokens:
                         x32 = torch.randn(t, K, generator=gen)
                         x = x32.to(dt)
                         strategies = (["stream"] if t <= STREAM_MAX else []) + names
                         fns = {f"dense_{d}": (lambda d=d, xd=x32.to(DTYPES[d]): F.linear(xd, wd[d])) for d in DTYPES}
-                        fns.update({s: (lambda f=_strategy(s, nm): f(x, w)) for s in strategies})
+                        fns.update({s: (lambda f=_strategy(s): f(x, w)) for s in strategies})
                         want = F.linear(x.double(), w.to_dense().double())
                         errs = {}
                         for s in strategies:
-                            got = _strategy(s, nm)(x, w)
+                            got = _strategy(s)(x, w)
                             errs[s] = float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
                         ms = round_robin_ms(fns, rounds)
                         best = min(DTYPES, key=lambda d: ms[f"dense_{d}"])
@@ -138,7 +131,7 @@ def main(argv=None) -> None:
                         auto = bm.choose_strategy(t, dt, density)
                         whole = not blocks or t > bm.row_blocks_max_tokens()
                         auto_key = auto if auto != "expand" else ("expand_whole" if whole else "expand_blocks")
-                        if "nm24" in strategies and nm24.uses_panel(t, dt):
+                        if "nm24" in strategies and auto != "stream" and nm24.wants_panel(t, dt):
                             auto_key = "nm24"
                         row = {
                             "model": model,
@@ -172,7 +165,7 @@ def main(argv=None) -> None:
         "rounds": rounds,
         "panel_kernel": bm.has_panel_bf16(),
         "panel_f32_kernel": bm.has_panel_f32(),
-        "nm24_kernel": nm24.has_nm24_panel(),
+        "nm24_kernel": bm.has_nm24_panel(),
         "thresholds": {
             # the crossovers in force (sparsa.crossovers: refitted here, this class's, or the default)
             "stream_max_tokens bfloat16": bm.stream_max_tokens(torch.bfloat16),

@@ -14,9 +14,8 @@ from sparsa.kernels import adaptive as A
 from sparsa.kernels import adaptive_union as U
 from sparsa.kernels import adaptive_union_bf16 as UB
 from sparsa.kernels import adaptive_union_ops  # noqa: F401 - registers the union ops
-from sparsa.kernels import bitmask, grouped_nm as gk, loader, nm24, row_group, sliced_ell  # noqa: F401 - register ops
-from sparsa.layouts import NM, Bitmask, GroupedNM, RowGroup, SlicedELL
-from sparsa.ops import nm_linear
+from sparsa.kernels import bitmask, grouped_nm as gk, loader, row_group, sliced_ell  # noqa: F401 - register ops
+from sparsa.layouts import Bitmask, GroupedNM, RowGroup, SlicedELL
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 NO_VALUES = ("test_schema", "test_autograd_registration", "test_faketensor")
@@ -273,20 +272,6 @@ def _s_bitmask(native, grad=True):
     return [((x, w.bits, w.row_ptr, v, b, 9), ALL), ((x, w.bits, w.row_ptr, v, None, 9), ALL)]
 
 
-def _s_nm24(native, grad=True):
-    out = []
-    for dtype in (torch.float32, torch.bfloat16):
-        w = NM.from_dense(torch.randn(9, 20, generator=_gen()).to(dtype), n=2, m=4)
-        bits, row_ptr, _ = nm_linear.nm_bitmask_components(w)
-        x, v = torch.randn(2, 3, 20, generator=_gen(1)).to(dtype), w.values.clone()
-        b = torch.randn(9, generator=_gen(2))
-        if grad:
-            x, v, b = x.requires_grad_(), v.requires_grad_(), b.requires_grad_()
-        slots = nm_linear.nm24_components(w)
-        out += [((x, slots, v, bits, row_ptr, b.to(dtype), 9), ALL), ((x, slots, v, bits, row_ptr, None, 9), ALL)]
-    return out
-
-
 def _gnm_plan(kind):
     w = GroupedNM.from_dense(torch.randn(7, 26, generator=_gen(), dtype=torch.float64), n=2, m=4, g=2)
     vals = w.values.float()
@@ -372,8 +357,6 @@ SAMPLES = {
     "sliced_ell_linear_kernel": (_fwd_only(_s_sliced_ell), True, False),
     "bitmask_linear": (_s_bitmask, True, False),
     "bitmask_linear_kernel": (_fwd_only(_s_bitmask), True, False),
-    "nm24_linear": (_s_nm24, True, False),
-    "nm24_linear_kernel": (_fwd_only(_s_nm24), True, False),
     "grouped_nm_spmm": (_s_spmm, True, False),
     "grouped_nm_spmm_kernel": (_fwd_only(_s_spmm), True, False),
     "grouped_nm_sddmm": (_s_sddmm, True, False),

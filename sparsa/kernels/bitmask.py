@@ -24,6 +24,12 @@ Three native strategies, each reading the compressed weight once per call:
   float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
   panels of 32 tokens (the last one 8, 16 or 32 wide), each kept weight broadcast against its column's
   tokens. A token's result does not depend on the panel width.
+- ``"nm24"`` for many bfloat16 tokens on a weight whose pattern is 2:4 (two of every four columns kept),
+  where the CPU has AVX512-BF16 (:mod:`sparsa.kernels.nm24`, ``csrc/nm24_panel_bf16.cpp``): X packed once
+  into the six column-pair vectors of every group, one ``VDPBF16PS`` per kept pair and 16 tokens, each
+  vector reused by a block of rows. The automatic choice takes it above the token crossover
+  ``nm24.panel_bf16`` once the pattern is found to be 2:4 (once per ``bits`` tensor). Elsewhere, and for an
+  X holding NaN or Inf, ``"nm24"`` runs ``"panel"``.
 
 :func:`choose_strategy` picks one by token count, dtype and density: the stream strategy up to its token
 crossover, then the panel strategy up to the density
@@ -62,6 +68,7 @@ from .. import cpu
 from ..crossovers import CROSSOVERS, crossover, token_crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
+from . import nm24 as _nm24
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
@@ -81,6 +88,7 @@ __all__ = [
     "stream_max_tokens",
     "row_blocks_max_tokens",
     "has_panel_f32",
+    "has_nm24_panel",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -93,7 +101,7 @@ __all__ = [
 ]
 
 _SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp", "nm24_panel_bf16.cpp"]
-STRATEGIES = ("stream", "expand", "panel")
+STRATEGIES = ("stream", "expand", "panel", "nm24")
 #: the token crossovers (sparsa.crossovers) holding the most tokens each dtype's stream strategy takes;
 #: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel
 #: re-expands it for every 4 tokens)
@@ -193,6 +201,12 @@ def has_panel_f32() -> bool:
     """Whether the float32 panel strategy runs here (an AVX2 build)."""
     lib = native_library()
     return lib is not None and bool(lib.sparsa_bitmask_has_panel_f32())
+
+
+def has_nm24_panel() -> bool:
+    """Whether the ``"nm24"`` strategy's 2:4 kernel runs here (AVX512-BF16, build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_nm24_has_panel_bf16())
 
 
 def panel_max_density(dtype: torch.dtype, tokens: Optional[int] = None) -> float:
@@ -416,6 +430,42 @@ def _panel(
     return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
 
 
+def _nm24_strategy(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+) -> Tensor:
+    K = x2.shape[1]
+    slots = _nm24.slots_of(bits, K) if kind == "bf16" and values.numel() * 2 == R * K else None
+    if slots is not None and bool(lib.sparsa_nm24_has_panel_bf16()):
+        y = _nm24.run_panel(lib, x2, slots, values, bias, R)
+        if y is not None:
+            return y
+    # not a 2:4 pattern, no kernel here, or X holds NaN or Inf (the panel strategy hands that to expand)
+    return _panel(lib, kind, x2, bits, row_ptr, values, bias, R)
+
+
+def _auto(T: int, kind: str, x_dtype: torch.dtype, bits: Tensor, values: Tensor, R: int, K: int) -> str:
+    """:func:`choose_strategy`, and ``"nm24"`` for a 2:4 pattern above its crossover."""
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    strategy = choose_strategy(T, dtype, values.numel() / max(1, R * K))
+    if (
+        strategy != "stream"
+        and kind == "bf16"
+        and _nm24.wants_panel(T, x_dtype)
+        and values.numel() * 2 == R * K
+        and has_nm24_panel()
+        and _nm24.slots_of(bits, K) is not None
+    ):
+        return "nm24"
+    return strategy
+
+
 def bitmask_linear_impl(
     x: Tensor,
     bits: Tensor,
@@ -426,10 +476,12 @@ def bitmask_linear_impl(
     strategy: str = "auto",
 ) -> Tensor:
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
-    ``strategy``: ``"auto"`` (:func:`choose_strategy`), ``"stream"``, ``"expand"`` or ``"panel"`` (a CPU or
-    build without that dtype's panel kernel, or an X holding NaN or Inf, runs ``"expand"``)."""
+    ``strategy``: ``"auto"`` (:func:`choose_strategy`; ``"nm24"`` for a 2:4 pattern above its crossover),
+    ``"stream"``, ``"expand"``, ``"panel"`` (a CPU or build without that dtype's panel kernel, or an X
+    holding NaN or Inf, runs ``"expand"``) or ``"nm24"`` (anything but a bf16 2:4 pattern on a CPU with its
+    kernel, or an X holding NaN or Inf, runs ``"panel"``)."""
     if strategy not in ("auto",) + STRATEGIES:
-        raise ValueError(f"strategy must be 'auto', 'stream', 'expand' or 'panel', got {strategy!r}")
+        raise ValueError(f"strategy must be 'auto', 'stream', 'expand', 'panel' or 'nm24', got {strategy!r}")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
@@ -439,15 +491,14 @@ def bitmask_linear_impl(
         return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
     T = x.numel() // K
     if strategy == "auto":
-        density = values.numel() / max(1, out_features * K)
-        strategy = choose_strategy(T, torch.bfloat16 if kind == "bf16" else torch.float32, density)
+        strategy = _auto(T, kind, x.dtype, bits, values, out_features, K)
     if strategy == "stream":  # takes any rank: no reshape round trip on a decode call
         return _stream(
             lib, kind, x.contiguous(), bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features
         )
     flat = x.dim() != 2  # a 2-D input needs no reshape round trip
     x2 = (x.reshape(-1, K) if flat else x).contiguous()
-    fn = {"expand": _expand, "panel": _panel}[strategy]
+    fn = {"expand": _expand, "panel": _panel, "nm24": _nm24_strategy}[strategy]
     y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
     return y.reshape(*x.shape[:-1], out_features) if flat else y
 

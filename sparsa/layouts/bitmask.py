@@ -92,7 +92,6 @@ class Bitmask(Layout):
         self.values = values
         self.shape = torch.Size(shape)
         self.dtype = values.dtype
-        self._cache: Dict[str, Any] = {}  # what kernels derive from the pattern (e.g. a 2:4 weight's slots)
         if validate:
             self.validate()
 

@@ -10,10 +10,6 @@ kernels of :mod:`sparsa.kernels.bitmask`::
     >>> torch.allclose(torch.nn.functional.linear(x, w), x @ w.to_dense().T, atol=1e-4)
     True
 
-A 2:4 pattern (two of every four columns kept, e.g. pruned with ``sparsa.sparsifiers.NM(2, 4)``) runs
-:func:`sparsa.kernels.nm24.linear_forward` on the same components: the same kernels, and for many bfloat16
-tokens the 2:4 panel kernel where its crossover says so.
-
 Backward: ``grad_x = grad_y @ W`` and ``grad_W`` on the kept pattern (a dense tensor of W's shape, zero
 elsewhere), dense products: the layout is built for inference, training runs correctly but not fast.
 """
@@ -25,27 +21,12 @@ from typing import Optional
 from torch import Tensor
 
 from ..kernels import bitmask as _bm
-from ..kernels import nm24 as _nm24
 from ..layouts.bitmask import Bitmask
 from ..layouts.dense import Dense
 from .native_linear import _check_input
 from .registry import implements
 
-__all__ = ["BitmaskLinear", "bitmask_nm24_slots"]
-
-
-_SLOTS_KEY = "nm24_slots"
-
-
-def bitmask_nm24_slots(w: Bitmask) -> Optional[Tensor]:
-    """The 2:4 slots of a 2-D Bitmask weight that keeps two of every four columns
-    (:func:`sparsa.kernels.nm24.bitmask_slots`, found once and cached on the layout), which the 2:4 kernels
-    take; None for any other pattern, and for a weight being traced (fake components)."""
-    hit = w._cache.get(_SLOTS_KEY, False)
-    if hit is False:
-        plain = type(w.bits) is Tensor and len(w.shape) == 2
-        hit = w._cache[_SLOTS_KEY] = _nm24.bitmask_slots(w.bits, w.shape[1]) if plain else None
-    return hit
+__all__ = ["BitmaskLinear"]
 
 
 @implements("linear", (Dense, Bitmask, Dense))
@@ -55,11 +36,7 @@ class BitmaskLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: Bitmask, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
-        slots = bitmask_nm24_slots(w)
-        if slots is None:
-            y = _bm.linear_forward(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
-        else:
-            y = _nm24.linear_forward(x, slots, w.values, w.bits, w.row_ptr, bias, w.shape[0])
+        y = _bm.linear_forward(x, w.bits, w.row_ptr, w.values, bias, w.shape[0])
         ctx.save_for_backward(x, w.bits, w.row_ptr, w.values)
         ctx.weight_shape = tuple(w.shape)
         return y

@@ -30,18 +30,16 @@ from ..adaptive.conv import relu_conv2d
 from ..adaptive.linear import relu_linear
 from ..cost_model import CostModel, default_cost_model
 from ..kernels import bitmask as bm
-from ..kernels import nm24
 from ..kernels import sliced_ell as se
 from ..layouts.bitmask import Bitmask
 from ..layouts.grouped_nm import GroupedNM
-from ..layouts.nm import NM
+from ..layouts.nm import nm_mask
 from ..layouts.row_group import RowGroup
 from ..layouts.sliced_ell import SlicedELL
 from ..timing import round_robin_ms
 from ..crossovers import CROSSOVERS, PREFIX, UNITS, crossover
 from .native_grouped_nm import _grad_weight_dense, _grad_weight_sparse
 from .native_linear import _rg_grad_input, _rg_grad_weight
-from .nm_linear import nm_bitmask_components
 
 __all__ = [
     "refit",
@@ -155,23 +153,22 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
 
 
 def _nm24_case(T: float, R: int, K: int) -> Optional[Case]:
-    """A 2:4 bf16 weight: the bitmask strategies' own choice against the 2:4 panel kernel (decoding batches
-    on weight copies past the cache, as the stream crossovers are)."""
-    if not nm24.has_nm24_panel():
-        return None  # the 2:4 panel kernel does not run here: the bitmask strategies everywhere
+    """A 2:4 bf16 weight: the strategy the bitmask strategies' own choice picks against ``"nm24"`` (decoding
+    batches on weight copies past the cache, as the stream crossovers are)."""
+    if not bm.has_nm24_panel():
+        return None  # the 2:4 kernel does not run here: the bitmask strategies everywhere
     T = int(T)
-    w = NM.from_dense(torch.randn(R, K).to(torch.bfloat16), n=2, m=4)
-    copies = min(1024, -(-STREAM_BYTES // max(1, w.values.nbytes))) if T <= bm.BATCH_MAX_TOKENS else 1
-    parts = []
-    for _ in range(copies):
-        bits, row_ptr, _v = nm_bitmask_components(w)
-        parts.append((nm24.nm24_slots(w.indices), w.values.clone(), bits.clone(), row_ptr))
+    dense = torch.randn(R, K).to(torch.bfloat16)
+    w = Bitmask.from_dense(dense, mask=nm_mask(dense.float(), 2, 4))
+    copies = min(1024, -(-STREAM_BYTES // max(1, w.nbytes))) if T <= bm.BATCH_MAX_TOKENS else 1
+    parts = [(w.bits, w.row_ptr, w.values)] + [(w.bits.clone(), w.row_ptr, w.values.clone()) for _ in range(copies - 1)]
     x = torch.randn(T, K).to(torch.bfloat16)
+    own = bm.choose_strategy(T, torch.bfloat16, 0.5)
 
     def run(strategy: str) -> Callable[[], object]:
-        return lambda: [nm24.nm24_linear_impl(x, s, v, b, rp, None, R, strategy) for s, v, b, rp in parts]
+        return lambda: [bm.bitmask_linear_impl(x, b, rp, v, None, R, strategy) for b, rp, v in parts]
 
-    return T, {"low": run("bitmask"), "high": run("panel")}
+    return T, {"low": run(own), "high": run("nm24")}
 
 
 def _bitmask_row_blocks_case(T: float, R: int, K: int) -> Optional[Case]:

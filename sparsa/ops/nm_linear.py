@@ -5,8 +5,7 @@ Bitmask layout stores; only its bit rows are missing. They are built once from `
 the layout (``ceil(K / 8)`` bytes a row), so ``F.linear(x, nm_weight, bias)`` runs
 :func:`sparsa.kernels.bitmask.linear_forward`: the stream kernel for a few tokens (decode), the
 expand or bf16 panel kernel for many (prefill, encoders), instead of materialising the dense weight on
-every call. A 2:4 weight (in_features a multiple of 4) takes :func:`sparsa.kernels.nm24.linear_forward`
-instead: the same kernels, and for many bfloat16 tokens the 2:4 panel kernel where its crossover says so::
+every call (a 2:4 weight with many bfloat16 tokens: the 2:4 kernel, the ``"nm24"`` strategy)::
 
     >>> import torch, sparsa
     >>> w = sparsa.to_sparse(torch.randn(64, 32), "nm", n=2, m=4)
@@ -26,7 +25,6 @@ import torch
 from torch import Tensor
 
 from ..kernels import bitmask as _bm
-from ..kernels import nm24 as _nm24
 from ..layouts.bitmask import pack_bits
 from ..layouts.dense import Dense
 from ..layouts.nm import NM
@@ -34,10 +32,9 @@ from .bitmask_linear import BitmaskLinear
 from .native_linear import _check_input
 from .registry import implements
 
-__all__ = ["NMLinear", "nm_bitmask_components", "nm24_components"]
+__all__ = ["NMLinear", "nm_bitmask_components"]
 
 _CACHE_KEY = "bitmask_bits"
-_SLOTS_KEY = "nm24_slots"
 
 
 def nm_bitmask_components(w: NM) -> Tuple[Tensor, Tensor, Tensor]:
@@ -64,18 +61,6 @@ def nm_bitmask_components(w: NM) -> Tuple[Tensor, Tensor, Tensor]:
     return bits, row_ptr, values.reshape(-1)
 
 
-def nm24_components(w: NM) -> Optional[Tensor]:
-    """The slots (:func:`sparsa.kernels.nm24.nm24_slots`, cached on the layout) of a 2-D 2:4 weight whose
-    in_features are a multiple of 4, which the 2:4 kernels take; None for any other N:M weight, and for
-    one being traced (``torch.compile``: fake components), which runs the bitmask kernels."""
-    if w.n != 2 or w.m != 4 or len(w.shape) != 2 or w.shape[1] % 4 or type(w.indices) is not Tensor:
-        return None  # (a traced weight's fake components run the bitmask kernels)
-    slots = w._cache.get(_SLOTS_KEY)
-    if slots is None:
-        slots = w._cache[_SLOTS_KEY] = _nm24.nm24_slots(w.indices.reshape(w.shape[0], -1, 2))
-    return slots
-
-
 @implements("linear", (Dense, NM, Dense), replace=True)
 class NMLinear:
     """``y = x @ W.T + b`` for an :class:`~sparsa.layouts.NM` weight, by the Bitmask kernels."""
@@ -84,11 +69,7 @@ class NMLinear:
     def forward(ctx, x: Tensor, w: NM, bias: Optional[Tensor] = None) -> Tensor:
         bits, row_ptr, values = nm_bitmask_components(w)
         _check_input(x, w, bias)
-        slots = nm24_components(w)
-        if slots is None:
-            y = _bm.linear_forward(x, bits, row_ptr, values, bias, w.shape[0])
-        else:
-            y = _nm24.linear_forward(x, slots, values, bits, row_ptr, bias, w.shape[0])
+        y = _bm.linear_forward(x, bits, row_ptr, values, bias, w.shape[0])
         ctx.save_for_backward(x, bits, row_ptr, values)
         ctx.weight_shape = tuple(w.shape)
         return y
