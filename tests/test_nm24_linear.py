@@ -275,3 +275,23 @@ def test_backward_through_f_linear_on_the_kernel_path(table, monkeypatch):
     torch.nn.functional.linear(x, w).backward(gy)
     assert codes == [0]
     _close(x.grad, gy.double() @ w.sparse_layout.to_dense().double())
+
+
+@pytest.mark.usefixtures("needs_kernel")
+def test_a_batched_decode_call_the_stream_loop_would_take_runs_it(table, monkeypatch):
+    # above the stream loop's own tokens a weight too dense for the batch panel streams (batch_stream_bf16);
+    # a 2:4 one above the nm24 crossover runs the 2:4 kernel instead, eager decode path or not
+    codes = _spy_kernel(monkeypatch)
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_bf16", {"max_tokens": 12})
+    table.set_fit(crossovers.PREFIX + "bitmask.batch_stream_bf16", {"max_tokens": 16})
+    table.set_fit(crossovers.PREFIX + nm24.PANEL_CROSSOVER, {"max_tokens": 12})
+    dense = torch.randn(40, 64)
+    w = sparsa.to_sparse(dense.to(BF), "bitmask", mask=nm_mask(dense, 2, 4))
+    other = sparsa.to_sparse(dense.to(BF), "bitmask", sparsity=0.5)
+    assert bm.choose_strategy(16, BF, 0.5) == "stream"
+    for tokens, runs in ((12, False), (16, True)):
+        x = torch.randn(tokens, 64).to(BF)
+        with torch.no_grad():
+            _close(torch.nn.functional.linear(x, w), _want(x, w.sparse_layout, None))
+            _close(torch.nn.functional.linear(x, other), _want(x, other.sparse_layout, None))
+        assert codes == ([0] if runs else [])

@@ -450,20 +450,32 @@ def _nm24_strategy(
     return _panel(lib, kind, x2, bits, row_ptr, values, bias, R)
 
 
-def _auto(T: int, kind: str, x_dtype: torch.dtype, bits: Tensor, values: Tensor, R: int, K: int) -> str:
-    """:func:`choose_strategy`, and ``"nm24"`` for a 2:4 pattern above its crossover."""
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    strategy = choose_strategy(T, dtype, values.numel() / max(1, R * K))
-    if (
-        strategy != "stream"
-        and kind == "bf16"
+#: fewer tokens always stream (stream_max_tokens is at least one below its crossover's grid): a decode call
+#: of that many skips the 2:4 check
+_ALWAYS_STREAM_BELOW = min(int(CROSSOVERS[n].grid[0]) for n in STREAM_CROSSOVERS.values())
+
+
+def _takes_nm24(
+    T: int, kind: Optional[str], x_dtype: torch.dtype, bits: Tensor, values: Tensor, R: int, K: int
+) -> bool:
+    """Whether the automatic choice runs ``"nm24"``: more tokens than the stream loop's own (decoding keeps
+    it) and than the crossover ``nm24.panel_bf16``, bf16, a 2:4 pattern, the kernel here."""
+    return (
+        kind == "bf16"
         and _nm24.wants_panel(T, x_dtype)
+        and T > stream_max_tokens(x_dtype)
         and values.numel() * 2 == R * K
         and has_nm24_panel()
         and _nm24.slots_of(bits, K) is not None
-    ):
+    )
+
+
+def _auto(T: int, kind: str, x_dtype: torch.dtype, bits: Tensor, values: Tensor, R: int, K: int) -> str:
+    """:func:`choose_strategy`, or ``"nm24"`` (:func:`_takes_nm24`)."""
+    if _takes_nm24(T, kind, x_dtype, bits, values, R, K):
         return "nm24"
-    return strategy
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    return choose_strategy(T, dtype, values.numel() / max(1, R * K))
 
 
 def bitmask_linear_impl(
@@ -546,8 +558,11 @@ def stream_decode(
     T = x.numel() // K if K else 0
     if T == 0 or out_features == 0:
         return None
-    # the density decides above the stream loop's own token limit (a sparse enough weight takes the panel)
+    # the density decides above the stream loop's own token limit (a sparse enough weight takes the panel),
+    # and a 2:4 pattern there takes the 2:4 kernel
     if choose_strategy(T, x.dtype, values.numel() / (out_features * K)) != "stream":
+        return None
+    if T >= _ALWAYS_STREAM_BELOW and _takes_nm24(T, kind, x.dtype, bits, values, out_features, K):
         return None
     lib = native_library()
     if lib is None:
