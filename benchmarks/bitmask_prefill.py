@@ -127,12 +127,9 @@ def main(argv=None) -> None:
                             errs[s] = float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
                         ms = round_robin_ms(fns, rounds)
                         best = min(DTYPES, key=lambda d: ms[f"dense_{d}"])
-                        density = w.values.numel() / (R * K)
-                        auto = bm.choose_strategy(t, dt, density)
+                        auto = bm.auto_strategy(t, dt, w.bits, w.values, R, K)
                         whole = not blocks or t > bm.row_blocks_max_tokens()
                         auto_key = auto if auto != "expand" else ("expand_whole" if whole else "expand_blocks")
-                        if "nm24" in strategies and auto != "stream" and nm24.wants_panel(t, dt):
-                            auto_key = "nm24"
                         row = {
                             "model": model,
                             "shape": [R, K],

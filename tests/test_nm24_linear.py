@@ -119,16 +119,18 @@ def test_bad_indices_are_named(indices, message):
 def test_other_patterns_have_no_slots(mask):
     mask = torch.tensor(mask, dtype=torch.bool)
     w = Bitmask.from_dense(torch.randn(mask.shape), mask=mask)
-    assert nm24.bitmask_slots(w.bits, mask.shape[1]) is None and nm24.slots_of(w.bits, mask.shape[1]) is None
+    assert nm24.bitmask_slots(w.bits, mask.shape[1]) is None and not nm24.is_2_4(w.bits, mask.shape[1])
 
 
-def test_slots_are_found_once_per_bits_tensor():
+def test_the_pattern_is_checked_once_per_bits_tensor(monkeypatch):
     w = _weight(8, 16, 0)
-    first = nm24.slots_of(w.bits, 16)
-    assert nm24.slots_of(w.bits, 16) is first
-    assert nm24.slots_of(w.bits.clone(), 16) is not first  # another tensor: found again
-    w.bits.zero_()  # modified in place: no longer 2:4
-    assert nm24.slots_of(w.bits, 16) is None
+    calls = []
+    real = nm24.bitmask_slots
+    monkeypatch.setattr(nm24, "bitmask_slots", lambda *a: calls.append(1) or real(*a))
+    assert nm24.is_2_4(w.bits, 16) and nm24.is_2_4(w.bits, 16) and len(calls) == 1
+    assert nm24.is_2_4(w.bits.clone(), 16) and len(calls) == 2  # another tensor: checked again
+    w.bits.zero_()  # modified in place: checked again, no longer 2:4
+    assert not nm24.is_2_4(w.bits, 16) and len(calls) == 3
 
 
 # ---------------------------------------------------------------------------------------------- kernel
@@ -295,3 +297,17 @@ def test_a_batched_decode_call_the_stream_loop_would_take_runs_it(table, monkeyp
             _close(torch.nn.functional.linear(x, w), _want(x, w.sparse_layout, None))
             _close(torch.nn.functional.linear(x, other), _want(x, other.sparse_layout, None))
         assert codes == ([0] if runs else [])
+
+
+@pytest.mark.usefixtures("needs_kernel")
+def test_auto_strategy_says_what_the_op_runs(table):
+    table.set_fit(crossovers.PREFIX + nm24.PANEL_CROSSOVER, {"max_tokens": 12})
+    table.set_fit(crossovers.PREFIX + "bitmask.stream_bf16", {"max_tokens": 12})
+    w = _weight(40, 64, 5)
+    other = Bitmask.from_dense(torch.randn(40, 64).to(BF), sparsity=0.5)
+    assert bm.auto_strategy(12, BF, w.bits, w.values, 40, 64) == "stream"
+    assert bm.auto_strategy(13, BF, w.bits, w.values, 40, 64) == "nm24"
+    assert bm.auto_strategy(600, BF, other.bits, other.values, 40, 64) == bm.choose_strategy(600, BF, 0.5)
+    assert bm.auto_strategy(600, torch.float32, w.bits, w.values.float(), 40, 64) != "nm24"
+    with pytest.raises(ValueError, match="dtype"):
+        bm.auto_strategy(600, torch.float16, w.bits, w.values, 40, 64)

@@ -168,9 +168,7 @@ _BITMASK = {
         INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
     ),
     "sparsa_nm24_has_panel_bf16": sig(INT),
-    "sparsa_nm24_panel_bf16": sig(
-        INT, x=PTR, T=I64, K=I64, slots=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
-    ),
+    "sparsa_nm24_panel_bf16": sig(INT, x=PTR, T=I64, K=I64, bits=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT),
     "sparsa_bitmask_has_panel_f32": sig(INT),
     "sparsa_bitmask_panel_f32": sig(
         INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT

@@ -28,8 +28,8 @@ Three native strategies, each reading the compressed weight once per call:
   where the CPU has AVX512-BF16 (:mod:`sparsa.kernels.nm24`, ``csrc/nm24_panel_bf16.cpp``): X packed once
   into the six column-pair vectors of every group, one ``VDPBF16PS`` per kept pair and 16 tokens, each
   vector reused by a block of rows. The automatic choice takes it above the token crossover
-  ``nm24.panel_bf16`` once the pattern is found to be 2:4 (once per ``bits`` tensor). Elsewhere, and for an
-  X holding NaN or Inf, ``"nm24"`` runs ``"panel"``.
+  ``nm24.panel_bf16`` once the pattern is found to be 2:4 (once per ``bits`` tensor; the kernel reads each
+  group's pair from the bits). Elsewhere, and for an X holding NaN or Inf, ``"nm24"`` runs ``"panel"``.
 
 :func:`choose_strategy` picks one by token count, dtype and density: the stream strategy up to its token
 crossover, then the panel strategy up to the density
@@ -95,6 +95,7 @@ __all__ = [
     "bitmask_linear_reference",
     "bitmask_dense_weight",
     "choose_strategy",
+    "auto_strategy",
     "many_token_strategy",
     "native_library",
     "STRATEGIES",
@@ -441,9 +442,9 @@ def _nm24_strategy(
     R: int,
 ) -> Tensor:
     K = x2.shape[1]
-    slots = _nm24.slots_of(bits, K) if kind == "bf16" and values.numel() * 2 == R * K else None
-    if slots is not None and bool(lib.sparsa_nm24_has_panel_bf16()):
-        y = _nm24.run_panel(lib, x2, slots, values, bias, R)
+    ok = kind == "bf16" and values.numel() * 2 == R * K and _nm24.is_2_4(bits, K)
+    if ok and bool(lib.sparsa_nm24_has_panel_bf16()):
+        y = _nm24.run_panel(lib, x2, bits, values, bias, R)
         if y is not None:
             return y
     # not a 2:4 pattern, no kernel here, or X holds NaN or Inf (the panel strategy hands that to expand)
@@ -466,7 +467,7 @@ def _takes_nm24(
         and T > stream_max_tokens(x_dtype)
         and values.numel() * 2 == R * K
         and has_nm24_panel()
-        and _nm24.slots_of(bits, K) is not None
+        and _nm24.is_2_4(bits, K)
     )
 
 
@@ -476,6 +477,17 @@ def _auto(T: int, kind: str, x_dtype: torch.dtype, bits: Tensor, values: Tensor,
         return "nm24"
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     return choose_strategy(T, dtype, values.numel() / max(1, R * K))
+
+
+def auto_strategy(
+    tokens: int, dtype: torch.dtype, bits: Tensor, values: Tensor, out_features: int, in_features: int
+) -> str:
+    """The strategy the op's automatic choice runs for ``tokens`` tokens of ``dtype`` (bfloat16 or float32) on
+    these components (on this CPU and build): :func:`choose_strategy`, or ``"nm24"`` for a 2:4 pattern."""
+    if dtype not in STREAM_CROSSOVERS:
+        raise ValueError(f"auto_strategy: dtype must be one of {list(STREAM_CROSSOVERS)}, got {dtype}")
+    kind = "bf16" if dtype == torch.bfloat16 else "f32"
+    return _auto(tokens, kind, dtype, bits, values, out_features, in_features)
 
 
 def bitmask_linear_impl(

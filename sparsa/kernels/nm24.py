@@ -3,8 +3,9 @@ keeps two of every four columns.
 
 In every group of four input columns a 2:4 row keeps one of six column pairs, so the Bitmask layout's
 packed values of such a row are already the pairs, in column order. Which pair is the row's *slot* in the
-group (uint8 ``[R, K / 4]``, :data:`SLOT_PAIRS`), read from the bit rows once per weight
-(:func:`slots_of`, cached per ``bits`` tensor, so compiled graphs find it too). For many bfloat16 tokens on a
+group (uint8 ``[R, K / 4]``, :data:`SLOT_PAIRS`), which the kernel reads from the bit rows; whether a
+pattern is 2:4 is found once per weight (:func:`is_2_4`, cached per ``bits`` tensor, so compiled graphs
+find it too). For many bfloat16 tokens on a
 CPU with AVX512-BF16, ``csrc/nm24_panel_bf16.cpp`` packs the tokens once into the six pair vectors of every
 group, so each kept pair costs one ``VDPBF16PS`` per 16 tokens against a vector that stays in L1 while a
 block of rows reads it: half the dense GEMM's products, where the bitmask panel kernel (any pattern) is
@@ -19,11 +20,11 @@ Example::
 
     >>> import torch
     >>> from sparsa.layouts import Bitmask, nm_mask
-    >>> from sparsa.kernels.nm24 import slots_of, nm24_dense_weight
+    >>> from sparsa.kernels.nm24 import bitmask_slots, is_2_4, nm24_dense_weight
     >>> d = torch.randn(6, 8)
     >>> w = Bitmask.from_dense(d, mask=nm_mask(d, 2, 4))
-    >>> torch.equal(nm24_dense_weight(slots_of(w.bits, 8), w.values), w.to_dense())
-    True
+    >>> is_2_4(w.bits, 8), torch.equal(nm24_dense_weight(bitmask_slots(w.bits, 8), w.values), w.to_dense())
+    (True, True)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ __all__ = [
     "PANEL_CROSSOVER",
     "nm24_slots",
     "bitmask_slots",
-    "slots_of",
+    "is_2_4",
     "nm24_dense_weight",
     "panel_min_tokens",
     "wants_panel",
@@ -85,24 +86,25 @@ def bitmask_slots(bits: Tensor, in_features: int) -> Optional[Tensor]:
     return None if bool((slots == 255).any()) else slots.contiguous()
 
 
-# id(bits) -> (a weak reference to bits, its version, in_features, the slots or None)
-_SLOTS: Dict[int, Tuple[weakref.ref, int, int, Optional[Tensor]]] = {}
-_SLOTS_LOCK = threading.Lock()
+# id(bits) -> (a weak reference to bits, its version, in_features, whether the pattern is 2:4)
+_IS_2_4: Dict[int, Tuple[weakref.ref, int, int, bool]] = {}
+_IS_2_4_LOCK = threading.Lock()
 
 
-def slots_of(bits: Tensor, in_features: int) -> Optional[Tensor]:
-    """:func:`bitmask_slots` of ``bits``, found once per bits tensor (while it lives and is not modified in
-    place) and kept beside it: every call of a weight in a model, eager or compiled, passes the same tensor."""
+def is_2_4(bits: Tensor, in_features: int) -> bool:
+    """Whether ``bits`` keep exactly two of every four columns (:func:`bitmask_slots` is not None), found once
+    per bits tensor (while it lives and is not modified in place): every call of a weight in a model, eager
+    or compiled, passes the same tensor. The kernel reads each group's slot from the bits itself."""
     key = id(bits)
-    hit = _SLOTS.get(key)
+    hit = _IS_2_4.get(key)
     if hit is not None and hit[0]() is bits and hit[1] == bits._version and hit[2] == in_features:
         return hit[3]
-    slots = bitmask_slots(bits, in_features)
-    with _SLOTS_LOCK:
-        if key not in _SLOTS:
-            weakref.finalize(bits, _SLOTS.pop, key, None)
-        _SLOTS[key] = (weakref.ref(bits), bits._version, in_features, slots)
-    return slots
+    found = bitmask_slots(bits, in_features) is not None
+    with _IS_2_4_LOCK:
+        if key not in _IS_2_4:
+            weakref.finalize(bits, _IS_2_4.pop, key, None)
+        _IS_2_4[key] = (weakref.ref(bits), bits._version, in_features, found)
+    return found
 
 
 def nm24_dense_weight(slots: Tensor, values: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -134,10 +136,11 @@ def wants_panel(tokens: int, dtype: torch.dtype) -> bool:
 
 
 def run_panel(
-    lib: ctypes.CDLL, x2: Tensor, slots: Tensor, values: Tensor, bias: Optional[Tensor], R: int
+    lib: ctypes.CDLL, x2: Tensor, bits: Tensor, values: Tensor, bias: Optional[Tensor], R: int
 ) -> Optional[Tensor]:
-    """The kernel on contiguous bf16 ``x2`` ``[T, K]`` and ``values``; None where it did not run (an X holding
-    NaN or Inf, whose dense product spreads it to every output; no kernel on this CPU or build)."""
+    """The kernel on contiguous bf16 ``x2`` ``[T, K]`` and ``values`` and the contiguous ``bits`` of a 2:4
+    pattern (:func:`is_2_4`: the kernel trusts it); None where it did not run (an X holding NaN or Inf,
+    whose dense product spreads it to every output; no kernel on this CPU or build)."""
     T, K = x2.shape
     y = torch.empty(T, R, dtype=x2.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()  # held until the call returns
@@ -145,7 +148,7 @@ def run_panel(
         x2.data_ptr(),
         T,
         K,
-        slots.data_ptr(),
+        bits.data_ptr(),
         values.data_ptr(),
         R,
         None if b is None else b.data_ptr(),

@@ -10,9 +10,9 @@
 // the dot products of the dense GEMM, and no shuffles in the inner loop.
 //
 // Panels are 32 tokens (two 16-token halves share each broadcast), or one panel of 16 for a call of at
-// most 16 tokens (batched decoding). Each thread takes super blocks of rows, repacks their values and slots
-// group-major so that one pointer walks a block of BLOCK_ROWS32 (or BLOCK_ROWS16) rows, whose sums stay in
-// registers, and runs every panel over them chunk by chunk: a chunk of a panel stays in L1 while every
+// most 16 tokens (batched decoding). Each thread takes super blocks of rows, repacks their values and
+// slots (read from the bit rows) group-major so that one pointer walks a block of BLOCK_ROWS32 (or
+// BLOCK_ROWS16) rows, whose sums stay in registers, and runs every panel over them chunk by chunk: a chunk of a panel stays in L1 while every
 // block of the super block passes over it.
 //
 // Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
@@ -36,6 +36,9 @@ constexpr int SLOT_BYTES = 64;  // 16 tokens x (x[t][a], x[t][b])
 // slot s holds the pair (SLOT_A[s], SLOT_B[s]) of a group's columns: what sparsa/kernels/nm24.py encodes
 constexpr int SLOT_A[SLOTS] = {0, 2, 0, 1, 0, 1};
 constexpr int SLOT_B[SLOTS] = {1, 3, 2, 3, 3, 2};
+// a group's four mask bits (bit c: column c kept) -> its slot; a nibble not keeping exactly two columns
+// (never passed: the caller checks the pattern) maps to slot 0, so it cannot index past a group
+alignas(16) constexpr uint8_t NIBBLE_SLOT[16] = {0, 0, 0, 0, 0, 2, 5, 0, 0, 4, 3, 0, 1, 0, 0, 0};
 constexpr int BLOCK_ROWS32 = 8;  // x 2 token halves: 16 sums in registers
 constexpr int BLOCK_ROWS16 = 16;
 constexpr int CHUNK32 = 24;  // groups: 18 KiB of a 32-token panel
@@ -72,29 +75,35 @@ void pack_groups(const uint16_t* x, int64_t K, int64_t t0, int nt, int64_t g0, i
     }
 }
 
-// Rows [0, nr) of vals / slots (row stride G; rows nr..RB-1 zero weights) group-major, so that one pointer
-// walks a block: wb[g * RB + i] the value pair of row i in group g, sb[g * RB + i] its slot. 8x8 transposes
-// of 8 rows x 8 groups (values: 32-bit, slots: bytes); a scalar repack cost a short call as much as its
-// products.
+// Rows [0, nr) of vals (row stride G) and their bit rows (stride kb bytes; rows nr..RB-1 zero weights)
+// group-major, so that one pointer walks a block: wb[g * RB + i] the value pair of row i in group g,
+// sb[g * RB + i] its slot, the pair that group's four mask bits keep (NIBBLE_SLOT). 8x8 transposes of 8 rows
+// x 8 groups (values: 32-bit, slots: bytes); a scalar repack cost a short call as much as its products.
 template <int RB>
-void repack(const uint32_t* vals, const uint8_t* slots, int64_t G, int64_t nr, uint32_t* wb, uint8_t* sb) {
+void repack(const uint32_t* vals, const uint8_t* bits, int64_t kb, int64_t G, int64_t nr, uint32_t* wb, uint8_t* sb) {
     static_assert(RB % 8 == 0, "rows are transposed 8 at a time");
     const int64_t G8 = G & ~int64_t(7);
+    const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(NIBBLE_SLOT));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
     for (int o = 0; o < RB; o += 8) {
-        const uint32_t* v[8];
-        const uint8_t* q[8];
         static const uint32_t zv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        static const uint8_t zq[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         const bool real[8] = {o + 0 < nr, o + 1 < nr, o + 2 < nr, o + 3 < nr,
                               o + 4 < nr, o + 5 < nr, o + 6 < nr, o + 7 < nr};
         for (int64_t g = 0; g < G8; g += 8) {
             __m256 r[8];
             __m128i b[8];
             for (int k = 0; k < 8; ++k) {
-                v[k] = real[k] ? vals + (o + k) * G + g : zv;
-                q[k] = real[k] ? slots + (o + k) * G + g : zq;
-                r[k] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v[k])));
-                b[k] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q[k]));
+                const uint32_t* v = real[k] ? vals + (o + k) * G + g : zv;
+                r[k] = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+                if (!real[k]) {
+                    b[k] = _mm_setzero_si128();  // slot 0 against zero weights
+                    continue;
+                }
+                uint32_t m;  // groups g..g+7: 4 bytes, the low nibble of each the earlier group
+                std::memcpy(&m, bits + (o + k) * kb + g / 2, 4);
+                const __m128i w = _mm_cvtsi32_si128((int)m);
+                const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(w, low4), _mm_and_si128(_mm_srli_epi16(w, 4), low4));
+                b[k] = _mm_shuffle_epi8(lut, nib);
             }
             transpose8(r);  // r[j]: group g + j, rows o..o+7
             for (int j = 0; j < 8; ++j)
@@ -112,8 +121,9 @@ void repack(const uint32_t* vals, const uint8_t* slots, int64_t G, int64_t nr, u
         }
         for (int64_t g = G8; g < G; ++g)
             for (int k = 0; k < 8; ++k) {
+                const uint8_t byte = real[k] ? bits[(o + k) * kb + g / 2] : 0;
                 wb[g * RB + o + k] = real[k] ? vals[(o + k) * G + g] : 0;
-                sb[g * RB + o + k] = real[k] ? slots[(o + k) * G + g] : 0;
+                sb[g * RB + o + k] = real[k] ? NIBBLE_SLOT[(byte >> (4 * (g & 1))) & 15] : 0;
             }
     }
 }
@@ -164,11 +174,11 @@ void pack_panel(const uint16_t* x, int64_t T, int64_t K, int64_t t0, char* out) 
 // buffer, a block of tokens at a time: panels one core packed and another read ran up to 1.4x slower, by
 // run.
 template <int RB, int H, int GC>
-void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const uint32_t* vals, int64_t R,
+void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const uint32_t* vals, int64_t R,
          const float* bias, uint16_t* y, int nthreads) {
     constexpr int TBW = 16 * H;
     constexpr int64_t GBYTES = (int64_t)H * SLOTS * SLOT_BYTES;
-    const int64_t G = K / 4, npan = (T + TBW - 1) / TBW, pbytes = std::max<int64_t>(64, G * GBYTES);
+    const int64_t G = K / 4, kb = (K + 7) / 8, npan = (T + TBW - 1) / TBW, pbytes = std::max<int64_t>(64, G * GBYTES);
     const int64_t nrb = (R + RB - 1) / RB, per_sb = (SUPER_ROWS / RB);
     // Threads split the tokens where each repacking the whole weight costs less than each packing every
     // panel (few rows, many tokens), else the rows (and the tokens too when rows are few).
@@ -203,7 +213,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const ui
                 for (int64_t p = p0; p < p1; ++p)
                     if (!packed[p - q0]) pack_panel<H>(x, T, K, p * TBW, panels + (p - q0) * pbytes), packed[p - q0] = 1;
                 for (int64_t rb = 0; rb < rows; rb += RB)
-                    repack<RB>(vals + (r0 + rb) * G, slots + (r0 + rb) * G, G, std::min<int64_t>(RB, rows - rb),
+                    repack<RB>(vals + (r0 + rb) * G, bits + (r0 + rb) * kb, kb, G, std::min<int64_t>(RB, rows - rb),
                                wb + rb * G, sb + rb * G);
                 for (int64_t p = p0; p < p1; ++p) {
                     const char* xp = panels + (p - q0) * pbytes;
@@ -241,12 +251,12 @@ extern "C" {
 // 1 when sparsa_nm24_panel_bf16 runs on this CPU (AVX512-BF16, SPARSA_ISA >= avx512)
 int sparsa_nm24_has_panel_bf16() { return nm24_available() ? 1 : 0; }
 
-// x: bf16 [T, K], K a multiple of 4; slots: uint8 [R, K / 4], each 0..5 (the pair a row keeps in a group,
-// as SLOT_A / SLOT_B above); values: bf16 [R, K / 4, 2], the kept pair's values in column order; bias: fp32
-// [R] or null; y: bf16 [T, R], fp32 accumulation rounded once (nearest even). Returns 0 when done; 1 when X
-// holds a NaN or Inf (y untouched); -1 when this CPU or build has no such kernel; -2 when K is not a
-// multiple of 4.
-int sparsa_nm24_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* slots, const uint16_t* values,
+// x: bf16 [T, K], K a multiple of 4; bits: uint8 [R, ceil(K / 8)], the Bitmask layout's bit rows (bit j % 8
+// of byte j / 8: column j kept), keeping exactly two of every four columns (the caller checks); values: bf16
+// [R, K / 4, 2], the kept pairs' values in column order; bias: fp32 [R] or null; y: bf16 [T, R], fp32
+// accumulation rounded once (nearest even). Returns 0 when done; 1 when X holds a NaN or Inf (y untouched);
+// -1 when this CPU or build has no such kernel; -2 when K is not a multiple of 4.
+int sparsa_nm24_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const uint16_t* values,
                            int64_t R, const float* bias, uint16_t* y, int nthreads) {
     if (!nm24_available()) return -1;
     if (K % 4) return -2;
@@ -254,8 +264,8 @@ int sparsa_nm24_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_
     if (!sparsa_bf16_finite(x, T * K)) return 1;
     if (T <= 0 || R <= 0) return 0;
     const uint32_t* vals = reinterpret_cast<const uint32_t*>(values);
-    if (T <= 16) run<BLOCK_ROWS16, 1, CHUNK16>(x, T, K, slots, vals, R, bias, y, nthreads);
-    else run<BLOCK_ROWS32, 2, CHUNK32>(x, T, K, slots, vals, R, bias, y, nthreads);
+    if (T <= 16) run<BLOCK_ROWS16, 1, CHUNK16>(x, T, K, bits, vals, R, bias, y, nthreads);
+    else run<BLOCK_ROWS32, 2, CHUNK32>(x, T, K, bits, vals, R, bias, y, nthreads);
     return 0;
 #else
     return -1;
