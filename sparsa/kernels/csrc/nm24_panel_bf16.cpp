@@ -12,8 +12,8 @@
 // Panels are 32 tokens (two 16-token halves share each broadcast), or one panel of 16 for a call of at
 // most 16 tokens (batched decoding). Each thread takes super blocks of rows, repacks their values and
 // slots (read from the bit rows) group-major so that one pointer walks a block of BLOCK_ROWS32 (or
-// BLOCK_ROWS16) rows, whose sums stay in registers, and runs every panel over them chunk by chunk: a chunk of a panel stays in L1 while every
-// block of the super block passes over it.
+// BLOCK_ROWS16) rows, whose sums stay in registers, and runs every panel over them chunk by chunk: a chunk
+// of a panel stays in L1 while every block of the super block passes over it.
 //
 // Only kept columns are multiplied, so a NaN or Inf of X at a dropped column would not reach the output as
 // it does in F.linear: the entry point checks X first and returns 1 (the caller then runs another
