@@ -11,7 +11,9 @@ from sparsa.layouts import GroupedNM, RowGroup, SlicedELL
 from sparsa import crossovers
 from sparsa.ops import crossover_refit
 from sparsa.ops import native_grouped_nm, native_linear
+from sparsa.kernels import adaptive_union as U
 from sparsa.kernels import adaptive_union_bf16 as B
+from sparsa.kernels import bitmask as bm
 
 
 @pytest.fixture
@@ -102,11 +104,13 @@ def test_refit_stores_a_measured_crossover_for_every_name(tmp_path):
             continue
         if c.unit == "ratio":  # 4-pixel groups up to d: a ratio built there, or 1 (2-pixel groups always)
             assert fit["max_ratio"] == d and (d == 1.0 or str(d) in fit["ratios"])
-            assert bool(fit["ratios"]) == (name != "conv_union.fwd_group4_bf16_tiles" or B.union_dpbf16())
+            # timed where the union kernels run (AVX-512; the tiles one AVX512-BF16 too), else nothing timed
+            runs = U.union_native() and (name != "conv_union.fwd_group4_bf16_tiles" or B.union_dpbf16())
+            assert bool(fit["ratios"]) == runs
             assert crossovers.crossover(name, cm) == d and fit["shapes"][0]["dims"] == [2, 64, 16]
             continue
         if not fit["ratios"]:  # a bitmask panel kernel this CPU lacks: nothing timed, the dense side stays
-            assert name in ("bitmask.panel_bf16", "bitmask.panel_f32") and d == 0.0
+            assert name in set(bm.PANEL_CROSSOVERS.values()) | set(bm.BATCH_PANEL_CROSSOVERS.values()) and d == 0.0
             continue
         assert fit["max_density"] == d and (d == 0.0 or str(d) in fit["ratios"]) and len(fit["ratios"]) == 2
         assert crossovers.crossover(name, cm) == d
