@@ -42,7 +42,6 @@ from ..crossovers import CROSSOVERS, token_crossover
 __all__ = [
     "SLOT_PAIRS",
     "PANEL_CROSSOVER",
-    "nm24_slots",
     "bitmask_slots",
     "is_2_4",
     "nm24_dense_weight",
@@ -56,23 +55,9 @@ SLOT_PAIRS = ((0, 1), (2, 3), (0, 2), (1, 3), (0, 3), (1, 2))
 #: the token crossover (sparsa.crossovers) holding the most tokens the bitmask strategies keep on a 2:4 weight
 PANEL_CROSSOVER = "nm24.panel_bf16"
 
-_SLOT_OF = torch.full((16,), 255, dtype=torch.uint8)  # a * 4 + b -> slot
 _NIBBLE_SLOT = torch.full((16,), 255, dtype=torch.uint8)  # the group's 4 mask bits -> slot
 for _s, (_a, _b) in enumerate(SLOT_PAIRS):
-    _SLOT_OF[_a * 4 + _b] = _s
     _NIBBLE_SLOT[(1 << _a) | (1 << _b)] = _s
-
-
-def nm24_slots(indices: Tensor) -> Tensor:
-    """The slot (uint8 ``[R, K / 4]``) of each group's kept pair, from a 2:4 weight's ``indices``
-    (``[R, K / 4, 2]``, ascending positions in each group, as :class:`~sparsa.layouts.NM` stores them)."""
-    if indices.dim() != 3 or indices.shape[-1] != 2:
-        raise ValueError(f"nm24_slots: indices must be [R, K / 4, 2] (a 2:4 weight's), got {tuple(indices.shape)}")
-    idx = indices.to(torch.int64)
-    a, b = idx[..., 0], idx[..., 1]
-    if bool(((a < 0) | (b > 3) | (a >= b)).any()):
-        raise ValueError("nm24_slots: indices must hold two ascending positions in 0..3 per group")
-    return _SLOT_OF.to(indices.device)[a * 4 + b].contiguous()
 
 
 def bitmask_slots(bits: Tensor, in_features: int) -> Optional[Tensor]:
