@@ -9,6 +9,7 @@ import sparsa.adaptive as sa
 from sparsa.adaptive.autocast import autocast_bf16, sparse_under_autocast
 from sparsa.adaptive.calibration import Calibration
 from sparsa.adaptive.conv_union import union_path_supported_for, union_paths
+from sparsa.kernels import adaptive as K
 
 SPARSE = sa.Policy(enter=1e-6, exit=1e-6, verify_below=0)  # sparse wherever the input is a ReLU output
 
@@ -162,6 +163,9 @@ def test_calibration_under_autocast_has_its_own_entries(tmp_path):
     keys = list(cal._table)
     assert len(keys) == 3 and all(k.endswith("|autocast=bf16") for k in keys)  # the dense side timed in bf16
     assert all(r["dense_ms"] is not None for r in rt.report() if r["layer"] in ("2", "5", "7"))
+    # the conv's input is bf16 here: its dY-driven backward is timed as for an fp32 input
+    (conv,) = [e for k, e in cal._table.items() if "|conv2d|" in k]
+    assert conv.dy_path == K.native_available() and (conv.dy_slope_ms is not None) == conv.dy_path
 
 
 def test_bf16_model_without_autocast_runs_dense():

@@ -38,6 +38,7 @@ def _old_dw_costs(d_x, d_g, C, O, ratio):
     cost = {"lists": lists, "x": 0.3 + 0.65 * d_x * r - (0.1 if C * O >= 512 * 256 else 0.0)}
     if d_g is not None:
         cost["dy"] = 0.45 + 0.75 * d_g
+        cost["dy_lists"] = 0.11 + 1.25 * d_g  # the list kernel over dY's nonzeros, added as data
     return cost
 
 
@@ -321,7 +322,7 @@ def test_bf16_mode_prices_with_its_own_models_and_the_dense_bf16_gradients(table
 def test_the_bf16_union_refit_procedure_runs_on_the_fallbacks(tmp_path):
     cm = CostModel(tmp_path / "t.json")
     names = [n for n, f in cost_fits.COST_FITS.items() if f.kernels == "union_bf16"]
-    assert len(names) == 5
+    assert len(names) == 6
     fitted, skipped = cost_fits_refit.refit(
         cm, names=names, shape=(2, 16, 8, 8), rounds=1, force=["union_bf16"], max_residual=float("inf")
     )

@@ -188,9 +188,68 @@ def test_weight_gradient_layouts(layout, threads):
         U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride()),
         U.union_conv_wgrad(op, dy.permute(0, 2, 3, 1), geo, w.stride(), lists=True),
         U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride()),
+        U.union_conv_wgrad_dy(U.union_operand(dy, relu=False), op.values, geo, w.stride(), lists=True),
     ):
         torch.testing.assert_close(dw, rdw, atol=1e-3, rtol=1e-4)
         assert dw.stride() == w.stride()
+
+
+def _maxpool_dy(N, O, H, W, keep, gen):
+    """dY behind a 2x2 max-pool and a ReLU: one pixel of each window, kept with probability ``keep``."""
+    h, w = -(-H // 2), -(-W // 2)
+    g = torch.randn(N, O, h, w, generator=gen) * (torch.rand(N, O, h, w, generator=gen) < keep)
+    at = torch.randint(0, 4, (N, O, h, w), generator=gen)
+    full = torch.zeros(N, O, h, w, 4).scatter_(4, at.unsqueeze(-1), g.unsqueeze(-1))
+    return full.view(N, O, h, w, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(N, O, 2 * h, 2 * w)[:, :, :H, :W]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
+@pytest.mark.parametrize(
+    "N,C,H,W,O,k,pad,dil",
+    [
+        (2, 32, 8, 8, 48, 3, 1, 1),
+        (3, 16, 6, 10, 32, 3, 1, 1),
+        (2, 16, 7, 7, 16, 3, 0, 1),
+        (2, 32, 9, 9, 16, 3, 2, 2),
+        (2, 16, 6, 6, 32, 2, 1, 1),
+        (2, 48, 6, 6, 16, 1, 0, 1),
+        (1, 512, 2, 2, 64, 3, 1, 1),
+    ],
+)
+def test_weight_gradient_over_dy_lists(native, threads, dtype, layout, N, C, H, W, O, k, pad, dil):
+    # the list kernel on the flipped conv: dY's per-channel lists, relu(x)'s rows, dW written swapped and flipped
+    gen = torch.Generator().manual_seed(C * O + k + pad)
+    x = _act((N, C, H, W), 0.5, True, C + O).to(dtype)
+    w = torch.randn(O, C, k, k)
+    if layout == "ohwi":
+        w = w.contiguous(memory_format=torch.channels_last)
+    elif layout == "odd":
+        w = torch.randn(k, k, O, C).permute(2, 3, 0, 1)
+    geo = U.geometry(x.shape, w.shape, (1, 1), (pad, pad), (dil, dil))
+    dy = _maxpool_dy(N, O, geo.Ho, geo.Wo, 0.6, gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    kw = {"dtype": dtype} if dtype == torch.bfloat16 else {}
+    op = U.union_operand(x, native=native, **kw)
+    gop = U.union_operand(dy, relu=False, native=native, **kw)
+    dw = U.union_conv_wgrad_dy(gop, op.values, geo, w.stride(), lists=True)
+    assert dw.dtype == torch.float32 and dw.stride() == w.stride()
+    xr = x.double().relu()
+    ref = torch.nn.grad.conv2d_weight(xr, w.shape, dy.double(), padding=pad, dilation=dil)
+    scale = torch.nn.grad.conv2d_weight(xr, w.shape, dy.double().abs(), padding=pad, dilation=dil)
+    err = (dw.double() - ref).abs()
+    assert (err <= 1e-5 * scale + 1e-6).all(), float((err / (scale + 1e-30)).max())  # fp32 sums of exact products
+
+
+def test_weight_gradient_over_dy_lists_checks_dtypes():
+    if not U.union_native():
+        pytest.skip("union kernels need AVX-512 and the native build")
+    from sparsa.kernels import adaptive_union_ops as ops
+
+    x = _act((1, 16, 4, 4), 0.5, True, 1)
+    geo = U.geometry(x.shape, (16, 16, 3, 3), (1, 1), (1, 1), (1, 1))
+    gop = U.union_operand(x, relu=False)
+    with pytest.raises(TypeError, match="both be float32 or both bfloat16"):
+        ops.union_conv_wgrad_dy_lists(gop.values, gop.mask, x.permute(0, 2, 3, 1).bfloat16(), geo, None)
 
 
 @needs_native
@@ -301,7 +360,7 @@ def test_relu_conv2d_union_path_gradients(stride, channels_last, bias, threads):
     assert x.grad.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     ran = conv_union.union_paths - before
     assert ran[("dx_dy" if stride == 1 else "dx_x")] == 1
-    assert ran["dw_x"] + ran["dw_dy"] + ran["dw_lists"] == 1
+    assert ran["dw_x"] + ran["dw_dy"] + ran["dw_lists"] + ran["dw_dy_lists"] == 1
 
 
 def test_input_gradient_side_rules():
@@ -335,9 +394,19 @@ def test_strided_input_gradient_side(zeros, side):
 @needs_native
 @pytest.mark.parametrize(
     "x_zeros,dy_density,side,C",
-    [(0.3, 0.05, "dw_dy", 32), (0.5, 1.0, "dw_x", 32), (0.995, 1.0, "dw_lists", 128), (0.9, 1.0, "dw_lists", 32)],
+    [
+        (0.3, 0.05, "dw_dy_lists", 32),
+        (0.3, 0.05, "dw_dy", 32),
+        (0.5, 1.0, "dw_x", 32),
+        (0.995, 1.0, "dw_lists", 128),
+        (0.9, 1.0, "dw_lists", 32),
+    ],
 )
-def test_weight_gradient_side_follows_the_densities(x_zeros, dy_density, side, C):
+def test_weight_gradient_side_follows_the_densities(monkeypatch, x_zeros, dy_density, side, C):
+    if side == "dw_dy":  # the union kernel over dY's mask, where its list kernel is priced out
+        fits = dict(conv_union._fits.table())
+        fits["conv_union.dw.dy_lists"] = {"base": 9.0, "per_dg": 0.0}
+        monkeypatch.setattr(conv_union._fits, "table", lambda cost_model=None: fits)
     w0 = torch.randn(32, C, 3, 3)
     x = _act((2, C, 6, 6), x_zeros, True, 4)
     w = w0.clone().requires_grad_()

@@ -215,6 +215,8 @@ def _s_u_wgrad(native):
     if UB.union_dpbf16():  # bf16 operands, fp32 dW (native only)
         b = _union_bf16()
         cases.append(((b["xop"].values, b["xop"].mask, b["dy"].bfloat16(), b["geo"], None, False), ALL))
+        # the list kernel widens bf16 operands as it reads them
+        cases.append(((b["xop"].values, b["xop"].mask, b["dy"].bfloat16(), b["geo"], None, True), ALL))
     return cases
 
 
@@ -222,6 +224,19 @@ def _s_u_wgrad_dy(native):
     u = _union()
     xr = u["x"].relu().permute(0, 2, 3, 1).contiguous()
     return [((u["gop"].values, u["gop"].mask, xr, u["geo"], None), ALL)]
+
+
+def _s_u_wgrad_dy_lists(native):
+    u = _union()
+    xr = u["x"].relu().permute(0, 2, 3, 1).contiguous()
+    cases = [
+        ((u["gop"].values, u["gop"].mask, xr, u["geo"], None), ALL),
+        ((u["gop"].values, u["gop"].mask, xr, u["geo"], [144, 1, 48, 16]), ALL),
+    ]
+    if UB.union_dpbf16():  # bf16 operands (the kernel widens them as it reads them)
+        gop = UB.union_operand_bf16(u["dy"].bfloat16().permute(0, 3, 1, 2), relu=False)
+        cases.append(((gop.values, gop.mask, xr.bfloat16(), u["geo"], None), ALL))
+    return cases
 
 
 def _union_bf16():
@@ -350,6 +365,7 @@ SAMPLES = {
     "adaptive_union_conv_igrad_x": (_s_u_igrad_x, False, True),
     "adaptive_union_conv_wgrad": (_s_u_wgrad, False, True),
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
+    "adaptive_union_conv_wgrad_dy_lists": (_s_u_wgrad_dy_lists, False, True),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),

@@ -48,7 +48,7 @@ from .linear import relu_linear
 __all__ = ["CostEntry", "Calibration", "default_calibration", "layer_key", "KERNEL_VERSION"]
 
 #: bumped whenever the sparse kernels change speed, so cached entries of older kernels are re-measured
-KERNEL_VERSION = 23
+KERNEL_VERSION = 24
 
 
 #: output-gradient densities at which the dY-driven backward is timed
@@ -247,7 +247,9 @@ class Calibration:
                 a2 = _thresholded(a, d2)
                 d2 = float((a2 != 0).float().mean())
                 fns["t2"] = lambda: run(sparse, a2)
-            dyp = kind == "conv2d" and dy_path_supported(x, weight, **conv_args)
+            # a bf16 input (under autocast) has the dY-driven backward wherever an fp32 one has it (the bf16
+            # union kernels', or the fp32 kernels' on the widened input)
+            dyp = kind == "conv2d" and dy_path_supported(x.float(), weight, **conv_args)
             if dyp:
                 # the dY-driven backward at two output-gradient densities. dY's zeros are where the next
                 # ReLU is inactive, i.e. where this layer's output is small: keep gy where y0 is largest.

@@ -9,9 +9,10 @@ Backward, from the same operand and dY's bitmask (dY is read in place, only its 
   pixels at a time over the union of their channels (any stride; for a dense dY), whichever
   ``_dx_side`` estimates cheapest (strided convs: that or the dense input gradient, masked);
 - weight gradient: over relu(x)'s mask or, for stride 1, over dY's (the flipped conv's weight
-  gradient) or over per-channel lists of relu(x)'s nonzeros (accumulators in registers, work exactly
-  nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
-  densities and the clustering of relu(x)'s zeros (the lists when relu(x) is sparse enough).
+  gradient), or over per-channel lists of relu(x)'s or of dY's nonzeros (accumulators in registers, work
+  exactly nnz; ``csrc/adaptive_wgrad_lists.cpp``), whichever ``_dw_side`` estimates cheapest from the two
+  densities and the clustering of relu(x)'s zeros (the lists when either side is sparse enough: behind a
+  max-pool dY keeps one pixel of each 2x2 window, so its 4-pixel unions hold several times its nonzeros).
 
 Weight packs: the forward pack and the flipped pack come from one native pass per weight version
 (:func:`~sparsa.kernels.adaptive_union.union_packs`). The flipped one is skipped when relu(x) is so
@@ -63,8 +64,10 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 
 #: which backward GEMMs ran how: "dx_dy" (input gradient over dY's mask), "dx_x" (at relu(x)'s nonzeros,
 #: dot products over 4-pixel unions), "dx_dense" (strided: dense input gradient, masked), "dw_x" / "dw_dy"
-#: (weight gradient over relu(x)'s / dY's mask), "dw_lists" (over per-channel lists of relu(x)'s nonzeros),
-#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy" / "bf16_dw_x":
+#: (weight gradient over relu(x)'s / dY's mask), "dw_lists" / "dw_dy_lists" (over per-channel lists of relu(x)'s /
+#: dY's nonzeros),
+#: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy" / "bf16_dw_x" /
+#: "bf16_dw_dy_lists":
 #: those that ran on bf16 operands (bf16 x, under autocast)
 union_paths: Counter = Counter()
 
@@ -126,7 +129,8 @@ def _dx_x_certain(d_x: float, C: int, O: int) -> bool:
 # work is exactly nnz(relu(x)) x KH*KW x O FMAs, one dY row load each; dearer at C <= 64 and for the largest
 # weights, 4x4 images whose lists are short per block of output channels); "x", the union kernel over relu(x)'s
 # mask (its work is the 4-pixel unions, so it scales with relu(x)'s union_ratio r, 2 when unknown); "dy", over
-# dY's mask (the flipped conv's weight gradient); in bf16 mode also "dense", the dense bf16 weight gradient.
+# dY's mask (the flipped conv's weight gradient); "dy_lists", the list kernel over dY's nonzeros (work exactly
+# nnz(dY) x KH*KW x C; bf16 operands read as they are); in bf16 mode also "dense", the dense bf16 weight gradient.
 def _dw_costs(
     d_x: float,
     d_g: Optional[float],
@@ -149,11 +153,18 @@ def _dw_costs(
     )
     cost = {"lists": lists, "x": fx["base"] + fx["per_dx_ratio"] * d_x * r + (fx["big_weight"] if big else 0.0)}
     if d_g is not None:
-        fy = fits[fam + "dw.dy"]
+        fy, fyl = fits[fam + "dw.dy"], fits[fam + "dw.dy_lists"]
         cost["dy"] = fy["base"] + fy["per_dg"] * d_g
+        cost["dy_lists"] = fyl["base"] + fyl["per_dg"] * d_g
     if bf16:
         cost["dense"] = 1.0
     return cost
+
+
+def _dw_dy_floor(fits, bf16: bool) -> float:
+    """The least a dY-driven weight gradient (union or lists) costs at any dY density."""
+    fam = _family(bf16)
+    return min(_dy_floor(fam + "dw.dy", fits), _dy_floor(fam + "dw.dy_lists", fits))
 
 
 def _dw_side(*args, **kwargs) -> str:
@@ -305,8 +316,7 @@ class UnionReluConv2d(torch.autograd.Function):
         want_g = (need_dx and ctx.stride1 and not ctx.x_dx) or (
             need_dw
             and dy_ok
-            and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits, bf16).values())
-            > _dy_floor(_family(bf16) + "dw.dy", fits)
+            and min(_dw_costs(d_x, None, C, O, ctx.x_ratio, fits, bf16).values()) > _dw_dy_floor(fits, bf16)
         )
         if not want_g:
             gop = None
@@ -365,14 +375,16 @@ class UnionReluConv2d(torch.autograd.Function):
             ].float()
         elif dw_side == "dy":
             dw = _u.union_conv_wgrad_dy(_b.widened(gop), op32().values, geo, ctx.w_stride)
+        elif dw_side == "dy_lists":  # bf16 operands read as they are
+            dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride, lists=True)
         elif dw_side == "x" and bf16:
             dw = _b.union_conv_wgrad_bf16(op, g, geo, ctx.w_stride)
         elif dw_side in ("x", "lists"):
             dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride, lists=dw_side == "lists")
         if dw_side is not None:
             union_paths["dw_" + dw_side] += 1
-            if bf16 and dw_side == "x":
-                union_paths["bf16_dw_x"] += 1
+            if bf16 and dw_side in ("x", "dy_lists"):
+                union_paths["bf16_dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g32().sum((0, 1, 2))
         return dx, dw, db, None, None, None

@@ -121,6 +121,13 @@ COST_FITS: Dict[str, CostFit] = {
         base=0.45,
         per_dg=0.75,
     ),
+    # defaults: a refit on an amd-avx512 machine (docs/benchmarks.md)
+    "conv_union.dw.dy_lists": _fit(
+        "union",
+        "weight gradient, per-channel lists of dY's nonzeros (stride 1): base + per_dg d_g",
+        base=0.11,
+        per_dg=1.25,
+    ),
     # bf16 mode (bf16 x under autocast, CPUs with AVX512-BF16): costs relative to the dense bf16 GEMM; the input
     # gradients and the union weight gradient run bf16 kernels, the list and dY-side weight gradients the fp32
     # ones on the widened operands. Defaults: a refit on an amd-avx512 machine (docs/benchmarks.md)
@@ -151,6 +158,12 @@ COST_FITS: Dict[str, CostFit] = {
     ),
     "conv_union_bf16.dw.dy": _fit(
         "union_bf16", "weight gradient of bf16 operands over dY's mask: base + per_dg d_g", base=1.04, per_dg=2.19
+    ),
+    "conv_union_bf16.dw.dy_lists": _fit(
+        "union_bf16",
+        "weight gradient of bf16 operands, per-channel lists of dY's nonzeros (stride 1): base + per_dg d_g",
+        base=0.12,
+        per_dg=3.3,
     ),
     "conv_list.dx.dy": _fit(
         "list",

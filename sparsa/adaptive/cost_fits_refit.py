@@ -246,7 +246,9 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
     xs, gys = {d: v.to(dt) for d, v in xs.items()}, {d: v.to(dt) for d, v in gys.items()}
     g_dense = torch.randn(N, O, H, W, generator=gen).to(dt).contiguous(memory_format=CL)
     gd = g_dense.permute(0, 2, 3, 1)  # NHWC, contiguous: what the backward passes the kernels
-    pts: Dict[str, List[Tuple[float, float]]] = {k: [] for k in ("dx.x", "dx.dy", "dw.lists", "dw.x", "dw.dy")}
+    pts: Dict[str, List[Tuple[float, float]]] = {
+        k: [] for k in ("dx.x", "dx.dy", "dw.lists", "dw.x", "dw.dy", "dw.dy_lists")
+    }
     operand = _b.union_operand_bf16 if bf16 else _u.union_operand
     wide = _b.widened if bf16 else (lambda o: o)  # the weight-gradient kernels are fp32 (widening timed too)
 
@@ -283,6 +285,9 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
             fns[f"dw_dy{dg}"] = lambda g=g: _u.union_conv_wgrad_dy(
                 wide(operand(g, relu=False)), wide(op).values, geo, w.stride()
             )
+            fns[f"dw_dyl{dg}"] = lambda g=g: _u.union_conv_wgrad_dy(
+                operand(g, relu=False), op.values, geo, w.stride(), lists=True
+            )
         with torch.no_grad():
             t = _fastest_ms(fns, rounds)
         pts["dx.x"].append((dx_, t["dx_x"] / t["dx_dense"]))
@@ -291,6 +296,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
         for dg in densities:
             pts["dx.dy"].append((dg, t[f"dx_dy{dg}"] / t["dx_dense"]))
             pts["dw.dy"].append((dg, t[f"dw_dy{dg}"] / t["dw_dense"]))
+            pts["dw.dy_lists"].append((dg, t[f"dw_dyl{dg}"] / t["dw_dense"]))
     out: Dict[str, Fit] = {}
     if not bf16:
         # strided convs: the dense input gradient, then masked by relu(x) != 0, against the dense one alone
@@ -313,6 +319,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
         ("dw.lists", "per_dx"),
         ("dw.x", "per_dx_ratio"),
         ("dw.dy", "per_dg"),
+        ("dw.dy_lists", "per_dg"),
     ):
         name = family + short
         (base, k), rel = _lstsq([[1.0, v] for v, _ in pts[short]], [y for _, y in pts[short]])

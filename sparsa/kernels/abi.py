@@ -128,6 +128,7 @@ _ADAPTIVE = {
     "sparsa_union_conv_igrad_x_bf16": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, nthreads=INT),
     # adaptive_wgrad_lists.cpp
     "sparsa_union_conv_wgrad_lists_f32": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, dw=PTR, ws=I64S, nthreads=INT),
+    "sparsa_union_conv_wgrad_lists_bf16": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, dw=PTR, ws=I64S, nthreads=INT),
     # adaptive_union_bf16.cpp
     "sparsa_union_has_dpbf16": sig(INT),
     "sparsa_union_compact_bf16": sig(

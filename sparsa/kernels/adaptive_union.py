@@ -292,9 +292,8 @@ def _dw_empty(shape, w_stride: Optional[Sequence[int]]) -> Tensor:
 
 def _wgrad_reference(xnchw: Tensor, dy_nhwc: Tensor, geo: Sequence[int], w_stride) -> Tensor:
     G = ConvGeometry.of(geo)
-    dw = conv_backward(dy_nhwc.permute(0, 3, 1, 2), xnchw, torch.empty(G.O, G.C, G.KH, G.KW), G, [False, True, False])[
-        1
-    ]
+    dy, x = dy_nhwc.permute(0, 3, 1, 2).float(), xnchw.float()  # bf16 operands: the same products, in fp32
+    dw = conv_backward(dy, x, torch.empty(G.O, G.C, G.KH, G.KW), G, [False, True, False])[1]
     out = _dw_empty((G.O, G.C, G.KH, G.KW), w_stride)
     return out.copy_(dw)
 
@@ -310,7 +309,8 @@ def union_conv_wgrad(
     the output gradient ``[N, Ho, Wo, O]``. ``w_stride``: strides to give ``dW`` (the weight's, so
     autograd keeps it without a copy). ``lists=True`` runs the per-channel list kernel
     (``csrc/adaptive_wgrad_lists.cpp``: its work follows nnz(relu(x)) exactly, no 4-pixel unions)
-    instead of the union kernel; same result."""
+    instead of the union kernel; same result. ``lists=True`` also takes bf16 ``xop`` values and ``dy_nhwc``
+    (widened as read, fp32 ``dW``)."""
     G = ConvGeometry.of(geo)
     lib = _native_for(xop, G.C, G.O)
     if lib is None:
@@ -321,11 +321,18 @@ def union_conv_wgrad(
 
 
 def union_conv_wgrad_dy(
-    gop: UnionOperand, xr_nhwc: Tensor, geo: Sequence[int], w_stride: Optional[Sequence[int]] = None
+    gop: UnionOperand,
+    xr_nhwc: Tensor,
+    geo: Sequence[int],
+    w_stride: Optional[Sequence[int]] = None,
+    lists: bool = False,
 ) -> Tensor:
     """``dW`` of a stride-1 ``conv2d(relu(x), W)`` over dY's mask (operand ``gop``, ``relu=False``):
     the flipped conv's weight gradient with ``relu(x)`` (``xr_nhwc``, ``[N, H, W, C]``) in the place of
-    its output gradient. Needs ``padding <= dilation * (kernel - 1)``."""
+    its output gradient. Needs ``padding <= dilation * (kernel - 1)``. ``lists=True`` runs the per-channel
+    list kernel over dY's nonzeros instead (work exactly nnz(dY) x KH*KW x C, no 4-pixel unions: behind a
+    max-pool, whose dY keeps one pixel of each 2x2 window, the unions hold several times the nonzeros); it
+    also takes bf16 ``gop`` values and ``xr_nhwc`` (widened as read, fp32 ``dW``)."""
     G = ConvGeometry.of(geo)
     g2 = igrad_dy_geometry(G)
     if g2.ph < 0 or g2.pw < 0:
@@ -333,4 +340,7 @@ def union_conv_wgrad_dy(
     lib = _native_for(gop, G.C, G.O)
     if lib is None:
         return _wgrad_reference(xr_nhwc.permute(0, 3, 1, 2), gop.values, G, w_stride)
-    return _ops.union_conv_wgrad_dy(gop.values, gop.mask, xr_nhwc, G, None if w_stride is None else list(w_stride))
+    ws = None if w_stride is None else list(w_stride)
+    if lists:
+        return _ops.union_conv_wgrad_dy_lists(gop.values, gop.mask, xr_nhwc, G, ws)
+    return _ops.union_conv_wgrad_dy(gop.values, gop.mask, xr_nhwc, G, ws)

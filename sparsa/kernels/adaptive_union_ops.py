@@ -15,10 +15,13 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
 - ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
   the input and weight gradients over relu(x)'s or dY's mask
+- ``adaptive_union_conv_wgrad_dy_lists``: the weight gradient over per-channel lists of dY's nonzeros (float32
+  or bfloat16 operands, AVX-512)
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
   ``adaptive_union_conv_fwd`` (with the paired pack of ``adaptive_union_pair_pack(pack, rows, ob)``; bf16 out),
-  ``adaptive_union_conv_igrad_x`` (bf16 dy and wc; bf16 dx) and ``adaptive_union_conv_wgrad`` (not ``lists``;
-  float32 dW) take bf16 operands where the CPU has AVX512-BF16
+  ``adaptive_union_conv_igrad_x`` (bf16 dy and wc; bf16 dx) and ``adaptive_union_conv_wgrad`` (float32 dW) take
+  bf16 operands where the CPU has AVX512-BF16 (its ``lists`` kernel, and ``adaptive_union_conv_wgrad_dy_lists``,
+  widen them as they read them: AVX-512 suffices)
 
 Example::
 
@@ -49,6 +52,7 @@ __all__ = [
     "union_conv_igrad_x",
     "union_conv_wgrad",
     "union_conv_wgrad_dy",
+    "union_conv_wgrad_dy_lists",
     "union_pair_pack",
 ]
 
@@ -277,17 +281,17 @@ def _wgrad_impl(
     dy = dy.contiguous()
     dw = _dw_empty((O, C, KH, KW), w_stride)
     bf16 = values.dtype == torch.bfloat16
-    if bf16 != (dy.dtype == torch.bfloat16) or (bf16 and lists):
+    if bf16 != (dy.dtype == torch.bfloat16):
         raise TypeError(
-            f"adaptive_union_conv_wgrad: values {values.dtype} and dy {dy.dtype} must both be float32 or both "
-            f"bfloat16 (the list kernel: float32 only; got lists={lists})"
+            f"adaptive_union_conv_wgrad: values {values.dtype} and dy {dy.dtype} must both be float32 or both bfloat16"
         )
     if lists:  # written straight into dw's layout
-        rc = lib.sparsa_union_conv_wgrad_lists_f32(
+        fn = lib.sparsa_union_conv_wgrad_lists_bf16 if bf16 else lib.sparsa_union_conv_wgrad_lists_f32
+        rc = fn(
             G.c(), values.data_ptr(), mask.data_ptr(), dy.data_ptr(), dw.data_ptr(), _i64s(*dw.stride()), _nthreads()
         )
         if rc:
-            raise RuntimeError(f"sparsa_union_conv_wgrad_lists_f32 failed ({rc}) for geometry {G}")
+            raise RuntimeError(f"the union list weight gradient failed ({rc}) for geometry {G} ({values.dtype})")
         return dw
     K2 = KH * KW
     s0, s1, s2, s3 = dw.stride()
@@ -375,6 +379,52 @@ def _wgrad_dy_fake(gvalues, gmask, xr_nhwc, geo, w_stride):
 union_conv_wgrad_dy = kernel_op(
     "adaptive_union_conv_wgrad_dy(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, int[] geo, int[]? w_stride) -> Tensor",
     _wgrad_dy_impl,
+    _wgrad_dy_fake,
+)
+
+
+def _wgrad_dy_lists_impl(
+    gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[int], w_stride: Optional[List[int]]
+) -> Tensor:
+    lib = _native_only("adaptive_union_conv_wgrad_dy_lists")
+    from .adaptive import igrad_dy_geometry
+
+    G = ConvGeometry.of(geo)
+    C, O, KH, KW = G.C, G.O, G.KH, G.KW
+    bf16 = gvalues.dtype == torch.bfloat16
+    if gvalues.dtype != xr_nhwc.dtype or gvalues.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(
+            f"adaptive_union_conv_wgrad_dy_lists: gvalues {gvalues.dtype} and xr_nhwc {xr_nhwc.dtype} must both be "
+            "float32 or both bfloat16"
+        )
+    g2 = igrad_dy_geometry(G)
+    xr = xr_nhwc.contiguous()
+    dw = _dw_empty((O, C, KH, KW), w_stride)
+    K2 = KH * KW
+    s0, s1, s2, s3 = dw.stride()
+    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
+    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
+    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
+    # the list kernel on the flipped conv (dY its input, relu(x) its output gradient) computes dW'[c, o, i, j] =
+    # dW[o, c, KH-1-i, KW-1-j]: written into S [O, KH, KW, C] through strides that swap and flip
+    base = S.data_ptr() + 4 * ((KH - 1) * KW * C + (KW - 1) * C)
+    fn = lib.sparsa_union_conv_wgrad_lists_bf16 if bf16 else lib.sparsa_union_conv_wgrad_lists_f32
+    rc = fn(
+        g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), base, _i64s(1, K2 * C, -KW * C, -C), _nthreads()
+    )
+    if rc:
+        raise RuntimeError(f"adaptive_union_conv_wgrad_dy_lists failed ({rc}) for geometry {G} ({gvalues.dtype})")
+    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
+        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
+    elif not direct:
+        dw.copy_(S.permute(0, 3, 1, 2))
+    return dw
+
+
+union_conv_wgrad_dy_lists = kernel_op(
+    "adaptive_union_conv_wgrad_dy_lists(Tensor gvalues, Tensor gmask, Tensor xr_nhwc, int[] geo, int[]? w_stride) "
+    "-> Tensor",
+    _wgrad_dy_lists_impl,
     _wgrad_dy_fake,
 )
 

@@ -16,6 +16,11 @@
 // next). Once a block of output channels is done, the staging block (L2-resident: 295 KB for 256 channels x
 // 9 offsets x 32 outputs) is transposed straight into dW's own layout with 8x8 tiles, so no [C*KH*KW, O]
 // intermediate is written and transposed again (512x512x3x3: 9.4 MB less written and read per call).
+//
+// The bf16 entry (sparsa_union_conv_wgrad_lists_bf16) takes bf16 values and dy rows, widened as they are read
+// (entries at list building, dy rows per load), so bf16 operands need no fp32 copies; it accumulates in fp32.
+// The same kernel computes dW over per-channel lists of dY's nonzeros: called on the flipped conv (dY in the
+// place of relu(x), relu(x) in the place of dy; conv_union.py) with output strides that transpose and flip.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +31,7 @@
 
 #include "adaptive_geo.h"
 #include "adaptive_transpose.h"
+#include "bf16.h"
 #include "cpu_isa.h"
 
 namespace {
@@ -42,13 +48,22 @@ struct Entry {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,bmi,popcnt")
 
+// 16 dy values as floats: fp32 rows are loaded, bf16 rows widened (a 16-bit shift)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline float value_of(float v) { return v; }
+inline float value_of(uint16_t v) { return sparsa_bf16_to_f32(v); }
+
 // Accumulate the lists of channel c over images [n0, n1) into the KC x V block whose rows are rows[k]
 // (already offset to the block's first output channel); first: start from zero instead of the rows. List
 // l = n * C + c holds len[l] entries from ent + l * HW.
-template <int V, int KC>
-void channel_block(const float* dy, int64_t O, int64_t HWo, const int32_t* tab, int64_t K2, int64_t k0,
+template <typename T, int V, int KC>
+void channel_block(const T* dy, int64_t O, int64_t HWo, const int32_t* tab, int64_t K2, int64_t k0,
                    const Entry* ent, int64_t HW, const int32_t* len, int64_t C, int64_t c, int64_t n0,
-                   int64_t n1, int64_t ob, const float* zero, float* const* rows, bool first) {
+                   int64_t n1, int64_t ob, const T* zero, float* const* rows, bool first) {
     __m512 acc[KC][V];
     for (int k = 0; k < KC; ++k)
         for (int v = 0; v < V; ++v) acc[k][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(rows[k] + 16 * v);
@@ -56,14 +71,14 @@ void channel_block(const float* dy, int64_t O, int64_t HWo, const int32_t* tab, 
         const int64_t l = n * C + c;
         const Entry* e = ent + l * HW;
         const Entry* end = e + len[l];
-        const float* dyn = dy + n * HWo * O + ob;
+        const T* dyn = dy + n * HWo * O + ob;
         for (; e < end; ++e) {
             const __m512 b = _mm512_set1_ps(e->v);
             const int32_t* t = tab + (int64_t)e->pos * K2 + k0;
             for (int k = 0; k < KC; ++k) {
                 const int32_t p = t[k];
-                const float* r = p >= 0 ? dyn + (int64_t)p * O : zero;
-                for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(b, _mm512_loadu_ps(r + 16 * v), acc[k][v]);
+                const T* r = p >= 0 ? dyn + (int64_t)p * O : zero;
+                for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(b, load16(r + 16 * v), acc[k][v]);
             }
         }
     }
@@ -71,31 +86,32 @@ void channel_block(const float* dy, int64_t O, int64_t HWo, const int32_t* tab, 
         for (int v = 0; v < V; ++v) _mm512_storeu_ps(rows[k] + 16 * v, acc[k][v]);
 }
 
-using BlockFn = void (*)(const float*, int64_t, int64_t, const int32_t*, int64_t, int64_t, const Entry*,
-                         int64_t, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
-                         float* const*, bool);
+template <typename T>
+using BlockFn = void (*)(const T*, int64_t, int64_t, const int32_t*, int64_t, int64_t, const Entry*, int64_t,
+                         const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const T*, float* const*, bool);
 
-template <int V>
-BlockFn pick_kc(int kc) {
+template <typename T, int V>
+BlockFn<T> pick_kc(int kc) {
     switch (kc) {
-        case 1: return channel_block<V, 1>;
-        case 2: return channel_block<V, 2>;
-        case 3: return channel_block<V, 3>;
-        case 4: return channel_block<V, 4>;
-        case 5: return channel_block<V, 5>;
-        case 6: return channel_block<V, 6>;
-        case 7: return channel_block<V, 7>;
-        case 8: return channel_block<V, 8>;
-        default: return channel_block<V, 9>;
+        case 1: return channel_block<T, V, 1>;
+        case 2: return channel_block<T, V, 2>;
+        case 3: return channel_block<T, V, 3>;
+        case 4: return channel_block<T, V, 4>;
+        case 5: return channel_block<T, V, 5>;
+        case 6: return channel_block<T, V, 6>;
+        case 7: return channel_block<T, V, 7>;
+        case 8: return channel_block<T, V, 8>;
+        default: return channel_block<T, V, 9>;
     }
 }
 
-BlockFn pick(int v, int kc) {
+template <typename T>
+BlockFn<T> pick(int v, int kc) {
     switch (v) {
-        case 1: return pick_kc<1>(kc);
-        case 2: return pick_kc<2>(kc);
-        case 3: return pick_kc<3>(kc);
-        default: return pick_kc<4>(kc);
+        case 1: return pick_kc<T, 1>(kc);
+        case 2: return pick_kc<T, 2>(kc);
+        case 3: return pick_kc<T, 3>(kc);
+        default: return pick_kc<T, 4>(kc);
     }
 }
 
@@ -112,17 +128,17 @@ constexpr int class_mask(int cls) {
     return m;
 }
 
-template <int V, int MASK>
+template <typename T, int V, int MASK>
 __attribute__((always_inline)) inline void class_run(__m512 (&acc)[9][V], const Entry* e, const Entry* end,
-                                                     const float* base, const int64_t* kO) {
+                                                     const T* base, const int64_t* kO) {
     for (; e < end; ++e) {
         const __m512 b = _mm512_set1_ps(e->v);
-        const float* r0 = base + (int64_t)e->pos * kO[9];
+        const T* r0 = base + (int64_t)e->pos * kO[9];
 #pragma GCC unroll 9
         for (int k = 0; k < 9; ++k) {
             if (!((MASK >> k) & 1)) continue;
-            const float* r = r0 - kO[k];
-            for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(b, _mm512_loadu_ps(r + 16 * v), acc[k][v]);
+            const T* r = r0 - kO[k];
+            for (int v = 0; v < V; ++v) acc[k][v] = _mm512_fmadd_ps(b, load16(r + 16 * v), acc[k][v]);
         }
     }
 }
@@ -130,14 +146,14 @@ __attribute__((always_inline)) inline void class_run(__m512 (&acc)[9][V], const 
 // As channel_block for the 3x3 class lists of one chunk of images: class q's entries are ent[st[q * nck] ..
 // st[q * nck] + cnt[q * nck]) (pos = the global pixel index); kO[k] = (kh * W + kw) * O, kO[9] = O, and the dy
 // row of output pixel pos + W + 1 - (kh * W + kw) is base + pos * O - kO[k].
-template <int V>
-void channel_block3(const float* dy, int64_t O, int64_t W, const int64_t* kO, const Entry* ent, const int64_t* st,
+template <typename T, int V>
+void channel_block3(const T* dy, int64_t O, int64_t W, const int64_t* kO, const Entry* ent, const int64_t* st,
                     const int32_t* cnt, int64_t nck, int64_t ob, float* const* rows, bool first) {
     __m512 acc[9][V];
     for (int k = 0; k < 9; ++k)
         for (int v = 0; v < V; ++v) acc[k][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(rows[k] + 16 * v);
-    const float* base = dy + ob + (W + 1) * O;
-#define SPARSA_CLS(q) class_run<V, class_mask(q)>(acc, ent + st[q * nck], ent + st[q * nck] + cnt[q * nck], base, kO)
+    const T* base = dy + ob + (W + 1) * O;
+#define SPARSA_CLS(q) class_run<T, V, class_mask(q)>(acc, ent + st[q * nck], ent + st[q * nck] + cnt[q * nck], base, kO)
     SPARSA_CLS(0); SPARSA_CLS(1); SPARSA_CLS(2); SPARSA_CLS(3); SPARSA_CLS(4);
     SPARSA_CLS(5); SPARSA_CLS(6); SPARSA_CLS(7); SPARSA_CLS(8);
 #undef SPARSA_CLS
@@ -183,28 +199,37 @@ void count3(const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int
         if (npx[k]) flush(k);
 }
 
-void fill3(const float* xa, const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int64_t W, int64_t q0,
+template <typename T>
+void fill3(const T* xa, const uint64_t* bm, int64_t NW, int64_t j, int64_t C, int64_t H, int64_t W, int64_t q0,
            int64_t q1, const int64_t* st, int64_t nck, int64_t ck, Entry* ent) {
     int64_t cur[64 * 9];
     const int64_t cn = std::min<int64_t>(64, C - j * 64);
     for (int64_t t = 0; t < cn; ++t)
         for (int k = 0; k < 9; ++k) cur[t * 9 + k] = st[((j * 64 + t) * 9 + k) * nck + ck];
     walk3(H, W, q0, q1, [&](int64_t p, int cls) {
-        const float* xv = xa + p * C + j * 64;
+        const T* xv = xa + p * C + j * 64;
         for (uint64_t m = bm[p * NW + j]; m; m &= m - 1) {
             const int t = __builtin_ctzll(m);
-            ent[cur[t * 9 + cls]++] = Entry{(int32_t)p, xv[t]};
+            ent[cur[t * 9 + cls]++] = Entry{(int32_t)p, value_of(xv[t])};
         }
     });
 }
 
 // dW[ob + o, c0 + c, kh, kw] (element strides ws) = stage[(c * kc + k) * Vw + o] for the kernel offsets
 // k0 + k = kh * KW + kw of one run, c < nc, o < Vw (a multiple of 16): 8x8 transposes when dW's channels
-// (channels-last) or its (channel, offset) rows (OIHW, one run) are contiguous, scalar stores otherwise.
+// (channels-last) or its (channel, offset) rows (OIHW, one run) are contiguous, row copies when its output
+// channels are (ws[0] == 1), scalar stores otherwise.
 void store_block(const float* stage, int64_t nc, int kc, int64_t Vw, float* dw, const int64_t* ws, int64_t KW,
                  int64_t K2, int64_t c0, int64_t k0, int64_t ob) {
     float* base = dw + ob * ws[0] + c0 * ws[1];
-    if (ws[1] == 1) {
+    if (ws[0] == 1) {  // dW's output channels contiguous (the dY-driven call: dW's input channels, flipped)
+        for (int64_t c = 0; c < nc; ++c)
+            for (int k = 0; k < kc; ++k) {
+                const int64_t kk = k0 + k;
+                std::memcpy(base + c * ws[1] + (kk / KW) * ws[2] + (kk % KW) * ws[3], stage + (c * kc + k) * Vw,
+                            sizeof(float) * Vw);
+            }
+    } else if (ws[1] == 1) {
         const int64_t nc8 = nc / 8 * 8, nc16 = nc / 16 * 16;
         for (int k = 0; k < kc; ++k) {
             const int64_t kk = k0 + k;
@@ -238,22 +263,11 @@ void store_block(const float* stage, int64_t nc, int kc, int64_t Vw, float* dw, 
     }
 }
 
-#pragma GCC pop_options
-#endif
-
-}  // namespace
-
-extern "C" {
-
-// dW [O, C, KH, KW] (element strides ws, any layout; vectorized stores for channels-last and OIHW) from relu(x)'s
-// union operand (xa [N*H*W, C] values, bm [N*H*W, ceil(C/64)] masks) and dy [N*Ho*Wo, O] contiguous; any stride,
-// padding and dilation. Returns 1 when O is not a multiple of 16, 2 without AVX-512.
-int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* dy, float* dw,
-                                      const int64_t* ws, int nthreads) {
+// The list kernel for T = float or bf16 (uint16_t) values and dy rows (sparsa_union_conv_wgrad_lists_*).
+template <typename T>
+int wgrad_lists(const int64_t* g, const T* xa, const uint64_t* bm, const T* dy, float* dw, const int64_t* ws,
+                int nthreads) {
     const Geo G(g);
-    if (G.O % 16) return 1;
-    if (!sparsa_cpu_avx512_enabled()) return 2;
-#ifdef SPARSA_WLISTS_AVX512
     const int64_t N = G.N, C = G.C, HW = G.H * G.W, HWo = G.Ho * G.Wo, K2 = G.KH * G.KW, NW = (C + 63) / 64;
     const int64_t nv = G.O / 16;
     // images per chunk: the dy columns of an output block (16 V wide) of the chunk within ~256 KB
@@ -289,7 +303,7 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int64_t t = 0; t < ntask; ++t) {
             const int64_t ck = t / NW;
-            fill3(xa, bm, NW, t % NW, C, G.H, G.W, ck * per3 * HW, std::min(N, (ck + 1) * per3) * HW, st3.data(), nck,
+            fill3<T>(xa, bm, NW, t % NW, C, G.H, G.W, ck * per3 * HW, std::min(N, (ck + 1) * per3) * HW, st3.data(), nck,
                   ck, ent.get());
         }
     } else {
@@ -303,11 +317,11 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
             Entry* en = ent.get() + n * C * HW;
             for (int64_t pos = 0; pos < HW; ++pos) {
                 const int64_t q = n * HW + pos;
-                const float* xv = xa + q * C;
+                const T* xv = xa + q * C;
                 for (int64_t j = 0; j < NW; ++j)
                     for (uint64_t m = bm[q * NW + j]; m; m &= m - 1) {
                         const int64_t c = j * 64 + __builtin_ctzll(m);
-                        en[c * HW + ln[c]++] = Entry{(int32_t)pos, xv[c]};
+                        en[c * HW + ln[c]++] = Entry{(int32_t)pos, value_of(xv[c])};
                     }
             }
         }
@@ -330,7 +344,7 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
         if (C >= 16 * nt)
             for (int t2 = 1; t2 < nt; ++t2) cut[t2] = std::max(cut[t2 - 1], std::min(C, (cut[t2] + 8) / 16 * 16));
     }
-    std::vector<float> zero(64, 0.f);
+    std::vector<T> zero(64, T(0));
     int64_t kO[10];
     for (int k = 0; k < 9; ++k) kO[k] = ((k / 3) * G.W + k % 3) * G.O;
     kO[9] = G.O;
@@ -347,7 +361,7 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
             for (int64_t v0 = 0; v0 < nv && nc > 0; v0 += vmax) {
                 const int V = (int)std::min<int64_t>(vmax, nv - v0);
                 const int64_t Vw = 16 * V;
-                const BlockFn fn = pick(V, kc);
+                const BlockFn<T> fn = pick<T>(V, kc);
                 const int64_t ob = v0 * 16;
                 const int64_t per = fast3 ? per3 : images_per_chunk(V);
                 for (int64_t n0 = 0, ck = 0; n0 < N; n0 += per, ++ck) {
@@ -357,10 +371,10 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
                         if (fast3) {
                             const int64_t l = c * 9 * nck + ck;
                             if (V == 2)
-                                channel_block3<2>(dy, G.O, G.W, kO, ent.get(), st3.data() + l, cnt3.data() + l, nck, ob,
+                                channel_block3<T, 2>(dy, G.O, G.W, kO, ent.get(), st3.data() + l, cnt3.data() + l, nck, ob,
                                                   rows, n0 == 0);
                             else
-                                channel_block3<1>(dy, G.O, G.W, kO, ent.get(), st3.data() + l, cnt3.data() + l, nck, ob,
+                                channel_block3<T, 1>(dy, G.O, G.W, kO, ent.get(), st3.data() + l, cnt3.data() + l, nck, ob,
                                                   rows, n0 == 0);
                         } else {
                             fn(dy, G.O, HWo, tab.data(), K2, k0, ent.get(), HW, len.data(), C, c, n0, n1, ob,
@@ -373,6 +387,36 @@ int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const u
         }
     }
     return 0;
+}
+
+#pragma GCC pop_options
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// dW [O, C, KH, KW] (element strides ws, any layout; vectorized stores for channels-last and OIHW) from relu(x)'s
+// union operand (xa [N*H*W, C] values, bm [N*H*W, ceil(C/64)] masks) and dy [N*Ho*Wo, O] contiguous; any stride,
+// padding and dilation. Returns 1 when O is not a multiple of 16, 2 without AVX-512.
+int sparsa_union_conv_wgrad_lists_f32(const int64_t* g, const float* xa, const uint64_t* bm, const float* dy, float* dw,
+                                      const int64_t* ws, int nthreads) {
+    if (Geo(g).O % 16) return 1;
+    if (!sparsa_cpu_avx512_enabled()) return 2;
+#ifdef SPARSA_WLISTS_AVX512
+    return wgrad_lists<float>(g, xa, bm, dy, dw, ws, nthreads);
+#else
+    return 2;
+#endif
+}
+
+// As sparsa_union_conv_wgrad_lists_f32 for bf16 xa and dy (fp32 accumulation, fp32 dW).
+int sparsa_union_conv_wgrad_lists_bf16(const int64_t* g, const uint16_t* xa, const uint64_t* bm, const uint16_t* dy,
+                                       float* dw, const int64_t* ws, int nthreads) {
+    if (Geo(g).O % 16) return 1;
+    if (!sparsa_cpu_avx512_enabled()) return 2;
+#ifdef SPARSA_WLISTS_AVX512
+    return wgrad_lists<uint16_t>(g, xa, bm, dy, dw, ws, nthreads);
 #else
     return 2;
 #endif
