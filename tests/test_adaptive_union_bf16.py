@@ -212,13 +212,42 @@ def test_pair_packs_round_the_weight_and_follow_its_version():
     packs = B.union_pair_packs(w, flipped=False)
     assert packs.wfl2 is None and B.union_pair_packs(w, flipped=False) is packs
     wf_rounded = U.union_packs(w.to(BF).float(), flipped=False)[0]
-    assert torch.equal(packs.wf, wf_rounded)  # the fp32 kernels' rows hold the bf16-rounded weight
+    assert torch.equal(packs.wc, w.to(BF).permute(1, 2, 3, 0).reshape(-1))  # the input gradient's rows, rounded
     assert torch.equal(packs.wf2, ops.union_pair_pack(wf_rounded, 16, 32))
     with torch.no_grad():
         w.mul_(2)
     again = B.union_pair_packs(w)
     assert again is not packs and again.wfl2 is not None
     assert torch.equal(again.wf2.float(), packs.wf2.float() * 2)
+
+
+@pytest.mark.parametrize("layout", ["oihw", "ohwi", "odd"])
+@pytest.mark.parametrize("O,C,k", [(32, 16, 3), (48, 64, 3), (16, 128, 1), (64, 32, 5), (512, 512, 3)])
+def test_pair_packs_from_the_weight_equal_the_packs_through_fp32(layout, O, C, k):
+    """The one-pass packs equal the fp32 union packs rounded and paired, for OIHW, channels-last and other strides."""
+    _need_native()
+    w = torch.randn(O, C, k, k, generator=torch.Generator().manual_seed(O + C + k))
+    if layout == "ohwi":
+        w = w.contiguous(memory_format=torch.channels_last)
+    elif layout == "odd":
+        w = torch.randn(k, k, O, C).permute(2, 3, 0, 1)
+    w[0, 0, 0, 0] = 1.0 + 2**-8  # a tie: rounds to even (1.0)
+    w[-1, -1, -1, -1] = 1.0 + 3 * 2**-8  # a tie: rounds to even (1.0 + 2**-6)
+    wf2, wfl2, wc = ops.union_pair_packs(w, True, True)
+    wf, wfl = U.union_packs(w.to(BF).float())
+    assert torch.equal(wf2, ops.union_pair_pack(wf, C, _pick_ob(O)))
+    assert torch.equal(wfl2, ops.union_pair_pack(wfl, O, _pick_ob(C)))
+    assert torch.equal(wc, w.to(BF).permute(1, 2, 3, 0).reshape(-1))
+    only_flipped = ops.union_pair_packs(w, False, True)
+    assert only_flipped[0].numel() == 0 and only_flipped[2].numel() == 0 and torch.equal(only_flipped[1], wfl2)
+
+
+def test_pair_packs_reject_blocks_the_kernels_cannot_take():
+    _need_native()
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ops.union_pair_packs(torch.randn(24, 16, 3, 3), True, False)  # output block 24
+    with pytest.raises(ValueError, match="float32"):
+        ops.union_pair_packs(torch.randn(32, 16, 3, 3).bfloat16(), True, False)
 
 
 def test_operand_rejects_other_dtypes():

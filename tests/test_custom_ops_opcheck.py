@@ -252,6 +252,11 @@ def _s_u_pair_pack(native):
     return [((_union()["wf"], 16, 16), ALL)]
 
 
+def _s_u_pair_packs(native):
+    w = _union()["w"]
+    return [((w, True, True), ALL), ((w.contiguous(memory_format=torch.channels_last), True, False), ALL)]
+
+
 # -------------------------------------------------------------------------------------------- linear
 def _rg(native):
     lay = RowGroup.from_dense(torch.randn(24, 20, generator=_gen()), group=8, sparsity=0.5, permute=True)
@@ -367,6 +372,7 @@ SAMPLES = {
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
     "adaptive_union_conv_wgrad_dy_lists": (_s_u_wgrad_dy_lists, False, True),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
+    "adaptive_union_pair_packs": (_s_u_pair_packs, False, "bf16"),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),

@@ -237,7 +237,7 @@ class UnionReluConv2d(torch.autograd.Function):
         want_flip = ctx.stride1 and ctx.needs_input_grad[0] and not ctx.x_dx and not in_place
         if bf16:
             packs = _b.union_pair_packs(weight, flipped=want_flip)
-            wf, wfl = packs.wf, packs.wfl2
+            wf, wfl = packs.wc, packs.wfl2  # bf16 mode keeps the input gradient's rows in the forward pack's place
         else:
             wf, wfl = _u.union_packs(weight, flipped=want_flip)
         ctx.w_ref = weakref.ref(weight) if in_place else None
@@ -336,7 +336,7 @@ class UnionReluConv2d(torch.autograd.Function):
         if need_dw:
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits, bf16)
         if dx_side == "x" and bf16:
-            dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=_b.bf16_wc(wf, geo))
+            dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=wf)
         elif dx_side == "x":
             dx = _u.union_conv_igrad_x(op32(), g32(), geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW))
         if dx_side is not None:

@@ -239,7 +239,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
         wf = wfl = None
     elif bf16:
         packs = _b.union_pair_packs(w)
-        wf, wfl = packs.wf, packs.wfl2
+        wf, wfl = packs.wc, packs.wfl2  # bf16: the input gradient's rows in the forward pack's place
     else:
         wf, wfl = _u.union_packs(w)
     xs, gys = _inputs(shape, densities, gen)
@@ -257,9 +257,9 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
             gy, x, wd, None, [stride] * 2, [1, 1], [1, 1], False, [0, 0], 1, mask
         )
 
-    def dx_x(op):  # the backward rebuilds the weight rows from the forward pack each time: part of the cost
+    def dx_x(op):  # fp32: the backward rebuilds the weight rows from the forward pack each time (part of the cost)
         if bf16:
-            return _b.union_conv_igrad_x_bf16(op, gd, geo, weight=w, wc=_b.bf16_wc(wf, geo) if native else None)
+            return _b.union_conv_igrad_x_bf16(op, gd, geo, weight=w, wc=wf if native else None)
         return _u.union_conv_igrad_x(op, gd, geo, weight=w, wc=_u.union_wc(wf, O, C, 3, 3) if native else None)
 
     def dx_dy(gop, op):

@@ -138,6 +138,9 @@ _ADAPTIVE = {
         INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, S=PTR, rs=I64S, ldS=I64, tiles=INT, nthreads=INT
     ),
     "sparsa_union_pair_pack_bf16": sig(INT, src=PTR, blocks=I64, rows=I64, OB=I64, dst=PTR, nthreads=INT),
+    "sparsa_union_pair_packs_bf16": sig(
+        INT, w=PTR, ws=I64S, O=I64, C=I64, KH=I64, KW=I64, wf2=PTR, wfl2=PTR, wc=PTR, nthreads=INT
+    ),
     "sparsa_union_conv_fwd_bf16": sig(
         INT, g=GEO, xa=PTR, bm=PTR, wp2=PTR, bias=PTR, y=PTR, omask=PTR, tiles=INT, group=INT, nthreads=INT
     ),

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import adaptive_union_ops as _ops
-from .adaptive import _cached_pack, _conv_args, _pick_ob, conv_backward, igrad_dy_geometry
+from .adaptive import _cached_pack, _conv_args, conv_backward, igrad_dy_geometry
 from .adaptive_union import UnionOperand, _check_group, _wgrad_reference, union_dpbf16, union_operand, union_supported
 from .geometry import ConvGeometry
 
@@ -80,12 +80,12 @@ _PAIR_PACKS: dict = {}
 
 @dataclass
 class PairPacks:
-    """The packs of a float32 weight ``[O, C, KH, KW]`` rounded to bf16: ``wf``, the fp32 forward pack of
-    :func:`~sparsa.kernels.adaptive_union.union_packs` (the fp32 kernels' input-gradient rows); ``wf2`` and
-    ``wfl2``, the forward and flipped packs in bf16 with adjacent input channels paired (``wfl2`` None until
-    asked for)."""
+    """The packs of a float32 weight ``[O, C, KH, KW]`` rounded to bf16: ``wc``, the bf16 ``[C, KH, KW, O]`` rows
+    of :func:`union_conv_igrad_x_bf16`; ``wf2`` and ``wfl2``, the forward and flipped packs in bf16 with adjacent
+    input channels paired (``wfl2`` None until asked for). Made in one native pass from the weight
+    (``adaptive_union_pair_packs``), no fp32 pack in between."""
 
-    wf: Tensor
+    wc: Tensor
     wf2: Tensor
     wfl2: Optional[Tensor]
 
@@ -94,16 +94,14 @@ def union_pair_packs(weight: Tensor, flipped: bool = True) -> PairPacks:
     """The :class:`PairPacks` of ``weight``, cached per tensor and version like
     :func:`~sparsa.kernels.adaptive_union.union_packs`; ``flipped=False`` leaves ``wfl2`` out unless cached
     already."""
-    O, C = int(weight.shape[0]), int(weight.shape[1])
 
     def build(w: Tensor) -> PairPacks:
-        wf, wfl = _ops.union_pack(_rounded(w), True, flipped)
-        wfl2 = _ops.union_pair_pack(wfl, O, _pick_ob(C)) if flipped else None
-        return PairPacks(wf, _ops.union_pair_pack(wf, C, _pick_ob(O)), wfl2)
+        wf2, wfl2, wc = _ops.union_pair_packs(w.detach().float(), True, flipped)
+        return PairPacks(wc, wf2, wfl2 if flipped else None)
 
     packs = _cached_pack(_PAIR_PACKS, weight, build)
     if flipped and packs.wfl2 is None:  # asked for later: the flipped pack alone
-        packs.wfl2 = _ops.union_pair_pack(_ops.union_pack(_rounded(weight), False, True)[1], O, _pick_ob(C))
+        packs.wfl2 = _ops.union_pair_packs(weight.detach().float(), False, True)[1]
     return packs
 
 
@@ -185,13 +183,14 @@ def union_conv_igrad_x_bf16(
         ]
         return torch.where(xs != 0, dx, torch.zeros(())).to(BF16).contiguous(memory_format=torch.channels_last)
     if wc is None:
-        wc = bf16_wc(union_pair_packs(weight, flipped=False).wf, G)
+        wc = union_pair_packs(weight, flipped=False).wc
     return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
 
 
 def bf16_wc(wf: Tensor, geo: Sequence[int]) -> Tensor:
     """The bf16 ``[C, KH, KW, O]`` weight rows of :func:`union_conv_igrad_x_bf16` from an fp32 forward pack ``wf``
-    (of the bf16-rounded weight: exact in bf16)."""
+    of :func:`~sparsa.kernels.adaptive_union.union_packs` (rounded to bf16 here; :class:`PairPacks` holds them
+    made from the weight directly)."""
     G = ConvGeometry.of(geo)
     return _ops.union_wc(wf, [G.O, G.C, G.KH, G.KW]).to(BF16)
 

@@ -17,6 +17,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
   the input and weight gradients over relu(x)'s or dY's mask
 - ``adaptive_union_conv_wgrad_dy_lists``: the weight gradient over per-channel lists of dY's nonzeros (float32
   or bfloat16 operands, AVX-512)
+- ``adaptive_union_pair_packs(w, want_fwd, want_flipped) -> (wf2, wfl2, wc)``: the bf16 packs straight from the
+  weight (AVX512-BF16)
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
   ``adaptive_union_conv_fwd`` (with the paired pack of ``adaptive_union_pair_pack(pack, rows, ob)``; bf16 out),
   ``adaptive_union_conv_igrad_x`` (bf16 dy and wc; bf16 dx) and ``adaptive_union_conv_wgrad`` (float32 dW) take
@@ -54,6 +56,7 @@ __all__ = [
     "union_conv_wgrad_dy",
     "union_conv_wgrad_dy_lists",
     "union_pair_pack",
+    "union_pair_packs",
 ]
 
 
@@ -450,4 +453,60 @@ union_pair_pack = kernel_op(
     "adaptive_union_pair_pack(Tensor pack, int rows, int ob) -> Tensor",
     _pair_pack_impl,
     lambda pack, rows, ob: pack.new_empty(pack.numel(), dtype=torch.bfloat16),
+)
+
+
+def _pair_packs_impl(w: Tensor, want_fwd: bool, want_flipped: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    lib = _native_only("adaptive_union_pair_packs")
+    if w.dim() != 4 or w.dtype != torch.float32:
+        raise ValueError(
+            f"adaptive_union_pair_packs: w must be a float32 [O, C, KH, KW] weight, got {w.dtype} {tuple(w.shape)}"
+        )
+    O, C, KH, KW = w.shape
+    K2 = KH * KW
+    # the kernel reads OIHW or channels-last memory (strides given in full: size-1 dims may carry any stride)
+    if w.is_contiguous():
+        strides = (C * K2, K2, KW, 1)
+    elif w.is_contiguous(memory_format=torch.channels_last):
+        strides = (K2 * C, 1, KW * C, C)
+    else:
+        w, strides = w.contiguous(), (C * K2, K2, KW, 1)
+    n = w.numel()
+    wf2 = torch.empty(n if want_fwd else 0, dtype=torch.bfloat16)
+    wc = torch.empty(n if want_fwd else 0, dtype=torch.bfloat16)
+    wfl2 = torch.empty(n if want_flipped else 0, dtype=torch.bfloat16)
+    rc = lib.sparsa_union_pair_packs_bf16(
+        w.data_ptr(),
+        _i64s(*strides),
+        O,
+        C,
+        KH,
+        KW,
+        wf2.data_ptr() if want_fwd else None,
+        wfl2.data_ptr() if want_flipped else None,
+        wc.data_ptr() if want_fwd else None,
+        _nthreads(),
+    )
+    if rc:
+        raise ValueError(
+            f"adaptive_union_pair_packs: weight {tuple(w.shape)} needs in and out channels whose union blocks are "
+            f"multiples of 16 (rc {rc})"
+        )
+    return wf2, wfl2, wc
+
+
+def _pair_packs_fake(w, want_fwd, want_flipped):
+    n = w.numel()
+    bf = torch.bfloat16
+    return (
+        w.new_empty(n if want_fwd else 0, dtype=bf),
+        w.new_empty(n if want_flipped else 0, dtype=bf),
+        w.new_empty(n if want_fwd else 0, dtype=bf),
+    )
+
+
+union_pair_packs = kernel_op(
+    "adaptive_union_pair_packs(Tensor w, bool want_fwd, bool want_flipped) -> (Tensor, Tensor, Tensor)",
+    _pair_packs_impl,
+    _pair_packs_fake,
 )

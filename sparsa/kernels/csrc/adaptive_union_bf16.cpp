@@ -14,10 +14,12 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <memory>
 #include <omp.h>
 #include <vector>
 
 #include "adaptive_geo.h"
+#include "adaptive_transpose.h"
 #include "adaptive_union_groups.h"
 #include "cpu_isa.h"
 
@@ -241,6 +243,21 @@ void pair_rows(const float* src, int64_t rows, int64_t OB, uint16_t* dst) {
     }
 }
 
+// n (a multiple of 16) bf16 pairs at d from the floats a[i] (low half) and b[i], rounded to nearest even
+inline void pair_two(const float* a, const float* b, int64_t n, uint16_t* d) {
+    for (int64_t o = 0; o < n; o += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + o)));
+        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + o)));
+        _mm512_storeu_si512(d + 2 * o, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+// n (a multiple of 16) floats at a as bf16 at d
+inline void round_row(const float* a, int64_t n, uint16_t* d) {
+    for (int64_t o = 0; o < n; o += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + o), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + o)));
+}
+
 #pragma GCC pop_options
 #endif
 
@@ -291,6 +308,63 @@ int sparsa_union_pair_pack_bf16(const float* src, int64_t blocks, int64_t rows, 
 #ifdef SPARSA_UNION_DPBF16
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t b = 0; b < blocks; ++b) pair_rows(src + b * rows * OB, rows, OB, dst + b * rows * OB);
+    return 0;
+#else
+    return 2;
+#endif
+}
+
+// The bf16 packs of the union path straight from W [O, C, KH, KW] (OIHW or channels-last strides ws), rounded to
+// nearest even, once per weight version: wf2 [O / OB][KH][KW][C / 2][OB][2] (the forward's, as
+// sparsa_union_pair_pack_bf16 makes it from sparsa_union_pack_f32's wf), wfl2 [C / OB'][KH][KW][O / 2][OB'][2] (the
+// flipped conv's, from wfl) and wc [C][KH][KW][O] (the input gradient's rows at relu(x)'s nonzeros); wf2 and wc, or
+// wfl2, may be null.
+// One transpose of W to output channels innermost, then each block rounded and paired from it: the fp32 packs are
+// never written. Returns 1 when OB or OB' is not a multiple of 16, 2 without AVX512-BF16, 3 for other strides.
+int sparsa_union_pair_packs_bf16(const float* w, const int64_t* ws, int64_t O, int64_t C, int64_t KH, int64_t KW,
+                                 uint16_t* wf2, uint16_t* wfl2, uint16_t* wc, int nthreads) {
+    const int64_t K2 = KH * KW;
+    if (O % 8 || C % 8) return 1;
+    const int64_t OB = pick_ob(O), nob = O / OB, OB2 = pick_ob(C), ncb = C / OB2;
+    if (OB % 16 || (wfl2 && OB2 % 16) || C % 2 || O % 2) return 1;
+    if (!sparsa_union_has_dpbf16()) return 2;
+    const bool oihw = ws[0] == C * K2 && ws[1] == K2 && ws[2] == KW && ws[3] == 1;
+    const bool cl = ws[0] == K2 * C && ws[1] == 1 && ws[2] == KW * C && ws[3] == C;
+    if (!oihw && !cl) return 3;
+#ifdef SPARSA_UNION_DPBF16
+    // T: W with its output channels innermost, rows (c, k) at c * K2 + k (OIHW) or k * C + c (channels-last)
+    std::unique_ptr<float[]> T(new float[(size_t)O * C * K2]);
+    sparsa_adaptive::transpose(w, O, C * K2, T.get(), nthreads);
+    const int64_t rc_ = oihw ? K2 : 1, rk_ = oihw ? 1 : C;  // row of (c, k) = c * rc_ + k * rk_
+    auto row = [&](int64_t c, int64_t k) { return T.get() + (c * rc_ + k * rk_) * O; };
+#pragma omp parallel num_threads(nthreads)
+    {
+        if (wf2) {
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < nob * K2; ++t) {
+                const int64_t b = t / K2, k = t % K2;
+                uint16_t* dst = wf2 + (b * K2 + k) * C * OB;
+                for (int64_t c = 0; c < C; c += 2) pair_two(row(c, k) + b * OB, row(c + 1, k) + b * OB, OB, dst + c * OB);
+            }
+        }
+        if (wc) {
+#pragma omp for schedule(static) nowait
+            for (int64_t t = 0; t < C * K2; ++t) round_row(row(t / K2, t % K2), O, wc + t * O);
+        }
+        if (wfl2) {
+            std::unique_ptr<float[]> tile(new float[(size_t)O * OB2]);  // [o][c] of one block of OB2 channels
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < ncb * K2; ++t) {
+                const int64_t cb = t / K2, k = t % K2, kf = K2 - 1 - k;
+                for (int64_t c8 = 0; c8 < OB2; c8 += 8)
+                    for (int64_t o8 = 0; o8 < O; o8 += 8)
+                        sparsa_adaptive::tr8x8(row(cb * OB2 + c8, kf) + o8, rc_ * O, tile.get() + o8 * OB2 + c8, OB2);
+                uint16_t* dst = wfl2 + (cb * K2 + k) * O * OB2;
+                for (int64_t o = 0; o < O; o += 2)
+                    pair_two(tile.get() + o * OB2, tile.get() + (o + 1) * OB2, OB2, dst + o * OB2);
+            }
+        }
+    }
     return 0;
 #else
     return 2;
