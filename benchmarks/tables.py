@@ -743,10 +743,12 @@ def adaptive_bf16_section(d: Dict[str, Any]) -> str:
     head = (
         "Forward and backward of `conv2d(relu(x), W)` (3x3, batch 32, clustered zeros) under bf16 autocast: "
         "the bf16 activation-sparse kernels and the fp32 kernels on the widened operands, against dense bf16 "
-        "autocast and dense fp32 in both memory formats (best_dense: the fastest).\n\n"
+        "autocast and dense fp32 in both memory formats (best_dense: the fastest); dy: the output gradient, dense "
+        "or as behind a 2x2 max-pool (one pixel per window); each call on a new weight version.\n\n"
     )
     rows = _shape_rows(d)
-    cols = ["shape", "sparsity", "threads", "bf16_kernels_ms", "fp32_kernels_ms", "dense_bf16_nchw_ms"]
+    cols = ["shape", "sparsity"] + (["dy"] if any("dy" in r for r in rows) else [])
+    cols += ["threads", "bf16_kernels_ms", "fp32_kernels_ms", "dense_bf16_nchw_ms"]
     cols += ["dense_bf16_cl_ms", "dense_fp32_nchw_ms", "dense_fp32_cl_ms", "best_dense"]
     cols += ["speedup_vs_best_dense", "speedup_fp32_kernels_vs_best_dense"]
     return head + _md(rows, cols) + _quick_mark(d)
