@@ -250,6 +250,32 @@ def test_pair_packs_reject_blocks_the_kernels_cannot_take():
         ops.union_pair_packs(torch.randn(32, 16, 3, 3).bfloat16(), True, False)
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 4, 4), (3, 17, 5, 7), (1, 64, 32, 32), (2, 33, 1, 1), (1, 5, 3, 2)])
+@pytest.mark.parametrize("dtype", [BF, torch.float32])
+def test_layout_copies_match_permute(native, monkeypatch, shape, dtype):
+    """NCHW <-> NHWC copies (the 16x16-tile transpose for bf16 where the native kernels run): whole tiles, edge
+    rows and columns, 1x1 images, fewer than 16 channels."""
+    if not native:
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(dtype)
+    nhwc = ops.nhwc_copy(x)
+    assert nhwc.is_contiguous() and torch.equal(nhwc, x.permute(0, 2, 3, 1))
+    cl = x.contiguous(memory_format=torch.channels_last)
+    assert ops.nhwc_copy(cl).data_ptr() == cl.data_ptr()  # channels-last already: a view
+    back = ops.nchw_copy(cl)
+    assert back.is_contiguous() and torch.equal(back, x)
+    assert ops.nchw_copy(x) is x
+
+
+def test_transpose16_rejects_bad_input():
+    if not U.union_native():
+        pytest.skip("needs the native kernels")
+    with pytest.raises(ValueError, match="16-bit"):
+        ops.adaptive_transpose16(torch.zeros(4, 4), 2, 2)
+    with pytest.raises(ValueError, match="rows=3"):
+        ops.adaptive_transpose16(torch.zeros(8, dtype=BF), 3, 2)
+
+
 def test_operand_rejects_other_dtypes():
     with pytest.raises(ValueError, match="bfloat16"):
         B.union_operand_bf16(torch.zeros(1, 8, 2, 2))

@@ -52,6 +52,7 @@ from torch import Tensor
 
 from ..kernels import adaptive_union as _u
 from ..kernels import adaptive_union_bf16 as _b
+from ..kernels import adaptive_union_ops as _ops
 from ..kernels.adaptive import conv_backward, igrad_dy_geometry
 from ..kernels.geometry import ConvGeometry
 from . import cost_fits as _fits
@@ -288,9 +289,7 @@ class UnionReluConv2d(torch.autograd.Function):
         bf16 = ctx.bf16
         if bf16 and gy.dtype != torch.bfloat16:
             gy = gy.to(torch.bfloat16)
-        g = gy.permute(0, 2, 3, 1)
-        if not g.is_contiguous():
-            g = g.contiguous()
+        g = _ops.nhwc_copy(gy)
         # the fp32 kernels' operands (bf16: widened once, when first needed)
         wide = {}
 
@@ -368,7 +367,7 @@ class UnionReluConv2d(torch.autograd.Function):
             if bf16 and dx_side in ("x", "dy"):
                 union_paths["bf16_dx_" + dx_side] += 1
             if not ctx.channels_last:
-                dx = dx.contiguous()
+                dx = _ops.nchw_copy(dx)
         if dw_side == "dense":  # bf16 mode only
             dw = conv_backward(g.permute(0, 3, 1, 2), op.nchw(), w_saved.to(torch.bfloat16), geo, [False, True, False])[
                 1

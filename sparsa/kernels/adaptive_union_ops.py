@@ -17,6 +17,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
   the input and weight gradients over relu(x)'s or dY's mask
 - ``adaptive_union_conv_wgrad_dy_lists``: the weight gradient over per-channel lists of dY's nonzeros (float32
   or bfloat16 operands, AVX-512)
+- ``adaptive_transpose16(x, rows, cols)``: batches of 16-bit matrices transposed (NCHW <-> NHWC of bf16
+  activations; :func:`nhwc_copy` / :func:`nchw_copy`)
 - ``adaptive_union_pair_packs(w, want_fwd, want_flipped) -> (wf2, wfl2, wc)``: the bf16 packs straight from the
   weight (AVX512-BF16)
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
@@ -42,6 +44,7 @@ import torch
 from torch import Tensor
 
 from .adaptive import _dense_strides, _i64s, _native_only, _nthreads
+from .adaptive import native_library as _native_lib
 from .geometry import ConvGeometry
 from .opdef import kernel_op
 
@@ -57,6 +60,9 @@ __all__ = [
     "union_conv_wgrad_dy_lists",
     "union_pair_pack",
     "union_pair_packs",
+    "adaptive_transpose16",
+    "nhwc_copy",
+    "nchw_copy",
 ]
 
 
@@ -88,6 +94,49 @@ def _dw_empty(shape: Sequence[int], w_stride: Optional[Sequence[int]], like: Opt
 
 
 # ------------------------------------------------------------------------------------------ operand
+def _transpose16_impl(x: Tensor, rows: int, cols: int) -> Tensor:
+    lib = _native_only("adaptive_transpose16")
+    if x.element_size() != 2 or not x.is_contiguous() or rows <= 0 or cols <= 0 or x.numel() % (rows * cols):
+        raise ValueError(
+            f"adaptive_transpose16: x ({x.dtype}, {tuple(x.shape)}) must be a contiguous 16-bit tensor of "
+            f"[batches, rows={rows}, cols={cols}] matrices"
+        )
+    out = torch.empty(x.numel(), dtype=x.dtype)
+    lib.sparsa_transpose16(x.data_ptr(), x.numel() // (rows * cols), rows, cols, out.data_ptr(), _nthreads())
+    return out
+
+
+adaptive_transpose16 = kernel_op(
+    "adaptive_transpose16(Tensor x, int rows, int cols) -> Tensor",
+    _transpose16_impl,
+    lambda x, rows, cols: x.new_empty(x.numel()),
+)
+
+
+def nhwc_copy(x: Tensor) -> Tensor:
+    """``x`` (logical ``[N, C, H, W]``) as a contiguous ``[N, H, W, C]`` tensor: a view when ``x`` is channels-last
+    already, the 16x16-tile transpose for an NCHW-contiguous bf16 ``x`` where the native kernels run, else
+    PyTorch's copy (which moves bf16 one element at a time)."""
+    nhwc = x.permute(0, 2, 3, 1)
+    if nhwc.is_contiguous():
+        return nhwc
+    if x.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == "cpu" and _native_lib() is not None:
+        N, C, H, W = x.shape
+        return adaptive_transpose16(x, C, H * W).view(N, H, W, C)
+    return nhwc.contiguous()
+
+
+def nchw_copy(x: Tensor) -> Tensor:
+    """``x`` (logical ``[N, C, H, W]``) as an NCHW-contiguous tensor, the bf16 transpose as :func:`nhwc_copy`."""
+    if x.is_contiguous():
+        return x
+    nhwc = x.permute(0, 2, 3, 1)
+    if x.dtype == torch.bfloat16 and nhwc.is_contiguous() and x.device.type == "cpu" and _native_lib() is not None:
+        N, C, H, W = x.shape
+        return adaptive_transpose16(nhwc, H * W, C).view(N, C, H, W)
+    return x.contiguous()
+
+
 def _compact_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Tensor, Tensor]:
     lib = _native_only("adaptive_union_compact")
     if x.dim() != 4 or x.dtype not in (torch.float32, torch.bfloat16):
@@ -98,7 +147,7 @@ def _compact_impl(x: Tensor, relu: bool, write_values: bool) -> Tuple[Tensor, Te
     u4 = ctypes.c_int64(0)
     vp = values.data_ptr() if write_values else None
     if x.dtype == torch.bfloat16:  # the bf16 kernel reads NHWC rows
-        nhwc = x.permute(0, 2, 3, 1).contiguous()
+        nhwc = nhwc_copy(x)
         head = (nhwc.data_ptr(), N, C, H, W)
         nnz = lib.sparsa_union_compact_bf16(*head, int(relu), vp, mask.data_ptr(), ctypes.byref(u4), _nthreads())
     else:

@@ -314,6 +314,12 @@ int sparsa_union_pair_pack_bf16(const float* src, int64_t blocks, int64_t rows, 
 #endif
 }
 
+// T[b] = A[b]^T for B batches of R x M 16-bit matrices (row-major, contiguous): NCHW <-> NHWC for bf16 activations
+// (R = C, M = H*W, or the reverse). AVX2 16x16 tiles.
+void sparsa_transpose16(const uint16_t* A, int64_t B, int64_t R, int64_t M, uint16_t* T, int nthreads) {
+    sparsa_adaptive::transpose16(A, B, R, M, T, nthreads);
+}
+
 // The bf16 packs of the union path straight from W [O, C, KH, KW] (OIHW or channels-last strides ws), rounded to
 // nearest even, once per weight version: wf2 [O / OB][KH][KW][C / 2][OB][2] (the forward's, as
 // sparsa_union_pair_pack_bf16 makes it from sparsa_union_pack_f32's wf), wfl2 [C / OB'][KH][KW][O / 2][OB'][2] (the
