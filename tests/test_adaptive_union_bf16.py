@@ -267,13 +267,37 @@ def test_layout_copies_match_permute(native, monkeypatch, shape, dtype):
     assert ops.nchw_copy(x) is x
 
 
-def test_transpose16_rejects_bad_input():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_relu_conv2d_bf16_keeps_the_input_memory_format(native, monkeypatch, channels_last):
+    """An NCHW bf16 input gets an NCHW output and input gradient (the layers after it need no conversion), a
+    channels-last one channels-last; values as the dense conv's."""
+    if not native:
+        monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
+    gen = torch.Generator().manual_seed(7)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = _sparse_bf16((2, 32, 6, 6), 0.6, gen).contiguous(memory_format=fmt).requires_grad_(True)
+    w = (torch.randn(32, 32, 3, 3, generator=gen) / 17).requires_grad_(True)
+    y = relu_conv2d(x, w, None, padding=1)
+    if native:
+        assert y.is_contiguous(memory_format=fmt)
+    gy = torch.randn(y.shape, generator=gen).to(BF).contiguous(memory_format=fmt)
+    y.backward(gy)
+    assert x.grad.is_contiguous(memory_format=fmt)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = (w.detach().to(BF) if native else w.detach()).double().requires_grad_(True)
+    y64 = F.conv2d(x64.relu(), w64, padding=1)
+    y64.backward(gy.double())
+    for got, ref in ((y.detach(), y64.detach()), (x.grad, x64.grad)):
+        torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
+
+
+def test_layout16_rejects_bad_input():
     if not U.union_native():
         pytest.skip("needs the native kernels")
     with pytest.raises(ValueError, match="16-bit"):
-        ops.adaptive_transpose16(torch.zeros(4, 4), 2, 2)
-    with pytest.raises(ValueError, match="rows=3"):
-        ops.adaptive_transpose16(torch.zeros(8, dtype=BF), 3, 2)
+        ops.layout16(torch.zeros(1, 2, 2, 2), True)
+    with pytest.raises(ValueError, match="other memory format"):
+        ops.layout16(torch.zeros(1, 2, 3, 3, dtype=BF).contiguous(memory_format=torch.channels_last), True)
 
 
 def test_operand_rejects_other_dtypes():

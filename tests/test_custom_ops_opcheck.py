@@ -252,9 +252,9 @@ def _s_u_pair_pack(native):
     return [((_union()["wf"], 16, 16), ALL)]
 
 
-def _s_transpose16(native):
-    x = torch.randn(2, 24, 20, generator=_gen()).bfloat16()
-    return [((x, 24, 20), ALL), ((x.view(torch.float16), 12, 40), ALL)]
+def _s_layout16(native):
+    x = torch.randn(2, 24, 4, 5, generator=_gen()).bfloat16()
+    return [((x, True), ALL), ((x.contiguous(memory_format=torch.channels_last).half(), False), ALL)]
 
 
 def _s_u_pair_packs(native):
@@ -378,7 +378,7 @@ SAMPLES = {
     "adaptive_union_conv_wgrad_dy_lists": (_s_u_wgrad_dy_lists, False, True),
     "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
     "adaptive_union_pair_packs": (_s_u_pair_packs, False, "bf16"),
-    "adaptive_transpose16": (_s_transpose16, False, False),
+    "adaptive_layout16": (_s_layout16, False, False),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),

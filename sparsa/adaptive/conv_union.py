@@ -256,6 +256,9 @@ class UnionReluConv2d(torch.autograd.Function):
         group = 2 if two else 4
         if bf16:
             y = _b.union_conv_fwd_bf16(op, weight, bias, geo, group=group, wf2=packs.wf2)
+            if x.is_contiguous() and not y.is_contiguous():
+                # an NCHW model gets NCHW back: channels-last bf16 outputs made the dense layers after it convert
+                y = _ops.nchw_copy(y)
         else:
             y = _u.union_conv_fwd(op, weight, bias, geo, wf=wf, group=group)
         union_paths[f"fwd_g{group}"] += 1

@@ -17,8 +17,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
   the input and weight gradients over relu(x)'s or dY's mask
 - ``adaptive_union_conv_wgrad_dy_lists``: the weight gradient over per-channel lists of dY's nonzeros (float32
   or bfloat16 operands, AVX-512)
-- ``adaptive_transpose16(x, rows, cols)``: batches of 16-bit matrices transposed (NCHW <-> NHWC of bf16
-  activations; :func:`nhwc_copy` / :func:`nchw_copy`)
+- ``adaptive_layout16(x, channels_last)``: a 16-bit ``[N, C, H, W]`` tensor copied into the other memory format
+  by 16x16-tile transposes (bf16 activations; :func:`nhwc_copy` / :func:`nchw_copy`)
 - ``adaptive_union_pair_packs(w, want_fwd, want_flipped) -> (wf2, wfl2, wc)``: the bf16 packs straight from the
   weight (AVX512-BF16)
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
@@ -60,7 +60,7 @@ __all__ = [
     "union_conv_wgrad_dy_lists",
     "union_pair_pack",
     "union_pair_packs",
-    "adaptive_transpose16",
+    "layout16",
     "nhwc_copy",
     "nchw_copy",
 ]
@@ -94,23 +94,32 @@ def _dw_empty(shape: Sequence[int], w_stride: Optional[Sequence[int]], like: Opt
 
 
 # ------------------------------------------------------------------------------------------ operand
-def _transpose16_impl(x: Tensor, rows: int, cols: int) -> Tensor:
-    lib = _native_only("adaptive_transpose16")
-    if x.element_size() != 2 or not x.is_contiguous() or rows <= 0 or cols <= 0 or x.numel() % (rows * cols):
+def _layout16_impl(x: Tensor, channels_last: bool) -> Tensor:
+    lib = _native_only("adaptive_layout16")
+    src_ok = x.is_contiguous() if channels_last else x.permute(0, 2, 3, 1).is_contiguous()
+    if x.dim() != 4 or x.element_size() != 2 or not src_ok:
         raise ValueError(
-            f"adaptive_transpose16: x ({x.dtype}, {tuple(x.shape)}) must be a contiguous 16-bit tensor of "
-            f"[batches, rows={rows}, cols={cols}] matrices"
+            f"adaptive_layout16: x ({x.dtype}, {tuple(x.shape)}, strides {x.stride()}) must be a 4-D 16-bit tensor in "
+            f"the other memory format ({'NCHW' if channels_last else 'channels-last'}) contiguous"
         )
-    out = torch.empty(x.numel(), dtype=x.dtype)
-    lib.sparsa_transpose16(x.data_ptr(), x.numel() // (rows * cols), rows, cols, out.data_ptr(), _nthreads())
+    N, C, H, W = x.shape
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    out = torch.empty(N, C, H, W, dtype=x.dtype, memory_format=fmt)
+    rows, cols = (C, H * W) if channels_last else (H * W, C)
+    lib.sparsa_transpose16(x.data_ptr(), N, rows, cols, out.data_ptr(), _nthreads())
     return out
 
 
-adaptive_transpose16 = kernel_op(
-    "adaptive_transpose16(Tensor x, int rows, int cols) -> Tensor",
-    _transpose16_impl,
-    lambda x, rows, cols: x.new_empty(x.numel()),
-)
+def _layout16_fake(x, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty_like(x, memory_format=fmt)
+
+
+layout16 = kernel_op("adaptive_layout16(Tensor x, bool channels_last) -> Tensor", _layout16_impl, _layout16_fake)
+
+
+def _fast16(x: Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.dim() == 4 and x.device.type == "cpu" and _native_lib() is not None
 
 
 def nhwc_copy(x: Tensor) -> Tensor:
@@ -120,9 +129,8 @@ def nhwc_copy(x: Tensor) -> Tensor:
     nhwc = x.permute(0, 2, 3, 1)
     if nhwc.is_contiguous():
         return nhwc
-    if x.dtype == torch.bfloat16 and x.is_contiguous() and x.device.type == "cpu" and _native_lib() is not None:
-        N, C, H, W = x.shape
-        return adaptive_transpose16(x, C, H * W).view(N, H, W, C)
+    if _fast16(x) and x.is_contiguous():
+        return layout16(x, True).permute(0, 2, 3, 1)
     return nhwc.contiguous()
 
 
@@ -130,10 +138,8 @@ def nchw_copy(x: Tensor) -> Tensor:
     """``x`` (logical ``[N, C, H, W]``) as an NCHW-contiguous tensor, the bf16 transpose as :func:`nhwc_copy`."""
     if x.is_contiguous():
         return x
-    nhwc = x.permute(0, 2, 3, 1)
-    if x.dtype == torch.bfloat16 and nhwc.is_contiguous() and x.device.type == "cpu" and _native_lib() is not None:
-        N, C, H, W = x.shape
-        return adaptive_transpose16(nhwc, H * W, C).view(N, C, H, W)
+    if _fast16(x) and x.permute(0, 2, 3, 1).is_contiguous():
+        return layout16(x, False)
     return x.contiguous()
 
 
