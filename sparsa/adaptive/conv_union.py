@@ -68,7 +68,7 @@ KERNELS = os.environ.get("SPARSA_ADAPTIVE_KERNELS", "auto")
 #: (weight gradient over relu(x)'s / dY's mask), "dw_lists" / "dw_dy_lists" (over per-channel lists of relu(x)'s /
 #: dY's nonzeros),
 #: "fwd_g4" / "fwd_g2" (forwards on 4- / 2-pixel groups); "bf16_fwd" / "bf16_dx_x" / "bf16_dx_dy" / "bf16_dw_x" /
-#: "bf16_dw_dy_lists":
+#: "bf16_dw_lists" / "bf16_dw_dy_lists":
 #: those that ran on bf16 operands (bf16 x, under autocast)
 union_paths: Counter = Counter()
 
@@ -381,11 +381,13 @@ class UnionReluConv2d(torch.autograd.Function):
             dw = _u.union_conv_wgrad_dy(gop, op.values, geo, ctx.w_stride, lists=True)
         elif dw_side == "x" and bf16:
             dw = _b.union_conv_wgrad_bf16(op, g, geo, ctx.w_stride)
-        elif dw_side in ("x", "lists"):
-            dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride, lists=dw_side == "lists")
+        elif dw_side == "lists":  # bf16 operands read as they are
+            dw = _u.union_conv_wgrad(op, g, geo, ctx.w_stride, lists=True)
+        elif dw_side == "x":
+            dw = _u.union_conv_wgrad(op32(), g32(), geo, ctx.w_stride)
         if dw_side is not None:
             union_paths["dw_" + dw_side] += 1
-            if bf16 and dw_side in ("x", "dy_lists"):
+            if bf16 and dw_side in ("x", "lists", "dy_lists"):
                 union_paths["bf16_dw_" + dw_side] += 1
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g32().sum((0, 1, 2))

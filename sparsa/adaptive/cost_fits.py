@@ -129,8 +129,9 @@ COST_FITS: Dict[str, CostFit] = {
         per_dg=1.25,
     ),
     # bf16 mode (bf16 x under autocast, CPUs with AVX512-BF16): costs relative to the dense bf16 GEMM; the input
-    # gradients and the union weight gradient run bf16 kernels, the list and dY-side weight gradients the fp32
-    # ones on the widened operands. Defaults: a refit on an amd-avx512 machine (docs/benchmarks.md)
+    # gradients and the union weight gradient run bf16 kernels, the list kernels read bf16 as they go, the union
+    # dY-side weight gradient runs the fp32 one on the widened operands. Defaults: a refit on an amd-avx512 machine
+    # (docs/benchmarks.md)
     "conv_union_bf16.dx.x": _fit(
         "union_bf16",
         "bf16 input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
@@ -144,8 +145,8 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union_bf16.dw.lists": _fit(
         "union_bf16",
         "weight gradient of bf16 operands, per-channel lists: base + per_dx d_x (+ small_c, + big_weight)",
-        base=0.48,
-        per_dx=2.33,
+        base=0.04,
+        per_dx=3.45,
         small_c=0.08,
         big_weight=0.12,
     ),

@@ -220,8 +220,9 @@ def _refit_union(shapes, densities, rounds) -> Dict[str, Fit]:
 
 
 def _refit_union_bf16(shapes, densities, rounds) -> Dict[str, Fit]:
-    """The ``conv_union_bf16.*`` models, as :func:`_refit_union` for a bf16 input: the bf16 input-gradient
-    kernels and the fp32 weight-gradient kernels on the widened operands, over the dense bf16 GEMMs."""
+    """The ``conv_union_bf16.*`` models, as :func:`_refit_union` for a bf16 input: the bf16 kernels (the list
+    kernels widen as they read) and the fp32 union dY-side weight gradient on the widened operands, over the
+    dense bf16 GEMMs."""
     return _time_and_fit_union(shapes, densities, rounds, bf16=True)
 
 
@@ -250,7 +251,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
         k: [] for k in ("dx.x", "dx.dy", "dw.lists", "dw.x", "dw.dy", "dw.dy_lists")
     }
     operand = _b.union_operand_bf16 if bf16 else _u.union_operand
-    wide = _b.widened if bf16 else (lambda o: o)  # the weight-gradient kernels are fp32 (widening timed too)
+    wide = _b.widened if bf16 else (lambda o: o)  # the union dY-side weight gradient is fp32 (widening timed too)
 
     def bw(x, mask, stride=1, gy=g_dense):
         return torch.ops.aten.convolution_backward(
@@ -276,7 +277,7 @@ def _time_and_fit_union(shapes, densities, rounds, bf16: bool) -> Dict[str, Fit]
             "dx_dense": lambda: bw(x, [True, False, False]),
             "dw_dense": lambda: bw(x, [False, True, False]),
             "dx_x": lambda: dx_x(op),
-            "dw_lists": lambda: _u.union_conv_wgrad(wide(op), gd.float(), geo, w.stride(), lists=True),
+            "dw_lists": lambda: _u.union_conv_wgrad(op, gd, geo, w.stride(), lists=True),  # bf16 read as it is
             "dw_x": lambda: _u.union_conv_wgrad(wide(op), gd.float(), geo, w.stride()),
         }
         for dg in densities:
