@@ -38,7 +38,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -392,6 +392,27 @@ union_conv_wgrad = kernel_op(
 )
 
 
+def _dy_side_dw(lib, G: ConvGeometry, w_stride: Optional[List[int]], run: Callable[[Tensor], int], what: str) -> Tensor:
+    """``dW`` of a dY-driven weight gradient: ``run(S)`` writes it into ``S`` as ``[O, KH, KW, C]`` (the flipped
+    conv's (c' = o, kh, kw) row is dW[o, :, KH-1-kh, KW-1-kw]), which is ``dW`` itself for channels-last strides,
+    else transposed into ``dW``'s layout."""
+    C, O, KH, KW = G.C, G.O, G.KH, G.KW
+    dw = _dw_empty((O, C, KH, KW), w_stride)
+    K2 = KH * KW
+    s0, s1, s2, s3 = dw.stride()
+    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
+    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
+    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
+    rc = run(S)
+    if rc:
+        raise RuntimeError(f"{what} failed ({rc}) for geometry {G}")
+    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
+        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
+    elif not direct:
+        dw.copy_(S.permute(0, 3, 1, 2))
+    return dw
+
+
 def _wgrad_dy_impl(
     gvalues: Tensor, gmask: Tensor, xr_nhwc: Tensor, geo: List[int], w_stride: Optional[List[int]]
 ) -> Tensor:
@@ -399,34 +420,15 @@ def _wgrad_dy_impl(
     from .adaptive import igrad_dy_geometry
 
     G = ConvGeometry.of(geo)
-    C, O, KH, KW = G.C, G.O, G.KH, G.KW
-    g2 = igrad_dy_geometry(G)
-    xr = xr_nhwc.contiguous()
-    dw = _dw_empty((O, C, KH, KW), w_stride)
-    K2 = KH * KW
-    s0, s1, s2, s3 = dw.stride()
-    # the flipped conv's (c' = o, kh, kw) row is dW[o, :, KH-1-kh, KW-1-kw]
-    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
-    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
-    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
-    rc = lib.sparsa_union_conv_wgrad_f32(
-        g2.c(),
-        gvalues.data_ptr(),
-        gmask.data_ptr(),
-        xr.data_ptr(),
-        S.data_ptr(),
-        _i64s(K2, -KW, -1, K2 - 1),
-        C,
-        0,
-        _nthreads(),
-    )
-    if rc:
-        raise RuntimeError(f"sparsa_union_conv_wgrad_f32 (dY-driven) failed ({rc}) for geometry {G}")
-    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
-        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
-    elif not direct:
-        dw.copy_(S.permute(0, 3, 1, 2))
-    return dw
+    g2, xr, K2 = igrad_dy_geometry(G), xr_nhwc.contiguous(), G.KH * G.KW
+
+    def run(S: Tensor) -> int:
+        rs = _i64s(K2, -G.KW, -1, K2 - 1)
+        return lib.sparsa_union_conv_wgrad_f32(
+            g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), S.data_ptr(), rs, G.C, 0, _nthreads()
+        )
+
+    return _dy_side_dw(lib, G, w_stride, run, "sparsa_union_conv_wgrad_f32 (dY-driven)")
 
 
 def _wgrad_dy_fake(gvalues, gmask, xr_nhwc, geo, w_stride):
@@ -448,35 +450,26 @@ def _wgrad_dy_lists_impl(
     from .adaptive import igrad_dy_geometry
 
     G = ConvGeometry.of(geo)
-    C, O, KH, KW = G.C, G.O, G.KH, G.KW
-    bf16 = gvalues.dtype == torch.bfloat16
     if gvalues.dtype != xr_nhwc.dtype or gvalues.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(
             f"adaptive_union_conv_wgrad_dy_lists: gvalues {gvalues.dtype} and xr_nhwc {xr_nhwc.dtype} must both be "
             "float32 or both bfloat16"
         )
-    g2 = igrad_dy_geometry(G)
-    xr = xr_nhwc.contiguous()
-    dw = _dw_empty((O, C, KH, KW), w_stride)
-    K2 = KH * KW
-    s0, s1, s2, s3 = dw.stride()
-    direct = s0 == C * K2 and s1 == 1 and s2 == KW * C and s3 == C
-    oihw = s0 == C * K2 and s1 == K2 and s2 == KW and s3 == 1
-    S = dw if direct else torch.empty(O, KH, KW, C, dtype=torch.float32)
-    # the list kernel on the flipped conv (dY its input, relu(x) its output gradient) computes dW'[c, o, i, j] =
-    # dW[o, c, KH-1-i, KW-1-j]: written into S [O, KH, KW, C] through strides that swap and flip
-    base = S.data_ptr() + 4 * ((KH - 1) * KW * C + (KW - 1) * C)
-    fn = lib.sparsa_union_conv_wgrad_lists_bf16 if bf16 else lib.sparsa_union_conv_wgrad_lists_f32
-    rc = fn(
-        g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), base, _i64s(1, K2 * C, -KW * C, -C), _nthreads()
+    g2, xr, C, K2 = igrad_dy_geometry(G), xr_nhwc.contiguous(), G.C, G.KH * G.KW
+    fn = (
+        lib.sparsa_union_conv_wgrad_lists_bf16
+        if gvalues.dtype == torch.bfloat16
+        else lib.sparsa_union_conv_wgrad_lists_f32
     )
-    if rc:
-        raise RuntimeError(f"adaptive_union_conv_wgrad_dy_lists failed ({rc}) for geometry {G} ({gvalues.dtype})")
-    if oihw:  # per output channel a [KH*KW x C] -> [C x KH*KW] transpose
-        lib.sparsa_union_transpose_batched_f32(S.data_ptr(), O, K2, C, dw.data_ptr(), _nthreads())
-    elif not direct:
-        dw.copy_(S.permute(0, 3, 1, 2))
-    return dw
+
+    def run(S: Tensor) -> int:
+        # the list kernel on the flipped conv (dY its input, relu(x) its output gradient) computes dW'[c, o, i, j] =
+        # dW[o, c, KH-1-i, KW-1-j]: written into S [O, KH, KW, C] through strides that swap and flip
+        base = S.data_ptr() + 4 * ((G.KH - 1) * G.KW * C + (G.KW - 1) * C)
+        ws = _i64s(1, K2 * C, -G.KW * C, -C)
+        return fn(g2.c(), gvalues.data_ptr(), gmask.data_ptr(), xr.data_ptr(), base, ws, _nthreads())
+
+    return _dy_side_dw(lib, G, w_stride, run, f"adaptive_union_conv_wgrad_dy_lists ({gvalues.dtype})")
 
 
 union_conv_wgrad_dy_lists = kernel_op(
