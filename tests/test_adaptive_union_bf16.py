@@ -192,18 +192,10 @@ def test_operand_is_the_fp32_operand_in_bf16(channels_last, relu):
     torch.testing.assert_close(fb.values, op.values, rtol=0, atol=0, equal_nan=True)
 
 
-def test_pair_pack_pairs_adjacent_input_channels():
-    _need_native()
-    w = torch.randn(48, 32, 3, 3)
-    wf, wfl = U.union_packs(w)
-    for pack, rows, ob in ((wf, 32, _pick_ob(48)), (wfl, 48, _pick_ob(32))):
-        got = ops.union_pair_pack(pack, rows, ob)
-        blocks = pack.view(-1, rows // 2, 2, ob).to(BF)  # [block][pair][channel of pair][o]
-        assert torch.equal(got.view(-1, rows // 2, ob, 2), blocks.transpose(2, 3))
-    with pytest.raises(ValueError, match="must be even"):
-        ops.union_pair_pack(torch.zeros(3 * 16), 3, 16)
-    with pytest.raises(ValueError, match="rows=5 x ob=16"):
-        ops.union_pair_pack(torch.zeros(64), 5, 16)
+def _paired(pack, rows, ob):
+    """The reference pairing of an fp32 union pack [block][rows][ob]: [block][rows / 2][ob][2] in bf16, adjacent
+    rows paired."""
+    return pack.view(-1, rows // 2, 2, ob).to(BF).transpose(2, 3).reshape(-1)
 
 
 def test_pair_packs_round_the_weight_and_follow_its_version():
@@ -213,7 +205,7 @@ def test_pair_packs_round_the_weight_and_follow_its_version():
     assert packs.wfl2 is None and B.union_pair_packs(w, flipped=False) is packs
     wf_rounded = U.union_packs(w.to(BF).float(), flipped=False)[0]
     assert torch.equal(packs.wc, w.to(BF).permute(1, 2, 3, 0).reshape(-1))  # the input gradient's rows, rounded
-    assert torch.equal(packs.wf2, ops.union_pair_pack(wf_rounded, 16, 32))
+    assert torch.equal(packs.wf2, _paired(wf_rounded, 16, 32))
     with torch.no_grad():
         w.mul_(2)
     again = B.union_pair_packs(w)
@@ -235,8 +227,8 @@ def test_pair_packs_from_the_weight_equal_the_packs_through_fp32(layout, O, C, k
     w[-1, -1, -1, -1] = 1.0 + 3 * 2**-8  # a tie: rounds to even (1.0 + 2**-6)
     wf2, wfl2, wc = ops.union_pair_packs(w, True, True)
     wf, wfl = U.union_packs(w.to(BF).float())
-    assert torch.equal(wf2, ops.union_pair_pack(wf, C, _pick_ob(O)))
-    assert torch.equal(wfl2, ops.union_pair_pack(wfl, O, _pick_ob(C)))
+    assert torch.equal(wf2, _paired(wf, C, _pick_ob(O)))
+    assert torch.equal(wfl2, _paired(wfl, O, _pick_ob(C)))
     assert torch.equal(wc, w.to(BF).permute(1, 2, 3, 0).reshape(-1))
     only_flipped = ops.union_pair_packs(w, False, True)
     assert only_flipped[0].numel() == 0 and only_flipped[2].numel() == 0 and torch.equal(only_flipped[1], wfl2)

@@ -204,7 +204,7 @@ def _s_u_igrad_x(native):
     wc = adaptive_union_ops.union_wc(u["wf"], list(u["w"].shape))
     cases = [((u["xop"].mask, u["dy"], wc, u["geo"]), ALL)]
     if UB.union_dpbf16():  # bf16 dY and weight rows (native only)
-        cases.append(((u["xop"].mask, u["dy"].bfloat16(), UB.bf16_wc(u["wf"], u["geo"]), u["geo"]), ALL))
+        cases.append(((u["xop"].mask, u["dy"].bfloat16(), _union_bf16()["wc"], u["geo"]), ALL))
     return cases
 
 
@@ -243,13 +243,8 @@ def _union_bf16():
     u = _union()
     xop = UB.union_operand_bf16(u["x"].bfloat16())
     gop = UB.union_operand_bf16(u["dy"].bfloat16().permute(0, 3, 1, 2), relu=False)
-    wf2 = adaptive_union_ops.union_pair_pack(u["wf"], 16, 16)
-    wfl2 = adaptive_union_ops.union_pair_pack(u["wfl"], 16, 16)
-    return dict(u, xop=xop, gop=gop, wf2=wf2, wfl2=wfl2)
-
-
-def _s_u_pair_pack(native):
-    return [((_union()["wf"], 16, 16), ALL)]
+    wf2, wfl2, wc = adaptive_union_ops.union_pair_packs(u["w"], True, True)
+    return dict(u, xop=xop, gop=gop, wf2=wf2, wfl2=wfl2, wc=wc)
 
 
 def _s_layout16(native):
@@ -376,7 +371,6 @@ SAMPLES = {
     "adaptive_union_conv_wgrad": (_s_u_wgrad, False, True),
     "adaptive_union_conv_wgrad_dy": (_s_u_wgrad_dy, False, True),
     "adaptive_union_conv_wgrad_dy_lists": (_s_u_wgrad_dy_lists, False, True),
-    "adaptive_union_pair_pack": (_s_u_pair_pack, False, "bf16"),
     "adaptive_union_pair_packs": (_s_u_pair_packs, False, "bf16"),
     "adaptive_layout16": (_s_layout16, False, False),
     "row_group_linear": (_s_row_group, True, False),

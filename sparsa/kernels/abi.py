@@ -137,7 +137,6 @@ _ADAPTIVE = {
     "sparsa_union_conv_wgrad_bf16": sig(
         INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, S=PTR, rs=I64S, ldS=I64, tiles=INT, nthreads=INT
     ),
-    "sparsa_union_pair_pack_bf16": sig(INT, src=PTR, blocks=I64, rows=I64, OB=I64, dst=PTR, nthreads=INT),
     "sparsa_transpose16": sig(None, A=PTR, B=I64, R=I64, M=I64, T=PTR, nthreads=INT),
     "sparsa_union_pair_packs_bf16": sig(
         INT, w=PTR, ws=I64S, O=I64, C=I64, KH=I64, KW=I64, wf2=PTR, wfl2=PTR, wc=PTR, nthreads=INT

@@ -49,7 +49,6 @@ __all__ = [
     "union_conv_igrad_bf16",
     "union_conv_igrad_x_bf16",
     "widened",
-    "bf16_wc",
     "union_conv_wgrad_bf16",
 ]
 
@@ -185,14 +184,6 @@ def union_conv_igrad_x_bf16(
     if wc is None:
         wc = union_pair_packs(weight, flipped=False).wc
     return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
-
-
-def bf16_wc(wf: Tensor, geo: Sequence[int]) -> Tensor:
-    """The bf16 ``[C, KH, KW, O]`` weight rows of :func:`union_conv_igrad_x_bf16` from an fp32 forward pack ``wf``
-    of :func:`~sparsa.kernels.adaptive_union.union_packs` (rounded to bf16 here; :class:`PairPacks` holds them
-    made from the weight directly)."""
-    G = ConvGeometry.of(geo)
-    return _ops.union_wc(wf, [G.O, G.C, G.KH, G.KW]).to(BF16)
 
 
 def union_conv_wgrad_bf16(

@@ -22,7 +22,7 @@ A gradient not asked for, or values the caller reads in place, come back as an e
 - ``adaptive_union_pair_packs(w, want_fwd, want_flipped) -> (wf2, wfl2, wc)``: the bf16 packs straight from the
   weight (AVX512-BF16)
 - bf16 operands (``csrc/adaptive_union_bf16.cpp``, AVX512-BF16): ``adaptive_union_compact``,
-  ``adaptive_union_conv_fwd`` (with the paired pack of ``adaptive_union_pair_pack(pack, rows, ob)``; bf16 out),
+  ``adaptive_union_conv_fwd`` (with the paired pack of ``adaptive_union_pair_packs``; bf16 out),
   ``adaptive_union_conv_igrad_x`` (bf16 dy and wc; bf16 dx) and ``adaptive_union_conv_wgrad`` (float32 dW) take
   bf16 operands where the CPU has AVX512-BF16 (its ``lists`` kernel, and ``adaptive_union_conv_wgrad_dy_lists``,
   widen them as they read them: AVX-512 suffices)
@@ -58,7 +58,6 @@ __all__ = [
     "union_conv_wgrad",
     "union_conv_wgrad_dy",
     "union_conv_wgrad_dy_lists",
-    "union_pair_pack",
     "union_pair_packs",
     "layout16",
     "nhwc_copy",
@@ -481,29 +480,6 @@ union_conv_wgrad_dy_lists = kernel_op(
 
 
 # ------------------------------------------------------------------------------------------ bf16 operands
-def _pair_pack_impl(pack: Tensor, rows: int, ob: int) -> Tensor:
-    lib = _native_only("adaptive_union_pair_pack")
-    if pack.dtype != torch.float32 or rows <= 0 or ob <= 0 or pack.numel() % (rows * ob):
-        raise ValueError(
-            f"adaptive_union_pair_pack: pack ({pack.dtype}, {pack.numel()} values) is not float32 blocks of "
-            f"rows={rows} x ob={ob}; pass a union pack with its own row count and output block"
-        )
-    src = pack.contiguous()
-    out = torch.empty(pack.numel(), dtype=torch.bfloat16)
-    blocks = pack.numel() // (rows * ob)
-    rc = lib.sparsa_union_pair_pack_bf16(src.data_ptr(), blocks, rows, ob, out.data_ptr(), _nthreads())
-    if rc:
-        raise ValueError(f"adaptive_union_pair_pack: rows={rows} must be even and ob={ob} a multiple of 16 (rc {rc})")
-    return out
-
-
-union_pair_pack = kernel_op(
-    "adaptive_union_pair_pack(Tensor pack, int rows, int ob) -> Tensor",
-    _pair_pack_impl,
-    lambda pack, rows, ob: pack.new_empty(pack.numel(), dtype=torch.bfloat16),
-)
-
-
 def _pair_packs_impl(w: Tensor, want_fwd: bool, want_flipped: bool) -> Tuple[Tensor, Tensor, Tensor]:
     lib = _native_only("adaptive_union_pair_packs")
     if w.dim() != 4 or w.dtype != torch.float32:

@@ -229,20 +229,6 @@ void wgrad_block_any(int64_t V, const Geo& G, const Groups& GR, const uint16_t* 
     }
 }
 
-// dst[b][r / 2][o][2] = bf16 of (src[b][r][o], src[b][r + 1][o]), round to nearest even, for rows r even
-void pair_rows(const float* src, int64_t rows, int64_t OB, uint16_t* dst) {
-    for (int64_t r = 0; r < rows; r += 2) {
-        const float* a = src + r * OB;
-        const float* b = a + OB;
-        uint16_t* d = dst + r * OB;
-        for (int64_t o = 0; o < OB; o += 16) {
-            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + o)));
-            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + o)));
-            _mm512_storeu_si512(d + 2 * o, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-        }
-    }
-}
-
 // n (a multiple of 16) bf16 pairs at d from the floats a[i] (low half) and b[i], rounded to nearest even
 inline void pair_two(const float* a, const float* b, int64_t n, uint16_t* d) {
     for (int64_t o = 0; o < n; o += 16) {
@@ -299,21 +285,6 @@ int64_t sparsa_union_compact_bf16(const uint16_t* x, int64_t N, int64_t C, int64
 #endif
 }
 
-// A fp32 union pack [blocks][rows][OB] (sparsa_union_pack_f32's wf, rows = C, or wfl, rows = O) as the paired
-// bf16 pack [blocks][rows / 2][OB][2] the bf16 forward reads. Returns 1 for odd rows or OB % 16, 2 without
-// AVX512-BF16.
-int sparsa_union_pair_pack_bf16(const float* src, int64_t blocks, int64_t rows, int64_t OB, uint16_t* dst, int nthreads) {
-    if (rows % 2 || OB % 16) return 1;
-    if (!sparsa_union_has_dpbf16()) return 2;
-#ifdef SPARSA_UNION_DPBF16
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < blocks; ++b) pair_rows(src + b * rows * OB, rows, OB, dst + b * rows * OB);
-    return 0;
-#else
-    return 2;
-#endif
-}
-
 // T[b] = A[b]^T for B batches of R x M 16-bit matrices (row-major, contiguous): NCHW <-> NHWC for bf16 activations
 // (R = C, M = H*W, or the reverse). AVX2 16x16 tiles.
 void sparsa_transpose16(const uint16_t* A, int64_t B, int64_t R, int64_t M, uint16_t* T, int nthreads) {
@@ -321,10 +292,9 @@ void sparsa_transpose16(const uint16_t* A, int64_t B, int64_t R, int64_t M, uint
 }
 
 // The bf16 packs of the union path straight from W [O, C, KH, KW] (OIHW or channels-last strides ws), rounded to
-// nearest even, once per weight version: wf2 [O / OB][KH][KW][C / 2][OB][2] (the forward's, as
-// sparsa_union_pair_pack_bf16 makes it from sparsa_union_pack_f32's wf), wfl2 [C / OB'][KH][KW][O / 2][OB'][2] (the
-// flipped conv's, from wfl) and wc [C][KH][KW][O] (the input gradient's rows at relu(x)'s nonzeros); wf2 and wc, or
-// wfl2, may be null.
+// nearest even, once per weight version: wf2 [O / OB][KH][KW][C / 2][OB][2] (sparsa_union_pack_f32's wf with
+// adjacent input channels paired), wfl2 [C / OB'][KH][KW][O / 2][OB'][2] (its wfl, adjacent output channels paired)
+// and wc [C][KH][KW][O] (the input gradient's rows at relu(x)'s nonzeros); wf2 and wc, or wfl2, may be null.
 // One transpose of W to output channels innermost, then each block rounded and paired from it: the fp32 packs are
 // never written. Returns 1 when OB or OB' is not a multiple of 16, 2 without AVX512-BF16, 3 for other strides.
 int sparsa_union_pair_packs_bf16(const float* w, const int64_t* ws, int64_t O, int64_t C, int64_t KH, int64_t KW,
