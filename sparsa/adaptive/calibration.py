@@ -249,7 +249,8 @@ class Calibration:
                 fns["t2"] = lambda: run(sparse, a2)
             # a bf16 input (under autocast) has the dY-driven backward wherever an fp32 one has it (the bf16
             # union kernels', or the fp32 kernels' on the widened input)
-            dyp = kind == "conv2d" and dy_path_supported(x.float(), weight, **conv_args)
+            x32 = torch.empty(x.shape, dtype=torch.float32, device="meta")  # the check reads shape and dtype only
+            dyp = kind == "conv2d" and dy_path_supported(x32, weight, **conv_args)
             if dyp:
                 # the dY-driven backward at two output-gradient densities. dY's zeros are where the next
                 # ReLU is inactive, i.e. where this layer's output is small: keep gy where y0 is largest.
