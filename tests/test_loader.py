@@ -36,3 +36,11 @@ def test_concurrent_first_builds_share_one_finished_library(tmp_path):
     assert sorted(o.split()[1] for o, _ in outs).count("False") == 1  # exactly one process built it
     built = list(tmp_path.glob("probe_*/sparsa_probe.done"))
     assert len(built) == 1
+
+
+def test_build_hash_covers_an_included_source():
+    # the emulated-AMX build is row_group_linear.cpp under a define: editing that file must rebuild it
+    files = loader.hashed_files([loader.CSRC / "row_group_linear_amxemu.cpp"])
+    names = [p.name for p in files]
+    assert "row_group_linear.cpp" in names and "row_group_amx.h" in names
+    assert loader.hashed_files([loader.CSRC / "probe.cpp"])[0].name == "probe.cpp"

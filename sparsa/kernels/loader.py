@@ -28,6 +28,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import re
 import threading
 import time
 import warnings
@@ -36,7 +37,7 @@ from typing import Dict, Optional, Sequence
 
 from ..environ import raw
 
-__all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info", "kernels_digest"]
+__all__ = ["load", "native_enabled", "cache_dir", "CSRC", "build_info", "kernels_digest", "hashed_files"]
 
 CSRC = Path(__file__).parent / "csrc"
 _LIBS: Dict[str, Optional[ctypes.CDLL]] = {}
@@ -141,10 +142,19 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         f.argtypes = [t for _, t in sig.args]
 
 
+def hashed_files(paths: Sequence[Path]) -> list:
+    """What a build's cache key hashes: its sources, the ``.cpp`` files they include (a build variant of
+    another source, e.g. ``row_group_linear_amxemu.cpp``) and every header in ``csrc/``."""
+    included = set()
+    for p in paths:
+        included.update(CSRC / m.decode() for m in re.findall(rb'#include "([^"]+\.cpp)"', p.read_bytes()))
+    return sorted(set(paths) | included) + sorted(CSRC.glob("*.h"))
+
+
 def _build(name: str, sources: Sequence[str]) -> ctypes.CDLL:
     paths = [CSRC / s for s in sources]
     h = hashlib.sha256()
-    for p in sorted(paths) + sorted(CSRC.glob("*.h")):
+    for p in hashed_files(paths):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
