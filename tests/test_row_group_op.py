@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from sparsa import cpu
 from sparsa.kernels import row_group as rg
+from sparsa.kernels.epilogue import activation_code
 from sparsa.layouts import RowGroup
 
 PATHS = ["amx", "avx512", "avx2", "fallback"]
@@ -146,21 +147,53 @@ def test_nan_and_inf_propagate(path):
         assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all()
 
 
+def _bf16_tiles(tiles, group, monkeypatch):
+    """``run(x, columns, values, bias, R, row_perm, activation)`` on the bf16 tile kernel ``tiles`` (``amx``:
+    AMX-BF16; ``amx_emulated``: the same kernel with software tiles; ``dp``: AVX512-BF16 dot products,
+    forced below AMX), or skip, naming what this CPU lacks."""
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    if tiles.startswith("amx") and group not in (16, 32):
+        pytest.skip("the AMX tiles take groups of 16 and 32 (smaller groups run the AVX512-BF16 tiles)")
+    if tiles == "amx_emulated":
+        lib = rg.emulated_amx_library()
+        if lib is None or not lib.sparsa_row_group_has_amx():
+            pytest.skip("the software AMX tiles run inside the AVX-512 kernels: this CPU has no AVX-512")
+
+        def run(x, columns, values, bias, R, row_perm, activation="none"):
+            return rg._native_forward(
+                lib, "bf16", x, columns, values, bias, R, row_perm, activation_code(activation, "test")
+            )
+
+        return run
+    if tiles == "amx":
+        if not rg.has_amx():
+            pytest.skip(f"the AMX tiles do not run here: {rg.amx_status()}")
+    else:
+        monkeypatch.setenv("SPARSA_ISA", "avx512")
+        if not rg.has_dpbf16():
+            pytest.skip("this CPU has no avx512_bf16: the bf16 dot-product tiles do not run")
+        assert not rg.has_amx()
+    return rg.row_group_linear_impl
+
+
+TILES = ["amx", "amx_emulated", "dp"]
+
+
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("group", [4, 8, 16, 32])
 @pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("activation", ["none", "gelu"])
-def test_bf16_dot_product_tiles(group, permute, activation, monkeypatch):
-    # 16 bf16 tokens or more take the AVX512-BF16 tiles: pairs of kept columns (odd k leaves a lone last
-    # column), token panels of 16/32/64 with a partial last one, a partial last group, 1 and 2 threads
-    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
-    monkeypatch.delenv("SPARSA_ISA", raising=False)
-    monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
-    if not rg.has_dpbf16():
-        pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
+def test_bf16_dot_product_tiles(tiles, group, permute, activation, monkeypatch):
+    # 16 bf16 tokens or more take the bf16 tiles: pairs of kept columns (odd k leaves a lone last column;
+    # AMX: blocks of 32, whole or with a partial last one), token panels of 16/32/64 with a partial last
+    # one, a partial last group, 1 and 2 threads
+    run = _bf16_tiles(tiles, group, monkeypatch)
     gen = torch.Generator().manual_seed(group + permute)
     old = torch.get_num_threads()
     try:
-        for K, sparsity in ((301, 0.5), (64, 0.75), (1030, 0.9)):
+        for K, sparsity in ((301, 0.5), (64, 0.75), (128, 0.5), (1030, 0.9)):
             lay = RowGroup.from_dense(
                 torch.randn(2 * group + 3, K, generator=gen), group=group, sparsity=sparsity, permute=permute
             )
@@ -169,23 +202,32 @@ def test_bf16_dot_product_tiles(group, permute, activation, monkeypatch):
             for T, threads in ((16, 1), (17, 2), (47, 2), (130, 1)):
                 torch.set_num_threads(threads)
                 x = torch.randn(T, K, generator=gen).bfloat16()
-                y = rg.row_group_linear_impl(x, lay.columns, lay.values, b, lay.shape[0], lay.row_perm, activation)
+                y = run(x, lay.columns, lay.values, b, lay.shape[0], lay.row_perm, activation)
                 _check(y, _reference(x, lay, b, activation), torch.bfloat16, _accumulated(x, lay, b))
     finally:
         torch.set_num_threads(old)
 
 
-def test_bf16_dot_product_tiles_propagate_nan_and_inf(monkeypatch):
-    monkeypatch.delenv("SPARSA_ISA", raising=False)
-    if not rg.has_dpbf16():
-        pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
+@pytest.mark.parametrize("tiles", TILES)
+def test_bf16_dot_product_tiles_propagate_nan_and_inf(tiles, monkeypatch):
+    run = _bf16_tiles(tiles, 16, monkeypatch)
     lay = RowGroup.from_dense(torch.ones(16, 9), group=16, sparsity=0.5)  # k = 5: a lone last column
     for c in (lay.columns[0, 0], lay.columns[0, -1]):
         x = torch.ones(16, 9, dtype=torch.bfloat16)
         x[0, c] = float("nan")
         x[1, c] = float("inf")
-        y = rg.row_group_linear_impl(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm)
+        y = run(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm)
         assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all() and torch.isfinite(y[2:]).all()
+
+
+def test_amx_status_names_why_the_tiles_do_not_run(monkeypatch):
+    if rg.native_library() is None:
+        pytest.skip("no native kernel here")
+    status = rg.amx_status()
+    assert (status == "ok") == (cpu.hardware_isa() == "amx"), status  # on AMX CPUs the self-check passed
+    emu = rg.emulated_amx_library()
+    if emu is not None and cpu.hardware_isa() in ("avx512", "amx"):
+        assert rg.amx_status(emu) == "ok"  # the software tiles' self-check
 
 
 def test_bf16_dot_product_gelu_epilogue_matches_torch(monkeypatch):
@@ -212,9 +254,12 @@ def test_bf16_dot_product_tiles_follow_sparsa_isa(monkeypatch):
     if rg.native_library() is None:
         pytest.skip("no native kernel here")
     monkeypatch.setenv("SPARSA_ISA", "avx2")
-    assert not rg.has_dpbf16()
+    assert not rg.has_dpbf16() and not rg.has_amx()
+    monkeypatch.setenv("SPARSA_ISA", "avx512")
+    assert not rg.has_amx()
     monkeypatch.delenv("SPARSA_ISA")
     assert rg.has_dpbf16() == bool(cpu.cpu_flags()["avx512_bf16"] and cpu.hardware_isa() in ("avx512", "amx"))
+    assert rg.has_amx() <= (cpu.hardware_isa() == "amx")  # the OS may still refuse tile data
 
 
 def test_unknown_activation_is_a_clear_error():

@@ -195,6 +195,8 @@ _BITMASK = {
 
 _ROW_GROUP = {
     "sparsa_row_group_has_dpbf16": sig(INT),
+    "sparsa_row_group_has_amx": sig(INT),
+    "sparsa_row_group_amx_status": sig(INT),
     "sparsa_row_group_linear_f32": sig(
         INT,
         x=PTR,
@@ -331,6 +333,7 @@ SIGNATURES: Dict[str, Dict[str, Signature]] = {
     "adaptive": _ADAPTIVE,
     "bitmask_linear": _BITMASK,
     "row_group_linear": _ROW_GROUP,
+    "row_group_linear_amxemu": _ROW_GROUP,
     "grouped_nm_linear": _GROUPED_NM,
     "sliced_ell_linear": _SLICED_ELL,
     "probe": _PROBE,

@@ -4,8 +4,9 @@ A ``torch.library`` custom op with a fake implementation (so it traces under ``t
 an autograd formula, around the native AVX2/FMA + OpenMP kernel in ``csrc/row_group_linear.cpp``
 (AVX-512 tiles chosen at run time when the CPU has them; ``SPARSA_ISA=avx2`` keeps the AVX2 ones).
 float32 and bfloat16 operands (fp32 accumulation, the output rounded once): bf16 with 16 tokens or
-more and groups of 16 or 32 runs VDPBF16PS tiles where the CPU has AVX512-BF16 (:func:`has_dpbf16`),
-otherwise bf16 weights are widened in registers. ``activation="gelu"`` applies GELU in the kernel's
+more runs AMX tiles for groups of 16 or 32 where the CPU has AMX-BF16 (:func:`has_amx`), VDPBF16PS tiles
+for groups of 4 to 32 where it has AVX512-BF16 (:func:`has_dpbf16`), otherwise bf16 weights are widened
+in registers. ``activation="gelu"`` applies GELU in the kernel's
 epilogue, after the bias. When the kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs
 :func:`row_group_linear_reference` (gather + batched matmul).
 
@@ -24,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Optional
 
 import torch
@@ -42,6 +44,9 @@ __all__ = [
     "native_library",
     "native_kind",
     "has_dpbf16",
+    "has_amx",
+    "amx_status",
+    "emulated_amx_library",
     "ACTIVATIONS",
 ]
 
@@ -59,6 +64,48 @@ def has_dpbf16() -> bool:
     build and ``SPARSA_ISA``)."""
     lib = native_library()
     return lib is not None and bool(lib.sparsa_row_group_has_dpbf16())
+
+
+#: why the AMX tiles cannot run, by ``sparsa_row_group_amx_status`` code
+_AMX_STATUS = {
+    0: "ok",
+    1: "this CPU has no amx_bf16 (or no AVX-512)",
+    2: "the OS refused this process the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)",
+    3: "the AMX tiles failed their self-check (a wrong product on a fixed example); the AVX512-BF16 tiles run",
+}
+
+
+def amx_status(lib: Optional[ctypes.CDLL] = None) -> str:
+    """``"ok"`` when this CPU and OS run the AMX tiles (whatever ``SPARSA_ISA`` says), else why not."""
+    lib = lib or native_library()
+    if lib is None:
+        return "no native kernel (SPARSA_NO_NATIVE, SPARSA_ISA=portable or no compiler)"
+    return _AMX_STATUS[int(lib.sparsa_row_group_amx_status())]
+
+
+def has_amx() -> bool:
+    """Whether bfloat16 calls with 16 tokens or more and groups of 16 or 32 run the AMX tiles here (CPU,
+    the OS's tile permission, the tiles' self-check, build and ``SPARSA_ISA``). On a CPU with AMX where
+    they cannot run, a warning says why, once."""
+    lib = native_library()
+    if lib is None:
+        return False
+    if lib.sparsa_row_group_has_amx():
+        return True
+    code = int(lib.sparsa_row_group_amx_status())
+    if code >= 2 and not _AMX_WARNED:
+        _AMX_WARNED.append(code)
+        warnings.warn(f"sparsa row_group: {_AMX_STATUS[code]}", RuntimeWarning, stacklevel=2)
+    return False
+
+
+_AMX_WARNED: list = []
+
+
+def emulated_amx_library() -> Optional[ctypes.CDLL]:
+    """The same kernels with software AMX tiles (a test build: AMX's data layout and arithmetic in plain
+    C++), so the AMX path's packing and epilogue are checked on CPUs with AVX-512 but without AMX."""
+    return loader.load("row_group_linear_amxemu", ["row_group_linear_amxemu.cpp"])
 
 
 def row_group_linear_reference(

@@ -422,17 +422,34 @@ void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int RT, uint
     }
 }
 
-// ybf (T x R bf16) = x W^T + bias (+ GELU); y (T x R floats) is scratch for permuted rows only
-template <int RT, int TV>
+// The VDPBF16PS tiles as the driver below takes them: RT output rows x NT tokens per tile, a weight
+// pack of wsize(k) bf16 per virtual group, and no per-thread state.
+template <int RT_, int TV>
+struct DpTiles {
+    static constexpr int RT = RT_, NT = 16 * TV;
+    static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
+    static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
+        dp::repack(vals, ng, k, G, RT, wp, nthreads);
+    }
+    static void tile(const float* xt, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
+        dp::tile<RT, TV>(xt, cols, wp, k, out);
+    }
+    static void begin() {}
+    static void end() {}
+};
+
+// ybf (T x R bf16) = x W^T + bias (+ GELU); y (T x R floats) is scratch for permuted rows only. Tiles:
+// DpTiles or amx::Tiles (the per-tile product; this driver packs panels, blocks and stores).
+template <class Tiles>
 void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng, int64_t k,
          int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm, int nthreads,
          bool act) {
-    constexpr int NT = 16 * TV;
-    const int64_t parts = G / RT, np = (k + 1) / 2, nvg = ng * parts;
-    std::vector<uint16_t> wp((size_t)(nvg * np * 2 * RT));
-    repack(vals, ng, k, G, RT, wp.data(), nthreads);
+    constexpr int NT = Tiles::NT, RT = Tiles::RT;
+    const int64_t parts = G / RT, nvg = ng * parts, ws = Tiles::wsize(k);
+    std::vector<uint16_t> wp((size_t)(nvg * ws));
+    Tiles::repack(vals, ng, k, G, wp.data(), nthreads);
     // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
-    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, np * 4 * RT));
+    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, ws * 2));
     const int64_t npan = (T + NT - 1) / NT;
     if (nthreads > 1 && npan < 2 * nthreads) vchunk = std::min<int64_t>(vchunk, std::max<int64_t>(1, nvg / (4 * nthreads)));
     vchunk = std::max<int64_t>(1, std::min<int64_t>(vchunk, nvg));
@@ -447,13 +464,14 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
         std::unique_ptr<float[]> xt(new float[(size_t)(K * NT)]);
         alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
+        Tiles::begin();
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
             const int nt = (int)std::min<int64_t>(NT, T - t0);
             pack_panel<NT>(x + t0 * K, K, nt, xt.get());
             for (int64_t vg = v0; vg < v1; ++vg) {
                 const int64_t g = vg / parts;
-                tile<RT, TV>(xt.get(), cols + g * k, wp.data() + vg * np * 2 * RT, k, out);
+                Tiles::tile(xt.get(), cols + g * k, wp.data() + vg * ws, k, out);
                 const int64_t s0 = vg * RT;  // first slot
                 if (perm) {
                     for (int t = 0; t < nt; ++t) {
@@ -468,21 +486,30 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                 // rounded to bf16 here: no float copy of y goes through memory
                 const int nout = (int)std::min<int64_t>(RT, R - s0);
                 if (nout <= 0) continue;
-                const __mmask16 m = (__mmask16)((1u << nout) - 1u);
+                // 16 outputs at a time (AMX tiles of 32 rows hold two such column blocks)
                 if (bias) {
-                    const __m512 b = _mm512_maskz_loadu_ps(m, bias + s0);
-                    for (int t = 0; t < nt; ++t)
-                        _mm512_mask_storeu_ps(out + t * RT, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + t * RT), b));
+                    for (int q = 0; q < nout; q += 16) {
+                        const __mmask16 m = (__mmask16)((1u << std::min(16, nout - q)) - 1u);
+                        const __m512 b = _mm512_maskz_loadu_ps(m, bias + s0 + q);
+                        for (int t = 0; t < nt; ++t) {
+                            float* o = out + t * RT + q;
+                            _mm512_mask_storeu_ps(o, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), b));
+                        }
+                    }
                 }
                 if (act) sparsa_gelu_inplace16(out, nt * RT);  // one call for the tile (rows past nout: ignored)
-                for (int t = 0; t < nt; ++t) {
-                    const __m512 v = _mm512_maskz_loadu_ps(m, out + t * RT);
-                    const __m128i lo = sparsa_cvt8_f32_bf16(_mm512_castps512_ps256(v));
-                    const __m128i hi = sparsa_cvt8_f32_bf16(_mm512_extractf32x8_ps(v, 1));
-                    _mm256_mask_storeu_epi16(ybf + (t0 + t) * R + s0, m, _mm256_set_m128i(hi, lo));
+                for (int q = 0; q < nout; q += 16) {
+                    const __mmask16 m = (__mmask16)((1u << std::min(16, nout - q)) - 1u);
+                    for (int t = 0; t < nt; ++t) {
+                        const __m512 v = _mm512_maskz_loadu_ps(m, out + t * RT + q);
+                        const __m128i lo = sparsa_cvt8_f32_bf16(_mm512_castps512_ps256(v));
+                        const __m128i hi = sparsa_cvt8_f32_bf16(_mm512_extractf32x8_ps(v, 1));
+                        _mm256_mask_storeu_epi16(ybf + (t0 + t) * R + s0 + q, m, _mm256_set_m128i(hi, lo));
+                    }
                 }
             }
         }
+        Tiles::end();
     };
     if (nthreads <= 1 || ntasks == 1) {
         for (int64_t id = 0; id < ntasks; ++id) task(id);
@@ -506,18 +533,19 @@ void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const
     const int64_t panel_bytes_per_16 = K * 16 * (int64_t)sizeof(float);
     const bool wide_ok = 4 * panel_bytes_per_16 <= 384 * 1024, pair_ok = 2 * panel_bytes_per_16 <= 384 * 1024;
     if (G == 4) {
-        if (wide_ok) return run<4, 4>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
-        return run<4, 2>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        if (wide_ok) return run<DpTiles<4, 4>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        return run<DpTiles<4, 2>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
     }
     if (G == 8) {
-        if (pair_ok) return run<8, 2>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
-        return run<8, 1>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        if (pair_ok) return run<DpTiles<8, 2>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+        return run<DpTiles<8, 1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
     }
-    return run<16, 1>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+    return run<DpTiles<16, 1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
 }
 
 }  // namespace dp
 #pragma GCC pop_options
+#include "row_group_amx.h"
 #endif
 
 // Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
@@ -736,6 +764,15 @@ bool use_dpbf16() {
 #endif
 }
 
+// the bf16 AMX tiles run: AMX-BF16 usable here and SPARSA_ISA is amx (or unset)
+bool use_amx() {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    return sparsa_isa_cap() >= 3 && sparsa_cpu_avx512_enabled() && sparsa_amx_status() == 0;
+#else
+    return false;
+#endif
+}
+
 // fewest tokens for the bf16 dot-product tiles (16 token lanes each); fewer run the widening tiles
 constexpr int64_t kDpMinTokens = 16;
 
@@ -752,6 +789,12 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
 #ifdef SPARSA_HAVE_AVX512_PATH
     if constexpr (std::is_same<WT, uint16_t>::value) {
+        if (x_bf16 && y_bf16 && (G == 16 || G == 32) && T >= kDpMinTokens && use_amx()) {
+            amx::run_any(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
+                         perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm,
+                         nthreads, act);
+            return 0;
+        }
         if (x_bf16 && y_bf16 && (G == 4 || G == 8 || G == 16 || G == 32) && T >= kDpMinTokens && use_dpbf16()) {
             dp::run_any(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
                     perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm, nthreads,
@@ -786,13 +829,26 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
 
 extern "C" {
 
-int sparsa_row_group_version() { return 4; }
+int sparsa_row_group_version() { return 5; }
 
 // 1 when the AVX-512 tiles run on this CPU
 int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
 
 // 1 when bf16 calls with 16 tokens or more run the AVX512-BF16 dot-product tiles on this CPU
 int sparsa_row_group_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
+
+// 1 when bf16 calls with 16 tokens or more and groups of 16 or 32 run the AMX tiles on this CPU
+int sparsa_row_group_has_amx() { return use_amx() ? 1 : 0; }
+
+// why the AMX tiles do not run on this CPU whatever SPARSA_ISA says: 0 they can; 1 no AMX-BF16 (or no
+// AVX-512 path); 2 the OS refused tile data; 3 the self-check failed
+int sparsa_row_group_amx_status() {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    return sparsa_amx_status();
+#else
+    return 1;
+#endif
+}
 
 int sparsa_row_group_has_avx2() {
 #ifdef __AVX2__

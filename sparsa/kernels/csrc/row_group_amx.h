@@ -1,0 +1,256 @@
+// AMX tiles for bf16 RowGroup weights (included by row_group_linear.cpp after its dp namespace, whose
+// panel packing, pair loads and driver they reuse).
+//
+// A tile computes Y^T for RT = 16 H output rows x 32 tokens: C[h][v] (16 rows x 16 tokens, fp32) +=
+// A_h (16 rows x 32 kept columns of the group's weights, packed per call) . B_v (the same 32 kept
+// columns x 16 tokens in AMX's pair layout). B is built per 32 kept columns from the fp32 token panel
+// with the dp path's pair loads, one 64-byte row per column pair, and shared by the H weight tiles
+// (groups of 32 rows read it twice). Tile registers: C 0-3, A 4-5, B 6-7.
+#pragma once
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+#include <cstring>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma")
+namespace amx {
+
+#ifdef SPARSA_AMX_EMULATE
+// Software tiles (row_group_linear_amxemu.cpp): the same data movement and TDPBF16PS's arithmetic in
+// plain C++, so the tests check the packing, tails and epilogue on CPUs without AMX.
+struct alignas(64) EmuTile {
+    uint8_t b[16][64];
+};
+inline thread_local EmuTile emu_tiles[8];
+inline float emu_bf16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline void emu_load(int t, const void* base, long stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(emu_tiles[t].b[r], static_cast<const char*>(base) + r * stride, 64);
+}
+inline void emu_store(int t, void* base, long stride) {
+    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, emu_tiles[t].b[r], 64);
+}
+// C[m][n] += sum over pair rows p of A[m][2p] B[p][2n] + A[m][2p+1] B[p][2n+1] (fp32 sums)
+inline void emu_dpbf16(int c, int a, int b) {
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
+            float acc;
+            std::memcpy(&acc, emu_tiles[c].b[m] + 4 * n, 4);
+            for (int p = 0; p < 16; ++p)
+                acc += emu_bf16(emu_tiles[a].b[m] + 4 * p) * emu_bf16(emu_tiles[b].b[p] + 4 * n) +
+                       emu_bf16(emu_tiles[a].b[m] + 4 * p + 2) * emu_bf16(emu_tiles[b].b[p] + 4 * n + 2);
+            std::memcpy(emu_tiles[c].b[m] + 4 * n, &acc, 4);
+        }
+}
+#define SPARSA_TILE_ZERO(t) std::memset(&emu_tiles[t], 0, sizeof(EmuTile))
+#define SPARSA_TILE_LOAD(t, base, stride) emu_load(t, base, stride)
+#define SPARSA_TILE_STORE(t, base, stride) emu_store(t, base, stride)
+#define SPARSA_TILE_DP(c, a, b) emu_dpbf16(c, a, b)
+#define SPARSA_TILE_CONFIG(cfg) (void)(cfg)
+#define SPARSA_TILE_RELEASE() (void)0
+#else
+// tileloadd reads memory the compiler does not see (GCC's macro has no memory clobber): order the
+// stores that built a B tile before it.
+#define SPARSA_TILE_LOAD(t, base, stride)   \
+    do {                                     \
+        asm volatile("" ::: "memory");       \
+        _tile_loadd(t, base, stride);        \
+    } while (0)
+#define SPARSA_TILE_ZERO(t) _tile_zero(t)
+#define SPARSA_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define SPARSA_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
+#define SPARSA_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
+#define SPARSA_TILE_RELEASE() _tile_release()
+#endif
+
+// every tile 16 rows x 64 bytes (palette 1)
+struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    Config() {
+        for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+    }
+};
+
+// A tiles: wa[vg][kb][r][32] = W rows r of the virtual group, kept columns kb*32.. (zero past k)
+inline int64_t wsize(int64_t k, int RT) { return (k + 31) / 32 * RT * 32; }
+
+inline void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int RT, uint16_t* wa, int nthreads) {
+    const int64_t parts = G / RT, nkb = (k + 31) / 32, nvg = ng * parts;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t vg = 0; vg < nvg; ++vg) {
+        const int64_t g = vg / parts, r0 = (vg % parts) * RT;
+        const uint16_t* v = vals + g * k * G + r0;
+        uint16_t* o = wa + vg * nkb * RT * 32;
+        for (int64_t kb = 0; kb < nkb; ++kb)
+            for (int r = 0; r < RT; ++r)
+                for (int j = 0; j < 32; ++j) {
+                    const int64_t c = kb * 32 + j;
+                    o[(kb * RT + r) * 32 + j] = c < k ? v[c * G + r] : (uint16_t)0;
+                }
+    }
+}
+
+alignas(64) static const float kZeros[32] = {};
+
+// B rows (pairs p of kept columns kb*32 + 2p, +1) for the two 16-token halves of a 32-token panel
+template <bool Tail>
+inline void build_b(const float* xt, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1) {
+    for (int p = 0; p < 16; ++p) {
+        const int64_t ja = j0 + 2 * p, jb = ja + 1;
+        const float* a = (!Tail || ja < k) ? xt + (int64_t)cols[ja] * 32 : kZeros;
+        const float* b = (!Tail || jb < k) ? xt + (int64_t)cols[jb] * 32 : kZeros;
+        _mm512_store_si512(b0 + 16 * p, dp::pair_of(a, b));
+        _mm512_store_si512(b1 + 16 * p, dp::pair_of(a + 16, b + 16));
+    }
+}
+
+// out[t * RT + r] (t < 32, r < RT) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+template <int H>
+void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
+          float* __restrict out) {
+    constexpr int RT = 16 * H, NT = 32;
+    alignas(64) uint32_t bb[2][2][16 * 16];  // [parity][token half][pair row][token]: two B tiles, double-buffered
+    SPARSA_TILE_ZERO(0);
+    SPARSA_TILE_ZERO(1);
+    if constexpr (H == 2) {
+        SPARSA_TILE_ZERO(2);
+        SPARSA_TILE_ZERO(3);
+    }
+    const int64_t nkb = (k + 31) / 32;
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+        uint32_t* b0 = bb[kb & 1][0];
+        uint32_t* b1 = bb[kb & 1][1];
+        if ((kb + 1) * 32 <= k)
+            build_b<false>(xt, cols, kb * 32, k, b0, b1);
+        else
+            build_b<true>(xt, cols, kb * 32, k, b0, b1);
+        const uint16_t* a = wa + kb * RT * 32;
+        SPARSA_TILE_LOAD(4, a, 64);
+        SPARSA_TILE_LOAD(6, b0, 64);
+        SPARSA_TILE_LOAD(7, b1, 64);
+        SPARSA_TILE_DP(0, 4, 6);
+        SPARSA_TILE_DP(1, 4, 7);
+        if constexpr (H == 2) {
+            SPARSA_TILE_LOAD(5, a + 16 * 32, 64);
+            SPARSA_TILE_DP(2, 5, 6);
+            SPARSA_TILE_DP(3, 5, 7);
+        }
+    }
+    alignas(64) float buf[RT][NT];  // [row][token]
+    SPARSA_TILE_STORE(0, &buf[0][0], NT * 4);
+    SPARSA_TILE_STORE(1, &buf[0][16], NT * 4);
+    if constexpr (H == 2) {
+        SPARSA_TILE_STORE(2, &buf[16][0], NT * 4);
+        SPARSA_TILE_STORE(3, &buf[16][16], NT * 4);
+    }
+    for (int t0 = 0; t0 < NT; t0 += 8)
+        for (int q = 0; q < RT; q += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(&buf[q + i][t0]);
+            transpose8(r);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (t0 + i) * RT + q, r[i]);
+        }
+}
+
+// The Tiles interface of dp::run. Tile state is per thread: each task loads the configuration (oneDNN
+// may have loaded its own on this thread) and releases the tiles at its end.
+template <int H>
+struct Tiles {
+    static constexpr int RT = 16 * H, NT = 32;
+    static int64_t wsize(int64_t k) { return amx::wsize(k, RT); }
+    static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
+        amx::repack(vals, ng, k, G, RT, wp, nthreads);
+    }
+    static void tile(const float* xt, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
+        amx::tile<H>(xt, cols, wp, k, out);
+    }
+    static void begin() {
+        static const Config cfg;
+        SPARSA_TILE_CONFIG(&cfg);
+    }
+    static void end() { SPARSA_TILE_RELEASE(); }
+};
+
+// groups of 16 or 32 rows (the caller checks)
+inline void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng,
+                    int64_t k, int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm,
+                    int nthreads, bool act) {
+    if (G == 32) return dp::run<Tiles<2>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+    dp::run<Tiles<1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+
+namespace amx {
+
+// One tile product of small integers (exact in bf16 and fp32) against scalar sums: 16 rows, 40 kept
+// columns of 48 (a full block of 32 and a partial one), 32 tokens. Guards against a CPU, hypervisor or
+// assembler that runs the instructions differently from what the packing assumes.
+inline bool selfcheck() {
+    constexpr int64_t K = 48, k = 40, G = 16, NT = 32;
+    std::vector<uint16_t> x(NT * K), vals(k * G), wa((size_t)wsize(k, G));
+    std::vector<int32_t> cols(k);
+    auto bf = [](int v) {
+        const float f = (float)v;
+        uint32_t u;
+        std::memcpy(&u, &f, 4);
+        return (uint16_t)(u >> 16);
+    };
+    for (int64_t t = 0; t < NT; ++t)
+        for (int64_t c = 0; c < K; ++c) x[t * K + c] = bf((int)((t * 7 + c * 3) % 9) - 4);
+    for (int64_t j = 0; j < k; ++j) {
+        cols[j] = (int32_t)(j + j / 5);  // skips every sixth column
+        for (int64_t r = 0; r < G; ++r) vals[j * G + r] = bf((int)((r * 5 + j) % 7) - 3);
+    }
+    std::vector<float> xt(K * NT), out(NT * G);
+    dp::pack_panel<NT>(x.data(), K, (int)NT, xt.data());
+    repack(vals.data(), 1, k, G, G, wa.data(), 1);
+    Tiles<1>::begin();
+    tile<1>(xt.data(), cols.data(), wa.data(), k, out.data());
+    Tiles<1>::end();
+    for (int64_t t = 0; t < NT; ++t)
+        for (int64_t r = 0; r < G; ++r) {
+            int64_t want = 0;
+            for (int64_t j = 0; j < k; ++j)
+                want += ((t * 7 + cols[j] * 3) % 9 - 4) * ((r * 5 + j) % 7 - 3);
+            if (out[t * G + r] != (float)want) return false;
+        }
+    return true;
+}
+
+}  // namespace amx
+
+// Whether the AMX tiles can run here: 0 yes; 1 no AMX-BF16 on this CPU (CPUID 7.0 EDX bits 22 and 24)
+// or no AVX-512; 2 Linux refused tile data to this process (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA, asked once per process); 3 the self-check's product was wrong. Software tiles: 0.
+static inline int sparsa_amx_status() {
+    static const int status = [] {
+        if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw")))
+            return 1;  // the hardware alone: the status is cached, SPARSA_ISA is read per call
+#ifndef SPARSA_AMX_EMULATE
+#if defined(__x86_64__) && defined(__linux__)
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 1;
+        if (!((d >> 22) & 1u) || !((d >> 24) & 1u)) return 1;
+        constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) return 2;
+#else
+        return 1;
+#endif
+#endif
+        return amx::selfcheck() ? 0 : 3;
+    }();
+    return status;
+}
