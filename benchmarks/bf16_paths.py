@@ -1,16 +1,17 @@
-"""The AVX512-BF16 (``VDPBF16PS``) kernel paths against the path below them and against dense, per layer.
+"""The bf16 dot-product kernel paths (``VDPBF16PS``, AMX tiles) against the path below them and against dense.
 
 For each bf16 kernel that has a dot-product path (``has_dpbf16()`` in ``sparsa.kernels.row_group``,
 ``.sliced_ell`` and ``.bitmask``), the same call is timed round-robin in one process (warm-up first,
 median of the rounds) on its dot-product path and on the path it replaces, beside dense ``F.linear``
 in bf16 and fp32 on the same (pruned) weight:
 
-- row_group (groups of 16 and 4) and sliced_ell: the default path against ``SPARSA_ISA=avx2`` (the
-  widening kernels: bf16 operands widened to fp32 in registers);
+- row_group (groups of 16 and 4) and sliced_ell: ``SPARSA_ISA=avx512`` (``VDPBF16PS``) against
+  ``SPARSA_ISA=avx2`` (the widening kernels: bf16 operands widened to fp32 in registers);
+- row_group16 where the AMX tiles run (``has_amx()``): the default path (AMX) against ``SPARSA_ISA=avx512``;
 - bitmask (the decode kernel, few tokens): ``STREAM_PATH="dpbf16"`` against ``"avx512"``.
 
-Rows: ``kernel, out_features, in_features, tokens, sparsity, threads, dp_ms, below_ms, below_path,
-dense_bf16_ms, dense_fp32_ms, speedup_vs_below, speedup_vs_best_dense``. Writes
+Rows: ``kernel, path, out_features, in_features, tokens, sparsity, threads, dp_ms`` (the path's time),
+``below_ms, below_path, dense_bf16_ms, dense_fp32_ms, speedup_vs_below, speedup_vs_best_dense``. Writes
 ``benchmarks/results/<cpu class>/bf16_paths.json`` (``--out`` or ``$SPARSA_RESULTS_DIR`` move it) with
 the CPU under ``cpu``. On a CPU without AVX512-BF16 it prints why and exits 0.
 
@@ -67,7 +68,8 @@ def _with_stream_path(path: str, fn: Callable[[], object]) -> Callable[[], objec
 
 
 def _cases(quick: bool):
-    """(kernel, shape, tokens, sparsity, dp fn, below fn, below label, dense bf16 weight)."""
+    """(kernel, shape, call, dense bf16 weight, sparsity, tokens, path, below path); a path is a
+    ``SPARSA_ISA`` value, or a bitmask ``STREAM_PATH``."""
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES[:1] if quick else SHAPES
     sparsities = [0.75] if quick else SPARSITIES
@@ -82,7 +84,9 @@ def _cases(quick: bool):
                 def call(x, lay=lay, v=v, R=R):
                     return rgk.row_group_linear_impl(x, lay.columns, v, None, R, lay.row_perm)
 
-                yield f"row_group{group}", (R, K), call, dense, s, [1024, 128], "avx2"
+                yield f"row_group{group}", (R, K), call, dense, s, [1024, 128], "avx512", "avx2"
+                if group == 16 and rgk.has_amx():
+                    yield f"row_group{group}", (R, K), call, dense, s, [1024, 128], "amx", "avx512"
             se = SlicedELL.from_dense(w, sparsity=s)
             sv = se.values.bfloat16()
 
@@ -90,7 +94,7 @@ def _cases(quick: bool):
                 return sek.sliced_ell_linear_impl(x, se.slice_ptr, se.columns, sv, None, R)
 
             dense = SlicedELL(se.slice_ptr, se.columns, sv, se.row_nnz, se.shape).to_dense()
-            yield "sliced_ell", (R, K), se_call, dense, s, [1024, 128], "avx2"
+            yield "sliced_ell", (R, K), se_call, dense, s, [1024, 128], "avx512", "avx2"
     for R, K in DECODE_SHAPES[:1] if quick else DECODE_SHAPES:
         w = torch.randn(R, K, generator=gen)
         for s in [0.5] if quick else [0.5, 0.7]:
@@ -99,28 +103,29 @@ def _cases(quick: bool):
             def bm_call(x, b=b, R=R):
                 return bm.bitmask_linear_impl(x, b.bits, b.row_ptr, b.values, None, R, "stream")
 
-            yield "bitmask", (R, K), bm_call, b.to_dense(), s, [1, 4], "avx512"
+            yield "bitmask", (R, K), bm_call, b.to_dense(), s, [1, 4], "dpbf16", "avx512"
 
 
 def run(quick: bool, threads: int, rounds: int) -> List[Dict]:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(1)
     rows = []
-    for kernel, (R, K), call, dense, s, tokens, below in _cases(quick):
+    for kernel, (R, K), call, dense, s, tokens, top, below in _cases(quick):
         for T in tokens:
             x = torch.randn(T, K, generator=gen).bfloat16()
             x32, d32 = x.float(), dense.float()
             if kernel == "bitmask":
-                dp = _with_stream_path("dpbf16", lambda: call(x))
-                lower = _with_stream_path("avx512", lambda: call(x))
+                dp = _with_stream_path(top, lambda: call(x))
+                lower = _with_stream_path(below, lambda: call(x))
             else:
-                dp = lambda: call(x)  # noqa: E731
+                dp = _with_isa(top, lambda: call(x))
                 lower = _with_isa(below, lambda: call(x))
             fns = {"dp": dp, "below": lower, "bf16": lambda: F.linear(x, dense), "fp32": lambda: F.linear(x32, d32)}
             ms = round_robin_ms(fns, rounds)
             best = min(ms["bf16"], ms["fp32"])
             row = {
                 "kernel": kernel,
+                "path": "amx" if top == "amx" else "dpbf16",
                 "out_features": R,
                 "in_features": K,
                 "tokens": T,
@@ -136,8 +141,9 @@ def run(quick: bool, threads: int, rounds: int) -> List[Dict]:
             }
             rows.append(row)
             print(
-                f"{kernel:>12} {R}x{K} T={T:<5} {s:.2f}: dp {row['dp_ms']:8.3f} ms  x{row['speedup_vs_below']:.2f} vs "
-                f"{row['below_path']}  x{row['speedup_vs_best_dense']:.2f} vs best dense",
+                f"{kernel:>12} {R}x{K} T={T:<5} {s:.2f}: {row['path']} {row['dp_ms']:8.3f} ms  "
+                f"x{row['speedup_vs_below']:.2f} vs {row['below_path']}  "
+                f"x{row['speedup_vs_best_dense']:.2f} vs best dense",
                 flush=True,
             )
     return rows

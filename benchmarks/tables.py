@@ -31,7 +31,7 @@ BENCHES = (
     ("llm_decode", "Sparse LLM decoding (bitmask layout)", "python benchmarks/llm_decode.py"),
     ("bitmask_stream", "The bitmask decode kernel alone", "python benchmarks/bitmask_stream.py"),
     ("bitmask_prefill", "The bitmask strategies per layer", "python benchmarks/bitmask_prefill.py"),
-    ("bf16_paths", "The VDPBF16PS kernel paths", "python benchmarks/bf16_paths.py"),
+    ("bf16_paths", "The bf16 dot-product kernel paths", "python benchmarks/bf16_paths.py"),
     ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
@@ -727,13 +727,14 @@ def bitmask_prefill_section(d: Dict[str, Any]) -> str:
 
 
 def bf16_paths_section(d: Dict[str, Any]) -> str:
-    """The VDPBF16PS paths against the path below them and against the faster dense dtype."""
+    """The bf16 dot-product paths against the path below them and against the faster dense dtype."""
     head = (
-        f"Each bf16 dot-product kernel path (dp_ms) beside the path below it (below_path, below_ms) and dense "
-        f"bf16 and fp32 `F.linear`, {d.get('threads')} thread(s), one process; speedup_vs_best_dense: the faster "
-        "dense dtype / the dp path.\n\n"
+        "Each bf16 dot-product kernel path (path: VDPBF16PS or AMX tiles; dp_ms) beside the path below it "
+        f"(below_path, below_ms) and dense bf16 and fp32 `F.linear`, {d.get('threads')} thread(s), one process; "
+        "speedup_vs_best_dense: the faster dense dtype / the dp path.\n\n"
     )
-    cols = ["kernel", "out_features", "in_features", "tokens", "sparsity", "dp_ms", "below_path", "below_ms"]
+    cols = ["kernel"] + (["path"] if any("path" in r for r in d["rows"]) else [])
+    cols += ["out_features", "in_features", "tokens", "sparsity", "dp_ms", "below_path", "below_ms"]
     cols += ["dense_bf16_ms", "dense_fp32_ms", "speedup_vs_below", "speedup_vs_best_dense"]
     return head + _md(d["rows"], cols) + _quick_mark(d)
 
