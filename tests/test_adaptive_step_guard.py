@@ -75,8 +75,48 @@ class TestStateMachine:
         g.record(10.0)
         assert seen == [True]  # the dense window; the verdict keeps it dense, no second switch
 
+    def test_a_close_comparison_times_more_pairs(self):
+        g = StepGuard(warmup=0, window=3, recheck=10)  # tie 3%, up to 3 pairs of windows
+        _feed(g, 10.2, 3)
+        _feed(g, 10.0, 3)  # 2% apart: no verdict yet, another adaptive window
+        assert g.decision is None and g.phase == "adaptive" and not g.suspended
+        _feed(g, 9.0, 3)
+        _feed(g, 10.0, 3)  # medians over both pairs: 9.6 against 10.0, 4% apart
+        assert g.decision == "adaptive" and g.phase == "hold"
+        assert g.comparisons[-1]["rounds"] == 2
+        assert g.adaptive_ms == pytest.approx(9.6) and g.dense_ms == pytest.approx(10.0)
+
+    def test_a_tie_is_decided_after_max_rounds(self):
+        g = StepGuard(warmup=0, window=2, recheck=10, max_rounds=2)
+        for _ in range(2):
+            _feed(g, 10.1, 2)
+            _feed(g, 10.0, 2)
+        assert g.decision == "dense" and g.comparisons[-1]["rounds"] == 2
+        # the next comparison starts afresh: its samples are not mixed with these
+        _feed(g, 10.0, 10)  # hold
+        _feed(g, 5.0, 2)
+        _feed(g, 10.0, 2)
+        assert g.decision == "adaptive" and g.adaptive_ms == pytest.approx(5.0)
+        assert g.comparisons[-1]["rounds"] == 1
+
+    def test_tie_zero_decides_on_one_pair(self):
+        g = StepGuard(warmup=0, window=1, recheck=10, tie=0.0)
+        g.record(10.1)
+        g.record(10.0)
+        assert g.decision == "dense"
+
     @pytest.mark.parametrize(
-        "kw", [dict(window=0), dict(warmup=-1), dict(recheck=0), dict(margin=0.0), dict(window=2.5)]
+        "kw",
+        [
+            dict(window=0),
+            dict(warmup=-1),
+            dict(recheck=0),
+            dict(margin=0.0),
+            dict(window=2.5),
+            dict(tie=-0.1),
+            dict(tie=1.0),
+            dict(max_rounds=0),
+        ],
     )
     def test_bad_arguments(self, kw):
         with pytest.raises(ValueError, match=next(iter(kw))):

@@ -15,7 +15,10 @@ The guard alternates windows of ``window`` steps: after ``warmup`` steps it time
 then a dense window (every adaptive layer suspended: PyTorch's dense op, no monitor), and compares
 the medians. If adaptive is slower than ``margin`` x dense, the model stays dense; either way both
 are timed again after ``recheck`` steps (doubling, up to ``max_recheck``), because sparsity changes
-as training goes on. Steps in which a layer was calibrated are dropped (calibration times kernels).
+as training goes on. A comparison within ``tie`` (relative) of the margin is too close for one pair of
+windows, whose medians move by a few percent from run to run: another adaptive and dense pair is timed
+(up to ``max_rounds`` pairs) and the medians over all of them decide. Steps in which a layer was
+calibrated are dropped (calibration times kernels).
 
 Example::
 
@@ -47,13 +50,21 @@ class StepGuard:
     """The state machine of whole-step timing; :meth:`attach` hooks it to a model."""
 
     def __init__(
-        self, warmup: int = 20, window: int = 5, recheck: int = 100, max_recheck: int = 1600, margin: float = 1.0
+        self,
+        warmup: int = 20,
+        window: int = 5,
+        recheck: int = 100,
+        max_recheck: int = 1600,
+        margin: float = 1.0,
+        tie: float = 0.03,
+        max_rounds: int = 3,
     ):
         for name, v, lo in (
             ("warmup", warmup, 0),
             ("window", window, 1),
             ("recheck", recheck, 1),
             ("max_recheck", max_recheck, 1),
+            ("max_rounds", max_rounds, 1),
         ):
             if int(v) != v or int(v) < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -61,7 +72,13 @@ class StepGuard:
             raise ValueError(
                 f"margin must be > 0 (adaptive is kept when its step is below margin x dense), got {margin!r}"
             )
+        if not 0 <= tie < 1:
+            raise ValueError(
+                f"tie must be in [0, 1) (a comparison within tie of the margin times another pair of windows), "
+                f"got {tie!r}"
+            )
         self.warmup, self.window, self.margin = int(warmup), int(window), float(margin)
+        self.tie, self.max_rounds = float(tie), int(max_rounds)
         self.recheck, self.max_recheck = int(recheck), int(max(recheck, max_recheck))
         #: True while the adaptive layers run dense (a dense window, or the guard's verdict)
         self.suspended = False
@@ -74,7 +91,9 @@ class StepGuard:
         self._phase = "warmup"
         self._left = self.warmup
         self._samples: List[float] = []
-        self._adaptive: List[float] = []
+        self._adaptive: List[float] = []  # every adaptive sample of the comparison under way
+        self._dense: List[float] = []
+        self._rounds = 0
         self._next_recheck = self.recheck
         self._last: Optional[float] = None
         self._grad_end: Optional[float] = None
@@ -97,10 +116,16 @@ class StepGuard:
         if self._phase == "warmup":
             self._start("adaptive")
         elif self._phase == "adaptive":
-            self._adaptive = self._samples
+            self._adaptive += self._samples
             self._start("dense")
         elif self._phase == "dense":
-            self._compare(statistics.median(self._adaptive), statistics.median(self._samples))
+            self._dense += self._samples
+            self._rounds += 1
+            a, d = statistics.median(self._adaptive), statistics.median(self._dense)
+            if self._rounds < self.max_rounds and abs(a / (self.margin * d) - 1.0) <= self.tie:
+                self._start("adaptive")  # too close to call: another pair of windows
+            else:
+                self._compare(a, d)
         else:  # "hold" is over: time both paths again
             self._start("adaptive")
 
@@ -113,8 +138,15 @@ class StepGuard:
         keep = adaptive_ms <= self.margin * dense_ms
         self.decision = "adaptive" if keep else "dense"
         self.comparisons.append(
-            {"step": self.steps, "adaptive_ms": adaptive_ms, "dense_ms": dense_ms, "decision": self.decision}
+            {
+                "step": self.steps,
+                "adaptive_ms": adaptive_ms,
+                "dense_ms": dense_ms,
+                "rounds": self._rounds,
+                "decision": self.decision,
+            }
         )
+        self._adaptive, self._dense, self._rounds = [], [], 0
         self._phase, self._left, self._samples = "hold", self._next_recheck, []
         self._next_recheck = min(self.max_recheck, 2 * self._next_recheck)
         self._set_suspended(not keep)
