@@ -15,51 +15,78 @@ def _feed(g: StepGuard, ms: float, n: int) -> None:
         g.record(ms)
 
 
+def _pairs(g: StepGuard, adaptive_ms: float, dense_ms: float, n: int) -> None:
+    """``n`` steps, each timed on the path the guard has set for it."""
+    for _ in range(n):
+        g.record(dense_ms if g.suspended else adaptive_ms)
+
+
 class TestStateMachine:
-    def test_warmup_then_adaptive_then_dense_window(self):
+    def test_warmup_then_alternating_steps(self):
         g = StepGuard(warmup=2, window=3, recheck=10)
         _feed(g, 50.0, 2)
         assert g.phase == "adaptive" and not g.suspended
-        _feed(g, 10.0, 3)
+        seen = []
+        for _ in range(5):
+            seen.append(g.suspended)
+            g.record(10.0 if not g.suspended else 12.0)
+        assert seen == [False, True, False, True, False]  # adaptive and dense steps interleave
         assert g.phase == "dense" and g.suspended and g.decision is None
 
     def test_adaptive_slower_goes_dense(self):
         g = StepGuard(warmup=0, window=3, recheck=10)
-        _feed(g, 12.0, 3)
-        _feed(g, 10.0, 3)
+        _pairs(g, 12.0, 10.0, 6)
         assert g.decision == "dense" and g.suspended and g.phase == "hold"
         assert g.speedup == pytest.approx(10.0 / 12.0)
 
     def test_adaptive_faster_stays_adaptive(self):
         g = StepGuard(warmup=0, window=3, recheck=10)
-        _feed(g, 8.0, 3)
-        _feed(g, 10.0, 3)
+        _pairs(g, 8.0, 10.0, 6)
         assert g.decision == "adaptive" and not g.suspended
         assert g.speedup == pytest.approx(1.25)
 
+    def test_a_drift_falls_on_both_paths(self):
+        # the machine is 20% slower for the first half: an adaptive window then a dense one would
+        # compare 11.4 against 10 ms and send a faster adaptive model dense
+        g = StepGuard(warmup=0, window=4, recheck=10, tie=0.0)
+        for i in range(8):
+            scale = 1.2 if i < 4 else 1.0
+            g.record((10.0 if g.suspended else 9.5) * scale)
+        assert g.decision == "adaptive"
+        assert g.speedup == pytest.approx(10.0 / 9.5)
+
     def test_median_ignores_one_outlier(self):
         g = StepGuard(warmup=0, window=3, recheck=10)
-        for ms in (8.0, 500.0, 8.0):  # e.g. a garbage-collection pause
+        for ms in (8.0, 10.0, 500.0, 10.0, 8.0, 10.0):  # adaptive, dense, ...: a garbage-collection pause
             g.record(ms)
-        _feed(g, 10.0, 3)
         assert g.decision == "adaptive"
 
     def test_recheck_measures_again_and_doubles(self):
         g = StepGuard(warmup=0, window=2, recheck=4, max_recheck=6)
-        _feed(g, 12.0, 2)
-        _feed(g, 10.0, 2)
+        _pairs(g, 12.0, 10.0, 4)
         assert g.decision == "dense"
         _feed(g, 10.0, 4)  # hold, dense
         assert g.phase == "adaptive" and not g.suspended
-        _feed(g, 7.0, 2)  # sparsity rose: adaptive got faster
-        assert g.suspended  # the dense window
-        _feed(g, 10.0, 2)
+        _pairs(g, 7.0, 10.0, 4)  # sparsity rose: adaptive got faster
         assert g.decision == "adaptive" and not g.suspended
         assert len(g.comparisons) == 2
         _feed(g, 7.0, 5)
         assert g.phase == "hold"  # the next hold is min(2 * 4, 6) = 6 steps
         g.record(7.0)
         assert g.phase == "adaptive"
+
+    def test_a_dropped_step_keeps_the_paths_balanced(self):
+        g = StepGuard(warmup=0, window=2, recheck=10)
+        g.record(8.0)  # adaptive
+        assert g.suspended
+        g.suspended = False  # as if a step ran adaptive while the guard had set dense: one more adaptive
+        g._phase = "adaptive"
+        g.record(8.0)
+        assert g.suspended and g.phase == "dense"  # dense has fewer samples: it runs next
+        g.record(10.0)
+        assert g.suspended  # still fewer dense samples
+        g.record(10.0)
+        assert g.decision == "adaptive" and g.comparisons[-1]["rounds"] == 1
 
     def test_margin(self):
         g = StepGuard(warmup=0, window=1, recheck=10, margin=1.1)
@@ -73,33 +100,28 @@ class TestStateMachine:
         g.on_change(seen.append)
         g.record(12.0)
         g.record(10.0)
-        assert seen == [True]  # the dense window; the verdict keeps it dense, no second switch
+        assert seen == [True]  # the dense step; the verdict keeps it dense, no second switch
 
-    def test_a_close_comparison_times_more_pairs(self):
-        g = StepGuard(warmup=0, window=3, recheck=10)  # tie 3%, up to 3 pairs of windows
-        _feed(g, 10.2, 3)
-        _feed(g, 10.0, 3)  # 2% apart: no verdict yet, another adaptive window
+    def test_a_close_comparison_times_more_rounds(self):
+        g = StepGuard(warmup=0, window=3, recheck=10)  # tie 3%, up to 3 rounds
+        _pairs(g, 10.2, 10.0, 6)  # 2% apart: no verdict yet
         assert g.decision is None and g.phase == "adaptive" and not g.suspended
-        _feed(g, 9.0, 3)
-        _feed(g, 10.0, 3)  # medians over both pairs: 9.6 against 10.0, 4% apart
+        _pairs(g, 9.0, 10.0, 6)  # medians over both rounds: 9.6 against 10.0, 4% apart
         assert g.decision == "adaptive" and g.phase == "hold"
         assert g.comparisons[-1]["rounds"] == 2
         assert g.adaptive_ms == pytest.approx(9.6) and g.dense_ms == pytest.approx(10.0)
 
     def test_a_tie_is_decided_after_max_rounds(self):
         g = StepGuard(warmup=0, window=2, recheck=10, max_rounds=2)
-        for _ in range(2):
-            _feed(g, 10.1, 2)
-            _feed(g, 10.0, 2)
+        _pairs(g, 10.1, 10.0, 8)
         assert g.decision == "dense" and g.comparisons[-1]["rounds"] == 2
         # the next comparison starts afresh: its samples are not mixed with these
         _feed(g, 10.0, 10)  # hold
-        _feed(g, 5.0, 2)
-        _feed(g, 10.0, 2)
+        _pairs(g, 5.0, 10.0, 4)
         assert g.decision == "adaptive" and g.adaptive_ms == pytest.approx(5.0)
         assert g.comparisons[-1]["rounds"] == 1
 
-    def test_tie_zero_decides_on_one_pair(self):
+    def test_tie_zero_decides_on_one_round(self):
         g = StepGuard(warmup=0, window=1, recheck=10, tie=0.0)
         g.record(10.1)
         g.record(10.0)

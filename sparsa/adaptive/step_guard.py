@@ -11,27 +11,26 @@ is too). Without parameter gradients (e.g. a frozen model) it is the time to the
 change to the training loop is needed. Forwards in eval mode or without autograd are not steps; they
 break the chain instead.
 
-The guard alternates windows of ``window`` steps: after ``warmup`` steps it times an adaptive window,
-then a dense window (every adaptive layer suspended: PyTorch's dense op, no monitor), and compares
-the medians. If adaptive is slower than ``margin`` x dense, the model stays dense; either way both
-are timed again after ``recheck`` steps (doubling, up to ``max_recheck``), because sparsity changes
-as training goes on. A comparison within ``tie`` (relative) of the margin is too close for one pair of
-windows, whose medians move by a few percent from run to run: another adaptive and dense pair is timed
-(up to ``max_rounds`` pairs) and the medians over all of them decide. Steps in which a layer was
-calibrated are dropped (calibration times kernels).
+After ``warmup`` steps the guard times ``window`` adaptive and ``window`` dense steps (every adaptive
+layer suspended: PyTorch's dense op, no monitor), alternating step by step so that a drift of the
+machine's speed (several percent within seconds on a shared host) falls on both alike, and compares the
+medians. If adaptive is slower than ``margin`` x dense, the model stays dense; either way both are
+timed again after ``recheck`` steps (doubling, up to ``max_recheck``), because sparsity changes as
+training goes on. A comparison within ``tie`` (relative) of the margin is too close for one round:
+another round is timed (up to ``max_rounds``) and the medians over all of them decide. Steps in which
+a layer was calibrated are dropped (calibration times kernels).
 
 Example::
 
     >>> from sparsa.adaptive.step_guard import StepGuard
     >>> g = StepGuard(warmup=0, window=3, recheck=10)
-    >>> for ms in (10, 10, 10):                 # adaptive window
+    >>> for ms in (10, 8, 10, 8, 10):           # adaptive, dense, adaptive, ... step by step
     ...     g.record(ms)
-    >>> g.suspended                              # now a dense window
+    >>> g.suspended                              # the next step is a dense one
     True
-    >>> for ms in (8, 8, 8):                     # dense is faster: the model stays dense
-    ...     g.record(ms)
-    >>> g.suspended, g.decision
-    (True, 'dense')
+    >>> g.record(8)                              # dense is faster: the model stays dense
+    >>> g.suspended, g.decision, g.phase
+    (True, 'dense', 'hold')
 """
 
 from __future__ import annotations
@@ -90,7 +89,6 @@ class StepGuard:
         self.comparisons: List[dict] = []
         self._phase = "warmup"
         self._left = self.warmup
-        self._samples: List[float] = []
         self._adaptive: List[float] = []  # every adaptive sample of the comparison under way
         self._dense: List[float] = []
         self._rounds = 0
@@ -109,28 +107,27 @@ class StepGuard:
         """One step's time in milliseconds, on the path the layers are on now."""
         self.steps += 1
         if self._phase in ("adaptive", "dense"):
-            self._samples.append(float(ms))
-        self._left -= 1
-        if self._left > 0:
+            self._measured(float(ms))
             return
-        if self._phase == "warmup":
-            self._start("adaptive")
-        elif self._phase == "adaptive":
-            self._adaptive += self._samples
-            self._start("dense")
-        elif self._phase == "dense":
-            self._dense += self._samples
-            self._rounds += 1
-            a, d = statistics.median(self._adaptive), statistics.median(self._dense)
-            if self._rounds < self.max_rounds and abs(a / (self.margin * d) - 1.0) <= self.tie:
-                self._start("adaptive")  # too close to call: another pair of windows
-            else:
-                self._compare(a, d)
-        else:  # "hold" is over: time both paths again
+        self._left -= 1
+        if self._left <= 0:  # warm-up or hold over: time both paths
             self._start("adaptive")
 
+    def _measured(self, ms: float) -> None:
+        (self._dense if self._phase == "dense" else self._adaptive).append(ms)
+        na, nd = len(self._adaptive), len(self._dense)
+        if min(na, nd) >= self.window * (self._rounds + 1):
+            self._rounds += 1
+            a, d = statistics.median(self._adaptive), statistics.median(self._dense)
+            if self._rounds >= self.max_rounds or abs(a / (self.margin * d) - 1.0) > self.tie:
+                self._compare(a, d)
+                return
+        # the path with fewer samples next (dropped steps can unbalance them), else the other one
+        nxt = "dense" if nd < na else "adaptive" if na < nd else ("adaptive" if self._phase == "dense" else "dense")
+        self._start(nxt)
+
     def _start(self, phase: str) -> None:
-        self._phase, self._left, self._samples = phase, self.window, []
+        self._phase, self._left = phase, 0
         self._set_suspended(phase == "dense")
 
     def _compare(self, adaptive_ms: float, dense_ms: float) -> None:
@@ -147,7 +144,7 @@ class StepGuard:
             }
         )
         self._adaptive, self._dense, self._rounds = [], [], 0
-        self._phase, self._left, self._samples = "hold", self._next_recheck, []
+        self._phase, self._left = "hold", self._next_recheck
         self._next_recheck = min(self.max_recheck, 2 * self._next_recheck)
         self._set_suspended(not keep)
 
@@ -163,7 +160,7 @@ class StepGuard:
 
     @property
     def phase(self) -> str:
-        """warmup, adaptive (timing adaptive steps), dense (timing dense steps) or hold."""
+        """warmup, adaptive / dense (timing: the next step runs that path) or hold."""
         return self._phase
 
     @property
