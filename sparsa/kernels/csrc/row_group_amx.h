@@ -153,13 +153,7 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
         SPARSA_TILE_STORE(2, &buf[16][0], NT * 4);
         SPARSA_TILE_STORE(3, &buf[16][16], NT * 4);
     }
-    for (int t0 = 0; t0 < NT; t0 += 8)
-        for (int q = 0; q < RT; q += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(&buf[q + i][t0]);
-            transpose8(r);
-            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (t0 + i) * RT + q, r[i]);
-        }
+    dp::rows_to_tokens<RT, NT>(buf, out);
 }
 
 // The Tiles interface of dp::run. Tile state is per thread: each task loads the configuration (oneDNN

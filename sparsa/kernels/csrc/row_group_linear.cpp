@@ -361,6 +361,19 @@ static inline __m512i pair_of(const float* a, const float* b) {
     return _mm512_or_si512(lo, _mm512_castps_si512(_mm512_loadu_ps(b)));
 }
 
+// out[t * RT + r] = buf[r][t]: per-row sums to token rows, by 8x8 transposes
+template <int RT, int NT>
+inline void rows_to_tokens(const float (&buf)[RT][NT], float* __restrict out) {
+    static_assert(RT % 8 == 0 && NT % 8 == 0, "8x8 blocks");
+    for (int t0 = 0; t0 < NT; t0 += 8)
+        for (int q = 0; q < RT; q += 8) {
+            __m256 b[8];
+            for (int i = 0; i < 8; ++i) b[i] = _mm256_load_ps(&buf[q + i][t0]);
+            transpose8(b);
+            for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (t0 + i) * RT + q, b[i]);
+        }
+}
+
 // out[t * RT + r] (t < 16 TV, r < RT) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
 template <int RT, int TV>
 void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wp, int64_t k,
@@ -392,14 +405,8 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
     alignas(64) float buf[RT][NT];
     for (int v = 0; v < TV; ++v)
         for (int r = 0; r < RT; ++r) _mm512_store_ps(&buf[r][16 * v], acc[v][r]);
-    if constexpr (RT % 8 == 0) {  // 8x8 transposes
-        for (int t0 = 0; t0 < NT; t0 += 8)
-            for (int q = 0; q < RT; q += 8) {
-                __m256 b[8];
-                for (int i = 0; i < 8; ++i) b[i] = _mm256_load_ps(&buf[q + i][t0]);
-                transpose8(b);
-                for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + (t0 + i) * RT + q, b[i]);
-            }
+    if constexpr (RT % 8 == 0) {
+        rows_to_tokens<RT, NT>(buf, out);
     } else {
         for (int t = 0; t < NT; ++t)
             for (int r = 0; r < RT; ++r) out[t * RT + r] = buf[r][t];
