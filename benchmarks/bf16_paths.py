@@ -47,11 +47,15 @@ SPARSITIES = [0.5, 0.75, 0.9]
 
 def _with_isa(isa: str, fn: Callable[[], object]) -> Callable[[], object]:
     def run():
+        old = os.environ.get("SPARSA_ISA")
         os.environ["SPARSA_ISA"] = isa
         try:
             fn()
-        finally:
-            os.environ.pop("SPARSA_ISA", None)
+        finally:  # the caller's own setting back, if it had one
+            if old is None:
+                os.environ.pop("SPARSA_ISA", None)
+            else:
+                os.environ["SPARSA_ISA"] = old
 
     return run
 
