@@ -224,7 +224,10 @@ def test_amx_status_names_why_the_tiles_do_not_run(monkeypatch):
     if rg.native_library() is None:
         pytest.skip("no native kernel here")
     status = rg.amx_status()
-    assert (status == "ok") == (cpu.hardware_isa() == "amx"), status  # on AMX CPUs the self-check passed
+    if cpu.hardware_isa() == "amx":  # the tiles' product is right (an OS may still refuse tile data)
+        assert status == "ok" or status.startswith("the OS refused"), status
+    else:
+        assert status.startswith("this CPU has no amx_bf16"), status
     emu = rg.emulated_amx_library()
     if emu is not None and cpu.hardware_isa() in ("avx512", "amx"):
         assert rg.amx_status(emu) == "ok"  # the software tiles' self-check
