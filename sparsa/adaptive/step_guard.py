@@ -73,8 +73,7 @@ class StepGuard:
             )
         if not 0 <= tie < 1:
             raise ValueError(
-                f"tie must be in [0, 1) (a comparison within tie of the margin times another pair of windows), "
-                f"got {tie!r}"
+                f"tie must be in [0, 1) (a comparison within tie of the margin times another round), got {tie!r}"
             )
         self.warmup, self.window, self.margin = int(warmup), int(window), float(margin)
         self.tie, self.max_rounds = float(tie), int(max_rounds)

@@ -75,6 +75,10 @@ _AMX_STATUS = {
 }
 
 
+#: status codes already warned about (once per process)
+_AMX_WARNED: set = set()
+
+
 def amx_status(lib: Optional[ctypes.CDLL] = None) -> str:
     """``"ok"`` when this CPU and OS run the AMX tiles (whatever ``SPARSA_ISA`` says), else why not."""
     lib = lib or native_library()
@@ -93,13 +97,10 @@ def has_amx() -> bool:
     if lib.sparsa_row_group_has_amx():
         return True
     code = int(lib.sparsa_row_group_amx_status())
-    if code >= 2 and not _AMX_WARNED:
-        _AMX_WARNED.append(code)
+    if code >= 2 and code not in _AMX_WARNED:
+        _AMX_WARNED.add(code)
         warnings.warn(f"sparsa row_group: {_AMX_STATUS[code]}", RuntimeWarning, stacklevel=2)
     return False
-
-
-_AMX_WARNED: list = []
 
 
 def emulated_amx_library() -> Optional[ctypes.CDLL]:
