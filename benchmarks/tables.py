@@ -33,6 +33,7 @@ BENCHES = (
     ("bitmask_prefill", "The bitmask strategies per layer", "python benchmarks/bitmask_prefill.py"),
     ("bf16_paths", "The bf16 dot-product kernel paths", "python benchmarks/bf16_paths.py"),
     ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
+    ("adaptive_bf16_gemms", "bf16 activation-sparse convs GEMM by GEMM", "python benchmarks/adaptive_bf16_gemms.py"),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
@@ -755,6 +756,22 @@ def adaptive_bf16_section(d: Dict[str, Any]) -> str:
     return head + _md(rows, cols) + _quick_mark(d)
 
 
+def adaptive_bf16_gemms_section(d: Dict[str, Any]) -> str:
+    """Each GEMM of the bf16 activation-sparse conv against dense bf16, with the pair densities that bound it."""
+    head = (
+        "Each GEMM of `conv2d(relu(x), W)` (3x3, batch 32, clustered zeros) on the bf16 sparse kernels against "
+        "dense bf16 (channels-last): best_fwd / best_dx / best_dw name the fastest sparse way of each, *_vs_dense "
+        "its speed-up; x_pair_gK / dy_pair_gK: the fraction of (K-pixel group, channel pair) with a nonzero, the "
+        "work of a `VDPBF16PS` union kernel on K-pixel groups relative to dense; speedup_best_sparse_vs_dense: "
+        "dense fwd + dx + dw over the fastest sparse ways plus the operand and the weight packs.\n\n"
+    )
+    rows = _shape_rows(d)
+    cols = ["shape", "sparsity", "dy", "threads", "x_elem", "x_pair_g1", "x_pair_g2", "x_pair_g4", "dy_pair_g1"]
+    cols += ["dy_pair_g2", "best_fwd", "fwd_vs_dense", "best_dx", "dx_vs_dense", "best_dw", "dw_vs_dense"]
+    cols += ["speedup_best_sparse_vs_dense"]
+    return head + _md(rows, cols) + _quick_mark(d)
+
+
 def allocation_section(d: Dict[str, Any]) -> str:
     """Uniform against non-uniform (OWL) per-layer sparsity at the same overall target."""
     head = (
@@ -870,6 +887,7 @@ SECTIONS = {
     "bitmask_prefill": bitmask_prefill_section,
     "bf16_paths": bf16_paths_section,
     "adaptive_bf16": adaptive_bf16_section,
+    "adaptive_bf16_gemms": adaptive_bf16_gemms_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
     "recover": recover_section,
