@@ -122,10 +122,13 @@ def test_input_gradient_matches_float64(native, N, C, H, W, O, group):
     _check(dx, ref, scale)
 
 
-@pytest.mark.parametrize("N,C,H,W,O,s", [(2, 16, 6, 6, 16, 1), (1, 64, 16, 16, 48, 1), (2, 24, 9, 7, 64, 2)])
+@pytest.mark.parametrize(
+    "N,C,H,W,O,s", [(2, 16, 6, 6, 16, 1), (1, 64, 16, 16, 48, 1), (2, 24, 9, 7, 64, 2), (1, 136, 7, 11, 96, 1)]
+)
 def test_input_gradient_at_nonzeros_matches_float64(native, N, C, H, W, O, s):
     """The input gradient at relu(x)'s nonzeros (dot products over pairs of output channels; O = 16 and 48 take
-    a last step of half a vector)."""
+    a last step of half a vector; 136 channels: three mask words, the last partial; 77 pixels: blocks of 32 and
+    a tail)."""
     gen = torch.Generator().manual_seed(C * O + s)
     x = _sparse_bf16((N, C, H, W), 0.6, gen)
     w = torch.randn(O, C, 3, 3, generator=gen)
