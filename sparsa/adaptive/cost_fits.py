@@ -81,7 +81,7 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union.dx.x": _fit(
         "union",
         "input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
-        {"amd-avx512": {"base": 0.145, "per_dx": 1.64}},
+        {"amd-avx512": {"base": 0.13, "per_dx": 1.63}},
         base=0.2,
         per_dx=1.6,
         big_weight=0.1,
@@ -135,8 +135,8 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union_bf16.dx.x": _fit(
         "union_bf16",
         "bf16 input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
-        base=0.19,
-        per_dx=1.66,
+        base=0.16,
+        per_dx=1.69,
         big_weight=0.1,
     ),
     "conv_union_bf16.dx.dy": _fit(

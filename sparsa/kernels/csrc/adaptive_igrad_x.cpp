@@ -53,58 +53,68 @@ inline void hsum4(const __m512* a, float* out) {
     for (int k = 0; k < 4; ++k) out[k] = t[4 * k];
 }
 
-// The dot products of one channel's weight rows wr with 4 pixels' dY patches (slots s[i] of the block's row
-// table; the zero-row slot pads a short step) into out[i]: one weight load serves the 4 pixels, and two sets of
-// sums (even and odd output-channel steps) keep 8 chains in flight.
-inline void dots4(const float* const* rows, int64_t PB1, const int* s, const float* wr, int64_t K2, int64_t O,
-                  float* out) {
-    __m512 a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+// The dot products of one channel's weight rows wr with DP pixels' dY patches (slots s[i] of the block's row
+// table) into out[i]: one weight load serves the DP pixels, and NS sets of sums, one per output-channel step of
+// an unrolled turn, keep DP x NS chains in flight.
+template <int DP, int NS>
+inline void dots(const float* const* rows, int64_t PB1, const int* s, const float* wr, int64_t K2, int64_t O,
+                 float* out) {
+    __m512 a[NS][4];
+    for (int u = 0; u < NS; ++u)
+        for (int i = 0; i < 4; ++i) a[u][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K2; ++k) {
-        const float* r[4];
-        for (int i = 0; i < 4; ++i) r[i] = rows[k * PB1 + s[i]];
+        const float* r[DP];
+        for (int i = 0; i < DP; ++i) r[i] = rows[k * PB1 + s[i]];
         const float* w = wr + k * O;
         int64_t o = 0;
-        for (; o + 32 <= O; o += 32) {
-            const __m512 w0 = _mm512_loadu_ps(w + o), w1 = _mm512_loadu_ps(w + o + 16);
-            for (int i = 0; i < 4; ++i) a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(r[i] + o), a0[i]);
-            for (int i = 0; i < 4; ++i) a1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(r[i] + o + 16), a1[i]);
-        }
-        if (o < O) {  // O is a multiple of 16
-            const __m512 w0 = _mm512_loadu_ps(w + o);
-            for (int i = 0; i < 4; ++i) a0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(r[i] + o), a0[i]);
+        for (; o + 16 * NS <= O; o += 16 * NS)
+            for (int u = 0; u < NS; ++u) {
+                const __m512 wv = _mm512_loadu_ps(w + o + 16 * u);
+                for (int i = 0; i < DP; ++i) a[u][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(r[i] + o + 16 * u), a[u][i]);
+            }
+        for (; o < O; o += 16) {  // O is a multiple of 16
+            const __m512 wv = _mm512_loadu_ps(w + o);
+            for (int i = 0; i < DP; ++i) a[0][i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(r[i] + o), a[0][i]);
         }
     }
-    for (int i = 0; i < 4; ++i) a0[i] = _mm512_add_ps(a0[i], a1[i]);
-    hsum4(a0, out);
+    for (int u = 1; u < NS; ++u)
+        for (int i = 0; i < DP; ++i) a[0][i] = _mm512_add_ps(a[0][i], a[u][i]);
+    float t[4];
+    hsum4(a[0], t);
+    for (int i = 0; i < DP; ++i) out[i] = t[i];
 }
 
 // The same over bf16 rows: pairs (o, o + 1) per VDPBF16PS, 32 output channels a vector (a last step of 16 loads
 // half of one).
-inline void dots4(const uint16_t* const* rows, int64_t PB1, const int* s, const uint16_t* wr, int64_t K2, int64_t O,
-                  float* out) {
-    __m512 a0[4], a1[4];
-    for (int i = 0; i < 4; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+template <int DP, int NS>
+inline void dots(const uint16_t* const* rows, int64_t PB1, const int* s, const uint16_t* wr, int64_t K2, int64_t O,
+                 float* out) {
+    __m512 a[NS][4];
+    for (int u = 0; u < NS; ++u)
+        for (int i = 0; i < 4; ++i) a[u][i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K2; ++k) {
-        const uint16_t* r[4];
-        for (int i = 0; i < 4; ++i) r[i] = rows[k * PB1 + s[i]];
+        const uint16_t* r[DP];
+        for (int i = 0; i < DP; ++i) r[i] = rows[k * PB1 + s[i]];
         const uint16_t* w = wr + k * O;
         int64_t o = 0;
-        for (; o + 64 <= O; o += 64) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + o), w1 = (__m512bh)_mm512_loadu_si512(w + o + 32);
-            for (int i = 0; i < 4; ++i) a0[i] = _mm512_dpbf16_ps(a0[i], w0, (__m512bh)_mm512_loadu_si512(r[i] + o));
-            for (int i = 0; i < 4; ++i)
-                a1[i] = _mm512_dpbf16_ps(a1[i], w1, (__m512bh)_mm512_loadu_si512(r[i] + o + 32));
-        }
+        for (; o + 32 * NS <= O; o += 32 * NS)
+            for (int u = 0; u < NS; ++u) {
+                const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + o + 32 * u);
+                for (int i = 0; i < DP; ++i)
+                    a[u][i] = _mm512_dpbf16_ps(a[u][i], wv, (__m512bh)_mm512_loadu_si512(r[i] + o + 32 * u));
+            }
         for (; o < O; o += 32) {
             const __mmask32 lm = O - o >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
-            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(lm, w + o);
-            for (int i = 0; i < 4; ++i)
-                a0[i] = _mm512_dpbf16_ps(a0[i], w0, (__m512bh)_mm512_maskz_loadu_epi16(lm, r[i] + o));
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(lm, w + o);
+            for (int i = 0; i < DP; ++i)
+                a[0][i] = _mm512_dpbf16_ps(a[0][i], wv, (__m512bh)_mm512_maskz_loadu_epi16(lm, r[i] + o));
         }
     }
-    for (int i = 0; i < 4; ++i) a0[i] = _mm512_add_ps(a0[i], a1[i]);
-    hsum4(a0, out);
+    for (int u = 1; u < NS; ++u)
+        for (int i = 0; i < DP; ++i) a[0][i] = _mm512_add_ps(a[0][i], a[u][i]);
+    float t[4];
+    hsum4(a[0], t);
+    for (int i = 0; i < DP; ++i) out[i] = t[i];
 }
 
 // Blocks of PB consecutive pixels (flattened rows): each channel's list of the block's pixels where relu(x) is set
@@ -151,7 +161,9 @@ void igrad_x_run(const Geo& G, const uint64_t* bm, const T* dy, const T* wc, T* 
                     const int64_t c = j * 64 + b;
                     const T* wr = wc + c * K2 * O;
                     while (m) {
-                        // 4 pixels a step, the last padded with the zero slot (8 a step measured slower)
+                        // 4 pixels a step (8 measured slower); a short list's last step takes 1 or 2, or 3
+                        // padded with the zero slot, so that short lists (small images, high sparsity) do not
+                        // multiply zero rows
                         int s[4], cnt = 0;
                         for (; cnt < 4 && m; ++cnt) {
                             s[cnt] = __builtin_ctz(m);
@@ -159,7 +171,9 @@ void igrad_x_run(const Geo& G, const uint64_t* bm, const T* dy, const T* wc, T* 
                         }
                         for (int i = cnt; i < 4; ++i) s[i] = (int)PB;
                         float out[4];
-                        dots4(rows.data(), PB1, s, wr, K2, O, out);
+                        if (cnt == 1) dots<1, 4>(rows.data(), PB1, s, wr, K2, O, out);
+                        else if (cnt == 2) dots<2, 4>(rows.data(), PB1, s, wr, K2, O, out);
+                        else dots<4, 2>(rows.data(), PB1, s, wr, K2, O, out);
                         for (int i = 0; i < cnt; ++i) dx[(q0 + s[i]) * C + c] = from_f32<T>(out[i]);
                     }
                 }
