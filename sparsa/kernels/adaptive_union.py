@@ -265,8 +265,8 @@ def union_conv_igrad_x(
     """The input gradient of ``conv2d(relu(x), W)`` (``geo``, any stride) computed only where relu(x) != 0
     (``xop``'s mask), as dot products of ``dy_nhwc`` (``[N, Ho, Wo, O]``) patches with the weight's rows
     (``wc``: the ``[C, KH, KW, O]`` pack of :func:`union_wc`; built from ``weight`` when not given). Work
-    follows relu(x)'s nonzeros (4-pixel unions), not dY's: for a dense dY and a sparse relu(x). Returns
-    ``[N, C, H, W]`` with channels-last strides."""
+    follows relu(x)'s nonzeros exactly (per-channel lists of pixels), not dY's: for a dense dY and a sparse
+    relu(x). Returns ``[N, C, H, W]`` with channels-last strides."""
     G = ConvGeometry.of(geo)
     C, O, KH, KW = G.C, G.O, G.KH, G.KW
     if wc is None and weight is None:
