@@ -265,6 +265,18 @@ CROSSOVERS: Dict[str, Crossover] = {
         "the bf16 union conv forward on images of 2x2 tiles: 4-pixel groups against 2-pixel groups",
         ((8, 128, 16), (8, 64, 32), (8, 256, 16)),
     ),
+    # ratio: relu(x)'s union ratio, over runs of 4 pixels. Real VGG-16 activations (zeros clustered in space, ratio
+    # 1.2-1.7) favour the union kernel's 4x4 register blocks; scattered zeros (ratio 1.8 and up) the exact lists
+    "conv_union.dx_x_lists": Crossover(
+        1.8,
+        "the input gradient at relu(x)'s nonzeros (float32 and bf16): 4-pixel unions against per-channel pixel lists",
+        _UNION_RATIOS,
+        ((16, 64, 32), (16, 128, 16), (16, 256, 8)),
+        unit="ratio",
+        low="4-pixel unions",
+        high="per-channel pixel lists",
+        refit_by_default=False,
+    ),
     "conv_union.dy_group4": _union_group4(
         2.2,
         "the union conv input gradient over dY's mask (timed in float32, used for bf16 too): 4-pixel groups "

@@ -151,9 +151,10 @@ def test_union_convs_match_dense(native, threads, case):
     assert dwl.stride() == w.stride()
     # the input gradient at relu(x)'s nonzeros (any stride)
     rdx = torch.nn.grad.conv2d_input(x.shape, w, dy, stride=s, padding=p, dilation=d) * (x > 0)
-    dxx = U.union_conv_igrad_x(op, dy.permute(0, 2, 3, 1), geo, weight=w)
-    torch.testing.assert_close(dxx, rdx, atol=1e-4, rtol=1e-4)
-    assert dxx.is_contiguous(memory_format=torch.channels_last)
+    for lists in (False, True):  # 4-pixel unions, per-channel pixel lists
+        dxx = U.union_conv_igrad_x(op, dy.permute(0, 2, 3, 1), geo, weight=w, lists=lists)
+        torch.testing.assert_close(dxx, rdx, atol=1e-4, rtol=1e-4)
+        assert dxx.is_contiguous(memory_format=torch.channels_last)
     if s != 1:
         return
     gop = U.union_operand(dy, relu=False, native=native)
@@ -662,3 +663,10 @@ def test_union_packs_equal_the_list_packs(layout):
     assert none is None and torch.equal(wf2, wf)
     wf3, wfl3 = U.union_packs(w)
     assert wf3 is wf2 and torch.equal(wfl3, wfl)
+
+
+def test_input_gradient_kernel_follows_the_union_ratio(monkeypatch):
+    # clustered zeros (low union ratio) keep the 4-pixel unions; scattered ones, or an unknown ratio, the lists
+    monkeypatch.setattr(U, "crossover", lambda name: {"conv_union.dx_x_lists": 1.8}[name])
+    assert not U.igrad_x_lists(1.2) and not U.igrad_x_lists(1.8)
+    assert U.igrad_x_lists(2.5) and U.igrad_x_lists(None)

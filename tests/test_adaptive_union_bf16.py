@@ -125,17 +125,18 @@ def test_input_gradient_matches_float64(native, N, C, H, W, O, group):
 @pytest.mark.parametrize(
     "N,C,H,W,O,s", [(2, 16, 6, 6, 16, 1), (1, 64, 16, 16, 48, 1), (2, 24, 9, 7, 64, 2), (1, 136, 7, 11, 96, 1)]
 )
-def test_input_gradient_at_nonzeros_matches_float64(native, N, C, H, W, O, s):
+@pytest.mark.parametrize("lists", [False, True])
+def test_input_gradient_at_nonzeros_matches_float64(native, N, C, H, W, O, s, lists):
     """The input gradient at relu(x)'s nonzeros (dot products over pairs of output channels; O = 16 and 48 take
     a last step of half a vector; 136 channels: three mask words, the last partial; 77 pixels: blocks of 32 and
-    a tail)."""
+    a tail), on 4-pixel unions and on per-channel pixel lists."""
     gen = torch.Generator().manual_seed(C * O + s)
     x = _sparse_bf16((N, C, H, W), 0.6, gen)
     w = torch.randn(O, C, 3, 3, generator=gen)
     geo = U.geometry(x.shape, w.shape, (s, s), (1, 1), (1, 1))
     Ho, Wo = geo.Ho, geo.Wo
     gy = torch.randn(N, Ho, Wo, O, generator=gen).to(BF)
-    dx = B.union_conv_igrad_x_bf16(_operand(x, native), gy, geo, weight=w)
+    dx = B.union_conv_igrad_x_bf16(_operand(x, native), gy, geo, weight=w, lists=lists)
     assert dx.dtype == BF and dx.shape == x.shape
     xr, wr = x.double().relu(), w.to(BF).double()
 

@@ -202,9 +202,10 @@ def _s_u_igrad_w(native):
 def _s_u_igrad_x(native):
     u = _union()
     wc = adaptive_union_ops.union_wc(u["wf"], list(u["w"].shape))
-    cases = [((u["xop"].mask, u["dy"], wc, u["geo"]), ALL)]
+    cases = [((u["xop"].mask, u["dy"], wc, u["geo"], lists), ALL) for lists in (False, True)]
     if UB.union_dpbf16():  # bf16 dY and weight rows (native only)
-        cases.append(((u["xop"].mask, u["dy"].bfloat16(), _union_bf16()["wc"], u["geo"]), ALL))
+        for lists in (False, True):
+            cases.append(((u["xop"].mask, u["dy"].bfloat16(), _union_bf16()["wc"], u["geo"], lists), ALL))
     return cases
 
 

@@ -124,8 +124,8 @@ _ADAPTIVE = {
     "sparsa_union_transpose_f32": sig(None, A=PTR, R=I64, M=I64, T=PTR, nthreads=INT),
     "sparsa_union_transpose_batched_f32": sig(None, A=PTR, B=I64, R=I64, M=I64, T=PTR, nthreads=INT),
     # adaptive_igrad_x.cpp
-    "sparsa_union_conv_igrad_x_f32": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, nthreads=INT),
-    "sparsa_union_conv_igrad_x_bf16": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, nthreads=INT),
+    "sparsa_union_conv_igrad_x_f32": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, lists=INT, nthreads=INT),
+    "sparsa_union_conv_igrad_x_bf16": sig(INT, g=GEO, bm=PTR, dy=PTR, wc=PTR, dx=PTR, lists=INT, nthreads=INT),
     # adaptive_wgrad_lists.cpp
     "sparsa_union_conv_wgrad_lists_f32": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, dw=PTR, ws=I64S, nthreads=INT),
     "sparsa_union_conv_wgrad_lists_bf16": sig(INT, g=GEO, xa=PTR, bm=PTR, dy=PTR, dw=PTR, ws=I64S, nthreads=INT),

@@ -50,6 +50,7 @@ from .adaptive import (
     igrad_dy_geometry,
     native_library,
 )
+from ..crossovers import crossover
 from .geometry import ConvGeometry
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "union_conv_wgrad_dy",
     "union_conv_igrad",
     "union_conv_igrad_x",
+    "igrad_x_lists",
     "union_wc",
     "reads_weight_in_place",
     "geometry",
@@ -259,14 +261,27 @@ def union_conv_igrad(
     return _ops.union_conv_fwd(gop.values, gop.mask, wfl, None, g2, xop.mask, 0, group)
 
 
+def igrad_x_lists(union_ratio: Optional[float]) -> bool:
+    """Whether the input gradient at relu(x)'s nonzeros takes per-channel pixel lists (work exactly nnz(relu(x))
+    dot products) rather than 4-pixel unions (4 x 4 register blocks, but every union channel at every pixel of
+    the group): above the ``conv_union.dx_x_lists`` crossover of relu(x)'s union ratio (unknown: the lists)."""
+    return union_ratio is None or union_ratio > crossover("conv_union.dx_x_lists")
+
+
 def union_conv_igrad_x(
-    xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None, wc: Optional[Tensor] = None
+    xop: UnionOperand,
+    dy_nhwc: Tensor,
+    geo: Sequence[int],
+    weight: Optional[Tensor] = None,
+    wc: Optional[Tensor] = None,
+    lists: Optional[bool] = None,
 ) -> Tensor:
     """The input gradient of ``conv2d(relu(x), W)`` (``geo``, any stride) computed only where relu(x) != 0
     (``xop``'s mask), as dot products of ``dy_nhwc`` (``[N, Ho, Wo, O]``) patches with the weight's rows
     (``wc``: the ``[C, KH, KW, O]`` pack of :func:`union_wc`; built from ``weight`` when not given). Work
-    follows relu(x)'s nonzeros exactly (per-channel lists of pixels), not dY's: for a dense dY and a sparse
-    relu(x). Returns ``[N, C, H, W]`` with channels-last strides."""
+    follows relu(x)'s nonzeros, not dY's: for a dense dY and a sparse relu(x). ``lists``: per-channel pixel
+    lists (True) or 4-pixel unions (False); default :func:`igrad_x_lists`. Returns ``[N, C, H, W]`` with
+    channels-last strides."""
     G = ConvGeometry.of(geo)
     C, O, KH, KW = G.C, G.O, G.KH, G.KW
     if wc is None and weight is None:
@@ -281,7 +296,8 @@ def union_conv_igrad_x(
         return torch.where(xop.nchw() != 0, dx, torch.zeros(())).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = union_wc(union_packs(weight, flipped=False)[0], O, C, KH, KW)
-    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
+    lists = igrad_x_lists(xop.union_ratio()) if lists is None else bool(lists)
+    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G, lists)
 
 
 def _dw_empty(shape, w_stride: Optional[Sequence[int]]) -> Tensor:

@@ -36,7 +36,15 @@ from torch import Tensor
 
 from . import adaptive_union_ops as _ops
 from .adaptive import _cached_pack, _conv_args, conv_backward, igrad_dy_geometry
-from .adaptive_union import UnionOperand, _check_group, _wgrad_reference, union_dpbf16, union_operand, union_supported
+from .adaptive_union import (
+    UnionOperand,
+    _check_group,
+    _wgrad_reference,
+    igrad_x_lists,
+    union_dpbf16,
+    union_operand,
+    union_supported,
+)
 from .geometry import ConvGeometry
 
 __all__ = [
@@ -164,12 +172,18 @@ def union_conv_igrad_bf16(
 
 
 def union_conv_igrad_x_bf16(
-    xop: UnionOperand, dy_nhwc: Tensor, geo: Sequence[int], weight: Optional[Tensor] = None, wc: Optional[Tensor] = None
+    xop: UnionOperand,
+    dy_nhwc: Tensor,
+    geo: Sequence[int],
+    weight: Optional[Tensor] = None,
+    wc: Optional[Tensor] = None,
+    lists: Optional[bool] = None,
 ) -> Tensor:
     """The input gradient of ``conv2d(relu(x), W)`` (any stride) at relu(x)'s nonzeros (``xop``'s mask) from the
     bf16 output gradient ``dy_nhwc`` (``[N, Ho, Wo, O]``): ``[N, C, H, W]`` bf16, channels-last strides. ``wc``:
     the bf16 ``[C, KH, KW, O]`` rows of the bf16-rounded weight (from :class:`PairPacks`' ``wf`` by
-    :func:`~sparsa.kernels.adaptive_union.union_wc`); built from ``weight`` when not given."""
+    :func:`~sparsa.kernels.adaptive_union.union_wc`); built from ``weight`` when not given. ``lists``: as
+    :func:`~sparsa.kernels.adaptive_union.union_conv_igrad_x`."""
     G = ConvGeometry.of(geo)
     if wc is None and weight is None:
         raise ValueError("union_conv_igrad_x_bf16 needs weight or wc")
@@ -183,7 +197,8 @@ def union_conv_igrad_x_bf16(
         return torch.where(xs != 0, dx, torch.zeros(())).to(BF16).contiguous(memory_format=torch.channels_last)
     if wc is None:
         wc = union_pair_packs(weight, flipped=False).wc
-    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G)
+    lists = igrad_x_lists(xop.union_ratio()) if lists is None else bool(lists)
+    return _ops.union_conv_igrad_x(xop.mask, dy_nhwc, wc, G, lists)
 
 
 def union_conv_wgrad_bf16(

@@ -14,7 +14,8 @@ A gradient not asked for, or values the caller reads in place, come back as an e
   channels-last (the forward; with ``omask`` and the dY geometry, the input gradient over dY's mask)
 - ``adaptive_union_conv_igrad_w``: the same input gradient reading a channels-last weight in place
 - ``adaptive_union_conv_igrad_x``, ``adaptive_union_conv_wgrad``, ``adaptive_union_conv_wgrad_dy``:
-  the input and weight gradients over relu(x)'s or dY's mask
+  the input and weight gradients over relu(x)'s or dY's mask (``igrad_x``'s ``lists``: per-channel lists of pixels
+  instead of 4-pixel unions)
 - ``adaptive_union_conv_wgrad_dy_lists``: the weight gradient over per-channel lists of dY's nonzeros (float32
   or bfloat16 operands, AVX-512)
 - ``adaptive_layout16(x, channels_last)``: a 16-bit ``[N, C, H, W]`` tensor copied into the other memory format
@@ -306,26 +307,28 @@ union_conv_igrad_w = kernel_op(
 )
 
 
-def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int]) -> Tensor:
+def _igrad_x_impl(mask: Tensor, dy: Tensor, wc: Tensor, geo: List[int], lists: bool) -> Tensor:
     lib = _native_only("adaptive_union_conv_igrad_x")
     G = ConvGeometry.of(geo)
     dt = _same_dtype("adaptive_union_conv_igrad_x", dy, wc)
     dy, wc = dy.contiguous(), wc.contiguous()
     dx = _empty_cl(G.N, G.C, G.H, G.W, dtype=dt)
     kernel = lib.sparsa_union_conv_igrad_x_bf16 if dt == torch.bfloat16 else lib.sparsa_union_conv_igrad_x_f32
-    rc = kernel(G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), _nthreads())
+    rc = kernel(G.c(), mask.data_ptr(), dy.data_ptr(), wc.data_ptr(), dx.data_ptr(), int(lists), _nthreads())
     if rc:
         raise RuntimeError(f"adaptive_union_conv_igrad_x failed ({rc}) for geometry {G} ({dt})")
     return dx
 
 
-def _igrad_x_fake(mask, dy, wc, geo):
+def _igrad_x_fake(mask, dy, wc, geo, lists):
     G = ConvGeometry.of(geo)
     return _empty_cl(G.N, G.C, G.H, G.W, like=dy, dtype=dy.dtype)
 
 
 union_conv_igrad_x = kernel_op(
-    "adaptive_union_conv_igrad_x(Tensor mask, Tensor dy, Tensor wc, int[] geo) -> Tensor", _igrad_x_impl, _igrad_x_fake
+    "adaptive_union_conv_igrad_x(Tensor mask, Tensor dy, Tensor wc, int[] geo, bool lists) -> Tensor",
+    _igrad_x_impl,
+    _igrad_x_fake,
 )
 
 

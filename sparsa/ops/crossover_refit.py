@@ -306,6 +306,22 @@ def _union_dy_case(r: float, N: int, C: int, H: int) -> Optional[Case]:
     }
 
 
+def _union_dx_x_case(r: float, N: int, C: int, H: int) -> Optional[Case]:
+    from ..kernels import adaptive_union as u
+
+    if not u.union_supported(C, C):
+        return None
+    x, w = union_pattern((N, C, H, H), r), torch.randn(C, C, 3, 3) * 0.05
+    geo = _conv_geo(x, w)
+    op = u.union_operand(x)
+    wc = u.union_wc(u.union_packs(w, flipped=False)[0], C, C, 3, 3)
+    dy = torch.randn(N, H, H, C)  # dense: the kernel's case (behind a BatchNorm)
+    return op.union_ratio(), {
+        "low": lambda: u.union_conv_igrad_x(op, dy, geo, wc=wc, lists=False),
+        "high": lambda: u.union_conv_igrad_x(op, dy, geo, wc=wc, lists=True),
+    }
+
+
 _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "row_group.backward": _row_group_case,
     "sliced_ell.grad_input": _sliced_ell_case,
@@ -324,6 +340,7 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "conv_union.fwd_group4": _union_fwd_case(bf16=False),
     "conv_union.fwd_group4_bf16_tiles": _union_fwd_case(bf16=True),
     "conv_union.dy_group4": _union_dy_case,
+    "conv_union.dx_x_lists": _union_dx_x_case,
 }
 
 #: the size (out_features, in_features) and token count an explicit ``shape`` / ``tokens`` completes
