@@ -24,7 +24,6 @@ prints why and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparsa.cpu  # noqa: E402
-from _results import results_dir  # noqa: E402
+from _results import write_results  # noqa: E402
 from sparsa.adaptive import relu_conv2d  # noqa: E402
 from sparsa.adaptive.cost_fits_refit import _clustered  # noqa: E402
 from sparsa.kernels import adaptive_union_bf16 as B  # noqa: E402
@@ -146,8 +145,6 @@ def main(argv=None) -> None:
                     f"{row['speedup_fp32_kernels_vs_best_dense']:.2f}x)",
                     flush=True,
                 )
-    out = args.out or results_dir() / "adaptive_bf16.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     res = {
         "benchmark": "adaptive_bf16",
         "cpu": sparsa.cpu.cpu_info(),
@@ -158,8 +155,7 @@ def main(argv=None) -> None:
         "rows": rows,
         "seconds": round(time.time() - t0, 1),
     }
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out} ({len(rows)} rows, {res['seconds']} s)")
+    write_results(res, "adaptive_bf16", args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ it) with the CPU under ``cpu``. On a CPU without the bf16 union kernels it print
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparsa.cpu  # noqa: E402
-from _results import results_dir  # noqa: E402
+from _results import write_results  # noqa: E402
 from adaptive_bf16 import DYS, MAXPOOL_KEEP, SHAPES, SPARSITIES, maxpool_dy  # noqa: E402
 from sparsa.adaptive.cost_fits_refit import _clustered  # noqa: E402
 from sparsa.kernels import adaptive_union as U  # noqa: E402
@@ -183,8 +182,6 @@ def main(argv=None) -> None:
                     f"{row['speedup_best_sparse_vs_dense']:.2f}x",
                     flush=True,
                 )
-    out = args.out or results_dir() / "adaptive_bf16_gemms.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     res = {
         "benchmark": "adaptive_bf16_gemms",
         "cpu": sparsa.cpu.cpu_info(),
@@ -195,8 +192,7 @@ def main(argv=None) -> None:
         "rows": rows,
         "seconds": round(time.time() - t0, 1),
     }
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out} ({len(rows)} rows, {res['seconds']} s)")
+    write_results(res, "adaptive_bf16_gemms", args.out)
 
 
 if __name__ == "__main__":
