@@ -337,12 +337,13 @@ class UnionReluConv2d(torch.autograd.Function):
                     dx_side = "x"  # the weight changed since the forward: the relu(x) side reads the forward pack
         if need_dw:
             dw_side = _dw_side(d_x, d_g if dy_ok else None, C, O, ctx.x_ratio, fits, bf16)
-        # the backward's operand has no union count: the forward's ratio picks lists or 4-pixel unions
-        lists = _u.igrad_x_lists(ctx.x_ratio)
-        if dx_side == "x" and bf16:
-            dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=wf, lists=lists)
-        elif dx_side == "x":
-            dx = _u.union_conv_igrad_x(op32(), g32(), geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW), lists=lists)
+        if dx_side == "x":
+            # the backward's operand has no union count: the forward's ratio picks lists or 4-pixel unions
+            lists = _u.igrad_x_lists(ctx.x_ratio)
+            if bf16:
+                dx = _b.union_conv_igrad_x_bf16(op, g, geo, wc=wf, lists=lists)
+            else:
+                dx = _u.union_conv_igrad_x(op32(), g32(), geo, wc=_u.union_wc(wf, O, C, geo.KH, geo.KW), lists=lists)
         if dx_side is not None:
             if dx_side == "dy":
                 # 2-pixel groups over dY's mask when its 4-pixel unions are mostly zeros: behind a max-pool dY has
