@@ -100,26 +100,36 @@ inline void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int R
     }
 }
 
-alignas(64) static const float kZeros[32] = {};
+alignas(64) static const uint16_t kZeros[32] = {};
+// word permutations of two panel columns a, b (32 tokens each) into B rows: (a[t], b[t]) for t < 16 / t >= 16
+alignas(64) static const uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) static const uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
-// B rows (pairs p of kept columns kb*32 + 2p, +1) for the two 16-token halves of a 32-token panel
+// B rows (pairs p of kept columns kb*32 + 2p, +1) for the two 16-token halves of a 32-token panel: two
+// 64-byte loads (a column each) and one word permutation per row
 template <bool Tail>
-inline void build_b(const float* xt, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1) {
+inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1) {
+    const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
     for (int p = 0; p < 16; ++p) {
         const int64_t ja = j0 + 2 * p, jb = ja + 1;
-        const float* a = (!Tail || ja < k) ? xt + (int64_t)cols[ja] * 32 : kZeros;
-        const float* b = (!Tail || jb < k) ? xt + (int64_t)cols[jb] * 32 : kZeros;
-        _mm512_store_si512(b0 + 16 * p, dp::pair_of(a, b));
-        _mm512_store_si512(b1 + 16 * p, dp::pair_of(a + 16, b + 16));
+        const uint16_t* a = (!Tail || ja < k) ? xb + (int64_t)cols[ja] * 32 : kZeros;
+        const uint16_t* b = (!Tail || jb < k) ? xb + (int64_t)cols[jb] * 32 : kZeros;
+        const __m512i va = _mm512_load_si512(a), vb = _mm512_load_si512(b);
+        _mm512_store_si512(b0 + 16 * p, _mm512_permutex2var_epi16(va, lo, vb));
+        _mm512_store_si512(b1 + 16 * p, _mm512_permutex2var_epi16(va, hi, vb));
     }
 }
 
 // out[t * RT + r] (t < 32, r < RT) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
 template <int H>
-void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
+void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
           float* __restrict out) {
     constexpr int RT = 16 * H, NT = 32;
-    alignas(64) uint32_t bb[2][2][16 * 16];  // [parity][token half][pair row][token]: two B tiles, double-buffered
+    // [buffer][token half][pair row][token]: B tiles are built two blocks ahead of their tile loads, because
+    // a tile load does not take data forwarded from stores still in flight and would wait for them
+    alignas(64) uint32_t bb[3][2][16 * 16];
     SPARSA_TILE_ZERO(0);
     SPARSA_TILE_ZERO(1);
     if constexpr (H == 2) {
@@ -127,17 +137,21 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
         SPARSA_TILE_ZERO(3);
     }
     const int64_t nkb = (k + 31) / 32;
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-        uint32_t* b0 = bb[kb & 1][0];
-        uint32_t* b1 = bb[kb & 1][1];
+    auto build = [&](int64_t kb) {
+        uint32_t* b0 = bb[kb % 3][0];
+        uint32_t* b1 = bb[kb % 3][1];
         if ((kb + 1) * 32 <= k)
             build_b<false>(xt, cols, kb * 32, k, b0, b1);
         else
             build_b<true>(xt, cols, kb * 32, k, b0, b1);
+    };
+    build(0);
+    if (nkb > 1) build(1);
+    for (int64_t kb = 0; kb < nkb; ++kb) {
         const uint16_t* a = wa + kb * RT * 32;
         SPARSA_TILE_LOAD(4, a, 64);
-        SPARSA_TILE_LOAD(6, b0, 64);
-        SPARSA_TILE_LOAD(7, b1, 64);
+        SPARSA_TILE_LOAD(6, bb[kb % 3][0], 64);
+        SPARSA_TILE_LOAD(7, bb[kb % 3][1], 64);
         SPARSA_TILE_DP(0, 4, 6);
         SPARSA_TILE_DP(1, 4, 7);
         if constexpr (H == 2) {
@@ -145,6 +159,7 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
             SPARSA_TILE_DP(2, 5, 6);
             SPARSA_TILE_DP(3, 5, 7);
         }
+        if (kb + 2 < nkb) build(kb + 2);
     }
     alignas(64) float buf[RT][NT];  // [row][token]
     SPARSA_TILE_STORE(0, &buf[0][0], NT * 4);
@@ -161,12 +176,14 @@ void tile(const float* __restrict xt, const int32_t* __restrict cols, const uint
 template <int H>
 struct Tiles {
     static constexpr int RT = 16 * H, NT = 32;
+    using Panel = uint16_t;
+    static void pack(const uint16_t* x, int64_t K, int nt, uint16_t* xb) { dp::pack_panel_bf16<NT>(x, K, nt, xb); }
     static int64_t wsize(int64_t k) { return amx::wsize(k, RT); }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         amx::repack(vals, ng, k, G, RT, wp, nthreads);
     }
-    static void tile(const float* xt, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
-        amx::tile<H>(xt, cols, wp, k, out);
+    static void tile(const uint16_t* xb, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
+        amx::tile<H>(xb, cols, wp, k, out);
     }
     static void begin() {
         static const Config cfg;
@@ -207,11 +224,12 @@ inline bool selfcheck() {
         cols[j] = (int32_t)(j + j / 5);  // skips every sixth column
         for (int64_t r = 0; r < G; ++r) vals[j * G + r] = bf((int)((r * 5 + j) % 7) - 3);
     }
-    std::vector<float> xt(K * NT), out(NT * G);
-    dp::pack_panel<NT>(x.data(), K, (int)NT, xt.data());
+    std::vector<float> out(NT * G);
+    alignas(64) uint16_t xt[K * NT];
+    dp::pack_panel_bf16<NT>(x.data(), K, (int)NT, xt);
     repack(vals.data(), 1, k, G, G, wa.data(), 1);
     Tiles<1>::begin();
-    tile<1>(xt.data(), cols.data(), wa.data(), k, out.data());
+    tile<1>(xt, cols.data(), wa.data(), k, out.data());
     Tiles<1>::end();
     for (int64_t t = 0; t < NT; ++t)
         for (int64_t r = 0; r < G; ++r) {

@@ -348,6 +348,32 @@ void pack_panel(const uint16_t* x, int64_t K, int nt, float* xt) {
         for (int t = 0; t < NT; ++t) xt[c * NT + t] = t < nt ? sparsa_bf16_to_f32(x[t * K + c]) : 0.f;
 }
 
+// xb[c * NT + t] = x[t][c] in bf16 (the AMX tiles' panel: one 64-byte line per column of 32 tokens); lanes
+// t >= nt are zero. The fp32 transposes of pack_panel, truncated back: exact, the values came from bf16.
+template <int NT>
+void pack_panel_bf16(const uint16_t* x, int64_t K, int nt, uint16_t* xb) {
+    int64_t c = 0;
+    for (; c + 8 <= K; c += 8) {
+        for (int h = 0; h < NT / 8; ++h) {
+            if (8 * h >= nt) {
+                for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + (c + i) * NT + 8 * h), _mm_setzero_si128());
+                continue;
+            }
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i) {
+                const int t = 8 * h + i;
+                r[i] = t < nt ? sparsa_load8_bf16(x + t * K + c) : _mm256_setzero_ps();
+            }
+            transpose8(r);
+            for (int i = 0; i < 8; ++i)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + (c + i) * NT + 8 * h),
+                                 _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(r[i]), 16)));
+        }
+    }
+    for (; c < K; ++c)
+        for (int t = 0; t < NT; ++t) xb[c * NT + t] = t < nt ? x[t * K + c] : (uint16_t)0;
+}
+
 // acc += xp . {w pair broadcast}: GCC 12 does not fold the broadcast into VDPBF16PS itself, and a
 // separate vpbroadcastd per MAC instruction costs a pipe slot
 static inline __m512 dot_bcast(__m512 acc, __m512i xp, const uint32_t* w) {
@@ -434,6 +460,8 @@ void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int RT, uint
 template <int RT_, int TV>
 struct DpTiles {
     static constexpr int RT = RT_, NT = 16 * TV;
+    using Panel = float;
+    static void pack(const uint16_t* x, int64_t K, int nt, float* xt) { pack_panel<NT>(x, K, nt, xt); }
     static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         dp::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -453,8 +481,12 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
          bool act) {
     constexpr int NT = Tiles::NT, RT = Tiles::RT;
     const int64_t parts = G / RT, nvg = ng * parts, ws = Tiles::wsize(k);
-    std::vector<uint16_t> wp((size_t)(nvg * ws));
-    Tiles::repack(vals, ng, k, G, wp.data(), nthreads);
+    // 64-byte aligned: an AMX tile row that straddles two cache lines loads at a fraction of the speed
+    std::unique_ptr<uint16_t, decltype(&std::free)> wp_buf(
+        static_cast<uint16_t*>(std::aligned_alloc(64, ((size_t)(nvg * ws) * 2 + 63) / 64 * 64)), &std::free);
+    if (!wp_buf) throw std::bad_alloc();
+    uint16_t* const wp = wp_buf.get();
+    Tiles::repack(vals, ng, k, G, wp, nthreads);
     // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
     int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, ws * 2));
     const int64_t npan = (T + NT - 1) / NT;
@@ -469,16 +501,20 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const int64_t ch = id / nblocks, bl = id % nblocks;
         const int64_t v0 = ch * vchunk, v1 = std::min(nvg, v0 + vchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
-        std::unique_ptr<float[]> xt(new float[(size_t)(K * NT)]);
+        // aligned like the weight pack: each column's NT floats start a cache line
+        using Panel = typename Tiles::Panel;
+        std::unique_ptr<Panel, decltype(&std::free)> xt(
+            static_cast<Panel*>(std::aligned_alloc(64, ((size_t)(K * NT) * sizeof(Panel) + 63) / 64 * 64)), &std::free);
+        if (!xt) throw std::bad_alloc();
         alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
         Tiles::begin();
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
             const int nt = (int)std::min<int64_t>(NT, T - t0);
-            pack_panel<NT>(x + t0 * K, K, nt, xt.get());
+            Tiles::pack(x + t0 * K, K, nt, xt.get());
             for (int64_t vg = v0; vg < v1; ++vg) {
                 const int64_t g = vg / parts;
-                Tiles::tile(xt.get(), cols + g * k, wp.data() + vg * ws, k, out);
+                Tiles::tile(xt.get(), cols + g * k, wp + vg * ws, k, out);
                 const int64_t s0 = vg * RT;  // first slot
                 if (perm) {
                     for (int t = 0; t < nt; ++t) {
