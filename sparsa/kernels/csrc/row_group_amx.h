@@ -122,10 +122,10 @@ inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t
     }
 }
 
-// out[t * RT + r] (t < 32, r < RT) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+// buf[r][t] (r < RT, t < 32) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
 template <int H>
-void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
-          float* __restrict out) {
+void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
+                int64_t k, float (&buf)[16 * H][32]) {
     constexpr int RT = 16 * H, NT = 32;
     // [buffer][token half][pair row][token]: B tiles are built two blocks ahead of their tile loads, because
     // a tile load does not take data forwarded from stores still in flight and would wait for them
@@ -161,14 +161,75 @@ void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const u
         }
         if (kb + 2 < nkb) build(kb + 2);
     }
-    alignas(64) float buf[RT][NT];  // [row][token]
     SPARSA_TILE_STORE(0, &buf[0][0], NT * 4);
     SPARSA_TILE_STORE(1, &buf[0][16], NT * 4);
     if constexpr (H == 2) {
         SPARSA_TILE_STORE(2, &buf[16][0], NT * 4);
         SPARSA_TILE_STORE(3, &buf[16][16], NT * 4);
     }
-    dp::rows_to_tokens<RT, NT>(buf, out);
+}
+
+// out[t * RT + r] (t < 32, r < RT): the tile's sums, token by token
+template <int H>
+void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
+          float* __restrict out) {
+    alignas(64) float buf[16 * H][32];  // [row][token]
+    accumulate<H>(xt, cols, wa, k, buf);
+    dp::rows_to_tokens<16 * H, 32>(buf, out);
+}
+
+// r[j] (16 floats each) := column j of the 16 x 16 matrix whose rows r held
+inline void transpose16(__m512 (&r)[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    // r[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int e = 0; e < 4; ++e) {  // a 4 x 4 transpose of lanes across r[e], r[4 + e], r[8 + e], r[12 + e]
+        const __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44), u1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
+        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
+        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
+        t[e] = _mm512_shuffle_f32x4(u0, u2, 0x88);
+        t[4 + e] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+        t[8 + e] = _mm512_shuffle_f32x4(u1, u3, 0x88);
+        t[12 + e] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+    }
+    for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+// y[t * R + r] = bf16(GELU?(sum + bias[r])) for t < nt, r < nout: the sums stay in row order until one
+// 16 x 16 transpose per block, instead of going through token-major floats and a second pass
+template <int H>
+void tile_store(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
+                int64_t k, const float* bias, bool act, int nt, int nout, uint16_t* __restrict y, int64_t R) {
+    alignas(64) float buf[16 * H][32];  // [row][token]
+    accumulate<H>(xt, cols, wa, k, buf);
+    for (int q = 0; q < H; ++q) {
+        const int rows = std::min(16, nout - 16 * q);
+        if (rows <= 0) break;
+        const __mmask16 m = (__mmask16)((1u << rows) - 1u);
+        for (int h = 0; h < 2 && 16 * h < nt; ++h) {
+            __m512 v[16];
+            for (int r = 0; r < 16; ++r) {
+                v[r] = _mm512_load_ps(&buf[16 * q + r][16 * h]);
+                if (bias && r < rows) v[r] = _mm512_add_ps(v[r], _mm512_set1_ps(bias[16 * q + r]));
+                if (act) v[r] = sparsa_gelu16(v[r]);
+            }
+            transpose16(v);
+            const int toks = std::min(16, nt - 16 * h);
+            // VCVTNEPS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
+            for (int t = 0; t < toks; ++t)
+                _mm256_mask_storeu_epi16(y + (int64_t)(16 * h + t) * R + 16 * q, m,
+                                         (__m256i)_mm512_cvtneps_pbh(v[t]));
+        }
+    }
 }
 
 // The Tiles interface of dp::run. Tile state is per thread: each task loads the configuration (oneDNN
@@ -184,6 +245,11 @@ struct Tiles {
     }
     static void tile(const uint16_t* xb, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
         amx::tile<H>(xb, cols, wp, k, out);
+    }
+    static constexpr bool kStoresBf16 = true;
+    static void tile_store(const uint16_t* xb, const int32_t* cols, const uint16_t* wp, int64_t k, const float* bias,
+                           bool act, int nt, int nout, uint16_t* y, int64_t R) {
+        amx::tile_store<H>(xb, cols, wp, k, bias, act, nt, nout, y, R);
     }
     static void begin() {
         static const Config cfg;

@@ -462,6 +462,9 @@ struct DpTiles {
     static constexpr int RT = RT_, NT = 16 * TV;
     using Panel = float;
     static void pack(const uint16_t* x, int64_t K, int nt, float* xt) { pack_panel<NT>(x, K, nt, xt); }
+    static constexpr bool kStoresBf16 = false;
+    static void tile_store(const float*, const int32_t*, const uint16_t*, int64_t, const float*, bool, int, int,
+                           uint16_t*, int64_t) {}
     static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         dp::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -514,6 +517,16 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
             Tiles::pack(x + t0 * K, K, nt, xt.get());
             for (int64_t vg = v0; vg < v1; ++vg) {
                 const int64_t g = vg / parts;
+                if constexpr (Tiles::kStoresBf16) {
+                    if (!perm) {  // the tiles round and store their rows themselves
+                        const int64_t s0 = vg * RT;
+                        const int nout = (int)std::min<int64_t>(RT, R - s0);
+                        if (nout > 0)
+                            Tiles::tile_store(xt.get(), cols + g * k, wp + vg * ws, k, bias ? bias + s0 : nullptr, act,
+                                              nt, nout, ybf + t0 * R + s0, R);
+                        continue;
+                    }
+                }
                 Tiles::tile(xt.get(), cols + g * k, wp + vg * ws, k, out);
                 const int64_t s0 = vg * RT;  // first slot
                 if (perm) {
