@@ -132,19 +132,19 @@ CROSSOVERS: Dict[str, Crossover] = {
         0.15,
         "row_group grad_input and grad_weight: gather + batched matmul kernels against BLAS on the dense weight",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.0625, "amd-avx512": 0.0625},
+        by_class={"amd-avx2": 0.0625, "amd-avx512": 0.0625, "intel-amx": 0.0625},
     ),
     "sliced_ell.grad_input": Crossover(
         0.10,
         "sliced_ell grad_input: the forward kernel on the transposed pattern against grad_y @ dense weight",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.0, "amd-avx512": 0.0},  # at most break-even from 0.0625 up
+        by_class={"amd-avx2": 0.0, "amd-avx512": 0.0, "intel-amx": 0.0},  # at most break-even from 0.0625 up
     ),
     "grouped_nm.grad_weight": Crossover(
         0.15,
         "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking",
         shapes=_WEIGHT_SHAPES,
-        by_class={"amd-avx2": 0.125, "amd-avx512": 0.125},
+        by_class={"amd-avx2": 0.125, "amd-avx512": 0.125, "intel-amx": 0.0},
     ),
     # density = the kept fraction of a bitmask weight; the two sides are its prefill strategies (many tokens).
     # Where unmeasured the bf16 panel stays off: a dense bf16 GEMM ranges from slow to AMX-fast by CPU.
@@ -154,7 +154,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "VDPBF16PS) against expanding the weight for the dense bf16 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
-        {"amd-avx512": 0.5},
+        {"amd-avx512": 0.5, "intel-amx": 0.0},
     ),
     # unmeasured classes: only weights sparse enough to win where dense fp32 has twice the panel's FMA width
     "bitmask.panel_f32": Crossover(
@@ -163,7 +163,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "AVX2 FMA) against expanding the weight for the dense float32 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
-        {"amd-avx512": 0.55},
+        {"amd-avx512": 0.55, "intel-amx": 0.3},
     ),
     # the same two strategies from above the stream loop's tokens to 32 (batched decoding), where the
     # panel kernels run one narrow panel and the dense GEMM is short: timed at 16 tokens on copies of the
@@ -174,7 +174,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "16-token panel) against expanding the weight for the dense bf16 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
-        {"amd-avx512": 0.4},
+        {"amd-avx512": 0.4, "intel-amx": 0.2},
     ),
     "bitmask.batch_panel_f32": Crossover(
         0.3,
@@ -182,7 +182,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "16-token panel) against expanding the weight for the dense float32 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
-        {"amd-avx512": 0.9},  # the top of the grid: the panel won at every density timed
+        {"amd-avx512": 0.9, "intel-amx": 0.9},  # the top of the grid: the panel won at every density timed
     ),
     # tokens: how many tokens the bitmask stream loop takes (it re-expands the weight for every 4 tokens)
     # before the best many-token strategy (panel or expand) wins; timed at half the weight kept
@@ -192,7 +192,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "and the expansion",
         _STREAM_TOKENS,
         _WEIGHTS,
-        {"amd-avx512": 12},
+        {"amd-avx512": 12, "intel-amx": 8},
         unit="tokens",
         low="stream",
         high="panel or expand",
@@ -203,7 +203,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "kernel and the expansion",
         _STREAM_TOKENS,
         _WEIGHTS,
-        {"amd-avx512": 6},
+        {"amd-avx512": 6, "intel-amx": 10},
         unit="tokens",
         low="stream",
         high="panel or expand",
@@ -216,7 +216,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "dense for the panel kernel: the stream loop against expanding the weight for the dense bf16 GEMM",
         (8, 10, 12, 16, 20, 24, 32),
         _DECODE_WEIGHTS,
-        {"amd-avx512": 16},
+        {"amd-avx512": 16, "intel-amx": 8},
         unit="tokens",
         low="stream",
         high="expand",
@@ -244,7 +244,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "the whole weight expanded into a kept buffer and one F.linear",
         _ROW_BLOCK_TOKENS,
         _WEIGHTS,
-        {"amd-avx512": 256},
+        {"amd-avx512": 256, "intel-amx": 63},
         unit="tokens",
         low="row blocks",
         high="the whole weight",
@@ -291,7 +291,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.1, 0.2, 0.3, 0.4, 0.5),
         # (tokens, in_features, out_features): attention-sized and both MLP projections
         ((512, 768, 768), (512, 768, 3072), (512, 3072, 768)),
-        {"amd-avx2": 0.2, "amd-avx512": 0.3},
+        {"amd-avx2": 0.2, "amd-avx512": 0.3, "intel-amx": 0.1},
     ),
     "relu_compact.conv2d": Crossover(
         0.55,
@@ -300,7 +300,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         (0.3, 0.4, 0.5, 0.6, 0.7),
         # (batch, channels in = out, height = width) of 3x3 convs: the stages of a CIFAR ResNet/VGG
         ((8, 64, 32), (8, 128, 16), (8, 256, 8)),
-        {"amd-avx2": 0.6, "amd-avx512": 0.4},
+        {"amd-avx2": 0.6, "amd-avx512": 0.4, "intel-amx": 0.0},
     ),
 }
 

@@ -419,7 +419,7 @@ def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
     monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
     assert bm.panel_max_density(BF) == 0.5 and bm.panel_max_density(torch.float32) == 0.55
-    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "unmeasured-class")
     assert bm.panel_max_density(BF) == 0.0 and 0 < bm.panel_max_density(torch.float32) < 0.55
     assert bm.choose_strategy(128, BF, 0.1) == "expand"
     assert bm.panel_max_density(torch.float16) == 0.0

@@ -166,8 +166,10 @@ def test_batch_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
     monkeypatch.setattr(crossovers, "_this_class", lambda: "amd-avx512")
     assert bm.panel_max_density(torch.bfloat16, 16) == 0.4 and bm.panel_max_density(torch.float32, 16) == 0.9
-    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # unmeasured: bf16 waits for a refit
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "unmeasured-class")  # bf16 waits for a refit
     assert bm.panel_max_density(torch.bfloat16, 16) == 0.0 and bm.panel_max_density(torch.float32, 16) == 0.3
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")
+    assert bm.panel_max_density(torch.bfloat16, 16) == 0.2 and bm.panel_max_density(torch.float32, 16) == 0.9
 
 
 def test_token_crossovers_by_cpu_class(monkeypatch, tmp_path):
@@ -178,10 +180,13 @@ def test_token_crossovers_by_cpu_class(monkeypatch, tmp_path):
     assert bm.stream_max_tokens(torch.bfloat16) == 12 and bm.stream_max_tokens(torch.float32) == 6
     assert bm.row_blocks_max_tokens() == 256
     assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 16
-    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # unmeasured: the old constants
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "unmeasured-class")  # the old constants
     assert bm.stream_max_tokens(torch.bfloat16) == bm.stream_max_tokens(torch.float32) == 8
     assert bm.row_blocks_max_tokens() == 511
     assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 0  # never: expand, as before
+    monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # measured: two refits, the lower
+    assert bm.stream_max_tokens(torch.bfloat16) == 8 and bm.stream_max_tokens(torch.float32) == 10
+    assert bm.row_blocks_max_tokens() == 63
 
 
 def test_refit_stores_the_median_over_the_shapes(tmp_path, monkeypatch):

@@ -81,7 +81,7 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union.dx.x": _fit(
         "union",
         "input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
-        {"amd-avx512": {"base": 0.13, "per_dx": 1.63}},
+        {"amd-avx512": {"base": 0.13, "per_dx": 1.63}, "intel-amx": {"base": 0.25, "per_dx": 1.24}},
         base=0.2,
         per_dx=1.6,
         big_weight=0.1,
@@ -89,17 +89,20 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union.dx.dy": _fit(
         "union",
         "input gradient over dY's mask (stride 1): base + per_dg d_g",
-        {"amd-avx512": {"base": 0.38, "per_dg": 1.24}},
+        {"amd-avx512": {"base": 0.38, "per_dg": 1.24}, "intel-amx": {"base": 0.49, "per_dg": 1.77}},
         base=0.5,
         per_dg=0.65,
     ),
     "conv_union.dx.dense": _fit(
-        "union", "strided input gradient, dense then masked: base", {"amd-avx512": {"base": 1.08}}, base=1.03
+        "union",
+        "strided input gradient, dense then masked: base",
+        {"amd-avx512": {"base": 1.08}, "intel-amx": {"base": 1.22}},
+        base=1.03,
     ),
     "conv_union.dw.lists": _fit(
         "union",
         "weight gradient, per-channel lists of relu(x)'s nonzeros: base + per_dx d_x (+ small_c, + big_weight)",
-        {"amd-avx512": {"base": 0.16, "per_dx": 1.12}},
+        {"amd-avx512": {"base": 0.16, "per_dx": 1.12}, "intel-amx": {"base": 0.11, "per_dx": 2.3}},
         base=0.04,
         per_dx=1.45,
         small_c=0.08,
@@ -109,7 +112,7 @@ COST_FITS: Dict[str, CostFit] = {
         "union",
         "weight gradient over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r "
         "(r: union ratio, 2 when unknown; + big_weight)",
-        {"amd-avx512": {"base": 0.14, "per_dx_ratio": 0.86}},
+        {"amd-avx512": {"base": 0.14, "per_dx_ratio": 0.86}, "intel-amx": {"base": 0.29, "per_dx_ratio": 0.98}},
         base=0.3,
         per_dx_ratio=0.65,
         big_weight=-0.1,
@@ -117,7 +120,7 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union.dw.dy": _fit(
         "union",
         "weight gradient over dY's mask: base + per_dg d_g",
-        {"amd-avx512": {"base": 0.38, "per_dg": 1.2}},
+        {"amd-avx512": {"base": 0.38, "per_dg": 1.2}, "intel-amx": {"base": 0.63, "per_dg": 1.61}},
         base=0.45,
         per_dg=0.75,
     ),
@@ -125,6 +128,7 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union.dw.dy_lists": _fit(
         "union",
         "weight gradient, per-channel lists of dY's nonzeros (stride 1): base + per_dg d_g",
+        {"intel-amx": {"base": 0.2, "per_dg": 3.08}},
         base=0.11,
         per_dg=1.25,
     ),
@@ -135,16 +139,22 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union_bf16.dx.x": _fit(
         "union_bf16",
         "bf16 input gradient at relu(x)'s nonzeros: base + per_dx d_x (+ big_weight)",
+        {"intel-amx": {"base": 0.1, "per_dx": 8.76}},
         base=0.16,
         per_dx=1.69,
         big_weight=0.1,
     ),
     "conv_union_bf16.dx.dy": _fit(
-        "union_bf16", "bf16 input gradient over dY's mask (stride 1): base + per_dg d_g", base=0.67, per_dg=0.86
+        "union_bf16",
+        "bf16 input gradient over dY's mask (stride 1): base + per_dg d_g",
+        {"intel-amx": {"base": 3.87, "per_dg": 6.21}},
+        base=0.67,
+        per_dg=0.86,
     ),
     "conv_union_bf16.dw.lists": _fit(
         "union_bf16",
         "weight gradient of bf16 operands, per-channel lists: base + per_dx d_x (+ small_c, + big_weight)",
+        {"intel-amx": {"base": 0.07, "per_dx": 6.75}},
         base=0.04,
         per_dx=3.45,
         small_c=0.08,
@@ -153,16 +163,22 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_union_bf16.dw.x": _fit(
         "union_bf16",
         "bf16 weight gradient over relu(x)'s 4-pixel unions: base + per_dx_ratio d_x r (+ big_weight)",
+        {"intel-amx": {"base": 0.29, "per_dx_ratio": 3.28}},
         base=0.5,
         per_dx_ratio=1.72,
         big_weight=-0.1,
     ),
     "conv_union_bf16.dw.dy": _fit(
-        "union_bf16", "weight gradient of bf16 operands over dY's mask: base + per_dg d_g", base=1.04, per_dg=2.19
+        "union_bf16",
+        "weight gradient of bf16 operands over dY's mask: base + per_dg d_g",
+        {"intel-amx": {"base": 1.99, "per_dg": 2.7}},
+        base=1.04,
+        per_dg=2.19,
     ),
     "conv_union_bf16.dw.dy_lists": _fit(
         "union_bf16",
         "weight gradient of bf16 operands, per-channel lists of dY's nonzeros (stride 1): base + per_dg d_g",
+        {"intel-amx": {"base": 0.33, "per_dg": 5.27}},
         base=0.12,
         per_dg=3.3,
     ),
@@ -170,7 +186,10 @@ COST_FITS: Dict[str, CostFit] = {
         "list",
         "input gradient over dY's nonzeros when (per_nnz nnz(dY) C + fixed numel(dY) O)"
         " sqrt(max(1, C/O)) < margin (margin_with_dw) nnz(x) O",
-        {"amd-avx512": {"per_nnz": 0.3955, "fixed": 0.1035, "margin_with_dw": 0.514}},
+        {
+            "amd-avx512": {"per_nnz": 0.3955, "fixed": 0.1035, "margin_with_dw": 0.514},
+            "intel-amx": {"per_nnz": 0.3137, "fixed": 0.0837, "margin_with_dw": 0.628},
+        },
         per_nnz=0.375,
         fixed=0.0625,
         margin=0.8,
@@ -179,7 +198,7 @@ COST_FITS: Dict[str, CostFit] = {
     "conv_list.dw.dy": _fit(
         "list",
         "weight gradient over dY's nonzeros when nnz(dY) C < ratio nnz(x) O",
-        {"amd-avx512": {"ratio": 0.98}},
+        {"amd-avx512": {"ratio": 0.98}, "intel-amx": {"ratio": 0.965}},
         ratio=0.75,
     ),
 }
