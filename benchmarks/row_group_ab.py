@@ -1,0 +1,149 @@
+"""Before/after for the bf16 row_group kernel, in one process: an older commit's kernel against this tree's.
+
+On a host whose speed drifts from process to process (the same call can take 1.5x longer in the next
+process), ``ab_commits.py``'s alternating processes need many rounds to see a 20% change. This builds
+the row_group kernel library of ``OLD`` (its ``sparsa/kernels/csrc`` from ``git archive``, compiled under
+another library name) beside this tree's, and times both, with dense bf16 ``F.linear`` on the same pruned
+weight, round-robin in one process (warm-up first, median of the rounds). Both kernels go through this
+tree's ``row_group_linear_impl``, so OLD must have the same C ABI for ``sparsa_row_group_linear_*``.
+Outputs are compared as well: ``max_abs_diff`` between the two kernels.
+
+Rows: ``out_features, in_features, tokens, sparsity, group, threads, old_ms, new_ms, dense_bf16_ms,
+new_over_old`` (old time / new time), ``old_vs_dense, new_vs_dense`` (dense time / kernel time),
+``max_abs_diff``. Writes ``row_group_ab.json`` (with the CPU and both commits) to ``--out``, else
+``$SPARSA_RESULTS_DIR`` or the CPU class's results folder.
+
+    flock /tmp/sparsa-bench.lock python benchmarks/row_group_ab.py 3cdf23c [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import sparsa.cpu  # noqa: E402
+from _results import write_results  # noqa: E402
+from sparsa.kernels import abi, loader  # noqa: E402
+from sparsa.kernels import row_group as rgk  # noqa: E402
+from sparsa.layouts import RowGroup  # noqa: E402
+from sparsa.timing import round_robin_ms  # noqa: E402
+
+SHAPES = [(768, 768), (3072, 768), (768, 3072)]  # (out_features, in_features), BERT-base
+SPARSITIES = [0.5, 0.75, 0.9]
+TOKENS = [1024, 128]
+
+
+def old_library(rev: str, where: Path):
+    """The row_group kernel library built from ``rev``'s sources (an error naming ``rev`` if git lacks it)."""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True, capture_output=True, text=True
+        ).stdout.strip()
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"row_group_ab: {rev!r} is not a commit of {ROOT}; pass a commit, tag or branch") from None
+    tar = subprocess.run(["git", "archive", sha, "sparsa/kernels/csrc"], cwd=ROOT, check=True, capture_output=True)
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        t.extractall(where, filter="data")
+    name = f"row_group_linear_{sha[:12]}"
+    abi.SIGNATURES[name] = abi.SIGNATURES["row_group_linear"]
+    # an absolute source path: its own csrc/ beside it resolves the includes
+    lib = loader.load(name, [str(where / "sparsa/kernels/csrc/row_group_linear.cpp")])
+    if lib is None:
+        raise SystemExit(f"row_group_ab: the kernels of {rev} did not build ({loader.build_info().get(name)})")
+    return sha, lib
+
+
+def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
+    torch.set_num_threads(threads)
+    new_lib = rgk.native_library()
+    if new_lib is None:
+        raise SystemExit("row_group_ab: this tree's native kernels do not run here (SPARSA_NO_NATIVE or no compiler)")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for R, K in SHAPES[:1] if quick else SHAPES:
+        w = torch.randn(R, K, generator=gen)
+        for s in [0.5, 0.9] if quick else SPARSITIES:
+            lay = RowGroup.from_dense(w, group=group, sparsity=s)
+            v = lay.values.bfloat16()
+            dense = RowGroup(lay.columns, v, lay.shape, lay.row_perm, validate=False).to_dense()
+            for T in [1024] if quick else TOKENS:
+                x = torch.randn(T, K, generator=gen).bfloat16()
+
+                def kernel(lib, x=x, lay=lay, v=v, R=R):
+                    def call():
+                        loader._LIBS["row_group_linear"] = lib
+                        try:
+                            return rgk.row_group_linear_impl(x, lay.columns, v, None, R, lay.row_perm)
+                        finally:
+                            loader._LIBS["row_group_linear"] = new_lib
+
+                    return call
+
+                fns = {"old": kernel(old_lib), "new": kernel(new_lib), "dense": lambda x=x, d=dense: F.linear(x, d)}
+                diff = (fns["old"]().float() - fns["new"]().float()).abs().max().item()
+                ms = round_robin_ms(fns, rounds)
+                row = {
+                    "out_features": R,
+                    "in_features": K,
+                    "tokens": T,
+                    "sparsity": s,
+                    "group": group,
+                    "threads": threads,
+                    "old_ms": round(ms["old"], 4),
+                    "new_ms": round(ms["new"], 4),
+                    "dense_bf16_ms": round(ms["dense"], 4),
+                    "new_over_old": round(ms["old"] / ms["new"], 3),
+                    "old_vs_dense": round(ms["dense"] / ms["old"], 3),
+                    "new_vs_dense": round(ms["dense"] / ms["new"], 3),
+                    "max_abs_diff": diff,
+                }
+                rows.append(row)
+                print(
+                    f"{R}x{K} T={T:<5} {s:.2f}: old {row['old_ms']:8.3f} new {row['new_ms']:8.3f} dense bf16 "
+                    f"{row['dense_bf16_ms']:8.3f} ms  new/old x{row['new_over_old']:.2f}  vs dense "
+                    f"{row['old_vs_dense']:.2f} -> {row['new_vs_dense']:.2f}  max diff {diff:.3g}",
+                    flush=True,
+                )
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("old", help="the commit whose kernel is the 'before'")
+    ap.add_argument("--quick", action="store_true", help="768x768, 1024 tokens, 50%% and 90%%")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--group", type=int, default=16, choices=(4, 8, 16, 32))
+    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 9; quick 5)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="row_group_ab_") as tmp:
+        sha, old_lib = old_library(args.old, Path(tmp))
+        rows = run(old_lib, args.quick, args.threads, args.rounds or (5 if args.quick else 9), args.group)
+    res = {
+        "benchmark": "row_group_ab",
+        "cpu": sparsa.cpu.cpu_info(),
+        "old": sha,
+        "new": "working tree",
+        "quick": args.quick,
+        "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    write_results(res, "row_group_ab", args.out)
+
+
+if __name__ == "__main__":
+    main()
