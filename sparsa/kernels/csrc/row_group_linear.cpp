@@ -349,25 +349,37 @@ void pack_panel(const uint16_t* x, int64_t K, int nt, float* xt) {
 }
 
 // xb[c * NT + t] = x[t][c] in bf16 (the AMX tiles' panel: one 64-byte line per column of 32 tokens); lanes
-// t >= nt are zero. The fp32 transposes of pack_panel, truncated back: exact, the values came from bf16.
+// t >= nt are zero. 16-bit transposes of 8 tokens x 16 columns: two 8 x 8 blocks, one per 128-bit lane.
 template <int NT>
 void pack_panel_bf16(const uint16_t* x, int64_t K, int nt, uint16_t* xb) {
     int64_t c = 0;
-    for (; c + 8 <= K; c += 8) {
+    for (; c + 16 <= K; c += 16) {
         for (int h = 0; h < NT / 8; ++h) {
-            if (8 * h >= nt) {
-                for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + (c + i) * NT + 8 * h), _mm_setzero_si128());
-                continue;
-            }
-            __m256 r[8];
+            __m256i r[8];
             for (int i = 0; i < 8; ++i) {
                 const int t = 8 * h + i;
-                r[i] = t < nt ? sparsa_load8_bf16(x + t * K + c) : _mm256_setzero_ps();
+                r[i] = t < nt ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + t * K + c))
+                              : _mm256_setzero_si256();
             }
-            transpose8(r);
-            for (int i = 0; i < 8; ++i)
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(xb + (c + i) * NT + 8 * h),
-                                 _mm256_cvtepi32_epi16(_mm256_srli_epi32(_mm256_castps_si256(r[i]), 16)));
+            __m256i a[8], b[8];
+            for (int i = 0; i < 4; ++i) {  // a[2i], a[2i+1]: tokens 2i, 2i+1 interleaved, elements 0-3 / 4-7
+                a[2 * i] = _mm256_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+                a[2 * i + 1] = _mm256_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 2; ++i) {  // b[4i + e]: tokens 4i .. 4i+3, elements 2e, 2e+1
+                b[4 * i + 0] = _mm256_unpacklo_epi32(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 1] = _mm256_unpackhi_epi32(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 2] = _mm256_unpacklo_epi32(a[4 * i + 1], a[4 * i + 3]);
+                b[4 * i + 3] = _mm256_unpackhi_epi32(a[4 * i + 1], a[4 * i + 3]);
+            }
+            for (int e = 0; e < 4; ++e) {  // tokens 0-7 of elements 2e, 2e+1 (low lane: column c + ., high: c + 8 + .)
+                const __m256i lo = _mm256_unpacklo_epi64(b[e], b[4 + e]), hi = _mm256_unpackhi_epi64(b[e], b[4 + e]);
+                uint16_t* o = xb + (c + 2 * e) * NT + 8 * h;
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(lo));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + NT), _mm256_castsi256_si128(hi));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * NT), _mm256_extracti128_si256(lo, 1));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 9 * NT), _mm256_extracti128_si256(hi, 1));
+            }
         }
     }
     for (; c < K; ++c)
