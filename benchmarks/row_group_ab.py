@@ -65,6 +65,13 @@ def old_library(rev: str, where: Path):
     return sha, lib
 
 
+def _this_tree() -> str:
+    """This tree's commit, with ``+changes`` when its kernel sources differ from it."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "sparsa/kernels/csrc"], cwd=ROOT).returncode
+    return (sha or "unknown") + ("+changes" if dirty else "")
+
+
 def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
     torch.set_num_threads(threads)
     new_lib = rgk.native_library()
@@ -136,7 +143,7 @@ def main(argv=None) -> None:
         "benchmark": "row_group_ab",
         "cpu": sparsa.cpu.cpu_info(),
         "old": sha,
-        "new": "working tree",
+        "new": _this_tree(),
         "quick": args.quick,
         "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
         "rows": rows,

@@ -34,6 +34,11 @@ BENCHES = (
     ("bf16_paths", "The bf16 dot-product kernel paths", "python benchmarks/bf16_paths.py"),
     ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
     ("adaptive_bf16_gemms", "bf16 activation-sparse convs GEMM by GEMM", "python benchmarks/adaptive_bf16_gemms.py"),
+    (
+        "row_group_ab",
+        "The bf16 row_group kernel before and after, one process",
+        "python benchmarks/row_group_ab.py OLD",
+    ),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
@@ -772,6 +777,19 @@ def adaptive_bf16_gemms_section(d: Dict[str, Any]) -> str:
     return head + _md(rows, cols) + _quick_mark(d)
 
 
+def row_group_ab_section(d: Dict[str, Any]) -> str:
+    """An older commit's bf16 row_group kernel against the tree's, with dense bf16, timed in one process."""
+    old, new = str(d.get("old", ""))[:12], str(d.get("new", ""))[:12]
+    head = (
+        f"The bf16 row_group kernel of `{old}` (old_ms) against `{new}` (new_ms) and "
+        "dense bf16 `F.linear` (dense_bf16_ms), round-robin in one process: new_over_old = old / new time; "
+        "*_vs_dense = dense time / kernel time; max_abs_diff between the two kernels' outputs.\n\n"
+    )
+    cols = ["out_features", "in_features", "tokens", "sparsity", "group", "threads", "old_ms", "new_ms"]
+    cols += ["dense_bf16_ms", "new_over_old", "old_vs_dense", "new_vs_dense", "max_abs_diff"]
+    return head + _md(d["rows"], cols) + _quick_mark(d)
+
+
 def allocation_section(d: Dict[str, Any]) -> str:
     """Uniform against non-uniform (OWL) per-layer sparsity at the same overall target."""
     head = (
@@ -888,6 +906,7 @@ SECTIONS = {
     "bf16_paths": bf16_paths_section,
     "adaptive_bf16": adaptive_bf16_section,
     "adaptive_bf16_gemms": adaptive_bf16_gemms_section,
+    "row_group_ab": row_group_ab_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
     "recover": recover_section,
