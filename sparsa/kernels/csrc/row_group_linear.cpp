@@ -475,8 +475,6 @@ struct DpTiles {
     using Panel = float;
     static void pack(const uint16_t* x, int64_t K, int nt, float* xt) { pack_panel<NT>(x, K, nt, xt); }
     static constexpr bool kStoresBf16 = false;
-    static void tile_store(const float*, const int32_t*, const uint16_t*, int64_t, const float*, bool, int, int,
-                           uint16_t*, int64_t) {}
     static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         dp::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -488,6 +486,17 @@ struct DpTiles {
     static void end() {}
 };
 
+template <class T>
+using AlignedBuf = std::unique_ptr<T, decltype(&std::free)>;
+
+// n elements at a 64-byte boundary (the size rounded up to whole cache lines, as aligned_alloc wants)
+template <class T>
+AlignedBuf<T> aligned_buf(int64_t n) {
+    AlignedBuf<T> p(static_cast<T*>(std::aligned_alloc(64, ((size_t)n * sizeof(T) + 63) / 64 * 64)), &std::free);
+    if (!p) throw std::bad_alloc();
+    return p;
+}
+
 // ybf (T x R bf16) = x W^T + bias (+ GELU); y (T x R floats) is scratch for permuted rows only. Tiles:
 // DpTiles or amx::Tiles (the per-tile product; this driver packs panels, blocks and stores).
 template <class Tiles>
@@ -497,9 +506,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
     constexpr int NT = Tiles::NT, RT = Tiles::RT;
     const int64_t parts = G / RT, nvg = ng * parts, ws = Tiles::wsize(k);
     // 64-byte aligned: an AMX tile row that straddles two cache lines loads at a fraction of the speed
-    std::unique_ptr<uint16_t, decltype(&std::free)> wp_buf(
-        static_cast<uint16_t*>(std::aligned_alloc(64, ((size_t)(nvg * ws) * 2 + 63) / 64 * 64)), &std::free);
-    if (!wp_buf) throw std::bad_alloc();
+    const AlignedBuf<uint16_t> wp_buf = aligned_buf<uint16_t>(nvg * ws);
     uint16_t* const wp = wp_buf.get();
     Tiles::repack(vals, ng, k, G, wp, nthreads);
     // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
@@ -516,11 +523,8 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const int64_t ch = id / nblocks, bl = id % nblocks;
         const int64_t v0 = ch * vchunk, v1 = std::min(nvg, v0 + vchunk);
         const int64_t p0 = bl * pan_per_block, p1 = std::min(npan, p0 + pan_per_block);
-        // aligned like the weight pack: each column's NT floats start a cache line
-        using Panel = typename Tiles::Panel;
-        std::unique_ptr<Panel, decltype(&std::free)> xt(
-            static_cast<Panel*>(std::aligned_alloc(64, ((size_t)(K * NT) * sizeof(Panel) + 63) / 64 * 64)), &std::free);
-        if (!xt) throw std::bad_alloc();
+        // aligned like the weight pack: each column's NT values start a cache line
+        const AlignedBuf<typename Tiles::Panel> xt = aligned_buf<typename Tiles::Panel>(K * NT);
         alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
         Tiles::begin();
         for (int64_t pa = p0; pa < p1; ++pa) {
