@@ -140,6 +140,18 @@ CROSSOVERS: Dict[str, Crossover] = {
         shapes=_WEIGHT_SHAPES,
         by_class={"amd-avx2": 0.0, "amd-avx512": 0.0, "intel-amx": 0.0},  # at most break-even from 0.0625 up
     ),
+    # density = stored entries over out x in features; where unmeasured the dot-product rows stay on (as
+    # before the FMA rows had 16-float vectors)
+    "sliced_ell.fma_rows_bf16": Crossover(
+        0.0,
+        "sliced_ell_linear with bf16 tokens (two or more) on CPUs with AVX512-BF16: the FMA rows (widened "
+        "to fp32) against the VDPBF16PS rows",
+        (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5),
+        ((768, 768, 1024), (3072, 768, 1024), (768, 3072, 1024)),
+        {"intel-amx": 0.4},
+        low="fma rows",
+        high="dp rows",
+    ),
     "grouped_nm.grad_weight": Crossover(
         0.15,
         "grouped_nm grad_weight: the sddmm kernel against dense grad_y.T @ x then masking",

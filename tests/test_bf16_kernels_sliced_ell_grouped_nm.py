@@ -170,13 +170,57 @@ def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
     b = _bias("bf16", 29, gen)
     with monkeypatch.context() as m:
         m.setattr(se, "sliced_ell_linear_reference", _no_reference)
-        y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29)
-        g = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29, "gelu")
+        y = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29, rows="dp")
+        g = se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, vb, b, 29, "gelu", rows="dp")
     _check(y, x, wd, b)
     ref = torch.nn.functional.gelu(x.double() @ wd.double().T + b.double())
     assert (g.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
     monkeypatch.setenv("SPARSA_ISA", "avx2")
     assert not se.has_dpbf16()
+
+
+@pytest.mark.parametrize("T", [2, 16, 17, 45])
+@pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.9), (3000, 0.5)])
+def test_sliced_ell_fma_rows_same_at_both_widths(monkeypatch, T, K, sparsity):
+    # the FMA rows sum each token's products in slot order at 8 and 16 floats alike: bf16 and fp32 results of
+    # the AVX-512 rows equal the AVX2 rows' bit for bit (two slices at a time, a lone last one, chunks)
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    if not cpu.cpu_flags()["avx512f"] or se.native_library() is None:
+        pytest.skip(f"no AVX-512 rows here (hardware_isa={cpu.hardware_isa()})")
+    gen = torch.Generator().manual_seed(T * K)
+    e, vb, wd = _se_weight(29, K, sparsity, gen)
+    x = torch.randn(T, K, generator=gen)
+    b = _bias("f32", 29, gen)
+    with monkeypatch.context() as m:
+        m.setattr(se, "sliced_ell_linear_reference", _no_reference)
+        wide = [
+            se.sliced_ell_linear_impl(x.to(BF), e.slice_ptr, e.columns, vb, b, 29, rows="fma"),
+            se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, e.values, b, 29, "gelu"),
+        ]
+        monkeypatch.setenv("SPARSA_ISA", "avx2")
+        narrow = [
+            se.sliced_ell_linear_impl(x.to(BF), e.slice_ptr, e.columns, vb, b, 29, rows="fma"),
+            se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, e.values, b, 29, "gelu"),
+        ]
+    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+    _check(wide[0], x.to(BF), wd, b)
+
+
+def test_sliced_ell_bf16_rows_choice(monkeypatch):
+    for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(ValueError, match="expected one of"):
+        se.bf16_rows(0.5, "avx")
+    assert se.bf16_rows(0.5, "fma") == "fma"
+    if not se.has_dpbf16():
+        assert se.bf16_rows(0.5, "dp") == "fma" and se.bf16_rows(0.01) == "fma"
+        return
+    from sparsa import crossovers
+
+    c = crossovers.crossover("sliced_ell.fma_rows_bf16")
+    assert se.bf16_rows(0.5, "dp") == "dp"
+    assert se.bf16_rows(c) == "fma" and se.bf16_rows(min(1.0, c + 0.01)) == "dp"
 
 
 @pytest.fixture
@@ -186,6 +230,7 @@ def dp_rows(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     if not se.has_dpbf16():
         pytest.skip(f"this CPU has no avx512_bf16 (hardware_isa={cpu.hardware_isa()}): the bf16 rows do not run")
+    monkeypatch.setattr(se, "bf16_rows", lambda density, rows=None: "dp" if rows is None else rows)
 
 
 def _plan_rows(e, vb, K):

@@ -53,6 +53,7 @@ __all__ = [
     "native_kind",
     "chunk_bounds",
     "has_dpbf16",
+    "bf16_rows",
 ]
 
 _SOURCES = ["sliced_ell_linear.cpp"]
@@ -64,10 +65,34 @@ def native_library() -> Optional[ctypes.CDLL]:
 
 
 def has_dpbf16() -> bool:
-    """Whether bfloat16 calls with two tokens or more run the AVX512-BF16 dot-product rows here (CPU,
-    build and ``SPARSA_ISA``)."""
+    """Whether bfloat16 calls with two tokens or more can run the AVX512-BF16 dot-product rows here (CPU,
+    build and ``SPARSA_ISA``); :func:`bf16_rows` says whether they do."""
     lib = native_library()
     return lib is not None and bool(lib.sparsa_sliced_ell_has_dpbf16())
+
+
+#: the rows bfloat16 calls of two tokens or more can run (see :func:`bf16_rows`)
+BF16_ROWS = ("dp", "fma")
+
+
+def bf16_rows(density: float, rows: Optional[str] = None) -> str:
+    """Which rows a bfloat16 call of two tokens or more runs on a weight of this ``density`` (stored entries
+    over ``out_features * in_features``): ``"dp"`` (VDPBF16PS on pairs of slots over a bf16 panel) or ``"fma"``
+    (operands widened to fp32; 16-float FMAs where AVX-512 is enabled, else 8-float ones).
+
+    Where the CPU has AVX512-BF16, ``fma`` up to the ``sliced_ell.fma_rows_bf16`` crossover density and
+    ``dp`` above it: a VDPBF16PS does twice an FMA's products, but on some cores issues at a fraction of an
+    FMA's rate, and the fp32 panel the FMA rows read is twice the bf16 one's bytes. ``rows`` forces one
+    (``"dp"`` runs ``fma`` where the CPU lacks AVX512-BF16)."""
+    if rows is not None and rows not in BF16_ROWS:
+        raise ValueError(f"sliced_ell bf16 rows: expected one of {BF16_ROWS} or None (the faster here), got {rows!r}")
+    if not has_dpbf16():
+        return "fma"
+    if rows is not None:
+        return rows
+    from ..crossovers import crossover  # late: crossovers reads the cost table, which imports the kernels
+
+    return "fma" if density <= crossover("sliced_ell.fma_rows_bf16") else "dp"
 
 
 def _entry_rows(slice_ptr: Tensor, n_entries: int) -> Tensor:
@@ -188,6 +213,7 @@ def _native_forward(
     out_features: int,
     act: int,
     chunked: bool = True,
+    rows: Optional[str] = None,
 ) -> Tensor:
     K = x.shape[-1]
     x2 = x.reshape(-1, K).contiguous()
@@ -198,7 +224,9 @@ def _native_forward(
         b = None if bias is None else bias.contiguous()
         bp = None if b is None else b.data_ptr()
         # the bf16 dot-product rows read their plan; the K-chunk bounds are for the other rows only
-        plan = dp_plan(lib, slice_ptr, columns, values, K) if kind == "bf16" and T > 1 and has_dpbf16() else None
+        density = values.numel() / max(1, out_features * K)
+        dp = kind == "bf16" and T > 1 and bf16_rows(density, rows) == "dp"
+        plan = dp_plan(lib, slice_ptr, columns, values, K) if dp else None
         chunk_ptr, pairs, plan_nch = (None, None, 1) if plan is None else plan
         bounds = chunk_bounds(lib, slice_ptr, columns, K) if chunked and T > 1 and plan is None else None
         bnd, nch = (None, 1) if bounds is None else (bounds.data_ptr(), bounds.shape[1] + 1)
@@ -249,14 +277,16 @@ def sliced_ell_linear_impl(
     bias: Optional[Tensor],
     out_features: int,
     activation: str = "none",
+    rows: Optional[str] = None,
 ) -> Tensor:
-    """Eager implementation (what the custom op runs): native kernel if possible, else the reference."""
+    """Eager implementation (what the custom op runs): native kernel if possible, else the reference.
+    ``rows``: force the rows of bf16 calls (:func:`bf16_rows`; the crossover picks them when None)."""
     act = activation_code(activation, "sliced_ell_linear")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
         return sliced_ell_linear_reference(x, slice_ptr, columns, values, bias, out_features, activation).contiguous()
-    return _native_forward(lib, kind, x, slice_ptr, columns, values, bias, out_features, act)
+    return _native_forward(lib, kind, x, slice_ptr, columns, values, bias, out_features, act, rows=rows)
 
 
 @torch.library.custom_op("sparsa::sliced_ell_linear", mutates_args=())

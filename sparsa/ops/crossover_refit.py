@@ -82,6 +82,18 @@ def _sliced_ell_case(d: float, R: int, K: int, T: int) -> Case:
     return w.density, {"low": sparse, "high": lambda: g2 @ w.to_dense()}
 
 
+def _sliced_ell_rows_case(d: float, R: int, K: int, T: int) -> Optional[Case]:
+    if not se.has_dpbf16():
+        return None  # no VDPBF16PS rows here: the FMA rows always run, nothing to time
+    w = SlicedELL.from_dense(torch.randn(R, K), sparsity=1.0 - d)
+    x, v = torch.randn(T, K).to(torch.bfloat16), w.values.to(torch.bfloat16)
+
+    def run(rows: str) -> Callable[[], object]:
+        return lambda: se.sliced_ell_linear_impl(x, w.slice_ptr, w.columns, v, None, R, rows=rows)
+
+    return v.numel() / (R * K), {"low": run("fma"), "high": run("dp")}
+
+
 def _grouped_nm_case(d: float, R: int, K: int, T: int) -> Case:
     m = 8  # n:8 patterns build in well under a second; larger m takes the greedy assignment much longer
     n = max(1, min(m - 1, round(d * m)))
@@ -325,6 +337,7 @@ def _union_dx_x_case(r: float, N: int, C: int, H: int) -> Optional[Case]:
 _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "row_group.backward": _row_group_case,
     "sliced_ell.grad_input": _sliced_ell_case,
+    "sliced_ell.fma_rows_bf16": _sliced_ell_rows_case,
     "grouped_nm.grad_weight": _grouped_nm_case,
     "bitmask.panel_bf16": _bitmask_panel_case(torch.bfloat16),
     "bitmask.panel_f32": _bitmask_panel_case(torch.float32),

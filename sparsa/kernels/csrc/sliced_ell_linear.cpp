@@ -84,27 +84,6 @@ constexpr int64_t MIN_SLOTS_PER_CHUNK = 40;
 // outputs are stored as runs of 2 * SBLOCK contiguous values per token.
 constexpr int SBLOCK = 64;
 
-#ifdef __AVX2__
-inline __m256 bcast1(const float* w) { return _mm256_broadcast_ss(w); }
-// bf16 w broadcast to every 16-bit lane, then the low halves cleared: fp32 (w << 16) in every lane
-inline __m256 bcast1(const uint16_t* w) {
-    const __m256i b = _mm256_broadcastw_epi16(_mm_cvtsi32_si128(*w));
-    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
-}
-// the two rows' weights of one slot (w[0], w[1]); bf16: one 32-bit broadcast split into two (shift / mask)
-inline void bcast2(const float* w, __m256& w0, __m256& w1) {
-    w0 = _mm256_broadcast_ss(w);
-    w1 = _mm256_broadcast_ss(w + 1);
-}
-inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
-    int32_t u;
-    std::memcpy(&u, w, 4);  // w[0] in the low half, w[1] in the high half (little endian)
-    const __m256i b = _mm256_set1_epi32(u);
-    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
-    w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
-}
-#endif
-
 // The number of K chunks for a weight of P slots over ns slices (1: no chunking).
 inline int64_t n_chunks(int64_t K, int64_t P, int64_t ns) {
     if (K <= KCHUNK || ns == 0) return 1;
@@ -159,105 +138,50 @@ inline void chunk_slots(const int32_t* bounds, int64_t s, int64_t nch, int64_t k
     }
 }
 
-// Rows of slices [s0, s1) for one panel of nt tokens (TB = 8 * NV lanes in xt, 64-byte aligned). WT / YT:
+#ifdef __AVX2__
+// 8-float rows (AVX2)
+namespace ymm {
+using vec = __m256;
+constexpr int VW = 8;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_load_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_store_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256 bcast1(const float* w) { return _mm256_broadcast_ss(w); }
+// bf16 w broadcast to every 16-bit lane, then the low halves cleared: fp32 (w << 16) in every lane
+inline __m256 bcast1(const uint16_t* w) {
+    const __m256i b = _mm256_broadcastw_epi16(_mm_cvtsi32_si128(*w));
+    return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+// the two rows' weights of one slot (w[0], w[1]); bf16: one 32-bit broadcast split into two (shift / mask)
+inline void bcast2(const float* w, __m256& w0, __m256& w1) {
+    w0 = _mm256_broadcast_ss(w);
+    w1 = _mm256_broadcast_ss(w + 1);
+}
+inline void bcast2(const uint16_t* w, __m256& w0, __m256& w1) {
+    int32_t u;
+    std::memcpy(&u, w, 4);  // w[0] in the low half, w[1] in the high half (little endian)
+    const __m256i b = _mm256_set1_epi32(u);
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32((int32_t)0xffff0000u)));
+}
+#include "sliced_ell_rows.h"
+}  // namespace ymm
+#else
+// panel_rows (sliced_ell_rows.h) without vector instructions, for CPUs without AVX2 (TB lanes in xt). WT / YT:
 // float, or uint16_t for bf16 weight values / output.
 //
 // With nch > 1, K is walked in chunks of KCHUNK columns for a block of SBLOCK slices at a time; each row
 // takes its next slots up to its bound for the chunk (see chunk_bounds; the last chunk takes the rest).
 // The two rows of a slice run together while both have slots in the chunk, then the longer one alone.
 // Per row the products are added in slot order, chunked or not, so the result does not depend on nch.
-template <int NV, typename WT, typename YT>
+template <int TB, typename WT, typename YT>
 void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sptr, const int32_t* __restrict cols,
                 const WT* __restrict vals, const int32_t* __restrict bounds, int64_t nch, int64_t s0, int64_t s1,
                 int64_t R, const float* __restrict bias, YT* __restrict y, bool act) {
-    constexpr int TB = 8 * NV;
     alignas(64) float part[SBLOCK][2][TB];
     for (int64_t sb = s0; sb < s1; sb += SBLOCK) {
         const int64_t se = std::min(s1, sb + SBLOCK);
-#ifdef __AVX2__
-        if (nch == 1) {  // one chunk: both rows of a slice walk their padded slot lists in step
-            for (int64_t s = sb; s < se; ++s) {
-                const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-                const int32_t* c = cols + p0;
-                const WT* w = vals + p0;
-                __m256 a0[NV], a1[NV];
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-                for (int64_t j = 0; j < L; ++j) {
-                    const float* x0 = xt + (int64_t)c[2 * j] * TB;
-                    const float* x1 = xt + (int64_t)c[2 * j + 1] * TB;
-                    __m256 w0, w1;
-                    bcast2(w + 2 * j, w0, w1);
-#pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) {
-                        a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
-                        a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
-                    }
-                }
-#pragma GCC unroll 8
-                for (int v = 0; v < NV; ++v) {
-                    _mm256_store_ps(part[s - sb][0] + 8 * v, a0[v]);
-                    _mm256_store_ps(part[s - sb][1] + 8 * v, a1[v]);
-                }
-            }
-        } else {
-            int64_t pos[SBLOCK][2];  // each row's next slot: chunk k takes [pos, its bound), the last the rest
-            for (int64_t s = sb; s < se; ++s) pos[s - sb][0] = pos[s - sb][1] = 0;
-            for (int64_t k = 0; k < nch; ++k) {
-                for (int64_t s = sb; s < se; ++s) {
-                    const int64_t p0 = sptr[s], L = (sptr[s + 1] - p0) / 2;
-                    const int32_t* c = cols + p0;
-                    const WT* w = vals + p0;
-                    int64_t st[2], en[2];
-                    chunk_slots(bounds, s, nch, k, L, pos[s - sb], st, en);
-                    int64_t j0 = st[0], j1 = st[1];
-                    const int64_t e0 = en[0], e1 = en[1];
-                    float* q0 = part[s - sb][0];
-                    float* q1 = part[s - sb][1];
-                    __m256 a0[NV], a1[NV];
-                    if (k == 0) {
-#pragma GCC unroll 8
-                        for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-                    } else {
-#pragma GCC unroll 8
-                        for (int v = 0; v < NV; ++v) {
-                            a0[v] = _mm256_load_ps(q0 + 8 * v);
-                            a1[v] = _mm256_load_ps(q1 + 8 * v);
-                        }
-                    }
-                    // both rows together while both have slots in this chunk (two independent FMA chains)
-                    for (const int64_t both = j0 + std::min(e0 - j0, e1 - j1); j0 < both; ++j0, ++j1) {
-                        const float* x0 = xt + (int64_t)c[2 * j0] * TB;
-                        const float* x1 = xt + (int64_t)c[2 * j1 + 1] * TB;
-                        const __m256 w0 = bcast1(w + 2 * j0), w1 = bcast1(w + 2 * j1 + 1);
-#pragma GCC unroll 8
-                        for (int v = 0; v < NV; ++v) {
-                            a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
-                            a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
-                        }
-                    }
-                    for (; j0 < e0; ++j0) {
-                        const float* x0 = xt + (int64_t)c[2 * j0] * TB;
-                        const __m256 w0 = bcast1(w + 2 * j0);
-#pragma GCC unroll 8
-                        for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(w0, _mm256_load_ps(x0 + 8 * v), a0[v]);
-                    }
-                    for (; j1 < e1; ++j1) {
-                        const float* x1 = xt + (int64_t)c[2 * j1 + 1] * TB;
-                        const __m256 w1 = bcast1(w + 2 * j1 + 1);
-#pragma GCC unroll 8
-                        for (int v = 0; v < NV; ++v) a1[v] = _mm256_fmadd_ps(w1, _mm256_load_ps(x1 + 8 * v), a1[v]);
-                    }
-#pragma GCC unroll 8
-                    for (int v = 0; v < NV; ++v) {
-                        _mm256_store_ps(q0 + 8 * v, a0[v]);
-                        _mm256_store_ps(q1 + 8 * v, a1[v]);
-                    }
-                }
-            }
-        }
-#else
         (void)bounds;
         (void)nch;
         for (int64_t s = sb; s < se; ++s) {
@@ -276,11 +200,44 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
                 }
             }
         }
-#endif
         const int64_t r0 = 2 * sb, nr = std::min<int64_t>(R, 2 * se) - r0;
         store_block(&part[0][0][0], TB, nt, r0, nr, R, bias, y, act);
     }
 }
+#endif
+
+#if defined(__AVX2__) && defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SPARSA_HAVE_ZMM_ROWS 1
+// 16-float rows (AVX-512): the same rows with half the instructions per slot. Where a 512-bit FMA issues
+// as fast as a 256-bit one (Intel cores with two 512-bit FMA units), twice the products per cycle.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
+namespace zmm {
+using vec = __m512;
+constexpr int VW = 16;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_load_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_store_ps(p, v); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec bcast1(const float* w) { return _mm512_set1_ps(*w); }
+// bf16 w in the high half of every 32-bit lane: fp32 (w << 16)
+inline vec bcast1(const uint16_t* w) { return _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)*w << 16))); }
+inline void bcast2(const float* w, vec& w0, vec& w1) {
+    w0 = _mm512_set1_ps(w[0]);
+    w1 = _mm512_set1_ps(w[1]);
+}
+// one 32-bit broadcast split into two (shift / mask), w[0] in the low half (little endian)
+inline void bcast2(const uint16_t* w, vec& w0, vec& w1) {
+    int32_t u;
+    std::memcpy(&u, w, 4);
+    const __m512i b = _mm512_set1_epi32(u);
+    w0 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    w1 = _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32((int32_t)0xffff0000u)));
+}
+#include "sliced_ell_rows.h"
+}  // namespace zmm
+#pragma GCC pop_options
+#endif
 
 // A plan for the bf16 dot-product rows (built once per weight, sparsa_sliced_ell_dp_plan): each row's
 // slots in order, two to a pair, as {the first slot's column, the second's, the bf16 weight pair (first slot
@@ -431,7 +388,16 @@ void panel_rows(const uint16_t* __restrict xt16, int nt, const int64_t* __restri
 #pragma GCC pop_options
 #endif
 
-// the dot-product rows run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
+// the FMA rows take 16-float vectors: AVX-512 on this CPU and SPARSA_ISA >= avx512
+bool use_zmm_rows() {
+#ifdef SPARSA_HAVE_ZMM_ROWS
+    return sparsa_cpu_avx512_enabled();
+#else
+    return false;
+#endif
+}
+
+// the dot-product rows can run: AVX512-BF16 on this CPU and SPARSA_ISA >= avx512
 bool use_dpbf16() {
 #ifdef SPARSA_HAVE_DPBF16_PATH
     return sparsa_cpu_dpbf16_enabled();
@@ -519,8 +485,13 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     const int64_t ns = (R + 1) / 2;
     const int64_t npan = (T + TBMAX - 1) / TBMAX;
     if (!bounds || nch < 2) nch = 1;
-    static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<1, WT, YT>, &panel_rows<2, WT, YT>,
-                                           &panel_rows<3, WT, YT>, &panel_rows<4, WT, YT>};
+#ifdef __AVX2__
+    static const PanelFn<WT, YT> fns[5] = {nullptr, &ymm::panel_rows<1, WT, YT>, &ymm::panel_rows<2, WT, YT>,
+                                           &ymm::panel_rows<3, WT, YT>, &ymm::panel_rows<4, WT, YT>};
+#else
+    static const PanelFn<WT, YT> fns[5] = {nullptr, &panel_rows<8, WT, YT>, &panel_rows<16, WT, YT>,
+                                           &panel_rows<24, WT, YT>, &panel_rows<32, WT, YT>};
+#endif
     // the dot-product rows read a bf16 panel of 32 tokens (in their own order; see dp::pack)
     bool dp_rows = false;
 #ifdef SPARSA_HAVE_DPBF16_PATH
@@ -528,6 +499,9 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
                               std::is_same<YT, uint16_t>::value;
     if constexpr (all_bf16) dp_rows = plan.pairs && use_dpbf16();
 #endif
+    // otherwise the FMA rows: 16-float vectors where AVX-512 is enabled (panels of 16 or 32 lanes)
+    const bool zmm_rows = !dp_rows && use_zmm_rows();
+    auto lanes = [&](int nt) { return zmm_rows ? 16 * ((nt + 15) / 16) : 8 * ((nt + 7) / 8); };
 
     auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(TBMAX, T - p * TBMAX); };
     // 64-byte aligned panels: a 32-byte load that straddles two cache lines costs two
@@ -548,6 +522,13 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
             }
         }
 #endif
+#ifdef SPARSA_HAVE_ZMM_ROWS
+        if (zmm_rows) {
+            const auto fn = nt > 16 ? &zmm::panel_rows<2, WT, YT> : &zmm::panel_rows<1, WT, YT>;
+            fn(xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
+            return;
+        }
+#endif
         fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
     };
     auto transpose = [&](int64_t p, float* xt) {
@@ -562,7 +543,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
             }
         }
 #endif
-        transpose_panel(x + p * TBMAX * K, K, nt, 8 * ((nt + 7) / 8), xt);
+        transpose_panel(x + p * TBMAX * K, K, nt, lanes(nt), xt);
     };
     if (nthreads <= 1 || (npan == 1 && ns < 2)) {
         std::vector<float> buf;
@@ -604,10 +585,12 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 8; }
+int sparsa_sliced_ell_version() { return 9; }
 
-// 1 when bf16 calls with two tokens or more run the AVX512-BF16 dot-product rows on this CPU
+// 1 when bf16 calls with two tokens or more can run the AVX512-BF16 dot-product rows on this CPU (they do
+// when given a plan; sparsa.kernels.sliced_ell.bf16_rows chooses)
 int sparsa_sliced_ell_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
+
 
 // The number of K chunks the kernel walks for this weight (1: none, and no bounds are needed).
 int64_t sparsa_sliced_ell_n_chunks(int64_t K, const int64_t* slice_ptr, int64_t ns) {
