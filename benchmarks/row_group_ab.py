@@ -5,7 +5,8 @@ process), ``ab_commits.py``'s alternating processes need many rounds to see a 20
 the row_group kernel library of ``OLD`` (its ``sparsa/kernels/csrc`` from ``git archive``, compiled under
 another library name) beside this tree's, and times both, with dense bf16 ``F.linear`` on the same pruned
 weight, round-robin in one process (warm-up first, median of the rounds). Both kernels go through this
-tree's ``row_group_linear_impl``, so OLD must have the same C ABI for ``sparsa_row_group_linear_*``.
+tree's ``row_group_linear_impl``, so OLD must have the same C ABI for ``sparsa_row_group_linear_*`` (a
+function it lacks, such as the AMX pack entry points, is not used for it).
 Outputs are compared as well: ``max_abs_diff`` between the two kernels.
 
 Rows: ``out_features, in_features, tokens, sparsity, group, threads, old_ms, new_ms, dense_bf16_ms,
@@ -57,7 +58,9 @@ def old_library(rev: str, where: Path):
     with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
         t.extractall(where, filter="data")
     name = f"row_group_linear_{sha[:12]}"
-    abi.SIGNATURES[name] = abi.SIGNATURES["row_group_linear"]
+    # the functions OLD defines (it may predate some): row_group_linear_impl uses what the library has
+    src = (where / "sparsa/kernels/csrc/row_group_linear.cpp").read_text()
+    abi.SIGNATURES[name] = {f: s for f, s in abi.SIGNATURES["row_group_linear"].items() if f + "(" in src}
     # an absolute source path: its own csrc/ beside it resolves the includes
     lib = loader.load(name, [str(where / "sparsa/kernels/csrc/row_group_linear.cpp")])
     if lib is None:

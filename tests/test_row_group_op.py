@@ -340,3 +340,59 @@ def test_opcheck(dtype, activation):
     torch.library.opcheck(
         torch.ops.sparsa.row_group_linear.default, (x.detach(), lay.columns, v.detach(), None, 24, None, activation)
     )
+
+
+def _amx_lib(tiles):
+    lib = rg.emulated_amx_library() if tiles == "amx_emulated" else rg.native_library()
+    if lib is None or not lib.sparsa_row_group_has_amx():
+        pytest.skip(f"the {tiles} tiles do not run here: {rg.amx_status()}")
+    return lib
+
+
+@pytest.mark.parametrize("tiles", ["amx", "amx_emulated"])
+@pytest.mark.parametrize("group", [16, 32])
+def test_amx_pack_is_made_once_and_remade_after_an_in_place_update(tiles, group, monkeypatch):
+    # the AMX tiles read the weight's pack (made once per weight) instead of reordering it on every call;
+    # the results equal those of a call that reorders it (no pack), also after values change in place
+    for v in ("SPARSA_NO_NATIVE", "SPARSA_NO_AVX512", "SPARSA_ISA"):
+        monkeypatch.delenv(v, raising=False)
+    lib = _amx_lib(tiles)
+    gen = torch.Generator().manual_seed(group)
+    lay = RowGroup.from_dense(torch.randn(2 * group + 5, 77, generator=gen), group=group, sparsity=0.6)
+    values = lay.values.bfloat16()
+    x = torch.randn(40, 77, generator=gen).bfloat16()
+    R = lay.shape[0]
+
+    def run(packed=True):
+        with monkeypatch.context() as m:
+            if not packed:
+                m.setattr(rg, "amx_pack", lambda lib, values: None)
+            return rg._native_forward(lib, "bf16", x, lay.columns, values, None, R, lay.row_perm, 0)
+
+    y = run()
+    first = rg._AMX_PACKS[values][1].data_ptr()
+    assert torch.equal(run(), y) and rg._AMX_PACKS[values][1].data_ptr() == first  # the same pack, reused
+    assert torch.equal(run(packed=False), y)
+    with torch.no_grad():
+        values.mul_(-2)
+    y2 = run()
+    assert torch.equal(y2, run(packed=False)) and not torch.equal(y2, y)
+    lay2 = RowGroup(lay.columns, values, lay.shape, lay.row_perm, validate=False)
+    _check(y2, _reference(x, lay2, None, "none"), torch.bfloat16, _accumulated(x, lay2, None))
+    with torch.inference_mode():  # no version counter: a pack per call, never cached
+        vi = values.clone()
+        yi = rg._native_forward(lib, "bf16", x, lay.columns, vi, None, R, lay.row_perm, 0)
+    assert torch.equal(yi, y2) and vi not in rg._AMX_PACKS
+
+
+def test_amx_pack_rejects_what_the_tiles_cannot_read():
+    lib = _amx_lib("amx_emulated") if rg.emulated_amx_library() is not None else _amx_lib("amx")
+    vals = torch.zeros(2, 40, 16, dtype=torch.bfloat16)
+    assert lib.sparsa_row_group_amx_pack_size(2, 40, 8) == 0  # groups of 8 run other tiles
+    n = int(lib.sparsa_row_group_amx_pack_size(2, 40, 16))
+    assert n == 2 * 2 * 16 * 32  # two groups of two 32-column blocks of 16 rows
+    buf = torch.empty(n + 64, dtype=torch.bfloat16)
+    off = (-buf.data_ptr()) % 64
+    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 16, buf.data_ptr() + off, 1) == 0
+    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 16, buf.data_ptr() + off + 2, 1) == -1  # misaligned
+    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 8, buf.data_ptr() + off, 1) == -1

@@ -231,6 +231,26 @@ _ROW_GROUP = {
         nthreads=INT,
         act=INT,
     ),
+    "sparsa_row_group_amx_pack_size": sig(I64, ng=I64, k=I64, G=I64),
+    "sparsa_row_group_amx_pack": sig(INT, vals=PTR, ng=I64, k=I64, G=I64, out=PTR, nthreads=INT),
+    "sparsa_row_group_linear_bf16_packed": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        cols=PTR,
+        vals=PTR,
+        ng=I64,
+        k=I64,
+        G=I64,
+        bias=PTR,
+        y=PTR,
+        R=I64,
+        perm=PTR,
+        nthreads=INT,
+        act=INT,
+        amx_pack=PTR,
+    ),
 }
 
 _GNM_PLAN = dict(G=I64, n=I64, units=I64, unit_entries=I64, unit_span=I64)

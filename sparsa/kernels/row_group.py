@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+import torch.utils.weak
 from torch import Tensor
 
 from . import loader
@@ -45,6 +46,7 @@ __all__ = [
     "native_kind",
     "has_dpbf16",
     "has_amx",
+    "amx_pack",
     "amx_status",
     "emulated_amx_library",
     "ACTIVATIONS",
@@ -52,6 +54,10 @@ __all__ = [
 
 
 _SOURCES = ["row_group_linear.cpp"]
+
+
+#: fewest tokens for the AMX (and VDPBF16PS) tiles: fewer run the widening tiles, which read the values
+AMX_MIN_TOKENS = 16
 
 
 def native_library() -> Optional[ctypes.CDLL]:
@@ -146,6 +152,40 @@ def row_group_linear_reference(
     return activate(y, activation).reshape(*lead, out_features)
 
 
+#: the AMX tile pack per ``values`` tensor: (library, validity key, pack tensor, offset of its 64-byte boundary)
+_AMX_PACKS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
+    """``values`` (bf16, ``(ng, k, G)``) in the order the AMX tiles read, as a buffer and the byte offset of its
+    64-byte aligned start (hold the buffer while the kernel runs), or None where the tiles do not run for it
+    (no AMX here, or a group size other than 16 or 32).
+
+    Made once per weight and kept while ``values`` is unchanged (its data pointer and version are the key,
+    so an in-place update makes a new one), so a call does not reorder the weight again: a copy of the kept
+    values, padded to whole 32-column blocks. Inference tensors, which have no version counter, get a
+    fresh pack on every call. Keyed by library too: a test build with software tiles packs its own."""
+    ng, k, G = values.shape
+    size = int(lib.sparsa_row_group_amx_pack_size(ng, k, G))
+    if size == 0:
+        return None
+    try:
+        key = (id(lib), values.data_ptr(), values._version)
+    except RuntimeError:  # an inference tensor
+        key = None
+    hit = _AMX_PACKS.get(values) if key is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1], hit[2]
+    v = values.contiguous()
+    buf = torch.empty(size + 32, dtype=torch.bfloat16)  # 32 spare elements: room to start at 64 bytes
+    off = (-buf.data_ptr()) % 64
+    if lib.sparsa_row_group_amx_pack(v.data_ptr(), ng, k, G, buf.data_ptr() + off, torch.get_num_threads()) != 0:
+        raise RuntimeError(f"row_group_linear: the AMX pack of a ({ng}, {k}, {G}) weight failed")
+    if key is not None:
+        _AMX_PACKS[values] = (key, buf, off)
+    return buf, off
+
+
 def _native_forward(
     lib: ctypes.CDLL,
     kind: str,
@@ -173,6 +213,12 @@ def _native_forward(
             b = torch.cat([b, b.new_zeros(ng * G - b.numel())])
     perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
     fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
+    extra = ()
+    packed = getattr(lib, "sparsa_row_group_linear_bf16_packed", None)  # None: an older build (row_group_ab)
+    if kind == "bf16" and packed is not None and T >= AMX_MIN_TOKENS and G in (16, 32):
+        pack = amx_pack(lib, vals)  # held until the call returns
+        if pack is not None:
+            fn, extra = packed, (pack[0].data_ptr() + pack[1],)
     rc = fn(
         x2.data_ptr(),
         T,
@@ -188,6 +234,7 @@ def _native_forward(
         None if perm is None else perm.data_ptr(),
         torch.get_num_threads(),
         act,
+        *extra,
     )
     if rc != 0:
         raise ValueError(f"row_group_linear: unsupported group size {G}; use one of 4, 8, 16, 32")

@@ -261,9 +261,15 @@ struct Tiles {
 // groups of 16 or 32 rows (the caller checks)
 inline void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng,
                     int64_t k, int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm,
-                    int nthreads, bool act) {
-    if (G == 32) return dp::run<Tiles<2>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
-    dp::run<Tiles<1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act);
+                    int nthreads, bool act, const uint16_t* packed) {
+    if (G == 32) return dp::run<Tiles<2>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act, packed);
+    dp::run<Tiles<1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act, packed);
+}
+
+// The weights in the tile order run_any reads (one virtual group per group: RT = G), for run_any's packed.
+inline int64_t pack_size(int64_t ng, int64_t k, int64_t G) { return G == 16 || G == 32 ? ng * wsize(k, (int)G) : 0; }
+inline void pack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* out, int nthreads) {
+    repack(vals, ng, k, G, (int)G, out, nthreads);
 }
 
 }  // namespace amx

@@ -502,13 +502,17 @@ AlignedBuf<T> aligned_buf(int64_t n) {
 template <class Tiles>
 void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng, int64_t k,
          int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm, int nthreads,
-         bool act) {
+         bool act, const uint16_t* packed = nullptr) {
     constexpr int NT = Tiles::NT, RT = Tiles::RT;
     const int64_t parts = G / RT, nvg = ng * parts, ws = Tiles::wsize(k);
-    // 64-byte aligned: an AMX tile row that straddles two cache lines loads at a fraction of the speed
-    const AlignedBuf<uint16_t> wp_buf = aligned_buf<uint16_t>(nvg * ws);
-    uint16_t* const wp = wp_buf.get();
-    Tiles::repack(vals, ng, k, G, wp, nthreads);
+    // the weights in tile order: the caller's pack (Tiles::repack of these vals, made once per weight), or
+    // made here, 64-byte aligned (a tile row that straddles two cache lines loads at a fraction of the speed)
+    AlignedBuf<uint16_t> wp_buf(nullptr, &std::free);
+    if (!packed) {
+        wp_buf = aligned_buf<uint16_t>(nvg * ws);
+        Tiles::repack(vals, ng, k, G, wp_buf.get(), nthreads);
+    }
+    const uint16_t* const wp = packed ? packed : wp_buf.get();
     // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
     int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, ws * 2));
     const int64_t npan = (T + NT - 1) / NT;
@@ -857,14 +861,14 @@ bool is_identity(const int32_t* perm, int64_t n) {
 template <class WT>
 int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols, const WT* vals, int64_t ng,
            int64_t k, int64_t G, const float* bias, void* y, bool y_bf16, int64_t R, const int32_t* perm,
-           int nthreads, bool act) {
+           int nthreads, bool act, const uint16_t* amx_packed = nullptr) {
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
 #ifdef SPARSA_HAVE_AVX512_PATH
     if constexpr (std::is_same<WT, uint16_t>::value) {
         if (x_bf16 && y_bf16 && (G == 16 || G == 32) && T >= kDpMinTokens && use_amx()) {
             amx::run_any(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
                          perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm,
-                         nthreads, act);
+                         nthreads, act, amx_packed);
             return 0;
         }
         if (x_bf16 && y_bf16 && (G == 4 || G == 8 || G == 16 || G == 32) && T >= kDpMinTokens && use_dpbf16()) {
@@ -901,7 +905,7 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
 
 extern "C" {
 
-int sparsa_row_group_version() { return 5; }
+int sparsa_row_group_version() { return 6; }
 
 // 1 when the AVX-512 tiles run on this CPU
 int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
@@ -945,6 +949,35 @@ int sparsa_row_group_linear_bf16(const uint16_t* x, int64_t T, int64_t K, const 
                                  int64_t ng, int64_t k, int64_t G, const float* bias, uint16_t* y, int64_t R,
                                  const int32_t* perm, int nthreads, int act) {
     return linear<uint16_t>(x, true, T, K, cols, vals, ng, k, G, bias, y, true, R, perm, nthreads, act == 1);
+}
+
+// bf16 uint16_t elements of the AMX tile pack of a weight (0: no AMX path for this group size, or no AMX here).
+int64_t sparsa_row_group_amx_pack_size(int64_t ng, int64_t k, int64_t G) {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    return use_amx() ? amx::pack_size(ng, k, G) : 0;
+#else
+    return 0;
+#endif
+}
+
+// Fills out (sparsa_row_group_amx_pack_size elements, 64-byte aligned) with vals in AMX tile order.
+int sparsa_row_group_amx_pack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* out, int nthreads) {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    if (amx::pack_size(ng, k, G) == 0 || (reinterpret_cast<uintptr_t>(out) & 63)) return -1;
+    amx::pack(vals, ng, k, G, out, nthreads);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+// sparsa_row_group_linear_bf16 with the weight's AMX pack (from sparsa_row_group_amx_pack of these vals), which
+// the AMX tiles read instead of repacking vals on every call; other paths ignore it. amx_pack null: repack.
+int sparsa_row_group_linear_bf16_packed(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols,
+                                        const uint16_t* vals, int64_t ng, int64_t k, int64_t G, const float* bias,
+                                        uint16_t* y, int64_t R, const int32_t* perm, int nthreads, int act,
+                                        const uint16_t* amx_pack) {
+    return linear<uint16_t>(x, true, T, K, cols, vals, ng, k, G, bias, y, true, R, perm, nthreads, act == 1, amx_pack);
 }
 
 }  // extern "C"
