@@ -122,14 +122,22 @@ inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t
     }
 }
 
-// buf[r][t] (r < RT, t < 32) = sum over the k kept columns of x[t][cols[j]] * w[j][r]
+// The B tiles of a run of groups over one panel, as one stream: block i of a group is built two blocks
+// ahead of its tile loads, because a tile load does not take data forwarded from stores still in flight and
+// would wait for them. The last blocks of a group build the first ones of the next group of the same panel,
+// so a group of few blocks (very sparse weights) does not start with that wait.
+struct BRing {
+    alignas(64) uint32_t bb[3][2][16 * 16];  // [slot][token half][pair row][token]
+    int64_t head = 0;                        // slot of the current group's block 0
+    int64_t built = 0;                       // blocks of the current group built already (0, 1 or 2)
+};
+
+// buf[r][t] (r < RT, t < 32) = sum over the k kept columns of x[t][cols[j]] * w[j][r]. next_cols: the kept
+// columns of the group the next call takes on the same panel (same k), or null.
 template <int H>
 void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
-                int64_t k, float (&buf)[16 * H][32]) {
+                int64_t k, float (&buf)[16 * H][32], BRing& ring, const int32_t* next_cols) {
     constexpr int RT = 16 * H, NT = 32;
-    // [buffer][token half][pair row][token]: B tiles are built two blocks ahead of their tile loads, because
-    // a tile load does not take data forwarded from stores still in flight and would wait for them
-    alignas(64) uint32_t bb[3][2][16 * 16];
     SPARSA_TILE_ZERO(0);
     SPARSA_TILE_ZERO(1);
     if constexpr (H == 2) {
@@ -137,21 +145,26 @@ void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
         SPARSA_TILE_ZERO(3);
     }
     const int64_t nkb = (k + 31) / 32;
-    auto build = [&](int64_t kb) {
-        uint32_t* b0 = bb[kb % 3][0];
-        uint32_t* b1 = bb[kb % 3][1];
+    // stream item i: block i of this group, or block i - nkb of the next one
+    const int64_t items = nkb + (next_cols ? std::min<int64_t>(2, nkb) : 0);
+    auto build = [&](int64_t i) {
+        const int32_t* c = i < nkb ? cols : next_cols;
+        const int64_t kb = i < nkb ? i : i - nkb;
+        uint32_t* b0 = ring.bb[(ring.head + i) % 3][0];
+        uint32_t* b1 = ring.bb[(ring.head + i) % 3][1];
         if ((kb + 1) * 32 <= k)
-            build_b<false>(xt, cols, kb * 32, k, b0, b1);
+            build_b<false>(xt, c, kb * 32, k, b0, b1);
         else
-            build_b<true>(xt, cols, kb * 32, k, b0, b1);
+            build_b<true>(xt, c, kb * 32, k, b0, b1);
     };
-    build(0);
-    if (nkb > 1) build(1);
+    int64_t built = ring.built;
+    for (; built < std::min<int64_t>(2, items); ++built) build(built);
     for (int64_t kb = 0; kb < nkb; ++kb) {
         const uint16_t* a = wa + kb * RT * 32;
+        const int64_t slot = (ring.head + kb) % 3;
         SPARSA_TILE_LOAD(4, a, 64);
-        SPARSA_TILE_LOAD(6, bb[kb % 3][0], 64);
-        SPARSA_TILE_LOAD(7, bb[kb % 3][1], 64);
+        SPARSA_TILE_LOAD(6, ring.bb[slot][0], 64);
+        SPARSA_TILE_LOAD(7, ring.bb[slot][1], 64);
         SPARSA_TILE_DP(0, 4, 6);
         SPARSA_TILE_DP(1, 4, 7);
         if constexpr (H == 2) {
@@ -159,8 +172,10 @@ void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
             SPARSA_TILE_DP(2, 5, 6);
             SPARSA_TILE_DP(3, 5, 7);
         }
-        if (kb + 2 < nkb) build(kb + 2);
+        if (built < items && built < kb + 3) build(built++);
     }
+    ring.head = (ring.head + nkb) % 3;
+    ring.built = built - nkb;  // the next group's blocks built here
     SPARSA_TILE_STORE(0, &buf[0][0], NT * 4);
     SPARSA_TILE_STORE(1, &buf[0][16], NT * 4);
     if constexpr (H == 2) {
@@ -174,7 +189,8 @@ template <int H>
 void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa, int64_t k,
           float* __restrict out) {
     alignas(64) float buf[16 * H][32];  // [row][token]
-    accumulate<H>(xt, cols, wa, k, buf);
+    BRing ring;
+    accumulate<H>(xt, cols, wa, k, buf, ring, nullptr);
     dp::rows_to_tokens<16 * H, 32>(buf, out);
 }
 
@@ -208,9 +224,10 @@ inline void transpose16(__m512 (&r)[16]) {
 // 16 x 16 transpose per block, instead of going through token-major floats and a second pass
 template <int H>
 void tile_store(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
-                int64_t k, const float* bias, bool act, int nt, int nout, uint16_t* __restrict y, int64_t R) {
+                int64_t k, const float* bias, bool act, int nt, int nout, uint16_t* __restrict y, int64_t R,
+                BRing& ring, const int32_t* next_cols) {
     alignas(64) float buf[16 * H][32];  // [row][token]
-    accumulate<H>(xt, cols, wa, k, buf);
+    accumulate<H>(xt, cols, wa, k, buf, ring, next_cols);
     for (int q = 0; q < H; ++q) {
         const int rows = std::min(16, nout - 16 * q);
         if (rows <= 0) break;
@@ -247,9 +264,11 @@ struct Tiles {
         amx::tile<H>(xb, cols, wp, k, out);
     }
     static constexpr bool kStoresBf16 = true;
+    // the B-tile stream of the calling thread's run of groups over one panel (see BRing)
+    using Stream = BRing;
     static void tile_store(const uint16_t* xb, const int32_t* cols, const uint16_t* wp, int64_t k, const float* bias,
-                           bool act, int nt, int nout, uint16_t* y, int64_t R) {
-        amx::tile_store<H>(xb, cols, wp, k, bias, act, nt, nout, y, R);
+                           bool act, int nt, int nout, uint16_t* y, int64_t R, BRing& ring, const int32_t* next_cols) {
+        amx::tile_store<H>(xb, cols, wp, k, bias, act, nt, nout, y, R, ring, next_cols);
     }
     static void begin() {
         static const Config cfg;

@@ -475,6 +475,7 @@ struct DpTiles {
     using Panel = float;
     static void pack(const uint16_t* x, int64_t K, int nt, float* xt) { pack_panel<NT>(x, K, nt, xt); }
     static constexpr bool kStoresBf16 = false;
+    struct Stream {};  // nothing kept between groups
     static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         dp::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -530,6 +531,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         // aligned like the weight pack: each column's NT values start a cache line
         const AlignedBuf<typename Tiles::Panel> xt = aligned_buf<typename Tiles::Panel>(K * NT);
         alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
+        typename Tiles::Stream stream;              // state the tiles keep from one group to the next
         Tiles::begin();
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
@@ -541,9 +543,12 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                     if (!perm) {  // the tiles round and store their rows themselves
                         const int64_t s0 = vg * RT;
                         const int nout = (int)std::min<int64_t>(RT, R - s0);
+                        // the group stored next on this panel, whose first B tiles this one builds
+                        const bool next = vg + 1 < v1 && (vg + 1) * RT < R;
                         if (nout > 0)
                             Tiles::tile_store(xt.get(), cols + g * k, wp + vg * ws, k, bias ? bias + s0 : nullptr, act,
-                                              nt, nout, ybf + t0 * R + s0, R);
+                                              nt, nout, ybf + t0 * R + s0, R, stream,
+                                              next ? cols + (vg + 1) / parts * k : nullptr);
                         continue;
                     }
                 }
@@ -905,7 +910,7 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
 
 extern "C" {
 
-int sparsa_row_group_version() { return 6; }
+int sparsa_row_group_version() { return 7; }
 
 // 1 when the AVX-512 tiles run on this CPU
 int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
