@@ -182,13 +182,13 @@ def dense_baselines(
 def _variants(model: nn.Module, label: str, dtype: str, compile_sparse: Sequence[str]) -> Dict[str, nn.Module]:
     """The ways one sparse model runs: ``eager``; ``fused`` (``sparsa.fuse_gelu``: GELU in the row_group
     kernels' epilogue) when it fuses anything; ``compiled`` (``torch.compile`` of the fused model, so
-    Inductor fuses the attention, LayerNorm and glue around the sparse ops) for the float32 models
-    whose label is in ``compile_sparse``."""
+    Inductor fuses the attention, LayerNorm and glue around the sparse ops) for the models (float32 and
+    bfloat16) whose label is in ``compile_sparse``."""
     out: Dict[str, nn.Module] = {"eager": model}
     fused = copy.deepcopy(model)
     if sparsa.fuse_gelu(fused):
         out["fused"] = fused
-    if dtype == "float32" and label in compile_sparse:
+    if label in compile_sparse:
         out["compiled"] = torch.compile(out.get("fused", fused), dynamic=False)
     return out
 
@@ -372,7 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument(
         "--compile-sparse",
         default=None,
-        help="comma-separated layout labels whose float32 sparse model is also timed under "
+        help="comma-separated layout labels whose sparse models (each dtype) are also timed under "
         "torch.compile (default: row_group16 when the compiled baseline runs, else none)",
     )
     args = ap.parse_args(argv)

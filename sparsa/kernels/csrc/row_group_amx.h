@@ -194,34 +194,45 @@ void tile(const uint16_t* __restrict xt, const int32_t* __restrict cols, const u
     dp::rows_to_tokens<16 * H, 32>(buf, out);
 }
 
-// r[j] (16 floats each) := column j of the 16 x 16 matrix whose rows r held
-inline void transpose16(__m512 (&r)[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+// Word permutations for a 16 x 16 transpose of bf16 held as 8 registers of two rows each (row 2i in words
+// 0-15 of register i, row 2i + 1 in words 16-31) into 8 registers of two tokens each (token 2j in words 0-15,
+// 2j + 1 in 16-31). Three stages each exchange one bit of the register index (r1, r2, r3 of the row) with
+// one bit of the word position (t1, t2, t3 of the token): [stage][b][word] picks, for the output register
+// whose exchanged token bit is b, each word from the pair of registers that differ in the row bit.
+struct Transpose16Words {
+    alignas(64) uint16_t idx[3][2][32];
+    Transpose16Words() {
+        for (int b = 0; b < 2; ++b)
+            for (int P = 0; P < 32; ++P) {
+                const int p4 = P >> 4 & 1, p3 = P >> 3 & 1, p2 = P >> 2 & 1, p1 = P >> 1 & 1, p0 = P & 1;
+                // stage 1: words (r0 t3 t2 r1 t0) from (r0 t3 t2 t1 t0), t1 = b, r1 picks the register
+                idx[0][b][P] = (uint16_t)(p1 * 32 + p4 * 16 + p3 * 8 + p2 * 4 + b * 2 + p0);
+                // stage 2: words (r0 t3 r2 r1 t0) from (r0 t3 t2 r1 t0), t2 = b
+                idx[1][b][P] = (uint16_t)(p2 * 32 + p4 * 16 + p3 * 8 + b * 4 + p1 * 2 + p0);
+                // stage 3: words (t0 r3 r2 r1 r0), tokens' rows in order, from (r0 t3 r2 r1 t0), t3 = b
+                idx[2][b][P] = (uint16_t)(p3 * 32 + p0 * 16 + b * 8 + p2 * 4 + p1 * 2 + p4);
+            }
     }
-    // r[4i + e], 128-bit lane L: element 4L + e of rows 4i .. 4i + 3
-    for (int i = 0; i < 4; ++i) {
-        r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0x44);
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], 0xEE);
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+};
+
+// w[i] (rows 2i, 2i + 1) := w[j] (tokens 2j, 2j + 1), as Transpose16Words describes
+inline void transpose16_words(__m512i (&w)[8]) {
+    static const Transpose16Words T;
+    for (int st = 0; st < 3; ++st) {
+        const __m512i i0 = _mm512_load_si512(T.idx[st][0]), i1 = _mm512_load_si512(T.idx[st][1]);
+        const int bit = 1 << st;  // the register-index bit this stage exchanges
+        __m512i o[8];
+        for (int a = 0; a < 8; ++a) {
+            if (a & bit) continue;
+            o[a] = _mm512_permutex2var_epi16(w[a], i0, w[a | bit]);
+            o[a | bit] = _mm512_permutex2var_epi16(w[a], i1, w[a | bit]);
+        }
+        for (int a = 0; a < 8; ++a) w[a] = o[a];
     }
-    for (int e = 0; e < 4; ++e) {  // a 4 x 4 transpose of lanes across r[e], r[4 + e], r[8 + e], r[12 + e]
-        const __m512 u0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x44), u1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xEE);
-        const __m512 u2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x44);
-        const __m512 u3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xEE);
-        t[e] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-        t[4 + e] = _mm512_shuffle_f32x4(u0, u2, 0xDD);
-        t[8 + e] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-        t[12 + e] = _mm512_shuffle_f32x4(u1, u3, 0xDD);
-    }
-    for (int j = 0; j < 16; ++j) r[j] = t[j];
 }
 
-// y[t * R + r] = bf16(GELU?(sum + bias[r])) for t < nt, r < nout: the sums stay in row order until one
-// 16 x 16 transpose per block, instead of going through token-major floats and a second pass
+// y[t * R + r] = bf16(GELU?(sum + bias[r])) for t < nt, r < nout: the sums stay in row order, are rounded to
+// bf16 two rows to a register, then one 16 x 16 word transpose per block gives each token's row run
 template <int H>
 void tile_store(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
                 int64_t k, const float* bias, bool act, int nt, int nout, uint16_t* __restrict y, int64_t R,
@@ -233,18 +244,25 @@ void tile_store(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
         if (rows <= 0) break;
         const __mmask16 m = (__mmask16)((1u << rows) - 1u);
         for (int h = 0; h < 2 && 16 * h < nt; ++h) {
-            __m512 v[16];
-            for (int r = 0; r < 16; ++r) {
-                v[r] = _mm512_load_ps(&buf[16 * q + r][16 * h]);
-                if (bias && r < rows) v[r] = _mm512_add_ps(v[r], _mm512_set1_ps(bias[16 * q + r]));
-                if (act) v[r] = sparsa_gelu16(v[r]);
+            __m512i w[8];
+            for (int i = 0; i < 8; ++i) {
+                __m512 v[2];
+                for (int e = 0; e < 2; ++e) {
+                    const int r = 2 * i + e;
+                    v[e] = _mm512_load_ps(&buf[16 * q + r][16 * h]);
+                    if (bias && r < rows) v[e] = _mm512_add_ps(v[e], _mm512_set1_ps(bias[16 * q + r]));
+                    if (act) v[e] = sparsa_gelu16(v[e]);
+                }
+                // VCVTNE2PS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
+                w[i] = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
             }
-            transpose16(v);
+            transpose16_words(w);
             const int toks = std::min(16, nt - 16 * h);
-            // VCVTNEPS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
-            for (int t = 0; t < toks; ++t)
-                _mm256_mask_storeu_epi16(y + (int64_t)(16 * h + t) * R + 16 * q, m,
-                                         (__m256i)_mm512_cvtneps_pbh(v[t]));
+            for (int t = 0; t < toks; ++t) {
+                const __m512i& u = w[t >> 1];
+                const __m256i run = (t & 1) ? _mm512_extracti64x4_epi64(u, 1) : _mm512_castsi512_si256(u);
+                _mm256_mask_storeu_epi16(y + (int64_t)(16 * h + t) * R + 16 * q, m, run);
+            }
         }
     }
 }
