@@ -7,6 +7,8 @@ in bf16 and fp32 on the same (pruned) weight:
 
 - row_group (groups of 16 and 4) and sliced_ell: ``SPARSA_ISA=avx512`` (``VDPBF16PS``) against
   ``SPARSA_ISA=avx2`` (the widening kernels: bf16 operands widened to fp32 in registers);
+- ``sliced_ell_fma``: sliced_ell's FMA rows (``rows="fma"``, path ``fma512``: widened operands in 16-float
+  vectors under ``SPARSA_ISA=avx512``) against the same rows in 8-float vectors (``SPARSA_ISA=avx2``);
 - row_group16 where the AMX tiles run (``has_amx()``): the default path (AMX) against ``SPARSA_ISA=avx512``;
 - bitmask (the decode kernel, few tokens): ``STREAM_PATH="dpbf16"`` against ``"avx512"``.
 
@@ -21,6 +23,7 @@ the CPU under ``cpu``. On a CPU without AVX512-BF16 it prints why and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -94,11 +97,13 @@ def _cases(quick: bool):
             se = SlicedELL.from_dense(w, sparsity=s)
             sv = se.values.bfloat16()
 
-            def se_call(x, se=se, sv=sv, R=R):
-                return sek.sliced_ell_linear_impl(x, se.slice_ptr, se.columns, sv, None, R)
+            def se_call(x, rows, se=se, sv=sv, R=R):
+                return sek.sliced_ell_linear_impl(x, se.slice_ptr, se.columns, sv, None, R, rows=rows)
 
             dense = SlicedELL(se.slice_ptr, se.columns, sv, se.row_nnz, se.shape).to_dense()
-            yield "sliced_ell", (R, K), se_call, dense, s, [1024, 128], "avx512", "avx2"
+            dp_call, fma_call = functools.partial(se_call, rows="dp"), functools.partial(se_call, rows="fma")
+            yield "sliced_ell", (R, K), dp_call, dense, s, [1024, 128], "avx512", "avx2"
+            yield "sliced_ell_fma", (R, K), fma_call, dense, s, [1024, 128], "avx512", "avx2"
     for R, K in DECODE_SHAPES[:1] if quick else DECODE_SHAPES:
         w = torch.randn(R, K, generator=gen)
         for s in [0.5] if quick else [0.5, 0.7]:
@@ -129,7 +134,7 @@ def run(quick: bool, threads: int, rounds: int) -> List[Dict]:
             best = min(ms["bf16"], ms["fp32"])
             row = {
                 "kernel": kernel,
-                "path": "amx" if top == "amx" else "dpbf16",
+                "path": "amx" if top == "amx" else "fma512" if kernel.endswith("_fma") else "dpbf16",
                 "out_features": R,
                 "in_features": K,
                 "tokens": T,

@@ -735,7 +735,8 @@ def bitmask_prefill_section(d: Dict[str, Any]) -> str:
 def bf16_paths_section(d: Dict[str, Any]) -> str:
     """The bf16 dot-product paths against the path below them and against the faster dense dtype."""
     head = (
-        "Each bf16 dot-product kernel path (path: VDPBF16PS or AMX tiles; dp_ms) beside the path below it "
+        "Each bf16 kernel path (path: VDPBF16PS, AMX tiles, or sliced_ell_fma's 16-float FMAs; dp_ms) "
+        "beside the path below it "
         f"(below_path, below_ms) and dense bf16 and fp32 `F.linear`, {d.get('threads')} thread(s), one process; "
         "speedup_vs_best_dense: the faster dense dtype / the dp path.\n\n"
     )
