@@ -57,6 +57,17 @@ def test_plain_eager_call_skips_the_dispatcher():
     assert any("test_direct_call_probe" in n for n in names2), names2
 
 
+def test_parameter_is_a_plain_tensor_but_its_grad_still_takes_the_op():
+    # a module's weight or bias is an nn.Parameter: under no_grad the direct call is safe for it
+    p = torch.nn.Parameter(torch.arange(3.0))
+    with torch.no_grad():
+        out, names = _profiled_op_names(lambda: PROBE(p, 2))
+    assert torch.equal(out, torch.arange(3.0) * 2)
+    assert not any("test_direct_call_probe" in n for n in names), names
+    _, names = _profiled_op_names(lambda: PROBE(p, 2))  # grad mode and requires_grad: autograd must see it
+    assert any("test_direct_call_probe" in n for n in names), names
+
+
 def test_kwargs_reach_the_implementation():
     x = torch.ones(2)
     assert torch.equal(PROBE(x, k=5), torch.full((2,), 5.0))

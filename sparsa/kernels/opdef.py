@@ -11,10 +11,11 @@ Kernel ops are forward-only: their backward belongs to the caller (an ``autograd
 grad mode, they take the op, whose autograd fallback warns on a backward through it.
 
 :func:`kernel_op` returns a :class:`KernelOp`: calling it runs the op. On plain tensors outside any
-tracing (no ``torch.compile``, ``torch.jit`` trace, dispatch mode or tensor subclass, no input that
-requires grad) it calls the op's registered implementation directly, the same function the dispatcher
-would run, without the dispatcher's round trip into Python, which costs a small decode-sized kernel
-call about as much as the kernel itself. Everything else takes the op.
+tracing (no ``torch.compile``, ``torch.jit`` trace, dispatch mode or tensor subclass other than
+``nn.Parameter``, no input that requires grad under grad mode) it calls the op's registered
+implementation directly, the same function the dispatcher would run, without the dispatcher's round
+trip into Python, which costs a small decode-sized kernel call about as much as the kernel itself.
+Everything else takes the op.
 
 Example (``sparsa::adaptive_compact`` is one)::
 
@@ -35,6 +36,7 @@ from torch import Tensor
 __all__ = ["kernel_op", "KernelOp", "NAMESPACE"]
 
 NAMESPACE = "sparsa"
+_Parameter = torch.nn.Parameter
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
@@ -67,7 +69,8 @@ def _direct(args: tuple, kwargs: dict) -> bool:
     grad = torch.is_grad_enabled()
     for v in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(v, Tensor):
-            if type(v) is not Tensor or (grad and v.requires_grad):
+            # a Parameter (a module's bias) is a plain tensor to the dispatcher: no torch_function override
+            if (type(v) is not Tensor and type(v) is not _Parameter) or (grad and v.requires_grad):
                 return False
         elif isinstance(v, (list, tuple)) and any(isinstance(t, Tensor) for t in v):
             return False
