@@ -56,7 +56,8 @@ __all__ = [
 _SOURCES = ["row_group_linear.cpp"]
 
 
-#: fewest tokens for the AMX (and VDPBF16PS) tiles: fewer run the widening tiles, which read the values
+#: fewest tokens for the AMX (and VDPBF16PS) tiles, as ``kDpMinTokens`` in the kernel: fewer run the widening
+#: tiles, which read the values, so no AMX pack is made for them
 AMX_MIN_TOKENS = 16
 
 
@@ -215,7 +216,7 @@ def _native_forward(
     fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
     extra = ()
     packed = getattr(lib, "sparsa_row_group_linear_bf16_packed", None)  # None: an older build (row_group_ab)
-    if kind == "bf16" and packed is not None and T >= AMX_MIN_TOKENS and G in (16, 32):
+    if kind == "bf16" and packed is not None and T >= AMX_MIN_TOKENS:
         pack = amx_pack(lib, vals)  # held until the call returns
         if pack is not None:
             fn, extra = packed, (pack[0].data_ptr() + pack[1],)
