@@ -219,13 +219,15 @@ def test_any_bounds_give_the_right_result(kind):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-@pytest.mark.parametrize("R", [1, 2, 5, 260])
-def test_few_panels_split_by_slices(path, threads, R):
-    """Few panels (under 4 per thread): each thread takes a range of slices, some of them empty when there
-    are fewer slices than threads."""
+@pytest.mark.parametrize("R, T", [(1, 70), (2, 70), (5, 70), (260, 70), (260, 40), (1100, 70)])
+def test_few_panels_split_by_slices_or_panels(path, threads, R, T):
+    """Few panels (under 4 per thread). Small weights (R <= 260 at 70 tokens): each thread transposes and
+    takes its own panels. Large ones (R = 1100: 2.3 MB of weights, over 4x the three panels' 270 KB) or
+    fewer panels than threads (40 tokens, 3 threads): each thread takes a range of slices, some of them
+    empty when there are fewer slices than threads."""
     gen = torch.Generator().manual_seed(R * 10 + threads)
     sp, cols, vals, wd = _layout(R, 700, 0.5, gen, shuffle=R == 5)
-    x = torch.randn(70, 700, generator=gen)
+    x = torch.randn(T, 700, generator=gen)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -466,6 +466,15 @@ void run_one_token(const XT* x, const int64_t* slice_ptr, const int32_t* cols, c
     }
 }
 
+// With fewer panels than 4 per thread: split the panels between the threads (each reads every weight)
+// rather than the slices (each reads every panel, half of them transposed by another core, once per block
+// of slices), when the weight bytes a thread reads beyond its share are at most 4x all panels' bytes.
+inline bool split_panels(int64_t npan, int nthreads, int64_t K, int64_t weight_bytes) {
+    if (npan < nthreads) return false;
+    const int64_t extra = weight_bytes - weight_bytes / nthreads, panels = npan * K * TBMAX * (int64_t)sizeof(float);
+    return extra <= 4 * panels;
+}
+
 template <typename WT, typename YT>
 using PanelFn = void (*)(const float*, int, const int64_t*, const int32_t*, const WT*, const int32_t*, int64_t,
                          int64_t, int64_t, int64_t, const float*, YT*, bool);
@@ -563,6 +572,20 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
                 rows(p, xt, 0, ns);
             }
         }
+    } else if (split_panels(npan, nthreads, K, slice_ptr[ns] * (int64_t)(sizeof(int32_t) + sizeof(WT)))) {
+        // Few panels, few weights: each thread transposes its own panels and walks every slice over them,
+        // block by block (a block's weights are reused from L2 by the thread's panels)
+#pragma omp parallel num_threads(nthreads)
+        {
+            const int nth = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t p0 = npan * t / nth, p1 = npan * (t + 1) / nth;
+            std::vector<float> buf;
+            float* mine = aligned(buf, (size_t)std::max<int64_t>(1, p1 - p0) * K * TBMAX);
+            for (int64_t p = p0; p < p1; ++p) transpose(p, mine + (p - p0) * K * TBMAX);
+            for (int64_t sb = 0; sb < ns; sb += SBLOCK)
+                for (int64_t p = p0; p < p1; ++p)
+                    rows(p, mine + (p - p0) * K * TBMAX, sb, std::min(ns, sb + SBLOCK));
+        }
     } else {
         // Few panels: every panel is transposed once; each thread takes a range of slices and walks it
         // block by block, every panel per block, so a block's weights come from memory once and are
@@ -585,7 +608,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 9; }
+int sparsa_sliced_ell_version() { return 10; }
 
 // 1 when bf16 calls with two tokens or more can run the AVX512-BF16 dot-product rows on this CPU (they do
 // when given a plan; sparsa.kernels.sliced_ell.bf16_rows chooses)
