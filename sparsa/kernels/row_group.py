@@ -166,17 +166,17 @@ def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
     so an in-place update makes a new one), so a call does not reorder the weight again: a copy of the kept
     values, padded to whole 32-column blocks. Inference tensors, which have no version counter, get a
     fresh pack on every call. Keyed by library too: a test build with software tiles packs its own."""
-    ng, k, G = values.shape
-    size = int(lib.sparsa_row_group_amx_pack_size(ng, k, G))
-    if size == 0:
-        return None
     try:
         key = (id(lib), values.data_ptr(), values._version)
     except RuntimeError:  # an inference tensor
         key = None
     hit = _AMX_PACKS.get(values) if key is not None else None
-    if hit is not None and hit[0] == key:
+    if hit is not None and hit[0] == key:  # before any ctypes call: this is every call's path
         return hit[1], hit[2]
+    ng, k, G = values.shape
+    size = int(lib.sparsa_row_group_amx_pack_size(ng, k, G))
+    if size == 0:
+        return None
     v = values.contiguous()
     buf = torch.empty(size + 32, dtype=torch.bfloat16)  # 32 spare elements: room to start at 64 bytes
     off = (-buf.data_ptr()) % 64
@@ -200,11 +200,11 @@ def _native_forward(
 ) -> Tensor:
     ng, k, G = values.shape
     K = x.shape[-1]
-    x2 = x.reshape(-1, K).contiguous()
-    T = x2.shape[0]
-    y = torch.empty(T, out_features, dtype=x.dtype)
+    x2 = x if x.is_contiguous() else x.contiguous()  # the kernel reads it as [T, K]
+    T = x2.numel() // K if K else x.reshape(-1, K).shape[0]  # K = 0: reshape's error, as before
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     if T == 0 or out_features == 0:
-        return y.reshape(*x.shape[:-1], out_features)
+        return y
     cols = columns.contiguous()
     vals = values.contiguous()
     b = None
@@ -239,7 +239,7 @@ def _native_forward(
     )
     if rc != 0:
         raise ValueError(f"row_group_linear: unsupported group size {G}; use one of 4, 8, 16, 32")
-    return y.reshape(*x.shape[:-1], out_features)
+    return y
 
 
 def row_group_linear_impl(

@@ -216,9 +216,9 @@ def _native_forward(
     rows: Optional[str] = None,
 ) -> Tensor:
     K = x.shape[-1]
-    x2 = x.reshape(-1, K).contiguous()
-    T = x2.shape[0]
-    y = torch.empty(T, out_features, dtype=x.dtype)
+    x2 = x if x.is_contiguous() else x.contiguous()  # the kernel reads it as [T, K]
+    T = x2.numel() // K if K else x.reshape(-1, K).shape[0]  # K = 0: reshape's error, as before
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     if T > 0 and out_features > 0:
         sp, c, v = slice_ptr.contiguous(), columns.contiguous(), values.contiguous()
         b = None if bias is None else bias.contiguous()
@@ -266,7 +266,7 @@ def _native_forward(
                 torch.get_num_threads(),
                 act,
             )
-    return y.reshape(*x.shape[:-1], out_features)
+    return y
 
 
 def sliced_ell_linear_impl(
