@@ -111,11 +111,13 @@ def test_chunked_equals_unchunked_order(path):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("T", [1, 40, 100, 300])
-def test_thread_splits_match(path, threads, T):
-    """Every way the kernel splits work: one thread; one task per 32-token panel (many tokens); and few
-    panels split by rows, each panel transposed once and shared by its row chunks."""
+@pytest.mark.parametrize("sparsity", [0.85, 0.95])
+def test_thread_splits_match(path, threads, T, sparsity):
+    """Every way the kernel splits work: one thread; one task per panel (many tokens); and few panels
+    split by panels or by rows. The AVX-512 rows take 64-token panels for rows of 128 slots or more (85%
+    of 1300 columns: 195), 32-token ones for sparser rows (95%: 65)."""
     gen = torch.Generator().manual_seed(T * 10 + threads)
-    sp, cols, vals, wd = _layout(41, 1300, 0.85, gen, shuffle=True)
+    sp, cols, vals, wd = _layout(41, 1300, sparsity, gen, shuffle=True)
     x = torch.randn(T, 1300, generator=gen)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -3,11 +3,12 @@
 //   (slot j of row 2s at slice_ptr[s] + 2j, of row 2s+1 at slice_ptr[s] + 2j + 1);
 //   padding entries have value 0 and a valid column.
 //
-// Tokens are vectorised: a panel of up to 32 tokens of X is transposed into xt[K][TB] (8x8 AVX
-// transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB]. Two rows are
-// processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in chunks that
-// keep the panel's rows being read in L1 when the caller passes chunk bounds (sparsa_sliced_ell_chunk_bounds,
-// computed once per weight). OpenMP over token panels, or, with few panels, over ranges of slices.
+// Tokens are vectorised: a panel of up to 32 tokens of X (64 for the AVX-512 rows) is transposed into
+// xt[K][TB] (8x8 AVX transposes), so one kept weight w[r][c] multiplies the contiguous vector xt[c][0:TB].
+// Two rows are processed together (2 x TB/8 accumulators) for instruction-level parallelism, over K in
+// chunks that keep the panel's rows being read in L1 when the caller passes chunk bounds
+// (sparsa_sliced_ell_chunk_bounds, computed once per weight). OpenMP over token panels, or, with few
+// panels, over the panels or over ranges of slices (split_panels).
 // A single token (decode) takes a scalar path instead (one_token): same products, each row summed in two
 // interleaved partial sums, so its rounding differs slightly from the panel path's.
 //
@@ -39,6 +40,11 @@ using sparsa_panel::store_block;
 using sparsa_panel::store_y;
 
 constexpr int TBMAX = 32;
+// tokens per panel of the 16-float rows for weights with at least ZMM64_MIN_SLOTS slots per row: a weight's
+// broadcast and column index serve four 16-token FMAs. Sparser rows keep 32-token panels, half the bytes of
+// panel their scattered columns are read from (figures in docs/benchmarks.md).
+constexpr int TBMAX_ZMM = 64;
+constexpr int64_t ZMM64_MIN_SLOTS = 128;
 
 // element access of X / weights as fp32 (float: as is; bf16 stored as uint16_t: widened)
 inline float to_f32(float v) { return v; }
@@ -75,7 +81,8 @@ void transpose_panel(const XT* __restrict x, int64_t K, int nt, int TB, float* _
 }
 
 // Columns per chunk: a 32-token panel's chunk (KCHUNK x 128 B) stays in L1 while every row of a block
-// reads its kept columns from it; from L2, the one 32-byte load per FMA is bandwidth-bound.
+// reads its kept columns from it; from L2, the one 32-byte load per FMA is bandwidth-bound. (A 64-token
+// panel's chunk is twice that: the chunks are made once per weight, whatever the panel.)
 constexpr int KCHUNK = 256;
 // Chunking pays only when each row has enough entries per chunk to hide its per-chunk cost (reloading
 // the accumulators, the loop exits); below this many slots per row and chunk, one pass reads from L2.
@@ -142,7 +149,7 @@ inline void chunk_slots(const int32_t* bounds, int64_t s, int64_t nch, int64_t k
 // 8-float rows (AVX2)
 namespace ymm {
 using vec = __m256;
-constexpr int VW = 8;
+constexpr int VW = 8, TWO_SLICE_NV = 2;  // 16 registers: 8 sums
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_load_ps(p); }
 inline void vstore(float* p, vec v) { _mm256_store_ps(p, v); }
@@ -214,7 +221,7 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
 namespace zmm {
 using vec = __m512;
-constexpr int VW = 16;
+constexpr int VW = 16, TWO_SLICE_NV = 4;  // 32 registers: 16 sums
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_load_ps(p); }
 inline void vstore(float* p, vec v) { _mm512_store_ps(p, v); }
@@ -469,9 +476,9 @@ void run_one_token(const XT* x, const int64_t* slice_ptr, const int32_t* cols, c
 // With fewer panels than 4 per thread: split the panels between the threads (each reads every weight)
 // rather than the slices (each reads every panel, half of them transposed by another core, once per block
 // of slices), when the weight bytes a thread reads beyond its share are at most 4x all panels' bytes.
-inline bool split_panels(int64_t npan, int nthreads, int64_t K, int64_t weight_bytes) {
+inline bool split_panels(int64_t npan, int tb, int nthreads, int64_t K, int64_t weight_bytes) {
     if (npan < nthreads) return false;
-    const int64_t extra = weight_bytes - weight_bytes / nthreads, panels = npan * K * TBMAX * (int64_t)sizeof(float);
+    const int64_t extra = weight_bytes - weight_bytes / nthreads, panels = npan * K * tb * (int64_t)sizeof(float);
     return extra <= 4 * panels;
 }
 
@@ -492,7 +499,6 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
          const DpPlan& plan = DpPlan()) {
     if (T == 1) return run_one_token(x, slice_ptr, cols, vals, R, bias, y, nthreads, act);
     const int64_t ns = (R + 1) / 2;
-    const int64_t npan = (T + TBMAX - 1) / TBMAX;
     if (!bounds || nch < 2) nch = 1;
 #ifdef __AVX2__
     static const PanelFn<WT, YT> fns[5] = {nullptr, &ymm::panel_rows<1, WT, YT>, &ymm::panel_rows<2, WT, YT>,
@@ -508,11 +514,14 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
                               std::is_same<YT, uint16_t>::value;
     if constexpr (all_bf16) dp_rows = plan.pairs && use_dpbf16();
 #endif
-    // otherwise the FMA rows: 16-float vectors where AVX-512 is enabled (panels of 16 or 32 lanes)
+    // otherwise the FMA rows: 16-float vectors where AVX-512 is enabled (panels of 16 to 64 lanes)
     const bool zmm_rows = !dp_rows && use_zmm_rows();
+    const int64_t slots_per_row = ns > 0 ? slice_ptr[ns] / (2 * ns) : 0;
+    const int tb = zmm_rows && slots_per_row >= ZMM64_MIN_SLOTS ? TBMAX_ZMM : TBMAX;  // tokens per panel
+    const int64_t npan = (T + tb - 1) / tb;
     auto lanes = [&](int nt) { return zmm_rows ? 16 * ((nt + 15) / 16) : 8 * ((nt + 7) / 8); };
 
-    auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(TBMAX, T - p * TBMAX); };
+    auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(tb, T - p * tb); };
     // 64-byte aligned panels: a 32-byte load that straddles two cache lines costs two
     auto aligned = [](std::vector<float>& buf, size_t n) {
         buf.resize(n + 16);
@@ -526,19 +535,20 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         if constexpr (all_bf16) {
             if (dp_rows) {
                 dp::panel_rows(reinterpret_cast<const uint16_t*>(xt), nt, plan.chunk_ptr, plan.nch, plan.pairs, ns, s0,
-                               s1, R, bias, y + p * TBMAX * R, act);
+                               s1, R, bias, y + p * tb * R, act);
                 return;
             }
         }
 #endif
 #ifdef SPARSA_HAVE_ZMM_ROWS
         if (zmm_rows) {
-            const auto fn = nt > 16 ? &zmm::panel_rows<2, WT, YT> : &zmm::panel_rows<1, WT, YT>;
-            fn(xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
+            static const PanelFn<WT, YT> zfns[5] = {nullptr, &zmm::panel_rows<1, WT, YT>, &zmm::panel_rows<2, WT, YT>,
+                                                    &zmm::panel_rows<3, WT, YT>, &zmm::panel_rows<4, WT, YT>};
+            zfns[(nt + 15) / 16](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * tb * R, act);
             return;
         }
 #endif
-        fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * TBMAX * R, act);
+        fns[nv](xt, nt, slice_ptr, cols, vals, bounds, nch, s0, s1, R, bias, y + p * tb * R, act);
     };
     auto transpose = [&](int64_t p, float* xt) {
         const int nt = panel_tokens(p);
@@ -546,17 +556,17 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         if constexpr (all_bf16) {
             if (dp_rows) {  // the float buffer holds the (smaller) bf16 panel
                 // K + 1 rows (the zero row last) of 32 bf16 fit in the K rows of 32 floats
-                static_assert(dp::TB == TBMAX, "a bf16 panel fits the float panel's buffer");
-                dp::pack(reinterpret_cast<const uint16_t*>(x + p * TBMAX * K), K, nt, reinterpret_cast<uint16_t*>(xt));
+                static_assert(dp::TB == TBMAX, "the dot-product rows' panels are TBMAX tokens");
+                dp::pack(reinterpret_cast<const uint16_t*>(x + p * tb * K), K, nt, reinterpret_cast<uint16_t*>(xt));
                 return;
             }
         }
 #endif
-        transpose_panel(x + p * TBMAX * K, K, nt, lanes(nt), xt);
+        transpose_panel(x + p * tb * K, K, nt, lanes(nt), xt);
     };
     if (nthreads <= 1 || (npan == 1 && ns < 2)) {
         std::vector<float> buf;
-        float* xt = aligned(buf, (size_t)K * TBMAX);
+        float* xt = aligned(buf, (size_t)K * tb);
         for (int64_t p = 0; p < npan; ++p) {
             transpose(p, xt);
             rows(p, xt, 0, ns);
@@ -565,14 +575,14 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 #pragma omp parallel num_threads(nthreads)
         {
             std::vector<float> buf;
-            float* xt = aligned(buf, (size_t)K * TBMAX);
+            float* xt = aligned(buf, (size_t)K * tb);
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < npan; ++p) {
                 transpose(p, xt);
                 rows(p, xt, 0, ns);
             }
         }
-    } else if (split_panels(npan, nthreads, K, slice_ptr[ns] * (int64_t)(sizeof(int32_t) + sizeof(WT)))) {
+    } else if (split_panels(npan, tb, nthreads, K, slice_ptr[ns] * (int64_t)(sizeof(int32_t) + sizeof(WT)))) {
         // Few panels, few weights: each thread transposes its own panels and walks every slice over them,
         // block by block (a block's weights are reused from L2 by the thread's panels)
 #pragma omp parallel num_threads(nthreads)
@@ -580,26 +590,26 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
             const int nth = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t p0 = npan * t / nth, p1 = npan * (t + 1) / nth;
             std::vector<float> buf;
-            float* mine = aligned(buf, (size_t)std::max<int64_t>(1, p1 - p0) * K * TBMAX);
-            for (int64_t p = p0; p < p1; ++p) transpose(p, mine + (p - p0) * K * TBMAX);
+            float* mine = aligned(buf, (size_t)std::max<int64_t>(1, p1 - p0) * K * tb);
+            for (int64_t p = p0; p < p1; ++p) transpose(p, mine + (p - p0) * K * tb);
             for (int64_t sb = 0; sb < ns; sb += SBLOCK)
                 for (int64_t p = p0; p < p1; ++p)
-                    rows(p, mine + (p - p0) * K * TBMAX, sb, std::min(ns, sb + SBLOCK));
+                    rows(p, mine + (p - p0) * K * tb, sb, std::min(ns, sb + SBLOCK));
         }
     } else {
         // Few panels: every panel is transposed once; each thread takes a range of slices and walks it
         // block by block, every panel per block, so a block's weights come from memory once and are
         // reused from L2 (with one task per panel, each thread would stream all the weights per panel).
         std::vector<float> buf;
-        float* all = aligned(buf, (size_t)npan * K * TBMAX);
+        float* all = aligned(buf, (size_t)npan * K * tb);
 #pragma omp parallel num_threads(nthreads)
         {
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < npan; ++p) transpose(p, all + p * K * TBMAX);
+            for (int64_t p = 0; p < npan; ++p) transpose(p, all + p * K * tb);
             const int nth = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t r0 = ns * t / nth, r1 = ns * (t + 1) / nth;
             for (int64_t sb = r0; sb < r1; sb += SBLOCK)
-                for (int64_t p = 0; p < npan; ++p) rows(p, all + p * K * TBMAX, sb, std::min(r1, sb + SBLOCK));
+                for (int64_t p = 0; p < npan; ++p) rows(p, all + p * K * tb, sb, std::min(r1, sb + SBLOCK));
         }
     }
 }
@@ -608,7 +618,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
 
 extern "C" {
 
-int sparsa_sliced_ell_version() { return 10; }
+int sparsa_sliced_ell_version() { return 11; }
 
 // 1 when bf16 calls with two tokens or more can run the AVX512-BF16 dot-product rows on this CPU (they do
 // when given a plan; sparsa.kernels.sliced_ell.bf16_rows chooses)

@@ -1,6 +1,7 @@
 // The FMA rows of the SlicedELL kernel (sliced_ell_linear.cpp), written once over a vector of VW floats and
 // included once per width: AVX2 (8 floats) and, inside an AVX-512 target region, 16 floats. The including
-// namespace provides vec, VW, vzero(), vload(p) (aligned), vstore(p, v), vfma(a, b, c) = a * b + c, and
+// namespace provides vec, VW, TWO_SLICE_NV (the most vectors per row for which two slices' sums fit in
+// registers), vzero(), vload(p) (aligned), vstore(p, v), vfma(a, b, c) = a * b + c, and
 // bcast1 / bcast2 for float and bf16 (uint16_t) weights; the enclosing scope SBLOCK, chunk_slots and
 // store_block. Each lane sums its own token's products in slot order, so both widths give identical results.
 // No include guard: it is included once per vector width.
@@ -38,7 +39,7 @@ void panel_rows(const float* __restrict xt, int nt, const int64_t* __restrict sp
         if (nch == 1) {  // one chunk: both rows of a slice walk their padded slot lists in step
             int64_t s = sb;
             // two slices at a time where their sums fit in registers, so four rows' FMA chains are in flight
-            if (NV <= 2)
+            if (NV <= TWO_SLICE_NV)
                 for (; s + 2 <= se; s += 2) {
                     const int64_t pa = sptr[s], pb = sptr[s + 1];
                     const int64_t La = (pb - pa) / 2, Lb = (sptr[s + 2] - pb) / 2, both = std::min(La, Lb);
