@@ -148,7 +148,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "to fp32) against the VDPBF16PS rows",
         (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5),
         ((768, 768, 1024), (3072, 768, 1024), (768, 3072, 1024)),
-        {"intel-amx": 0.12},
+        {"intel-amx": 0.3},
         low="fma rows",
         high="dp rows",
     ),
