@@ -183,7 +183,8 @@ def test_sliced_ell_bf16_dot_product_rows(monkeypatch, T, K, sparsity):
 @pytest.mark.parametrize("K,sparsity", [(77, 0.5), (700, 0.9), (3000, 0.5)])
 def test_sliced_ell_fma_rows_same_at_both_widths(monkeypatch, T, K, sparsity):
     # the FMA rows sum each token's products in slot order at 8 and 16 floats alike: bf16 and fp32 results of
-    # the AVX-512 rows equal the AVX2 rows' bit for bit (two slices at a time, a lone last one, chunks)
+    # the AVX-512 rows equal the AVX2 rows' bit for bit (two slices at a time, a lone last one, chunks); after
+    # GELU within an ulp or two (the 16-lane GELU takes a reciprocal estimate where the 8-lane one divides)
     for v in ("SPARSA_ISA", "SPARSA_NO_AVX512", "SPARSA_NO_NATIVE"):
         monkeypatch.delenv(v, raising=False)
     if not cpu.cpu_flags()["avx512f"] or se.native_library() is None:
@@ -203,7 +204,8 @@ def test_sliced_ell_fma_rows_same_at_both_widths(monkeypatch, T, K, sparsity):
             se.sliced_ell_linear_impl(x.to(BF), e.slice_ptr, e.columns, vb, b, 29, rows="fma"),
             se.sliced_ell_linear_impl(x, e.slice_ptr, e.columns, e.values, b, 29, "gelu"),
         ]
-    assert torch.equal(wide[0], narrow[0]) and torch.equal(wide[1], narrow[1])
+    assert torch.equal(wide[0], narrow[0])
+    torch.testing.assert_close(wide[1], narrow[1], rtol=5e-7, atol=1e-7)
     _check(wide[0], x.to(BF), wd, b)
 
 

@@ -3,10 +3,24 @@
 #pragma once
 #include <cstdint>
 #include "bf16.h"
+#include "cpu_isa.h"
 #include "gelu.h"
 #include "transpose8.h"
 
 namespace sparsa_panel {
+
+// GELU over n floats in place: 16 lanes where AVX-512 is enabled (wide), whose reciprocal estimate replaces
+// the 8-lane version's division, the part that bounds it
+inline void gelu_n(float* p, int64_t n, bool wide) {
+#ifdef SPARSA_HAVE_GELU16
+    if (wide) {
+        sparsa_gelu_inplace16(p, n);
+        return;
+    }
+#endif
+    (void)wide;
+    sparsa_gelu_inplace(p, n);
+}
 
 inline void store_y(float* p, float v) { *p = v; }
 inline void store_y(uint16_t* p, float v) { *p = sparsa_f32_to_bf16(v); }
@@ -21,13 +35,14 @@ inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__
 template <typename YT>
 inline void store_block(float* __restrict part, int TB, int nt, int64_t r0, int64_t nr, int64_t R,
                         const float* __restrict bias, YT* __restrict y, bool act) {
+    const bool wide = act && sparsa_cpu_avx512_enabled();
     for (int64_t r = 0; r < nr; ++r) {
         float* p = part + r * TB;
         if (bias) {
             const float b = bias[r0 + r];
             for (int i = 0; i < TB; ++i) p[i] += b;
         }
-        if (act) sparsa_gelu_inplace(p, TB);  // GELU after the bias
+        if (act) gelu_n(p, TB, wide);  // GELU after the bias
     }
     int64_t r = 0;
 #ifdef __AVX2__
