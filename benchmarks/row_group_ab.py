@@ -20,10 +20,7 @@ new_over_old`` (old time / new time), ``old_vs_dense, new_vs_dense`` (dense time
 from __future__ import annotations
 
 import argparse
-import io
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -34,9 +31,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _kernel_ab  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from _results import write_results  # noqa: E402
-from sparsa.kernels import abi, loader  # noqa: E402
+from sparsa.kernels import loader  # noqa: E402
 from sparsa.kernels import row_group as rgk  # noqa: E402
 from sparsa.layouts import RowGroup  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
@@ -48,31 +46,7 @@ TOKENS = [1024, 128]
 
 def old_library(rev: str, where: Path):
     """The row_group kernel library built from ``rev``'s sources (an error naming ``rev`` if git lacks it)."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout.strip()
-    except subprocess.CalledProcessError:
-        raise SystemExit(f"row_group_ab: {rev!r} is not a commit of {ROOT}; pass a commit, tag or branch") from None
-    tar = subprocess.run(["git", "archive", sha, "sparsa/kernels/csrc"], cwd=ROOT, check=True, capture_output=True)
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        t.extractall(where, filter="data")
-    name = f"row_group_linear_{sha[:12]}"
-    # the functions OLD defines (it may predate some): row_group_linear_impl uses what the library has
-    src = (where / "sparsa/kernels/csrc/row_group_linear.cpp").read_text()
-    abi.SIGNATURES[name] = {f: s for f, s in abi.SIGNATURES["row_group_linear"].items() if f + "(" in src}
-    # an absolute source path: its own csrc/ beside it resolves the includes
-    lib = loader.load(name, [str(where / "sparsa/kernels/csrc/row_group_linear.cpp")])
-    if lib is None:
-        raise SystemExit(f"row_group_ab: the kernels of {rev} did not build ({loader.build_info().get(name)})")
-    return sha, lib
-
-
-def _this_tree() -> str:
-    """This tree's commit, with ``+changes`` when its kernel sources differ from it."""
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "sparsa/kernels/csrc"], cwd=ROOT).returncode
-    return (sha or "unknown") + ("+changes" if dirty else "")
+    return _kernel_ab.old_library(rev, where, "row_group_linear", "row_group_ab")
 
 
 def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
@@ -146,7 +120,7 @@ def main(argv=None) -> None:
         "benchmark": "row_group_ab",
         "cpu": sparsa.cpu.cpu_info(),
         "old": sha,
-        "new": _this_tree(),
+        "new": _kernel_ab.this_tree(),
         "quick": args.quick,
         "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
         "rows": rows,

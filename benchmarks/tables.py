@@ -39,6 +39,11 @@ BENCHES = (
         "The bf16 row_group kernel before and after, one process",
         "python benchmarks/row_group_ab.py OLD",
     ),
+    (
+        "sliced_ell_ab",
+        "The sliced_ell kernel before and after, one process",
+        "python benchmarks/sliced_ell_ab.py OLD",
+    ),
     ("llm_quality", "Pruned LLM perplexity", "python benchmarks/llm_quality.py"),
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
@@ -791,6 +796,20 @@ def row_group_ab_section(d: Dict[str, Any]) -> str:
     return head + _md(d["rows"], cols) + _quick_mark(d)
 
 
+def sliced_ell_ab_section(d: Dict[str, Any]) -> str:
+    """An older commit's sliced_ell kernel against the tree's, fp32 and bf16, with dense bf16, in one process."""
+    old, new = str(d.get("old", ""))[:12], str(d.get("new", ""))[:12]
+    head = (
+        f"The sliced_ell kernel of `{old}` (old_ms) against `{new}` (new_ms) and dense bf16 `F.linear` "
+        "(dense_bf16_ms) on row-balanced magnitude-pruned weights, round-robin in one process; rows: the bf16 "
+        "rows both kernels ran (fp32: the FMA rows). new_over_old = old / new time; *_vs_dense = dense time / "
+        "kernel time; max_abs_diff between the two kernels' outputs.\n\n"
+    )
+    cols = ["out_features", "in_features", "tokens", "sparsity", "dtype", "rows", "threads", "old_ms", "new_ms"]
+    cols += ["dense_bf16_ms", "new_over_old", "old_vs_dense", "new_vs_dense", "max_abs_diff"]
+    return head + _md(d["rows"], cols) + _quick_mark(d)
+
+
 def allocation_section(d: Dict[str, Any]) -> str:
     """Uniform against non-uniform (OWL) per-layer sparsity at the same overall target."""
     head = (
@@ -908,6 +927,7 @@ SECTIONS = {
     "adaptive_bf16": adaptive_bf16_section,
     "adaptive_bf16_gemms": adaptive_bf16_gemms_section,
     "row_group_ab": row_group_ab_section,
+    "sliced_ell_ab": sliced_ell_ab_section,
     "llm_quality": llm_quality_section,
     "pareto": pareto_section,
     "recover": recover_section,
