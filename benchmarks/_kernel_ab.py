@@ -11,13 +11,17 @@ from __future__ import annotations
 import io
 import subprocess
 import tarfile
+import time
 from pathlib import Path
+from typing import Any, Dict, List, Optional
 
+import sparsa.cpu
+from _results import write_results
 from sparsa.kernels import abi, loader
 
 ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["old_library", "this_tree"]
+__all__ = ["old_library", "this_tree", "timing_fields", "progress", "write"]
 
 
 def old_library(rev: str, where: Path, library: str, tool: str):
@@ -42,6 +46,45 @@ def old_library(rev: str, where: Path, library: str, tool: str):
     if lib is None:
         raise SystemExit(f"{tool}: the kernels of {rev} did not build ({loader.build_info().get(name)})")
     return sha, lib
+
+
+def timing_fields(ms: Dict[str, float], diff: float) -> Dict[str, Any]:
+    """The row fields of one side-by-side timing ``ms`` (``old``, ``new``, ``dense`` ms) and the largest
+    difference between the two kernels' outputs."""
+    return {
+        "old_ms": round(ms["old"], 4),
+        "new_ms": round(ms["new"], 4),
+        "dense_bf16_ms": round(ms["dense"], 4),
+        "new_over_old": round(ms["old"] / ms["new"], 3),
+        "old_vs_dense": round(ms["dense"] / ms["old"], 3),
+        "new_vs_dense": round(ms["dense"] / ms["new"], 3),
+        "max_abs_diff": diff,
+    }
+
+
+def progress(label: str, row: Dict[str, Any]) -> None:
+    """One line for a finished row, after ``label`` (its shape and case)."""
+    print(
+        f"{label}: old {row['old_ms']:8.3f} new {row['new_ms']:8.3f} dense bf16 {row['dense_bf16_ms']:8.3f} ms  "
+        f"new/old x{row['new_over_old']:.2f}  vs dense {row['old_vs_dense']:.2f} -> {row['new_vs_dense']:.2f}  "
+        f"max diff {row['max_abs_diff']:.3g}",
+        flush=True,
+    )
+
+
+def write(name: str, old_sha: str, quick: bool, rows: List[Dict[str, Any]], t0: float, out: Optional[Path]) -> Path:
+    """Write the results JSON ``name`` (with the CPU and both commits) to ``out`` or the CPU class's folder."""
+    res = {
+        "benchmark": name,
+        "cpu": sparsa.cpu.cpu_info(),
+        "old": old_sha,
+        "new": this_tree(),
+        "quick": quick,
+        "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return write_results(res, name, out)
 
 
 def this_tree() -> str:

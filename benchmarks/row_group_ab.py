@@ -32,8 +32,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _kernel_ab  # noqa: E402
-import sparsa.cpu  # noqa: E402
-from _results import write_results  # noqa: E402
 from sparsa.kernels import loader  # noqa: E402
 from sparsa.kernels import row_group as rgk  # noqa: E402
 from sparsa.layouts import RowGroup  # noqa: E402
@@ -85,21 +83,10 @@ def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
                     "sparsity": s,
                     "group": group,
                     "threads": threads,
-                    "old_ms": round(ms["old"], 4),
-                    "new_ms": round(ms["new"], 4),
-                    "dense_bf16_ms": round(ms["dense"], 4),
-                    "new_over_old": round(ms["old"] / ms["new"], 3),
-                    "old_vs_dense": round(ms["dense"] / ms["old"], 3),
-                    "new_vs_dense": round(ms["dense"] / ms["new"], 3),
-                    "max_abs_diff": diff,
+                    **_kernel_ab.timing_fields(ms, diff),
                 }
                 rows.append(row)
-                print(
-                    f"{R}x{K} T={T:<5} {s:.2f}: old {row['old_ms']:8.3f} new {row['new_ms']:8.3f} dense bf16 "
-                    f"{row['dense_bf16_ms']:8.3f} ms  new/old x{row['new_over_old']:.2f}  vs dense "
-                    f"{row['old_vs_dense']:.2f} -> {row['new_vs_dense']:.2f}  max diff {diff:.3g}",
-                    flush=True,
-                )
+                _kernel_ab.progress(f"{R}x{K} T={T:<5} {s:.2f}", row)
     return rows
 
 
@@ -116,17 +103,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="row_group_ab_") as tmp:
         sha, old_lib = old_library(args.old, Path(tmp))
         rows = run(old_lib, args.quick, args.threads, args.rounds or (5 if args.quick else 9), args.group)
-    res = {
-        "benchmark": "row_group_ab",
-        "cpu": sparsa.cpu.cpu_info(),
-        "old": sha,
-        "new": _kernel_ab.this_tree(),
-        "quick": args.quick,
-        "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
-        "rows": rows,
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    write_results(res, "row_group_ab", args.out)
+    _kernel_ab.write("row_group_ab", sha, args.quick, rows, t0, args.out)
 
 
 if __name__ == "__main__":

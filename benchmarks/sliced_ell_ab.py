@@ -31,8 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import _kernel_ab  # noqa: E402
-import sparsa.cpu  # noqa: E402
-from _results import write_results  # noqa: E402
 from sparsa.kernels import sliced_ell as sek  # noqa: E402
 from sparsa.layouts import SlicedELL  # noqa: E402
 from sparsa.sparsifiers import Magnitude  # noqa: E402
@@ -85,22 +83,10 @@ def run(old_lib, quick: bool, runs, rounds: int, rows_choice):
                     "dtype": dname,
                     "rows": rows or "fma",
                     "threads": threads,
-                    "old_ms": round(ms["old"], 4),
-                    "new_ms": round(ms["new"], 4),
-                    "dense_bf16_ms": round(ms["dense"], 4),
-                    "new_over_old": round(ms["old"] / ms["new"], 3),
-                    "old_vs_dense": round(ms["dense"] / ms["old"], 3),
-                    "new_vs_dense": round(ms["dense"] / ms["new"], 3),
-                    "max_abs_diff": diff,
+                    **_kernel_ab.timing_fields(ms, diff),
                 }
                 out.append(row)
-                print(
-                    f"{R}x{K} T={tokens:<5} {s:.2f} {dname:8} {row['rows']:3}: old {row['old_ms']:8.3f} new "
-                    f"{row['new_ms']:8.3f} dense bf16 {row['dense_bf16_ms']:8.3f} ms  "
-                    f"new/old x{row['new_over_old']:.2f}  vs dense {row['old_vs_dense']:.2f} -> "
-                    f"{row['new_vs_dense']:.2f}  max diff {diff:.3g}",
-                    flush=True,
-                )
+                _kernel_ab.progress(f"{R}x{K} T={tokens:<5} {s:.2f} {dname:8} {row['rows']:3}", row)
     return out
 
 
@@ -128,17 +114,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="sliced_ell_ab_") as tmp:
         sha, old_lib = old_library(args.old, Path(tmp))
         rows = run(old_lib, args.quick, runs, args.rounds or (5 if args.quick else 11), args.rows)
-    res = {
-        "benchmark": "sliced_ell_ab",
-        "cpu": sparsa.cpu.cpu_info(),
-        "old": sha,
-        "new": _kernel_ab.this_tree(),
-        "quick": args.quick,
-        "timing": "one process, old kernel / new kernel / dense bf16 F.linear round-robin, warm-up first, medians",
-        "rows": rows,
-        "seconds": round(time.perf_counter() - t0, 1),
-    }
-    write_results(res, "sliced_ell_ab", args.out)
+    _kernel_ab.write("sliced_ell_ab", sha, args.quick, rows, t0, args.out)
 
 
 if __name__ == "__main__":
