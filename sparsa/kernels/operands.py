@@ -17,12 +17,12 @@ Anything else runs the pure-PyTorch reference.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype"]
+__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows"]
 
 _KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 #: dtypes the kernels and references compute in float32 and round once
@@ -49,3 +49,13 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     for d in dtypes:
         out = torch.promote_types(out, d)
     return torch.float32 if out in REDUCED_DTYPES else out
+
+
+def token_rows(x: Tensor, out_features: int) -> Tuple[Tensor, int, Tensor]:
+    """``(x2, T, y)`` for a linear kernel: ``x`` contiguous (the kernel reads it as ``[T, K]``, no reshape), its
+    number of token rows, and the output allocated in its final shape ``(*x.shape[:-1], out_features)``.
+    ``K = 0`` raises as ``x.reshape(-1, 0)`` does."""
+    K = x.shape[-1]
+    x2 = x if x.is_contiguous() else x.contiguous()
+    T = x2.numel() // K if K else x.reshape(-1, K).shape[0]
+    return x2, T, torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
-from .operands import REDUCED_DTYPES, native_kind
+from .operands import REDUCED_DTYPES, native_kind, token_rows
 from .opdef import kernel_op
 
 __all__ = [
@@ -200,9 +200,7 @@ def _native_forward(
 ) -> Tensor:
     ng, k, G = values.shape
     K = x.shape[-1]
-    x2 = x if x.is_contiguous() else x.contiguous()  # the kernel reads it as [T, K]
-    T = x2.numel() // K if K else x.reshape(-1, K).shape[0]  # K = 0: reshape's error, as before
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    x2, T, y = token_rows(x, out_features)
     if T == 0 or out_features == 0:
         return y
     cols = columns.contiguous()

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import activate, activation_backward, activation_code
-from .operands import REDUCED_DTYPES, compute_dtype, native_kind
+from .operands import REDUCED_DTYPES, compute_dtype, native_kind, token_rows
 from .opdef import kernel_op
 
 __all__ = [
@@ -216,9 +216,7 @@ def _native_forward(
     rows: Optional[str] = None,
 ) -> Tensor:
     K = x.shape[-1]
-    x2 = x if x.is_contiguous() else x.contiguous()  # the kernel reads it as [T, K]
-    T = x2.numel() // K if K else x.reshape(-1, K).shape[0]  # K = 0: reshape's error, as before
-    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    x2, T, y = token_rows(x, out_features)
     if T > 0 and out_features > 0:
         sp, c, v = slice_ptr.contiguous(), columns.contiguous(), values.contiguous()
         b = None if bias is None else bias.contiguous()
