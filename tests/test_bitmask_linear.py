@@ -25,14 +25,27 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 
 
 @pytest.fixture(
-    params=["stream", "stream_pair16", "stream_avx512", "stream_dpbf16", "expand", "panel", "panel_f32", "fallback"]
+    params=[
+        "stream",
+        "stream_pair16",
+        "stream_avx512",
+        "stream_dpbf16",
+        "expand",
+        "panel",
+        "panel_f32",
+        "amx",
+        "amx_emulated",
+        "fallback",
+    ]
 )
 def path(request, monkeypatch):
     """A native strategy and row loop, or the pure-PyTorch reference. ``stream_dpbf16`` runs the
     ``auto`` loop where the CPU has AVX512-BF16 and VBMI2: bfloat16 takes the dot-product loop there,
     float32 the AVX-512 one. ``panel`` runs the panel kernels (bfloat16 where the CPU has AVX512-BF16 and
     VBMI2, float32 with AVX2); ``panel_f32`` runs them under ``SPARSA_ISA=avx2`` (float32 panel, bfloat16
-    operands expand), so the float32 panel kernel is tested on every AVX2 CPU."""
+    operands expand), so the float32 panel kernel is tested on every AVX2 CPU. ``amx`` runs the AMX tiles
+    where the CPU has them; ``amx_emulated`` the same kernel on software tiles (any CPU). Both take bfloat16;
+    float32 operands expand."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if request.param == "stream_avx512":
@@ -48,6 +61,13 @@ def path(request, monkeypatch):
             pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 panel kernel does not run")
     elif request.param == "stream_pair16":
         monkeypatch.setattr(bm, "STREAM_PATH", "pair16")
+    elif request.param == "amx" and bm.native_library() is not None and not bm.has_amx():
+        pytest.skip(f"the bitmask AMX tiles do not run here: {bm.amx_status()}")
+    elif request.param == "amx_emulated":
+        emulated = bm._tiles.emulated_library()
+        assert emulated is not None, "the software-tile build of the bitmask AMX kernel failed"
+        run = bm._tiles.run
+        monkeypatch.setattr(bm._tiles, "run", lambda lib, *a: run(emulated, *a))
     if request.param == "fallback":
         monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
         assert bm.native_library() is None
@@ -280,7 +300,7 @@ def needs_panel():
 def _spy_strategies(monkeypatch):
     """Which strategy functions ran, in order."""
     ran = []
-    for name in ("_stream", "_expand", "_panel"):
+    for name in ("_stream", "_expand", "_panel", "_amx"):
         real = getattr(bm, name)
 
         def spy(*a, _real=real, _name=name, **k):
@@ -407,11 +427,12 @@ def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_
     dense32 = Bitmask.from_dense(torch.randn(20, 64), sparsity=0.4)
     bm.bitmask_linear_impl(x.float(), *_components(dense32), None, 20)
     bm.bitmask_linear_impl(x[:16].float(), *_components(w32), None, 20)
-    many = "panel" if bm.has_panel_bf16() and panel_crossover else "expand"
+    dense16 = "amx" if bm.has_amx() else "expand"  # bf16's dense side: the AMX tiles where they run
+    many = "panel" if bm.has_panel_bf16() and panel_crossover else dense16
     many32 = "panel" if bm.has_panel_f32() and panel_crossover else "expand"
-    few = "panel" if bm.has_panel_bf16() and batch_crossover else "expand"
+    few = "panel" if bm.has_panel_bf16() and batch_crossover else dense16
     few32 = "panel" if bm.has_panel_f32() and batch_crossover else "expand"
-    assert ran == ["stream", many, "expand", few, many32, "expand", few32]
+    assert ran == ["stream", many, dense16, few, many32, "expand", few32]
 
 
 def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
@@ -421,7 +442,7 @@ def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
     assert bm.panel_max_density(BF) == 0.5 and bm.panel_max_density(torch.float32) == 0.55
     monkeypatch.setattr(crossovers, "_this_class", lambda: "unmeasured-class")
     assert bm.panel_max_density(BF) == 0.0 and 0 < bm.panel_max_density(torch.float32) < 0.55
-    assert bm.choose_strategy(128, BF, 0.1) == "expand"
+    assert bm.choose_strategy(128, BF, 0.1) == ("amx" if bm.has_amx() else "expand")
     assert bm.panel_max_density(torch.float16) == 0.0
 
 

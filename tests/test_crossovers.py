@@ -129,7 +129,7 @@ def test_refit_of_a_panel_kernel_this_cpu_lacks_keeps_expand(tmp_path, monkeypat
     assert out == {"bitmask.panel_bf16": 0.0}
     assert cm.fit(crossovers.PREFIX + "bitmask.panel_bf16")["ratios"] == {}
     assert bm.panel_max_density(torch.bfloat16) == crossovers.builtin_default("bitmask.panel_bf16")
-    assert bm.choose_strategy(64, torch.bfloat16, 0.01) == "expand"
+    assert bm.choose_strategy(64, torch.bfloat16, 0.01) == ("amx" if bm.has_amx() else "expand")
 
 
 def test_refit_times_the_panel_against_expand(tmp_path):
@@ -296,8 +296,9 @@ def test_the_stream_case_times_stream_against_panel_and_expand_on_streamed_copie
         bm, "bitmask_linear_impl", lambda x, bits, rp, v, b, R, s: calls.append((x.shape[0], bits.data_ptr(), s))
     )
     T, fns = crossover_refit._CASES["bitmask.stream_bf16"](10, 32, 64)
-    assert T == 10 and set(fns) == {"low", "high_expand"} | ({"high_panel"} if bm.has_panel_bf16() else set())
-    for key, strategy in (("low", "stream"), ("high_expand", "expand")):
+    dense = {"high_amx"} if bm.has_amx() else set()
+    assert T == 10 and set(fns) == {"low", "high_expand"} | ({"high_panel"} if bm.has_panel_bf16() else set()) | dense
+    for key, strategy in (("low", "stream"), ("high_expand", "expand")) + ((("high_amx", "amx"),) if dense else ()):
         calls.clear()
         fns[key]()
         assert {s for *_, s in calls} == {strategy} and len({p for _, p, _ in calls}) == len(calls) == 1024
@@ -327,6 +328,7 @@ def test_a_bf16_weight_too_dense_for_the_panel_streams_up_to_the_batch_stream_cr
     table.set_fit(crossovers.PREFIX + "bitmask.batch_panel_bf16", {"max_density": 0.4})
     table.set_fit(crossovers.PREFIX + "bitmask.batch_panel_f32", {"max_density": 0.4})
     table.set_fit(crossovers.PREFIX + bm.BATCH_STREAM_CROSSOVER, {"max_tokens": 16})
+    monkeypatch.setattr(bm, "has_amx", lambda: False)
     assert [bm.choose_strategy(t, bf, 0.5) for t in (8, 9, 16, 17)] == ["stream", "stream", "stream", "expand"]
     assert bm.choose_strategy(16, bf, 0.3) == "panel"  # sparse enough for the panel: it comes first
     assert bm.choose_strategy(16, torch.float32, 0.5) == "expand"  # bf16 only
@@ -334,12 +336,14 @@ def test_a_bf16_weight_too_dense_for_the_panel_streams_up_to_the_batch_stream_cr
     assert bm.choose_strategy(9, bf, 0.5) == "expand"
 
 
-def test_the_batch_stream_case_times_stream_against_expand_only(monkeypatch):
+def test_the_batch_stream_case_times_stream_against_the_dense_sides_only(monkeypatch):
     from sparsa.kernels import bitmask as bm
 
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
     monkeypatch.setattr(bm, "bitmask_linear_impl", lambda x, bits, rp, v, b, R, s: s)
     T, fns = crossover_refit._CASES["bitmask.batch_stream_bf16"](16, 32, 64)
-    assert T == 16 and set(fns) == {"low", "high_expand"}
+    dense = {"high_amx"} if bm.has_amx() else set()  # no panel: this crossover is for weights too dense for it
+    assert T == 16 and set(fns) == {"low", "high_expand"} | dense
     assert set(fns["low"]()) == {"stream"} and set(fns["high_expand"]()) == {"expand"}
+    assert not dense or set(fns["high_amx"]()) == {"amx"}

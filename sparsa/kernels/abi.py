@@ -146,6 +146,9 @@ _ADAPTIVE = {
     ),
 }
 
+# bitmask_amx_bf16.cpp: the AMX kernel on the tile-ordered copy of a bf16 Bitmask weight
+_BITMASK_AMX = sig(INT, x=PTR, T=I64, K=I64, masks=PTR, offs=PTR, vals=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT)
+
 _BITMASK = {
     "sparsa_bitmask_has_avx512": sig(INT),
     "sparsa_bitmask_has_dpbf16": sig(INT),
@@ -177,6 +180,9 @@ _BITMASK = {
     "sparsa_bitmask_panel_f32": sig(
         INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
     ),
+    "sparsa_bitmask_has_amx": sig(INT),
+    "sparsa_bitmask_amx_status": sig(INT),
+    "sparsa_bitmask_amx_bf16": _BITMASK_AMX,
     "sparsa_bitmask_expand": sig(
         INT,
         bits=PTR,
@@ -323,6 +329,11 @@ SIGNATURES: Dict[str, Dict[str, Signature]] = {
     "bitmask_linear": _BITMASK,
     "row_group_linear": _ROW_GROUP,
     "row_group_linear_amxemu": _ROW_GROUP,
+    "bitmask_amx_bf16_emu": {
+        "sparsa_bitmask_has_amx": sig(INT),
+        "sparsa_bitmask_amx_status": sig(INT),
+        "sparsa_bitmask_amx_bf16": _BITMASK_AMX,
+    },
     "grouped_nm_linear": _GROUPED_NM,
     "sliced_ell_linear": _SLICED_ELL,
     "probe": _PROBE,

@@ -1,6 +1,6 @@
 """``sparsa::bitmask_linear``: Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values).
 
-Three native strategies, each reading the compressed weight once per call:
+Five native strategies, each reading the compressed weight once per call:
 
 - ``"stream"`` for a few tokens (LLM decoding, ``csrc/bitmask_linear.cpp``; up to the token crossover
   ``bitmask.stream_bf16`` / ``bitmask.stream_f32``, :func:`stream_max_tokens`): every row's packed values
@@ -24,6 +24,12 @@ Three native strategies, each reading the compressed weight once per call:
   float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
   panels of 32 tokens (the last one 8, 16 or 32 wide), each kept weight broadcast against its column's
   tokens. A token's result does not depend on the panel width.
+- ``"amx"`` for many bfloat16 tokens where the CPU has AMX-BF16 (:mod:`sparsa.kernels.bitmask_tiles`,
+  ``csrc/bitmask_amx_bf16.cpp``): dense work on the compressed weight. A copy of the weight in the order of
+  AMX's tiles (made once per weight) is expanded, 32 outputs at a time, into dense tiles that stay in
+  cache, and multiplied with X's rows at AMX's rate. It replaces ``"expand"`` as the dense side on such
+  CPUs: no dense copy of the weight is written, and no per-call weight reorder is made as a BLAS GEMM's.
+  Elsewhere (and for float32 tokens) ``"amx"`` runs ``"expand"``.
 - ``"nm24"`` for many bfloat16 tokens on a weight whose pattern is 2:4 (two of every four columns kept),
   where the CPU has AVX512-BF16 (:mod:`sparsa.kernels.nm24`, ``csrc/nm24_panel_bf16.cpp``): X packed once
   into the six column-pair vectors of every group, one ``VDPBF16PS`` per kept pair and 16 tokens, each
@@ -35,7 +41,8 @@ Three native strategies, each reading the compressed weight once per call:
 crossover, then the panel strategy up to the density
 crossover measured on this CPU (``bitmask.batch_panel_bf16`` / ``bitmask.batch_panel_f32`` up to
 :data:`BATCH_MAX_TOKENS` tokens, ``bitmask.panel_bf16`` / ``bitmask.panel_f32`` above, in
-:mod:`sparsa.crossovers`; ``sparsa cost --refit``). When the kernels cannot be built, or
+:mod:`sparsa.crossovers`; ``sparsa cost --refit``), then ``"amx"`` for bfloat16 where it runs, else
+``"expand"``. When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
 
 Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
@@ -69,6 +76,7 @@ from ..crossovers import CROSSOVERS, crossover, token_crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from . import nm24 as _nm24
+from . import bitmask_tiles as _tiles
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
@@ -89,6 +97,8 @@ __all__ = [
     "row_blocks_max_tokens",
     "has_panel_f32",
     "has_nm24_panel",
+    "has_amx",
+    "amx_status",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -101,8 +111,14 @@ __all__ = [
     "STRATEGIES",
 ]
 
-_SOURCES = ["bitmask_linear.cpp", "bitmask_panel_bf16.cpp", "bitmask_panel_f32.cpp", "nm24_panel_bf16.cpp"]
-STRATEGIES = ("stream", "expand", "panel", "nm24")
+_SOURCES = [
+    "bitmask_linear.cpp",
+    "bitmask_panel_bf16.cpp",
+    "bitmask_panel_f32.cpp",
+    "nm24_panel_bf16.cpp",
+    "bitmask_amx_bf16.cpp",
+]
+STRATEGIES = ("stream", "expand", "panel", "nm24", "amx")
 #: the token crossovers (sparsa.crossovers) holding the most tokens each dtype's stream strategy takes;
 #: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel
 #: re-expands it for every 4 tokens)
@@ -204,6 +220,21 @@ def has_panel_f32() -> bool:
     return lib is not None and bool(lib.sparsa_bitmask_has_panel_f32())
 
 
+def has_amx() -> bool:
+    """Whether the ``"amx"`` strategy's tiles run here (AMX-BF16 and VBMI2, build, ``SPARSA_ISA`` and the
+    kernel's self-check)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_amx())
+
+
+def amx_status() -> str:
+    """Why the ``"amx"`` strategy does or does not run here, in words."""
+    lib = native_library()
+    if lib is None:
+        return "the native kernels are not built here"
+    return _tiles.AMX_STATUS.get(int(lib.sparsa_bitmask_amx_status()), "unknown status")
+
+
 def has_nm24_panel() -> bool:
     """Whether the ``"nm24"`` strategy's 2:4 kernel runs here (AVX512-BF16, build and ``SPARSA_ISA``)."""
     lib = native_library()
@@ -240,7 +271,8 @@ def row_blocks_max_tokens() -> int:
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """``"stream"`` for up to :func:`stream_max_tokens` tokens; above that ``"panel"`` for a weight of at
     most :func:`panel_max_density` kept (at this many tokens) where that dtype's panel kernel runs
-    (:func:`has_panel_bf16`, :func:`has_panel_f32`); else ``"expand"``."""
+    (:func:`has_panel_bf16`, :func:`has_panel_f32`); else ``"amx"`` for bfloat16 where it runs
+    (:func:`has_amx`), else ``"expand"``."""
     name = STREAM_CROSSOVERS.get(dtype)
     if name is None:
         raise ValueError(f"choose_strategy: dtype must be one of {list(STREAM_CROSSOVERS)}, got {dtype}")
@@ -252,12 +284,15 @@ def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: fl
 
 def many_token_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """What :func:`choose_strategy` picks above the stream strategy's tokens: ``"panel"``; for a bf16
-    weight too dense for it, up to :data:`BATCH_STREAM_CROSSOVER` tokens, ``"stream"``; else ``"expand"``."""
+    weight too dense for it, up to :data:`BATCH_STREAM_CROSSOVER` tokens, ``"stream"``; else ``"amx"`` (bfloat16
+    where it runs) or ``"expand"``."""
     has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
     if has_panel is not None and density <= panel_max_density(dtype, tokens) and has_panel():
         return "panel"
     if dtype == torch.bfloat16 and tokens <= token_crossover(BATCH_STREAM_CROSSOVER):
         return "stream"
+    if dtype == torch.bfloat16 and has_amx():
+        return "amx"
     return "expand"
 
 
@@ -431,6 +466,21 @@ def _panel(
     return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
 
 
+def _amx(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+) -> Tensor:
+    y = _tiles.run(lib, x2, bits, row_ptr, values, bias, R) if kind == "bf16" else None
+    # None: float32 tokens or weights, or no AMX tiles here (CPU, build, SPARSA_ISA)
+    return y if y is not None else _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+
+
 def _nm24_strategy(
     lib: ctypes.CDLL,
     kind: str,
@@ -502,10 +552,11 @@ def bitmask_linear_impl(
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
     ``strategy``: ``"auto"`` (:func:`choose_strategy`; ``"nm24"`` for a 2:4 pattern above its crossover),
     ``"stream"``, ``"expand"``, ``"panel"`` (a CPU or build without that dtype's panel kernel, or an X
-    holding NaN or Inf, runs ``"expand"``) or ``"nm24"`` (anything but a bf16 2:4 pattern on a CPU with its
-    kernel, or an X holding NaN or Inf, runs ``"panel"``)."""
+    holding NaN or Inf, runs ``"expand"``), ``"nm24"`` (anything but a bf16 2:4 pattern on a CPU with its
+    kernel, or an X holding NaN or Inf, runs ``"panel"``) or ``"amx"`` (anything but bf16 on a CPU with AMX
+    runs ``"expand"``)."""
     if strategy not in ("auto",) + STRATEGIES:
-        raise ValueError(f"strategy must be 'auto', 'stream', 'expand', 'panel' or 'nm24', got {strategy!r}")
+        raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
@@ -522,7 +573,7 @@ def bitmask_linear_impl(
         )
     flat = x.dim() != 2  # a 2-D input needs no reshape round trip
     x2 = (x.reshape(-1, K) if flat else x).contiguous()
-    fn = {"expand": _expand, "panel": _panel, "nm24": _nm24_strategy}[strategy]
+    fn = {"expand": _expand, "panel": _panel, "nm24": _nm24_strategy, "amx": _amx}[strategy]
     y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
     return y.reshape(*x.shape[:-1], out_features) if flat else y
 

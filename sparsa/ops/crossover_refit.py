@@ -127,6 +127,11 @@ def _bitmask_weights(dtype: torch.dtype, d: float, R: int, K: int, streamed: boo
     return w, parts
 
 
+def _dense_side(dtype: torch.dtype) -> str:
+    """The strategy the bitmask op's automatic choice runs for a weight too dense for the panel kernel."""
+    return "amx" if dtype == torch.bfloat16 and bm.has_amx() else "expand"
+
+
 def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
     def case(d: float, R: int, K: int, T: int) -> Optional[Case]:
         has_panel = bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32
@@ -138,13 +143,14 @@ def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
         def run(strategy: str) -> Callable[[], object]:
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
-        return w.values.numel() / (R * K), {"low": run("panel"), "high": run("expand")}
+        return w.values.numel() / (R * K), {"low": run("panel"), "high": run(_dense_side(dtype))}
 
     return case
 
 
 def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
-    """The stream loop against expand, and (``panel``, where it runs) the faster of expand and the panel."""
+    """The stream loop against expand, and the faster of expand and (where they run) the AMX tiles and
+    (``panel``) the panel."""
 
     def case(T: float, R: int, K: int) -> Optional[Case]:
         if bm.native_library() is None:
@@ -157,6 +163,8 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
         sides = {"low": run("stream"), "high_expand": run("expand")}
+        if _dense_side(dtype) == "amx":
+            sides["high_amx"] = run("amx")
         if panel and (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
             sides["high_panel"] = run("panel")
         return T, sides

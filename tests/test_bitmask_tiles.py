@@ -1,0 +1,152 @@
+"""The ``"amx"`` strategy of ``sparsa::bitmask_linear``: the tile order of a Bitmask weight and the AMX kernel
+that reads it, against float64 references. The kernel runs on AMX tiles where the CPU has them and on
+software tiles (a test build) everywhere, so the tile order, tails and bias are checked on every CPU."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sparsa.kernels import bitmask as bm, bitmask_tiles as bt
+from sparsa.layouts import Bitmask
+
+BF = torch.bfloat16
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=["amx", "emulated"])
+def lib(request, monkeypatch):
+    """The library whose kernel runs: the real one on AMX tiles (where they run), or the software-tile build."""
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
+    if request.param == "amx":
+        real = bm.native_library()
+        if real is None or not real.sparsa_bitmask_has_amx():
+            pytest.skip(f"the bitmask AMX tiles do not run here: {bm.amx_status()}")
+        return real
+    emulated = bt.emulated_library()
+    assert emulated is not None, "the software-tile build of the bitmask AMX kernel failed"
+    return emulated
+
+
+def _weight(R, K, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return Bitmask.from_dense(torch.randn(R, K, generator=gen).to(BF), mask=torch.rand(R, K, generator=gen) < density)
+
+
+def _dense_from_tiles(masks, offsets, values, R, K):
+    """The weight the tile order describes, rebuilt entry by entry from its documented contract."""
+    n16, nkc = -(-R // 16), -(-K // 32)
+    w = torch.zeros(16 * n16, 32 * nkc, dtype=BF)
+    for b in range(n16):
+        for c in range(nkc):
+            t = b * nkc + c
+            v = values[int(offsets[t]) : int(offsets[t + 1])].tolist()
+            for i in range(16):
+                word = int(masks[t, i]) & 0xFFFFFFFF
+                for j in range(32):
+                    if word >> j & 1:
+                        w[16 * b + j // 2, 32 * c + 2 * i + j % 2] = v.pop(0)
+            assert not v, "a tile holds more values than its mask bits"
+    return w[:R, :K]
+
+
+@SETTINGS
+@given(R=st.integers(1, 40), K=st.integers(1, 70), density=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 9))
+def test_tile_order_holds_the_weight(R, K, density, seed):
+    w = _weight(R, K, density, seed)
+    masks, offsets, values = bt.tile_order(w.bits, w.row_ptr, w.values, R, K)
+    n_tiles = -(-R // 16) * -(-K // 32)
+    assert masks.shape == (n_tiles, 16) and masks.dtype == torch.int32
+    assert offsets.shape == (n_tiles + 1,) and int(offsets[-1]) == values.numel()
+    assert torch.equal(_dense_from_tiles(masks, offsets, values, R, K), w.to_dense())
+
+
+def _run(lib, x, w, bias, R):
+    y = bt.run(lib, x, w.bits, w.row_ptr, w.values, bias, R)
+    assert y is not None, "the kernel declined a call it takes"
+    return y
+
+
+def _check(y, x, w, bias):
+    want = x.double() @ w.to_dense().double().T + (0 if bias is None else bias.double())
+    assert y.dtype == BF and y.shape == want.shape
+    scale = max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2 * scale)
+
+
+@SETTINGS
+@given(
+    T=st.integers(1, 70),  # one to three 32-token blocks, the last one partial
+    R=st.integers(1, 50),  # one or two 32-output items, partial blocks of 16, a block past the weight
+    K=st.integers(1, 100),  # whole and partial 32-column chunks
+    density=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+    bias=st.booleans(),
+    seed=st.integers(0, 99),
+)
+def test_matches_float64(lib, T, R, K, density, bias, seed):
+    w = _weight(R, K, density, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, K, generator=gen).to(BF)
+    b = torch.randn(R, generator=gen) if bias else None
+    _check(_run(lib, x, w, b, R), x, w, b)
+
+
+@pytest.mark.parametrize("T,R,K", [(300, 70, 3100), (1000, 40, 96)])
+def test_token_chunks_and_wide_weights(lib, T, R, K):
+    # X rows of 3100 columns fill a token chunk in 5 blocks (two chunks here); 1000 tokens with K = 96 in one
+    w = _weight(R, K, 0.25, seed=T)
+    x = torch.randn(T, K).to(BF)
+    b = torch.randn(R)
+    _check(_run(lib, x, w, b, R), x, w, b)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_x_reaches_every_output_like_dense(lib, bad):
+    w = Bitmask.from_dense(torch.randn(40, 64).to(BF), mask=torch.eye(40, 64, dtype=torch.bool))
+    x = torch.randn(35, 64).to(BF)
+    x[33, 63] = bad  # column 63 is kept by no row: only a product over every column spreads it
+    y = _run(lib, x, w, None, 40)
+    dense = torch.nn.functional.linear(x.float(), w.to_dense().float())
+    assert torch.isnan(y[33]).all() and torch.isnan(dense[33]).all()
+    assert not torch.isnan(y[:33]).any() and not torch.isnan(y[34:]).any()
+
+
+def test_threads_do_not_change_the_result(lib):
+    w = _weight(200, 130, 0.3, seed=3)
+    x = torch.randn(100, 130).to(BF)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(lib, x, w, None, 200)
+        torch.set_num_threads(2)
+        two = _run(lib, x, w, None, 200)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+
+
+def test_the_copy_is_kept_and_remade_after_an_in_place_update():
+    w = _weight(20, 40, 0.5, seed=1)
+    first = bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40)
+    assert bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40) is first
+    w.values.mul_(2)
+    second = bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40)
+    assert second is not first and torch.equal(second[2], first[2] * 2)
+
+
+def test_the_strategy_runs_expand_where_it_cannot_run(monkeypatch):
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    monkeypatch.setenv("SPARSA_ISA", "avx512")  # below AMX: the tiles are off
+    assert not bm.has_amx()
+    w = _weight(24, 50, 0.5, seed=4)
+    x = torch.randn(40, 50).to(BF)
+    assert bt.run(bm.native_library(), x, w.bits, w.row_ptr, w.values, None, 24) is None
+    _check(bm.bitmask_linear_impl(x, w.bits, w.row_ptr, w.values, None, 24, "amx"), x, w, None)
+    y32 = bm.bitmask_linear_impl(x.float(), w.bits, w.row_ptr, w.values.float(), None, 24, "amx")
+    assert y32.dtype == torch.float32  # float32 operands expand
+
+
+def test_status_says_why_in_words():
+    assert bm.amx_status() in set(bt.AMX_STATUS.values()) | {"the native kernels are not built here"}
+    assert (bm.amx_status() == bt.AMX_STATUS[0]) == bm.has_amx()
