@@ -6,8 +6,10 @@ and token count, the strategies are timed round-robin with the dense passes: ``s
 tokens), ``expand_blocks`` (row blocks at any token count; only where the GEMM is
 float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
 AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), ``nm24`` (2:4 bf16 rows where the CPU has AVX512-BF16: the 2:4
-kernel of ``sparsa.kernels.nm24``), and ``auto`` (what the op's automatic choice picks: ``choose_strategy``,
-and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``). The weight stays in cache
+kernel of ``sparsa.kernels.nm24``), ``amx`` (bf16 where the CPU has AMX-BF16: dense tiles expanded from the
+weight's tile-ordered copy, :mod:`sparsa.kernels.bitmask_tiles`), and ``auto`` (what the op's automatic
+choice picks: ``choose_strategy``, and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``). The weight
+stays in cache
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
 Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
 ``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It shows the choices the crossovers of
@@ -114,6 +116,8 @@ def main(argv=None) -> None:
                     names += ["panel"] if has_panel else []
                     if spec == "2:4" and dt == torch.bfloat16 and bm.has_nm24_panel():
                         names += ["nm24"]
+                    if dt == torch.bfloat16 and bm.has_amx():
+                        names += ["amx"]
                     for t in tokens:
                         x32 = torch.randn(t, K, generator=gen)
                         x = x32.to(dt)

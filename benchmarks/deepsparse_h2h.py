@@ -12,8 +12,9 @@ process (warm-up first, median of the rounds) for each sparsity and batch:
   opset_version=14)``, keyword inputs) and compiled by ``deepsparse.compile_model(path,
   batch_size=b, num_cores=threads)``;
 - ``sparsa_<layout>_fp32`` / ``sparsa_<layout>_bf16``: the pruned model converted by
-  ``sparsa.sparsify`` to the layout with the *same* mask (default ``sliced_ell``, sparsa's
-  unstructured layout; the structured fast layouts ``row_group``/``grouped_nm``/``nm`` cannot hold a
+  ``sparsa.sparsify`` to the layout with the *same* mask (default ``sliced_ell`` and ``bitmask``, sparsa's
+  unstructured layouts: sparse compute, and dense AMX tiles on the compressed weight where the CPU has
+  AMX; the structured fast layouts ``row_group``/``grouped_nm``/``nm`` cannot hold a
   row-balanced unstructured mask; the pure-PyTorch ``masked``/``csr``/``coo`` can be added with
   ``--layouts``).
 
@@ -92,8 +93,8 @@ def _args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls per engine before timing")
     ap.add_argument(
         "--layouts",
-        default="sliced_ell",
-        help="comma list of sparsa layouts that can hold the exact mask: sliced_ell (default), "
+        default="sliced_ell,bitmask",
+        help="comma list of sparsa layouts that can hold the exact mask: sliced_ell and bitmask (default), "
         "and the pure-PyTorch masked, coo, csr (csr: fp32 only)",
     )
     ap.add_argument("--no-deepsparse", action="store_true", help="skip the DeepSparse engine")

@@ -732,7 +732,7 @@ def bitmask_prefill_section(d: Dict[str, Any]) -> str:
     )
     rows = _shape_rows(d)
     cols = ["model", "shape", "dtype", "sparsity", "tokens", "dense_ms", "stream_vs_dense"]
-    cols += ["expand_blocks_vs_dense", "expand_whole_vs_dense", "panel_vs_dense", "auto_strategy"]
+    cols += ["expand_blocks_vs_dense", "expand_whole_vs_dense", "panel_vs_dense", "amx_vs_dense", "auto_strategy"]
     cols += ["best_dense", "auto_vs_best_dense"]
     return head + _md(rows, cols) + _quick_mark(d)
 

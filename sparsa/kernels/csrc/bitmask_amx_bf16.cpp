@@ -100,14 +100,21 @@ void expand_item(const Weight& w, int64_t jn, TileBuf* b) {
     }
 }
 
-// Y rows t0 .. t0 + 31 (rows of them valid), outputs 32 jn .. +31: a is X's row t0 (ld elements apart)
-void multiply_block(const uint16_t* a, int64_t ld, const TileBuf* b, int64_t nkc, float (*sum)[32]) {
+// The sums of 32 tokens x 32 outputs into sum: a is the first token's X row (rows ld elements apart), b the
+// item's B tiles. ynext: the first of the 32 Y rows (R elements apart) the next block writes, or null; their
+// lines are fetched for writing during the products, so the epilogue's stores do not wait for them.
+void multiply_block(const uint16_t* a, int64_t ld, const TileBuf* b, int64_t nkc, float (*sum)[32],
+                    const uint16_t* ynext, int64_t R) {
     SPARSA_TILE_ZERO(0);
     SPARSA_TILE_ZERO(1);
     SPARSA_TILE_ZERO(2);
     SPARSA_TILE_ZERO(3);
     const long stride = (long)(ld * 2);
     for (int64_t c = 0; c < nkc; ++c) {
+#ifndef SPARSA_AMX_EMULATE
+        if (ynext)
+            for (int64_t r = c * 32 / nkc; r < (c + 1) * 32 / nkc; ++r) _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
+#endif
         SPARSA_TILE_LOAD(4, a + 32 * c, stride);
         SPARSA_TILE_LOAD(5, a + 16 * ld + 32 * c, stride);
         SPARSA_TILE_LOAD(6, b[2 * c].w, 64);
@@ -163,7 +170,8 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
                     std::memcpy(tail.data(), a, (size_t)(rows * ld) * 2);
                     a = tail.data();
                 }
-                multiply_block(a, ld, b.data(), nkc, sum);
+                const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
+                multiply_block(a, ld, b.data(), nkc, sum, ynext, R);
                 store_rows(sum, rows, bias, c0, cols, y + t0 * R, R);
             }
         }
