@@ -16,7 +16,10 @@ process (warm-up first, median of the rounds) for each sparsity and batch:
   unstructured layouts: sparse compute, and dense AMX tiles on the compressed weight where the CPU has
   AMX; the structured fast layouts ``row_group``/``grouped_nm``/``nm`` cannot hold a
   row-balanced unstructured mask; the pure-PyTorch ``masked``/``csr``/``coo`` can be added with
-  ``--layouts``).
+  ``--layouts``);
+- ``..._compiled``: ``torch.compile(model, dynamic=False)`` of dense PyTorch and of each layout (its GELU-fused
+  model where it has one), in bf16 where the CPU has bf16 matrix hardware (AVX512-BF16 or AMX), else fp32;
+  compiled for each batch in the output check, before timing (``--no-compile`` leaves them out).
 
 Inputs: random token ids, an all-ones attention mask and zero token types, seq 128. Every engine's
 ``last_hidden_state`` is checked against the pruned dense fp32 model (``max_rel_err`` = max abs
@@ -29,7 +32,7 @@ Writes ``benchmarks/results/<cpu class>/deepsparse_h2h.json`` (``--out`` overrid
 ``cpu`` object (``sparsa.cpu.cpu_info()``) and ``rows`` of ``engine, sparsity, batch, seq,
 threads, median_ms, speedup_vs_fp32_eager, speedup_vs_best_dense, max_rel_err, weights``
 (``weights``: sha256 prefix of the pruned fp32 state dict that engine was built from, and the
-precision it ran in; ``speedup_vs_best_dense`` is against the faster of the two dense PyTorch rows).
+precision it ran in; ``speedup_vs_best_dense`` is against the fastest dense PyTorch row, compiled included).
 
 DeepSparse 1.8.0 needs ``onnx<1.15`` (1.9.0 is a placeholder release that refuses to install), which
 conflicts with the project's pins, so this runs from its own virtual environment
@@ -98,6 +101,9 @@ def _args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "and the pure-PyTorch masked, coo, csr (csr: fp32 only)",
     )
     ap.add_argument("--no-deepsparse", action="store_true", help="skip the DeepSparse engine")
+    ap.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile engines (about a minute each per batch)"
+    )
     ap.add_argument(
         "--out", type=Path, default=None, help="JSON path (default benchmarks/results/<cpu class>/deepsparse_h2h.json)"
     )
@@ -336,6 +342,24 @@ def _onnx_zero_count(path: Path) -> int:
     return n
 
 
+def _compiled(models: Dict[str, Tuple[Any, str]], layouts: List[str], cpu) -> Dict[str, Tuple[Any, str]]:
+    """``torch.compile`` of dense PyTorch and of each layout (GELU-fused where fused) in bf16 where the CPU has
+    bf16 matrix hardware, else fp32; each compiles on its first call (the output check, untimed)."""
+    import torch
+
+    flags = cpu.cpu_flags()
+    prec = "bf16" if flags.get("avx512_bf16") or flags.get("amx_bf16") else "fp32"
+    out = {}
+    sources = {"pytorch_dense": f"pytorch_dense_{prec}"}
+    for layout in layouts:
+        fused = f"sparsa_{layout}_gelu_fused_{prec}"
+        sources[f"sparsa_{layout}"] = fused if fused in models else f"sparsa_{layout}_{prec}"
+    for name, src in sources.items():
+        if src in models:
+            out[f"{name}_{prec}_compiled"] = (torch.compile(models[src][0], dynamic=False), prec)
+    return out
+
+
 def _deepsparse_fn(engine, kw: Dict[str, Any]) -> Callable[[], Any]:
     import numpy as np
 
@@ -409,6 +433,8 @@ def run(a: argparse.Namespace) -> int:
                 if sparsa.fuse_gelu(fused):  # GELU in the kernel's epilogue, where the layout has one
                     models[f"sparsa_{layout}_gelu_fused_fp32"] = (fused, "fp32")
                     models[f"sparsa_{layout}_gelu_fused_bf16"] = (copy.deepcopy(fused).to(torch.bfloat16), "bf16")
+            if not a.no_compile:
+                models.update(_compiled(models, a.layouts, cpu))
             onnx_path = ds.export(pruned, sp)
             if onnx_path is not None and ds.status["onnx_zero_weights"][str(sp)] < zeros:
                 ds._fail(
@@ -452,7 +478,7 @@ def run(a: argparse.Namespace) -> int:
                     if fb:
                         fallbacks[f"{sp}/{batch}"] = {str(k): v for k, v in dict(fb).items()}
                 fp32 = ms["pytorch_dense_fp32"]
-                best_dense = min(ms["pytorch_dense_fp32"], ms["pytorch_dense_bf16"])
+                best_dense = min(v for k, v in ms.items() if k.startswith("pytorch_dense_"))
                 for eng in fns:
                     tol = TOL_BF16 if precision[eng] == "bf16" else TOL_FP32
                     if not errs[eng] <= tol:

@@ -103,31 +103,41 @@ void expand_item(const Weight& w, int64_t jn, TileBuf* b) {
 // The sums of 32 tokens x 32 outputs into sum: a is the first token's X row (rows ld elements apart), b the
 // item's B tiles. ynext: the first of the 32 Y rows (R elements apart) the next block writes, or null; their
 // lines are fetched for writing during the products, so the epilogue's stores do not wait for them.
+// Half: a block of at most 16 tokens (a batched-decoding call, or the last block), one A tile and half the
+// products.
+template <bool Half>
 void multiply_block(const uint16_t* a, int64_t ld, const TileBuf* b, int64_t nkc, float (*sum)[32],
                     const uint16_t* ynext, int64_t R) {
     SPARSA_TILE_ZERO(0);
     SPARSA_TILE_ZERO(1);
-    SPARSA_TILE_ZERO(2);
-    SPARSA_TILE_ZERO(3);
+    if constexpr (!Half) {
+        SPARSA_TILE_ZERO(2);
+        SPARSA_TILE_ZERO(3);
+    }
     const long stride = (long)(ld * 2);
     for (int64_t c = 0; c < nkc; ++c) {
 #ifndef SPARSA_AMX_EMULATE
         if (ynext)
-            for (int64_t r = c * 32 / nkc; r < (c + 1) * 32 / nkc; ++r) _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
+            for (int64_t r = c * 32 / nkc; r < (c + 1) * 32 / nkc; ++r)
+                _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
 #endif
         SPARSA_TILE_LOAD(4, a + 32 * c, stride);
-        SPARSA_TILE_LOAD(5, a + 16 * ld + 32 * c, stride);
+        if constexpr (!Half) SPARSA_TILE_LOAD(5, a + 16 * ld + 32 * c, stride);
         SPARSA_TILE_LOAD(6, b[2 * c].w, 64);
         SPARSA_TILE_LOAD(7, b[2 * c + 1].w, 64);
         SPARSA_TILE_DP(0, 4, 6);
         SPARSA_TILE_DP(1, 4, 7);
-        SPARSA_TILE_DP(2, 5, 6);
-        SPARSA_TILE_DP(3, 5, 7);
+        if constexpr (!Half) {
+            SPARSA_TILE_DP(2, 5, 6);
+            SPARSA_TILE_DP(3, 5, 7);
+        }
     }
     SPARSA_TILE_STORE(0, &sum[0][0], 128);
     SPARSA_TILE_STORE(1, &sum[0][16], 128);
-    SPARSA_TILE_STORE(2, &sum[16][0], 128);
-    SPARSA_TILE_STORE(3, &sum[16][16], 128);
+    if constexpr (!Half) {
+        SPARSA_TILE_STORE(2, &sum[16][0], 128);
+        SPARSA_TILE_STORE(3, &sum[16][16], 128);
+    }
 }
 
 void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, const float* bias, uint16_t* y,
@@ -165,13 +175,17 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
                 const int64_t t0 = 32 * blk;
                 const int rows = (int)std::min<int64_t>(32, T - t0);
                 const uint16_t* a = xa + t0 * ld;
-                if (rows < 32) {  // the last block: its rows past T read zeros
+                const bool half = rows <= 16;
+                if (rows < (half ? 16 : 32)) {  // the last block: its rows past T read zeros
                     tail.assign((size_t)(32 * ld), 0);
                     std::memcpy(tail.data(), a, (size_t)(rows * ld) * 2);
                     a = tail.data();
                 }
                 const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
-                multiply_block(a, ld, b.data(), nkc, sum, ynext, R);
+                if (half)
+                    multiply_block<true>(a, ld, b.data(), nkc, sum, ynext, R);
+                else
+                    multiply_block<false>(a, ld, b.data(), nkc, sum, ynext, R);
                 store_rows(sum, rows, bias, c0, cols, y + t0 * R, R);
             }
         }
