@@ -22,7 +22,7 @@ Example::
     >>> crossovers.CROSSOVERS["bitmask.stream_bf16"].unit
     'tokens'
     >>> crossovers.describe("bitmask.stream_bf16", 12)
-    'stream up to 12 tokens, panel or expand above'
+    'stream up to 12 tokens, panel, amx or expand above'
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ CROSSOVERS: Dict[str, Crossover] = {
     "bitmask.panel_bf16": Crossover(
         0.0,
         "bitmask_linear with bf16 tokens above BATCH_MAX_TOKENS: the panel kernel (only kept weights, "
-        "VDPBF16PS) against expanding the weight for the dense bf16 GEMM",
+        "VDPBF16PS) against the AMX tiles (where they run) or expanding the weight for the dense bf16 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
         {"amd-avx512": 0.5, "intel-amx": 0.0},
@@ -183,10 +183,10 @@ CROSSOVERS: Dict[str, Crossover] = {
     "bitmask.batch_panel_bf16": Crossover(
         0.0,
         "bitmask_linear with bf16 tokens above the stream loop's, up to BATCH_MAX_TOKENS: the panel kernel (one "
-        "16-token panel) against expanding the weight for the dense bf16 GEMM",
+        "16-token panel) against the AMX tiles (where they run) or expanding the weight for the dense bf16 GEMM",
         _BATCH_DENSITIES,
         _BATCH_SHAPES,
-        {"amd-avx512": 0.4, "intel-amx": 0.2},
+        {"amd-avx512": 0.4, "intel-amx": 0.0},
     ),
     "bitmask.batch_panel_f32": Crossover(
         0.3,
@@ -200,14 +200,14 @@ CROSSOVERS: Dict[str, Crossover] = {
     # before the best many-token strategy (panel or expand) wins; timed at half the weight kept
     "bitmask.stream_bf16": Crossover(
         8,
-        "bitmask_linear with bf16 tokens: the stream loop (decoding) against the faster of the panel kernel "
-        "and the expansion",
+        "bitmask_linear with bf16 tokens: the stream loop (decoding) against the fastest of the panel kernel, "
+        "the AMX tiles (where they run) and the expansion",
         _STREAM_TOKENS,
         _WEIGHTS,
-        {"amd-avx512": 12, "intel-amx": 8},
+        {"amd-avx512": 12, "intel-amx": 4},
         unit="tokens",
         low="stream",
-        high="panel or expand",
+        high="panel, amx or expand",
     ),
     "bitmask.stream_f32": Crossover(
         8,
@@ -225,13 +225,14 @@ CROSSOVERS: Dict[str, Crossover] = {
     "bitmask.batch_stream_bf16": Crossover(
         0,
         "bitmask_linear with bf16 tokens above the stream loop's, up to BATCH_MAX_TOKENS, on a weight too "
-        "dense for the panel kernel: the stream loop against expanding the weight for the dense bf16 GEMM",
+        "dense for the panel kernel: the stream loop against the AMX tiles (where they run) or expanding the "
+        "weight for the dense bf16 GEMM",
         (8, 10, 12, 16, 20, 24, 32),
         _DECODE_WEIGHTS,
-        {"amd-avx512": 16, "intel-amx": 8},
+        {"amd-avx512": 16, "intel-amx": 7},
         unit="tokens",
         low="stream",
-        high="expand",
+        high="amx or expand",
     ),
     # tokens: a 2:4 bf16 weight (the N:M layout) runs the bitmask strategies up to this many tokens, the 2:4
     # panel kernel above; at the top of the grid (the default: a dense bf16 GEMM on AMX tiles can win) never
