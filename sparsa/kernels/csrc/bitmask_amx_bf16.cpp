@@ -9,8 +9,9 @@
 // weight is read from its compressed copy; and dropped weights are zeros multiplied by X, so a NaN or Inf of
 // X reaches the output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
 //
-// Items run token chunks of at most ~1 MiB of X in the outer order, so the rows a thread's items reread
-// stay in its L2. X rows are read 64 bytes per 32 columns: a K that is not a multiple of 32 would read into
+// Items run token chunks of at most ~1 MiB of X (chunks of equal size) in the outer order, so the rows the
+// items reread stay in L2; threads take items one at a time as they finish, because the two threads of
+// the VMs measured often ran at different speeds. X rows are read 64 bytes per 32 columns: a K that is not a multiple of 32 would read into
 // the next row, so such an X is copied into rows of whole 32-column chunks first; a token block past T
 // reads a zero-padded copy of the last rows.
 //
@@ -152,9 +153,10 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
         xa = xpad.data();
         ld = Kp;
     }
-    const int64_t nblk = (T + 31) / 32;                            // 32-token blocks
-    const int64_t chunk = std::max<int64_t>(1, CHUNK_X_BYTES / (32 * Kp * 2));  // blocks per token chunk
-    const int64_t nchunk = (nblk + chunk - 1) / chunk;
+    const int64_t nblk = (T + 31) / 32;                                          // 32-token blocks
+    const int64_t most = std::max<int64_t>(1, CHUNK_X_BYTES / (32 * Kp * 2));  // blocks a chunk may hold
+    // chunks of equal size (not full ones and a remainder): a thread's items then cover as many blocks
+    const int64_t nchunk = (nblk + most - 1) / most;
     const int64_t ncol = (R + 31) / 32;  // 32-output items per chunk
     const int64_t items = nchunk * ncol;
 #pragma omp parallel num_threads(nthreads)
@@ -164,14 +166,14 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
         std::vector<TileBuf> b((size_t)(2 * nkc));
         std::vector<uint16_t> tail;
         alignas(64) float sum[32][32];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
             const int64_t ch = it / ncol, jn = it % ncol;
             expand_item(w, jn, b.data());
             const int64_t c0 = 32 * jn;
             const int cols = (int)std::min<int64_t>(32, R - c0);
-            const int64_t blk1 = std::min(nblk, (ch + 1) * chunk);
-            for (int64_t blk = ch * chunk; blk < blk1; ++blk) {
+            const int64_t blk0 = ch * nblk / nchunk, blk1 = (ch + 1) * nblk / nchunk;
+            for (int64_t blk = blk0; blk < blk1; ++blk) {
                 const int64_t t0 = 32 * blk;
                 const int rows = (int)std::min<int64_t>(32, T - t0);
                 const uint16_t* a = xa + t0 * ld;
