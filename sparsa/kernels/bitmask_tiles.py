@@ -61,14 +61,12 @@ def tile_order(bits: Tensor, row_ptr: Tensor, values: Tensor, R: int, K: int) ->
     rows = max(16, _PIECE_ELEMENTS // (32 * nkc) // 16 * 16)
     bit = torch.ones(32, dtype=torch.int64) << torch.arange(32)
     masks, vals, counts = [], [], []
-    ptr = row_ptr.tolist() if R <= 4096 else None  # a few row offsets per piece otherwise
     for r0 in range(0, 16 * n16, rows):
         r1 = min(16 * n16, r0 + rows)
         dense = torch.zeros(r1 - r0, 32 * nkc, dtype=torch.bfloat16)
         v1 = min(R, r1)
         if v1 > r0:
-            a = ptr[r0] if ptr else int(row_ptr[r0])
-            b = ptr[v1] if ptr else int(row_ptr[v1])
+            a, b = int(row_ptr[r0]), int(row_ptr[v1])
             dense[: v1 - r0, :K][kept[r0:v1]] = values[a:b].to(torch.bfloat16)
         # (block, row, chunk, pair, column of pair) -> (block, chunk, pair, row, column of pair)
         tiles = dense.view(-1, 16, nkc, 16, 2).permute(0, 2, 3, 1, 4).reshape(-1, 16, 32)

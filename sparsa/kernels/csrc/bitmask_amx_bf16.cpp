@@ -159,12 +159,18 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
     const int64_t nchunk = (nblk + most - 1) / most;
     const int64_t ncol = (R + 31) / 32;  // 32-output items per chunk
     const int64_t items = nchunk * ncol;
+    // the last block's rows past T read zeros: one padded copy of it, shared by every item
+    const int64_t tlast = 32 * (nblk - 1);
+    std::vector<uint16_t> tail;
+    if (T - tlast < 32) {
+        tail.assign((size_t)(32 * ld), 0);
+        std::memcpy(tail.data(), xa + tlast * ld, (size_t)((T - tlast) * ld) * 2);
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         static const amx::Config cfg;
         SPARSA_TILE_CONFIG(&cfg);
         std::vector<TileBuf> b((size_t)(2 * nkc));
-        std::vector<uint16_t> tail;
         alignas(64) float sum[32][32];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; ++it) {
@@ -176,13 +182,8 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
             for (int64_t blk = blk0; blk < blk1; ++blk) {
                 const int64_t t0 = 32 * blk;
                 const int rows = (int)std::min<int64_t>(32, T - t0);
-                const uint16_t* a = xa + t0 * ld;
+                const uint16_t* a = rows < 32 ? tail.data() : xa + t0 * ld;
                 const bool half = rows <= 16;
-                if (rows < (half ? 16 : 32)) {  // the last block: its rows past T read zeros
-                    tail.assign((size_t)(32 * ld), 0);
-                    std::memcpy(tail.data(), a, (size_t)(rows * ld) * 2);
-                    a = tail.data();
-                }
                 const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
                 if (half)
                     multiply_block<true>(a, ld, b.data(), nkc, sum, ynext, R);
