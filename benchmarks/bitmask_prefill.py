@@ -7,7 +7,7 @@ tokens), ``expand_blocks`` (row blocks at any token count; only where the GEMM i
 float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
 AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), ``nm24`` (2:4 bf16 rows where the CPU has AVX512-BF16: the 2:4
 kernel of ``sparsa.kernels.nm24``), ``amx`` (bf16 where the CPU has AMX-BF16: dense tiles expanded from the
-weight's tile-ordered copy, :mod:`sparsa.kernels.bitmask_tiles`), and ``auto`` (what the op's automatic
+weight's rows, :mod:`sparsa.kernels.bitmask_amx`), and ``auto`` (what the op's automatic
 choice picks: ``choose_strategy``, and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``). The weight
 stays in cache
 between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).

@@ -64,10 +64,10 @@ def path(request, monkeypatch):
     elif request.param == "amx" and bm.native_library() is not None and not bm.has_amx():
         pytest.skip(f"the bitmask AMX tiles do not run here: {bm.amx_status()}")
     elif request.param == "amx_emulated":
-        emulated = bm._tiles.emulated_library()
+        emulated = bm._amx_tiles.emulated_library()
         assert emulated is not None, "the software-tile build of the bitmask AMX kernel failed"
-        run = bm._tiles.run
-        monkeypatch.setattr(bm._tiles, "run", lambda lib, *a: run(emulated, *a))
+        run = bm._amx_tiles.run
+        monkeypatch.setattr(bm._amx_tiles, "run", lambda lib, *a: run(emulated, *a))
     if request.param == "fallback":
         monkeypatch.setenv("SPARSA_NO_NATIVE", "1")
         assert bm.native_library() is None

@@ -146,8 +146,8 @@ _ADAPTIVE = {
     ),
 }
 
-# bitmask_amx_bf16.cpp: the AMX kernel on the tile-ordered copy of a bf16 Bitmask weight
-_BITMASK_AMX = sig(INT, x=PTR, T=I64, K=I64, masks=PTR, offs=PTR, vals=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT)
+# bitmask_amx_bf16.cpp: the AMX kernel on the components of a bf16 Bitmask weight
+_BITMASK_AMX = sig(INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT)
 
 _BITMASK = {
     "sparsa_bitmask_has_avx512": sig(INT),

@@ -24,11 +24,11 @@ Five native strategies, each reading the compressed weight once per call:
   float32 weights and tokens take the same strategy with AVX2 FMAs (``csrc/bitmask_panel_f32.cpp``): fp32
   panels of 32 tokens (the last one 8, 16 or 32 wide), each kept weight broadcast against its column's
   tokens. A token's result does not depend on the panel width.
-- ``"amx"`` for many bfloat16 tokens where the CPU has AMX-BF16 (:mod:`sparsa.kernels.bitmask_tiles`,
-  ``csrc/bitmask_amx_bf16.cpp``): dense work on the compressed weight. A copy of the weight in the order of
-  AMX's tiles (made once per weight) is expanded, 32 outputs at a time, into dense tiles that stay in
-  cache, and multiplied with X's rows at AMX's rate. It replaces ``"expand"`` as the dense side on such
-  CPUs: no dense copy of the weight is written, and no per-call weight reorder is made as a BLAS GEMM's.
+- ``"amx"`` for many bfloat16 tokens where the CPU has AMX-BF16 (:mod:`sparsa.kernels.bitmask_amx`,
+  ``csrc/bitmask_amx_bf16.cpp``): dense work on the compressed weight. The weight's rows are expanded from
+  the components, 32 outputs at a time, into dense tiles that stay in cache, and multiplied with X (packed
+  once per call) at AMX's rate. It replaces ``"expand"`` as the dense side on such CPUs: no dense or
+  reordered copy of the weight is written, and no per-call weight reorder is made as a BLAS GEMM's.
   Elsewhere (and for float32 tokens) ``"amx"`` runs ``"expand"``.
 - ``"nm24"`` for many bfloat16 tokens on a weight whose pattern is 2:4 (two of every four columns kept),
   where the CPU has AVX512-BF16 (:mod:`sparsa.kernels.nm24`, ``csrc/nm24_panel_bf16.cpp``): X packed once
@@ -76,7 +76,7 @@ from ..crossovers import CROSSOVERS, crossover, token_crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from . import nm24 as _nm24
-from . import bitmask_tiles as _tiles
+from . import bitmask_amx as _amx_tiles
 from .operands import REDUCED_DTYPES, compute_dtype, native_kind
 from .opdef import kernel_op
 
@@ -232,7 +232,7 @@ def amx_status() -> str:
     lib = native_library()
     if lib is None:
         return "the native kernels are not built here"
-    return _tiles.AMX_STATUS.get(int(lib.sparsa_bitmask_amx_status()), "unknown status")
+    return _amx_tiles.AMX_STATUS.get(int(lib.sparsa_bitmask_amx_status()), "unknown status")
 
 
 def has_nm24_panel() -> bool:
@@ -476,7 +476,7 @@ def _amx(
     bias: Optional[Tensor],
     R: int,
 ) -> Tensor:
-    y = _tiles.run(lib, x2, bits, row_ptr, values, bias, R) if kind == "bf16" else None
+    y = _amx_tiles.run(lib, x2, bits, row_ptr, values, bias, R) if kind == "bf16" else None
     # None: float32 tokens or weights, or no AMX tiles here (CPU, build, SPARSA_ISA)
     return y if y is not None else _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
 

@@ -1,22 +1,21 @@
 // Y[T, R] = X[T, K] W^T (+ bias) for a bf16 W in the Bitmask layout and many bf16 tokens, on AMX tiles.
 //
-// W comes in a tile-ordered copy (sparsa/kernels/bitmask_tiles.py makes it once per weight): for every 16
-// output rows x 32 columns, one 32-bit mask per row of AMX's pair layout (row i holds the pairs of columns
-// 2i, 2i + 1 for the 16 outputs) and the kept values in that order. A work item is 32 outputs over a run of
-// tokens: it expands its outputs' tiles into dense B tiles (one VBMI2 expand-load per tile row, once per
-// item), then for every 32 tokens multiplies two A tiles loaded straight from X's rows with them into four
-// C tiles, and rounds the sums (plus bias) to bf16 rows of Y. So the work is dense, at AMX's rate, while the
-// weight is read from its compressed copy; and dropped weights are zeros multiplied by X, so a NaN or Inf of
-// X reaches the output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
+// The tiles compute Y^T = W X^T, so the weight is read from the layout's own rows and nothing is kept
+// beside it: W's rows are A tiles, each row expanded from its bits and packed values with one VBMI2
+// expand-load per 32 columns, and X^T is the B operand, packed once per call into AMX's pair layout (per
+// 16 tokens and 32 columns, row i holds each token's column pair 2i, 2i + 1). A work item is 32 outputs
+// over a chunk of tokens: it expands its 32 rows over every column once, then for every 32 tokens runs
+// four TDPBF16PS per 32 columns into four C tiles (outputs x tokens), transposes them in registers and
+// rounds the sums (plus bias) to bf16 rows of Y. So the work is dense, at AMX's rate, while the weight is
+// read in its compressed form; dropped weights are zeros multiplied by X, so a NaN or Inf of X reaches the
+// output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
 //
-// Items run token chunks of at most ~1 MiB of X (chunks of equal size) in the outer order, so the rows the
-// items reread stay in L2; threads take items one at a time as they finish, because the two threads of
-// the VMs measured often ran at different speeds. X rows are read 64 bytes per 32 columns: a K that is not a multiple of 32 would read into
-// the next row, so such an X is copied into rows of whole 32-column chunks first; a token block past T
-// reads a zero-padded copy of the last rows.
+// Items run token chunks of at most ~1 MiB of packed X (chunks of equal size) in the outer order, so the
+// tiles the items reread stay in L2; threads take items one at a time as they finish, because the two
+// threads of the VMs measured often ran at different speeds.
 //
 // SPARSA_AMX_EMULATE (bitmask_amx_bf16_emu.cpp) builds the same driver on software tiles with scalar
-// expand and epilogue, for the tests on any CPU.
+// expand, pack and epilogue, for the tests on any CPU.
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -37,159 +36,240 @@
 #endif
 namespace {
 
-constexpr int64_t CHUNK_X_BYTES = 1 << 20;  // X rows per token chunk: well inside a 2 MiB L2
+constexpr int64_t CHUNK_X_BYTES = 1 << 20;  // packed X per token chunk: well inside a 2 MiB L2
 constexpr int TILE_WORDS = 16 * 32;         // bf16 elements of one tile
+constexpr int64_t PACK_AHEAD = 8;            // 32-column chunks the X pack fetches ahead
 
-struct alignas(64) TileBuf {
-    uint16_t w[TILE_WORDS];
+struct Weight {
+    const uint8_t* bits;     // [R][kb]
+    const int64_t* row_ptr;  // [R + 1]
+    const uint16_t* vals;
+    int64_t R, kb, nkc;  // rows, bytes per bit row, 32-column chunks
 };
 
-// Tile (b, c) of the tile-ordered weight, expanded to 16 pair rows of 32 bf16 (zeros where not kept)
-inline void expand_tile(const uint32_t* mask, const uint16_t* vals, uint16_t* dst) {
-    for (int i = 0; i < 16; ++i) {
-        const uint32_t m = mask[i];
+// The 32 bits of a bit row for columns 32c..32c + 31 (bytes past the row's kb read as zero)
+inline uint32_t chunk_bits(const uint8_t* row, int64_t kb, int64_t c) {
+    uint32_t m = 0;
+    const int64_t b0 = 4 * c;
+    if (b0 + 4 <= kb)
+        std::memcpy(&m, row + b0, 4);  // x86 is little-endian
+    else
+        for (int64_t i = b0; i < kb; ++i) m |= (uint32_t)row[i] << (8 * (i - b0));
+    return m;
+}
+
+// Rows r0..r0 + 31 of W expanded to dense bf16 (zeros where not kept, and for rows past R): the item's A
+// tiles, tile (h, c) of rows r0 + 16h.. and columns 32c.. at a + (h nkc + c) TILE_WORDS. Whole tiles, not
+// whole rows, are contiguous: rows a weight's width apart would put a tile's 16 lines in one L1 set.
+void expand_rows(const Weight& w, int64_t r0, uint16_t* a) {
+    for (int i = 0; i < 32; ++i) {
+        uint16_t* dst = a + (i / 16) * w.nkc * TILE_WORDS + 32 * (i % 16);
+        const int64_t r = r0 + i;
+        if (r >= w.R) {
+            for (int64_t c = 0; c < w.nkc; ++c) std::memset(dst + c * TILE_WORDS, 0, 64);
+            continue;
+        }
+        const uint8_t* row = w.bits + r * w.kb;
+        const uint16_t* v = w.vals + w.row_ptr[r];
+        for (int64_t c = 0; c < w.nkc; ++c) {
+            const uint32_t m = chunk_bits(row, w.kb, c);
 #ifdef SPARSA_AMX_EMULATE
-        for (int j = 0; j < 32; ++j) dst[32 * i + j] = (m >> j & 1u) ? *vals++ : (uint16_t)0;
+            for (int j = 0; j < 32; ++j) dst[c * TILE_WORDS + j] = (m >> j & 1u) ? *v++ : (uint16_t)0;
 #else
-        _mm512_store_si512(dst + 32 * i, _mm512_maskz_expandloadu_epi16((__mmask32)m, vals));
-        vals += __builtin_popcount(m);
+            _mm512_storeu_si512(dst + c * TILE_WORDS, _mm512_maskz_expandloadu_epi16((__mmask32)m, v));
+            v += __builtin_popcount(m);
+#endif
+        }
+    }
+}
+
+#ifndef SPARSA_AMX_EMULATE
+// r[i][j] <- r[j][i] for 16 rows of 16 32-bit elements
+inline void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    // each 128-bit lane L of u[4g + j] holds column 4L + j of rows 4g..4g + 3
+    __m512 u[16];
+    for (int i = 0; i < 16; i += 4) {
+        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+        u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; ++j) {
+        const __m512 e0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), e1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+        const __m512 f0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512 f1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_f32x4(e0, f0, 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(e0, f0, 0xDD);
+        r[4 + j] = _mm512_shuffle_f32x4(e1, f1, 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(e1, f1, 0xDD);
+    }
+}
+#endif
+
+// The B tiles of tokens 16g..16g + 15 (past T: zeros), one per 32-column chunk c at xp + c * TILE_WORDS:
+// row i, pair n holds x[16g + n][32c + 2i], x[16g + n][32c + 2i + 1] (columns past K: zeros)
+void pack_tokens(const uint16_t* x, int64_t T, int64_t K, int64_t nkc, int64_t g, uint16_t* xp) {
+    for (int64_t c = 0; c < nkc; ++c) {
+        uint16_t* tile = xp + c * TILE_WORDS;
+        const int64_t k0 = 32 * c;
+#ifdef SPARSA_AMX_EMULATE
+        for (int n = 0; n < 16; ++n)
+            for (int i = 0; i < 32; ++i) {
+                const int64_t t = 16 * g + n, k = k0 + i;
+                tile[32 * (i / 2) + 2 * n + (i & 1)] = (t < T && k < K) ? x[t * K + k] : (uint16_t)0;
+            }
+#else
+        const int64_t cols = std::min<int64_t>(32, K - k0);
+        const __mmask32 m = cols >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << cols) - 1u);
+        __m512 r[16];
+        for (int n = 0; n < 16; ++n) {
+            const int64_t t = 16 * g + n;
+            if (t >= T) {
+                r[n] = _mm512_setzero_ps();
+                continue;
+            }
+            // 16 rows a row apart are more streams than the hardware prefetchers follow
+            if (k0 + 32 * PACK_AHEAD < K) _mm_prefetch((const char*)(x + t * K + k0 + 32 * PACK_AHEAD), _MM_HINT_T0);
+            r[n] = _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(m, x + t * K + k0));
+        }
+        transpose16(r);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(tile + 32 * i, r[i]);
 #endif
     }
 }
 
-// y[t][c0 + j] = bf16(sum[t][j] + bias[c0 + j]) for t < rows, j < cols (sum rows of 32 floats)
-inline void store_rows(const float (*sum)[32], int rows, const float* bias, int64_t c0, int cols, uint16_t* y,
+// y[t][c0 + j] = bf16(sum + bias[c0 + j]) for t < rows, j < cols, where the sums of token t and output j
+// are sum[2 (t / 16) + j / 16][j % 16][t % 16] (C tiles of 16 outputs x 16 tokens)
+inline void store_rows(const float (*sum)[16][16], int rows, const float* bias, int64_t c0, int cols, uint16_t* y,
                        int64_t R) {
 #ifdef SPARSA_AMX_EMULATE
     for (int t = 0; t < rows; ++t)
         for (int j = 0; j < cols; ++j)
-            y[t * R + c0 + j] = sparsa_f32_to_bf16(sum[t][j] + (bias ? bias[c0 + j] : 0.0f));
+            y[t * R + c0 + j] =
+                sparsa_f32_to_bf16(sum[2 * (t / 16) + j / 16][j % 16][t % 16] + (bias ? bias[c0 + j] : 0.0f));
 #else
     const __mmask32 m = cols >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << cols) - 1u);
     const __mmask16 m0 = (__mmask16)m, m1 = (__mmask16)(m >> 16);
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias + c0) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + c0 + 16) : _mm512_setzero_ps();
-    for (int t = 0; t < rows; ++t) {
-        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(sum[t]), b0);
-        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(sum[t] + 16), b1);
-        // VCVTNE2PS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
-        _mm512_mask_storeu_epi16(y + t * R + c0, m, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+    for (int u = 0; 16 * u < rows; ++u) {
+        __m512 lo[16], hi[16];
+        for (int i = 0; i < 16; ++i) {
+            lo[i] = _mm512_load_ps(sum[2 * u][i]);
+            hi[i] = _mm512_load_ps(sum[2 * u + 1][i]);
+        }
+        transpose16(lo);
+        transpose16(hi);
+        const int n_end = std::min(16, rows - 16 * u);
+        for (int n = 0; n < n_end; ++n) {
+            const __m512 v0 = _mm512_add_ps(lo[n], b0), v1 = _mm512_add_ps(hi[n], b1);
+            // VCVTNE2PS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
+            _mm512_mask_storeu_epi16(y + (16 * u + n) * R + c0, m, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        }
     }
 #endif
 }
 
-struct Weight {
-    const uint32_t* masks;  // [tile][16]
-    const int64_t* offs;    // [tile + 1] into vals
-    const uint16_t* vals;
-    int64_t nkc, n16;  // 32-column chunks, 16-row blocks
-};
-
-// The B tiles of 16-row blocks 2 jn and 2 jn + 1 (a block past the weight expands to zeros): b[c][s]
-void expand_item(const Weight& w, int64_t jn, TileBuf* b) {
-    for (int s = 0; s < 2; ++s) {
-        const int64_t blk = 2 * jn + s;
-        for (int64_t c = 0; c < w.nkc; ++c) {
-            uint16_t* dst = b[2 * c + s].w;
-            if (blk >= w.n16) {
-                std::memset(dst, 0, sizeof(TileBuf));
-                continue;
-            }
-            const int64_t t = blk * w.nkc + c;
-            expand_tile(w.masks + 16 * t, w.vals + w.offs[t], dst);
-        }
-    }
-}
-
-// The sums of 32 tokens x 32 outputs into sum: a is the first token's X row (rows ld elements apart), b the
-// item's B tiles. ynext: the first of the 32 Y rows (R elements apart) the next block writes, or null; their
-// lines are fetched for writing during the products, so the epilogue's stores do not wait for them.
-// Half: a block of at most 16 tokens (a batched-decoding call, or the last block), one A tile and half the
-// products.
+// The sums of 32 outputs (the item's A tiles a) x 32 tokens (token groups g and
+// g + 1 of the packed X) into sum. ynext: the first of the 32 Y rows (R elements apart) the next block
+// writes, or null; their lines are fetched for writing during the products, so the epilogue's stores do
+// not wait for them. Half: a block of at most 16 tokens (a batched-decoding call, or the last block), one
+// B tile and half the products.
 template <bool Half>
-void multiply_block(const uint16_t* a, int64_t ld, const TileBuf* b, int64_t nkc, float (*sum)[32],
-                    const uint16_t* ynext, int64_t R) {
+void multiply_block(const uint16_t* a, int64_t nkc, const uint16_t* xg, float (*sum)[16][16], const uint16_t* ynext,
+                    int64_t R) {
     SPARSA_TILE_ZERO(0);
     SPARSA_TILE_ZERO(1);
     if constexpr (!Half) {
         SPARSA_TILE_ZERO(2);
         SPARSA_TILE_ZERO(3);
     }
-    const long stride = (long)(ld * 2);
+    const uint16_t *xg1 = xg + nkc * TILE_WORDS, *a1 = a + nkc * TILE_WORDS;
     for (int64_t c = 0; c < nkc; ++c) {
 #ifndef SPARSA_AMX_EMULATE
         if (ynext)
             for (int64_t r = c * 32 / nkc; r < (c + 1) * 32 / nkc; ++r)
                 _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
 #endif
-        SPARSA_TILE_LOAD(4, a + 32 * c, stride);
-        if constexpr (!Half) SPARSA_TILE_LOAD(5, a + 16 * ld + 32 * c, stride);
-        SPARSA_TILE_LOAD(6, b[2 * c].w, 64);
-        SPARSA_TILE_LOAD(7, b[2 * c + 1].w, 64);
+        SPARSA_TILE_LOAD(4, a + c * TILE_WORDS, 64);
+        SPARSA_TILE_LOAD(5, a1 + c * TILE_WORDS, 64);
+        SPARSA_TILE_LOAD(6, xg + c * TILE_WORDS, 64);
+        if constexpr (!Half) SPARSA_TILE_LOAD(7, xg1 + c * TILE_WORDS, 64);
         SPARSA_TILE_DP(0, 4, 6);
-        SPARSA_TILE_DP(1, 4, 7);
-        if constexpr (!Half) {
-            SPARSA_TILE_DP(2, 5, 6);
-            SPARSA_TILE_DP(3, 5, 7);
-        }
+        if constexpr (!Half) SPARSA_TILE_DP(2, 4, 7);
+        SPARSA_TILE_DP(1, 5, 6);
+        if constexpr (!Half) SPARSA_TILE_DP(3, 5, 7);
     }
-    SPARSA_TILE_STORE(0, &sum[0][0], 128);
-    SPARSA_TILE_STORE(1, &sum[0][16], 128);
+    SPARSA_TILE_STORE(0, &sum[0][0][0], 64);
+    SPARSA_TILE_STORE(1, &sum[1][0][0], 64);
     if constexpr (!Half) {
-        SPARSA_TILE_STORE(2, &sum[16][0], 128);
-        SPARSA_TILE_STORE(3, &sum[16][16], 128);
+        SPARSA_TILE_STORE(2, &sum[2][0][0], 64);
+        SPARSA_TILE_STORE(3, &sum[3][0][0], 64);
     }
 }
 
-void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, const float* bias, uint16_t* y,
-         int nthreads) {
-    const int64_t nkc = w.nkc, Kp = 32 * nkc;
-    std::vector<uint16_t> xpad;
-    const uint16_t* xa = x;
-    int64_t ld = K;
-    if (K != Kp) {
-        xpad.assign((size_t)(T * Kp), 0);
-        for (int64_t t = 0; t < T; ++t) std::memcpy(&xpad[(size_t)(t * Kp)], x + t * K, (size_t)K * 2);
-        xa = xpad.data();
-        ld = Kp;
-    }
+void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* bias, uint16_t* y, int nthreads) {
+    const int64_t nkc = w.nkc, Kp = 32 * nkc, R = w.R;
+    const int64_t ngroup = (T + 15) / 16;                                        // 16-token groups
     const int64_t nblk = (T + 31) / 32;                                          // 32-token blocks
     const int64_t most = std::max<int64_t>(1, CHUNK_X_BYTES / (32 * Kp * 2));  // blocks a chunk may hold
     // chunks of equal size (not full ones and a remainder): a thread's items then cover as many blocks
     const int64_t nchunk = (nblk + most - 1) / most;
     const int64_t ncol = (R + 31) / 32;  // 32-output items per chunk
-    const int64_t items = nchunk * ncol;
-    // the last block's rows past T read zeros: one padded copy of it, shared by every item
-    const int64_t tlast = 32 * (nblk - 1);
-    std::vector<uint16_t> tail;
-    if (T - tlast < 32) {
-        tail.assign((size_t)(32 * ld), 0);
-        std::memcpy(tail.data(), xa + tlast * ld, (size_t)((T - tlast) * ld) * 2);
-    }
+    const size_t pack_words = (size_t)(2 * ((nblk + nchunk - 1) / nchunk) * nkc * TILE_WORDS);
+    // One chunk: the threads pack it together into the calling thread's buffer. More: every thread packs
+    // each chunk into its own buffer before taking the chunk's items, because a shared pack rewritten
+    // chunk after chunk moved its lines between the cores' caches, and a pack of all of a large X went
+    // out to memory and back. Buffers are kept between calls: fresh pages per call would fault.
+    const bool shared = nchunk == 1;
+    static thread_local std::vector<uint16_t> caller_pack;
+    if (shared && caller_pack.size() < pack_words) caller_pack.resize(pack_words);
+    uint16_t* const shared_xp = caller_pack.data();
 #pragma omp parallel num_threads(nthreads)
     {
         static const amx::Config cfg;
         SPARSA_TILE_CONFIG(&cfg);
-        std::vector<TileBuf> b((size_t)(2 * nkc));
-        alignas(64) float sum[32][32];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; ++it) {
-            const int64_t ch = it / ncol, jn = it % ncol;
-            expand_item(w, jn, b.data());
-            const int64_t c0 = 32 * jn;
-            const int cols = (int)std::min<int64_t>(32, R - c0);
+        static thread_local std::vector<uint16_t> own_pack;
+        if (!shared && own_pack.size() < pack_words) own_pack.resize(pack_words);
+        uint16_t* const xp = shared ? shared_xp : own_pack.data();
+        if (shared) {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < ngroup; ++g) pack_tokens(x, T, K, nkc, g, xp + g * nkc * TILE_WORDS);
+        }
+        std::vector<uint16_t> a((size_t)(32 * Kp));
+        alignas(64) float sum[4][16][16];
+        for (int64_t ch = 0; ch < nchunk; ++ch) {
             const int64_t blk0 = ch * nblk / nchunk, blk1 = (ch + 1) * nblk / nchunk;
-            for (int64_t blk = blk0; blk < blk1; ++blk) {
-                const int64_t t0 = 32 * blk;
-                const int rows = (int)std::min<int64_t>(32, T - t0);
-                const uint16_t* a = rows < 32 ? tail.data() : xa + t0 * ld;
-                const bool half = rows <= 16;
-                const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
-                if (half)
-                    multiply_block<true>(a, ld, b.data(), nkc, sum, ynext, R);
-                else
-                    multiply_block<false>(a, ld, b.data(), nkc, sum, ynext, R);
-                store_rows(sum, rows, bias, c0, cols, y + t0 * R, R);
+            const int64_t g0 = 2 * blk0, g1 = std::min(ngroup, 2 * blk1);
+            bool packed = shared;
+            // threads take items one at a time: the two vCPUs measured often ran at different speeds
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t jn = 0; jn < ncol; ++jn) {
+                if (!packed) {
+                    for (int64_t g = g0; g < g1; ++g) pack_tokens(x, T, K, nkc, g, xp + (g - g0) * nkc * TILE_WORDS);
+                    packed = true;
+                }
+                const int64_t c0 = 32 * jn;
+                expand_rows(w, c0, a.data());
+                const int cols = (int)std::min<int64_t>(32, R - c0);
+                for (int64_t blk = blk0; blk < blk1; ++blk) {
+                    const int64_t t0 = 32 * blk;
+                    const int rows = (int)std::min<int64_t>(32, T - t0);
+                    const uint16_t* xg = xp + 2 * (blk - blk0) * nkc * TILE_WORDS;
+                    const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
+                    if (rows <= 16)
+                        multiply_block<true>(a.data(), nkc, xg, sum, ynext, R);
+                    else
+                        multiply_block<false>(a.data(), nkc, xg, sum, ynext, R);
+                    store_rows(sum, rows, bias, c0, cols, y + t0 * R, R);
+                }
             }
         }
         SPARSA_TILE_RELEASE();
@@ -204,36 +284,31 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, int64_t R, co
 namespace {
 
 // One product of small integers (exact in bf16 and fp32) against scalar sums: 40 tokens (a full block and a
-// partial one), 40 columns (a partial chunk), 20 outputs (a partial block, and an item's second block past
-// the weight), with a bias. Guards against a CPU, hypervisor or assembler that runs the tiles differently
-// from what the tile order assumes.
+// partial one), 41 columns (a partial chunk and a partial byte of bits), 20 outputs (a partial item), with
+// a bias. Guards against a CPU, hypervisor or assembler that runs the tiles differently from what the
+// layouts assume.
 bool selfcheck() {
-    constexpr int64_t T = 40, K = 40, R = 20, nkc = 2, n16 = 2;
+    constexpr int64_t T = 40, K = 41, R = 20, kb = (K + 7) / 8;
     auto bf = [](int v) { return sparsa_f32_to_bf16((float)v); };
     auto wv = [](int64_t r, int64_t k) { return (r + 2 * k) % 3 == 0 ? 0 : (int)((r * 5 + k) % 7) - 3; };
     std::vector<uint16_t> x(T * K), vals;
     for (int64_t t = 0; t < T; ++t)
         for (int64_t k = 0; k < K; ++k) x[t * K + k] = bf((int)((t * 7 + k * 3) % 9) - 4);
-    std::vector<uint32_t> masks(n16 * nkc * 16, 0);
-    std::vector<int64_t> offs;
-    for (int64_t blk = 0; blk < n16; ++blk)
-        for (int64_t c = 0; c < nkc; ++c) {
-            offs.push_back((int64_t)vals.size());
-            for (int i = 0; i < 16; ++i)
-                for (int j = 0; j < 32; ++j) {
-                    const int64_t r = 16 * blk + j / 2, k = 32 * c + 2 * i + (j & 1);
-                    if (r < R && k < K && wv(r, k) != 0) {
-                        masks[(blk * nkc + c) * 16 + i] |= 1u << j;
-                        vals.push_back(bf(wv(r, k)));
-                    }
-                }
-        }
-    offs.push_back((int64_t)vals.size());
+    std::vector<uint8_t> bits(R * kb, 0);
+    std::vector<int64_t> row_ptr(1, 0);
+    for (int64_t r = 0; r < R; ++r) {
+        for (int64_t k = 0; k < K; ++k)
+            if (wv(r, k) != 0) {
+                bits[r * kb + k / 8] |= (uint8_t)(1u << (k % 8));
+                vals.push_back(bf(wv(r, k)));
+            }
+        row_ptr.push_back((int64_t)vals.size());
+    }
     std::vector<float> bias(R);
     for (int64_t r = 0; r < R; ++r) bias[r] = (float)(r % 5) - 2.0f;
     std::vector<uint16_t> y(T * R);
-    const Weight w{masks.data(), offs.data(), vals.data(), nkc, n16};
-    run(x.data(), T, K, w, R, bias.data(), y.data(), 1);
+    const Weight w{bits.data(), row_ptr.data(), vals.data(), R, kb, (K + 31) / 32};
+    run(x.data(), T, K, w, bias.data(), y.data(), 1);
     for (int64_t t = 0; t < T; ++t)
         for (int64_t r = 0; r < R; ++r) {
             int64_t want = (int64_t)bias[r];
@@ -288,18 +363,18 @@ int sparsa_bitmask_amx_status() {
 #endif
 }
 
-// y (T x R, bf16) = x (T x K, bf16) W^T + bias (fp32, or null) for W in the tile order of bitmask_tiles.py:
-// masks (n16 * nkc * 16 words), offs (n16 * nkc + 1), vals; n16 = ceil(R / 16), nkc = ceil(K / 32).
-// Returns 0, or -1 where the tiles do not run here (nothing written).
-int sparsa_bitmask_amx_bf16(const uint16_t* x, int64_t T, int64_t K, const uint32_t* masks, const int64_t* offs,
-                            const uint16_t* vals, int64_t R, const float* bias, uint16_t* y, int nthreads) {
+// y (T x R, bf16) = x (T x K, bf16, contiguous) W^T + bias (fp32, or null) for W given by the bf16 Bitmask
+// components bits (R x ceil(K / 8) bytes), row_ptr (R + 1) and values. Returns 0, or -1 where the tiles do
+// not run here (nothing written).
+int sparsa_bitmask_amx_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
+                            const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads) {
 #ifdef SPARSA_HAVE_BITMASK_AMX
     if (!enabled() || T <= 0 || K <= 0 || R <= 0) return -1;
-    const Weight w{masks, offs, vals, (K + 31) / 32, (R + 15) / 16};
-    run(x, T, K, w, R, bias, y, std::max(1, nthreads));
+    const Weight w{bits, row_ptr, values, R, (K + 7) / 8, (K + 31) / 32};
+    run(x, T, K, w, bias, y, std::max(1, nthreads));
     return 0;
 #else
-    (void)x, (void)T, (void)K, (void)masks, (void)offs, (void)vals, (void)R, (void)bias, (void)y, (void)nthreads;
+    (void)x, (void)T, (void)K, (void)bits, (void)row_ptr, (void)values, (void)R, (void)bias, (void)y, (void)nthreads;
     return -1;
 #endif
 }

@@ -1,12 +1,12 @@
-"""The ``"amx"`` strategy of ``sparsa::bitmask_linear``: the tile order of a Bitmask weight and the AMX kernel
-that reads it, against float64 references. The kernel runs on AMX tiles where the CPU has them and on
-software tiles (a test build) everywhere, so the tile order, tails and bias are checked on every CPU."""
+"""The ``"amx"`` strategy of ``sparsa::bitmask_linear``: the AMX kernel on the Bitmask components, against
+float64 references. The kernel runs on AMX tiles where the CPU has them and on software tiles (a test
+build) everywhere, so the row expansion, the X pack, tails and bias are checked on every CPU."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from sparsa.kernels import bitmask as bm, bitmask_tiles as bt
+from sparsa.kernels import bitmask as bm, bitmask_amx as ba
 from sparsa.layouts import Bitmask
 
 BF = torch.bfloat16
@@ -23,7 +23,7 @@ def lib(request, monkeypatch):
         if real is None or not real.sparsa_bitmask_has_amx():
             pytest.skip(f"the bitmask AMX tiles do not run here: {bm.amx_status()}")
         return real
-    emulated = bt.emulated_library()
+    emulated = ba.emulated_library()
     assert emulated is not None, "the software-tile build of the bitmask AMX kernel failed"
     return emulated
 
@@ -33,36 +33,8 @@ def _weight(R, K, density, seed):
     return Bitmask.from_dense(torch.randn(R, K, generator=gen).to(BF), mask=torch.rand(R, K, generator=gen) < density)
 
 
-def _dense_from_tiles(masks, offsets, values, R, K):
-    """The weight the tile order describes, rebuilt entry by entry from its documented contract."""
-    n16, nkc = -(-R // 16), -(-K // 32)
-    w = torch.zeros(16 * n16, 32 * nkc, dtype=BF)
-    for b in range(n16):
-        for c in range(nkc):
-            t = b * nkc + c
-            v = values[int(offsets[t]) : int(offsets[t + 1])].tolist()
-            for i in range(16):
-                word = int(masks[t, i]) & 0xFFFFFFFF
-                for j in range(32):
-                    if word >> j & 1:
-                        w[16 * b + j // 2, 32 * c + 2 * i + j % 2] = v.pop(0)
-            assert not v, "a tile holds more values than its mask bits"
-    return w[:R, :K]
-
-
-@SETTINGS
-@given(R=st.integers(1, 40), K=st.integers(1, 70), density=st.sampled_from([0.0, 0.3, 1.0]), seed=st.integers(0, 9))
-def test_tile_order_holds_the_weight(R, K, density, seed):
-    w = _weight(R, K, density, seed)
-    masks, offsets, values = bt.tile_order(w.bits, w.row_ptr, w.values, R, K)
-    n_tiles = -(-R // 16) * -(-K // 32)
-    assert masks.shape == (n_tiles, 16) and masks.dtype == torch.int32
-    assert offsets.shape == (n_tiles + 1,) and int(offsets[-1]) == values.numel()
-    assert torch.equal(_dense_from_tiles(masks, offsets, values, R, K), w.to_dense())
-
-
 def _run(lib, x, w, bias, R):
-    y = bt.run(lib, x, w.bits, w.row_ptr, w.values, bias, R)
+    y = ba.run(lib, x, w.bits, w.row_ptr, w.values, bias, R)
     assert y is not None, "the kernel declined a call it takes"
     return y
 
@@ -111,9 +83,10 @@ def test_nan_or_inf_in_x_reaches_every_output_like_dense(lib, bad):
     assert not torch.isnan(y[:33]).any() and not torch.isnan(y[34:]).any()
 
 
-def test_threads_do_not_change_the_result(lib):
-    w = _weight(200, 130, 0.3, seed=3)
-    x = torch.randn(100, 130).to(BF)
+@pytest.mark.parametrize("T,K", [(100, 130), (300, 3100)])  # one token chunk packed together, two packed apart
+def test_threads_do_not_change_the_result(lib, T, K):
+    w = _weight(200, K, 0.3, seed=3)
+    x = torch.randn(T, K).to(BF)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -125,13 +98,16 @@ def test_threads_do_not_change_the_result(lib):
     assert torch.equal(one, two)
 
 
-def test_the_copy_is_kept_and_remade_after_an_in_place_update():
-    w = _weight(20, 40, 0.5, seed=1)
-    first = bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40)
-    assert bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40) is first
+def test_reads_the_components_as_they_are_now(lib):
+    # nothing is kept beside the weight: an in-place update and an inference-mode weight are read as they are
+    w = _weight(40, 70, 0.5, seed=2)
+    x = torch.randn(50, 70).to(BF)
+    before = _run(lib, x, w, None, 40)
     w.values.mul_(2)
-    second = bt.tile_copy(w.bits, w.row_ptr, w.values, 20, 40)
-    assert second is not first and torch.equal(second[2], first[2] * 2)
+    torch.testing.assert_close(_run(lib, x, w, None, 40).double(), 2 * before.double(), rtol=1e-2, atol=1e-2)
+    with torch.inference_mode():
+        wi = _weight(40, 70, 0.5, seed=3)
+        _check(_run(lib, x, wi, None, 40), x, wi, None)
 
 
 def test_the_strategy_runs_expand_where_it_cannot_run(monkeypatch):
@@ -141,12 +117,12 @@ def test_the_strategy_runs_expand_where_it_cannot_run(monkeypatch):
     assert not bm.has_amx()
     w = _weight(24, 50, 0.5, seed=4)
     x = torch.randn(40, 50).to(BF)
-    assert bt.run(bm.native_library(), x, w.bits, w.row_ptr, w.values, None, 24) is None
+    assert ba.run(bm.native_library(), x, w.bits, w.row_ptr, w.values, None, 24) is None
     _check(bm.bitmask_linear_impl(x, w.bits, w.row_ptr, w.values, None, 24, "amx"), x, w, None)
     y32 = bm.bitmask_linear_impl(x.float(), w.bits, w.row_ptr, w.values.float(), None, 24, "amx")
     assert y32.dtype == torch.float32  # float32 operands expand
 
 
 def test_status_says_why_in_words():
-    assert bm.amx_status() in set(bt.AMX_STATUS.values()) | {"the native kernels are not built here"}
-    assert (bm.amx_status() == bt.AMX_STATUS[0]) == bm.has_amx()
+    assert bm.amx_status() in set(ba.AMX_STATUS.values()) | {"the native kernels are not built here"}
+    assert (bm.amx_status() == ba.AMX_STATUS[0]) == bm.has_amx()
