@@ -172,7 +172,7 @@ CROSSOVERS: Dict[str, Crossover] = {
     "bitmask.panel_f32": Crossover(
         0.3,
         "bitmask_linear with float32 tokens above BATCH_MAX_TOKENS: the panel kernel (only kept weights, "
-        "AVX2 FMA) against expanding the weight for the dense float32 GEMM",
+        "AVX2 or AVX-512 FMA) against expanding the weight for the dense float32 GEMM",
         _PANEL_DENSITIES,
         _PREFILL_SHAPES,
         {"amd-avx512": 0.55, "intel-amx": 0.3},
