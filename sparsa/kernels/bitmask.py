@@ -77,7 +77,7 @@ from ..layouts.bitmask import unpack_bits
 from . import loader
 from . import nm24 as _nm24
 from . import bitmask_amx as _amx_tiles
-from .operands import REDUCED_DTYPES, compute_dtype, native_kind
+from .operands import REDUCED_DTYPES, bitmask_rows_call, compute_dtype, native_kind
 from .opdef import kernel_op
 
 __all__ = [
@@ -442,24 +442,10 @@ def _panel(
     bias: Optional[Tensor],
     R: int,
 ) -> Tensor:
-    T, K = x2.shape
     if kind not in ("bf16", "f32"):
         return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
-    y = torch.empty(T, R, dtype=x2.dtype)
-    b = None if bias is None else bias.to(torch.float32).contiguous()
     entry = lib.sparsa_bitmask_panel_bf16 if kind == "bf16" else lib.sparsa_bitmask_panel_f32
-    rc = entry(
-        x2.data_ptr(),
-        T,
-        K,
-        bits.data_ptr(),
-        row_ptr.data_ptr(),
-        values.data_ptr(),
-        R,
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
+    rc, y = bitmask_rows_call(entry, x2, bits, row_ptr, values, bias, R)
     if rc == 0:
         return y
     # 1: X holds NaN or Inf; -1: no panel kernel here (CPU, build, SPARSA_ISA) or K > 65535

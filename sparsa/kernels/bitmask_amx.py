@@ -20,10 +20,10 @@ from __future__ import annotations
 import ctypes
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from . import loader
+from .operands import bitmask_rows_call
 
 __all__ = ["run", "emulated_library", "AMX_STATUS"]
 
@@ -44,21 +44,7 @@ def run(
     AMX tiles of ``lib``, in bf16; None where they do not run here (CPU, build, ``SPARSA_ISA``)."""
     if not lib.sparsa_bitmask_has_amx():
         return None
-    T, K = x2.shape
-    y = torch.empty(T, R, dtype=torch.bfloat16)
-    b = None if bias is None else bias.to(torch.float32).contiguous()
-    rc = lib.sparsa_bitmask_amx_bf16(
-        x2.data_ptr(),
-        T,
-        K,
-        bits.data_ptr(),
-        row_ptr.data_ptr(),
-        values.data_ptr(),
-        R,
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        torch.get_num_threads(),
-    )
+    rc, y = bitmask_rows_call(lib.sparsa_bitmask_amx_bf16, x2, bits, row_ptr, values, bias, R)
     return y if rc == 0 else None
 
 

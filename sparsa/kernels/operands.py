@@ -17,12 +17,12 @@ Anything else runs the pure-PyTorch reference.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows"]
+__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows", "bitmask_rows_call"]
 
 _KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 #: dtypes the kernels and references compute in float32 and round once
@@ -59,3 +59,27 @@ def token_rows(x: Tensor, out_features: int) -> Tuple[Tensor, int, Tensor]:
     x2 = x if x.is_contiguous() else x.contiguous()
     T = x2.numel() // K if K else x.reshape(-1, K).shape[0]
     return x2, T, torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+
+
+def bitmask_rows_call(
+    entry: Any, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], R: int
+) -> Tuple[int, Tensor]:
+    """``(rc, y)`` of a many-token Bitmask kernel whose C signature is ``(x, T, K, bits, row_ptr, values, R,
+    bias, y, nthreads)`` (the panel and AMX kernels): ``x2`` 2-D and contiguous, the components contiguous,
+    the bias passed in float32, ``y`` a fresh ``(T, R)`` tensor of ``x2``'s dtype."""
+    T, K = x2.shape
+    y = torch.empty(T, R, dtype=x2.dtype)
+    b = None if bias is None else bias.to(torch.float32).contiguous()
+    rc = entry(
+        x2.data_ptr(),
+        T,
+        K,
+        bits.data_ptr(),
+        row_ptr.data_ptr(),
+        values.data_ptr(),
+        R,
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return rc, y
