@@ -655,3 +655,13 @@ def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, st
         [sys.executable, str(script), where, path, strategy, dtype], capture_output=True, text=True, env=env
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_auto_strategy_treats_a_pruned_weight_at_its_nominal_density(dtype):
+    # 70% of 1536 columns keeps 461 per row (0.30013): the choice must be the one for 0.3, as the
+    # density crossovers are measured and stored at grid points
+    w = Bitmask.from_dense(torch.randn(64, 1536).to(dtype), sparsity=0.7)
+    assert w.values.numel() / (64 * 1536) > 0.3
+    for tokens in (16, 128):
+        assert bm.auto_strategy(tokens, dtype, w.bits, w.values, 64, 1536) == bm.choose_strategy(tokens, dtype, 0.3)
