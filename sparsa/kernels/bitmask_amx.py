@@ -6,7 +6,8 @@ first call:
 
 - a work item takes 32 output rows and expands each from its bit row and packed values into dense A
   tiles (one expand-load per 32 columns);
-- X is packed once per call into AMX's pair layout (B tiles of 16 tokens x 32 columns);
+- X is packed into AMX's pair layout (B tiles of 16 tokens x 32 columns): once per call by all threads
+  together when it fits one token chunk (about 1 MiB), else by each thread for each chunk it works on;
 - the sums, 16 outputs x 16 tokens per C tile, are transposed in registers and rounded to bf16 rows of Y
   with the bias added.
 
