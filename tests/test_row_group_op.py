@@ -234,9 +234,9 @@ def test_amx_status_names_why_the_tiles_do_not_run(monkeypatch):
 
 
 def test_bf16_dot_product_gelu_epilogue_matches_torch(monkeypatch):
-    # identity weights make the products exact, so the epilogue's GELU (16 lanes, rcp14 + Newton) sees
-    # bf16 inputs as they are: rounded once, it must give torch's GELU within one bf16 rounding plus the
-    # erf approximation's absolute error (1.5e-7 times |x| / 2, which dominates in the far negative tail)
+    # identity weights make the products exact, so the epilogue's GELU (16 lanes) sees bf16 inputs as they
+    # are: rounded once, it must give torch's GELU within one bf16 rounding plus the erf approximation's
+    # absolute error (4e-7 times |x| / 2, which dominates in the far negative tail)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if not rg.has_dpbf16():
         pytest.skip("this CPU has no avx512_bf16 (or SPARSA_ISA is below avx512): the bf16 tiles do not run")
@@ -248,9 +248,9 @@ def test_bf16_dot_product_gelu_epilogue_matches_torch(monkeypatch):
     exact = F.gelu(x[:, :16].double())
     bound = 2.0**-8 * exact.abs() + 1e-6 * x[:, :16].double().abs()
     assert ((y.double() - exact).abs() <= bound).all()
-    monkeypatch.setenv("SPARSA_ISA", "avx2")  # the same formula on 8 lanes with a true divide
+    monkeypatch.setenv("SPARSA_ISA", "avx2")  # the same operations on 8 lanes: the same bits
     y8 = rg.row_group_linear_impl(x, lay.columns, lay.values.bfloat16(), None, 16, lay.row_perm, "gelu")
-    assert (y != y8).double().mean() < 0.01
+    assert torch.equal(y, y8)
 
 
 def test_bf16_dot_product_tiles_follow_sparsa_isa(monkeypatch):
