@@ -34,6 +34,7 @@ BENCHES = (
     ("bf16_paths", "The bf16 dot-product kernel paths", "python benchmarks/bf16_paths.py"),
     ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
     ("adaptive_bf16_gemms", "bf16 activation-sparse convs GEMM by GEMM", "python benchmarks/adaptive_bf16_gemms.py"),
+    ("activation_tiles", "Activation zeros at AMX-tile granularity", "python benchmarks/activation_tiles.py"),
     (
         "row_group_ab",
         "The bf16 row_group kernel before and after, one process",
@@ -783,6 +784,20 @@ def adaptive_bf16_gemms_section(d: Dict[str, Any]) -> str:
     return head + _md(rows, cols) + _quick_mark(d)
 
 
+def activation_tiles_section(d: Dict[str, Any]) -> str:
+    """Per conv of the training nets: the nonzero fractions an AMX-tiled activation-sparse kernel would face."""
+    head = (
+        f"{d.get('method', '')}. x: the conv's input (relu(x)), dy: its output gradient; *_density: nonzero "
+        "fraction; *_union16_pixels / *_union16_channels: the fraction of (16 consecutive pixels, channel) / "
+        "(pixel, 16 consecutive channels) holding a nonzero; work_bound_fwd / _dx / _dw: the smallest such "
+        "fraction for each GEMM, the dense work an AMX kernel that gathers at tile granularity still does. "
+        "Nothing is timed.\n\n"
+    )
+    cols = ["model", "layer", "shape", "x_density", "x_union16_pixels", "dy_density", "dy_union16_pixels"]
+    cols += ["dy_union16_channels", "work_bound_fwd", "work_bound_dx", "work_bound_dw"]
+    return head + _md(d["rows"], cols)
+
+
 def row_group_ab_section(d: Dict[str, Any]) -> str:
     """An older commit's bf16 row_group kernel against the tree's, with dense bf16, timed in one process."""
     old, new = str(d.get("old", ""))[:12], str(d.get("new", ""))[:12]
@@ -926,6 +941,7 @@ SECTIONS = {
     "bf16_paths": bf16_paths_section,
     "adaptive_bf16": adaptive_bf16_section,
     "adaptive_bf16_gemms": adaptive_bf16_gemms_section,
+    "activation_tiles": activation_tiles_section,
     "row_group_ab": row_group_ab_section,
     "sliced_ell_ab": sliced_ell_ab_section,
     "llm_quality": llm_quality_section,

@@ -9,8 +9,7 @@
 
 namespace sparsa_panel {
 
-// GELU over n floats in place: 16 lanes where AVX-512 is enabled (wide), whose reciprocal estimate replaces
-// the 8-lane version's division, the part that bounds it
+// GELU over n floats in place: 16 lanes where AVX-512 is enabled (wide), 8 elsewhere (the same bits)
 inline void gelu_n(float* p, int64_t n, bool wide) {
 #ifdef SPARSA_HAVE_GELU16
     if (wide) {
