@@ -525,6 +525,22 @@ def test_panel_f32_token_results_do_not_depend_on_the_batch():
 
 
 @pytest.mark.usefixtures("needs_panel_f32")
+@pytest.mark.parametrize("T,R,K,density", [(40, 70, 1537, 0.1), (33, 9, 21, 0.05), (64, 17, 600, 0.9), (20, 3, 7, 0.3)])
+def test_panel_f32_gives_the_same_bits_on_8_and_16_lanes(monkeypatch, T, R, K, density):
+    # the 16-lane path lists kept columns by compressing 16 at a time, the 8-lane one by mask bytes (empty
+    # ones included): both lists, and so both sums, must be the same, chunked or not, with K's last bits
+    if bm.native_library() is None or cpu.hardware_isa() not in ("avx512", "amx"):
+        pytest.skip("no AVX-512 here: only the 8-lane panel runs")
+    w = _f32_weight(R, K, density, seed=K)
+    x = torch.randn(T, K)
+    monkeypatch.delenv("SPARSA_ISA", raising=False)
+    wide = bm.bitmask_linear_impl(x, *_components(w), None, R, "panel")
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert torch.equal(bm.bitmask_linear_impl(x, *_components(w), None, R, "panel"), wide)
+    _close(wide, _ref(x, w, None), torch.float32)
+
+
+@pytest.mark.usefixtures("needs_panel_f32")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_panel_f32_nan_or_inf_in_x_runs_expand_like_dense(monkeypatch, bad):
     ran = _spy_strategies(monkeypatch)
