@@ -621,3 +621,19 @@ def test_bf16_backward_input_grad(path, layout):
     torch.nn.functional.linear(x, w).backward(gy)
     assert x.grad.dtype == BF
     _check(x.grad, gy, w.to_dense().float().t(), None)
+
+
+def test_bf16_rows_see_a_pruned_weight_at_its_nominal_density(monkeypatch):
+    # 70% of 1536 columns keeps 461 per row (0.30013): the rows' choice must get 0.3, the grid point the
+    # crossover sliced_ell.fma_rows_bf16 is measured and stored at
+    if se.native_library() is None:
+        pytest.skip("no native kernel here")
+    seen = []
+    real = se.bf16_rows
+    monkeypatch.setattr(se, "bf16_rows", lambda density, rows=None: seen.append(density) or real(density, rows))
+    w = torch.randn(32, 1536)
+    mask = torch.zeros_like(w, dtype=torch.bool).scatter_(1, w.abs().topk(461, dim=1).indices, True)  # per row
+    e = SlicedELL.from_dense(w, mask=mask)
+    assert e.values.numel() / (32 * 1536) > 0.3  # rows of equal length: no slice padding
+    se.sliced_ell_linear_impl(torch.randn(4, 1536).bfloat16(), e.slice_ptr, e.columns, e.values.bfloat16(), None, 32)
+    assert seen == [0.3]

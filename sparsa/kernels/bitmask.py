@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 from .. import cpu
-from ..crossovers import CROSSOVERS, crossover, token_crossover
+from ..crossovers import CROSSOVERS, crossover, nominal_density, token_crossover
 from ..layouts.bitmask import unpack_bits
 from . import loader
 from . import nm24 as _nm24
@@ -516,10 +516,9 @@ def _auto(T: int, kind: str, x_dtype: torch.dtype, bits: Tensor, values: Tensor,
 
 
 def _density(values: Tensor, R: int, K: int) -> float:
-    """The kept fraction the strategy choice compares with the density crossovers, to 3 places: a weight
-    pruned row by row to 70% of 1536 columns keeps 461 of them (0.30013), which a crossover measured at 0.3
-    (stored to 4 places) must still cover."""
-    return round(values.numel() / max(1, R * K), 3)
+    """The kept fraction the strategy choice compares with the density crossovers
+    (:func:`sparsa.crossovers.nominal_density`)."""
+    return nominal_density(values.numel(), R * K)
 
 
 def auto_strategy(
