@@ -26,6 +26,7 @@
 #include "cpu_isa.h"
 #include "dp_pack.h"
 #include "panel_store.h"
+#include "thread_scratch.h"
 
 namespace {
 
@@ -236,8 +237,8 @@ void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, uint1
     // a call of at most 16 tokens takes one 16-token panel: half the lanes, half the work per pair
     const bool narrow = T <= 16;
     const int64_t prow = (K + 1) * (narrow ? 16 : TB);  // one panel: K columns and the zero row
-    std::vector<uint16_t> pbuf((size_t)(npan * prow + 32));
-    uint16_t* panels = pbuf.data() + ((64 - (reinterpret_cast<uintptr_t>(pbuf.data()) & 63)) & 63) / 2;
+    // the packs write every word, padding and zero row included: no zeroed allocation per call
+    uint16_t* panels = sparsa_thread_scratch<uint16_t, 0>((size_t)(npan * prow));
     const int64_t nblk = (R + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, std::max(nblk, npan)));
 #pragma omp parallel num_threads(nth)
@@ -249,20 +250,20 @@ void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, uint1
             else sparsa_dp::pack(x + p * TB * K, K, nt, panels + p * prow);
         }
         const int64_t stride = K + 32;  // a row's column list, with the compress store's slack
-        std::vector<uint16_t> cols((size_t)(BLOCK_ROWS * stride));
-        std::vector<int32_t> start((size_t)(BLOCK_ROWS * (W.nch + 1)));
+        uint16_t* cols = sparsa_thread_scratch<uint16_t, 1>((size_t)(BLOCK_ROWS * stride));
+        int32_t* start = sparsa_thread_scratch<int32_t, 2>((size_t)(BLOCK_ROWS * (W.nch + 1)));
         alignas(64) float part[BLOCK_ROWS * TB];
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; ++b) {
             const int64_t r0 = b * BLOCK_ROWS, nr = std::min<int64_t>(BLOCK_ROWS, R - r0);
             for (int64_t r = 0; r < nr; ++r)
-                list_columns(W.bits + (r0 + r) * W.kb, K, W.nch, cols.data() + r * stride,
-                             start.data() + r * (W.nch + 1));
+                list_columns(W.bits + (r0 + r) * W.kb, K, W.nch, cols + r * stride,
+                             start + r * (W.nch + 1));
             for (int64_t p = 0; p < npan; ++p) {
                 const int nt = (int)std::min<int64_t>(TB, T - p * TB);
                 const char* xt = reinterpret_cast<const char*>(panels + p * prow);
-                if (narrow) block_panel<Panel16>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
-                else block_panel<Panel32>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                if (narrow) block_panel<Panel16>(W, xt, cols, stride, start, r0, nr, part);
+                else block_panel<Panel32>(W, xt, cols, stride, start, r0, nr, part);
                 sparsa_panel::store_block(part, narrow ? 16 : TB, nt, r0, nr, R, bias, y + p * TB * R, false);
             }
         }

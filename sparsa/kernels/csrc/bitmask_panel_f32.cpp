@@ -25,6 +25,7 @@
 #include <omp.h>
 #include "cpu_isa.h"
 #include "panel_store.h"
+#include "thread_scratch.h"
 #include "transpose8.h"
 
 namespace {
@@ -94,8 +95,8 @@ void pack(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
         for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
 }
 
-// One row's kept columns into cols (8 slots of slack past the count), and where each chunk's columns start:
-// start[k] for chunk k, start[nch] = the row's count.
+// One row's kept columns into cols (8 slots of slack past the count; 16 for list_columns16), and where
+// each chunk's columns start: start[k] for chunk k, start[nch] = the row's count.
 void list_columns(const uint8_t* bits, int64_t K, int64_t nch, int32_t* cols, int32_t* start) {
     int32_t n = 0;
     const int64_t kb = (K + 7) / 8;
@@ -261,8 +262,8 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y
         width[p] = panel_width(std::min<int64_t>(TB_MAX, T - p * TB_MAX));
         offset[p + 1] = offset[p] + (K + 1) * width[p];  // K columns and the zero row
     }
-    std::vector<float> pbuf((size_t)(offset[npan] + 16));
-    float* panels = pbuf.data() + ((64 - (reinterpret_cast<uintptr_t>(pbuf.data()) & 63)) & 63) / 4;
+    // the packs write every float, padding and zero row included: no zeroed allocation per call
+    float* panels = sparsa_thread_scratch<float, 0>((size_t)offset[npan]);
     const int64_t nblk = (R + BLOCK_ROWS - 1) / BLOCK_ROWS;
     const bool wide = sparsa_cpu_avx512_enabled();
     const int nth = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, std::max(nblk, npan)));
@@ -278,26 +279,26 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y
             else pack<TB_MAX>(xp, K, nt, xt);
         }
         const int64_t stride = K + 16;  // a row's column list, with the table's or the compress's store slack
-        std::vector<int32_t> cols((size_t)(BLOCK_ROWS * stride));
-        std::vector<int32_t> start((size_t)(BLOCK_ROWS * (W.nch + 1)));
+        int32_t* cols = sparsa_thread_scratch<int32_t, 1>((size_t)(BLOCK_ROWS * stride));
+        int32_t* start = sparsa_thread_scratch<int32_t, 2>((size_t)(BLOCK_ROWS * (W.nch + 1)));
         alignas(64) float part[BLOCK_ROWS * TB_MAX];
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nblk; ++b) {
             const int64_t r0 = b * BLOCK_ROWS, nr = std::min<int64_t>(BLOCK_ROWS, R - r0);
             for (int64_t r = 0; r < nr; ++r) {
                 const uint8_t* bits = W.bits + (r0 + r) * W.kb;
-                if (wide) list_columns16(bits, K, W.nch, cols.data() + r * stride, start.data() + r * (W.nch + 1));
-                else list_columns(bits, K, W.nch, cols.data() + r * stride, start.data() + r * (W.nch + 1));
+                if (wide) list_columns16(bits, K, W.nch, cols + r * stride, start + r * (W.nch + 1));
+                else list_columns(bits, K, W.nch, cols + r * stride, start + r * (W.nch + 1));
             }
             for (int64_t p = 0; p < npan; ++p) {
                 const int nt = (int)std::min<int64_t>(TB_MAX, T - p * TB_MAX);
                 const float* xt = panels + offset[p];
-                if (width[p] == 8) block_panel<1>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                if (width[p] == 8) block_panel<1>(W, xt, cols, stride, start, r0, nr, part);
                 else if (wide && width[p] == 16)
-                    block_panel16<1>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
-                else if (wide) block_panel16<2>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
-                else if (width[p] == 16) block_panel<2>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
-                else block_panel<4>(W, xt, cols.data(), stride, start.data(), r0, nr, part);
+                    block_panel16<1>(W, xt, cols, stride, start, r0, nr, part);
+                else if (wide) block_panel16<2>(W, xt, cols, stride, start, r0, nr, part);
+                else if (width[p] == 16) block_panel<2>(W, xt, cols, stride, start, r0, nr, part);
+                else block_panel<4>(W, xt, cols, stride, start, r0, nr, part);
                 sparsa_panel::store_block(part, width[p], nt, r0, nr, R, bias, y + p * TB_MAX * R, false);
             }
         }
