@@ -126,3 +126,17 @@ def test_the_strategy_runs_expand_where_it_cannot_run(monkeypatch):
 def test_status_says_why_in_words():
     assert bm.amx_status() in set(ba.AMX_STATUS.values()) | {"the native kernels are not built here"}
     assert (bm.amx_status() == ba.AMX_STATUS[0]) == bm.has_amx()
+
+
+def test_gelu_epilogue_matches_gelu_of_the_product_and_the_other_tiles(lib):
+    # GELU on the fp32 sums plus bias, before the bf16 rounding (the software tiles' scalar GELU runs the
+    # vector one's operations; their sums may differ in the last bits, so no bit comparison)
+    w = _weight(70, 200, 0.3, seed=3)
+    x = torch.randn(45, 200).to(BF)
+    b = torch.randn(70)
+    y = ba.run(lib, x, w.bits, w.row_ptr, w.values, b, 70, act=1)
+    assert y is not None
+    want = torch.nn.functional.gelu(x.double() @ w.to_dense().double().T + b.double())
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    plain = ba.run(lib, x, w.bits, w.row_ptr, w.values, b, 70)
+    assert (y.double() - torch.nn.functional.gelu(plain.double())).abs().max() <= 2e-2 * float(want.abs().max())

@@ -565,6 +565,38 @@ def test_opcheck(dtype, bias, tokens):
     torch.library.opcheck(torch.ops.sparsa.bitmask_linear.default, (x, w.bits, w.row_ptr, v, b, 9))
 
 
+@pytest.mark.parametrize("strategy", ["stream", "expand", "panel", "amx", "nm24", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF])
+def test_gelu_activation_matches_gelu_of_the_product(strategy, dtype):
+    # in the panel and AMX kernels' epilogue (on the fp32 sums, before rounding), after the other strategies
+    # and wherever a kernel falls back: GELU of the reference product either way
+    w = Bitmask.from_dense(torch.randn(40, 96).to(dtype), sparsity=0.5)
+    x = torch.randn(2, 19, 96).to(dtype)
+    b = torch.randn(40).to(dtype)
+    y = bm.bitmask_linear_impl(x, *_components(w), b, 40, strategy, activation="gelu")
+    ref = torch.nn.functional.gelu(x.double() @ w.to_dense().double().T + b.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert y.shape == (2, 19, 40) and y.dtype == dtype
+    assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+    with pytest.raises(ValueError, match="activation must be one of"):
+        bm.bitmask_linear_impl(x, *_components(w), b, 40, strategy, activation="relu")
+
+
+def test_gelu_activation_opcheck_and_gradcheck():
+    w = Bitmask.from_dense(torch.randn(9, 21), sparsity=0.5)
+    x = torch.randn(12, 21, requires_grad=True)
+    v = w.values.clone().requires_grad_(True)
+    b = torch.randn(9, requires_grad=True)
+    torch.library.opcheck(torch.ops.sparsa.bitmask_linear.default, (x, w.bits, w.row_ptr, v, b, 9, "gelu"))
+    w64 = Bitmask.from_dense(torch.randn(7, 19, dtype=torch.float64), sparsity=0.5)
+    x64 = torch.randn(4, 19, dtype=torch.float64, requires_grad=True)
+    v64 = w64.values.clone().requires_grad_(True)
+    b64 = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, v, b: bm.bitmask_linear(x, w64.bits, w64.row_ptr, v, b, 7, "gelu"), (x64, v64, b64)
+    )
+
+
 def test_gradcheck():
     w = Bitmask.from_dense(torch.randn(7, 19, dtype=torch.float64), sparsity=0.5)
     x = torch.randn(4, 19, dtype=torch.float64, requires_grad=True)

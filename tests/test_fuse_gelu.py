@@ -18,7 +18,7 @@ def _mlp():
     return nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.GELU(approximate="tanh"), nn.Linear(48, 8))
 
 
-LAYOUTS = [("row_group", dict(group=8)), ("sliced_ell", {})]
+LAYOUTS = [("row_group", dict(group=8)), ("sliced_ell", {}), ("bitmask", {})]
 
 
 @pytest.mark.parametrize("layout, kw", LAYOUTS)

@@ -147,7 +147,11 @@ _ADAPTIVE = {
 }
 
 # bitmask_amx_bf16.cpp: the AMX kernel on the components of a bf16 Bitmask weight
-_BITMASK_AMX = sig(INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT)
+# the many-token Bitmask kernels (AMX, panels): one argument list, act = 1 for a GELU epilogue
+_BITMASK_ROWS = sig(
+    INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT, act=INT
+)
+_BITMASK_AMX = _BITMASK_ROWS
 
 _BITMASK = {
     "sparsa_bitmask_has_avx512": sig(INT),
@@ -171,15 +175,11 @@ _BITMASK = {
         path=INT,
     ),
     "sparsa_bitmask_has_panel_bf16": sig(INT),
-    "sparsa_bitmask_panel_bf16": sig(
-        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
-    ),
+    "sparsa_bitmask_panel_bf16": _BITMASK_ROWS,
     "sparsa_nm24_has_panel_bf16": sig(INT),
     "sparsa_nm24_panel_bf16": sig(INT, x=PTR, T=I64, K=I64, bits=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT),
     "sparsa_bitmask_has_panel_f32": sig(INT),
-    "sparsa_bitmask_panel_f32": sig(
-        INT, x=PTR, T=I64, K=I64, bits=PTR, row_ptr=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT
-    ),
+    "sparsa_bitmask_panel_f32": _BITMASK_ROWS,
     "sparsa_bitmask_has_amx": sig(INT),
     "sparsa_bitmask_amx_status": sig(INT),
     "sparsa_bitmask_amx_bf16": _BITMASK_AMX,

@@ -77,6 +77,7 @@ from ..layouts.bitmask import unpack_bits
 from . import loader
 from . import nm24 as _nm24
 from . import bitmask_amx as _amx_tiles
+from .epilogue import activate, activation_backward, activation_code
 from .operands import REDUCED_DTYPES, bitmask_rows_call, compute_dtype, native_kind
 from .opdef import kernel_op
 
@@ -441,15 +442,17 @@ def _panel(
     values: Tensor,
     bias: Optional[Tensor],
     R: int,
+    activation: str = "none",
 ) -> Tensor:
+    """The panel strategy, with ``activation`` in the kernel's epilogue (after the fallback to expand)."""
     if kind not in ("bf16", "f32"):
-        return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+        return activate(_expand(lib, kind, x2, bits, row_ptr, values, bias, R), activation)
     entry = lib.sparsa_bitmask_panel_bf16 if kind == "bf16" else lib.sparsa_bitmask_panel_f32
-    rc, y = bitmask_rows_call(entry, x2, bits, row_ptr, values, bias, R)
+    rc, y = bitmask_rows_call(entry, x2, bits, row_ptr, values, bias, R, activation_code(activation))
     if rc == 0:
         return y
     # 1: X holds NaN or Inf; -1: no panel kernel here (CPU, build, SPARSA_ISA) or K > 65535
-    return _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+    return activate(_expand(lib, kind, x2, bits, row_ptr, values, bias, R), activation)
 
 
 def _amx(
@@ -461,10 +464,13 @@ def _amx(
     values: Tensor,
     bias: Optional[Tensor],
     R: int,
+    activation: str = "none",
 ) -> Tensor:
-    y = _amx_tiles.run(lib, x2, bits, row_ptr, values, bias, R) if kind == "bf16" else None
+    """The AMX strategy, with ``activation`` in the tiles' epilogue (after the fallback to expand)."""
+    act = activation_code(activation)
+    y = _amx_tiles.run(lib, x2, bits, row_ptr, values, bias, R, act) if kind == "bf16" else None
     # None: float32 tokens or weights, or no AMX tiles here (CPU, build, SPARSA_ISA)
-    return y if y is not None else _expand(lib, kind, x2, bits, row_ptr, values, bias, R)
+    return y if y is not None else activate(_expand(lib, kind, x2, bits, row_ptr, values, bias, R), activation)
 
 
 def _nm24_strategy(
@@ -540,8 +546,11 @@ def bitmask_linear_impl(
     bias: Optional[Tensor],
     out_features: int,
     strategy: str = "auto",
+    activation: str = "none",
 ) -> Tensor:
     """Eager implementation (what the custom op runs): a native strategy if possible, else the reference.
+    ``activation``: ``"none"`` or ``"gelu"`` (erf form) on the result, in the epilogue of the panel and AMX
+    kernels, after the others.
     ``strategy``: ``"auto"`` (:func:`choose_strategy`; ``"nm24"`` for a 2:4 pattern above its crossover),
     ``"stream"``, ``"expand"``, ``"panel"`` (a CPU or build without that dtype's panel kernel, or an X
     holding NaN or Inf, runs ``"expand"``), ``"nm24"`` (anything but a bf16 2:4 pattern on a CPU with its
@@ -549,37 +558,50 @@ def bitmask_linear_impl(
     runs ``"expand"``)."""
     if strategy not in ("auto",) + STRATEGIES:
         raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}")
+    activation_code(activation, "bitmask_linear")
     kind = native_kind(x, values, bias)
     lib = None if kind is None else native_library()
     if lib is None:
-        return bitmask_linear_reference(x, bits, row_ptr, values, bias, out_features).contiguous()
+        return activate(bitmask_linear_reference(x, bits, row_ptr, values, bias, out_features), activation).contiguous()
     K = x.shape[-1]
     if x.numel() == 0 or out_features == 0:  # no tokens, or K == 0: the sum over no columns is zero
-        return x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype))
+        return activate(
+            x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype)), activation
+        )
     T = x.numel() // K
     if strategy == "auto":
         strategy = _auto(T, kind, x.dtype, bits, values, out_features, K)
     if strategy == "stream":  # takes any rank: no reshape round trip on a decode call
-        return _stream(
+        y = _stream(
             lib, kind, x.contiguous(), bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features
         )
+        return activate(y, activation)
     flat = x.dim() != 2  # a 2-D input needs no reshape round trip
     x2 = (x.reshape(-1, K) if flat else x).contiguous()
-    fn = {"expand": _expand, "panel": _panel, "nm24": _nm24_strategy, "amx": _amx}[strategy]
-    y = fn(lib, kind, x2, bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
+    comps = (bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
+    if strategy in ("panel", "amx"):  # the activation in the kernel's epilogue
+        y = (_panel if strategy == "panel" else _amx)(lib, kind, x2, *comps, activation)
+    else:
+        y = activate({"expand": _expand, "nm24": _nm24_strategy}[strategy](lib, kind, x2, *comps), activation)
     return y.reshape(*x.shape[:-1], out_features) if flat else y
 
 
 @torch.library.custom_op("sparsa::bitmask_linear", mutates_args=())
 def bitmask_linear(
-    x: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], out_features: int
+    x: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    out_features: int,
+    activation: str = "none",
 ) -> Tensor:
-    """``y[..., R] = x[..., K] @ W.T + bias`` for W given by Bitmask components."""
-    return bitmask_linear_impl(x, bits, row_ptr, values, bias, out_features)
+    """``y[..., R] = act(x[..., K] @ W.T + bias)`` for W given by Bitmask components."""
+    return bitmask_linear_impl(x, bits, row_ptr, values, bias, out_features, activation=activation)
 
 
 @bitmask_linear.register_fake
-def _forward_fake(x, bits, row_ptr, values, bias, out_features):
+def _forward_fake(x, bits, row_ptr, values, bias, out_features, activation="none"):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
@@ -626,10 +648,14 @@ def stream_decode(
 
 
 # forward-only, low per-call cost (see kernels/opdef.py): the hot path of an autograd.Function that owns the backward
+def _kernel_impl(x, bits, row_ptr, values, bias, out_features, activation="none"):
+    return bitmask_linear_impl(x, bits, row_ptr, values, bias, out_features, activation=activation)
+
+
 bitmask_linear_kernel = kernel_op(
-    "bitmask_linear_kernel(Tensor x, Tensor bits, Tensor row_ptr, Tensor values, Tensor? bias, int out_features) "
-    "-> Tensor",
-    bitmask_linear_impl,
+    "bitmask_linear_kernel(Tensor x, Tensor bits, Tensor row_ptr, Tensor values, Tensor? bias, int out_features, "
+    "str activation='none') -> Tensor",
+    _kernel_impl,
     _forward_fake,
 )
 
@@ -647,16 +673,21 @@ def linear_forward(
 
 # ---------------------------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
-    x, bits, row_ptr, values, bias, out_features = inputs
-    ctx.save_for_backward(x, bits, row_ptr, values)
-    ctx.out_features = out_features
+    x, bits, row_ptr, values, bias, out_features, activation = inputs
+    ctx.save_for_backward(x, bits, row_ptr, values, bias)
+    ctx.out_features, ctx.activation = out_features, activation
     ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, gy):
-    x, bits, row_ptr, values = ctx.saved_tensors
+    x, bits, row_ptr, values, bias = ctx.saved_tensors
     K = x.shape[-1]
     ct = compute_dtype(gy.dtype, x.dtype, values.dtype)
+    if ctx.activation != "none":  # the pre-activation is recomputed rather than kept from the forward
+        pre = bitmask_linear(
+            x.detach(), bits, row_ptr, values.detach(), None if bias is None else bias.detach(), ctx.out_features
+        )
+        gy = activation_backward(pre, gy, ctx.activation)
     g2 = gy.reshape(-1, ctx.out_features).to(ct)
     gx = gv = gb = None
     if ctx.needs_input_grad[0]:
@@ -665,7 +696,7 @@ def _backward(ctx, gy):
         gv = (g2.t() @ x.reshape(-1, K).to(ct))[unpack_bits(bits, K)].to(values.dtype)
     if ctx.bias_dtype is not None and ctx.needs_input_grad[4]:
         gb = g2.sum(0).to(ctx.bias_dtype)
-    return gx, None, None, gv, gb, None
+    return gx, None, None, gv, gb, None, None
 
 
 bitmask_linear.register_autograd(_backward, setup_context=_setup_context)

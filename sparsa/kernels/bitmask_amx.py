@@ -39,13 +39,21 @@ AMX_STATUS = {
 
 
 def run(
-    lib: ctypes.CDLL, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], R: int
+    lib: ctypes.CDLL,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+    act: int = 0,
 ) -> Optional[Tensor]:
-    """``x2 @ W.T + bias`` for bf16 ``x2`` (2-D, contiguous) and bf16 Bitmask components (contiguous) on the
-    AMX tiles of ``lib``, in bf16; None where they do not run here (CPU, build, ``SPARSA_ISA``)."""
+    """``x2 @ W.T + bias`` (GELU applied where ``act`` is 1) for bf16 ``x2`` (2-D, contiguous) and bf16
+    Bitmask components (contiguous) on the AMX tiles of ``lib``, in bf16; None where they do not run here
+    (CPU, build, ``SPARSA_ISA``)."""
     if not lib.sparsa_bitmask_has_amx():
         return None
-    rc, y = bitmask_rows_call(lib.sparsa_bitmask_amx_bf16, x2, bits, row_ptr, values, bias, R)
+    rc, y = bitmask_rows_call(lib.sparsa_bitmask_amx_bf16, x2, bits, row_ptr, values, bias, R, act)
     return y if rc == 0 else None
 
 

@@ -62,11 +62,12 @@ def token_rows(x: Tensor, out_features: int) -> Tuple[Tensor, int, Tensor]:
 
 
 def bitmask_rows_call(
-    entry: Any, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], R: int
+    entry: Any, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], R: int, act: int = 0
 ) -> Tuple[int, Tensor]:
     """``(rc, y)`` of a many-token Bitmask kernel whose C signature is ``(x, T, K, bits, row_ptr, values, R,
-    bias, y, nthreads)`` (the panel and AMX kernels): ``x2`` 2-D and contiguous, the components contiguous,
-    the bias passed in float32, ``y`` a fresh ``(T, R)`` tensor of ``x2``'s dtype."""
+    bias, y, nthreads, act)`` (the panel and AMX kernels): ``x2`` 2-D and contiguous, the components
+    contiguous, the bias passed in float32, ``y`` a fresh ``(T, R)`` tensor of ``x2``'s dtype; ``act``: the
+    epilogue's activation code (:func:`sparsa.kernels.epilogue.activation_code`)."""
     T, K = x2.shape
     y = torch.empty(T, R, dtype=x2.dtype)
     b = None if bias is None else bias.to(torch.float32).contiguous()
@@ -81,5 +82,6 @@ def bitmask_rows_call(
         None if b is None else b.data_ptr(),
         y.data_ptr(),
         torch.get_num_threads(),
+        act,
     )
     return rc, y

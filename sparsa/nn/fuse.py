@@ -1,6 +1,7 @@
 """Fold the GELU after a sparse ``nn.Linear`` into the kernel's epilogue.
 
-The row_group and sliced_ell kernels apply GELU to each output tile while it is still in registers, which saves
+The row_group, sliced_ell and bitmask kernels (bitmask: its panel and AMX strategies) apply GELU to each output
+tile while it is still in registers, which saves
 a full pass over the (tokens x 4*hidden) activation of a transformer's MLP. :func:`fuse_gelu` finds
 ``Linear -> GELU`` pairs (consecutive in an ``nn.Sequential``, or a module's ``dense`` Linear followed
 by its ``intermediate_act_fn``, as in Hugging Face BERT-style MLPs), turns the Linear into a
@@ -30,7 +31,7 @@ from ..tensor import SparseTensor
 __all__ = ["LinearGELU", "fuse_gelu", "is_exact_gelu", "EPILOGUE_LAYOUTS"]
 
 #: layouts whose native kernel applies GELU in its epilogue
-EPILOGUE_LAYOUTS = ("row_group", "sliced_ell")
+EPILOGUE_LAYOUTS = ("row_group", "sliced_ell", "bitmask")
 
 
 def is_exact_gelu(m: object) -> bool:
@@ -73,6 +74,10 @@ class LinearGELU(nn.Linear):
             return rg.row_group_linear_kernel(
                 x, w._c_columns, w._c_values, bias, self.out_features, w._c_row_perm, "gelu"
             )
+        if kind == "bitmask":
+            from ..kernels import bitmask as bm
+
+            return bm.bitmask_linear_kernel(x, w._c_bits, w._c_row_ptr, w._c_values, bias, self.out_features, "gelu")
         from ..kernels import sliced_ell as se
 
         return se.sliced_ell_linear_kernel(

@@ -24,6 +24,7 @@
 #include "amx_tiles.h"
 #include "bf16.h"
 #include "cpu_isa.h"
+#include "gelu.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_HAVE_BITMASK_AMX 1
@@ -145,15 +146,16 @@ void pack_tokens(const uint16_t* x, int64_t T, int64_t K, int64_t nkc, int64_t g
     }
 }
 
-// y[t][c0 + j] = bf16(sum + bias[c0 + j]) for t < rows, j < cols, where the sums of token t and output j
-// are sum[2 (t / 16) + j / 16][j % 16][t % 16] (C tiles of 16 outputs x 16 tokens)
-inline void store_rows(const float (*sum)[16][16], int rows, const float* bias, int64_t c0, int cols, uint16_t* y,
-                       int64_t R) {
+// y[t][c0 + j] = bf16(GELU?(sum + bias[c0 + j])) for t < rows, j < cols, where the sums of token t and output
+// j are sum[2 (t / 16) + j / 16][j % 16][t % 16] (C tiles of 16 outputs x 16 tokens)
+inline void store_rows(const float (*sum)[16][16], int rows, const float* bias, bool act, int64_t c0, int cols,
+                       uint16_t* y, int64_t R) {
 #ifdef SPARSA_AMX_EMULATE
     for (int t = 0; t < rows; ++t)
-        for (int j = 0; j < cols; ++j)
-            y[t * R + c0 + j] =
-                sparsa_f32_to_bf16(sum[2 * (t / 16) + j / 16][j % 16][t % 16] + (bias ? bias[c0 + j] : 0.0f));
+        for (int j = 0; j < cols; ++j) {
+            const float v = sum[2 * (t / 16) + j / 16][j % 16][t % 16] + (bias ? bias[c0 + j] : 0.0f);
+            y[t * R + c0 + j] = sparsa_f32_to_bf16(act ? sparsa_gelu1(v) : v);
+        }
 #else
     const __mmask32 m = cols >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << cols) - 1u);
     const __mmask16 m0 = (__mmask16)m, m1 = (__mmask16)(m >> 16);
@@ -169,7 +171,8 @@ inline void store_rows(const float (*sum)[16][16], int rows, const float* bias, 
         transpose16(hi);
         const int n_end = std::min(16, rows - 16 * u);
         for (int n = 0; n < n_end; ++n) {
-            const __m512 v0 = _mm512_add_ps(lo[n], b0), v1 = _mm512_add_ps(hi[n], b1);
+            __m512 v0 = _mm512_add_ps(lo[n], b0), v1 = _mm512_add_ps(hi[n], b1);
+            if (act) v0 = sparsa_gelu16(v0), v1 = sparsa_gelu16(v1);
             // VCVTNE2PS2BF16 rounds to nearest even like the other paths' rounding, but flushes denormals
             _mm512_mask_storeu_epi16(y + (16 * u + n) * R + c0, m, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
         }
@@ -215,7 +218,8 @@ void multiply_block(const uint16_t* a, int64_t nkc, const uint16_t* xg, float (*
     }
 }
 
-void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* bias, uint16_t* y, int nthreads) {
+void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* bias, bool act, uint16_t* y,
+         int nthreads) {
     const int64_t nkc = w.nkc, Kp = 32 * nkc, R = w.R;
     const int64_t ngroup = (T + 15) / 16;                                        // 16-token groups
     const int64_t nblk = (T + 31) / 32;                                          // 32-token blocks
@@ -268,7 +272,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
                         multiply_block<true>(a.data(), nkc, xg, sum, ynext, R);
                     else
                         multiply_block<false>(a.data(), nkc, xg, sum, ynext, R);
-                    store_rows(sum, rows, bias, c0, cols, y + t0 * R, R);
+                    store_rows(sum, rows, bias, act, c0, cols, y + t0 * R, R);
                 }
             }
         }
@@ -308,7 +312,7 @@ bool selfcheck() {
     for (int64_t r = 0; r < R; ++r) bias[r] = (float)(r % 5) - 2.0f;
     std::vector<uint16_t> y(T * R);
     const Weight w{bits.data(), row_ptr.data(), vals.data(), R, kb, (K + 31) / 32};
-    run(x.data(), T, K, w, bias.data(), y.data(), 1);
+    run(x.data(), T, K, w, bias.data(), false, y.data(), 1);
     for (int64_t t = 0; t < T; ++t)
         for (int64_t r = 0; r < R; ++r) {
             int64_t want = (int64_t)bias[r];
@@ -363,18 +367,20 @@ int sparsa_bitmask_amx_status() {
 #endif
 }
 
-// y (T x R, bf16) = x (T x K, bf16, contiguous) W^T + bias (fp32, or null) for W given by the bf16 Bitmask
-// components bits (R x ceil(K / 8) bytes), row_ptr (R + 1) and values. Returns 0, or -1 where the tiles do
-// not run here (nothing written).
+// y (T x R, bf16) = GELU?(x (T x K, bf16, contiguous) W^T + bias (fp32, or null)) for W given by the bf16
+// Bitmask components bits (R x ceil(K / 8) bytes), row_ptr (R + 1) and values; act = 1: GELU (erf form).
+// Returns 0, or -1 where the tiles do not run here (nothing written).
 int sparsa_bitmask_amx_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
-                            const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads) {
+                            const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads,
+                            int act) {
 #ifdef SPARSA_HAVE_BITMASK_AMX
     if (!enabled() || T <= 0 || K <= 0 || R <= 0) return -1;
     const Weight w{bits, row_ptr, values, R, (K + 7) / 8, (K + 31) / 32};
-    run(x, T, K, w, bias, y, std::max(1, nthreads));
+    run(x, T, K, w, bias, act != 0, y, std::max(1, nthreads));
     return 0;
 #else
     (void)x, (void)T, (void)K, (void)bits, (void)row_ptr, (void)values, (void)R, (void)bias, (void)y, (void)nthreads;
+    (void)act;
     return -1;
 #endif
 }

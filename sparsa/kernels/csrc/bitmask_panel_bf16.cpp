@@ -231,7 +231,8 @@ void block_panel(const Weight& W, const char* xt, const uint16_t* cols, int64_t 
     }
 }
 
-void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, uint16_t* y, int nthreads) {
+void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, bool act, uint16_t* y,
+         int nthreads) {
     constexpr int TB = sparsa_dp::TB;
     const int64_t K = W.K, R = W.R, npan = (T + TB - 1) / TB;
     // a call of at most 16 tokens takes one 16-token panel: half the lanes, half the work per pair
@@ -264,7 +265,7 @@ void run(const uint16_t* x, int64_t T, const Weight& W, const float* bias, uint1
                 const char* xt = reinterpret_cast<const char*>(panels + p * prow);
                 if (narrow) block_panel<Panel16>(W, xt, cols, stride, start, r0, nr, part);
                 else block_panel<Panel32>(W, xt, cols, stride, start, r0, nr, part);
-                sparsa_panel::store_block(part, narrow ? 16 : TB, nt, r0, nr, R, bias, y + p * TB * R, false);
+                sparsa_panel::store_block(part, narrow ? 16 : TB, nt, r0, nr, R, bias, y + p * TB * R, act);
             }
         }
     }
@@ -293,20 +294,22 @@ extern "C" {
 int sparsa_bitmask_has_panel_bf16() { return panel_available() ? 1 : 0; }
 
 // x: bf16 [T, K]; bits: [R, ceil(K / 8)]; row_ptr: [R + 1]; values: bf16 [row_ptr[R]]; bias: fp32 [R] or
-// null; y: bf16 [T, R], fp32 accumulation rounded once (nearest even). Returns 0 when done; 1 when X holds
-// a NaN or Inf (y untouched: only the dense product propagates it to every row); -1 when this CPU or
-// build has no panel kernel or K > 65535.
+// null; y: bf16 [T, R], fp32 accumulation rounded once (nearest even); act = 1: GELU (erf form) before the
+// rounding. Returns 0 when done; 1 when X holds a NaN or Inf (y untouched: only the dense product
+// propagates it to every row); -1 when this CPU or build has no panel kernel or K > 65535.
 int sparsa_bitmask_panel_bf16(const uint16_t* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
-                              const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads) {
+                              const uint16_t* values, int64_t R, const float* bias, uint16_t* y, int nthreads,
+                              int act) {
     if (!panel_available() || K > MAX_K) return -1;
 #ifdef SPARSA_HAVE_PANEL_BF16
     if (!sparsa_bf16_finite(x, T * K)) return 1;
     if (T <= 0 || R <= 0) return 0;
     const double density = K > 0 ? (double)row_ptr[R] / ((double)R * (double)K) : 0.0;
     const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K, density)};
-    run(x, T, W, bias, y, nthreads);
+    run(x, T, W, bias, act != 0, y, nthreads);
     return 0;
 #else
+    (void)act;
     return -1;
 #endif
 }

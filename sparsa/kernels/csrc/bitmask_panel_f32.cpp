@@ -253,7 +253,8 @@ namespace {
 // tokens in a panel holding nt of them: 8, 16 or 32
 inline int panel_width(int64_t nt) { return nt <= 8 ? 8 : nt <= 16 ? 16 : TB_MAX; }
 
-void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y, int nthreads) {
+void run(const float* x, int64_t T, const Weight& W, const float* bias, bool act, float* y,
+         int nthreads) {
     const int64_t K = W.K, R = W.R, npan = (T + TB_MAX - 1) / TB_MAX;
     // panel p holds tokens [32 p, 32 p + nt_p) in width[p] lanes, from offset[p] floats of the buffer
     std::vector<int> width((size_t)npan);
@@ -299,7 +300,7 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, float* y
                 else if (wide) block_panel16<2>(W, xt, cols, stride, start, r0, nr, part);
                 else if (width[p] == 16) block_panel<2>(W, xt, cols, stride, start, r0, nr, part);
                 else block_panel<4>(W, xt, cols, stride, start, r0, nr, part);
-                sparsa_panel::store_block(part, width[p], nt, r0, nr, R, bias, y + p * TB_MAX * R, false);
+                sparsa_panel::store_block(part, width[p], nt, r0, nr, R, bias, y + p * TB_MAX * R, act);
             }
         }
     }
@@ -320,19 +321,21 @@ int sparsa_bitmask_has_panel_f32() {
 }
 
 // x: fp32 [T, K]; bits: [R, ceil(K / 8)]; row_ptr: [R + 1]; values: fp32 [row_ptr[R]]; bias: fp32 [R] or
-// null; y: fp32 [T, R]. Returns 0 when done; 1 when X holds a NaN or Inf (y untouched: only the dense
-// product propagates it to every row); -1 when this build has no panel kernel or K is too large.
+// null; y: fp32 [T, R]; act = 1: GELU (erf form) on the sums. Returns 0 when done; 1 when X holds a NaN or
+// Inf (y untouched: only the dense product propagates it to every row); -1 when this build has no panel
+// kernel or K is too large.
 int sparsa_bitmask_panel_f32(const float* x, int64_t T, int64_t K, const uint8_t* bits, const int64_t* row_ptr,
-                             const float* values, int64_t R, const float* bias, float* y, int nthreads) {
+                             const float* values, int64_t R, const float* bias, float* y, int nthreads, int act) {
 #ifdef __AVX2__
     if (K > MAX_K) return -1;
     if (!x_finite(x, T * K)) return 1;
     if (T <= 0 || R <= 0) return 0;
     const Weight W{bits, (K + 7) / 8, row_ptr, values, R, K, n_chunks(K, T)};
-    run(x, T, W, bias, y, nthreads);
+    run(x, T, W, bias, act != 0, y, nthreads);
     return 0;
 #else
     (void)x, (void)T, (void)K, (void)bits, (void)row_ptr, (void)values, (void)R, (void)bias, (void)y, (void)nthreads;
+    (void)act;
     return -1;
 #endif
 }

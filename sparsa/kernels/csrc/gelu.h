@@ -16,6 +16,20 @@ static constexpr float kSparsaErfQ[6] = {3.829560228e-05f, 1.166385133e-03f, 1.4
                                          1.141335815e-01f, 5.020920634e-01f, 1.000000000e+00f};
 static constexpr float kSparsaErfClamp = 3.92f;
 
+// One float with the vector versions' operations in their order (fma where they fuse), so the same bits: for
+// the software-tile test builds.
+static inline float sparsa_gelu1(float x) {
+    const float z = std::fmin(std::fmax(x * 0.70710678118654752f, -kSparsaErfClamp), kSparsaErfClamp);
+    const float u = z * z;
+    float p = kSparsaErfP[0], q = kSparsaErfQ[0];
+    for (int i = 1; i < 6; ++i) {
+        p = std::fma(p, u, kSparsaErfP[i]);
+        q = std::fma(q, u, kSparsaErfQ[i]);
+    }
+    const float half_x = x * 0.5f;
+    return std::fma(half_x, (z * p) / q, half_x);
+}
+
 #ifdef __AVX2__
 static inline __m256 sparsa_gelu8(__m256 x) {
     const __m256 c = _mm256_set1_ps(kSparsaErfClamp);
