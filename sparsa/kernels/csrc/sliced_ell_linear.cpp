@@ -33,6 +33,7 @@
 #include "transpose8.h"
 #include "panel_store.h"
 #include "dp_pack.h"
+#include "thread_scratch.h"
 
 namespace {
 
@@ -522,11 +523,10 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     auto lanes = [&](int nt) { return zmm_rows ? 16 * ((nt + 15) / 16) : 8 * ((nt + 7) / 8); };
 
     auto panel_tokens = [&](int64_t p) { return (int)std::min<int64_t>(tb, T - p * tb); };
-    // 64-byte aligned panels: a 32-byte load that straddles two cache lines costs two
-    auto aligned = [](std::vector<float>& buf, size_t n) {
-        buf.resize(n + 16);
-        return buf.data() + ((64 - (reinterpret_cast<uintptr_t>(buf.data()) & 63)) & 63) / sizeof(float);
-    };
+    // Panels in per-thread buffers kept between calls (the transposes write every element they read, so no
+    // zeroed allocation per call), 64-byte aligned: a 32-byte load that straddles two cache lines costs two.
+    // ID 0 holds every panel of a call (the calling thread's), ID 1 a thread's own panels.
+    auto own = [](size_t n) { return sparsa_thread_scratch<float, 1>(n); };
     // slices [s0, s1) of panel p, whose transposed tokens are in xt
     auto rows = [&](int64_t p, const float* xt, int64_t s0, int64_t s1) {
         const int nt = panel_tokens(p), nv = (nt + 7) / 8;
@@ -565,8 +565,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         transpose_panel(x + p * tb * K, K, nt, lanes(nt), xt);
     };
     if (nthreads <= 1 || (npan == 1 && ns < 2)) {
-        std::vector<float> buf;
-        float* xt = aligned(buf, (size_t)K * tb);
+        float* xt = own((size_t)K * tb);
         for (int64_t p = 0; p < npan; ++p) {
             transpose(p, xt);
             rows(p, xt, 0, ns);
@@ -574,8 +573,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
     } else if (npan >= 4 * nthreads) {  // many panels: one task per panel, each thread transposes its own
 #pragma omp parallel num_threads(nthreads)
         {
-            std::vector<float> buf;
-            float* xt = aligned(buf, (size_t)K * tb);
+            float* xt = own((size_t)K * tb);
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < npan; ++p) {
                 transpose(p, xt);
@@ -589,8 +587,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         {
             const int nth = omp_get_num_threads(), t = omp_get_thread_num();
             const int64_t p0 = npan * t / nth, p1 = npan * (t + 1) / nth;
-            std::vector<float> buf;
-            float* mine = aligned(buf, (size_t)std::max<int64_t>(1, p1 - p0) * K * tb);
+            float* mine = own((size_t)std::max<int64_t>(1, p1 - p0) * K * tb);
             for (int64_t p = p0; p < p1; ++p) transpose(p, mine + (p - p0) * K * tb);
             for (int64_t sb = 0; sb < ns; sb += SBLOCK)
                 for (int64_t p = p0; p < p1; ++p)
@@ -600,8 +597,7 @@ void run(const XT* x, int64_t T, int64_t K, const int64_t* slice_ptr, const int3
         // Few panels: every panel is transposed once; each thread takes a range of slices and walks it
         // block by block, every panel per block, so a block's weights come from memory once and are
         // reused from L2 (with one task per panel, each thread would stream all the weights per panel).
-        std::vector<float> buf;
-        float* all = aligned(buf, (size_t)npan * K * tb);
+        float* all = sparsa_thread_scratch<float, 0>((size_t)npan * K * tb);
 #pragma omp parallel num_threads(nthreads)
         {
 #pragma omp for schedule(static)
