@@ -25,6 +25,7 @@
 #include "bf16.h"
 #include "cpu_isa.h"
 #include "gelu.h"
+#include "thread_scratch.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_HAVE_BITMASK_AMX 1
@@ -247,7 +248,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < ngroup; ++g) pack_tokens(x, T, K, nkc, g, xp + g * nkc * TILE_WORDS);
         }
-        std::vector<uint16_t> a((size_t)(32 * Kp));
+        uint16_t* const a = sparsa_thread_scratch<uint16_t, 0>((size_t)(32 * Kp));  // expand_rows writes it all
         alignas(64) float sum[4][16][16];
         for (int64_t ch = 0; ch < nchunk; ++ch) {
             const int64_t blk0 = ch * nblk / nchunk, blk1 = (ch + 1) * nblk / nchunk;
@@ -261,7 +262,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
                     packed = true;
                 }
                 const int64_t c0 = 32 * jn;
-                expand_rows(w, c0, a.data());
+                expand_rows(w, c0, a);
                 const int cols = (int)std::min<int64_t>(32, R - c0);
                 for (int64_t blk = blk0; blk < blk1; ++blk) {
                     const int64_t t0 = 32 * blk;
@@ -269,9 +270,9 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
                     const uint16_t* xg = xp + 2 * (blk - blk0) * nkc * TILE_WORDS;
                     const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
                     if (rows <= 16)
-                        multiply_block<true>(a.data(), nkc, xg, sum, ynext, R);
+                        multiply_block<true>(a, nkc, xg, sum, ynext, R);
                     else
-                        multiply_block<false>(a.data(), nkc, xg, sum, ynext, R);
+                        multiply_block<false>(a, nkc, xg, sum, ynext, R);
                     store_rows(sum, rows, bias, act, c0, cols, y + t0 * R, R);
                 }
             }
