@@ -222,9 +222,11 @@ def _native_forward(
         b = None if bias is None else bias.contiguous()
         bp = None if b is None else b.data_ptr()
         # the bf16 dot-product rows read their plan; the K-chunk bounds are for the other rows only
-        from ..crossovers import nominal_density  # late, as in bf16_rows
+        dp = False
+        if kind == "bf16" and T > 1:  # the import only where the rows are chosen: not on a decode call
+            from ..crossovers import nominal_density  # late, as in bf16_rows
 
-        dp = kind == "bf16" and T > 1 and bf16_rows(nominal_density(values.numel(), out_features * K), rows) == "dp"
+            dp = bf16_rows(nominal_density(values.numel(), out_features * K), rows) == "dp"
         plan = dp_plan(lib, slice_ptr, columns, values, K) if dp else None
         chunk_ptr, pairs, plan_nch = (None, None, 1) if plan is None else plan
         bounds = chunk_bounds(lib, slice_ptr, columns, K) if chunked and T > 1 and plan is None else None
