@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -71,6 +72,7 @@ from sparsa.frontier import (  # noqa: E402
     pareto_frontier,
     pattern_config,
     prune_copy,
+    speed_layouts,
 )
 from sparsa.prune_recovery import encoder_outputs, recovery_start  # noqa: E402
 
@@ -148,24 +150,24 @@ def speed_rows(
     dense: nn.Module, cfgs: Sequence[PatternConfig], baselines: DenseBaselines, log: Callable[[str], None] = print
 ) -> Dict[Tuple[str, float], Dict[str, Any]]:
     """``{(label, sparsity): speed-ups}`` of each configuration (magnitude weights) against ``baselines``:
-    the pruned model is timed in float32 and in bfloat16 (where bf16 is the fastest dense dtype, a user
-    runs the sparse model in it too), and the faster is the row's speed, its dtype in ``sparse_dtype``."""
+    the fastest way to run the pruned model (:meth:`DenseBaselines.best_path`: float32 or bfloat16,
+    eager, GELU-fused or compiled) in each layout that stores its pattern (:func:`speed_layouts`), the
+    fastest of those being the row's speed (``sparse_layout``, ``sparse_dtype``, ``sparse_path``)."""
     out = {}
     for c in cfgs:
-        model = prune_copy(dense, "magnitude", c)
-        by_dtype = {}
-        for name, m in (("float32", model), ("bfloat16", copy.deepcopy(model).to(torch.bfloat16))):
-            with torch.no_grad():
-                m(input_ids=baselines.inputs)  # warm-up (kernel builds, caches)
-            by_dtype[name] = dict(baselines.speedup(m), sparse_dtype=name)
-        sp = max(by_dtype.values(), key=lambda v: v["speedup_vs_best_dense"])
+        by_layout = {}
+        for layout in speed_layouts(c):
+            model = prune_copy(dense, "magnitude", dataclasses.replace(c, layout=layout))
+            by_layout[layout] = dict(baselines.best_path(model), sparse_layout=layout)
+            del model
+        sp = max(by_layout.values(), key=lambda v: v["speedup_vs_best_dense"])
+        sp["layouts"] = {k: v["paths"] for k, v in by_layout.items()}
         out[(c.label, c.sparsity)] = sp
         log(
             f"speed {c.label:>14} {c.sparsity:4.0%}: {sp['speedup_vs_best_dense']:.2f}x vs the best dense "
-            f"({sp['best_dense']}), {sp['speedup_vs_dense']:.2f}x vs fp32 eager, sparse model in {sp['sparse_dtype']} "
-            f"(the other dtype {min(v['speedup_vs_best_dense'] for v in by_dtype.values()):.2f}x)"
+            f"({sp['best_dense']}), {sp['speedup_vs_dense']:.2f}x vs fp32 eager: {sp['sparse_layout']} "
+            f"{sp['sparse_dtype']} {sp['sparse_path']} (every way: {sp['layouts']})"
         )
-        del model, by_dtype
     return out
 
 
@@ -295,6 +297,8 @@ def merge(
                 best_dense=sp["best_dense"],
                 sparse_ms=sp["sparse_ms"],
                 sparse_dtype=sp.get("sparse_dtype", "float32"),
+                sparse_path=sp.get("sparse_path", "eager"),
+                layout=sp.get("sparse_layout", q["layout"]),
                 best_dense_ms=sp["best_dense_ms"],
                 cpu=cpu_class,
             )

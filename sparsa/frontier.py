@@ -4,12 +4,14 @@
 * :func:`pattern_config`: a pattern name and a sparsity -> the sparsifier and the fast layout
   (``"unstructured"`` -> ``sliced_ell``, ``"2:4"``/``"4:8"`` -> ``nm``, ``"grouped_nm"`` -> the
   grouped N:M nearest the sparsity, ``"row_group<G>"`` -> ``row_group``);
+* :func:`speed_layouts`: the layouts a configuration is timed in (both unstructured ones);
 * :func:`prune_copy`: a pruned copy of a dense encoder by ``magnitude``, ``wanda`` or ``sparsegpt``;
 * :func:`embedding_quality`: mean cosine to the dense sentence embeddings and top-1
   nearest-neighbour agreement (:func:`top1_agreement`) on held-out text;
 * :class:`DenseBaselines`: dense fp32 eager, dense bf16 eager and ``torch.compile`` of the faster,
   timed once; :meth:`DenseBaselines.speedup` times a sparse model side by side with dense fp32 and
-  the fastest of them (``speedup_vs_best_dense``);
+  the fastest of them (``speedup_vs_best_dense``), :meth:`DenseBaselines.best_path` the sparse
+  model's own fastest way to run (dtype, GELU fusion, compilation);
 * :func:`pareto_frontier` (the non-dominated points) and :func:`highest_passing` (bisection over a
   sorted sparsity grid, for a quality that falls as sparsity rises).
 
@@ -43,6 +45,8 @@ __all__ = [
     "pattern_config",
     "grouped_nm_for",
     "prune_copy",
+    "speed_layouts",
+    "UNSTRUCTURED_LAYOUTS",
     "check_method_layout",
     "top1_agreement",
     "embedding_quality",
@@ -93,6 +97,21 @@ def pattern_config(pattern: str, sparsity: float) -> PatternConfig:
     else:
         label, layout = pattern, p.layout
     return PatternConfig(pattern, label, layout, p.sparsity, p.sparsifier, p.canonical)
+
+
+#: every layout that computes with an unstructured mask: which is fastest depends on the CPU and dtype
+#: (bitmask's bf16 kernels on AVX512-BF16/AMX, sliced_ell's in fp32), so the frontier times each
+UNSTRUCTURED_LAYOUTS = ("sliced_ell", "bitmask")
+
+
+def speed_layouts(cfg: PatternConfig) -> Tuple[str, ...]:
+    """The layouts to time ``cfg`` in: every one of :data:`UNSTRUCTURED_LAYOUTS` for an unstructured
+    pattern (the mask, hence the quality, is the same in each), else ``cfg.layout`` alone.
+
+    >>> speed_layouts(pattern_config("unstructured", 0.7)), speed_layouts(pattern_config("2:4", 0.5))
+    (('sliced_ell', 'bitmask'), ('nm',))
+    """
+    return UNSTRUCTURED_LAYOUTS if cfg.recover_pattern == "unstructured" else (cfg.layout,)
 
 
 #: the block Linears :func:`prune_copy` prunes by default (the name ``benchmarks/pareto.py`` imports)
@@ -246,6 +265,43 @@ class DenseBaselines:
                 dict(keep, sparse=lambda: model(input_ids=self.inputs)), rounds=reps or self.reps, min_seconds=0.0
             )
         return speedups(ms)
+
+    def best_path(self, model: nn.Module, reps: Optional[int] = None) -> Dict[str, Any]:
+        """The fastest way a user can run the sparse ``model``, each way timed by :meth:`speedup`:
+        eager in float32 and in bfloat16; for the faster dtype, ``sparsa.fuse_gelu`` (when it fuses
+        anything) and, where the dense baselines were compiled, ``torch.compile`` of that. Returns the
+        fastest way's :meth:`speedup` plus ``sparse_dtype``, ``sparse_path`` (``eager``, ``fused`` or
+        ``compiled``) and ``paths`` (every way's ``speedup_vs_best_dense``). Fair against the dense side,
+        which gets its best of fp32, bf16 and compiled too. ``model`` itself is not changed."""
+        from .nn.fuse import fuse_gelu
+
+        def timed(m: nn.Module) -> Dict[str, Any]:
+            with torch.no_grad():
+                m(input_ids=self.inputs)  # warm-up: kernel builds, packs, compilation
+            return self.speedup(m, reps)
+
+        by_dtype = {"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
+        results = {(name, "eager"): timed(m) for name, m in by_dtype.items()}
+        dtype = max(by_dtype, key=lambda d: results[(d, "eager")]["speedup_vs_best_dense"])
+        fastest = by_dtype[dtype]
+        fused = copy.deepcopy(fastest)
+        if fuse_gelu(fused):
+            results[(dtype, "fused")] = timed(fused)
+            fastest = fused
+        if self.compile_s is not None:
+            # one compiled graph per pruned model: a long sweep must not hit the recompile limit,
+            # past which dynamo would silently run the model eagerly
+            limit = max(torch._dynamo.config.recompile_limit, 64)
+            with torch._dynamo.config.patch(recompile_limit=limit), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                results[(dtype, "compiled")] = timed(torch.compile(fastest, dynamic=False))
+        (d, path), best = max(results.items(), key=lambda kv: kv[1]["speedup_vs_best_dense"])
+        return dict(
+            best,
+            sparse_dtype=d,
+            sparse_path=path,
+            paths={f"{k[0]}/{k[1]}": v["speedup_vs_best_dense"] for k, v in results.items()},
+        )
 
 
 def pareto_frontier(points: Sequence[Tuple[float, float]]) -> List[int]:

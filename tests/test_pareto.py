@@ -132,6 +132,9 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
     speed = pareto.speed_rows(model, cfgs, base, log=lambda s: None)
     assert set(speed) == {("sliced_ell", 0.5), ("row_group4", 0.5)}
     assert all(v["sparse_dtype"] in ("float32", "bfloat16") for v in speed.values())
+    # the unstructured mask is timed in each layout that computes with it, the fastest kept
+    assert set(speed[("sliced_ell", 0.5)]["layouts"]) == {"sliced_ell", "bitmask"}
+    assert speed[("row_group4", 0.5)]["sparse_layout"] == "row_group"
     quality, skipped = pareto.quality_rows(
         model, tok, cfgs, ["magnitude", "wanda"], calibration, held, log=lambda s: None
     )
@@ -150,6 +153,7 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
         assert r["cpu"] == "test-cpu" and r["recovered"] is False and -1.0 <= r["quality_cosine"] <= 1.0
         assert 0.0 <= r["quality_top1"] <= 1.0 and r["speedup_vs_best_dense"] > 0
         assert r["sparse_dtype"] == speed[(r["label"], r["sparsity"])]["sparse_dtype"]
+        assert r["layout"] == speed[(r["label"], r["sparsity"])]["sparse_layout"]
         assert abs(r["quality_cosine"] - (r["cosine_docstrings"] + r["cosine_readme"]) / 2) < 1e-3
     json.dumps(rows)
     pareto.plot(rows, tmp_path / "p.png", "tiny")
@@ -160,6 +164,35 @@ def test_grid_rows_on_a_tiny_bert(tiny, tmp_path):
     assert q2 == [] and "grouped_nm" in sk2[0]["reason"]
     q3, sk3 = pareto.quality_rows(model, tok, cfgs, ["magnitude"], calibration, held, deadline=0.0, log=lambda s: None)
     assert q3 == [] and len(sk3) == 2 and all(s["reason"] == "--budget spent" for s in sk3)
+
+
+def test_best_path_tries_every_way_and_keeps_the_fastest(tiny, monkeypatch):
+    # speeds are made up (by what each way runs), so the choice is checked, not the machine's timing
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    from sparsa.nn.fuse import LinearGELU
+
+    model, _ = tiny
+    base = DenseBaselines(model, torch.randint(0, 1000, (2, 16)), use_compile=False, reps=1, log=lambda s: None)
+    sparse = pattern_config("row_group4", 0.5)
+    pruned = pareto.prune_copy(model, "magnitude", sparse)
+
+    def speed(m):
+        inner = m._orig_mod if isinstance(m, OptimizedModule) else m
+        bf16 = next(inner.parameters()).dtype == torch.bfloat16
+        fused = any(isinstance(x, LinearGELU) for x in inner.modules())
+        v = 1.0 + bf16 + 0.5 * fused + isinstance(m, OptimizedModule)
+        return {"speedup_vs_best_dense": v, "speedup_vs_dense": v, "best_dense": "fp32", "sparse_ms": 1.0}
+
+    monkeypatch.setattr(DenseBaselines, "speedup", lambda self, m, reps=None: speed(m))
+    out = base.best_path(pruned)
+    assert (out["sparse_dtype"], out["sparse_path"]) == ("bfloat16", "fused")  # no compiled baseline: no compile
+    assert out["paths"] == {"float32/eager": 1.0, "bfloat16/eager": 2.0, "bfloat16/fused": 2.5}
+    assert next(pruned.parameters()).dtype == torch.float32  # the model itself is untouched
+    assert not any(isinstance(x, LinearGELU) for x in pruned.modules())
+    base.compile_s = 0.0  # as if the dense side had been compiled: the sparse side is compiled too
+    out = base.best_path(pruned)
+    assert (out["sparse_dtype"], out["sparse_path"], out["speedup_vs_best_dense"]) == ("bfloat16", "compiled", 3.5)
 
 
 def test_sparsegpt_cannot_make_grouped_nm(tiny):
