@@ -77,18 +77,19 @@ class SparseTensor(SparseTensorBase):
         return (_rebuild, (type(lay).name, comps, tuple(lay.shape), lay.params(), self.requires_grad))
 
     def __tensor_flatten__(self):
-        comps = self._layout.components()
-        names = list(comps)
-        ctx = (type(self._layout), tuple(self._layout.shape), self._layout.params(), tuple(names))
-        return [f"_c_{n}" for n in names], ctx
+        names = list(self._layout.components())
+        derived = list(self._layout.derived_components())
+        ctx = (type(self._layout), tuple(self._layout.shape), self._layout.params(), tuple(names), tuple(derived))
+        return [f"_c_{n}" for n in names] + [f"_d_{n}" for n in derived], ctx
 
     def _stable_hash_for_caching(self) -> str:
         """The key ``torch.compile``'s AOT autograd cache files this tensor under: its layout, shape, dtype,
-        parameters and its components' metadata (not their values), the same in every process."""
+        parameters and the metadata (not the values) of its components and derived tensors (both are graph
+        inputs), the same in every process."""
         lay = self._layout
-        comps = sorted(
-            (n, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type) for n, t in lay.components().items()
-        )
+        inner = [(n, t) for n, t in lay.components().items()]
+        inner += [("derived:" + n, t) for n, t in lay.derived_components().items()]
+        comps = sorted((n, tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type) for n, t in inner)
         params = sorted((k, repr(v)) for k, v in lay.params().items())
         key = (
             type(lay).__module__,
@@ -103,12 +104,14 @@ class SparseTensor(SparseTensorBase):
 
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
-        cls, shape, params, names = ctx
+        cls, shape, params, names, derived = ctx
         from .layouts.base import unchecked
 
         comps = {n: inner[f"_c_{n}"] for n in names}
         with unchecked():
-            return SparseTensor(cls.from_components(comps, shape, **params))
+            lay = cls.from_components(comps, shape, **params)
+        lay.adopt_derived({n: inner[f"_d_{n}"] for n in derived})
+        return SparseTensor(lay)
 
     # ---------------------------------------------------------------- dispatch
     @classmethod

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_map
 
 from .layouts.base import Layout
@@ -90,14 +91,20 @@ class SparseTensorBase(Tensor):
         lay = self._layout
         grad = ", requires_grad=True" if self.requires_grad else ""
         params = "".join(f", {k}={v}" for k, v in lay.params().items())
+        # under torch.compile the components are fake: counting stored values would guard on their data
+        fake = any(is_fake(t) for t in lay.components().values())
+        counts = "" if fake else f", nnz={lay.nnz}, density={lay.density:.4f}"
         return (
             f"SparseTensor(layout={type(lay).name}, shape={tuple(lay.shape)}, dtype={lay.dtype}, "
-            f"device={lay.device}, nnz={lay.nnz}, density={lay.density:.4f}{params}{grad})"
+            f"device={lay.device}{counts}{params}{grad})"
         )
 
     def __getattr__(self, name: str):
+        # the inner tensors __tensor_flatten__ names: components (_c_) and derived tensors (_d_)
         if name.startswith("_c_"):
             return self._layout.components()[name[3:]]
+        if name.startswith("_d_"):
+            return self._layout.derived_components()[name[3:]]
         raise AttributeError(name)
 
 

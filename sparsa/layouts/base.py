@@ -107,6 +107,17 @@ class Layout(ABC):
         """Raise ValueError naming the malformed component."""
 
     # ------------------------------------------------------------------ defaults
+    def derived_components(self) -> Dict[str, Tensor]:
+        """Tensors the kernels derive from the components once and cache (e.g. an N:M weight's bit rows).
+        ``torch.compile`` carries them into the graph as inputs beside the components, so a compiled
+        graph does not rebuild them on every call; :meth:`adopt_derived` takes them back."""
+        return {}
+
+    def adopt_derived(self, derived: Dict[str, Tensor]) -> None:
+        """Cache ``derived`` (what :meth:`derived_components` returned for the same components)."""
+        if derived:
+            raise TypeError(f"{type(self).__name__} derives no tensors, got {sorted(derived)}")
+
     def params(self) -> Dict[str, Any]:
         """Non-tensor metadata (JSON-serialisable) needed by :meth:`from_components`."""
         return {}

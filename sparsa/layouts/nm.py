@@ -113,7 +113,7 @@ class NM(Layout):
                 raise ValueError(
                     f"NM: mask keeps {int(counts[bad])} values in group {bad} (index over (*lead, group); the "
                     f"group covers last-dim positions {bad[-1] * m}..{bad[-1] * m + m - 1}), more than n={n} of "
-                    f"every m={m}; use sparsa.sparsifiers.NMSparsifier(n={n}, m={m}) or nm_mask() to make a "
+                    f"every m={m}; use sparsa.sparsifiers.NM(n={n}, m={m}) or nm_mask() to make a "
                     "valid mask"
                 )
             # kept positions first, then real (non-padding) positions, then lower positions
@@ -131,6 +131,39 @@ class NM(Layout):
             base = torch.arange(self.num_groups, device=self.indices.device)[:, None] * self.m
             p = self._cache["pos"] = self.indices.long() + base
         return p
+
+    def bitmask_rows(self) -> Tuple[Tensor, Tensor]:
+        """``(bits, row_ptr)`` of a 2-D weight in the Bitmask layout's terms: one bit per column of each
+        row (``ceil(K / 8)`` bytes a row, :func:`~sparsa.layouts.bitmask.pack_bits`) and every row's
+        offset into the row-major stored values, padding positions past ``K`` excluded. They depend on
+        ``indices`` only, so they are built once and cached."""
+        from .bitmask import pack_bits
+
+        if len(self.shape) != 2:
+            raise ValueError(f"linear: an N:M weight must be 2-D (out, in), got shape {tuple(self.shape)}")
+        cached = self._cache.get("bitmask_rows")
+        if cached is None:
+            R, K = self.shape
+            pos = self._positions().reshape(R, -1)
+            mask = torch.zeros(R, K + self.m, dtype=torch.bool, device=pos.device)
+            mask.scatter_(1, pos, True)  # padding positions land past K and are cut off below
+            per_row = pos.shape[1] if K % self.m == 0 else int((pos[0] < K).sum()) if R else 0
+            row_ptr = torch.arange(R + 1, dtype=torch.int64, device=pos.device) * per_row
+            cached = self._cache["bitmask_rows"] = (pack_bits(mask[:, :K].contiguous()), row_ptr)
+        return cached
+
+    def derived_components(self) -> Dict[str, Tensor]:
+        if len(self.shape) != 2:
+            return {}
+        bits, row_ptr = self.bitmask_rows()
+        return {"bitmask_bits": bits, "bitmask_row_ptr": row_ptr}
+
+    def adopt_derived(self, derived: Dict[str, Tensor]) -> None:
+        if not derived and len(self.shape) != 2:
+            return
+        if set(derived) != {"bitmask_bits", "bitmask_row_ptr"}:
+            raise TypeError(f"NM derives bitmask_bits and bitmask_row_ptr, got {sorted(derived)}")
+        self._cache["bitmask_rows"] = (derived["bitmask_bits"], derived["bitmask_row_ptr"])
 
     def _scatter(self, src: Tensor) -> Tensor:
         lead = tuple(self.shape[:-1])
@@ -166,7 +199,7 @@ class NM(Layout):
     def refill(self, dense: Tensor) -> "NM":
         vals = _groups(dense.to(self.dtype), self.m, 0.0).gather(-1, self.indices.long())
         out = NM(vals, self.indices, self.shape, self.n, self.m, validate=False)
-        out._cache = {k: v for k, v in self._cache.items() if k == "pos"}  # pattern-only cache
+        out._cache = {k: v for k, v in self._cache.items() if k in ("pos", "bitmask_rows")}  # pattern-only
         return out
 
     def validate(self) -> None:

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, is_fake
 
 from ..kernels import grouped_nm as _k
 from ..kernels import sliced_ell as _se
@@ -103,6 +104,10 @@ class GroupedNMLinear:
     @staticmethod
     def forward(ctx, x: Tensor, w: GroupedNM, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
+        if is_fake(w.values) or is_fake(x):
+            # the kernel plans are built from the weight's tensors, which torch.compile traces as fakes:
+            # a graph break (dynamo's answer to a data-dependent op) runs this layer eagerly instead
+            raise DataDependentOutputException(torch.ops.aten.linear.default)
         y = _forward(x, w, bias)
         ctx.save_for_backward(x)
         ctx.w = w

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch
 from torch import Tensor
 
 from ..kernels import bitmask as _bm
-from ..layouts.bitmask import pack_bits
 from ..layouts.dense import Dense
 from ..layouts.nm import NM
 from .bitmask_linear import BitmaskLinear
@@ -34,29 +32,17 @@ from .registry import implements
 
 __all__ = ["NMLinear", "nm_bitmask_components"]
 
-_CACHE_KEY = "bitmask_bits"
-
 
 def nm_bitmask_components(w: NM) -> Tuple[Tensor, Tensor, Tensor]:
     """``(bits, row_ptr, values)`` of a 2-D N:M weight in the Bitmask layout's terms. ``values`` is a view
     of ``w.values`` (in-place updates reach the kernels) unless the last group is padded past ``K``, whose
-    stored padding positions are dropped by a copy per call; the bits depend on ``indices`` only and are
-    cached on the layout."""
-    if len(w.shape) != 2:
-        raise ValueError(f"linear: an N:M weight must be 2-D (out, in), got shape {tuple(w.shape)}")
+    stored padding positions are dropped by a copy per call; the bits and row offsets depend on
+    ``indices`` only and are cached on the layout (:meth:`~sparsa.layouts.NM.bitmask_rows`)."""
+    bits, row_ptr = w.bitmask_rows()
     R, K = w.shape
-    pos = w._positions().reshape(R, -1)
-    real = None if K % w.m == 0 else pos < K
-    cached = w._cache.get(_CACHE_KEY)
-    if cached is None:
-        mask = torch.zeros(R, K + w.m, dtype=torch.bool, device=pos.device)
-        mask.scatter_(1, pos, True)  # padding positions land past K and are cut off below
-        per_row = pos.shape[1] if real is None else int(real[0].sum()) if R else 0
-        row_ptr = torch.arange(R + 1, dtype=torch.int64, device=pos.device) * per_row
-        cached = w._cache[_CACHE_KEY] = (pack_bits(mask[:, :K].contiguous()), row_ptr)
-    bits, row_ptr = cached
     values = w.values.reshape(R, -1)
-    if real is not None:
+    if K % w.m:
+        real = w._positions().reshape(R, -1) < K
         values = values[real].reshape(R, -1)  # every row drops the same padding positions (see NM)
     return bits, row_ptr, values.reshape(-1)
 
