@@ -145,6 +145,28 @@ def test_speed_decides_among_passing(tiny_dir, tmp_path, known):
     assert (res.chosen["label"], res.chosen["sparsity"]) == ("row_group4", 0.55)
 
 
+def test_an_unstructured_mask_is_saved_in_its_fastest_layout(tiny_dir, tmp_path, known, monkeypatch):
+    # made-up speeds: the same mask runs twice as fast as bitmask in bfloat16, so that is what is saved
+    timed = frontier.DenseBaselines.speedup  # the fixture's made-up speeds
+
+    def bitmask_in_bf16_is_faster(self, model, reps=None):
+        out = dict(timed(self, model, reps))
+        w = next(m.weight for m in model.modules() if hasattr(getattr(m, "weight", None), "layout_name"))
+        if w.layout_name == "bitmask" and w.dtype == torch.bfloat16:
+            out["speedup_vs_best_dense"] *= 2
+        return out
+
+    monkeypatch.setattr(frontier.DenseBaselines, "speedup", bitmask_in_bf16_is_faster)
+    out = tmp_path / "o"
+    res = _search(tiny_dir, out, 0.62, method="magnitude", patterns=["unstructured"])
+    c = res.chosen
+    assert (c["label"], c["sparsity"], c["layout"]) == ("sliced_ell", 0.35, "bitmask")
+    assert (c["sparse_dtype"], c["sparse_path"]) == ("bfloat16", "eager")
+    assert "bitmask, bfloat16, eager" in res.summary() and "(bfloat16, eager)" in res.table()
+    w = load_pruned(str(out)).encoder.layer[0].attention.self.query.weight
+    assert w.layout_name == "bitmask" and abs(w.sparsity - 0.35) < 0.02
+
+
 def test_unreachable_target_writes_nothing(tiny_dir, tmp_path, known):
     out = tmp_path / "never"
     with pytest.raises(TargetNotReached) as e:
