@@ -612,7 +612,9 @@ PARETO_COLS = [
     "quality_top1",
     "speedup_vs_best_dense",
     "best_dense",
+    "layout",
     "sparse_dtype",
+    "sparse_path",
 ]
 
 
@@ -622,8 +624,9 @@ def _pareto_rows(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         dict(
             r,
             method=r["method"] + ("+recover" if r.get("recovered") else ""),
-            label=r.get("label", r.get("layout")),
+            label="unstructured" if r.get("pattern") == "unstructured" else r.get("label", r.get("layout")),
             sparse_dtype=r.get("sparse_dtype", "float32"),  # runs before it was recorded timed float32 only
+            sparse_path=r.get("sparse_path", "eager"),  # and eagerly only
         )
         for r in sorted(rows, key=lambda r: (-r["speedup_vs_best_dense"], -r["quality_cosine"]))
     ]
@@ -639,9 +642,10 @@ def pareto_section(d: Dict[str, Any], frontier_only: bool = False) -> str:
         + ", ".join(f"{k} {v} ms" for k, v in (d.get("dense_ms") or {}).items())
         + "); quality: mean cosine to the "
         "dense sentence embeddings (and top-1 nearest-neighbour agreement) on held-out stdlib docstrings and "
-        "README prose, averaged. label: the layout (unstructured = sliced_ell); sparse_dtype: the dtype the "
-        "pruned model was timed in (the faster of float32 and bfloat16; quality is measured in float32). The "
-        "frontier: rows no other row "
+        "README prose, averaged. label: the pattern; layout: the one it ran fastest in (an unstructured mask is "
+        "timed in sliced_ell and bitmask since the runs that record sparse_path, sliced_ell only before); "
+        "sparse_dtype / sparse_path: its fastest way to run (float32 or bfloat16; eager, GELU fused into the "
+        "kernels, or torch.compile of that; quality is measured in float32). The frontier: rows no other row "
         "(nor the best dense path) beats in both speed and cosine.\n\n"
     )
     s += _md(_pareto_rows(front), PARETO_COLS, PARETO_FMT)
@@ -1038,7 +1042,9 @@ recoveries of `--recover-budget` seconds each (default 300 s, about 7 hours in a
 stops starting rows after that many seconds and lists the rest as skipped. The committed amd-avx2
 run (34 minutes) is `python benchmarks/pareto.py --budget 3900 --recover-budget 300 --recover
 unstructured@0.8,unstructured@0.9,row_group16@0.5,row_group16@0.7,row_group8@0.6 --recover-methods
-sparsegpt`.
+sparsegpt`; the `intel-amx` run (40 minutes) is the command under its table, the first to time each
+configuration in its fastest way to run (fp32 or bf16, GELU-fused, compiled; an unstructured mask in
+sliced_ell and in bitmask).
 """
     body = [class_section(d) for d in dirs] or ["_No results yet: run the benchmark scripts._"]
     return intro + "\n" + "\n\n".join(body) + "\n"

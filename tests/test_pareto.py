@@ -261,6 +261,8 @@ def test_tables_render_a_pareto_section(tmp_path):
     )
     text = tables.render(tmp_path)
     assert "python benchmarks/pareto.py" in text and "sliced_ell" in text and "0.900" in text
+    # the label names the pattern; a run from before sparse_path was recorded ran eagerly
+    assert "| wanda | unstructured | 0.50 |" in text and "| sliced_ell | float32 | eager |" in text
     assert "test-cpu" in tables.readme_summary(tmp_path)
 
 
