@@ -36,7 +36,7 @@ def test_nm_mask_too_dense_names_group():
     x = torch.randn(3, 8)
     mask = nm_mask(x, 2, 4)
     mask[1, 4:8] = True
-    with pytest.raises(ValueError, match=r"group \(1, 1\).*NMSparsifier"):
+    with pytest.raises(ValueError, match=r"group \(1, 1\).*sparsifiers\.NM\(n="):
         NM.from_dense(x, mask=mask, n=2, m=4)
 
 
