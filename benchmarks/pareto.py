@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import sys
@@ -72,7 +71,6 @@ from sparsa.frontier import (  # noqa: E402
     pareto_frontier,
     pattern_config,
     prune_copy,
-    speed_layouts,
 )
 from sparsa.prune_recovery import encoder_outputs, recovery_start  # noqa: E402
 
@@ -151,17 +149,12 @@ def speed_rows(
 ) -> Dict[Tuple[str, float], Dict[str, Any]]:
     """``{(label, sparsity): speed-ups}`` of each configuration (magnitude weights) against ``baselines``:
     the fastest way to run the pruned model (:meth:`DenseBaselines.best_path`: float32 or bfloat16,
-    eager, GELU-fused or compiled) in each layout that stores its pattern (:func:`speed_layouts`), the
-    fastest of those being the row's speed (``sparse_layout``, ``sparse_dtype``, ``sparse_path``)."""
+    eager, GELU-fused or compiled) in each layout that stores its pattern
+    (:meth:`DenseBaselines.best_layout`), the fastest of those being the row's speed (``sparse_layout``,
+    ``sparse_dtype``, ``sparse_path``)."""
     out = {}
     for c in cfgs:
-        by_layout = {}
-        for layout in speed_layouts(c):
-            model = prune_copy(dense, "magnitude", dataclasses.replace(c, layout=layout))
-            by_layout[layout] = dict(baselines.best_path(model), sparse_layout=layout)
-            del model
-        sp = max(by_layout.values(), key=lambda v: v["speedup_vs_best_dense"])
-        sp["layouts"] = {k: v["paths"] for k, v in by_layout.items()}
+        _, sp = baselines.best_layout(prune_copy(dense, "magnitude", c), c)
         out[(c.label, c.sparsity)] = sp
         log(
             f"speed {c.label:>14} {c.sparsity:4.0%}: {sp['speedup_vs_best_dense']:.2f}x vs the best dense "

@@ -11,7 +11,8 @@
 * :class:`DenseBaselines`: dense fp32 eager, dense bf16 eager and ``torch.compile`` of the faster,
   timed once; :meth:`DenseBaselines.speedup` times a sparse model side by side with dense fp32 and
   the fastest of them (``speedup_vs_best_dense``), :meth:`DenseBaselines.best_path` the sparse
-  model's own fastest way to run (dtype, GELU fusion, compilation);
+  model's own fastest way to run (dtype, GELU fusion, compilation), :meth:`DenseBaselines.best_layout`
+  that in each layout of :func:`speed_layouts` (:func:`relaid` copies a model into another layout);
 * :func:`pareto_frontier` (the non-dominated points) and :func:`highest_passing` (bisection over a
   sorted sparsity grid, for a quality that falls as sparsity rises).
 
@@ -46,6 +47,7 @@ __all__ = [
     "grouped_nm_for",
     "prune_copy",
     "speed_layouts",
+    "relaid",
     "UNSTRUCTURED_LAYOUTS",
     "check_method_layout",
     "top1_agreement",
@@ -302,6 +304,32 @@ class DenseBaselines:
             sparse_path=path,
             paths={f"{k[0]}/{k[1]}": v["speedup_vs_best_dense"] for k, v in results.items()},
         )
+
+    def best_layout(
+        self, model: nn.Module, cfg: PatternConfig, names: Optional[Sequence[str]] = None
+    ) -> Tuple[nn.Module, Dict[str, Any]]:
+        """:meth:`best_path` of ``model`` (pruned into ``cfg.layout``) and of its copy in each other layout
+        of :func:`speed_layouts` (:func:`relaid`; ``names``: its pruned Linears); returns the fastest
+        model and its speed, with ``sparse_layout`` and ``layouts`` (every layout's ``paths``)."""
+        by_layout: Dict[str, Tuple[nn.Module, Dict[str, Any]]] = {}
+        for layout in speed_layouts(cfg):
+            m = model if layout == cfg.layout else relaid(model, layout, names)
+            by_layout[layout] = (m, dict(self.best_path(m), sparse_layout=layout))
+        m, speed = max(by_layout.values(), key=lambda ms: ms[1]["speedup_vs_best_dense"])
+        return m, dict(speed, layouts={k: v[1]["paths"] for k, v in by_layout.items()})
+
+
+def relaid(model: nn.Module, layout: str, names: Optional[Sequence[str]] = None) -> nn.Module:
+    """A copy of ``model`` whose sparse Linear weights (among ``names``, default every one) are stored in
+    ``layout``: the same kept positions and values."""
+    from .tensor import SparseTensor
+
+    out = copy.deepcopy(model)
+    for name in names if names is not None else [n for n, m in out.named_modules() if isinstance(m, nn.Linear)]:
+        lin = out.get_submodule(name)
+        if isinstance(lin.weight, SparseTensor):
+            lin.weight = nn.Parameter(lin.weight.detach().to_layout(layout), requires_grad=lin.weight.requires_grad)
+    return out
 
 
 def pareto_frontier(points: Sequence[Tuple[float, float]]) -> List[int]:

@@ -573,19 +573,6 @@ class TargetQualityResult:
         )
 
 
-def _relaid(model: nn.Module, names: Sequence[str], layout: str) -> nn.Module:
-    """A copy of ``model`` whose sparse weights among the Linears ``names`` are stored in ``layout``
-    (the same kept positions and values)."""
-    from .tensor import SparseTensor
-
-    out = copy.deepcopy(model)
-    for name in names:
-        lin = out.get_submodule(name)
-        if isinstance(lin.weight, SparseTensor):
-            lin.weight = nn.Parameter(lin.weight.detach().to_layout(layout), requires_grad=lin.weight.requires_grad)
-    return out
-
-
 def _runs_as(row: Dict[str, Any]) -> str:
     """How a candidate runs fastest, e.g. ``"bitmask, bfloat16, compiled"``."""
     return ", ".join(str(row[k]) for k in ("layout", "sparse_dtype", "sparse_path") if k in row)
@@ -702,17 +689,11 @@ def search_target_quality(
     )
 
     def _fastest_layout(model: nn.Module, row: Dict[str, Any], cfg: frontier.PatternConfig) -> nn.Module:
-        """``model`` (pruned into ``cfg.layout``) or its copy in another layout that stores the same mask
-        (:func:`sparsa.frontier.speed_layouts`), whichever runs fastest (:meth:`DenseBaselines.best_path`);
-        its speed and layout go into ``row``."""
-        best_model, best_speed = model, None
-        for layout in frontier.speed_layouts(cfg):
-            m = model if layout == cfg.layout else _relaid(model, names, layout)
-            speed = dict(baselines.best_path(m), layout=layout)
-            if best_speed is None or speed["speedup_vs_best_dense"] > best_speed["speedup_vs_best_dense"]:
-                best_model, best_speed = m, speed
-        row.update(best_speed)
-        return best_model
+        """``model`` (pruned into ``cfg.layout``) or its copy in another layout that stores the same mask,
+        whichever runs fastest (:meth:`DenseBaselines.best_layout`); its speed and layout go into ``row``."""
+        fastest, speed = baselines.best_layout(model, cfg, names)
+        row.update(speed, layout=speed["sparse_layout"])
+        return fastest
 
     tried: Dict[Tuple[str, float], Dict[str, Any]] = {}
     candidates: List[Dict[str, Any]] = []
