@@ -35,24 +35,20 @@ inline void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int R
 }
 
 alignas(64) static const uint16_t kZeros[32] = {};
-// word permutations of two panel columns a, b (32 tokens each) into B rows: (a[t], b[t]) for t < 16 / t >= 16
-alignas(64) static const uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) static const uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 // B rows (pairs p of kept columns kb*32 + 2p, +1) for the two 16-token halves of a 32-token panel: two
-// 64-byte loads (a column each) and one word permutation per row
+// 64-byte loads (a column each), then a word unpack per half: the panel's token order (dp::amx_panel_pos)
+// makes the in-lane unpacks yield tokens 0-15 and 16-31 in order, at half the shuffle-port cost of a
+// two-source word permutation
 template <bool Tail>
 inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1) {
-    const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
     for (int p = 0; p < 16; ++p) {
         const int64_t ja = j0 + 2 * p, jb = ja + 1;
         const uint16_t* a = (!Tail || ja < k) ? xb + (int64_t)cols[ja] * 32 : kZeros;
         const uint16_t* b = (!Tail || jb < k) ? xb + (int64_t)cols[jb] * 32 : kZeros;
         const __m512i va = _mm512_load_si512(a), vb = _mm512_load_si512(b);
-        _mm512_store_si512(b0 + 16 * p, _mm512_permutex2var_epi16(va, lo, vb));
-        _mm512_store_si512(b1 + 16 * p, _mm512_permutex2var_epi16(va, hi, vb));
+        _mm512_store_si512(b0 + 16 * p, _mm512_unpacklo_epi16(va, vb));
+        _mm512_store_si512(b1 + 16 * p, _mm512_unpackhi_epi16(va, vb));
     }
 }
 
@@ -207,7 +203,7 @@ template <int H>
 struct Tiles {
     static constexpr int RT = 16 * H, NT = 32;
     using Panel = uint16_t;
-    static void pack(const uint16_t* x, int64_t K, int nt, uint16_t* xb) { dp::pack_panel_bf16<NT>(x, K, nt, xb); }
+    static void pack(const uint16_t* x, int64_t K, int nt, uint16_t* xb) { dp::pack_panel_amx(x, K, nt, xb); }
     static int64_t wsize(int64_t k) { return amx::wsize(k, RT); }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         amx::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -216,6 +212,8 @@ struct Tiles {
         amx::tile<H>(xb, cols, wp, k, out);
     }
     static constexpr bool kStoresBf16 = true;
+    // AMX CPUs have 2 MiB of L2 per core: one chunk holds the weights of most BERT-sized layers at 75%+
+    static constexpr int64_t kChunkBytes = 1024 * 1024;
     // the B-tile stream of the calling thread's run of groups over one panel (see BRing)
     using Stream = BRing;
     static void tile_store(const uint16_t* xb, const int32_t* cols, const uint16_t* wp, int64_t k, const float* bias,
@@ -269,7 +267,7 @@ inline bool selfcheck() {
     }
     std::vector<float> out(NT * G);
     alignas(64) uint16_t xt[K * NT];
-    dp::pack_panel_bf16<NT>(x.data(), K, (int)NT, xt);
+    dp::pack_panel_amx(x.data(), K, (int)NT, xt);
     repack(vals.data(), 1, k, G, G, wa.data(), 1);
     Tiles<1>::begin();
     tile<1>(xt, cols.data(), wa.data(), k, out.data());

@@ -348,10 +348,16 @@ void pack_panel(const uint16_t* x, int64_t K, int nt, float* xt) {
         for (int t = 0; t < NT; ++t) xt[c * NT + t] = t < nt ? sparsa_bf16_to_f32(x[t * K + c]) : 0.f;
 }
 
-// xb[c * NT + t] = x[t][c] in bf16 (the AMX tiles' panel: one 64-byte line per column of 32 tokens); lanes
-// t >= nt are zero. 16-bit transposes of 8 tokens x 16 columns: two 8 x 8 blocks, one per 128-bit lane.
-template <int NT>
-void pack_panel_bf16(const uint16_t* x, int64_t K, int nt, uint16_t* xb) {
+// where token t of a 32-token panel sits in a column's line when the panel is packed in the AMX tiles'
+// order: runs of 4 tokens alternate between the two 16-token halves (0-3, 16-19, 4-7, 20-23, ...), so a
+// 128-bit-lane unpack of two columns yields one half's pairs in token order (see amx::build_b)
+constexpr int amx_panel_pos(int t) { return (t & 16 ? 4 : 0) + 8 * ((t & 15) >> 2) + (t & 3); }
+
+// xb[c * NT + amx_panel_pos(t)] = x[t][c] in bf16 (the AMX tiles' panel: one 64-byte line per column of 32
+// tokens); lanes t >= nt are zero. 16-bit transposes of 8 tokens x 16 columns: two 8 x 8 blocks, one per
+// 128-bit lane.
+inline void pack_panel_amx(const uint16_t* x, int64_t K, int nt, uint16_t* xb) {
+    constexpr int NT = 32;
     int64_t c = 0;
     for (; c + 16 <= K; c += 16) {
         for (int h = 0; h < NT / 8; ++h) {
@@ -374,16 +380,19 @@ void pack_panel_bf16(const uint16_t* x, int64_t K, int nt, uint16_t* xb) {
             }
             for (int e = 0; e < 4; ++e) {  // tokens 0-7 of elements 2e, 2e+1 (low lane: column c + ., high: c + 8 + .)
                 const __m256i lo = _mm256_unpacklo_epi64(b[e], b[4 + e]), hi = _mm256_unpackhi_epi64(b[e], b[4 + e]);
-                uint16_t* o = xb + (c + 2 * e) * NT + 8 * h;
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(lo));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + NT), _mm256_castsi256_si128(hi));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * NT), _mm256_extracti128_si256(lo, 1));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 9 * NT), _mm256_extracti128_si256(hi, 1));
+                uint16_t* o = xb + (c + 2 * e) * NT;
+                const __m128i v[4] = {_mm256_castsi256_si128(lo), _mm256_castsi256_si128(hi),
+                                      _mm256_extracti128_si256(lo, 1), _mm256_extracti128_si256(hi, 1)};
+                const int64_t off[4] = {0, NT, 8 * NT, 9 * NT};
+                for (int i = 0; i < 4; ++i) {  // tokens 8h..8h+3 and 8h+4..8h+7 go to two 4-token runs
+                    _mm_storel_epi64(reinterpret_cast<__m128i*>(o + off[i] + amx_panel_pos(8 * h)), v[i]);
+                    _mm_storeh_pd(reinterpret_cast<double*>(o + off[i] + amx_panel_pos(8 * h + 4)), _mm_castsi128_pd(v[i]));
+                }
             }
         }
     }
     for (; c < K; ++c)
-        for (int t = 0; t < NT; ++t) xb[c * NT + t] = t < nt ? x[t * K + c] : (uint16_t)0;
+        for (int t = 0; t < NT; ++t) xb[c * NT + amx_panel_pos(t)] = t < nt ? x[t * K + c] : (uint16_t)0;
 }
 
 // acc += xp . {w pair broadcast}: GCC 12 does not fold the broadcast into VDPBF16PS itself, and a
@@ -475,7 +484,8 @@ struct DpTiles {
     using Panel = float;
     static void pack(const uint16_t* x, int64_t K, int nt, float* xt) { pack_panel<NT>(x, K, nt, xt); }
     static constexpr bool kStoresBf16 = false;
-    struct Stream {};  // nothing kept between groups
+    static constexpr int64_t kChunkBytes = 384 * 1024;  // weights a task reuses across its panels (L2)
+    struct Stream {};                                    // nothing kept between groups
     static int64_t wsize(int64_t k) { return (k + 1) / 2 * 2 * RT; }
     static void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* wp, int nthreads) {
         dp::repack(vals, ng, k, G, RT, wp, nthreads);
@@ -514,8 +524,9 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         Tiles::repack(vals, ng, k, G, wp_buf.get(), nthreads);
     }
     const uint16_t* const wp = packed ? packed : wp_buf.get();
-    // a chunk of virtual groups holds about 384 KiB of weights (L2), reused by every panel of its tasks
-    int64_t vchunk = std::max<int64_t>(1, (384 * 1024) / std::max<int64_t>(1, ws * 2));
+    // a chunk of virtual groups holds about Tiles::kChunkBytes of weights (L2), reused by every panel of its
+    // tasks; each chunk packs the panels again, so fewer chunks pack less
+    int64_t vchunk = std::max<int64_t>(1, Tiles::kChunkBytes / std::max<int64_t>(1, ws * 2));
     const int64_t npan = (T + NT - 1) / NT;
     if (nthreads > 1 && npan < 2 * nthreads) vchunk = std::min<int64_t>(vchunk, std::max<int64_t>(1, nvg / (4 * nthreads)));
     vchunk = std::max<int64_t>(1, std::min<int64_t>(vchunk, nvg));
