@@ -527,11 +527,11 @@ def _spy_linear_paths(monkeypatch):
     """Record what F.linear on a grouped_nm weight runs: ("twin",) for the sliced_ell kernel, else
     (x dtype, plan value dtype, block-pair plan?) of each grouped spmm."""
     ran = []
-    spmm, twin = gk.spmm, se.sliced_ell_linear_impl
+    spmm, twin = gk.spmm, se.sliced_ell_linear_kernel
     monkeypatch.setattr(
         gk, "spmm", lambda xx, p, *a: ran.append((xx.dtype, p.vals.dtype, p.offsets is not None)) or spmm(xx, p, *a)
     )
-    monkeypatch.setattr(se, "sliced_ell_linear_impl", lambda *a, **k: ran.append(("twin",)) or twin(*a, **k))
+    monkeypatch.setattr(se, "sliced_ell_linear_kernel", lambda *a, **k: ran.append(("twin",)) or twin(*a, **k))
     return ran
 
 

@@ -17,13 +17,14 @@ from sparsa.adaptive import relu_conv2d, relu_linear
 from sparsa.kernels import loader
 
 ROOT = Path(__file__).resolve().parents[1]
-# (layout, params, fullgraph forward, fullgraph training step). Building a grouped_nm plan reads the pattern
-# (data-dependent sizes); the SlicedELL and Bitmask backwards pick their products from the weight's density.
+# (layout, params, fullgraph forward, fullgraph training step). A grouped_nm backward builds plans from the
+# pattern (data-dependent sizes); the SlicedELL and Bitmask backwards pick their products from the weight's
+# density.
 LINEAR = [
     ("row_group", dict(group=8, sparsity=0.5), True, True),
     ("sliced_ell", dict(sparsity=0.8), True, False),
     ("bitmask", dict(sparsity=0.5), True, False),
-    ("grouped_nm", dict(n=2, m=4, g=2), False, False),
+    ("grouped_nm", dict(n=2, m=4, g=2), True, False),
 ]
 # Run in a child process: under pytest's log capture torch formats trace records whose payloads hold a
 # SparseTensor's repr, and its nnz reads data, which fails inside the trace.

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -149,7 +149,44 @@ def forward_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
     vals = values.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q, 1).contiguous()
     idx = columns.reshape(B, C, s, q, g).permute(0, 2, 1, 4, 3).reshape(B * s, C * g * q).to(torch.int32).contiguous()
     rows = _pattern_rows(n, m, B, values.device).reshape(B * s, q).to(torch.int32).contiguous()
-    return Plan(idx, vals, rows, C, g * q, P * g, s, m, True)
+    return Plan(idx, vals, rows, *_interleaved_fields(C, P, g, m))
+
+
+# The integer fields of each kind of plan (units, unit_entries, unit_span, gpb, rpb, interleaved) depend on
+# the values' shape only: forward_plan_fields gives them for a plan whose tensors were built elsewhere (a
+# compiled graph takes a weight's plan tensors as inputs, see sparsa.ops.native_grouped_nm).
+
+
+def _interleaved_fields(C: int, P: int, g: int, m: int) -> tuple:
+    q = _interleave(P)
+    return (C, g * q, P * g, P // q, m, True)
+
+
+def _pattern_fields(C: int, P: int, g: int, m: int) -> tuple:
+    return (C, g, P * g, P, m, False)
+
+
+def _pair_units(C: int, P: int, g: int, unit_cols: int = 0) -> Tuple[int, int]:
+    """``(U, ucols)`` of a block-pair plan: its number of units and columns per unit."""
+    chunk = P * g
+    kp = C * chunk
+    ucols = unit_cols if unit_cols > 0 else max(PAIR_UNIT_COLS, 32 * P * P)
+    ucols = max(chunk, ucols // chunk * chunk)
+    U = max(1, -(-kp // ucols))
+    ucols = -(-(kp // chunk) // U) * chunk  # balance the units
+    return -(-kp // ucols), ucols
+
+
+def forward_plan_fields(values_shape: Sequence[int], n: int, m: int, pairs: bool) -> tuple:
+    """The integer fields of :func:`forward_plan` for values of shape ``values_shape`` (``B, C, P, g, n``);
+    ``pairs``: whether it builds a block-pair plan (``_use_pairs`` of those values)."""
+    _, C, P, g, _ = values_shape
+    if n != 1:
+        return _pattern_fields(C, P, g, m)
+    if pairs:
+        U, ucols = _pair_units(C, P, g)
+        return (U, 0, ucols, P * P, 2 * m, False)
+    return _interleaved_fields(C, P, g, m)
 
 
 #: 1:m forward plans pair row blocks (with the AVX-512 kernel) when every (pattern, pattern) group keeps at
@@ -171,13 +208,8 @@ def pair_plan(values: Tensor, columns: Tensor, n: int, m: int, unit_cols: int = 
     if n != 1 or nn != 1:
         raise ValueError(f"pair_plan: needs n == 1, got n={n}")
     dev = values.device
-    chunk = P * g
-    kp = C * chunk
-    ucols = unit_cols if unit_cols > 0 else max(PAIR_UNIT_COLS, 32 * P * P)
-    ucols = max(chunk, ucols // chunk * chunk)
-    U = max(1, -(-kp // ucols))
-    ucols = -(-(kp // chunk) // U) * chunk  # balance the units
-    U = -(-kp // ucols)
+    kp = C * P * g
+    U, ucols = _pair_units(C, P, g, unit_cols)
     Bp = B + (B % 2)
     # pattern and value of every (block, padded column)
     pat = torch.zeros(Bp, kp, dtype=torch.int64, device=dev)
@@ -244,7 +276,7 @@ def pattern_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
     vals = values.permute(0, 2, 1, 3, 4).reshape(B * P, C * g, nn).contiguous()
     idx = columns.permute(0, 2, 1, 3).reshape(B * P, C * g).to(torch.int32).contiguous()
     rows = _pattern_rows(n, m, B, values.device).reshape(B * P, n).to(torch.int32).contiguous()
-    return Plan(idx, vals, rows, C, g, P * g, P, m)
+    return Plan(idx, vals, rows, *_pattern_fields(C, P, g, m))
 
 
 def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2) -> Plan:

@@ -205,6 +205,22 @@ class GroupedNM(Layout):
     def params(self) -> Dict[str, Any]:
         return {"n": self.n, "m": self.m, "g": self.g}
 
+    #: the forward kernels' tensors derived from the components (their plans), supplied by the module that
+    #: runs those kernels (:mod:`sparsa.ops.native_grouped_nm` sets it on import): a layout cannot import its
+    #: kernels, which import the layouts. An object with ``derive(layout)`` and ``adopt(layout, derived)``.
+    derivation: Optional[Any] = None
+
+    def derived_components(self) -> Dict[str, Tensor]:
+        d = GroupedNM.derivation
+        return {} if d is None else d.derive(self)
+
+    def adopt_derived(self, derived: Dict[str, Tensor]) -> None:
+        d = GroupedNM.derivation
+        if d is None:
+            super().adopt_derived(derived)
+        else:
+            d.adopt(self, derived)
+
     def components(self) -> Dict[str, Tensor]:
         return {"values": self.values, "columns": self.columns}
 

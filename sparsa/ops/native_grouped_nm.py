@@ -74,16 +74,104 @@ def _sliced_ell_twin(w: GroupedNM) -> SlicedELL:
     return plans["sliced_ell"]
 
 
-def _forward(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> Tensor:
-    R = w.shape[0]
-    if x.dtype == w.values.dtype == torch.bfloat16 and x.numel() > x.shape[-1] and _se.has_dpbf16():
-        # the sliced_ell VDPBF16PS rows beat the grouped pieces (fp32 FMAs) on every grouped pattern measured
-        s = _sliced_ell_twin(w)
-        return _se.sliced_ell_linear_impl(x, s.slice_ptr, s.columns, s.values, bias, R)
+def _twin_rows(w: GroupedNM) -> bool:
+    # the sliced_ell VDPBF16PS rows beat the grouped pieces (fp32 FMAs) on every grouped pattern measured
+    return w.values.dtype == torch.bfloat16 and _se.has_dpbf16()
+
+
+def _path(x: Tensor, w: GroupedNM) -> str:
+    """The forward an eager call runs: ``twin`` (the SlicedELL twin's bf16 rows, from two tokens up),
+    ``forward_widened`` (a bf16 input widened to run the fp32 block-pair plan) or ``forward``."""
+    if x.dtype == torch.bfloat16 and _twin_rows(w) and x.numel() > x.shape[-1]:
+        return "twin"
     if x.dtype == torch.bfloat16 and _k.pairs_when_widened(w.values, w.n, w.m):
+        return "forward_widened"
+    return "forward"
+
+
+def _run(path: str, x: Tensor, w: GroupedNM, bias: Optional[Tensor], twin: tuple, plan) -> Tensor:
+    """The forward of ``path`` on the twin's ``(slice_ptr, columns, values)`` or on the plan."""
+    R = w.shape[0]
+    if path == "twin":
+        return _se.sliced_ell_linear_kernel(x, *twin, bias, R)
+    if path == "forward_widened":
         b = None if bias is None else bias.float()
-        return _k.spmm(x.float(), _plan(w, "forward_widened"), b, R).to(torch.bfloat16)
-    return _k.spmm(x, _plan(w, "forward"), bias, R)
+        return _k.spmm(x.float(), plan, b, R).to(torch.bfloat16)
+    return _k.spmm(x, plan, bias, R)
+
+
+def _forward(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> Tensor:
+    path = _path(x, w)
+    if path == "twin":
+        s = _sliced_ell_twin(w)
+        return _run(path, x, w, bias, (s.slice_ptr, s.columns, s.values), None)
+    return _run(path, x, w, bias, (), _plan(w, path))
+
+
+# ------------------------------------------------------------------------------ under torch.compile
+# A compiled graph sees the weight's components as fakes, from which no plan can be built. The forward's
+# plan tensors (or its SlicedELL twin's) therefore travel beside the components as derived tensors
+# (Layout.derived_components): the graph takes them as inputs and calls the kernel ops on them, the
+# plan's integer fields recomputed from the values' shape. One forward per weight dtype: a bf16 weight
+# runs the twin's rows (where the CPU has them) for every token count, single tokens included.
+_DERIVED = "compiled_forward"  # the _cache key of derived tensors a layout adopted
+
+
+def _compiled_path(w: GroupedNM) -> str:
+    if _twin_rows(w):
+        return "twin"
+    return "forward_widened" if _k.pairs_when_widened(w.values, w.n, w.m) else "forward"
+
+
+class _Derivation:
+    """``GroupedNM.derivation``: the compiled forward's tensors of a weight, and their adoption."""
+
+    TWIN = ("twin_slice_ptr", "twin_columns", "twin_values")
+    PLAN = ("plan_idx", "plan_vals", "plan_out_rows")
+
+    @staticmethod
+    def derive(w: GroupedNM) -> dict:
+        adopted = w._cache.get(_DERIVED)
+        if adopted is not None:  # a layout rebuilt from a graph's inputs (fakes: nothing can be built)
+            return adopted
+        path = _compiled_path(w)
+        if path == "twin":
+            s = _sliced_ell_twin(w)
+            return dict(zip(_Derivation.TWIN, (s.slice_ptr, s.columns, s.values)))
+        p = _plan(w, path)
+        out = dict(zip(_Derivation.PLAN, (p.idx, p.vals, p.out_rows)))
+        if p.offsets is not None:
+            out["plan_offsets"] = p.offsets
+        return out
+
+    @staticmethod
+    def adopt(w: GroupedNM, derived: dict) -> None:
+        names = set(derived)
+        if names not in (set(_Derivation.TWIN), set(_Derivation.PLAN), set(_Derivation.PLAN) | {"plan_offsets"}):
+            raise TypeError(
+                f"GroupedNM derives {list(_Derivation.TWIN)} or {list(_Derivation.PLAN)} (+ plan_offsets), "
+                f"got {sorted(names)}"
+            )
+        w._cache[_DERIVED] = dict(derived)
+
+
+GroupedNM.derivation = _Derivation
+
+
+def _forward_traced(x: Tensor, w: GroupedNM, bias: Optional[Tensor], needs_grad: bool) -> Tensor:
+    """The forward on fakes (torch.compile) from the adopted derived tensors. In training, whose backward
+    builds plans from the pattern (data-dependent), a graph break (dynamo's answer to a data-dependent op)
+    runs the layer eagerly instead."""
+    d = w._cache.get(_DERIVED)
+    path = _compiled_path(w)
+    if d is None or needs_grad:
+        raise DataDependentOutputException(torch.ops.aten.linear.default)
+    if path == "twin":
+        return _run(path, x, w, bias, tuple(d[n] for n in _Derivation.TWIN), None)
+    pairs = _k._use_pairs(w.values, w.n, w.m, widened=path == "forward_widened")
+    fields = _k.forward_plan_fields(tuple(w.values.shape), w.n, w.m, pairs)
+    plan = _k.Plan(*(d[n] for n in _Derivation.PLAN), *fields, d.get("plan_offsets"))
+    return _run(path, x, w, bias, (), plan)
 
 
 def _check_input(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> None:
@@ -105,10 +193,9 @@ class GroupedNMLinear:
     def forward(ctx, x: Tensor, w: GroupedNM, bias: Optional[Tensor] = None) -> Tensor:
         _check_input(x, w, bias)
         if is_fake(w.values) or is_fake(x):
-            # the kernel plans are built from the weight's tensors, which torch.compile traces as fakes:
-            # a graph break (dynamo's answer to a data-dependent op) runs this layer eagerly instead
-            raise DataDependentOutputException(torch.ops.aten.linear.default)
-        y = _forward(x, w, bias)
+            y = _forward_traced(x, w, bias, any(getattr(ctx, "needs_input_grad", ())))
+        else:
+            y = _forward(x, w, bias)
         ctx.save_for_backward(x)
         ctx.w = w
         return y
