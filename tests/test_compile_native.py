@@ -25,6 +25,11 @@ LINEAR = [
     ("sliced_ell", dict(sparsity=0.8), True, False),
     ("bitmask", dict(sparsity=0.5), True, False),
     ("grouped_nm", dict(n=2, m=4, g=2), True, False),
+    ("nm", dict(n=2, m=4), True, False),
+    ("csr", {}, True, False),
+    ("bsr", dict(blocksize=(4, 4)), True, False),
+    ("coo", {}, True, False),
+    ("masked", {}, True, False),
 ]
 # Run in a child process: under pytest's log capture torch formats trace records whose payloads hold a
 # SparseTensor's repr, and its nnz reads data, which fails inside the trace.

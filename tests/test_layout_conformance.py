@@ -500,6 +500,26 @@ class TestLayoutConformance:
         assert twin._stable_hash_for_caching() == key  # values are not part of the key
         assert sparsa.SparseTensor(lay.to(torch.float64))._stable_hash_for_caching() != key
 
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
+    def test_flatten_round_trip(self, name, data):
+        """``__tensor_flatten__`` / ``__tensor_unflatten__`` (how torch.compile unwraps a weight): the same
+        tensor comes back, holding the very derived tensors (kernel plans, row ids) that travelled beside the
+        components, so a compiled graph takes them as inputs instead of rebuilding them; a derived set of
+        other names is refused."""
+        lay, _, _ = _sparse_linear(data, name, bias=False)
+        w = sparsa.SparseTensor(lay)
+        names, ctx = w.__tensor_flatten__()
+        back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, ctx, w.shape, w.stride())
+        assert back.layout_name == name and back.sparse_layout.params() == lay.params()
+        torch.testing.assert_close(back.to_dense(), lay.to_dense(), rtol=0, atol=0)
+        derived = lay.derived_components()
+        assert sorted(n[3:] for n in names if n.startswith("_d_")) == sorted(derived)
+        for n, t in derived.items():
+            assert back.sparse_layout.derived_components()[n] is t
+        with pytest.raises(TypeError, match="derives"):
+            back.sparse_layout.adopt_derived({"not_a_derived_tensor": torch.zeros(1)})
+
 
 def _sparse_linear(data, name, bias):
     """A drawn layout of ``name``, an ``nn.Linear`` whose weight is that layout as a Parameter, and the

@@ -106,6 +106,8 @@ def check_sorted_cols(col: Tensor, row_ids: Tensor, ncols: int, who: str, name: 
         raise ValueError(f"{who}: component {name!r} must be sorted (strictly increasing) within each row")
 
 
-def row_ids_from_crow(crow: Tensor) -> Tensor:
+def row_ids_from_crow(crow: Tensor, nnz: int) -> Tensor:
+    """The row of each of the ``nnz`` entries of compressed row offsets ``crow``. ``nnz`` (the column
+    indices' length) fixes the output size, which torch.compile cannot read from ``crow``'s data."""
     rows = crow.numel() - 1
-    return torch.repeat_interleave(torch.arange(rows, device=crow.device), crow.diff())
+    return torch.repeat_interleave(torch.arange(rows, device=crow.device), crow.diff(), output_size=nnz)

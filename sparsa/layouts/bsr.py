@@ -111,8 +111,17 @@ class BSR(Layout):
     def block_row_indices(self) -> Tensor:
         r = self._cache.get("rows")
         if r is None:
-            r = self._cache["rows"] = row_ids_from_crow(self.crow_indices)
+            r = self._cache["rows"] = row_ids_from_crow(self.crow_indices, self.col_indices.numel())
         return r
+
+    def derived_components(self) -> Dict[str, Tensor]:
+        # torch.compile takes the row ids as a graph input instead of expanding crow_indices on every call
+        return {"row_indices": self.block_row_indices()}
+
+    def adopt_derived(self, derived: Dict[str, Tensor]) -> None:
+        if set(derived) != {"row_indices"}:
+            raise TypeError(f"BSR derives row_indices, got {sorted(derived)}")
+        self._cache["rows"] = derived["row_indices"]
 
     def _scatter(self, blocks: Tensor) -> Tensor:
         bh, bw = self.blocksize
