@@ -154,7 +154,7 @@ def _bf16_tiles(tiles, group, monkeypatch):
     monkeypatch.delenv("SPARSA_NO_NATIVE", raising=False)
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
-    assert group in (4, 8, 16, 32) and (tiles == "dp" or group >= 16)
+    assert group in (4, 8, 16, 32)
     if tiles == "amx_emulated":
         lib = rg.emulated_amx_library()
         if lib is None or not lib.sparsa_row_group_has_amx():
@@ -181,8 +181,8 @@ TILES = ["amx", "amx_emulated", "dp"]
 
 
 @pytest.mark.parametrize(
-    ("tiles", "group"), [(t, g) for t in TILES for g in (4, 8, 16, 32) if t == "dp" or g >= 16]
-)  # the AMX tiles take groups of 16 and 32; smaller groups run the AVX512-BF16 tiles
+    ("tiles", "group"), [(t, g) for t in TILES for g in (4, 8, 16, 32)]
+)  # the AMX tiles take groups of 4 and 8 in the first rows of 16-row tiles
 @pytest.mark.parametrize("permute", [False, True])
 @pytest.mark.parametrize("activation", ["none", "gelu"])
 def test_bf16_dot_product_tiles(tiles, group, permute, activation, monkeypatch):
@@ -350,7 +350,7 @@ def _amx_lib(tiles):
 
 
 @pytest.mark.parametrize("tiles", ["amx", "amx_emulated"])
-@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("group", [4, 8, 16, 32])
 def test_amx_pack_is_made_once_and_remade_after_an_in_place_update(tiles, group, monkeypatch):
     # the AMX tiles read the weight's pack (made once per weight) instead of reordering it on every call;
     # the results equal those of a call that reorders it (no pack), also after values change in place
@@ -388,11 +388,28 @@ def test_amx_pack_is_made_once_and_remade_after_an_in_place_update(tiles, group,
 def test_amx_pack_rejects_what_the_tiles_cannot_read():
     lib = _amx_lib("amx_emulated") if rg.emulated_amx_library() is not None else _amx_lib("amx")
     vals = torch.zeros(2, 40, 16, dtype=torch.bfloat16)
-    assert lib.sparsa_row_group_amx_pack_size(2, 40, 8) == 0  # groups of 8 run other tiles
+    assert lib.sparsa_row_group_amx_pack_size(2, 40, 2) == 0  # no group size of RowGroup's
     n = int(lib.sparsa_row_group_amx_pack_size(2, 40, 16))
     assert n == 2 * 2 * 16 * 32  # two groups of two 32-column blocks of 16 rows
     buf = torch.empty(n + 64, dtype=torch.bfloat16)
     off = (-buf.data_ptr()) % 64
     assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 16, buf.data_ptr() + off, 1) == 0
     assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 16, buf.data_ptr() + off + 2, 1) == -1  # misaligned
-    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 8, buf.data_ptr() + off, 1) == -1
+    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), 2, 40, 2, buf.data_ptr() + off, 1) == -1
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_amx_pack_of_small_groups_fills_the_first_rows_of_16_row_tiles(group):
+    # groups of 4 or 8 rows run 16-row tiles: their rows first, zero weights below (never stored)
+    lib = _amx_lib("amx_emulated") if rg.emulated_amx_library() is not None else _amx_lib("amx")
+    ng, k = 3, 40
+    vals = (torch.arange(ng * k * group) % 251 - 125).reshape(ng, k, group).to(torch.bfloat16)  # exact in bf16
+    n = int(lib.sparsa_row_group_amx_pack_size(ng, k, group))
+    assert n == ng * 2 * 16 * 32  # per group: two 32-column blocks of a 16-row tile
+    buf = torch.empty(n + 64, dtype=torch.bfloat16)
+    off = (-buf.data_ptr()) % 64
+    assert lib.sparsa_row_group_amx_pack(vals.data_ptr(), ng, k, group, buf.data_ptr() + off, 1) == 0
+    got = buf[off // 2 : off // 2 + n].reshape(ng, 2, 16, 32)  # [group, block, tile row, column in block]
+    want = torch.zeros(ng, 64, 16, dtype=torch.bfloat16)
+    want[:, :k, :group] = vals
+    assert torch.equal(got, want.reshape(ng, 2, 32, 16).transpose(2, 3))

@@ -160,7 +160,7 @@ _AMX_PACKS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyD
 def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
     """``values`` (bf16, ``(ng, k, G)``) in the order the AMX tiles read, as a buffer and the byte offset of its
     64-byte aligned start (hold the buffer while the kernel runs), or None where the tiles do not run for it
-    (no AMX here, or a group size other than 16 or 32).
+    (no AMX here, or a group size the tiles do not take).
 
     Made once per weight and kept while ``values`` is unchanged (its data pointer and version are the key,
     so an in-place update makes a new one), so a call does not reorder the weight again: a copy of the kept

@@ -18,18 +18,19 @@ namespace amx {
 // A tiles: wa[vg][kb][r][32] = W rows r of the virtual group, kept columns kb*32.. (zero past k)
 inline int64_t wsize(int64_t k, int RT) { return (k + 31) / 32 * RT * 32; }
 
+// (a group of fewer rows than RT fills the first G rows of its tiles, the rest zero: see dp::run's vrows)
 inline void repack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, int RT, uint16_t* wa, int nthreads) {
-    const int64_t parts = G / RT, nkb = (k + 31) / 32, nvg = ng * parts;
+    const int64_t vrows = std::min<int64_t>(G, RT), parts = G / vrows, nkb = (k + 31) / 32, nvg = ng * parts;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t vg = 0; vg < nvg; ++vg) {
-        const int64_t g = vg / parts, r0 = (vg % parts) * RT;
+        const int64_t g = vg / parts, r0 = (vg % parts) * vrows;
         const uint16_t* v = vals + g * k * G + r0;
         uint16_t* o = wa + vg * nkb * RT * 32;
         for (int64_t kb = 0; kb < nkb; ++kb)
             for (int r = 0; r < RT; ++r)
                 for (int j = 0; j < 32; ++j) {
                     const int64_t c = kb * 32 + j;
-                    o[(kb * RT + r) * 32 + j] = c < k ? v[c * G + r] : (uint16_t)0;
+                    o[(kb * RT + r) * 32 + j] = c < k && r < vrows ? v[c * G + r] : (uint16_t)0;
                 }
     }
 }
@@ -227,7 +228,11 @@ struct Tiles {
     static void end() { SPARSA_TILE_RELEASE(); }
 };
 
-// groups of 16 or 32 rows (the caller checks)
+// the group sizes the tiles run: 16 and 32 rows fill them; 4 and 8 rows fill 16-row tiles partly (the tile
+// products are not what bounds this kernel, the data movement around them is, which a group pays once)
+inline bool takes(int64_t G) { return G == 4 || G == 8 || G == 16 || G == 32; }
+
+// groups of takes(G) rows (the caller checks)
 inline void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uint16_t* vals, int64_t ng,
                     int64_t k, int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm,
                     int nthreads, bool act, const uint16_t* packed) {
@@ -235,10 +240,12 @@ inline void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols
     dp::run<Tiles<1>>(x, T, K, cols, vals, ng, k, G, bias, y, ybf, R, perm, nthreads, act, packed);
 }
 
-// The weights in the tile order run_any reads (one virtual group per group: RT = G), for run_any's packed.
-inline int64_t pack_size(int64_t ng, int64_t k, int64_t G) { return G == 16 || G == 32 ? ng * wsize(k, (int)G) : 0; }
+// The weights in the tile order run_any reads (one virtual group per group, in tiles of tile_rows(G) rows),
+// for run_any's packed.
+inline int tile_rows(int64_t G) { return G == 32 ? 32 : 16; }
+inline int64_t pack_size(int64_t ng, int64_t k, int64_t G) { return takes(G) ? ng * wsize(k, tile_rows(G)) : 0; }
 inline void pack(const uint16_t* vals, int64_t ng, int64_t k, int64_t G, uint16_t* out, int nthreads) {
-    repack(vals, ng, k, G, (int)G, out, nthreads);
+    repack(vals, ng, k, G, tile_rows(G), out, nthreads);
 }
 
 }  // namespace amx

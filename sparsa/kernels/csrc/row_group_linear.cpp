@@ -515,7 +515,9 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
          int64_t G, const float* bias, float* y, uint16_t* ybf, int64_t R, const int32_t* perm, int nthreads,
          bool act, const uint16_t* packed = nullptr) {
     constexpr int NT = Tiles::NT, RT = Tiles::RT;
-    const int64_t parts = G / RT, nvg = ng * parts, ws = Tiles::wsize(k);
+    // a virtual group: the rows of one tile; a group smaller than the tile (AMX tiles of 16 rows, groups of
+    // 4 or 8) fills its first vrows rows and the rest are zero weights (Tiles::repack), never stored
+    const int64_t vrows = std::min<int64_t>(G, RT), parts = G / vrows, nvg = ng * parts, ws = Tiles::wsize(k);
     // the weights in tile order: the caller's pack (Tiles::repack of these vals, made once per weight), or
     // made here, 64-byte aligned (a tile row that straddles two cache lines loads at a fraction of the speed)
     AlignedBuf<uint16_t> wp_buf(nullptr, &std::free);
@@ -552,10 +554,10 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                 const int64_t g = vg / parts;
                 if constexpr (Tiles::kStoresBf16) {
                     if (!perm) {  // the tiles round and store their rows themselves
-                        const int64_t s0 = vg * RT;
-                        const int nout = (int)std::min<int64_t>(RT, R - s0);
+                        const int64_t s0 = vg * vrows;
+                        const int nout = (int)std::min<int64_t>(vrows, R - s0);
                         // the group stored next on this panel, whose first B tiles this one builds
-                        const bool next = vg + 1 < v1 && (vg + 1) * RT < R;
+                        const bool next = vg + 1 < v1 && (vg + 1) * vrows < R;
                         if (nout > 0)
                             Tiles::tile_store(xt.get(), cols + g * k, wp + vg * ws, k, bias ? bias + s0 : nullptr, act,
                                               nt, nout, ybf + t0 * R + s0, R, stream,
@@ -564,11 +566,11 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                     }
                 }
                 Tiles::tile(xt.get(), cols + g * k, wp + vg * ws, k, out);
-                const int64_t s0 = vg * RT;  // first slot
+                const int64_t s0 = vg * vrows;  // first slot
                 if (perm) {
                     for (int t = 0; t < nt; ++t) {
                         float* yr = y + (t0 + t) * R;
-                        for (int r = 0; r < RT; ++r) {
+                        for (int r = 0; r < vrows; ++r) {
                             const int32_t o = perm[s0 + r];
                             if (o < R) yr[o] = out[t * RT + r] + (bias ? bias[o] : 0.f);
                         }
@@ -576,7 +578,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
                     continue;
                 }
                 // rounded to bf16 here: no float copy of y goes through memory
-                const int nout = (int)std::min<int64_t>(RT, R - s0);
+                const int nout = (int)std::min<int64_t>(vrows, R - s0);
                 if (nout <= 0) continue;
                 // 16 outputs at a time (AMX tiles of 32 rows hold two such column blocks)
                 if (bias) {
@@ -881,7 +883,7 @@ int linear(const void* x, bool x_bf16, int64_t T, int64_t K, const int32_t* cols
     if (perm && is_identity(perm, ng * G)) perm = nullptr;
 #ifdef SPARSA_HAVE_AVX512_PATH
     if constexpr (std::is_same<WT, uint16_t>::value) {
-        if (x_bf16 && y_bf16 && (G == 16 || G == 32) && T >= kDpMinTokens && use_amx()) {
+        if (x_bf16 && y_bf16 && amx::takes(G) && T >= kDpMinTokens && use_amx()) {
             amx::run_any(static_cast<const uint16_t*>(x), T, K, cols, vals, ng, k, G, bias,
                          perm ? scratch_f32(0, (size_t)(T * R)) : nullptr, static_cast<uint16_t*>(y), R, perm,
                          nthreads, act, amx_packed);
