@@ -931,7 +931,7 @@ int sparsa_row_group_has_avx512() { return use_avx512() ? 1 : 0; }
 // 1 when bf16 calls with 16 tokens or more run the AVX512-BF16 dot-product tiles on this CPU
 int sparsa_row_group_has_dpbf16() { return use_dpbf16() ? 1 : 0; }
 
-// 1 when bf16 calls with 16 tokens or more and groups of 16 or 32 run the AMX tiles on this CPU
+// 1 when bf16 calls with 16 tokens or more run the AMX tiles on this CPU (every group size: amx::takes)
 int sparsa_row_group_has_amx() { return use_amx() ? 1 : 0; }
 
 // why the AMX tiles do not run on this CPU whatever SPARSA_ISA says: 0 they can; 1 no AMX-BF16 (or no
