@@ -5,8 +5,8 @@ an autograd formula, around the native AVX2/FMA + OpenMP kernel in ``csrc/row_gr
 (AVX-512 tiles chosen at run time when the CPU has them; ``SPARSA_ISA=avx2`` keeps the AVX2 ones).
 float32 and bfloat16 operands (fp32 accumulation, the output rounded once): bf16 with 16 tokens or
 more runs AMX tiles (groups of 4 to 32; 4 and 8 fill 16-row tiles partly) where the CPU has AMX-BF16
-(:func:`has_amx`), VDPBF16PS tiles for groups of 4 to 32 where it has AVX512-BF16 (:func:`has_dpbf16`), otherwise bf16 weights are widened
-in registers. ``activation="gelu"`` applies GELU in the kernel's
+(:func:`has_amx`), VDPBF16PS tiles for groups of 4 to 32 where it has AVX512-BF16 (:func:`has_dpbf16`),
+otherwise bf16 weights are widened in registers. ``activation="gelu"`` applies GELU in the kernel's
 epilogue, after the bias. When the kernel cannot be built, or ``SPARSA_NO_NATIVE=1``, the same op runs
 :func:`row_group_linear_reference` (gather + batched matmul).
 
