@@ -17,14 +17,13 @@ from sparsa.adaptive import relu_conv2d, relu_linear
 from sparsa.kernels import loader
 
 ROOT = Path(__file__).resolve().parents[1]
-# (layout, params, fullgraph forward, fullgraph training step). A grouped_nm backward builds plans from the
-# pattern (data-dependent sizes); the SlicedELL and Bitmask backwards pick their products from the weight's
-# density.
+# (layout, params, fullgraph forward, fullgraph training step). The SlicedELL and Bitmask backwards pick their
+# products from the weight's density.
 LINEAR = [
     ("row_group", dict(group=8, sparsity=0.5), True, True),
     ("sliced_ell", dict(sparsity=0.8), True, False),
     ("bitmask", dict(sparsity=0.5), True, False),
-    ("grouped_nm", dict(n=2, m=4, g=2), True, False),
+    ("grouped_nm", dict(n=2, m=4, g=2), True, True),
     ("nm", dict(n=2, m=4), True, False),
     ("csr", {}, True, False),
     ("bsr", dict(blocksize=(4, 4)), True, False),

@@ -1,6 +1,8 @@
 """GroupedNM linear under ``torch.compile``: the forward's plan tensors (or its SlicedELL twin's) travel with
-the weight as derived tensors, so an inference graph is one graph of kernel ops, equal to eager; training,
-whose backward plans are data-dependent, breaks the graph and runs the layer eagerly."""
+the weight as derived tensors, so an inference graph is one graph of kernel ops, equal to eager; a training
+step too, its backward's plans carried the same way."""
+
+import copy
 
 import pytest
 import torch
@@ -49,18 +51,22 @@ def test_plan_fields_from_the_shape_match_the_built_plans(nm, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flatten_carries_the_forward_tensors(dtype):
+@pytest.mark.parametrize("grad", [False, True])
+def test_flatten_carries_the_forward_tensors(dtype, grad):
     w = sparsa.to_sparse(torch.randn(24, 64).to(dtype), "grouped_nm", n=1, m=4, g=2)
-    names, ctx = w.__tensor_flatten__()
+    with torch.set_grad_enabled(grad):  # with grad on (a graph that may train), the backward's plans too
+        names, ctx = w.__tensor_flatten__()
     derived = sorted(n[3:] for n in names if n.startswith("_d_"))
     twin = ngnm._compiled_path(w.sparse_layout) == "twin"
-    assert derived == (
-        sorted(ngnm._Derivation.TWIN) if twin else sorted(set(derived) & {"plan_offsets"} | set(ngnm._Derivation.PLAN))
-    )
+    forward = set(ngnm._Derivation.TWIN) if twin else set(derived) & {"plan_offsets"} | set(ngnm._Derivation.PLAN)
+    backward = set(ngnm._Derivation.INPUT_GRAD) | set(ngnm._Derivation.PATTERN)
+    assert derived == sorted(forward | backward if grad else forward)
+    with torch.no_grad():  # once built for these values, they stay (the compiled forward unwraps with grad off)
+        assert sorted(n[3:] for n in w.__tensor_flatten__()[0] if n.startswith("_d_")) == derived
     back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, ctx, w.shape, w.stride())
     # the rebuilt layout holds the same tensors, and builds nothing of its own
-    for name, t in w.sparse_layout.derived_components().items():
-        assert back.sparse_layout.derived_components()[name] is t
+    for name in (n for n in names if n.startswith("_d_")):
+        assert back.sparse_layout.derived_components()[name[3:]] is getattr(w, name)
     with pytest.raises(TypeError, match="GroupedNM derives"):
         back.sparse_layout.adopt_derived({"bits": torch.zeros(1)})
 
@@ -73,7 +79,7 @@ def _model(nm, dtype, seed=0):
     return m
 
 
-def _capturing_backend(graphs):
+def _capturing_backend(graphs, backward=False):
     from torch._functorch.aot_autograd import aot_module_simplified
 
     def backend(gm, inputs):
@@ -81,7 +87,7 @@ def _capturing_backend(graphs):
             graphs.append(g)
             return g.forward
 
-        return aot_module_simplified(gm, inputs, fw_compiler=keep)
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, bw_compiler=keep if backward else None)
 
     return backend
 
@@ -106,10 +112,44 @@ def test_compiled_inference_is_one_graph_of_kernel_ops(path, nm, dtype):
         assert rebuilt not in code, (rebuilt, code)
 
 
-def test_training_under_compile_matches_eager():
-    m = _model((1, 4), torch.float32, seed=1)
-    x = torch.randn(9, 64)
-    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-    m(xe).square().sum().backward()
-    torch.compile(m, backend="aot_eager")(xc).square().sum().backward()
-    torch.testing.assert_close(xc.grad, xe.grad)
+@pytest.mark.parametrize("nm", [(1, 4), (2, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_weight", ["dense", "sparse"])
+def test_training_under_compile_is_one_graph_equal_to_eager(path, nm, dtype, grad_weight, monkeypatch):
+    # the backward's plans travel as derived tensors too: optimizer steps that change the values rebuild
+    # them outside the graph, and the weight gradient takes either route (sddmm or masked dense)
+    monkeypatch.setattr(ngnm, "crossover", lambda name: 1.0 if grad_weight == "sparse" else 0.0)
+    eager = _model(nm, dtype, seed=1)
+    compiled_model = copy.deepcopy(eager)
+    graphs = []
+    step = torch.compile(
+        lambda m, x: m(x).float().square().sum(), backend=_capturing_backend(graphs, backward=True), fullgraph=True
+    )
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (eager, compiled_model)]
+    for i in range(3):
+        x = torch.randn(9, 64, generator=torch.Generator().manual_seed(i)).to(dtype)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        for opt in opts:
+            opt.zero_grad()
+        eager(xe).float().square().sum().backward()
+        step(compiled_model, xc).backward()
+        assert torch.equal(xc.grad, xe.grad), i
+        for pe, pc in zip(eager.parameters(), compiled_model.parameters()):
+            assert torch.equal(pc.grad, pe.grad), i
+        for opt in opts:
+            opt.step()
+    code = "\n".join(g.code for g in graphs)
+    assert code.count("grouped_nm_spmm_kernel") + code.count("sliced_ell_linear_kernel") >= 4, code  # fwd + grad_x
+    assert ("grouped_nm_sddmm_kernel" in code) == (grad_weight == "sparse"), code
+    assert "argsort" not in code, code  # no plan is rebuilt inside the graphs (the mask of the dense route is)
+
+
+def test_inference_after_training_compiles_again():
+    # a weight whose backward plans were built (an eager training step) carries them into a later no-grad
+    # graph as unused inputs: still one graph, equal to eager
+    m = _model((2, 4), torch.float32, seed=2)
+    m(torch.randn(3, 64)).sum().backward()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        x = torch.randn(5, 64)
+        assert torch.equal(compiled(x), m(x))

@@ -279,12 +279,29 @@ def pattern_plan(values: Tensor, columns: Tensor, n: int, m: int) -> Plan:
     return Plan(idx, vals, rows, *_pattern_fields(C, P, g, m))
 
 
+def _input_grad_q(values_shape: Sequence[int], q: int) -> int:
+    _, C, P, g, _ = values_shape
+    return q if (C * P * g) % q == 0 else 1
+
+
+def input_grad_plan_fields(values_shape: Sequence[int], n: int, m: int, q: int = 2) -> tuple:
+    """The integer fields of :func:`input_grad_plan` for values of shape ``values_shape``."""
+    q = _input_grad_q(values_shape, q)
+    return (values_shape[0], n * q, m, 1, q, True)
+
+
+def pattern_plan_fields(values_shape: Sequence[int], m: int) -> tuple:
+    """The integer fields of :func:`pattern_plan` for values of shape ``values_shape``."""
+    _, C, P, g, _ = values_shape
+    return _pattern_fields(C, P, g, m)
+
+
 def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2) -> Plan:
     """Plan for ``grad_x = grad_y @ W``: one group per ``q`` (padded) input columns, each column's
     ``B*n`` entries ordered by row, interleaved over the group's columns."""
     B, C, P, g, nn = values.shape
     kp = C * P * g
-    q = q if kp % q == 0 else 1
+    q = _input_grad_q(values.shape, q)
     rows = _pattern_rows(n, m, B, values.device).view(B, 1, P, 1, n).expand(B, C, P, g, n)
     cols = columns.long().unsqueeze(-1).expand(B, C, P, g, n)
     order = torch.argsort((cols * (B * m) + rows).reshape(-1))  # (column, row)
@@ -293,7 +310,7 @@ def input_grad_plan(values: Tensor, columns: Tensor, n: int, m: int, q: int = 2)
     idx = rows.reshape(-1)[order].view(kp // q, B * n * q).to(torch.int32).contiguous()
     vals = values.reshape(-1)[order].view(kp // q, B * n * q, 1).contiguous()
     out_rows = torch.arange(kp, dtype=torch.int32, device=values.device).view(kp // q, q)
-    return Plan(idx, vals, out_rows, B, n * q, m, 1, q, True)
+    return Plan(idx, vals, out_rows, *input_grad_plan_fields(values.shape, n, m, q))
 
 
 # ------------------------------------------------------------------------------------------ reference

@@ -113,7 +113,8 @@ def _forward(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> Tensor:
 # plan tensors (or its SlicedELL twin's) therefore travel beside the components as derived tensors
 # (Layout.derived_components): the graph takes them as inputs and calls the kernel ops on them, the
 # plan's integer fields recomputed from the values' shape. One forward per weight dtype: a bf16 weight
-# runs the twin's rows (where the CPU has them) for every token count, single tokens included.
+# runs the twin's rows (where the CPU has them) for every token count, single tokens included. A graph that
+# may train also takes the backward's plans (input gradient, and the pattern plan of the weight gradient).
 _DERIVED = "compiled_forward"  # the _cache key of derived tensors a layout adopted
 
 
@@ -128,6 +129,8 @@ class _Derivation:
 
     TWIN = ("twin_slice_ptr", "twin_columns", "twin_values")
     PLAN = ("plan_idx", "plan_vals", "plan_out_rows")
+    INPUT_GRAD = ("igrad_idx", "igrad_vals", "igrad_out_rows")
+    PATTERN = ("pattern_idx", "pattern_out_rows")
 
     @staticmethod
     def derive(w: GroupedNM) -> dict:
@@ -137,16 +140,24 @@ class _Derivation:
         path = _compiled_path(w)
         if path == "twin":
             s = _sliced_ell_twin(w)
-            return dict(zip(_Derivation.TWIN, (s.slice_ptr, s.columns, s.values)))
-        p = _plan(w, path)
-        out = dict(zip(_Derivation.PLAN, (p.idx, p.vals, p.out_rows)))
-        if p.offsets is not None:
-            out["plan_offsets"] = p.offsets
+            out = dict(zip(_Derivation.TWIN, (s.slice_ptr, s.columns, s.values)))
+        else:
+            p = _plan(w, path)
+            out = dict(zip(_Derivation.PLAN, (p.idx, p.vals, p.out_rows)))
+            if p.offsets is not None:
+                out["plan_offsets"] = p.offsets
+        # a graph traced with grad on may differentiate the layer: the backward's plans travel too, from then on
+        # for these values (the compiled forward unwraps its inputs again with grad off)
+        if torch.is_grad_enabled() or "input_grad" in _plans(w):
+            p = _plan(w, "input_grad")
+            out.update(zip(_Derivation.INPUT_GRAD, (p.idx, p.vals, p.out_rows)))
+            p = _plan(w, "pattern")
+            out.update(zip(_Derivation.PATTERN, (p.idx, p.out_rows)))
         return out
 
     @staticmethod
     def adopt(w: GroupedNM, derived: dict) -> None:
-        names = set(derived)
+        names = set(derived) - set(_Derivation.INPUT_GRAD) - set(_Derivation.PATTERN)
         if names not in (set(_Derivation.TWIN), set(_Derivation.PLAN), set(_Derivation.PLAN) | {"plan_offsets"}):
             raise TypeError(
                 f"GroupedNM derives {list(_Derivation.TWIN)} or {list(_Derivation.PLAN)} (+ plan_offsets), "
@@ -159,12 +170,12 @@ GroupedNM.derivation = _Derivation
 
 
 def _forward_traced(x: Tensor, w: GroupedNM, bias: Optional[Tensor], needs_grad: bool) -> Tensor:
-    """The forward on fakes (torch.compile) from the adopted derived tensors. In training, whose backward
-    builds plans from the pattern (data-dependent), a graph break (dynamo's answer to a data-dependent op)
-    runs the layer eagerly instead."""
+    """The forward on fakes (torch.compile) from the adopted derived tensors. Where they are missing (or,
+    in training, the backward's are), a graph break (dynamo's answer to a data-dependent op) runs the layer
+    eagerly instead."""
     d = w._cache.get(_DERIVED)
     path = _compiled_path(w)
-    if d is None or needs_grad:
+    if d is None or (needs_grad and _Derivation.INPUT_GRAD[0] not in d):
         raise DataDependentOutputException(torch.ops.aten.linear.default)
     if path == "twin":
         return _run(path, x, w, bias, tuple(d[n] for n in _Derivation.TWIN), None)
@@ -172,6 +183,21 @@ def _forward_traced(x: Tensor, w: GroupedNM, bias: Optional[Tensor], needs_grad:
     fields = _k.forward_plan_fields(tuple(w.values.shape), w.n, w.m, pairs)
     plan = _k.Plan(*(d[n] for n in _Derivation.PLAN), *fields, d.get("plan_offsets"))
     return _run(path, x, w, bias, (), plan)
+
+
+def _backward_plan(w: GroupedNM, kind: str) -> _k.Plan:
+    """The backward's plan ``kind`` (``input_grad`` or ``pattern``); on fakes, from the adopted derived tensors
+    (the forward broke the graph where they are missing)."""
+    if not is_fake(w.values):
+        return _plan(w, kind)
+    d = w._cache[_DERIVED]
+    shape = tuple(w.values.shape)
+    if kind == "input_grad":
+        fields = _k.input_grad_plan_fields(shape, w.n, w.m)
+        return _k.Plan(*(d[n] for n in _Derivation.INPUT_GRAD), *fields)
+    idx, rows = (d[n] for n in _Derivation.PATTERN)
+    # the sddmm reads the pattern plan's indices and rows only; its values stay unbuilt
+    return _k.Plan(idx, idx.new_empty(0), rows, *_k.pattern_plan_fields(shape, w.m))
 
 
 def _check_input(x: Tensor, w: GroupedNM, bias: Optional[Tensor]) -> None:
@@ -209,7 +235,7 @@ class GroupedNMLinear:
         g2 = gy.reshape(-1, R)
         gx = gw = gb = None
         if nx:
-            gx = _k.spmm(g2, _plan(w, "input_grad"), None, K).reshape(x.shape)
+            gx = _k.spmm(g2, _backward_plan(w, "input_grad"), None, K).reshape(x.shape)
         if nw:
             gw = _grad_weight(w, g2, x.reshape(-1, K))
         if nb:
@@ -233,6 +259,6 @@ def _grad_weight_dense(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
 def _grad_weight_sparse(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
     B, C, P, g, n = w.values.shape
     dtype = torch.promote_types(g2.dtype, x2.dtype)
-    gv = _k.sddmm(x2.to(dtype), g2.to(dtype), _plan(w, "pattern"))  # (B*P, C*g, n)
+    gv = _k.sddmm(x2.to(dtype), g2.to(dtype), _backward_plan(w, "pattern"))  # (B*P, C*g, n)
     gv = gv.view(B, P, C, g, n).permute(0, 2, 1, 3, 4).contiguous()
     return w._scatter(gv)
