@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..crossovers import CROSSOVERS, token_crossover
+from .operands import float_bias
 
 __all__ = [
     "SLOT_PAIRS",
@@ -128,7 +129,7 @@ def run_panel(
     whose dense product spreads it to every output; no kernel on this CPU or build)."""
     T, K = x2.shape
     y = torch.empty(T, R, dtype=x2.dtype)
-    b = None if bias is None else bias.to(torch.float32).contiguous()  # held until the call returns
+    b = None if bias is None else float_bias(bias, holder=values)  # held until the call returns
     rc = lib.sparsa_nm24_panel_bf16(
         x2.data_ptr(),
         T,

@@ -22,7 +22,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows", "bitmask_rows_call"]
+__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows", "float_bias", "bitmask_rows_call"]
 
 _KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 #: dtypes the kernels and references compute in float32 and round once
@@ -61,6 +61,37 @@ def token_rows(x: Tensor, out_features: int) -> Tuple[Tensor, int, Tensor]:
     return x2, T, torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
 
 
+def float_bias(bias: Tensor, length: int = 0, holder: Optional[Tensor] = None) -> Tensor:
+    """``bias`` as the contiguous float32 vector the kernels add, zero-padded to ``length`` entries if longer.
+
+    A float32 contiguous bias of its own length is returned as it is. Otherwise, with a ``holder`` (a tensor
+    the kernels own, e.g. the weight's values: never the user's bias, whose attributes a checkpoint would
+    save), the copy is kept on the holder while the bias's identity, data pointer and version are
+    unchanged, so a bf16 layer does not convert its bias on every call. Inference tensors, which have no
+    version, get a fresh copy."""
+    n = max(length, bias.numel())
+    if bias.dtype == torch.float32 and n == bias.numel() and bias.is_contiguous():
+        return bias
+    key = None
+    if holder is not None:
+        try:
+            key = (id(bias), bias.data_ptr(), bias._version, n)
+        except RuntimeError:  # an inference tensor
+            key = None
+    hit = getattr(holder, _BIAS_ATTR, None) if key is not None else None
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    b = bias.detach().to(torch.float32).contiguous()
+    if n > b.numel():
+        b = torch.cat([b, b.new_zeros(n - b.numel())])
+    if key is not None:
+        setattr(holder, _BIAS_ATTR, (key, b))
+    return b
+
+
+_BIAS_ATTR = "_sparsa_float_bias"
+
+
 def bitmask_rows_call(
     entry: Any, x2: Tensor, bits: Tensor, row_ptr: Tensor, values: Tensor, bias: Optional[Tensor], R: int, act: int = 0
 ) -> Tuple[int, Tensor]:
@@ -70,7 +101,7 @@ def bitmask_rows_call(
     epilogue's activation code (:func:`sparsa.kernels.epilogue.activation_code`)."""
     T, K = x2.shape
     y = torch.empty(T, R, dtype=x2.dtype)
-    b = None if bias is None else bias.to(torch.float32).contiguous()
+    b = None if bias is None else float_bias(bias, holder=values)
     rc = entry(
         x2.data_ptr(),
         T,

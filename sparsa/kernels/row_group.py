@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
-from .operands import REDUCED_DTYPES, native_kind, token_rows
+from .operands import REDUCED_DTYPES, float_bias, native_kind, token_rows
 from .opdef import kernel_op
 
 __all__ = [
@@ -153,8 +153,9 @@ def row_group_linear_reference(
     return activate(y, activation).reshape(*lead, out_features)
 
 
-#: the AMX tile pack per ``values`` tensor: (library, validity key, pack tensor, offset of its 64-byte boundary)
-_AMX_PACKS: "torch.utils.weak.WeakIdKeyDictionary" = torch.utils.weak.WeakIdKeyDictionary()
+#: the attribute of a ``values`` tensor that keeps its AMX tile pack: (validity key, pack tensor, offset of
+#: its 64-byte boundary); an attribute, not a weak dictionary, because the lookup is on every call's path
+_PACK_ATTR = "_sparsa_amx_pack"
 
 
 def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
@@ -170,7 +171,7 @@ def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
         key = (id(lib), values.data_ptr(), values._version)
     except RuntimeError:  # an inference tensor
         key = None
-    hit = _AMX_PACKS.get(values) if key is not None else None
+    hit = getattr(values, _PACK_ATTR, None) if key is not None else None
     if hit is not None and hit[0] == key:  # before any ctypes call: this is every call's path
         return hit[1], hit[2]
     ng, k, G = values.shape
@@ -183,7 +184,7 @@ def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
     if lib.sparsa_row_group_amx_pack(v.data_ptr(), ng, k, G, buf.data_ptr() + off, torch.get_num_threads()) != 0:
         raise RuntimeError(f"row_group_linear: the AMX pack of a ({ng}, {k}, {G}) weight failed")
     if key is not None:
-        _AMX_PACKS[values] = (key, buf, off)
+        setattr(values, _PACK_ATTR, (key, buf, off))
     return buf, off
 
 
@@ -205,11 +206,9 @@ def _native_forward(
         return y
     cols = columns.contiguous()
     vals = values.contiguous()
-    b = None
-    if bias is not None:
-        b = bias.to(torch.float32).contiguous()  # the kernels add a float bias before rounding
-        if b.numel() != ng * G:
-            b = torch.cat([b, b.new_zeros(ng * G - b.numel())])
+    b = (
+        None if bias is None else float_bias(bias, ng * G, holder=values)
+    )  # the kernels add a float bias before rounding
     perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
     fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
     extra = ()
