@@ -485,6 +485,34 @@ class TestLayoutConformance:
 
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
+    def test_to_in_inference_mode(self, name, data):
+        """Under ``torch.inference_mode`` ``aten.to`` reaches the layout undecomposed: it converts the layout
+        (``model.to(torch.bfloat16)`` keeps a sparse weight whose values are bf16), returns the tensor itself
+        when nothing changes, and never runs densely."""
+        lay, model, _ = _sparse_linear(data, name, bias=True)
+        want = lay.to_dense().to(torch.bfloat16)
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error", sparsa.SparseFallbackWarning)
+            w = sparsa.SparseTensor(lay)
+            assert w.to(torch.float32) is w and w.to("cpu") is w
+            for conv in (
+                lambda t: t.to(torch.bfloat16),
+                lambda t: t.to("cpu", torch.bfloat16),
+                lambda t: t.to(dtype=torch.bfloat16),
+                lambda t: t.to(torch.zeros(1, dtype=torch.bfloat16)),
+            ):
+                b = conv(w)
+                assert isinstance(b, sparsa.SparseTensor) and b.layout_name == name and b.dtype == torch.bfloat16
+                assert b.sparse_layout.dtype == torch.bfloat16 and torch.equal(b.to_dense(), want)
+            copied = w.to(torch.float32, copy=True)
+            assert copied is not w and torch.equal(copied.to_dense(), lay.to_dense())
+            model.to(torch.bfloat16)
+        mw = model.weight
+        assert isinstance(mw, sparsa.SparseTensor) and mw.layout_name == name
+        assert mw.dtype == mw.sparse_layout.dtype == torch.bfloat16 and torch.equal(mw.to_dense(), want)
+
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
     def test_compile_cache_key(self, name, data):
         """``_stable_hash_for_caching`` (torch.compile's AOT autograd cache key): the same for another tensor
         of the same layout metadata, different when the pattern's size or the dtype differ."""

@@ -79,6 +79,39 @@ def _to_copy(func, args, kwargs):
     return _same(src, lay.map_tensors(conv))
 
 
+def _to(func, args, kwargs):
+    """``aten.to`` overloads, which reach the layout undecomposed where autograd is off (inference mode):
+    the source itself when nothing changes and no copy is asked for, else what ``_to_copy`` makes."""
+    src, rest = args[0], args[1:]
+    kw = dict(kwargs)
+    if func is aten.to.dtype:
+        names = ("dtype", "non_blocking", "copy", "memory_format")
+    elif func is aten.to.device:
+        names = ("device", "dtype", "non_blocking", "copy", "memory_format")
+    elif func is aten.to.other:
+        names = ("other", "non_blocking", "copy", "memory_format")
+    else:  # to.dtype_layout: keyword-only
+        names = ()
+    kw.update(zip(names, rest))
+    other = kw.pop("other", None)
+    if other is not None:
+        kw.setdefault("dtype", other.dtype)
+        kw.setdefault("device", other.device)
+    copy = bool(kw.pop("copy", False))
+    kw.pop("non_blocking", None)
+    kw.pop("memory_format", None)  # a layout has no memory format
+    kw.pop("layout", None)
+    kw.pop("pin_memory", None)
+    dtype, device = kw.get("dtype"), kw.get("device")
+    device = None if device is None else torch.device(device)
+    same = (dtype is None or dtype == src.dtype) and (
+        device is None or (device.type == src.device.type and device.index in (None, src.device.index))
+    )
+    if same and not copy:
+        return src
+    return _to_copy(aten._to_copy.default, (src,), {"dtype": dtype, "device": device})
+
+
 def _refill(dst: SparseTensor, dense_new: torch.Tensor) -> SparseTensor:
     sp = dst.inline_sparsifier
     lay = dst._layout
@@ -94,6 +127,10 @@ _HANDLERS: Dict[Any, Callable] = {
     aten.alias.default: _detach,
     aten.clone.default: _clone,
     aten._to_copy.default: _to_copy,
+    aten.to.dtype: _to,
+    aten.to.device: _to,
+    aten.to.other: _to,
+    aten.to.dtype_layout: _to,
 }
 
 
