@@ -77,10 +77,16 @@ class SparseTensor(SparseTensorBase):
         return (_rebuild, (type(lay).name, comps, tuple(lay.shape), lay.params(), self.requires_grad))
 
     def __tensor_flatten__(self):
-        names = list(self._layout.components())
-        derived = list(self._layout.derived_components())
-        ctx = (type(self._layout), tuple(self._layout.shape), self._layout.params(), tuple(names), tuple(derived))
-        return [f"_c_{n}" for n in names] + [f"_d_{n}" for n in derived], ctx
+        # on every call of a compiled graph (its guards, then its inputs): the names and context are made once
+        # per layout instance (whose components and parameters are fixed) and set of derived names
+        lay = self._layout
+        derived = tuple(lay.derived_components())
+        hit = lay.__dict__.get(_FLATTEN)
+        if hit is None or hit[0] != derived:
+            names = tuple(lay.components())
+            ctx = (type(lay), tuple(lay.shape), lay.params(), names, derived)
+            hit = lay.__dict__[_FLATTEN] = (derived, [f"_c_{n}" for n in names] + [f"_d_{n}" for n in derived], ctx)
+        return list(hit[1]), hit[2]
 
     def _stable_hash_for_caching(self) -> str:
         """The key ``torch.compile``'s AOT autograd cache files this tensor under: its layout, shape, dtype,
@@ -126,6 +132,10 @@ class SparseTensor(SparseTensorBase):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _aten_handle(cls, func, args, kwargs or {})
+
+
+#: the attribute of a layout that keeps what __tensor_flatten__ returns for it
+_FLATTEN = "_sparsa_flatten"
 
 
 def _rebuild(name, comps, shape, params, requires_grad):

@@ -100,11 +100,12 @@ class SparseTensorBase(Tensor):
         )
 
     def __getattr__(self, name: str):
-        # the inner tensors __tensor_flatten__ names: components (_c_) and derived tensors (_d_)
-        if name.startswith("_c_"):
-            return self._layout.components()[name[3:]]
-        if name.startswith("_d_"):
-            return self._layout.derived_components()[name[3:]]
+        # the inner tensors __tensor_flatten__ names: components (_c_) and derived tensors (_d_); torch.compile
+        # reads them on every call, so the first read of a name defines a class property for it (found
+        # before this fallback, which runs only after a failed lookup)
+        if name.startswith(("_c_", "_d_")):
+            _inner_property(type(self), name)
+            return getattr(self, name)
         raise AttributeError(name)
 
 
@@ -121,3 +122,14 @@ class _ToDense(torch.autograd.Function):
 def unwrap_dense(x: Any) -> Any:
     """Tree-map helper: SparseTensor -> its dense tensor (not differentiable; for aten level)."""
     return tree_map(lambda a: a._layout.to_dense() if isinstance(a, SparseTensorBase) else a, x)
+
+
+def _inner_property(cls: type, name: str) -> None:
+    """Define ``cls.<name>`` for an inner tensor name of ``__tensor_flatten__`` (``_c_<component>`` or
+    ``_d_<derived>``)."""
+    key = name[3:]
+    if name.startswith("_c_"):
+        prop = property(lambda self: self._layout.components()[key])
+    else:
+        prop = property(lambda self: self._layout.derived_components()[key])
+    setattr(cls, name, prop)
