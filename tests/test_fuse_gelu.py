@@ -122,6 +122,58 @@ def test_compiled_fused_model_matches(layout, kw):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def _compiled_code(m, x):
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(m, backend=backend, fullgraph=True)(x)
+    return out, "\n".join(graphs)
+
+
+KERNEL_OPS = {"row_group": "row_group_linear_kernel", "sliced_ell": "sliced_ell_linear_kernel", "bitmask": "bitmask"}
+
+
+@pytest.mark.parametrize("layout, kw", LAYOUTS)
+def test_compiled_graph_runs_the_gelu_epilogue(layout, kw):
+    # under torch.compile a traced weight's own attributes read as missing, so the fused module must still know
+    # its layout (it did not: the compiled graph ran the linear and a separate GELU, silently)
+    m = _mlp()
+    sparsa.sparsify(m, OneShot(0.75, layout=layout, layout_params=kw))
+    fuse_gelu(m)
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        ref = m(x)
+    out, code = _compiled_code(m, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert "'gelu'" in code and KERNEL_OPS[layout] in code, code
+    assert code.count("torch._C._nn.gelu(") == 1 and "approximate = 'tanh'" in code, code  # only the tanh GELU
+
+
+def test_a_new_weight_in_another_layout_is_followed_under_compile():
+    m = _mlp()
+    sparsa.sparsify(m, OneShot(0.75, layout="row_group", layout_params=dict(group=8)))
+    fuse_gelu(m)
+    assert m[0].epilogue_layout == "row_group"
+    lay = sparsa.to_sparse(m[0].weight.to_dense().detach(), "sliced_ell")
+    m[0].weight = nn.Parameter(lay)  # no eager call in between
+    assert m[0].epilogue_layout == "sliced_ell"
+    x = torch.randn(6, 48)
+    with torch.no_grad():
+        ref = m(x)
+    out, code = _compiled_code(m, x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert "sliced_ell_linear_kernel" in code and "row_group" not in code, code
+    m[0].weight = nn.Parameter(m[0].weight.to_dense().detach())  # dense again: plain linear and GELU
+    assert m[0].epilogue_layout is None
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled_code(m, x)[0], m(x))
+
+
 def test_layouts_without_an_epilogue_stay_unfused():
     m = _mlp()
     sparsa.sparsify(m, OneShot(0.5, layout="grouped_nm"))

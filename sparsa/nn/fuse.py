@@ -45,16 +45,28 @@ class LinearGELU(nn.Linear):
     """``gelu(linear(x))``; with a row_group or sliced_ell weight the GELU runs in the kernel's epilogue
     (inference: no autograd graph needed), otherwise as a separate op."""
 
+    #: the weight's layout name as last seen in eager mode: torch.compile reads this (it guards on a module's
+    #: attributes), because a traced weight's own attributes (``layout_name``) read as missing there
+    epilogue_layout = None
+
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "LinearGELU":
         new = cls.__new__(cls)
         new.__dict__.update(linear.__dict__)  # the same parameters, hooks and state
+        new.epilogue_layout = getattr(linear.weight, "layout_name", None)
         return new
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(name, value)
+        if name == "weight":  # a new weight (e.g. sparsified again into another layout)
+            super().__setattr__("epilogue_layout", getattr(value, "layout_name", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        # a plain attribute test (no isinstance on the layout), so torch.compile traces it without a break
-        kind = getattr(w, "layout_name", None)
+        if torch.compiler.is_compiling():
+            kind = self.epilogue_layout
+        else:
+            kind = self.epilogue_layout = getattr(w, "layout_name", None)
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad)
         )
