@@ -318,7 +318,9 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
     if any(r.get("fused") for r in sparse):
         s += (
             "fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`); compiled: `torch.compile` of the "
-            "fused model; speedup_vs_eager_sparse: the same sparse model run eagerly and unfused / this row.\n\n"
+            "fused model (in runs before `fdd728a` its graph ran the GELU as a separate op: the fused module could "
+            "not read the weight's layout under compile); speedup_vs_eager_sparse: the same sparse model run "
+            "eagerly and unfused / this row.\n\n"
         )
     s += _md(
         sparse,
