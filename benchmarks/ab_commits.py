@@ -134,9 +134,16 @@ def compare(
     def collect(side: List[Dict[str, Any]]) -> Dict[Key, List[float]]:
         got: Dict[Key, List[float]] = {}
         for result in side:
+            seen = set()
             for row in _rows(result, rows_key):
                 fields = row.items() if key is None else ((k, row[k]) for k in key)
                 ident = tuple(sorted((k, json.dumps(v)) for k, v in fields if k not in varying))
+                if ident in seen:  # two rows of one run would be pooled as runs of one row
+                    raise SystemExit(
+                        f"ab_commits: two rows of one run share {dict((k, json.loads(v)) for k, v in ident)}; "
+                        "add the field that tells them apart to --key (e.g. --key model,dtype)"
+                    )
+                seen.add(ident)
                 for k in varying:
                     if isinstance(row.get(k), (int, float)):
                         got.setdefault((ident, k), []).append(float(row[k]))

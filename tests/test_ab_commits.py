@@ -121,6 +121,17 @@ def test_compare_with_a_key_matches_rows_whose_other_fields_change():
         ab_commits.compare(old, new, "models", ["model", "nope"])
 
 
+def test_compare_refuses_a_key_that_two_rows_of_one_run_share():
+    # the new side of adaptive_training.py has fp32 and bf16 rows per model: keyed by model alone they were
+    # pooled as runs of one row (the medians mixed both dtypes)
+    old = [{"models": [{"model": "vgg16", "dtype": "fp32", "ms": 4.0}]}]
+    new = [{"models": [{"model": "vgg16", "dtype": "fp32", "ms": 3.0}, {"model": "vgg16", "dtype": "bf16", "ms": 1.0}]}]
+    with pytest.raises(SystemExit, match="two rows of one run share .*vgg16.*--key"):
+        ab_commits.compare(old, new, "models", ["model"])
+    rows = ab_commits.compare(old, new, "models", ["model", "dtype"])
+    assert [(r["row"]["dtype"], r["old"], r["new"]) for r in rows] == [("fp32", 4.0, 3.0)]
+
+
 FAKE_ON_CODE = """import json, os, pathlib, random, sparsa
 ms = float(pathlib.Path(sparsa.__file__).with_name("speed.txt").read_text())  # the code under test
 out = pathlib.Path(os.environ["SPARSA_RESULTS_DIR"]) / "fake.json"
