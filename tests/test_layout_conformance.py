@@ -486,14 +486,14 @@ class TestLayoutConformance:
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
     def test_to_in_inference_mode(self, name, data):
-        """Under ``torch.inference_mode`` ``aten.to`` reaches the layout undecomposed: it converts the layout
-        (``model.to(torch.bfloat16)`` keeps a sparse weight whose values are bf16), returns the tensor itself
-        when nothing changes, and never runs densely."""
+        """Under ``torch.inference_mode`` ``aten.to`` and ``type_as`` reach the layout undecomposed: they convert
+        the layout (``model.to(torch.bfloat16)`` keeps a sparse weight whose values are bf16), return the tensor
+        itself when nothing changes, and never run densely; ``detach`` works there too."""
         lay, model, _ = _sparse_linear(data, name, bias=True)
         want = lay.to_dense().to(torch.bfloat16)
+        w = sparsa.SparseTensor(lay)  # a normal tensor, used under inference mode
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("error", sparsa.SparseFallbackWarning)
-            w = sparsa.SparseTensor(lay)
             assert w.to(torch.float32) is w and w.to("cpu") is w
             for conv in (
                 lambda t: t.to(torch.bfloat16),
@@ -506,6 +506,10 @@ class TestLayoutConformance:
                 assert b.sparse_layout.dtype == torch.bfloat16 and torch.equal(b.to_dense(), want)
             copied = w.to(torch.float32, copy=True)
             assert copied is not w and torch.equal(copied.to_dense(), lay.to_dense())
+            t = w.type_as(torch.zeros(1, dtype=torch.bfloat16))
+            assert isinstance(t, sparsa.SparseTensor) and t.dtype == t.sparse_layout.dtype == torch.bfloat16
+            d = w.detach()  # a view of a normal tensor: a normal tensor, as PyTorch's own views are
+            assert isinstance(d, sparsa.SparseTensor) and not d.is_inference() and d.sparse_layout is lay
             model.to(torch.bfloat16)
         mw = model.weight
         assert isinstance(mw, sparsa.SparseTensor) and mw.layout_name == name

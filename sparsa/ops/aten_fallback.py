@@ -54,7 +54,11 @@ def _same(src: SparseTensor, lay) -> SparseTensor:
 
 
 def _detach(func, args, kwargs):
-    return _same(args[0], args[0]._layout)
+    src = args[0]
+    # a view shares its source's version counter, which an inference tensor lacks: under inference mode the
+    # view of a normal tensor is made as a normal tensor, as PyTorch's own views are
+    with torch.inference_mode(src.is_inference()):
+        return _same(src, src._layout)
 
 
 def _clone(func, args, kwargs):
@@ -112,6 +116,11 @@ def _to(func, args, kwargs):
     return _to_copy(aten._to_copy.default, (src,), {"dtype": dtype, "device": device})
 
 
+def _type_as(func, args, kwargs):
+    """``aten.type_as`` (undecomposed under inference mode): ``to`` the other tensor's dtype and device."""
+    return _to(aten.to.other, (args[0], args[1]), {})
+
+
 def _refill(dst: SparseTensor, dense_new: torch.Tensor) -> SparseTensor:
     sp = dst.inline_sparsifier
     lay = dst._layout
@@ -131,6 +140,7 @@ _HANDLERS: Dict[Any, Callable] = {
     aten.to.device: _to,
     aten.to.other: _to,
     aten.to.dtype_layout: _to,
+    aten.type_as.default: _type_as,
 }
 
 
