@@ -22,7 +22,15 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["native_kind", "REDUCED_DTYPES", "compute_dtype", "token_rows", "float_bias", "bitmask_rows_call"]
+__all__ = [
+    "native_kind",
+    "REDUCED_DTYPES",
+    "compute_dtype",
+    "token_rows",
+    "version_key",
+    "float_bias",
+    "bitmask_rows_call",
+]
 
 _KINDS = {torch.float32: "f32", torch.bfloat16: "bf16"}
 #: dtypes the kernels and references compute in float32 and round once
@@ -61,6 +69,19 @@ def token_rows(x: Tensor, out_features: int) -> Tuple[Tensor, int, Tensor]:
     return x2, T, torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
 
 
+def version_key(t: Tensor) -> Optional[Tuple[int, int]]:
+    """``(data pointer, version)`` of ``t``: what a cache derived from ``t``'s values is valid for (an in-place
+    update bumps the version); None for an inference tensor, which has no version counter."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:
+        return None
+
+
+#: the attribute of a kernel-owned tensor that keeps float_bias's copy
+_BIAS_ATTR = "_sparsa_float_bias"
+
+
 def float_bias(bias: Tensor, length: int = 0, holder: Optional[Tensor] = None) -> Tensor:
     """``bias`` as the contiguous float32 vector the kernels add, zero-padded to ``length`` entries if longer.
 
@@ -72,12 +93,8 @@ def float_bias(bias: Tensor, length: int = 0, holder: Optional[Tensor] = None) -
     n = max(length, bias.numel())
     if bias.dtype == torch.float32 and n == bias.numel() and bias.is_contiguous():
         return bias
-    key = None
-    if holder is not None:
-        try:
-            key = (id(bias), bias.data_ptr(), bias._version, n)
-        except RuntimeError:  # an inference tensor
-            key = None
+    version = None if holder is None else version_key(bias)
+    key = None if version is None else (id(bias), *version, n)
     hit = getattr(holder, _BIAS_ATTR, None) if key is not None else None
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -87,9 +104,6 @@ def float_bias(bias: Tensor, length: int = 0, holder: Optional[Tensor] = None) -
     if key is not None:
         setattr(holder, _BIAS_ATTR, (key, b))
     return b
-
-
-_BIAS_ATTR = "_sparsa_float_bias"
 
 
 def bitmask_rows_call(

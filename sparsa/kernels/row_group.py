@@ -34,7 +34,7 @@ from torch import Tensor
 
 from . import loader
 from .epilogue import ACTIVATIONS, activate, activation_backward, activation_code
-from .operands import REDUCED_DTYPES, float_bias, native_kind, token_rows
+from .operands import REDUCED_DTYPES, float_bias, native_kind, token_rows, version_key
 from .opdef import kernel_op
 
 __all__ = [
@@ -167,10 +167,8 @@ def amx_pack(lib: ctypes.CDLL, values: Tensor) -> Optional[Tuple[Tensor, int]]:
     so an in-place update makes a new one), so a call does not reorder the weight again: a copy of the kept
     values, padded to whole 32-column blocks. Inference tensors, which have no version counter, get a
     fresh pack on every call. Keyed by library too: a test build with software tiles packs its own."""
-    try:
-        key = (id(lib), values.data_ptr(), values._version)
-    except RuntimeError:  # an inference tensor
-        key = None
+    version = version_key(values)
+    key = None if version is None else (id(lib), *version)
     hit = getattr(values, _PACK_ATTR, None) if key is not None else None
     if hit is not None and hit[0] == key:  # before any ctypes call: this is every call's path
         return hit[1], hit[2]
@@ -206,9 +204,8 @@ def _native_forward(
         return y
     cols = columns.contiguous()
     vals = values.contiguous()
-    b = (
-        None if bias is None else float_bias(bias, ng * G, holder=values)
-    )  # the kernels add a float bias before rounding
+    # the kernels add a float bias before rounding
+    b = None if bias is None else float_bias(bias, ng * G, holder=values)
     perm = None if row_perm is None else row_perm.to(torch.int32).contiguous()
     fn = lib.sparsa_row_group_linear_bf16 if kind == "bf16" else lib.sparsa_row_group_linear_f32
     extra = ()

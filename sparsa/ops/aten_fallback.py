@@ -55,10 +55,12 @@ def _same(src: SparseTensor, lay) -> SparseTensor:
 
 def _detach(func, args, kwargs):
     src = args[0]
-    # a view shares its source's version counter, which an inference tensor lacks: under inference mode the
-    # view of a normal tensor is made as a normal tensor, as PyTorch's own views are
-    with torch.inference_mode(src.is_inference()):
-        return _same(src, src._layout)
+    if torch.is_inference_mode_enabled() and not src.is_inference():
+        # a view shares its source's version counter, which an inference tensor lacks: the view of a normal
+        # tensor is made as a normal tensor, as PyTorch's own views are
+        with torch.inference_mode(False):
+            return _same(src, src._layout)
+    return _same(src, src._layout)
 
 
 def _clone(func, args, kwargs):

@@ -151,8 +151,9 @@ class _Derivation:
         if torch.is_grad_enabled() or "input_grad" in _plans(w):
             p = _plan(w, "input_grad")
             out.update(zip(_Derivation.INPUT_GRAD, (p.idx, p.vals, p.out_rows)))
-            p = _plan(w, "pattern")
-            out.update(zip(_Derivation.PATTERN, (p.idx, p.out_rows)))
+            if _sparse_grad_weight(w):
+                p = _plan(w, "pattern")
+                out.update(zip(_Derivation.PATTERN, (p.idx, p.out_rows)))
         return out
 
     @staticmethod
@@ -243,12 +244,19 @@ class GroupedNMLinear:
         return gx, gw, gb
 
 
+def _sparse_grad_weight(w: GroupedNM) -> bool:
+    """Whether the weight gradient runs the sddmm kernel: at or below the crossover density (n/m); above it
+    dense BLAS then masking is faster."""
+    return w.n / w.m <= crossover("grouped_nm.grad_weight")
+
+
 def _grad_weight(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
     """``grad_y.T @ x`` on the stored entries only, as a dense ``(R, K)`` tensor zero elsewhere."""
-    # above the crossover density (n/m) dense BLAS then masking beats the sddmm kernel
-    if w.n / w.m > crossover("grouped_nm.grad_weight"):
-        return _grad_weight_dense(w, g2, x2)
-    return _grad_weight_sparse(w, g2, x2)
+    # a graph traced before the crossover moved has no pattern plan: the dense route then, same result
+    traced_without = is_fake(w.values) and _Derivation.PATTERN[0] not in w._cache[_DERIVED]
+    if _sparse_grad_weight(w) and not traced_without:
+        return _grad_weight_sparse(w, g2, x2)
+    return _grad_weight_dense(w, g2, x2)
 
 
 def _grad_weight_dense(w: GroupedNM, g2: Tensor, x2: Tensor) -> Tensor:
