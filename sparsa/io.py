@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from .layouts.base import get_layout
 from .tensor import SparseTensor
+from .tensor_base import normal_layout, outside_inference_mode
 
 __all__ = ["save", "load", "load_state", "CheckpointError", "LoadResult"]
 
@@ -258,7 +259,8 @@ def load_state(path: Union[str, os.PathLike], *, verify: bool = True) -> Dict[st
             lay.validate()
         except Exception as e:
             raise CheckpointError(f"{path}: key {key!r}: invalid {spec['layout']!r} data: {e}") from None
-        state[key] = SparseTensor(lay)
+        with outside_inference_mode():  # a checkpoint loaded under inference mode still gives normal weights
+            state[key] = SparseTensor(normal_layout(lay))
         used.update(names)
     for k, t in tensors.items():
         if k in used:

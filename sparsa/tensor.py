@@ -31,7 +31,12 @@ from .sparsifiers.base import check_sparsifier
 from .ops.aten_fallback import handle as _aten_handle
 from .ops.dispatch import dispatch as _dispatch
 from .ops.op_table import TORCH_FNS as _TORCH_FNS
-from .tensor_base import SparseTensorBase, unwrap_dense  # noqa: F401  (unwrap_dense: kept importable here)
+from .tensor_base import (  # noqa: F401  (unwrap_dense: kept importable here)
+    SparseTensorBase,
+    normal_layout,
+    outside_inference_mode,
+    unwrap_dense,
+)
 
 __all__ = ["SparseTensor", "to_sparse", "to_dense"]
 
@@ -188,11 +193,12 @@ def to_sparse(
     check_sparsifier(sparsifier)
     if mask is None and sparsifier is not None:
         mask = sparsifier.mask(dense.detach())
-    lay = cls.from_dense(dense.detach(), mask=mask, **params)
     if dense.requires_grad and torch.is_grad_enabled():
-        out = _FromDense.apply(dense, lay)
-    else:
-        out = SparseTensor(lay, requires_grad=bool(requires_grad))
+        out = _FromDense.apply(dense, cls.from_dense(dense.detach(), mask=mask, **params))
+    else:  # a weight sparsified under inference mode is kept as normal tensors (outside_inference_mode says why)
+        with outside_inference_mode():
+            lay = normal_layout(cls.from_dense(dense.detach(), mask=mask, **params))
+            out = SparseTensor(lay, requires_grad=bool(requires_grad))
     if requires_grad is not None and out.is_leaf:
         out.requires_grad_(requires_grad)
     return out

@@ -9,7 +9,8 @@ builds its outputs with the class it was called through.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import nullcontext
+from typing import Any, ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -18,7 +19,23 @@ from torch.utils._pytree import tree_map
 
 from .layouts.base import Layout
 
-__all__ = ["SparseTensorBase", "unwrap_dense"]
+__all__ = ["SparseTensorBase", "normal_layout", "outside_inference_mode", "unwrap_dense"]
+
+
+def outside_inference_mode() -> ContextManager:
+    """Where ``torch.inference_mode`` is on, a context that turns it off, else a no-op. Sparse weights built
+    there stay normal tensors: an inference tensor has no version counter, so the kernels' caches keyed on
+    one (an AMX tile pack, a float32 bias) would be rebuilt on every call."""
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else nullcontext()
+
+
+def normal_layout(layout: Layout) -> Layout:
+    """``layout`` with any inference-tensor component (e.g. a view of an inference tensor) replaced by a
+    normal copy, for the reason :func:`outside_inference_mode` gives; the layout itself when it has none."""
+    if not any(t.is_inference() for t in layout.components().values()):
+        return layout
+    with torch.inference_mode(False):
+        return layout.map_tensors(lambda t: t.clone() if t.is_inference() else t)
 
 
 class SparseTensorBase(Tensor):

@@ -517,6 +517,38 @@ class TestLayoutConformance:
 
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
+    def test_weights_made_in_inference_mode_are_normal_tensors(self, name, data):
+        """A sparse weight built, converted, copied or loaded under ``torch.inference_mode`` holds normal
+        tensors (an inference tensor has no version counter, so the kernels' caches would be rebuilt on every
+        call), also where its source is an inference tensor, and it equals the one built outside."""
+        cls, params, w, mask, _ = _case(data, name)
+        want = cls.from_dense(w, mask=mask, **params).to_dense()
+
+        def normal(t):
+            assert isinstance(t, sparsa.SparseTensor) and not t.is_inference()
+            for cname, c in t.sparse_layout.components().items():
+                assert not c.is_inference(), cname
+            return t
+
+        with torch.inference_mode():
+            wi = w.clone()  # an inference tensor
+            made = [sparsa.to_sparse(src, name, mask=mask, **params) for src in (w, wi)]
+            for t in made:
+                assert torch.equal(normal(t).to_dense(), want)
+            inner = sparsa.SparseTensor(cls.from_dense(wi, mask=mask, **params))  # every component inference
+            normal(inner.clone())
+            b = normal(inner.to(torch.bfloat16))
+            assert torch.equal(b.to_dense(), want.to(torch.bfloat16))
+            model = nn.Linear(w.shape[1], w.shape[0])
+            model.weight = nn.Parameter(made[0])
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "m.safetensors")
+                sparsa.save(model, path)
+                loaded = normal(sparsa.io.load_state(path)["weight"])
+            assert torch.equal(loaded.to_dense(), want)
+
+    @settings(max_examples=5, deadline=None)
+    @given(data=st.data())
     def test_compile_cache_key(self, name, data):
         """``_stable_hash_for_caching`` (torch.compile's AOT autograd cache key): the same for another tensor
         of the same layout metadata, different when the pattern's size or the dtype differ."""

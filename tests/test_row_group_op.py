@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import sparsa
 from sparsa import cpu
 from sparsa.kernels import row_group as rg
 from sparsa.kernels.epilogue import activation_code
@@ -383,6 +384,24 @@ def test_amx_pack_is_made_once_and_remade_after_an_in_place_update(tiles, group,
         vi = values.clone()
         yi = rg._native_forward(lib, "bf16", x, lay.columns, vi, None, R, lay.row_perm, 0)
     assert torch.equal(yi, y2) and not hasattr(vi, rg._PACK_ATTR)
+
+
+def test_a_weight_sparsified_in_inference_mode_keeps_its_amx_pack(monkeypatch):
+    # a model pruned and converted under inference mode used to hold inference tensors, whose pack was
+    # rebuilt on every call (no version counter to key it on): 2.3x slower per layer on intel-amx
+    for v in ("SPARSA_NO_NATIVE", "SPARSA_NO_AVX512", "SPARSA_ISA"):
+        monkeypatch.delenv(v, raising=False)
+    _amx_lib("amx")
+    gen = torch.Generator().manual_seed(3)
+    dense = torch.randn(48, 96, generator=gen)
+    x = torch.randn(20, 96, generator=gen).bfloat16()
+    with torch.inference_mode():
+        w = sparsa.to_sparse(dense, "row_group", group=16, sparsity=0.75).to(torch.bfloat16)
+        values = w.sparse_layout.values
+        y = F.linear(x, w)
+        pack = getattr(values, rg._PACK_ATTR)[1]
+        assert torch.equal(F.linear(x, w), y) and getattr(values, rg._PACK_ATTR)[1] is pack
+    torch.testing.assert_close(y.float(), x.float() @ w.to_dense().float().T, rtol=2e-2, atol=2e-2)
 
 
 def test_amx_pack_rejects_what_the_tiles_cannot_read():

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..tensor_base import SparseTensorBase as SparseTensor
+from ..tensor_base import outside_inference_mode
 from . import dispatch as _d
 from .op_table import ATEN_OPS
 from .strict import fallback_error, is_strict
@@ -64,7 +65,8 @@ def _detach(func, args, kwargs):
 
 
 def _clone(func, args, kwargs):
-    return _same(args[0], args[0]._layout.map_tensors(lambda t: t.clone()))
+    with outside_inference_mode():  # copies and conversions may be weights: kept normal (outside_inference_mode)
+        return _same(args[0], args[0]._layout.map_tensors(lambda t: t.clone()))
 
 
 def _to_copy(func, args, kwargs):
@@ -80,9 +82,10 @@ def _to_copy(func, args, kwargs):
             t = t.to(dtype=dtype)
         if device is not None:
             t = t.to(device=device)
-        return t.clone() if t.data_ptr() else t
+        return t.clone() if t.data_ptr() or t.is_inference() else t
 
-    return _same(src, lay.map_tensors(conv))
+    with outside_inference_mode():
+        return _same(src, lay.map_tensors(conv))
 
 
 def _to(func, args, kwargs):
