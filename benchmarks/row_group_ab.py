@@ -47,16 +47,24 @@ def old_library(rev: str, where: Path):
     return _kernel_ab.old_library(rev, where, "row_group_linear", "row_group_ab")
 
 
-def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
+def _shapes(text: str):
+    """``"768x768,384x1536"`` as ``[(768, 768), (384, 1536)]`` (out_features x in_features)."""
+    try:
+        return [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shapes: expected OUTxIN[,...], e.g. 384x1536, got {text!r}") from None
+
+
+def run(old_lib, quick: bool, threads: int, rounds: int, group: int, shapes=None, sparsities=None):
     torch.set_num_threads(threads)
     new_lib = rgk.native_library()
     if new_lib is None:
         raise SystemExit("row_group_ab: this tree's native kernels do not run here (SPARSA_NO_NATIVE or no compiler)")
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for R, K in SHAPES[:1] if quick else SHAPES:
+    for R, K in shapes or (SHAPES[:1] if quick else SHAPES):
         w = torch.randn(R, K, generator=gen)
-        for s in [0.5, 0.9] if quick else SPARSITIES:
+        for s in sparsities or ([0.5, 0.9] if quick else SPARSITIES):
             lay = RowGroup.from_dense(w, group=group, sparsity=s)
             v = lay.values.bfloat16()
             dense = RowGroup(lay.columns, v, lay.shape, lay.row_perm, validate=False).to_dense()
@@ -73,7 +81,12 @@ def run(old_lib, quick: bool, threads: int, rounds: int, group: int):
 
                     return call
 
-                fns = {"old": kernel(old_lib), "new": kernel(new_lib), "dense": lambda x=x, d=dense: F.linear(x, d)}
+                # each side its own copy of the values: the AMX pack kept on a values tensor is keyed by library
+                fns = {
+                    "old": kernel(old_lib, v=v.clone()),
+                    "new": kernel(new_lib, v=v.clone()),
+                    "dense": lambda x=x, d=dense: F.linear(x, d),
+                }
                 diff = (fns["old"]().float() - fns["new"]().float()).abs().max().item()
                 ms = round_robin_ms(fns, rounds)
                 row = {
@@ -97,12 +110,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--group", type=int, default=16, choices=(4, 8, 16, 32))
     ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 9; quick 5)")
+    ap.add_argument("--shapes", type=_shapes, default=None, help="OUTxIN[,...] (default: BERT-base's three)")
+    ap.add_argument("--sparsities", default=None, help="comma-separated, e.g. 0.8,0.9 (default 0.5,0.75,0.9)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    sparsities = None if args.sparsities is None else [float(v) for v in args.sparsities.split(",")]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="row_group_ab_") as tmp:
         sha, old_lib = old_library(args.old, Path(tmp))
-        rows = run(old_lib, args.quick, args.threads, args.rounds or (5 if args.quick else 9), args.group)
+        rounds = args.rounds or (5 if args.quick else 9)
+        rows = run(old_lib, args.quick, args.threads, rounds, args.group, args.shapes, sparsities)
     _kernel_ab.write("row_group_ab", sha, args.quick, rows, t0, args.out)
 
 

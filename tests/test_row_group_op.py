@@ -210,6 +210,27 @@ def test_bf16_dot_product_tiles(tiles, group, permute, activation, monkeypatch):
 
 
 @pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_bf16_tiles_are_exact_for_every_width_of_the_last_block(tiles, group, monkeypatch):
+    # the AMX tiles take the last block of kept columns in tiles of its width (groups of up to 16 rows):
+    # every k from 1 to 70 (one to three blocks, odd and even widths, whole blocks), small integers whose
+    # products and sums the tiles compute exactly, so the result is the float64 one rounded once
+    run = _bf16_tiles(tiles, group, monkeypatch)
+    gen = torch.Generator().manual_seed(group)
+    K, T = 75, 40
+    x = torch.randint(-2, 3, (T, K), generator=gen).bfloat16()
+    for k in range(1, 71):
+        dense = torch.randint(-2, 3, (group + 3, K), generator=gen).float()
+        lay = RowGroup.from_dense(dense, group=group, sparsity=1 - k / K)
+        assert lay.values.shape[1] == k
+        values = lay.values.bfloat16()
+        y = run(x, lay.columns, values, None, lay.shape[0], lay.row_perm)
+        w = RowGroup(lay.columns, values, lay.shape, lay.row_perm, validate=False).to_dense()
+        want = x.double() @ w.double().T
+        assert torch.equal(y, want.bfloat16()), k
+
+
+@pytest.mark.parametrize("tiles", TILES)
 def test_bf16_dot_product_tiles_propagate_nan_and_inf(tiles, monkeypatch):
     run = _bf16_tiles(tiles, 16, monkeypatch)
     lay = RowGroup.from_dense(torch.ones(16, 9), group=16, sparsity=0.5)  # k = 5: a lone last column
