@@ -211,10 +211,10 @@ def test_bf16_dot_product_tiles(tiles, group, permute, activation, monkeypatch):
 
 @pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("group", [8, 16, 32])
-def test_bf16_tiles_are_exact_for_every_width_of_the_last_block(tiles, group, monkeypatch):
-    # the AMX tiles take the last block of kept columns in tiles of its width (groups of up to 16 rows):
-    # every k from 1 to 70 (one to three blocks, odd and even widths, whole blocks), small integers whose
-    # products and sums the tiles compute exactly, so the result is the float64 one rounded once
+def test_bf16_tiles_are_exact_for_every_count_of_kept_columns(tiles, group, monkeypatch):
+    # every k from 1 to 70 (one to three 32-column blocks, a partial last block of every width, odd and even,
+    # and whole blocks): small integers, whose products and sums the tiles compute exactly, so the result is
+    # the float64 one rounded once
     run = _bf16_tiles(tiles, group, monkeypatch)
     gen = torch.Generator().manual_seed(group)
     K, T = 75, 40

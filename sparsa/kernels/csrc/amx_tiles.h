@@ -16,29 +16,13 @@
 // any x86-64 CPU.
 namespace amx {
 
-// every tile 16 rows x 64 bytes (palette 1) unless a kernel shapes some (a tail block of fewer columns)
-struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-    Config() {
-        for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
-    }
-    Config& shape(int t, int nrows, int ncolsb) {
-        rows[t] = (uint8_t)nrows, colsb[t] = (uint16_t)ncolsb;
-        return *this;
-    }
-};
-
 #ifdef SPARSA_AMX_EMULATE
 // Software tiles (row_group_linear_amxemu.cpp): the same data movement and TDPBF16PS's arithmetic in
-// plain C++, with each tile's configured rows and bytes per row, so the tests check the packing, tails and
-// epilogue on CPUs without AMX.
+// plain C++, so the tests check the packing, tails and epilogue on CPUs without AMX.
 struct alignas(64) EmuTile {
     uint8_t b[16][64];
 };
 inline thread_local EmuTile emu_tiles[8];
-inline thread_local Config emu_cfg;
 inline float emu_bf16(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
@@ -47,26 +31,19 @@ inline float emu_bf16(const uint8_t* p) {
     std::memcpy(&f, &u, 4);
     return f;
 }
-// as TILELOADD: the configured rows and bytes, the rest of the tile zero
 inline void emu_load(int t, const void* base, long stride) {
-    std::memset(&emu_tiles[t], 0, sizeof(EmuTile));
-    for (int r = 0; r < emu_cfg.rows[t]; ++r)
-        std::memcpy(emu_tiles[t].b[r], static_cast<const char*>(base) + r * stride, emu_cfg.colsb[t]);
+    for (int r = 0; r < 16; ++r) std::memcpy(emu_tiles[t].b[r], static_cast<const char*>(base) + r * stride, 64);
 }
 inline void emu_store(int t, void* base, long stride) {
-    for (int r = 0; r < emu_cfg.rows[t]; ++r)
-        std::memcpy(static_cast<char*>(base) + r * stride, emu_tiles[t].b[r], emu_cfg.colsb[t]);
+    for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, emu_tiles[t].b[r], 64);
 }
-// C[m][n] += sum over pair rows p of A[m][2p] B[p][2n] + A[m][2p+1] B[p][2n+1] (fp32 sums), over the pairs
-// A's configured bytes hold (which must be B's rows, as TDPBF16PS requires)
+// C[m][n] += sum over pair rows p of A[m][2p] B[p][2n] + A[m][2p+1] B[p][2n+1] (fp32 sums)
 inline void emu_dpbf16(int c, int a, int b) {
-    const int np = emu_cfg.colsb[a] / 4;
-    if (np != emu_cfg.rows[b] || emu_cfg.rows[c] != emu_cfg.rows[a] || emu_cfg.colsb[c] != emu_cfg.colsb[b]) __builtin_trap();
-    for (int m = 0; m < emu_cfg.rows[c]; ++m)
-        for (int n = 0; n < emu_cfg.colsb[c] / 4; ++n) {
+    for (int m = 0; m < 16; ++m)
+        for (int n = 0; n < 16; ++n) {
             float acc;
             std::memcpy(&acc, emu_tiles[c].b[m] + 4 * n, 4);
-            for (int p = 0; p < np; ++p)
+            for (int p = 0; p < 16; ++p)
                 acc += emu_bf16(emu_tiles[a].b[m] + 4 * p) * emu_bf16(emu_tiles[b].b[p] + 4 * n) +
                        emu_bf16(emu_tiles[a].b[m] + 4 * p + 2) * emu_bf16(emu_tiles[b].b[p] + 4 * n + 2);
             std::memcpy(emu_tiles[c].b[m] + 4 * n, &acc, 4);
@@ -76,7 +53,7 @@ inline void emu_dpbf16(int c, int a, int b) {
 #define SPARSA_TILE_LOAD(t, base, stride) amx::emu_load(t, base, stride)
 #define SPARSA_TILE_STORE(t, base, stride) amx::emu_store(t, base, stride)
 #define SPARSA_TILE_DP(c, a, b) amx::emu_dpbf16(c, a, b)
-#define SPARSA_TILE_CONFIG(cfg) (amx::emu_cfg = *(cfg))
+#define SPARSA_TILE_CONFIG(cfg) (void)(cfg)
 #define SPARSA_TILE_RELEASE() (void)0
 #else
 // tileloadd reads memory the compiler does not see (GCC's macro has no memory clobber): order the
@@ -89,14 +66,19 @@ inline void emu_dpbf16(int c, int a, int b) {
 #define SPARSA_TILE_ZERO(t) _tile_zero(t)
 #define SPARSA_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define SPARSA_TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
-// likewise for a configuration built on the stack: its stores are kept and done before the load
-#define SPARSA_TILE_CONFIG(cfg)                     \
-    do {                                             \
-        asm volatile("" : : "r"(cfg) : "memory");    \
-        _tile_loadconfig(cfg);                       \
-    } while (0)
+#define SPARSA_TILE_CONFIG(cfg) _tile_loadconfig(cfg)
 #define SPARSA_TILE_RELEASE() _tile_release()
 #endif
+
+// every tile 16 rows x 64 bytes (palette 1)
+struct alignas(64) Config {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    Config() {
+        for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = 16;
+    }
+};
 
 }  // namespace amx
 

@@ -5,9 +5,7 @@
 // A_h (16 rows x 32 kept columns of the group's weights, packed per call) . B_v (the same 32 kept
 // columns x 16 tokens in AMX's pair layout). B is built per 32 kept columns from the fp32 token panel
 // with the dp path's pair loads, one 64-byte row per column pair, and shared by the H weight tiles
-// (groups of 32 rows read it twice). Tile registers: C 0-3, A 4-5, B 6-7. Groups of up to 16 rows take the
-// last block of kept columns in tiles of its width (A 5, B 2-3, the registers a second row tile would use):
-// a block of 32 for k = 38 would double the pair rows built and multiplied.
+// (groups of 32 rows read it twice). Tile registers: C 0-3, A 4-5, B 6-7.
 #pragma once
 #include "amx_tiles.h"
 #include <cstring>
@@ -44,9 +42,8 @@ alignas(64) static const uint16_t kZeros[32] = {};
 // makes the in-lane unpacks yield tokens 0-15 and 16-31 in order, at half the shuffle-port cost of a
 // two-source word permutation
 template <bool Tail>
-inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1,
-                    int pairs = 16) {
-    for (int p = 0; p < pairs; ++p) {
+inline void build_b(const uint16_t* xb, const int32_t* cols, int64_t j0, int64_t k, uint32_t* b0, uint32_t* b1) {
+    for (int p = 0; p < 16; ++p) {
         const int64_t ja = j0 + 2 * p, jb = ja + 1;
         const uint16_t* a = (!Tail || ja < k) ? xb + (int64_t)cols[ja] * 32 : kZeros;
         const uint16_t* b = (!Tail || jb < k) ? xb + (int64_t)cols[jb] * 32 : kZeros;
@@ -66,28 +63,8 @@ struct BRing {
     int64_t built = 0;                       // blocks of the current group built already (0, 1 or 2)
 };
 
-// Column pairs of the last block of k kept columns that its tiles take: all 16 for groups of 32 rows (no
-// registers left for narrower tiles), else as many as the block holds.
-template <int H>
-inline int tail_pairs(int64_t k) {
-    return H == 2 ? 16 : (int)((k - 32 * ((k + 31) / 32 - 1) + 1) / 2);
-}
-
-// The tile shapes for k kept columns: every tile 16 x 64 bytes, and for groups of up to 16 rows the last
-// block's A (5) and B (2, 3) tiles of its pairs. TDPBF16PS needs A's bytes per row / 4 = B's rows.
-template <int H>
-inline Config config(int64_t k) {
-    Config c;
-    if (H == 1) {
-        const int tp = tail_pairs<1>(k);
-        c.shape(5, 16, 4 * tp).shape(2, tp, 64).shape(3, tp, 64);
-    }
-    return c;
-}
-
 // buf[r][t] (r < RT, t < 32) = sum over the k kept columns of x[t][cols[j]] * w[j][r]. next_cols: the kept
-// columns of the group the next call takes on the same panel (same k), or null. The tiles are configured
-// by config<H>(k).
+// columns of the group the next call takes on the same panel (same k), or null.
 template <int H>
 void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, const uint16_t* __restrict wa,
                 int64_t k, float (&buf)[16 * H][32], BRing& ring, const int32_t* next_cols) {
@@ -99,7 +76,6 @@ void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
         SPARSA_TILE_ZERO(3);
     }
     const int64_t nkb = (k + 31) / 32;
-    const int tp = tail_pairs<H>(k);
     // stream item i: block i of this group, or block i - nkb of the next one
     const int64_t items = nkb + (next_cols ? std::min<int64_t>(2, nkb) : 0);
     auto build = [&](int64_t i) {
@@ -110,22 +86,13 @@ void accumulate(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
         if ((kb + 1) * 32 <= k)
             build_b<false>(xt, c, kb * 32, k, b0, b1);
         else
-            build_b<true>(xt, c, kb * 32, k, b0, b1, tp);
+            build_b<true>(xt, c, kb * 32, k, b0, b1);
     };
     int64_t built = ring.built;
     for (; built < std::min<int64_t>(2, items); ++built) build(built);
     for (int64_t kb = 0; kb < nkb; ++kb) {
         const uint16_t* a = wa + kb * RT * 32;
         const int64_t slot = (ring.head + kb) % 3;
-        if (H == 1 && kb == nkb - 1 && tp < 16) {  // the last block in tiles of its width
-            SPARSA_TILE_LOAD(5, a, 64);
-            SPARSA_TILE_LOAD(2, ring.bb[slot][0], 64);
-            SPARSA_TILE_LOAD(3, ring.bb[slot][1], 64);
-            SPARSA_TILE_DP(0, 5, 2);
-            SPARSA_TILE_DP(1, 5, 3);
-            if (built < items && built < kb + 3) build(built++);
-            continue;
-        }
         SPARSA_TILE_LOAD(4, a, 64);
         SPARSA_TILE_LOAD(6, ring.bb[slot][0], 64);
         SPARSA_TILE_LOAD(7, ring.bb[slot][1], 64);
@@ -254,8 +221,8 @@ struct Tiles {
                            bool act, int nt, int nout, uint16_t* y, int64_t R, BRing& ring, const int32_t* next_cols) {
         amx::tile_store<H>(xb, cols, wp, k, bias, act, nt, nout, y, R, ring, next_cols);
     }
-    static void begin(int64_t k) {
-        const Config cfg = config<H>(k);
+    static void begin() {
+        static const Config cfg;
         SPARSA_TILE_CONFIG(&cfg);
     }
     static void end() { SPARSA_TILE_RELEASE(); }
@@ -309,7 +276,7 @@ inline bool selfcheck() {
     alignas(64) uint16_t xt[K * NT];
     dp::pack_panel_amx(x.data(), K, (int)NT, xt);
     repack(vals.data(), 1, k, G, G, wa.data(), 1);
-    Tiles<1>::begin(k);
+    Tiles<1>::begin();
     tile<1>(xt, cols.data(), wa.data(), k, out.data());
     Tiles<1>::end();
     for (int64_t t = 0; t < NT; ++t)

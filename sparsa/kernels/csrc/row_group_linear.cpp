@@ -493,7 +493,7 @@ struct DpTiles {
     static void tile(const float* xt, const int32_t* cols, const uint16_t* wp, int64_t k, float* out) {
         dp::tile<RT, TV>(xt, cols, wp, k, out);
     }
-    static void begin(int64_t) {}
+    static void begin() {}
     static void end() {}
 };
 
@@ -545,7 +545,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const uin
         const AlignedBuf<typename Tiles::Panel> xt = aligned_buf<typename Tiles::Panel>(K * NT);
         alignas(64) float out[NT * RT + 16] = {};  // [t][r]; 16 spare floats: 16-wide loads of the last row
         typename Tiles::Stream stream;              // state the tiles keep from one group to the next
-        Tiles::begin(k);
+        Tiles::begin();
         for (int64_t pa = p0; pa < p1; ++pa) {
             const int64_t t0 = pa * NT;
             const int nt = (int)std::min<int64_t>(NT, T - t0);
