@@ -33,6 +33,7 @@ from .ops.dispatch import dispatch as _dispatch
 from .ops.op_table import TORCH_FNS as _TORCH_FNS
 from .tensor_base import (  # noqa: F401  (unwrap_dense: kept importable here)
     SparseTensorBase,
+    inner_properties,
     normal_layout,
     outside_inference_mode,
     unwrap_dense,
@@ -90,7 +91,9 @@ class SparseTensor(SparseTensorBase):
         if hit is None or hit[0] != derived:
             names = tuple(lay.components())
             ctx = (type(lay), tuple(lay.shape), lay.params(), names, derived)
-            hit = lay.__dict__[_FLATTEN] = (derived, [f"_c_{n}" for n in names] + [f"_d_{n}" for n in derived], ctx)
+            inner = [f"_c_{n}" for n in names] + [f"_d_{n}" for n in derived]
+            inner_properties(type(self), inner)
+            hit = lay.__dict__[_FLATTEN] = (derived, inner, ctx)
         return list(hit[1]), hit[2]
 
     def _stable_hash_for_caching(self) -> str:

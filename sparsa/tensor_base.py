@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_map
 
 from .layouts.base import Layout
 
-__all__ = ["SparseTensorBase", "normal_layout", "outside_inference_mode", "unwrap_dense"]
+__all__ = ["SparseTensorBase", "inner_properties", "normal_layout", "outside_inference_mode", "unwrap_dense"]
 
 
 def outside_inference_mode() -> ContextManager:
@@ -58,6 +58,9 @@ class SparseTensorBase(Tensor):
                 f"SparseTensor expects a sparsa Layout instance, got {type(layout).__name__}; "
                 "use sparsa.to_sparse(tensor, layout_cls) to build one from a dense tensor"
             )
+        if (cls, type(layout)) not in _INNER_DEFINED:
+            inner_properties(cls, [f"_c_{n}" for n in layout.components()])
+            _INNER_DEFINED.add((cls, type(layout)))
         t = Tensor._make_wrapper_subclass(
             cls, layout.shape, dtype=layout.dtype, device=layout.device, requires_grad=requires_grad
         )
@@ -116,15 +119,6 @@ class SparseTensorBase(Tensor):
             f"device={lay.device}{counts}{params}{grad})"
         )
 
-    def __getattr__(self, name: str):
-        # the inner tensors __tensor_flatten__ names: components (_c_) and derived tensors (_d_); torch.compile
-        # reads them on every call, so the first read of a name defines a class property for it (found
-        # before this fallback, which runs only after a failed lookup)
-        if name.startswith(("_c_", "_d_")):
-            _inner_property(type(self), name)
-            return getattr(self, name)
-        raise AttributeError(name)
-
 
 class _ToDense(torch.autograd.Function):
     @staticmethod
@@ -141,12 +135,21 @@ def unwrap_dense(x: Any) -> Any:
     return tree_map(lambda a: a._layout.to_dense() if isinstance(a, SparseTensorBase) else a, x)
 
 
-def _inner_property(cls: type, name: str) -> None:
-    """Define ``cls.<name>`` for an inner tensor name of ``__tensor_flatten__`` (``_c_<component>`` or
-    ``_d_<derived>``)."""
-    key = name[3:]
-    if name.startswith("_c_"):
-        prop = property(lambda self: self._layout.components()[key])
-    else:
-        prop = property(lambda self: self._layout.derived_components()[key])
-    setattr(cls, name, prop)
+#: (tensor class, layout class) pairs whose component properties exist
+_INNER_DEFINED: set = set()
+
+
+def inner_properties(cls: type, names) -> None:
+    """Define ``cls.<name>`` for each inner tensor name of ``__tensor_flatten__`` (``_c_<component>`` or
+    ``_d_<derived>``) it lacks. Class properties, not a ``__getattr__`` fallback: ``torch.compile``'s guards
+    ask ``hasattr`` of every graph input for attributes it has not got, and a Python ``__getattr__`` that
+    raises made each such check cost a sparse weight about 0.8 us, five times a call."""
+    for name in names:
+        if isinstance(cls.__dict__.get(name), property):
+            continue
+        key = name[3:]
+        if name.startswith("_c_"):
+            prop = property(lambda self, key=key: self._layout.components()[key])
+        else:
+            prop = property(lambda self, key=key: self._layout.derived_components()[key])
+        setattr(cls, name, prop)

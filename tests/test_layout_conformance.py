@@ -573,6 +573,9 @@ class TestLayoutConformance:
         other names is refused."""
         lay, _, _ = _sparse_linear(data, name, bias=False)
         w = sparsa.SparseTensor(lay)
+        for n, t in lay.components().items():  # readable as soon as the tensor exists, before any flatten
+            assert getattr(w, f"_c_{n}") is t
+        assert not hasattr(w, "_dynamo_dynamic_indices") and not hasattr(w, "_c_not_a_component")
         names, ctx = w.__tensor_flatten__()
         back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, ctx, w.shape, w.stride())
         assert back.layout_name == name and back.sparse_layout.params() == lay.params()
