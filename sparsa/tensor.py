@@ -196,12 +196,10 @@ def to_sparse(
     check_sparsifier(sparsifier)
     if mask is None and sparsifier is not None:
         mask = sparsifier.mask(dense.detach())
-    if dense.requires_grad and torch.is_grad_enabled():
-        out = _FromDense.apply(dense, cls.from_dense(dense.detach(), mask=mask, **params))
-    else:  # a weight sparsified under inference mode is kept as normal tensors (outside_inference_mode says why)
-        with outside_inference_mode():
-            lay = normal_layout(cls.from_dense(dense.detach(), mask=mask, **params))
-            out = SparseTensor(lay, requires_grad=bool(requires_grad))
+    track = dense.requires_grad and torch.is_grad_enabled()  # read first: leaving inference mode enables grad
+    with outside_inference_mode():  # a weight sparsified under inference mode is kept as normal tensors
+        lay = normal_layout(cls.from_dense(dense.detach(), mask=mask, **params))
+        out = _FromDense.apply(dense, lay) if track else SparseTensor(lay, requires_grad=bool(requires_grad))
     if requires_grad is not None and out.is_leaf:
         out.requires_grad_(requires_grad)
     return out

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -56,12 +57,10 @@ def _same(src: SparseTensor, lay) -> SparseTensor:
 
 def _detach(func, args, kwargs):
     src = args[0]
-    if torch.is_inference_mode_enabled() and not src.is_inference():
-        # a view shares its source's version counter, which an inference tensor lacks: the view of a normal
-        # tensor is made as a normal tensor, as PyTorch's own views are
-        with torch.inference_mode(False):
-            return _same(src, src._layout)
-    return _same(src, src._layout)
+    # a view shares its source's version counter, which an inference tensor lacks: the view of a normal
+    # tensor is made as a normal tensor, as PyTorch's own views are
+    with nullcontext() if src.is_inference() else outside_inference_mode():
+        return _same(src, src._layout)
 
 
 def _clone(func, args, kwargs):
