@@ -1,20 +1,21 @@
 """The bitmask kernels at many tokens (prefill, encoders): each strategy of ``sparsa::bitmask_linear`` on
 one weight, against dense ``F.linear`` in every dtype, side by side in one process.
 
-Per weight shape (0.5B Llama and BERT-base linears), dtype, sparsity (a fraction kept per row, or 2:4)
-and token count, the strategies are timed round-robin with the dense passes: ``stream`` (up to 24
-tokens), ``expand_blocks`` (row blocks at any token count; only where the GEMM is
-float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where the CPU has
-AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), ``nm24`` (2:4 bf16 rows where the CPU has AVX512-BF16: the 2:4
-kernel of ``sparsa.kernels.nm24``), ``amx`` (bf16 where the CPU has AMX-BF16: dense tiles expanded from the
-weight's rows, :mod:`sparsa.kernels.bitmask_amx`), and ``auto`` (what the op's automatic
-choice picks: ``choose_strategy``, and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``). The weight
-stays in cache
-between calls: this measures the kernels, not a model's memory traffic (``llm_decode.py`` does that).
-Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms, <strategy>_vs_dense`` (same dtype),
-``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It shows the choices the crossovers of
-``sparsa.crossovers`` make (``bitmask.stream_*``, ``bitmask.row_blocks_f32``, ``bitmask.panel_*``: measured
-per CPU by ``sparsa cost --refit``), each against every strategy on the weights of a model.
+Per weight shape (0.5B Llama and BERT-base linears by default; ``--models llama-1b`` the 1B ones), dtype,
+sparsity (a fraction kept per row, or 2:4) and token count, the strategies are timed round-robin with the
+dense passes: ``stream`` (up to 24 tokens), ``expand_blocks`` (row blocks at any token count; only where
+the GEMM is float32), ``expand_whole`` (the whole weight expanded, one ``F.linear``), ``panel`` (bf16 where
+the CPU has AVX512-BF16 + VBMI2; float32 with AVX2 FMAs), ``nm24`` (2:4 bf16 rows where the CPU has
+AVX512-BF16: the 2:4 kernel of ``sparsa.kernels.nm24``), ``amx`` (bf16 where the CPU has AMX-BF16: dense
+tiles expanded from the weight's rows, :mod:`sparsa.kernels.bitmask_amx`), ``fused`` (float32 where the CPU
+has AVX-512: the weight expanded into L1 blocks inside the kernel's GEMM), and ``auto`` (what the op's
+automatic choice picks: ``choose_strategy``, and ``nm24`` for 2:4 above the crossover ``nm24.panel_bf16``).
+The weight stays in cache between calls: this measures the kernels, not a model's memory traffic
+(``llm_decode.py`` does that). Rows: ``shape, dtype, sparsity, tokens, threads, <strategy>_ms,
+<strategy>_vs_dense`` (same dtype), ``<strategy>_vs_best_dense``, ``auto_strategy``, ``best_dense``. It
+shows the choices the crossovers of ``sparsa.crossovers`` make (``bitmask.stream_*``,
+``bitmask.row_blocks_f32``, ``bitmask.fused_f32``, ``bitmask.panel_*``: measured per CPU by ``sparsa cost
+--refit``), each against every strategy on the weights of a model.
 
     python benchmarks/bitmask_prefill.py [--quick]
 
@@ -43,6 +44,7 @@ from _results import results_dir  # noqa: E402
 SHAPES = {
     "llama-0.5b": [(1536, 1536), (512, 1536), (4096, 1536), (1536, 4096)],
     "bert-base": [(768, 768), (3072, 768), (768, 3072)],
+    "llama-1b": [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)],
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STREAM_MAX = 24  # the stream kernel re-reads the weight per few tokens: beyond this it only loses
@@ -83,7 +85,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    models = a.models or (["llama-0.5b"] if a.quick else sorted(SHAPES))
+    models = a.models or (["llama-0.5b"] if a.quick else ["bert-base", "llama-0.5b"])
     dtypes = a.dtypes or (["bfloat16"] if a.quick else ["float32", "bfloat16"])
     specs = a.sparsities or (["0.5", "0.7"] if a.quick else ["0.4", "0.5", "0.7", "2:4"])
     tokens = a.tokens or ([128] if a.quick else [8, 16, 128, 512, 1024])
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
                         names += ["nm24"]
                     if dt == torch.bfloat16 and bm.has_amx():
                         names += ["amx"]
+                    if dt == torch.float32 and bm.has_fused_f32():
+                        names += ["fused"]
                     for t in tokens:
                         x32 = torch.randn(t, K, generator=gen)
                         x = x32.to(dt)
@@ -174,6 +178,7 @@ def main(argv=None) -> None:
             "panel_max_density bfloat16": bm.panel_max_density(torch.bfloat16),
             "panel_max_density float32": bm.panel_max_density(torch.float32),
             "row_blocks_max_tokens": bm.row_blocks_max_tokens(),
+            "fused_max_tokens": bm.fused_max_tokens(),
             "nm24 panel_min_tokens": nm24.panel_min_tokens(),
         },
         "torch": torch.__version__,

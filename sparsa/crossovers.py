@@ -110,6 +110,7 @@ _NM24_TOKENS = (1, 4, 8, 12, 16, 24, 32, 64, 128, 512, 2048)
 #: makes expanding it for batched decoding cost more
 _DECODE_WEIGHTS = _WEIGHTS + ((512, 2048), (2048, 2048), (8192, 2048), (2048, 8192))
 _ROW_BLOCK_TOKENS = (64, 128, 256, 384, 512, 768, 1024)
+_FUSED_TOKENS = (32, 64, 96, 128, 192, 256, 384, 512)
 _UNION_RATIOS = (1.2, 1.4, 1.65, 1.9, 2.2, 2.6, 3.0, 3.5)
 
 
@@ -219,7 +220,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         {"amd-avx512": 6, "intel-amx": 10},
         unit="tokens",
         low="stream",
-        high="panel or expand",
+        high="panel, fused or expand",
     ),
     # tokens: above the stream loop's tokens, a bf16 weight too dense for the panel kernel runs the stream
     # loop up to this many tokens, else the expansion (timed at half the weight kept)
@@ -262,6 +263,20 @@ CROSSOVERS: Dict[str, Crossover] = {
         unit="tokens",
         low="row blocks",
         high="the whole weight",
+    ),
+    # tokens: float32 tokens up to which the fused kernel (the weight expanded into L1 blocks inside an
+    # AVX-512 GEMM) is the dense side; above, the expansion for a BLAS GEMM (timed at half the weight kept,
+    # on weight copies past the cache, as a model's prefill reads each weight from memory)
+    "bitmask.fused_f32": Crossover(
+        128,
+        "bitmask_linear's dense side for float32 tokens on CPUs with AVX-512: the fused kernel against "
+        "expanding the weight for a BLAS GEMM",
+        _FUSED_TOKENS,
+        _WEIGHTS,
+        {"intel-amx": 256},
+        unit="tokens",
+        low="fused",
+        high="expand",
     ),
     # ratio: an activation's union ratio (4 x its (4-pixel group, channel) pairs with a nonzero / its
     # nonzeros, from 1 to 4): up to it the union kernels take 4 output pixels a group, above it 2, which

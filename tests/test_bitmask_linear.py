@@ -35,6 +35,7 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
         "panel_f32",
         "amx",
         "amx_emulated",
+        "fused",
         "fallback",
     ]
 )
@@ -45,7 +46,8 @@ def path(request, monkeypatch):
     VBMI2, float32 with AVX2); ``panel_f32`` runs them under ``SPARSA_ISA=avx2`` (float32 panel, bfloat16
     operands expand), so the float32 panel kernel is tested on every AVX2 CPU. ``amx`` runs the AMX tiles
     where the CPU has them; ``amx_emulated`` the same kernel on software tiles (any CPU). Both take bfloat16;
-    float32 operands expand."""
+    float32 operands expand. ``fused`` runs the float32 fused kernel where the CPU has AVX-512 (bfloat16
+    operands expand)."""
     monkeypatch.delenv("SPARSA_NO_AVX512", raising=False)
     monkeypatch.delenv("SPARSA_ISA", raising=False)
     if request.param == "stream_avx512":
@@ -63,6 +65,8 @@ def path(request, monkeypatch):
         monkeypatch.setattr(bm, "STREAM_PATH", "pair16")
     elif request.param == "amx" and bm.native_library() is not None and not bm.has_amx():
         pytest.skip(f"the bitmask AMX tiles do not run here: {bm.amx_status()}")
+    elif request.param == "fused" and bm.native_library() is not None and not bm.has_fused_f32():
+        pytest.skip("this CPU (or SPARSA_ISA) has no AVX-512F: the float32 fused kernel does not run")
     elif request.param == "amx_emulated":
         emulated = bm._amx_tiles.emulated_library()
         assert emulated is not None, "the software-tile build of the bitmask AMX kernel failed"
@@ -300,7 +304,7 @@ def needs_panel():
 def _spy_strategies(monkeypatch):
     """Which strategy functions ran, in order."""
     ran = []
-    for name in ("_stream", "_expand", "_panel", "_amx"):
+    for name in ("_stream", "_expand", "_panel", "_amx", "_fused"):
         real = getattr(bm, name)
 
         def spy(*a, _real=real, _name=name, **k):
@@ -428,11 +432,12 @@ def test_auto_strategy_by_tokens_dtype_and_density(monkeypatch, tmp_path, panel_
     bm.bitmask_linear_impl(x.float(), *_components(dense32), None, 20)
     bm.bitmask_linear_impl(x[:16].float(), *_components(w32), None, 20)
     dense16 = "amx" if bm.has_amx() else "expand"  # bf16's dense side: the AMX tiles where they run
+    dense32 = "fused" if bm.has_fused_f32() else "expand"  # f32's: the fused kernel where it runs (40 tokens)
     many = "panel" if bm.has_panel_bf16() and panel_crossover else dense16
-    many32 = "panel" if bm.has_panel_f32() and panel_crossover else "expand"
+    many32 = "panel" if bm.has_panel_f32() and panel_crossover else dense32
     few = "panel" if bm.has_panel_bf16() and batch_crossover else dense16
-    few32 = "panel" if bm.has_panel_f32() and batch_crossover else "expand"
-    assert ran == ["stream", many, dense16, few, many32, "expand", few32]
+    few32 = "panel" if bm.has_panel_f32() and batch_crossover else dense32
+    assert ran == ["stream", many, dense16, few, many32, dense32, few32]
 
 
 def test_panel_crossovers_by_cpu_class(monkeypatch, tmp_path):
@@ -552,11 +557,101 @@ def test_panel_f32_nan_or_inf_in_x_runs_expand_like_dense(monkeypatch, bad):
     assert torch.isnan(y[3]).all() and torch.isnan(torch.nn.functional.linear(x, w.to_dense())[3]).all()
 
 
+# ---------------------------------------------------------------------------------------------- fused
+@pytest.fixture
+def needs_fused():
+    if bm.native_library() is None or not bm.has_fused_f32():
+        pytest.skip("this CPU (or SPARSA_ISA) has no AVX-512F: the float32 fused kernel does not run")
+
+
+@pytest.mark.usefixtures("needs_fused")
+@pytest.mark.parametrize(
+    "T,R,K,density",
+    [
+        (128, 48, 128, 0.5),  # whole panels, one 4-tile block, one column chunk
+        (33, 61, 300, 0.5),  # a 1-token panel, a part tile, chunks and a 44-column tail
+        (70, 150, 1000, 0.3),  # several blocks per thread, K past the last whole 16 columns
+        (5, 13, 17, 1.0),  # dense rows, a 1-column tail
+        (40, 25, 64, 0.0),  # no kept weight: the bias (or zero)
+    ],
+)
+@pytest.mark.parametrize("bias", [None, "f32"])
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_fused_matches_float64(T, R, K, density, bias, activation):
+    w = _f32_weight(R, K, density, seed=T + R + K)
+    x = torch.randn(T, K)
+    b = None if bias is None else torch.randn(R)
+    y = bm.bitmask_linear_impl(x, *_components(w), b, R, "fused", activation=activation)
+    ref = _ref(x, w, b)
+    if activation == "gelu":
+        ref = torch.nn.functional.gelu(ref)
+    _close(y, ref, torch.float32)
+
+
+@pytest.mark.usefixtures("needs_fused")
+@SETTINGS
+@given(
+    R=st.integers(1, 60), K=st.integers(1, 300), T=st.integers(1, 70), density=st.floats(0, 1), seed=st.integers(0, 99)
+)
+def test_fused_property_against_float64(R, K, T, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = Bitmask.from_dense(torch.randn(R, K, generator=gen), mask=torch.rand(R, K, generator=gen) < density)
+    x = torch.randn(T, K, generator=gen)
+    _close(bm.bitmask_linear_impl(x, *_components(w), None, R, "fused"), _ref(x, w, None), torch.float32)
+
+
+@pytest.mark.usefixtures("needs_fused")
+def test_fused_token_and_row_results_do_not_depend_on_the_batch_or_threads():
+    # each output sums its row's columns in one order, whatever the panel a token is in or the thread
+    w = _f32_weight(100, 700, 0.5, seed=3)
+    x = torch.randn(75, 700)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = bm.bitmask_linear_impl(x, *_components(w), None, 100, "fused")
+        torch.set_num_threads(2)
+        two = bm.bitmask_linear_impl(x, *_components(w), None, 100, "fused")
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+    for lo, hi in ((0, 1), (3, 40), (40, 75)):
+        assert torch.equal(bm.bitmask_linear_impl(x[lo:hi], *_components(w), None, 100, "fused"), one[lo:hi])
+
+
+def test_fused_without_the_kernel_or_in_bf16_runs_expand(monkeypatch):
+    if bm.native_library() is None:
+        pytest.skip("no native kernel here")
+    ran = _spy_strategies(monkeypatch)
+    w = _bf16_weight(10, 50, 0.5, seed=4)
+    x = torch.randn(40, 50).to(BF)
+    _close(bm.bitmask_linear_impl(x, *_components(w), None, 10, "fused"), _ref(x, w, None), BF)
+    monkeypatch.setenv("SPARSA_ISA", "avx2")
+    assert not bm.has_fused_f32()
+    w32 = _f32_weight(10, 50, 0.5, seed=4)
+    _close(
+        bm.bitmask_linear_impl(x.float(), *_components(w32), None, 10, "fused"),
+        _ref(x.float(), w32, None),
+        torch.float32,
+    )
+    assert ran == ["fused", "expand", "fused", "expand"]
+    assert bm.dense_strategy(128, torch.float32) == "expand"
+
+
+def test_dense_strategy_by_dtype_tokens_and_crossover(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSA_COST_DIR", str(tmp_path))
+    cost_model.default_cost_model().set_fit(crossovers.PREFIX + bm.FUSED_CROSSOVER, {"max_tokens": 96})
+    assert bm.fused_max_tokens() == 96
+    fused = "fused" if bm.has_fused_f32() else "expand"
+    assert [bm.dense_strategy(t, torch.float32) for t in (33, 96, 97)] == [fused, fused, "expand"]
+    assert bm.dense_strategy(64, BF) == ("amx" if bm.has_amx() else "expand")
+    assert bm.choose_strategy(64, torch.float32, 0.99) == fused  # too dense for the panel: the dense side
+
+
 # ---------------------------------------------------------------------------------------------- op
 @pytest.mark.parametrize(
     "dtype,bias", [(torch.float32, None), (torch.float32, torch.float32), (BF, BF), (BF, torch.float32)]
 )
-@pytest.mark.parametrize("tokens", [3, 12])  # stream; expand or (bf16) panel
+@pytest.mark.parametrize("tokens", [3, 12, 40])  # stream; expand, fused or panel
 def test_opcheck(dtype, bias, tokens):
     w = Bitmask.from_dense(torch.randn(9, 21).to(dtype), sparsity=0.5)
     x = torch.randn(tokens, 21, dtype=dtype, requires_grad=True)
@@ -565,7 +660,7 @@ def test_opcheck(dtype, bias, tokens):
     torch.library.opcheck(torch.ops.sparsa.bitmask_linear.default, (x, w.bits, w.row_ptr, v, b, 9))
 
 
-@pytest.mark.parametrize("strategy", ["stream", "expand", "panel", "amx", "nm24", "auto"])
+@pytest.mark.parametrize("strategy", ["stream", "expand", "panel", "amx", "nm24", "fused", "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, BF])
 def test_gelu_activation_matches_gelu_of_the_product(strategy, dtype):
     # in the panel and AMX kernels' epilogue (on the fp32 sums, before rounding), after the other strategies
@@ -683,6 +778,7 @@ print("ok")
         ("dpbf16", "stream", "bfloat16"),
         ("dpbf16", "panel", "bfloat16"),
         ("avx2", "panel", "float32"),
+        ("avx512", "fused", "float32"),
     ],
 )
 def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, strategy, dtype):
@@ -694,7 +790,9 @@ def test_kernels_read_nothing_outside_the_values_array(tmp_path, where, path, st
         pytest.skip("this CPU has no AVX-512F: its 16-column loop runs as pair16 (AVX2 halves)")
     if path == "dpbf16" and not bm.has_dpbf16():
         pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 dot-product loop does not run")
-    if strategy == "panel" and not bm.has_panel_bf16():
+    if strategy == "fused" and not bm.has_fused_f32():
+        pytest.skip("this CPU has no AVX-512F: the float32 fused kernel does not run")
+    if strategy == "panel" and dtype == "bfloat16" and not bm.has_panel_bf16():
         pytest.skip("this CPU has no AVX512-BF16 + VBMI2: the bf16 panel kernel does not run")
     script = tmp_path / "guarded.py"
     script.write_text(_GUARDED_CALL)

@@ -307,6 +307,24 @@ def test_the_stream_case_times_stream_against_panel_and_expand_on_streamed_copie
         assert calls[0][0] == 10
 
 
+def test_the_fused_case_times_fused_against_expand_on_streamed_copies(monkeypatch):
+    from sparsa.kernels import bitmask as bm
+
+    if not bm.has_fused_f32():
+        assert crossover_refit._CASES["bitmask.fused_f32"](64, 32, 48) is None  # expand at every token count
+        pytest.skip("this CPU (or SPARSA_ISA) has no AVX-512F: the fused kernel does not run")
+    calls = []
+    monkeypatch.setattr(
+        bm, "bitmask_linear_impl", lambda x, bits, rp, v, b, R, s: calls.append((x.shape[0], v.data_ptr(), s))
+    )
+    T, fns = crossover_refit._CASES["bitmask.fused_f32"](64, 32, 48)
+    assert T == 64 and set(fns) == {"low", "high"}
+    for key, strategy in (("low", "fused"), ("high", "expand")):
+        calls.clear()
+        fns[key]()
+        assert {s for *_, s in calls} == {strategy} and len({p for _, p, _ in calls}) == len(calls) > 1
+
+
 def test_the_row_blocks_case_times_row_blocks_against_the_whole_weight(monkeypatch):
     from sparsa.kernels import bitmask as bm
 
@@ -333,7 +351,7 @@ def test_a_bf16_weight_too_dense_for_the_panel_streams_up_to_the_batch_stream_cr
     monkeypatch.setattr(bm, "has_amx", lambda: False)
     assert [bm.choose_strategy(t, bf, 0.5) for t in (8, 9, 16, 17)] == ["stream", "stream", "stream", "expand"]
     assert bm.choose_strategy(16, bf, 0.3) == "panel"  # sparse enough for the panel: it comes first
-    assert bm.choose_strategy(16, torch.float32, 0.5) == "expand"  # bf16 only
+    assert bm.choose_strategy(16, torch.float32, 0.5) == bm.dense_strategy(16, torch.float32) != "stream"  # bf16 only
     table.set_fit(crossovers.PREFIX + bm.BATCH_STREAM_CROSSOVER, {"max_tokens": 0})
     assert bm.choose_strategy(9, bf, 0.5) == "expand"
 

@@ -180,6 +180,8 @@ _BITMASK = {
     "sparsa_nm24_panel_bf16": sig(INT, x=PTR, T=I64, K=I64, bits=PTR, values=PTR, R=I64, bias=PTR, y=PTR, nthreads=INT),
     "sparsa_bitmask_has_panel_f32": sig(INT),
     "sparsa_bitmask_panel_f32": _BITMASK_ROWS,
+    "sparsa_bitmask_has_fused_f32": sig(INT),
+    "sparsa_bitmask_fused_f32": _BITMASK_ROWS,
     "sparsa_bitmask_has_amx": sig(INT),
     "sparsa_bitmask_amx_status": sig(INT),
     "sparsa_bitmask_amx_bf16": _BITMASK_AMX,

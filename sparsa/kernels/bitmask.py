@@ -30,6 +30,13 @@ Five native strategies, each reading the compressed weight once per call:
   once per call) at AMX's rate. It replaces ``"expand"`` as the dense side on such CPUs: no dense or
   reordered copy of the weight is written, and no per-call weight reorder is made as a BLAS GEMM's.
   Elsewhere (and for float32 tokens) ``"amx"`` runs ``"expand"``.
+- ``"fused"`` for float32 tokens up to the token crossover ``bitmask.fused_f32`` (:func:`fused_max_tokens`)
+  where the CPU has AVX-512 (``csrc/bitmask_fused_f32.cpp``): the float32 counterpart of ``"amx"``, a dense
+  GEMM whose weight operand is expanded from the components into L1-sized blocks inside the kernel, with
+  X packed once per call into 32-token panels and 12 rows x 32 tokens of sums in registers. Expanding the
+  weight for a BLAS GEMM writes and rereads the dense weight on every call; this reads only the compressed
+  bytes. Above the crossover the BLAS GEMM's higher rate wins and ``"expand"`` runs. Elsewhere (and for
+  bfloat16) ``"fused"`` runs ``"expand"``.
 - ``"nm24"`` for many bfloat16 tokens on a weight whose pattern is 2:4 (two of every four columns kept),
   where the CPU has AVX512-BF16 (:mod:`sparsa.kernels.nm24`, ``csrc/nm24_panel_bf16.cpp``): X packed once
   into the six column-pair vectors of every group, one ``VDPBF16PS`` per kept pair and 16 tokens, each
@@ -41,8 +48,9 @@ Five native strategies, each reading the compressed weight once per call:
 crossover, then the panel strategy up to the density
 crossover measured on this CPU (``bitmask.batch_panel_bf16`` / ``bitmask.batch_panel_f32`` up to
 :data:`BATCH_MAX_TOKENS` tokens, ``bitmask.panel_bf16`` / ``bitmask.panel_f32`` above, in
-:mod:`sparsa.crossovers`; ``sparsa cost --refit``), then ``"amx"`` for bfloat16 where it runs, else
-``"expand"``. When the kernels cannot be built, or
+:mod:`sparsa.crossovers`; ``sparsa cost --refit``), then the dense side (:func:`dense_strategy`):
+``"amx"`` for bfloat16 where it runs, ``"fused"`` for float32 where it runs up to its token crossover,
+else ``"expand"``. When the kernels cannot be built, or
 ``SPARSA_NO_NATIVE=1``, the op runs :func:`bitmask_linear_reference` (rebuild the dense weight, one matmul).
 
 Semantics: the result is the dense product with the logical weight (zeros included), so a NaN or Inf in
@@ -100,6 +108,10 @@ __all__ = [
     "has_nm24_panel",
     "has_amx",
     "amx_status",
+    "has_fused_f32",
+    "fused_max_tokens",
+    "dense_strategy",
+    "FUSED_CROSSOVER",
     "bitmask_linear",
     "bitmask_linear_kernel",
     "bitmask_linear_impl",
@@ -116,10 +128,11 @@ _SOURCES = [
     "bitmask_linear.cpp",
     "bitmask_panel_bf16.cpp",
     "bitmask_panel_f32.cpp",
+    "bitmask_fused_f32.cpp",
     "nm24_panel_bf16.cpp",
     "bitmask_amx_bf16.cpp",
 ]
-STRATEGIES = ("stream", "expand", "panel", "nm24", "amx")
+STRATEGIES = ("stream", "expand", "panel", "nm24", "amx", "fused")
 #: the token crossovers (sparsa.crossovers) holding the most tokens each dtype's stream strategy takes;
 #: above, the panel or expand strategy runs (both reuse each weight across tokens, the stream kernel
 #: re-expands it for every 4 tokens)
@@ -132,6 +145,9 @@ BATCH_STREAM_CROSSOVER = "bitmask.batch_stream_bf16"
 #: whole expanded weight and one ``F.linear`` (its row-block GEMMs, ``W_block @ X^T`` then a transpose of
 #: the output, lose to it at many tokens)
 ROW_BLOCKS_CROSSOVER = "bitmask.row_blocks_f32"
+#: the token crossover holding the most float32 tokens the fused kernel takes as the dense side; above,
+#: the expansion for a BLAS GEMM (whose higher rate on many tokens outweighs writing the dense weight)
+FUSED_CROSSOVER = "bitmask.fused_f32"
 #: the crossovers (sparsa.crossovers, measured per CPU by ``sparsa cost --refit``) holding the densest
 #: weight (kept fraction) each dtype's panel strategy takes; above it, expand (the dense GEMM) wins
 PANEL_CROSSOVERS = {torch.bfloat16: "bitmask.panel_bf16", torch.float32: "bitmask.panel_f32"}
@@ -228,6 +244,18 @@ def has_amx() -> bool:
     return lib is not None and bool(lib.sparsa_bitmask_has_amx())
 
 
+def has_fused_f32() -> bool:
+    """Whether the ``"fused"`` strategy's kernel runs here (AVX-512, build and ``SPARSA_ISA``)."""
+    lib = native_library()
+    return lib is not None and bool(lib.sparsa_bitmask_has_fused_f32())
+
+
+def fused_max_tokens() -> int:
+    """The most float32 tokens the ``"fused"`` strategy takes as the dense side on this CPU (the token
+    crossover :data:`FUSED_CROSSOVER`); above, ``"expand"``."""
+    return token_crossover(FUSED_CROSSOVER)
+
+
 def amx_status() -> str:
     """Why the ``"amx"`` strategy does or does not run here, in words."""
     lib = native_library()
@@ -285,15 +313,24 @@ def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: fl
 
 def many_token_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """What :func:`choose_strategy` picks above the stream strategy's tokens: ``"panel"``; for a bf16
-    weight too dense for it, up to :data:`BATCH_STREAM_CROSSOVER` tokens, ``"stream"``; else ``"amx"`` (bfloat16
-    where it runs) or ``"expand"``."""
+    weight too dense for it, up to :data:`BATCH_STREAM_CROSSOVER` tokens, ``"stream"``; else
+    :func:`dense_strategy`."""
     has_panel = {torch.bfloat16: has_panel_bf16, torch.float32: has_panel_f32}.get(dtype)
     if has_panel is not None and density <= panel_max_density(dtype, tokens) and has_panel():
         return "panel"
     if dtype == torch.bfloat16 and tokens <= token_crossover(BATCH_STREAM_CROSSOVER):
         return "stream"
-    if dtype == torch.bfloat16 and has_amx():
-        return "amx"
+    return dense_strategy(tokens, dtype)
+
+
+def dense_strategy(tokens: int, dtype: torch.dtype = torch.float32) -> str:
+    """The strategy that does dense work on the compressed weight for ``tokens`` tokens of ``dtype`` here:
+    ``"amx"`` for bfloat16 where the tiles run, ``"fused"`` for float32 up to :func:`fused_max_tokens`
+    where its kernel runs, else ``"expand"``."""
+    if dtype == torch.bfloat16:
+        return "amx" if has_amx() else "expand"
+    if dtype == torch.float32 and tokens <= fused_max_tokens() and has_fused_f32():
+        return "fused"
     return "expand"
 
 
@@ -473,6 +510,28 @@ def _amx(
     return y if y is not None else activate(_expand(lib, kind, x2, bits, row_ptr, values, bias, R), activation)
 
 
+def _fused(
+    lib: ctypes.CDLL,
+    kind: str,
+    x2: Tensor,
+    bits: Tensor,
+    row_ptr: Tensor,
+    values: Tensor,
+    bias: Optional[Tensor],
+    R: int,
+    activation: str = "none",
+) -> Tensor:
+    """The fused strategy, with ``activation`` in the kernel's epilogue (after the fallback to expand)."""
+    if kind == "f32":
+        rc, y = bitmask_rows_call(
+            lib.sparsa_bitmask_fused_f32, x2, bits, row_ptr, values, bias, R, activation_code(activation)
+        )
+        if rc == 0:
+            return y
+    # bfloat16 operands, or no fused kernel here (CPU, build, SPARSA_ISA)
+    return activate(_expand(lib, kind, x2, bits, row_ptr, values, bias, R), activation)
+
+
 def _nm24_strategy(
     lib: ctypes.CDLL,
     kind: str,
@@ -554,8 +613,8 @@ def bitmask_linear_impl(
     ``strategy``: ``"auto"`` (:func:`choose_strategy`; ``"nm24"`` for a 2:4 pattern above its crossover),
     ``"stream"``, ``"expand"``, ``"panel"`` (a CPU or build without that dtype's panel kernel, or an X
     holding NaN or Inf, runs ``"expand"``), ``"nm24"`` (anything but a bf16 2:4 pattern on a CPU with its
-    kernel, or an X holding NaN or Inf, runs ``"panel"``) or ``"amx"`` (anything but bf16 on a CPU with AMX
-    runs ``"expand"``)."""
+    kernel, or an X holding NaN or Inf, runs ``"panel"``), ``"amx"`` (anything but bf16 on a CPU with AMX
+    runs ``"expand"``) or ``"fused"`` (anything but float32 on a CPU with AVX-512 runs ``"expand"``)."""
     if strategy not in ("auto",) + STRATEGIES:
         raise ValueError(f"strategy must be 'auto' or one of {STRATEGIES}, got {strategy!r}")
     activation_code(activation, "bitmask_linear")
@@ -579,8 +638,8 @@ def bitmask_linear_impl(
     flat = x.dim() != 2  # a 2-D input needs no reshape round trip
     x2 = (x.reshape(-1, K) if flat else x).contiguous()
     comps = (bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features)
-    if strategy in ("panel", "amx"):  # the activation in the kernel's epilogue
-        y = (_panel if strategy == "panel" else _amx)(lib, kind, x2, *comps, activation)
+    if strategy in ("panel", "amx", "fused"):  # the activation in the kernel's epilogue
+        y = {"panel": _panel, "amx": _amx, "fused": _fused}[strategy](lib, kind, x2, *comps, activation)
     else:
         y = activate({"expand": _expand, "nm24": _nm24_strategy}[strategy](lib, kind, x2, *comps), activation)
     return y.reshape(*x.shape[:-1], out_features) if flat else y

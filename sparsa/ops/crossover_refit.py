@@ -113,6 +113,7 @@ TOKEN_CASE_DENSITY = {
     "bitmask.stream_f32": 0.5,
     "bitmask.batch_stream_bf16": 0.5,
     "bitmask.row_blocks_f32": 0.7,
+    "bitmask.fused_f32": 0.5,
 }
 
 
@@ -127,9 +128,10 @@ def _bitmask_weights(dtype: torch.dtype, d: float, R: int, K: int, streamed: boo
     return w, parts
 
 
-def _dense_side(dtype: torch.dtype) -> str:
-    """The strategy the bitmask op's automatic choice runs for a weight too dense for the panel kernel."""
-    return "amx" if dtype == torch.bfloat16 and bm.has_amx() else "expand"
+def _dense_side(dtype: torch.dtype, T: int) -> str:
+    """The strategy the bitmask op's automatic choice runs for ``T`` tokens of a weight too dense for the
+    panel kernel."""
+    return bm.dense_strategy(T, dtype)
 
 
 def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
@@ -143,7 +145,7 @@ def _bitmask_panel_case(dtype: torch.dtype) -> Callable[..., Optional[Case]]:
         def run(strategy: str) -> Callable[[], object]:
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
-        return w.values.numel() / (R * K), {"low": run("panel"), "high": run(_dense_side(dtype))}
+        return w.values.numel() / (R * K), {"low": run("panel"), "high": run(_dense_side(dtype, T))}
 
     return case
 
@@ -163,8 +165,8 @@ def _bitmask_stream_case(dtype: torch.dtype, name: str, panel: bool = True):
             return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
 
         sides = {"low": run("stream"), "high_expand": run("expand")}
-        if _dense_side(dtype) == "amx":
-            sides["high_amx"] = run("amx")
+        if _dense_side(dtype, T) in ("amx", "fused"):
+            sides["high_" + _dense_side(dtype, T)] = run(_dense_side(dtype, T))
         if panel and (bm.has_panel_bf16 if dtype == torch.bfloat16 else bm.has_panel_f32)():
             sides["high_panel"] = run("panel")
         return T, sides
@@ -200,6 +202,20 @@ def _bitmask_row_blocks_case(T: float, R: int, K: int) -> Optional[Case]:
     x = torch.randn(T, K)
     parts = (lib, "f32", x, w.bits, w.row_ptr, w.values, None, R)
     return T, {"low": lambda: bm._expand(*parts, whole=False), "high": lambda: bm._expand(*parts, whole=True)}
+
+
+def _bitmask_fused_case(T: float, R: int, K: int) -> Optional[Case]:
+    """The fused kernel against the expansion for a BLAS GEMM, on float32 weight copies past the cache."""
+    if not bm.has_fused_f32():
+        return None  # no fused kernel here: the expansion at every token count
+    T = int(T)
+    _, parts = _bitmask_weights(torch.float32, TOKEN_CASE_DENSITY["bitmask.fused_f32"], R, K, True)
+    x = torch.randn(T, K)
+
+    def run(strategy: str) -> Callable[[], object]:
+        return lambda: [bm.bitmask_linear_impl(x, *p, strategy) for p in parts]
+
+    return T, {"low": run("fused"), "high": run("expand")}
 
 
 def _relu_input(shape: Tuple[int, ...], d: float) -> Tensor:
@@ -355,6 +371,7 @@ _CASES: Dict[str, Callable[..., Optional[Case]]] = {
     "bitmask.stream_f32": _bitmask_stream_case(torch.float32, "bitmask.stream_f32"),
     "bitmask.batch_stream_bf16": _bitmask_stream_case(torch.bfloat16, "bitmask.batch_stream_bf16", panel=False),
     "bitmask.row_blocks_f32": _bitmask_row_blocks_case,
+    "bitmask.fused_f32": _bitmask_fused_case,
     "nm24.panel_bf16": _nm24_case,
     "relu_compact.linear": _relu_linear_case,
     "relu_compact.conv2d": _relu_conv2d_case,
