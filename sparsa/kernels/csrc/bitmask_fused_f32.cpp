@@ -4,7 +4,9 @@
 // call; here the only weight traffic is the compressed bytes, and each expanded value feeds T FMA lanes.
 //
 // X is transposed once per call by all threads into token panels xt[p][c][32] (zero lanes past T). Each
-// thread takes blocks of BLOCK_ROWS rows. For every chunk of KC columns it expands the block's rows into
+// thread takes one contiguous run of rows, in blocks of BLOCK_ROWS rows, and fetches the next block's
+// packed values and bits into L2 while it multiplies the current one. For every chunk of KC columns it
+// expands the block's rows into
 // wb[row][KC] (one masked expand-load per 16 columns; each row's packed values are read in order, so a
 // pointer per row walks them), then for every panel multiplies MR = 12 rows at a time: 24 sums of 16
 // tokens in registers, per column two panel loads and 12 broadcasts for 24 FMAs. The sums of a block live
@@ -30,8 +32,8 @@ namespace {
 
 constexpr int TB = 32;               // tokens per panel: two 16-float vectors
 constexpr int MR = 12;               // rows per register tile: 24 accumulators
-constexpr int64_t KC = 128;          // columns per chunk
-constexpr int BLOCK_ROWS = 4 * MR;   // rows per work item
+constexpr int64_t KC = 128;          // columns per chunk: the block's rows (24 KiB) and a panel's chunk fit L1
+constexpr int BLOCK_ROWS = 4 * MR;   // rows that share each panel chunk while it is in L1
 
 // xt[c * TB + i] = x[i * K + c] for the panel's nt tokens, zero lanes past nt
 void pack_panel(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
@@ -108,6 +110,23 @@ inline void tile_n(int g, const float* __restrict w, const float* __restrict xt,
     }
 }
 
+// Software prefetch of a byte range into L2, a few lines at a time between register tiles: the next
+// block's packed values and bits are 48 streams a few KiB apart, more than the hardware prefetcher tracks,
+// and a burst of prefetches at a block's start would stall on the line fill buffers.
+struct Prefetcher {
+    const char* p = nullptr;
+    const char* end = nullptr;
+    int64_t per_step = 0;
+    void start(const void* lo, const void* hi, int64_t steps) {
+        p = static_cast<const char*>(lo);
+        end = static_cast<const char*>(hi);
+        per_step = std::max<int64_t>(1, ((end - p) / 64 + steps - 1) / std::max<int64_t>(1, steps));
+    }
+    void step() {
+        for (int64_t i = 0; i < per_step && p < end; ++i, p += 64) _mm_prefetch(p, _MM_HINT_T1);
+    }
+};
+
 struct Weight {
     const uint8_t* bits;
     int64_t kb;
@@ -132,16 +151,23 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, bool act
         const float* vp[BLOCK_ROWS];
         const int64_t th = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t t0 = ntiles * th / nt, t1 = ntiles * (th + 1) / nt;
+        const int64_t nchunks = (K + KC - 1) / KC;
+        Prefetcher values_ahead, bits_ahead;
         for (int64_t tb = t0; tb < t1; tb += BLOCK_ROWS / MR) {
             const int64_t r0 = tb * MR;
             const int nr = (int)std::min<int64_t>({(int64_t)BLOCK_ROWS, R - r0, (t1 - tb) * MR});
+            {  // the next block's rows, fetched into L2 over this block's register tiles
+                const int64_t n0 = r0 + nr, n1 = std::min<int64_t>({R, n0 + BLOCK_ROWS, t1 * MR});
+                const int64_t steps = nchunks * npan * ((nr + MR - 1) / MR);
+                values_ahead.start(W.values + W.row_ptr[n0], W.values + W.row_ptr[n1], steps);
+                bits_ahead.start(W.bits + n0 * W.kb, W.bits + n1 * W.kb, steps);
+            }
             for (int r = 0; r < nr; ++r) vp[r] = W.values + W.row_ptr[r0 + r];
             for (int64_t c0 = 0; c0 < K; c0 += KC) {
                 const int64_t n = std::min<int64_t>(KC, K - c0);
                 for (int r = 0; r < nr; ++r) {
                     expand_row(W.bits + (r0 + r) * W.kb, K, c0, n, vp[r], wb + r * KC);
-                    // the next chunk's values and bits, fetched while this chunk's products run: the
-                    // expansion would otherwise wait on memory for every chunk
+                    // the next chunk's values and bits into L1 while this chunk's products run
                     for (int64_t i = 0; i < KC; i += 16) _mm_prefetch(reinterpret_cast<const char*>(vp[r] + i), _MM_HINT_T0);
                     _mm_prefetch(reinterpret_cast<const char*>(W.bits + (r0 + r) * W.kb + (c0 + KC) / 8), _MM_HINT_T0);
                 }
@@ -149,7 +175,11 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, bool act
                     const float* xt = panels + p * K * TB + c0 * TB;
                     float* pp = part + p * BLOCK_ROWS * TB;
                     int r = 0;
-                    for (; r + MR <= nr; r += MR) tile12(wb + r * KC, xt, n, pp + r * TB, c0 == 0);
+                    for (; r + MR <= nr; r += MR) {
+                        tile12(wb + r * KC, xt, n, pp + r * TB, c0 == 0);
+                        values_ahead.step();
+                        bits_ahead.step();
+                    }
                     if (r < nr) tile_n(nr - r, wb + r * KC, xt, n, pp + r * TB, c0 == 0);
                 }
             }
