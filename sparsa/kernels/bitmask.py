@@ -1,6 +1,6 @@
 """``sparsa::bitmask_linear``: Y = X W^T + b with W in the Bitmask layout (per-row bitmask + packed values).
 
-Five native strategies, each reading the compressed weight once per call:
+Six native strategies, each reading the compressed weight once per call:
 
 - ``"stream"`` for a few tokens (LLM decoding, ``csrc/bitmask_linear.cpp``; up to the token crossover
   ``bitmask.stream_bf16`` / ``bitmask.stream_f32``, :func:`stream_max_tokens`): every row's packed values
