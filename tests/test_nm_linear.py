@@ -57,7 +57,7 @@ def test_runs_the_bitmask_kernels_not_the_dense_weight(monkeypatch, no_dense_wei
     if bm.native_library() is None:
         pytest.skip("no native kernel here")
     ran = []
-    for name in ("_stream", "_expand", "_panel", "_amx"):
+    for name in ("_stream", "_expand", "_panel", "_amx", "_fused"):
 
         def spy(lib, kind, x2, *a, _real=getattr(bm, name), **k):
             ran.append(x2.numel() // x2.shape[-1])  # tokens (the stream strategy takes x of any rank)
