@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--refit",
         action="store_true",
         help="measure the sparse kernels' density and token crossovers and the adaptive conv backward's "
-        "cost models on this CPU (two to three minutes) and store them in the table; kernels this "
+        "cost models on this CPU (about three minutes) and store them in the table; kernels this "
         "CPU cannot run are skipped, with the reason",
     )
     return p

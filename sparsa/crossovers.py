@@ -273,7 +273,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "expanding the weight for a BLAS GEMM",
         _FUSED_TOKENS,
         _WEIGHTS,
-        {"intel-amx": 256},
+        {"intel-amx": 192},
         unit="tokens",
         low="fused",
         high="expand",
