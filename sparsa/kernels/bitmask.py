@@ -300,8 +300,8 @@ def row_blocks_max_tokens() -> int:
 def choose_strategy(tokens: int, dtype: torch.dtype = torch.float32, density: float = 1.0) -> str:
     """``"stream"`` for up to :func:`stream_max_tokens` tokens; above that ``"panel"`` for a weight of at
     most :func:`panel_max_density` kept (at this many tokens) where that dtype's panel kernel runs
-    (:func:`has_panel_bf16`, :func:`has_panel_f32`); else ``"amx"`` for bfloat16 where it runs
-    (:func:`has_amx`), else ``"expand"``."""
+    (:func:`has_panel_bf16`, :func:`has_panel_f32`); else :func:`many_token_strategy`'s choice (the dense
+    side, :func:`dense_strategy`: ``"amx"``, ``"fused"`` or ``"expand"``)."""
     name = STREAM_CROSSOVERS.get(dtype)
     if name is None:
         raise ValueError(f"choose_strategy: dtype must be one of {list(STREAM_CROSSOVERS)}, got {dtype}")
