@@ -74,6 +74,7 @@ def test_token_chunks_and_wide_weights(lib, T, R, K):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_or_inf_in_x_reaches_every_output_like_dense(lib, bad):
+    # 35 tokens: two blocks, items shared out one at a time (the one-block calls: test_one_block_calls)
     w = Bitmask.from_dense(torch.randn(40, 64).to(BF), mask=torch.eye(40, 64, dtype=torch.bool))
     x = torch.randn(35, 64).to(BF)
     x[33, 63] = bad  # column 63 is kept by no row: only a product over every column spreads it
@@ -83,8 +84,9 @@ def test_nan_or_inf_in_x_reaches_every_output_like_dense(lib, bad):
     assert not torch.isnan(y[:33]).any() and not torch.isnan(y[34:]).any()
 
 
-@pytest.mark.parametrize("T,K", [(100, 130), (300, 3100)])  # one token chunk packed together, two packed apart
+@pytest.mark.parametrize("T,K", [(100, 130), (300, 3100), (5, 130), (32, 700)])
 def test_threads_do_not_change_the_result(lib, T, K):
+    # one token chunk packed together, two packed apart; one 32-token block (each thread a run of items)
     w = _weight(200, K, 0.3, seed=3)
     x = torch.randn(T, K).to(BF)
     old = torch.get_num_threads()
@@ -96,6 +98,22 @@ def test_threads_do_not_change_the_result(lib, T, K):
     finally:
         torch.set_num_threads(old)
     assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("T", [1, 16, 17, 32])
+@pytest.mark.parametrize("R", [20, 33, 200])  # fewer items than threads, a partial item, runs of several
+def test_one_block_calls(lib, T, R):
+    # a call of at most 32 tokens gives each thread a contiguous run of items (batched decoding)
+    w = _weight(R, 300, 0.5, seed=T + R)
+    x = torch.randn(T, 300).to(BF)
+    b = torch.randn(R)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = _run(lib, x, w, b, R)
+    finally:
+        torch.set_num_threads(old)
+    _check(y, x, w, b)
 
 
 def test_reads_the_components_as_they_are_now(lib):

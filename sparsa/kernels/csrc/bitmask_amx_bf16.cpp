@@ -12,7 +12,9 @@
 //
 // Items run token chunks of at most ~1 MiB of packed X (chunks of equal size) in the outer order, so the
 // tiles the items reread stay in L2; threads take items one at a time as they finish, because the two
-// threads of the VMs measured often ran at different speeds.
+// threads of the VMs measured often ran at different speeds, except in a call of one 32-token block
+// (batched decoding), where each thread takes a contiguous run of items so that its reads of the packed
+// values, prefetched a page ahead, form one stream.
 //
 // SPARSA_AMX_EMULATE (bitmask_amx_bf16_emu.cpp) builds the same driver on software tiles with scalar
 // expand, pack and epilogue, for the tests on any CPU.
@@ -73,8 +75,16 @@ void expand_rows(const Weight& w, int64_t r0, uint16_t* a) {
         }
         const uint8_t* row = w.bits + r * w.kb;
         const uint16_t* v = w.vals + w.row_ptr[r];
+#ifndef SPARSA_AMX_EMULATE
+        _mm_prefetch((const char*)(row + 4 * w.kb), _MM_HINT_T0);
+#endif
         for (int64_t c = 0; c < w.nkc; ++c) {
             const uint32_t m = chunk_bits(row, w.kb, c);
+#ifndef SPARSA_AMX_EMULATE
+            // the values a page ahead: an item starts a new stretch of them, which the hardware prefetcher
+            // picks up only after several misses
+            _mm_prefetch((const char*)v + 4096, _MM_HINT_T0);
+#endif
 #ifdef SPARSA_AMX_EMULATE
             for (int j = 0; j < 32; ++j) dst[c * TILE_WORDS + j] = (m >> j & 1u) ? *v++ : (uint16_t)0;
 #else
@@ -254,9 +264,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
             const int64_t blk0 = ch * nblk / nchunk, blk1 = (ch + 1) * nblk / nchunk;
             const int64_t g0 = 2 * blk0, g1 = std::min(ngroup, 2 * blk1);
             bool packed = shared;
-            // threads take items one at a time: the two vCPUs measured often ran at different speeds
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t jn = 0; jn < ncol; ++jn) {
+            auto item = [&](int64_t jn) {
                 if (!packed) {
                     for (int64_t g = g0; g < g1; ++g) pack_tokens(x, T, K, nkc, g, xp + (g - g0) * nkc * TILE_WORDS);
                     packed = true;
@@ -275,7 +283,17 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
                         multiply_block<false>(a, nkc, xg, sum, ynext, R);
                     store_rows(sum, rows, bias, act, c0, cols, y + t0 * R, R);
                 }
+            };
+            if (nblk == 1) {
+                // one block of tokens (batched decoding, memory-bound): each thread takes one contiguous run of
+                // items, so the values stream expand_rows prefetches runs on from one item into the next
+                const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
+                for (int64_t jn = ncol * th / nt; jn < ncol * (th + 1) / nt; ++jn) item(jn);
+                continue;
             }
+            // more blocks: threads take items one at a time (the two vCPUs measured often ran at different speeds)
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t jn = 0; jn < ncol; ++jn) item(jn);
         }
         SPARSA_TILE_RELEASE();
     }
