@@ -206,7 +206,7 @@ CROSSOVERS: Dict[str, Crossover] = {
         "the AMX tiles (where they run) and the expansion",
         _STREAM_TOKENS,
         _WEIGHTS,
-        {"amd-avx512": 12, "intel-amx": 4},
+        {"amd-avx512": 12, "intel-amx": 3},
         unit="tokens",
         low="stream",
         high="panel, amx or expand",
@@ -229,9 +229,9 @@ CROSSOVERS: Dict[str, Crossover] = {
         "bitmask_linear with bf16 tokens above the stream loop's, up to BATCH_MAX_TOKENS, on a weight too "
         "dense for the panel kernel: the stream loop against the AMX tiles (where they run) or expanding the "
         "weight for the dense bf16 GEMM",
-        (8, 10, 12, 16, 20, 24, 32),
+        (4, 6, 8, 10, 12, 16, 20, 24, 32),
         _DECODE_WEIGHTS,
-        {"amd-avx512": 16, "intel-amx": 7},
+        {"amd-avx512": 16, "intel-amx": 3},
         unit="tokens",
         low="stream",
         high="amx or expand",

@@ -186,8 +186,9 @@ def test_token_crossovers_by_cpu_class(monkeypatch, tmp_path):
     assert bm.row_blocks_max_tokens() == 511
     assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 0  # never: expand, as before
     monkeypatch.setattr(crossovers, "_this_class", lambda: "intel-amx")  # bf16: against the AMX tiles
-    assert bm.stream_max_tokens(torch.bfloat16) == 4 and bm.stream_max_tokens(torch.float32) == 10
-    assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 7
+    assert bm.stream_max_tokens(torch.bfloat16) == 3 and bm.stream_max_tokens(torch.float32) == 10
+    assert crossovers.token_crossover(bm.BATCH_STREAM_CROSSOVER) == 3  # the AMX tiles from 4 tokens
+    assert bm.fused_max_tokens() == 192
     assert bm.row_blocks_max_tokens() == 63
 
 
