@@ -6,12 +6,11 @@
 // X is transposed once per call by all threads into token panels xt[p][c][32] (zero lanes past T). Each
 // thread takes one contiguous run of rows, in blocks of BLOCK_ROWS rows, and fetches the next block's
 // packed values and bits into L2 while it multiplies the current one. For every chunk of KC columns it
-// expands the block's rows into
-// wb[row][KC] (one masked expand-load per 16 columns; each row's packed values are read in order, so a
-// pointer per row walks them), then for every panel multiplies MR = 12 rows at a time: 24 sums of 16
-// tokens in registers, per column two panel loads and 12 broadcasts for 24 FMAs. The sums of a block live
-// in part[panel][row][32] between chunks, and the epilogue adds the bias, applies GELU and transposes them
-// into Y (panel_store.h).
+// expands the block's rows into wb[row][KC] (one masked expand-load per 16 columns; each row's packed
+// values are read in order, so a pointer per row walks them), then for every panel multiplies MR = 12 rows
+// at a time: 24 sums of 16 tokens in registers, per column two panel loads and 12 broadcasts for 24 FMAs.
+// The sums of a block live in part[panel][row][32] between chunks, and the epilogue adds the bias, applies
+// GELU and transposes them into Y (panel_store.h).
 //
 // Zeros are multiplied like any weight, so a NaN or Inf of X reaches every output, as in F.linear.
 #include <cstdint>
@@ -19,9 +18,9 @@
 #include <algorithm>
 #include <omp.h>
 #include "cpu_isa.h"
+#include "panel_pack.h"
 #include "panel_store.h"
 #include "thread_scratch.h"
-#include "transpose8.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define SPARSA_HAVE_FUSED_F32 1
@@ -34,21 +33,6 @@ constexpr int TB = 32;               // tokens per panel: two 16-float vectors
 constexpr int MR = 12;               // rows per register tile: 24 accumulators
 constexpr int64_t KC = 128;          // columns per chunk: the block's rows (24 KiB) and a panel's chunk fit L1
 constexpr int BLOCK_ROWS = 4 * MR;   // rows that share each panel chunk while it is in L1
-
-// xt[c * TB + i] = x[i * K + c] for the panel's nt tokens, zero lanes past nt
-void pack_panel(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
-    int64_t c = 0;
-    for (; c + 8 <= K; c += 8)
-        for (int i0 = 0; i0 < TB; i0 += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i)
-                r[i] = i0 + i < nt ? _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
-            transpose8(r);
-            for (int k = 0; k < 8; ++k) _mm256_store_ps(xt + (c + k) * TB + i0, r[k]);
-        }
-    for (; c < K; ++c)
-        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
-}
 
 // columns [c0, c0 + n) of one row into o[0:n): n a multiple of 16 except in the last chunk, where the bits
 // past K are cleared (the expand then reads no value for them). *vp advances past the values read.
@@ -145,7 +129,7 @@ void run(const float* x, int64_t T, const Weight& W, const float* bias, bool act
     {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < npan; ++p)
-            pack_panel(x + p * TB * K, K, (int)std::min<int64_t>(TB, T - p * TB), panels + p * K * TB);
+            sparsa_pack_panel_f32<TB>(x + p * TB * K, K, (int)std::min<int64_t>(TB, T - p * TB), panels + p * K * TB);
         float* wb = sparsa_thread_scratch<float, 1>((size_t)(BLOCK_ROWS * KC));
         float* part = sparsa_thread_scratch<float, 2>((size_t)(npan * BLOCK_ROWS * TB));
         const float* vp[BLOCK_ROWS];

@@ -24,6 +24,7 @@
 #include <vector>
 #include <omp.h>
 #include "cpu_isa.h"
+#include "panel_pack.h"
 #include "panel_store.h"
 #include "thread_scratch.h"
 #include "transpose8.h"
@@ -82,17 +83,7 @@ bool x_finite(const float* x, int64_t n) {
 template <int TB>
 void pack(const float* __restrict x, int64_t K, int nt, float* __restrict xt) {
     std::memset(xt + K * TB, 0, sizeof(float) * TB);
-    int64_t c = 0;
-    for (; c + 8 <= K; c += 8)
-        for (int i0 = 0; i0 < TB; i0 += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i)
-                r[i] = i0 + i < nt ? _mm256_loadu_ps(x + (int64_t)(i0 + i) * K + c) : _mm256_setzero_ps();
-            transpose8(r);
-            for (int k = 0; k < 8; ++k) _mm256_store_ps(xt + (c + k) * TB + i0, r[k]);
-        }
-    for (; c < K; ++c)
-        for (int i = 0; i < TB; ++i) xt[c * TB + i] = i < nt ? x[(int64_t)i * K + c] : 0.f;
+    sparsa_pack_panel_f32<TB>(x, K, nt, xt);
 }
 
 // One row's kept columns into cols (8 slots of slack past the count; 16 for list_columns16), and where
