@@ -51,10 +51,12 @@ def old_library(rev: str, where: Path, library: str, tool: str):
 def timing_fields(ms: Dict[str, float], diff: float) -> Dict[str, Any]:
     """The row fields of one side-by-side timing ``ms`` (``old``, ``new``, ``dense`` ms) and the largest
     difference between the two kernels' outputs."""
+    # four significant digits, not decimals: a small shape's call takes a few microseconds, where four
+    # decimals of a millisecond would leave the ratios below off by several percent
     return {
-        "old_ms": round(ms["old"], 4),
-        "new_ms": round(ms["new"], 4),
-        "dense_bf16_ms": round(ms["dense"], 4),
+        "old_ms": float(f"{ms['old']:.4g}"),
+        "new_ms": float(f"{ms['new']:.4g}"),
+        "dense_bf16_ms": float(f"{ms['dense']:.4g}"),
         "new_over_old": round(ms["old"] / ms["new"], 3),
         "old_vs_dense": round(ms["dense"] / ms["old"], 3),
         "new_vs_dense": round(ms["dense"] / ms["new"], 3),
