@@ -63,9 +63,18 @@ def test_matches_float64(lib, T, R, K, density, bias, seed):
     _check(_run(lib, x, w, b, R), x, w, b)
 
 
-@pytest.mark.parametrize("T,R,K", [(300, 70, 3100), (1000, 40, 96)])
+@pytest.mark.parametrize(
+    "T,R,K",
+    [
+        (300, 70, 3100),  # two K panels of 49 chunks, one token chunk of 10 blocks
+        (100, 70, 3100),  # two K panels, 4 blocks: the next item expanded between the products
+        (400, 40, 4100),  # three K panels, two token chunks (7 and 6 blocks): partial sums rewritten
+        (1000, 40, 96),  # one panel, one chunk of 32 blocks
+        (32, 45, 6000),  # one block over all of K (no panels): two items' A tiles past the overlap's budget
+        (32, 45, 700),  # one block, the next item overlapped
+    ],
+)
 def test_token_chunks_and_wide_weights(lib, T, R, K):
-    # X rows of 3100 columns fill a token chunk in 5 blocks (two chunks here); 1000 tokens with K = 96 in one
     w = _weight(R, K, 0.25, seed=T)
     x = torch.randn(T, K).to(BF)
     b = torch.randn(R)
@@ -84,9 +93,10 @@ def test_nan_or_inf_in_x_reaches_every_output_like_dense(lib, bad):
     assert not torch.isnan(y[:33]).any() and not torch.isnan(y[34:]).any()
 
 
-@pytest.mark.parametrize("T,K", [(100, 130), (300, 3100), (5, 130), (32, 700)])
+@pytest.mark.parametrize("T,K", [(100, 130), (300, 3100), (100, 3100), (400, 4100), (5, 130), (32, 700)])
 def test_threads_do_not_change_the_result(lib, T, K):
-    # one token chunk packed together, two packed apart; one 32-token block (each thread a run of items)
+    # one token chunk packed together, two packed apart; K panels (items move between threads from panel to
+    # panel), overlapped or not; one 32-token block (each thread a run of items)
     w = _weight(200, K, 0.3, seed=3)
     x = torch.randn(T, K).to(BF)
     old = torch.get_num_threads()

@@ -10,17 +10,22 @@
 // the weight is read in its compressed form; dropped weights are zeros multiplied by X, so a NaN or Inf of
 // X reaches the output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
 //
-// Items run token chunks of at most ~1 MiB of packed X (chunks of equal size) in the outer order, so the
-// tiles the items reread stay in L2; threads take items one at a time as they finish, because the two
-// threads of the VMs measured often ran at different speeds, except in a call of one 32-token block
-// (batched decoding), where each thread takes a contiguous run of items so that its reads of the packed
-// values, prefetched a page ahead, form one stream.
+// A call of several blocks splits K into panels of at most 2048 columns (partial sums kept in fp32 between
+// them) and the tokens into chunks of at most ~1 MiB of a panel's packed X (chunks of equal size), chunk
+// and panel in the outer order, so the tiles the items reread stay in L2. Where a chunk has at most four
+// blocks (where the expansion's cost is spread over few tokens) and two items' A tiles fit in L2 beside
+// the packed X, the next item's rows are expanded between the current item's tile products, so the
+// expand-loads run while the tiles multiply. Threads take items one at a time as they finish, because the
+// two threads of the VMs measured often ran at different speeds, except in a call of one 32-token block
+// (batched decoding), which keeps its sums in the tiles over all of K and gives each thread a contiguous
+// run of items, so that its reads of the packed values, prefetched a page ahead, form one stream.
 //
 // SPARSA_AMX_EMULATE (bitmask_amx_bf16_emu.cpp) builds the same driver on software tiles with scalar
 // expand, pack and epilogue, for the tests on any CPU.
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
 #include <vector>
 #include <omp.h>
 #include "amx_tiles.h"
@@ -40,9 +45,12 @@
 #endif
 namespace {
 
-constexpr int64_t CHUNK_X_BYTES = 1 << 20;  // packed X per token chunk: well inside a 2 MiB L2
-constexpr int TILE_WORDS = 16 * 32;         // bf16 elements of one tile
-constexpr int64_t PACK_AHEAD = 8;            // 32-column chunks the X pack fetches ahead
+constexpr int64_t CHUNK_X_BYTES = 1 << 20;     // a panel's packed X per token chunk: well inside a 2 MiB L2
+constexpr int TILE_WORDS = 16 * 32;            // bf16 elements of one tile
+constexpr int64_t PANEL_CHUNKS = 64;           // 32-column chunks of a K panel, at most (2048 columns)
+constexpr int64_t OVERLAP_L2_BYTES = 1 << 20;  // two items' A tiles and a panel's packed X, for the overlap
+constexpr int64_t OVERLAP_MAX_BLOCKS = 4;      // 32-token blocks of a chunk, at most, for the overlap
+constexpr int64_t PACK_AHEAD = 8;              // 32-column chunks the X pack fetches ahead
 
 struct Weight {
     const uint8_t* bits;     // [R][kb]
@@ -62,38 +70,71 @@ inline uint32_t chunk_bits(const uint8_t* row, int64_t kb, int64_t c) {
     return m;
 }
 
-// Rows r0..r0 + 31 of W expanded to dense bf16 (zeros where not kept, and for rows past R): the item's A
-// tiles, tile (h, c) of rows r0 + 16h.. and columns 32c.. at a + (h nkc + c) TILE_WORDS. Whole tiles, not
-// whole rows, are contiguous: rows a weight's width apart would put a tile's 16 lines in one L1 set.
-void expand_rows(const Weight& w, int64_t r0, uint16_t* a) {
-    for (int i = 0; i < 32; ++i) {
-        uint16_t* dst = a + (i / 16) * w.nkc * TILE_WORDS + 32 * (i % 16);
-        const int64_t r = r0 + i;
-        if (r >= w.R) {
-            for (int64_t c = 0; c < w.nkc; ++c) std::memset(dst + c * TILE_WORDS, 0, 64);
-            continue;
-        }
-        const uint8_t* row = w.bits + r * w.kb;
-        const uint16_t* v = w.vals + w.row_ptr[r];
-#ifndef SPARSA_AMX_EMULATE
-        _mm_prefetch((const char*)(row + 4 * w.kb), _MM_HINT_T0);
-#endif
-        for (int64_t c = 0; c < w.nkc; ++c) {
-            const uint32_t m = chunk_bits(row, w.kb, c);
-#ifndef SPARSA_AMX_EMULATE
-            // the values a page ahead: an item starts a new stretch of them, which the hardware prefetcher
-            // picks up only after several misses
-            _mm_prefetch((const char*)v + 4096, _MM_HINT_T0);
-#endif
-#ifdef SPARSA_AMX_EMULATE
-            for (int j = 0; j < 32; ++j) dst[c * TILE_WORDS + j] = (m >> j & 1u) ? *v++ : (uint16_t)0;
-#else
-            _mm512_storeu_si512(dst + c * TILE_WORDS, _mm512_maskz_expandloadu_epi16((__mmask32)m, v));
-            v += __builtin_popcount(m);
-#endif
-        }
+// The A tiles of one item: rows r0..r0 + 31 of W over the 32-column chunks c0..c1 - 1, expanded to dense
+// bf16 (zeros where not kept, and for rows past R), tile (h, c - c0) of rows r0 + 16h.. at
+// a + (h (c1 - c0) + c - c0) TILE_WORDS. Whole tiles, not whole rows, are contiguous: rows a weight's width
+// apart would put a tile's 16 lines in one L1 set. The expansion runs a few 32-column pieces at a time in
+// the order the packed values lie (row by row), so that the next item's runs between the tile products of
+// the current one (one stream of values a thread, as the hardware prefetcher and the page-ahead prefetch
+// below want it).
+struct Expansion {
+    const Weight* w = nullptr;
+    uint16_t* a = nullptr;
+    const uint16_t* v = nullptr;
+    const uint16_t** resume = nullptr;  // per row: its next value after the chunks expanded (K panels), or null
+    int64_t r0 = 0, c0 = 0, c1 = 0, c = 0;
+    int i = 32;
+    void start(const Weight& weight, int64_t first_row, int64_t first_chunk, int64_t end_chunk, uint16_t* tiles,
+               const uint16_t** row_resume) {
+        w = &weight, a = tiles, r0 = first_row, c0 = first_chunk, c1 = end_chunk, c = c0, i = 0, resume = row_resume;
     }
-}
+    void finish() { step(32 * (c1 - c0)); }
+    // n more pieces (or what is left). The loop works on local copies: its vector stores may alias the
+    // members, which would otherwise be stored and reloaded around every piece.
+    inline void step(int64_t n) {
+        if (n <= 0 || i >= 32) return;
+        const Weight& W = *w;
+        const int64_t nc = c1 - c0, kb = W.kb;
+        const uint16_t* vp = v;
+        int64_t k = c;
+        int row_i = i;
+        while (n > 0 && row_i < 32) {
+            const int64_t end = std::min<int64_t>(c1, k + n);
+            uint16_t* dst = a + ((row_i / 16) * nc - c0) * TILE_WORDS + 32 * (row_i % 16);
+            const int64_t r = r0 + row_i;
+            n -= end - k;
+            if (r >= W.R) {
+                for (; k < end; ++k) std::memset(dst + k * TILE_WORDS, 0, 64);
+            } else {
+                const uint8_t* row = W.bits + r * kb;
+                if (k == c0) {
+                    // the row's first value in the chunks: where the previous panel's expansion of it ended
+                    vp = c0 == 0 ? W.vals + W.row_ptr[r] : resume[r];
+#ifndef SPARSA_AMX_EMULATE
+                    _mm_prefetch((const char*)(row + 4 * kb), _MM_HINT_T0);
+#endif
+                }
+                for (; k < end; ++k) {
+                    const uint32_t m = chunk_bits(row, kb, k);
+#ifdef SPARSA_AMX_EMULATE
+                    for (int j = 0; j < 32; ++j) dst[k * TILE_WORDS + j] = (m >> j & 1u) ? *vp++ : (uint16_t)0;
+#else
+                    // the values a page ahead: an item starts a new stretch of them, which the hardware
+                    // prefetcher picks up only after several misses
+                    _mm_prefetch((const char*)vp + 4096, _MM_HINT_T0);
+                    _mm512_storeu_si512(dst + k * TILE_WORDS, _mm512_maskz_expandloadu_epi16((__mmask32)m, vp));
+                    vp += __builtin_popcount(m);
+#endif
+                }
+            }
+            if (k == c1) {
+                if (resume && r < W.R) resume[r] = vp;
+                k = c0, ++row_i;
+            }
+        }
+        v = vp, c = k, i = row_i;
+    }
+};
 
 #ifndef SPARSA_AMX_EMULATE
 // r[i][j] <- r[j][i] for 16 rows of 16 32-bit elements
@@ -191,26 +232,36 @@ inline void store_rows(const float (*sum)[16][16], int rows, const float* bias, 
 #endif
 }
 
-// The sums of 32 outputs (the item's A tiles a) x 32 tokens (token groups g and
-// g + 1 of the packed X) into sum. ynext: the first of the 32 Y rows (R elements apart) the next block
-// writes, or null; their lines are fetched for writing during the products, so the epilogue's stores do
-// not wait for them. Half: a block of at most 16 tokens (a batched-decoding call, or the last block), one
+// The sums of 32 outputs (the item's A tiles a, nc chunks) x 32 tokens (xg: token group g's B tile of the
+// first chunk, chunks TILE_WORDS apart, group g + 1 gstride further) into the C tiles, which start from zero
+// or, for a later K panel, from the partial sums in; then they go to out. After each chunk's products ex
+// expands `pieces` pieces of the next item. ynext: the first of the 32 Y rows (R elements apart) the next
+// block writes, or null; their lines are fetched for writing during the products, so the epilogue's stores
+// do not wait for them. Half: a block of at most 16 tokens (a batched-decoding call, or the last block), one
 // B tile and half the products.
 template <bool Half>
-void multiply_block(const uint16_t* a, int64_t nkc, const uint16_t* xg, float (*sum)[16][16], const uint16_t* ynext,
-                    int64_t R) {
-    SPARSA_TILE_ZERO(0);
-    SPARSA_TILE_ZERO(1);
-    if constexpr (!Half) {
-        SPARSA_TILE_ZERO(2);
-        SPARSA_TILE_ZERO(3);
+void multiply_block(const uint16_t* a, int64_t nc, const uint16_t* xg, int64_t gstride, const float (*in)[16][16],
+                    float (*out)[16][16], const uint16_t* ynext, int64_t R, Expansion& ex, int64_t pieces) {
+    if (in) {
+        SPARSA_TILE_LOAD(0, &in[0][0][0], 64);
+        SPARSA_TILE_LOAD(1, &in[1][0][0], 64);
+        if constexpr (!Half) {
+            SPARSA_TILE_LOAD(2, &in[2][0][0], 64);
+            SPARSA_TILE_LOAD(3, &in[3][0][0], 64);
+        }
+    } else {
+        SPARSA_TILE_ZERO(0);
+        SPARSA_TILE_ZERO(1);
+        if constexpr (!Half) {
+            SPARSA_TILE_ZERO(2);
+            SPARSA_TILE_ZERO(3);
+        }
     }
-    const uint16_t *xg1 = xg + nkc * TILE_WORDS, *a1 = a + nkc * TILE_WORDS;
-    for (int64_t c = 0; c < nkc; ++c) {
+    const uint16_t *xg1 = xg + gstride, *a1 = a + nc * TILE_WORDS;
+    for (int64_t c = 0; c < nc; ++c) {
 #ifndef SPARSA_AMX_EMULATE
         if (ynext)
-            for (int64_t r = c * 32 / nkc; r < (c + 1) * 32 / nkc; ++r)
-                _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
+            for (int64_t r = c * 32 / nc; r < (c + 1) * 32 / nc; ++r) _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
 #endif
         SPARSA_TILE_LOAD(4, a + c * TILE_WORDS, 64);
         SPARSA_TILE_LOAD(5, a1 + c * TILE_WORDS, 64);
@@ -220,25 +271,32 @@ void multiply_block(const uint16_t* a, int64_t nkc, const uint16_t* xg, float (*
         if constexpr (!Half) SPARSA_TILE_DP(2, 4, 7);
         SPARSA_TILE_DP(1, 5, 6);
         if constexpr (!Half) SPARSA_TILE_DP(3, 5, 7);
+        ex.step(pieces);
     }
-    SPARSA_TILE_STORE(0, &sum[0][0][0], 64);
-    SPARSA_TILE_STORE(1, &sum[1][0][0], 64);
+    SPARSA_TILE_STORE(0, &out[0][0][0], 64);
+    SPARSA_TILE_STORE(1, &out[1][0][0], 64);
     if constexpr (!Half) {
-        SPARSA_TILE_STORE(2, &sum[2][0][0], 64);
-        SPARSA_TILE_STORE(3, &sum[3][0][0], 64);
+        SPARSA_TILE_STORE(2, &out[2][0][0], 64);
+        SPARSA_TILE_STORE(3, &out[3][0][0], 64);
     }
 }
 
 void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* bias, bool act, uint16_t* y,
          int nthreads) {
-    const int64_t nkc = w.nkc, Kp = 32 * nkc, R = w.R;
-    const int64_t ngroup = (T + 15) / 16;                                        // 16-token groups
-    const int64_t nblk = (T + 31) / 32;                                          // 32-token blocks
-    const int64_t most = std::max<int64_t>(1, CHUNK_X_BYTES / (32 * Kp * 2));  // blocks a chunk may hold
-    // chunks of equal size (not full ones and a remainder): a thread's items then cover as many blocks
+    const int64_t nkc = w.nkc, R = w.R;
+    const int64_t ngroup = (T + 15) / 16;  // 16-token groups
+    const int64_t nblk = (T + 31) / 32;    // 32-token blocks
+    // K panels of equal width, at most PANEL_CHUNKS chunks, for calls of several blocks: a panel's packed
+    // X stays in L2 across the items, and two items' A tiles fit beside it. A call of one block (batched
+    // decoding) keeps its sums in the tiles over all of K: its X is small.
+    const int64_t npanel = nblk == 1 ? 1 : (nkc + PANEL_CHUNKS - 1) / PANEL_CHUNKS;
+    const int64_t pc = (nkc + npanel - 1) / npanel;  // chunks per panel (the last: what is left)
+    const int64_t most = std::max<int64_t>(1, CHUNK_X_BYTES / (32 * 32 * pc * 2));  // blocks a chunk may hold
+    // token chunks of equal size (not full ones and a remainder): a thread's items then cover as many blocks
     const int64_t nchunk = (nblk + most - 1) / most;
-    const int64_t ncol = (R + 31) / 32;  // 32-output items per chunk
-    const size_t pack_words = (size_t)(2 * ((nblk + nchunk - 1) / nchunk) * nkc * TILE_WORDS);
+    const int64_t chunk_blocks = (nblk + nchunk - 1) / nchunk;
+    const int64_t ncol = (R + 31) / 32;  // 32-output items per chunk and panel
+    const size_t pack_words = (size_t)(2 * chunk_blocks * nkc * TILE_WORDS);
     // One chunk: the threads pack it together into the calling thread's buffer. More: every thread packs
     // each chunk into its own buffer before taking the chunk's items, because a shared pack rewritten
     // chunk after chunk moved its lines between the cores' caches, and a pack of all of a large X went
@@ -247,6 +305,21 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
     static thread_local std::vector<uint16_t> caller_pack;
     if (shared && caller_pack.size() < pack_words) caller_pack.resize(pack_words);
     uint16_t* const shared_xp = caller_pack.data();
+    // the sums of every item and block of a chunk between K panels (items move between threads)
+    static thread_local std::vector<float> caller_partial;
+    const size_t partial_floats = npanel > 1 ? (size_t)(ncol * chunk_blocks * 4 * 256) : 0;
+    if (caller_partial.size() < partial_floats) caller_partial.resize(partial_floats);
+    auto* const partial = reinterpret_cast<float (*)[16][16]>(caller_partial.data());
+    // and where each row's values go on in the next panel
+    static thread_local std::vector<const uint16_t*> caller_resume;
+    if (npanel > 1 && caller_resume.size() < (size_t)R) caller_resume.resize(R);
+    const uint16_t** const resume = npanel > 1 ? caller_resume.data() : nullptr;
+    std::vector<std::atomic<int64_t>> counters(nchunk * npanel);  // the next item of each chunk and panel
+    for (auto& n : counters) n.store(0, std::memory_order_relaxed);
+    // the next item's expansion runs between the current one's products where both items' A tiles fit
+    // beside the packed X; past that (a one-block call of wide rows) it runs after them, into the same tiles
+    const bool overlap = chunk_blocks <= OVERLAP_MAX_BLOCKS &&
+                         (2 * 32 + 32 * chunk_blocks) * (32 * pc) * 2 <= OVERLAP_L2_BYTES;
 #pragma omp parallel num_threads(nthreads)
     {
         static const amx::Config cfg;
@@ -258,42 +331,67 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < ngroup; ++g) pack_tokens(x, T, K, nkc, g, xp + g * nkc * TILE_WORDS);
         }
-        uint16_t* const a = sparsa_thread_scratch<uint16_t, 0>((size_t)(32 * Kp));  // expand_rows writes it all
+        // two items' A tiles: the one multiplied and the next one, expanded meanwhile
+        const size_t a_words = (size_t)(32 * 32 * pc);
+        uint16_t* const abuf[2] = {sparsa_thread_scratch<uint16_t, 0>(a_words),
+                                   sparsa_thread_scratch<uint16_t, 1>(overlap ? a_words : 0)};
+        Expansion ex;
         alignas(64) float sum[4][16][16];
+        const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
         for (int64_t ch = 0; ch < nchunk; ++ch) {
             const int64_t blk0 = ch * nblk / nchunk, blk1 = (ch + 1) * nblk / nchunk;
             const int64_t g0 = 2 * blk0, g1 = std::min(ngroup, 2 * blk1);
-            bool packed = shared;
-            auto item = [&](int64_t jn) {
-                if (!packed) {
-                    for (int64_t g = g0; g < g1; ++g) pack_tokens(x, T, K, nkc, g, xp + (g - g0) * nkc * TILE_WORDS);
-                    packed = true;
+            if (!shared)
+                for (int64_t g = g0; g < g1; ++g) pack_tokens(x, T, K, nkc, g, xp + (g - g0) * nkc * TILE_WORDS);
+            const int64_t pieces = overlap ? (32 + (blk1 - blk0) - 1) / (blk1 - blk0) : 0;  // per chunk product
+            for (int64_t p = 0; p < npanel; ++p) {
+                // the partial sums pass between threads from panel to panel, and are rewritten chunk after chunk
+                if (npanel > 1 && (p > 0 || ch > 0)) {
+#pragma omp barrier
                 }
-                const int64_t c0 = 32 * jn;
-                expand_rows(w, c0, a);
-                const int cols = (int)std::min<int64_t>(32, R - c0);
-                for (int64_t blk = blk0; blk < blk1; ++blk) {
-                    const int64_t t0 = 32 * blk;
-                    const int rows = (int)std::min<int64_t>(32, T - t0);
-                    const uint16_t* xg = xp + 2 * (blk - blk0) * nkc * TILE_WORDS;
-                    const uint16_t* ynext = blk + 1 < blk1 ? y + (t0 + 32) * R + c0 : nullptr;
-                    if (rows <= 16)
-                        multiply_block<true>(a, nkc, xg, sum, ynext, R);
-                    else
-                        multiply_block<false>(a, nkc, xg, sum, ynext, R);
-                    store_rows(sum, rows, bias, act, c0, cols, y + t0 * R, R);
+                const int64_t c0 = p * pc, c1 = std::min(nkc, c0 + pc), nc = c1 - c0;
+                const bool last = p == npanel - 1;
+                // the items this thread takes: one at a time as it finishes (the two vCPUs measured often ran
+                // at different speeds), or, in a call of one 32-token block (batched decoding, memory-bound),
+                // one contiguous run, so the values stream runs on from one item into the next
+                int64_t run_next = ncol * th / nt;
+                const int64_t run_end = ncol * (th + 1) / nt;
+                std::atomic<int64_t>& counter = counters[ch * npanel + p];
+                auto take = [&]() -> int64_t {
+                    if (nblk == 1) return run_next < run_end ? run_next++ : -1;
+                    const int64_t j = counter.fetch_add(1, std::memory_order_relaxed);
+                    return j < ncol ? j : -1;
+                };
+                int64_t jn = take();
+                if (jn >= 0) {
+                    ex.start(w, 32 * jn, c0, c1, abuf[0], resume);
+                    ex.finish();
                 }
-            };
-            if (nblk == 1) {
-                // one block of tokens (batched decoding, memory-bound): each thread takes one contiguous run of
-                // items, so the values stream expand_rows prefetches runs on from one item into the next
-                const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
-                for (int64_t jn = ncol * th / nt; jn < ncol * (th + 1) / nt; ++jn) item(jn);
-                continue;
+                int cur = 0;
+                while (jn >= 0) {
+                    const int64_t jnext = take();
+                    if (jnext >= 0) ex.start(w, 32 * jnext, c0, c1, abuf[overlap ? cur ^ 1 : cur], resume);
+                    const uint16_t* a = abuf[cur];
+                    const int64_t y0 = 32 * jn;
+                    const int cols = (int)std::min<int64_t>(32, R - y0);
+                    for (int64_t blk = blk0; blk < blk1; ++blk) {
+                        const int64_t t0 = 32 * blk;
+                        const int rows = (int)std::min<int64_t>(32, T - t0);
+                        const uint16_t* xg = xp + (2 * (blk - blk0) * nkc + c0) * TILE_WORDS;
+                        float (*part)[16][16] = partial + 4 * (jn * chunk_blocks + blk - blk0);
+                        const float(*in)[16][16] = p > 0 ? part : nullptr;
+                        float (*out)[16][16] = last ? sum : part;
+                        const uint16_t* ynext = last && blk + 1 < blk1 ? y + (t0 + 32) * R + y0 : nullptr;
+                        if (rows <= 16)
+                            multiply_block<true>(a, nc, xg, nkc * TILE_WORDS, in, out, ynext, R, ex, pieces);
+                        else
+                            multiply_block<false>(a, nc, xg, nkc * TILE_WORDS, in, out, ynext, R, ex, pieces);
+                        if (last) store_rows(sum, rows, bias, act, y0, cols, y + t0 * R, R);
+                    }
+                    ex.finish();  // what the products left (all of it without the overlap)
+                    jn = jnext, cur ^= overlap ? 1 : 0;
+                }
             }
-            // more blocks: threads take items one at a time (the two vCPUs measured often ran at different speeds)
-#pragma omp for schedule(dynamic, 1) nowait
-            for (int64_t jn = 0; jn < ncol; ++jn) item(jn);
         }
         SPARSA_TILE_RELEASE();
     }
