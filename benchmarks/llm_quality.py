@@ -12,7 +12,8 @@ Model: SmolLM2-135M-Instruct (Llama architecture, 30 decoder blocks), from the P
 Recovery (``--recover SECONDS``, default 1200 in a full run, only for SparseGPT at the
 ``--recover-patterns``, default unstructured): :func:`sparsa.methods.recover` fine-tunes the pruned
 model at its pattern towards the dense one (:func:`sparsa.methods.logit_distillation_loss`, the KL of
-the next-token distributions) for that wall-clock budget, on windows of the calibration prose and of
+the next-token distributions) for that wall-clock budget (the student's forward under bf16 autocast where
+the CPU has bf16 hardware, ``--recover-autocast``), on windows of the calibration prose and of
 the calibration modules' Python source, both disjoint from the held-out domains; its rows are method
 ``sparsegpt+recover``.
 
@@ -139,8 +140,24 @@ def _logits(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, use_cache=False).logits
 
 
+def recover_autocast(choice: str) -> Optional[torch.dtype]:
+    """The autocast dtype of recovery for ``--recover-autocast`` ``choice``: ``"auto"`` is bfloat16 where
+    the CPU has bf16 hardware (a wall-clock budget then buys more optimizer steps), else none."""
+    if choice == "auto":
+        flags = sparsa.cpu.cpu_flags()
+        return torch.bfloat16 if flags.get("avx512_bf16") or flags.get("amx_bf16") else None
+    return {"none": None, "bfloat16": torch.bfloat16}[choice]
+
+
 def _recover(
-    model: nn.Module, dense: nn.Module, pattern: str, windows: torch.Tensor, names: List[str], seconds: float, lr: float
+    model: nn.Module,
+    dense: nn.Module,
+    pattern: str,
+    windows: torch.Tensor,
+    names: List[str],
+    seconds: float,
+    lr: float,
+    autocast: Optional[torch.dtype],
 ):
     per = RECOVER_WINDOWS_PER_STEP
     batches = [windows[i : i + per] for i in range(0, windows.shape[0] - per + 1, per)]
@@ -157,6 +174,7 @@ def _recover(
         loss=logit_distillation_loss,
         lr=lr,
         progress=False,
+        autocast=autocast,
     )
 
 
@@ -191,10 +209,16 @@ def _merge(out: Path, res: Dict[str, Any]) -> None:
             f"--append: {out} recovered with a budget of {old_rec.get('seconds')} s, this run with "
             f"{rec['seconds']} s; rerun with --recover {old_rec.get('seconds')} or without --append"
         )
+    if old_rec.get("patterns") and rec["patterns"] and old_rec.get("autocast") != rec.get("autocast"):
+        raise SystemExit(
+            f"--append: {out} recovered with autocast {old_rec.get('autocast')}, this run with "
+            f"{rec.get('autocast')}; rerun with the same --recover-autocast or without --append"
+        )
     if old_rec.get("patterns"):  # the recovered rows of both runs are kept
         both = set(old_rec["patterns"]) | set(rec["patterns"])
         rec["patterns"] = sorted(both, key=PATTERNS.index)
         rec["seconds"] = old_rec["seconds"]
+        rec["autocast"] = old_rec.get("autocast")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -242,6 +266,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--recover-lr", type=float, default=RECOVER_LR, help=f"AdamW learning rate (default {RECOVER_LR:g})"
     )
     ap.add_argument(
+        "--recover-autocast",
+        choices=("auto", "none", "bfloat16"),
+        default="auto",
+        help="the student's forward during recovery under torch.autocast: bfloat16, none, or auto (default: "
+        "bfloat16 where the CPU has bf16 hardware, AVX512-BF16 or AMX, so the budget buys more steps)",
+    )
+    ap.add_argument(
         "--methods",
         default="sparsegpt,wanda",
         help="comma-separated subset of sparsegpt,wanda run at each pattern (default both); dense and "
@@ -259,6 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(f"--recover {args.recover}: give a budget in seconds >= 0")
     if not args.recover_lr > 0:
         raise SystemExit(f"--recover-lr {args.recover_lr}: give a positive learning rate")
+    autocast = recover_autocast(args.recover_autocast)
     args.patterns = args.patterns or ",".join(QUICK_PATTERNS if args.quick else PATTERNS)
     recover_patterns = [p.strip() for p in args.recover_patterns.split(",") if p.strip()]
     if any(p not in PATTERNS for p in recover_patterns):
@@ -346,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         prune_s = time.perf_counter() - t0
         measure(model, method, pattern, prune_s)
         if method == "sparsegpt" and pattern in recover_patterns and train is not None:
-            rep = _recover(model, dense, pattern, train, names, args.recover, args.recover_lr)
+            rep = _recover(model, dense, pattern, train, names, args.recover, args.recover_lr, autocast)
             measure(
                 model,
                 "sparsegpt+recover",
@@ -399,6 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "seconds": args.recover,
             "patterns": recover_patterns if args.recover > 0 else [],
             "lr": args.recover_lr,
+            "autocast": None if autocast is None else str(autocast).replace("torch.", ""),
             "windows_per_step": RECOVER_WINDOWS_PER_STEP,
             "text": "windows alternating calibration prose and the calibration modules' Python source, "
             "disjoint from both held-out domains",

@@ -16,13 +16,13 @@ def _row(method, pattern, domain, ratio):
     return {"method": method, "pattern": pattern, "domain": domain, "ppl_ratio_vs_dense": ratio}
 
 
-def _res(rows, recovered, seconds=1200.0):
+def _res(rows, recovered, seconds=1200.0, autocast=None):
     return {
         "seq_len": 256,
         "calibration": "mixed",
         "quick": False,
         "patterns": sorted({r["pattern"] for r in rows if r["pattern"] in llm_quality.PATTERNS}),
-        "recovery": {"seconds": seconds, "patterns": recovered},
+        "recovery": {"seconds": seconds, "patterns": recovered, "autocast": autocast},
         "rows": rows,
     }
 
@@ -63,4 +63,23 @@ def test_append_refuses_other_settings_and_another_recovery_budget(tmp_path):
         llm_quality._merge(out, bad)
     res = _res([_row("dense", "dense", "prose", 1.0)], [], seconds=0.0)  # no recovery in this run
     llm_quality._merge(out, res)
-    assert res["recovery"] == {"seconds": 1200.0, "patterns": ["unstructured"]}
+    assert res["recovery"] == {"seconds": 1200.0, "patterns": ["unstructured"], "autocast": None}
+
+
+def test_append_refuses_another_recovery_autocast(tmp_path):
+    out = tmp_path / "llm_quality.json"
+    out.write_text(json.dumps(_res([_row("dense", "dense", "prose", 1.0)], ["unstructured"])))
+    with pytest.raises(SystemExit, match="autocast None, this run with bfloat16"):
+        llm_quality._merge(out, _res([_row("dense", "dense", "prose", 1.0)], ["2:4"], autocast="bfloat16"))
+
+
+@pytest.mark.parametrize(
+    "flags,want", [({"avx512_bf16": True}, "bfloat16"), ({"amx_bf16": True}, "bfloat16"), ({}, None)]
+)
+def test_recovery_autocast_auto_follows_the_bf16_hardware(monkeypatch, flags, want):
+    import torch
+
+    monkeypatch.setattr(llm_quality.sparsa.cpu, "cpu_flags", lambda: flags)
+    got = llm_quality.recover_autocast("auto")
+    assert (None if got is None else str(got).replace("torch.", "")) == want
+    assert llm_quality.recover_autocast("none") is None and llm_quality.recover_autocast("bfloat16") is torch.bfloat16
