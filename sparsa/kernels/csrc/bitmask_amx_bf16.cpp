@@ -4,9 +4,9 @@
 // beside it: W's rows are A tiles, each row expanded from its bits and packed values with one VBMI2
 // expand-load per 32 columns, and X^T is the B operand, packed into AMX's pair layout (per 16 tokens and
 // 32 columns, row i holds each token's column pair 2i, 2i + 1) once per token chunk (see run()). A work
-// item is 32 outputs over a chunk of tokens: it expands its 32 rows over every column once, then for every
-// 32 tokens runs four TDPBF16PS per 32 columns into four C tiles (outputs x tokens), transposes them in
-// registers and rounds the sums (plus bias) to bf16 rows of Y. So the work is dense, at AMX's rate, while
+// item is 32 outputs over a chunk of tokens and a K panel: it expands its 32 rows over the panel's columns
+// once, then for every 32 tokens runs four TDPBF16PS per 32 columns into four C tiles (outputs x tokens),
+// and after the last panel transposes them in registers and rounds the sums (plus bias) to bf16 rows of Y. So the work is dense, at AMX's rate, while
 // the weight is read in its compressed form; dropped weights are zeros multiplied by X, so a NaN or Inf of
 // X reaches the output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
 //
