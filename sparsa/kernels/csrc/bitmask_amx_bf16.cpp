@@ -6,7 +6,8 @@
 // 32 columns, row i holds each token's column pair 2i, 2i + 1) once per token chunk (see run()). A work
 // item is 32 outputs over a chunk of tokens and a K panel: it expands its 32 rows over the panel's columns
 // once, then for every 32 tokens runs four TDPBF16PS per 32 columns into four C tiles (outputs x tokens),
-// and after the last panel transposes them in registers and rounds the sums (plus bias) to bf16 rows of Y. So the work is dense, at AMX's rate, while
+// and after the last panel transposes them in registers and rounds the sums (plus bias) to bf16 rows of
+// Y. So the work is dense, at AMX's rate, while
 // the weight is read in its compressed form; dropped weights are zeros multiplied by X, so a NaN or Inf of
 // X reaches the output as it does in F.linear. Tile registers: C 0-3, A 4-5, B 6-7.
 //
@@ -78,15 +79,15 @@ inline uint32_t chunk_bits(const uint8_t* row, int64_t kb, int64_t c) {
 // the current one (one stream of values a thread, as the hardware prefetcher and the page-ahead prefetch
 // below want it).
 struct Expansion {
-    const Weight* w = nullptr;
+    const Weight* w;
+    const uint16_t** resume;  // per row: its next value after the chunks expanded (K panels), or null
     uint16_t* a = nullptr;
     const uint16_t* v = nullptr;
-    const uint16_t** resume = nullptr;  // per row: its next value after the chunks expanded (K panels), or null
     int64_t r0 = 0, c0 = 0, c1 = 0, c = 0;
     int i = 32;
-    void start(const Weight& weight, int64_t first_row, int64_t first_chunk, int64_t end_chunk, uint16_t* tiles,
-               const uint16_t** row_resume) {
-        w = &weight, a = tiles, r0 = first_row, c0 = first_chunk, c1 = end_chunk, c = c0, i = 0, resume = row_resume;
+    Expansion(const Weight& weight, const uint16_t** row_resume) : w(&weight), resume(row_resume) {}
+    void start(int64_t first_row, int64_t first_chunk, int64_t end_chunk, uint16_t* tiles) {
+        a = tiles, r0 = first_row, c0 = first_chunk, c1 = end_chunk, c = c0, i = 0;
     }
     void finish() { step(32 * (c1 - c0)); }
     // n more pieces (or what is left). The loop works on local copies: its vector stores may alias the
@@ -261,7 +262,8 @@ void multiply_block(const uint16_t* a, int64_t nc, const uint16_t* xg, int64_t g
     for (int64_t c = 0; c < nc; ++c) {
 #ifndef SPARSA_AMX_EMULATE
         if (ynext)
-            for (int64_t r = c * 32 / nc; r < (c + 1) * 32 / nc; ++r) _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
+            for (int64_t r = c * 32 / nc; r < (c + 1) * 32 / nc; ++r)
+                _m_prefetchw(const_cast<uint16_t*>(ynext + r * R));
 #endif
         SPARSA_TILE_LOAD(4, a + c * TILE_WORDS, 64);
         SPARSA_TILE_LOAD(5, a1 + c * TILE_WORDS, 64);
@@ -335,7 +337,7 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
         const size_t a_words = (size_t)(32 * 32 * pc);
         uint16_t* const abuf[2] = {sparsa_thread_scratch<uint16_t, 0>(a_words),
                                    sparsa_thread_scratch<uint16_t, 1>(overlap ? a_words : 0)};
-        Expansion ex;
+        Expansion ex(w, resume);
         alignas(64) float sum[4][16][16];
         const int64_t nt = omp_get_num_threads(), th = omp_get_thread_num();
         for (int64_t ch = 0; ch < nchunk; ++ch) {
@@ -364,13 +366,13 @@ void run(const uint16_t* x, int64_t T, int64_t K, const Weight& w, const float* 
                 };
                 int64_t jn = take();
                 if (jn >= 0) {
-                    ex.start(w, 32 * jn, c0, c1, abuf[0], resume);
+                    ex.start(32 * jn, c0, c1, abuf[0]);
                     ex.finish();
                 }
                 int cur = 0;
                 while (jn >= 0) {
                     const int64_t jnext = take();
-                    if (jnext >= 0) ex.start(w, 32 * jnext, c0, c1, abuf[overlap ? cur ^ 1 : cur], resume);
+                    if (jnext >= 0) ex.start(32 * jnext, c0, c1, abuf[overlap ? cur ^ 1 : cur]);
                     const uint16_t* a = abuf[cur];
                     const int64_t y0 = 32 * jn;
                     const int cols = (int)std::min<int64_t>(32, R - y0);
