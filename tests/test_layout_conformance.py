@@ -441,6 +441,20 @@ class TestLayoutConformance:
         assert torch.equal(p.pattern(), pattern)
         torch.testing.assert_close(p.to_dense(), (lay.to_dense() - 0.5 * g) * pattern, rtol=1e-5, atol=1e-6)
 
+    @settings(max_examples=10, deadline=None)
+    @given(data=st.data())
+    def test_linear_bf16(self, name, data):
+        # a bf16 weight runs (native kernel, torch.sparse or the dense fallback) and matches a float64 product
+        cls, params, w, mask, gen = _case(data, name)
+        lay = cls.from_dense(w.to(torch.bfloat16), mask=mask, **params)
+        x = torch.randn(3, lay.shape[1], generator=gen).to(torch.bfloat16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", sparsa.SparseFallbackWarning)
+            out = F.linear(x, sparsa.SparseTensor(lay))
+        assert out.dtype == torch.bfloat16
+        ref = x.double() @ lay.to_dense().double().t()
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * (1 + ref.abs().max().item()))
+
     @settings(max_examples=5, deadline=None)
     @given(data=st.data())
     def test_save_load(self, name, data):

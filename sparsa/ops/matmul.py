@@ -38,11 +38,16 @@ def dense_weight(w: Layout) -> Tensor:
     return w.values if isinstance(w, Masked) else w.to_dense()
 
 
+_TORCH_SPARSE_DTYPES = (torch.float32, torch.float64)
+
+
 def _torch_sparse(w: Layout, transpose: bool):
     """A cached torch.sparse form of ``w`` (or its transpose) when that is the route taken, else None.
 
     Under ``torch.compile`` the dense route is taken (torch.sparse tensors cannot be traced)."""
     if torch.compiler.is_compiling():  # stays: torch.sparse tensors cannot be traced (no native kernel here)
+        return None
+    if w.dtype not in _TORCH_SPARSE_DTYPES:  # torch's CPU sparse CSR product has no bf16/fp16 kernel
         return None
     if isinstance(w, CSR) and w.values.numel():
         return w.torch_csr_t() if transpose else w.torch_csr()
