@@ -7,6 +7,7 @@ from .hooks import OutputSparsifier, GradLayout  # noqa: F401
 from .linears import default_sparsifier, dense_where_slower  # noqa: F401
 from .one_shot import sparsify_linears  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
+from .fused_projections import fuse_projections  # noqa: F401
 from .config import SparsifyConfig  # noqa: F401
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "default_sparsifier",
     "dense_where_slower",
     "fuse_gelu",
+    "fuse_projections",
     "SparsifyConfig",
 ]
