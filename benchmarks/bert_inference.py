@@ -179,18 +179,22 @@ def dense_baselines(
     return fns_by_batch, ms_by_batch, rows
 
 
-def _variants(model: nn.Module, label: str, dtype: str, compile_sparse: Sequence[str]) -> Dict[str, nn.Module]:
-    """The ways one sparse model runs: ``eager``; ``fused`` (``sparsa.fuse_gelu``: GELU in the row_group
-    kernels' epilogue) when it fuses anything; ``compiled`` (``torch.compile`` of the fused model, so
-    Inductor fuses the attention, LayerNorm and glue around the sparse ops) for the models (float32 and
-    bfloat16) whose label is in ``compile_sparse``."""
+def _variants(
+    model: nn.Module, label: str, dtype: str, compile_sparse: Sequence[str]
+) -> Tuple[Dict[str, nn.Module], bool]:
+    """The ways one sparse model runs: ``eager``; ``fused`` (``sparsa.fuse_gelu``: GELU in the sparse
+    kernels' epilogue, and ``sparsa.fuse_projections``: query, key and value as one product) when it fuses
+    anything; ``compiled`` (``torch.compile`` of the fused model, so Inductor fuses the attention, LayerNorm
+    and glue around the sparse ops) for the models (float32 and bfloat16) whose label is in
+    ``compile_sparse``. Also whether the fused model's q/k/v run as one product."""
     out: Dict[str, nn.Module] = {"eager": model}
     fused = copy.deepcopy(model)
-    if sparsa.fuse_gelu(fused):
+    gelu, qkv = sparsa.fuse_gelu(fused), sparsa.fuse_projections(fused)
+    if gelu or qkv:
         out["fused"] = fused
     if label in compile_sparse:
         out["compiled"] = torch.compile(out.get("fused", fused), dynamic=False)
-    return out
+    return out, qkv > 0
 
 
 def speed_rows(
@@ -222,7 +226,7 @@ def speed_rows(
             for dt in dtypes:
                 if dt != "float32":
                     model = model.to(DTYPES[dt])  # SparseTensor weights convert their values
-                variants = _variants(model, label, dt, compile_sparse)
+                variants, fused_qkv = _variants(model, label, dt, compile_sparse)
                 for batch in batches:
                     ids = _inputs(batch)
                     with torch.no_grad():
@@ -248,6 +252,7 @@ def speed_rows(
                             "dtype": dt,
                             "compiled": name == "compiled",
                             "fused": name != "eager",
+                            "fused_qkv": name != "eager" and fused_qkv,
                             "sparsity": sp,
                             "batch": batch,
                             "seq": SEQ,

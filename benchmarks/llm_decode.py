@@ -95,7 +95,9 @@ def linear_bytes(model) -> int:
 
 
 def prune_copy(dense, spec: str):
-    """A bitmask copy of ``dense``'s block linears: ``spec`` is a sparsity ("0.5") or "2:4"."""
+    """A bitmask copy of ``dense``'s block linears: ``spec`` is a sparsity ("0.5") or "2:4". Each block's
+    q/k/v and gate/up projections run as one product (``sparsa.fuse_projections``), as ``sparsa generate``
+    runs them."""
     import copy
 
     sparsifier = NM(2, 4) if spec == "2:4" else Magnitude(float(spec), per="row")
@@ -104,6 +106,7 @@ def prune_copy(dense, spec: str):
         model,
         [sparsa.Rule(sparsifier=sparsifier, layout="bitmask", names="model.layers.*", module_types=torch.nn.Linear)],
     )
+    sparsa.fuse_projections(model)
     return model
 
 

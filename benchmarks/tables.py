@@ -317,7 +317,9 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
     )
     if any(r.get("fused") for r in sparse):
         s += (
-            "fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`); compiled: `torch.compile` of the "
+            "fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`), and in rows with fused_qkv "
+            "query, key and value as one product (`sparsa.fuse_projections`; runs before it have no fused_qkv "
+            "field); compiled: `torch.compile` of the "
             "fused model (in runs before `fdd728a` its graph ran the GELU as a separate op: the fused module could "
             "not read the weight's layout under compile); speedup_vs_eager_sparse: the same sparse model run "
             "eagerly and unfused / this row.\n\n"
@@ -328,6 +330,7 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
             "layout",
             "dtype",
             "fused",
+            "fused_qkv",
             "compiled",
             "sparsity",
             "batch",

@@ -250,3 +250,13 @@ def test_bert_and_llama_outputs_unchanged():
         assert fuse_projections(llama) == 4  # q/k/v and gate/up of each block
         got = llama.generate(prompt, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, want)
+
+
+def test_hooks_on_the_fused_linear_see_one_call_per_input():
+    m = _sparse(SelfAttention(), "bitmask", {}, "unstructured")
+    fuse_projections(m)
+    calls = []
+    m.query_key_value.linear.register_forward_hook(lambda mod, args, out: calls.append(out.shape))
+    with torch.no_grad():
+        m(torch.randn(3, 48))
+    assert calls == [torch.Size([3, 48 * 3])]
