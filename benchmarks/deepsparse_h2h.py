@@ -17,7 +17,10 @@ process (warm-up first, median of the rounds) for each sparsity and batch:
   AMX; the structured fast layouts ``row_group``/``grouped_nm``/``nm`` cannot hold a
   row-balanced unstructured mask; the pure-PyTorch ``masked``/``csr``/``coo`` can be added with
   ``--layouts``);
-- ``..._compiled``: ``torch.compile(model, dynamic=False)`` of dense PyTorch and of each layout (its GELU-fused
+- ``sparsa_<layout>_fused_fp32`` / ``_bf16``: the same with GELU in the kernels' epilogue
+  (``sparsa.fuse_gelu``) and query, key and value as one product (``sparsa.fuse_projections``); runs
+  before the q/k/v product named these ``sparsa_<layout>_gelu_fused_*`` (GELU only);
+- ``..._compiled``: ``torch.compile(model, dynamic=False)`` of dense PyTorch and of each layout (its fused
   model where it has one), in bf16 where the CPU has bf16 matrix hardware (AVX512-BF16 or AMX), else fp32;
   compiled for each batch in the output check, before timing (``--no-compile`` leaves them out).
 
@@ -343,7 +346,7 @@ def _onnx_zero_count(path: Path) -> int:
 
 
 def _compiled(models: Dict[str, Tuple[Any, str]], layouts: List[str], cpu) -> Dict[str, Tuple[Any, str]]:
-    """``torch.compile`` of dense PyTorch and of each layout (GELU-fused where fused) in bf16 where the CPU has
+    """``torch.compile`` of dense PyTorch and of each layout (fused where it fuses) in bf16 where the CPU has
     bf16 matrix hardware, else fp32; each compiles on its first call (the output check, untimed)."""
     import torch
 
@@ -352,7 +355,7 @@ def _compiled(models: Dict[str, Tuple[Any, str]], layouts: List[str], cpu) -> Di
     out = {}
     sources = {"pytorch_dense": f"pytorch_dense_{prec}"}
     for layout in layouts:
-        fused = f"sparsa_{layout}_gelu_fused_{prec}"
+        fused = f"sparsa_{layout}_fused_{prec}"
         sources[f"sparsa_{layout}"] = fused if fused in models else f"sparsa_{layout}_{prec}"
     for name, src in sources.items():
         if src in models:
@@ -430,9 +433,10 @@ def run(a: argparse.Namespace) -> int:
                 models[f"sparsa_{layout}_fp32"] = (sm, "fp32")
                 fused = copy.deepcopy(sm)
                 models[f"sparsa_{layout}_bf16"] = (copy.deepcopy(sm).to(torch.bfloat16), "bf16")
-                if sparsa.fuse_gelu(fused):  # GELU in the kernel's epilogue, where the layout has one
-                    models[f"sparsa_{layout}_gelu_fused_fp32"] = (fused, "fp32")
-                    models[f"sparsa_{layout}_gelu_fused_bf16"] = (copy.deepcopy(fused).to(torch.bfloat16), "bf16")
+                # GELU in the kernel's epilogue where the layout has one, and q/k/v as one product
+                if sparsa.fuse_gelu(fused) + sparsa.fuse_projections(fused):
+                    models[f"sparsa_{layout}_fused_fp32"] = (fused, "fp32")
+                    models[f"sparsa_{layout}_fused_bf16"] = (copy.deepcopy(fused).to(torch.bfloat16), "bf16")
             if not a.no_compile:
                 models.update(_compiled(models, a.layouts, cpu))
             onnx_path = ds.export(pruned, sp)
