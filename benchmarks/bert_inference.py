@@ -44,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _compile import compile_many_models  # noqa: E402
 from _results import results_dir  # noqa: E402
 from sparsa.timing import best_dense, round_robin_ms, speedups  # noqa: E402,F401  (re-exported)
 
@@ -381,6 +382,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "torch.compile (default: row_group16 when the compiled baseline runs, else none)",
     )
     args = ap.parse_args(argv)
+    compile_many_models()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if not dtypes or any(d not in DTYPES for d in dtypes):
         raise SystemExit(f"--dtypes {args.dtypes!r}: use a comma-separated subset of {','.join(DTYPES)}")

@@ -548,6 +548,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         return 0
     sys.path.insert(0, str(ROOT))
+    from _compile import compile_many_models
+
+    compile_many_models()
     return run(a)
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _compile import compile_many_models  # noqa: E402
 from _results import results_dir  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
 
@@ -391,6 +392,7 @@ def main(argv=None) -> None:
     )
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile dense baseline")
     args = ap.parse_args(argv)
+    compile_many_models()
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:

@@ -48,6 +48,7 @@ import sparsa  # noqa: E402
 from sparsa.models.causal_lm import kv_cache_kwargs  # noqa: E402
 from sparsa.sparsifiers import NM, Magnitude  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
+from _compile import compile_many_models  # noqa: E402
 from _results import results_dir  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    compile_many_models()
     q = a.quick
     models = a.models or (["llama-0.5b"] if q else ["llama-0.5b", "llama-1b"])
     dtypes = [getattr(torch, d) for d in (a.dtypes or (["float32"] if q else ["float32", "bfloat16"]))]

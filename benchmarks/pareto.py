@@ -57,6 +57,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
+from _compile import compile_many_models  # noqa: E402
 from _results import results_dir  # noqa: E402
 from sparsa.frontier import (  # noqa: E402
     BATCH,
@@ -425,6 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--no-compile", dest="compile", action="store_false", help="skip the torch.compile baseline")
     ap.add_argument("--out", type=Path, default=None, help="output JSON (default results/<cpu class>/pareto.json)")
     args = ap.parse_args(argv)
+    compile_many_models()
     q = args.quick
     patterns = (
         [p.strip() for p in args.patterns.split(",")] if args.patterns else list(QUICK["patterns"] if q else PATTERNS)
