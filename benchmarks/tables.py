@@ -321,8 +321,9 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
             "query, key and value as one product (`sparsa.fuse_projections`; runs before it have no fused_qkv "
             "field); compiled: `torch.compile` of the "
             "fused model (in runs before `fdd728a` its graph ran the GELU as a separate op: the fused module could "
-            "not read the weight's layout under compile); speedup_vs_eager_sparse: the same sparse model run "
-            "eagerly and unfused / this row.\n\n"
+            "not read the weight's layout under compile; in runs before `9ee8505` a full run's models past "
+            "Dynamo's eighth compiled entry ran eagerly, so its later compiled rows time eager code); "
+            "speedup_vs_eager_sparse: the same sparse model run eagerly and unfused / this row.\n\n"
         )
     s += _md(
         sparse,
@@ -383,7 +384,8 @@ def h2h_section(d: Dict[str, Any]) -> str:
     s = (
         f"{d.get('model', '')}; {d.get('pruning', '')}; {d.get('timing', '')}. DeepSparse "
         f"{st.get('version', '?')}: {st.get('status', '?')}. vs_deepsparse: DeepSparse time / this engine's time "
-        "(above 1: faster than DeepSparse).\n\n"
+        "(above 1: faster than DeepSparse). `_compiled` engines of runs before `9ee8505` past Dynamo's eighth "
+        "compiled entry (the 90% ones) ran eagerly.\n\n"
     )
     return s + _md(
         rows,

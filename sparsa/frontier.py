@@ -293,10 +293,12 @@ class DenseBaselines:
             results[(dtype, "fused")] = timed(fused)
             fastest = fused
         if self.compile_s is not None:
-            # one compiled graph per pruned model: a long sweep must not hit the recompile limit,
-            # past which dynamo would silently run the model eagerly
+            # one compiled graph per pruned model: a long sweep must not hit the recompile limit, past which
+            # dynamo would silently run the model eagerly (and time eager code as "compiled"): raise it, and
+            # make reaching it an error
             limit = max(torch._dynamo.config.recompile_limit, 64)
-            with torch._dynamo.config.patch(recompile_limit=limit), warnings.catch_warnings():
+            patch = torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True)
+            with patch, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 results[(dtype, "compiled")] = timed(torch.compile(fastest, dynamic=False))
         (d, path), best = max(results.items(), key=lambda kv: kv[1]["speedup_vs_best_dense"])
