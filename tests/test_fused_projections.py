@@ -260,3 +260,21 @@ def test_hooks_on_the_fused_linear_see_one_call_per_input():
     with torch.no_grad():
         m(torch.randn(3, 48))
     assert calls == [torch.Size([3, 48 * 3])]
+
+
+def test_a_model_fused_before_training_trains_the_fused_weight():
+    m = _sparse(SelfAttention(), "masked", {}, "unstructured")
+    ref = copy.deepcopy(m)
+    fuse_projections(m)
+    w = m.query_key_value.linear.weight
+    assert w.requires_grad and m.query_key_value.linear.bias.requires_grad
+    x = torch.randn(3, 48)
+    m(x).sum().backward()
+    ref(x).sum().backward()
+    want = torch.cat([getattr(ref, n).weight.grad.to_dense() for n in ("query", "key", "value")])
+    got = w.grad.to_dense() if isinstance(w.grad, sparsa.SparseTensor) else w.grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    frozen = _sparse(SelfAttention(), "masked", {}, "unstructured")
+    frozen.key.weight.requires_grad_(False)
+    fuse_projections(frozen)
+    assert not frozen.query_key_value.linear.weight.requires_grad  # frozen where any sibling was

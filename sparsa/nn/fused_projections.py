@@ -27,9 +27,10 @@ of them and keeps the others' outputs for that very input tensor, until they are
     ...     torch.allclose(m(x), before, atol=1e-6), n, type(m.key).__name__
     (True, 1, 'ProjectionSlice')
 
-The fused model is for inference: its ``state_dict`` holds the fused weight (under the parent's
+Fuse for inference: the model's ``state_dict`` then holds the fused weight (under the parent's
 ``<names joined by _>``, e.g. ``query_key_value``) instead of the siblings' own, so save and load the
-model before fusing, and build any optimizer after.
+model before fusing. The fused weight and bias require grad where the siblings' did, so a model fused
+before training trains them (build the optimizer after fusing: the siblings' parameters leave the model).
 """
 
 from __future__ import annotations
@@ -168,9 +169,11 @@ def _fuse_group(mod: nn.Module, names: Tuple[str, ...]) -> bool:
             bias = None
     sizes = [lin.out_features for lin in linears]
     fused_linear = nn.Linear(linears[0].in_features, sum(sizes), bias=bias is not None, device="meta")
-    fused_linear.weight = nn.Parameter(weight, requires_grad=False)
+    # trainable where every sibling was (an optimizer built after fusing then trains the fused weight)
+    fused_linear.weight = nn.Parameter(weight, requires_grad=all(lin.weight.requires_grad for lin in linears))
     if bias is not None:
-        fused_linear.bias = nn.Parameter(bias, requires_grad=False)
+        trainable = all(lin.bias is None or lin.bias.requires_grad for lin in linears)
+        fused_linear.bias = nn.Parameter(bias, requires_grad=trainable)
     fused = FusedProjections(fused_linear, sizes)
     setattr(mod, "_".join(names), fused)
     for i, n in enumerate(names):
@@ -182,8 +185,8 @@ def fuse_projections(model: nn.Module) -> int:
     """Fuse, in place, every set of sibling projections (:data:`SIBLINGS`) of ``model`` whose Linears all
     hold sparse weights of one layout, dtype and parameter set and read inputs of one width; returns how
     many sets were fused. Modules named ``*Cross*`` (cross-attention) are skipped. Call it after
-    sparsifying and converting (e.g. ``.to(torch.bfloat16)``), for inference: the fused weight does not
-    require grad, and the siblings' own parameters leave the model."""
+    sparsifying and converting (e.g. ``.to(torch.bfloat16)``), for inference; the siblings' own parameters
+    leave the model (see the module notes on ``state_dict`` and optimizers)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse_projections: model must be an nn.Module, got {type(model).__name__}")
     fused = 0
