@@ -278,3 +278,33 @@ def test_a_model_fused_before_training_trains_the_fused_weight():
     frozen.key.weight.requires_grad_(False)
     fuse_projections(frozen)
     assert not frozen.query_key_value.linear.weight.requires_grad  # frozen where any sibling was
+
+
+def test_each_thread_keeps_its_own_parts():
+    # thread a takes its query, thread b runs a whole attention in between, then a takes key and value:
+    # a's parts must still be kept for it (one product per input and thread), not replaced by b's
+    m = _sparse(SelfAttention(), "row_group", {}, "row_group8")
+    fuse_projections(m)
+    products = []
+    m.query_key_value.linear.register_forward_hook(lambda mod, args, out: products.append(threading.get_ident()))
+    xa, xb = torch.randn(2, 48), torch.randn(2, 48)
+    a_started, b_done = threading.Event(), threading.Event()
+
+    def a():
+        with torch.no_grad():
+            m.query(xa)
+            a_started.set()
+            b_done.wait(10)
+            m.key(xa), m.value(xa)
+
+    def b():
+        a_started.wait(10)
+        with torch.no_grad():
+            m.query(xb), m.key(xb), m.value(xb)
+        b_done.set()
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+    ta.start(), tb.start()
+    ta.join(), tb.join()
+    assert sorted(products.count(t) for t in set(products)) == [1, 1]
+    assert not m.query_key_value._pending

@@ -65,7 +65,8 @@ class FusedProjections(nn.Module):
             raise ValueError(f"FusedProjections: sizes {list(sizes)} do not add up to {linear.out_features} rows")
         self.linear = linear
         self.sizes = tuple(int(s) for s in sizes)
-        # per thread: (the input, the parts, which parts are still to be taken); cleared once all are taken
+        # per thread: (the input, the parts, which parts are still to be taken, the input's version); dropped
+        # once every part is taken
         self._pending: Dict[int, Tuple[Tensor, Tuple[Tensor, ...], List[bool], int]] = {}
 
     def output(self, x: Tensor, index: int) -> Tensor:
