@@ -177,6 +177,10 @@ void tile_store(const uint16_t* __restrict xt, const int32_t* __restrict cols, c
         for (int h = 0; h < 2 && 16 * h < nt; ++h) {
             __m512i w[8];
             for (int i = 0; i < 8; ++i) {
+                if (2 * i >= rows) {  // padding rows of a group smaller than the tile: never stored, so no GELU
+                    w[i] = _mm512_setzero_si512();
+                    continue;
+                }
                 __m512 v[2];
                 for (int e = 0; e < 2; ++e) {
                     const int r = 2 * i + e;
