@@ -299,7 +299,9 @@ def test_cli_target_quality_end_to_end(tiny_dir, data_file, tmp_path, capsys):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["hidden_size"] == 32
     m = load_pruned(str(out))
-    assert m.encoder.layer[1].output.dense.weight.layout_name in ("sliced_ell", "row_group")
+    # an unstructured mask is timed in sliced_ell and bitmask, so the fastest of the three layouts is saved
+    saved = m.encoder.layer[1].output.dense.weight.layout_name
+    assert saved in ("sliced_ell", "bitmask", "row_group") and saved in stdout
 
 
 def test_search_rejects_causal_lms(tmp_path):
