@@ -41,7 +41,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..tensor import SparseTensor, to_sparse
+from ..tensor import SparseTensor
+from .linears import exact_sparse
 
 __all__ = ["SIBLINGS", "FusedProjections", "ProjectionSlice", "fuse_projections"]
 
@@ -135,11 +136,8 @@ def _concat_weight(weights: Sequence[Tensor]) -> Optional[Tensor]:
     with torch.no_grad():
         dense = torch.cat([w.sparse_layout.to_dense().detach() for w in weights])
         mask = torch.cat([w.pattern() for w in weights])
-        try:
-            fused = to_sparse(dense, first.layout_name, mask=mask, **lay.params())
-        except (ValueError, TypeError, NotImplementedError):
-            return None
-        if not (fused.pattern().equal(mask) and fused.sparse_layout.to_dense().equal(dense)):
+        fused = exact_sparse(dense, mask, first.layout_name, **lay.params())
+        if fused is None:
             return None
         if fused.nbytes_sparse > sum(w.nbytes_sparse for w in weights) * 1.02:  # e.g. padding that grew
             return None

@@ -194,13 +194,20 @@ def same_pattern_weights(w: SparseTensor, layouts: Sequence[str]) -> Dict[str, S
         get_layout(name)  # an unknown name is an error, not a silent skip
         if name == w.layout_name:
             continue
-        try:
-            sp = to_sparse(dense, name, mask=mask)
-        except (ValueError, TypeError, NotImplementedError):
-            continue
-        if sp.pattern().equal(mask) and sp.sparse_layout.to_dense().equal(dense):
+        sp = exact_sparse(dense, mask, name)
+        if sp is not None:
             out[name] = sp
     return out
+
+
+def exact_sparse(dense: torch.Tensor, mask: torch.Tensor, layout: str, **params: Any) -> Optional[SparseTensor]:
+    """``dense`` stored in ``layout`` keeping exactly ``mask`` and the values, or None where the layout cannot
+    hold them (it raises, or holds another pattern or other values)."""
+    try:
+        sp = to_sparse(dense, layout, mask=mask, **params)
+    except (ValueError, TypeError, NotImplementedError):
+        return None
+    return sp if sp.pattern().equal(mask) and sp.sparse_layout.to_dense().equal(dense) else None
 
 
 def _fastest_layout(
