@@ -11,7 +11,8 @@ The public API (``__all__``):
 * models: ``sparsify`` (the one way to sparsify: a method config from ``methods`` such as
   ``methods.OneShot`` / ``methods.Wanda``, a ``Rule`` or list of them, or a sparsifier; returns the
   model), ``Rule``, ``densify``, ``sparsity_report`` (the reports), ``format_report``, ``fuse_gelu``,
-  ``fuse_projections``, ``recover``, ``sparsify_linears`` (deprecated: ``sparsify(model, methods.OneShot(...))``);
+  ``fuse_projections``, ``fuse_mlp``, ``recover``, ``sparsify_linears`` (deprecated:
+  ``sparsify(model, methods.OneShot(...))``);
   checkpoints: ``save``, ``load``;
 * activation sparsity: ``sparsify(model, ActivationSparsity(...))`` (the one way to turn it on;
   ``adaptive.enable(model)`` is the lower-level call, ``adaptive.runtime_of(model)`` its runtime);
@@ -41,7 +42,8 @@ from .ops import (
     SparseFallbackError,
 )
 from . import sparsifiers
-from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears, fuse_gelu, fuse_projections
+from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears
+from .nn import fuse_gelu, fuse_projections, fuse_mlp
 from .io import save, load
 from . import methods
 from .methods.recover import recover  # noqa: F401
@@ -70,6 +72,7 @@ __all__ = [
     "sparsify_linears",
     "fuse_gelu",
     "fuse_projections",
+    "fuse_mlp",
     "recover",
     "save",
     "load",

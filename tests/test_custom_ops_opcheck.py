@@ -15,6 +15,7 @@ from sparsa.kernels import adaptive_union as U
 from sparsa.kernels import adaptive_union_bf16 as UB
 from sparsa.kernels import adaptive_union_ops  # noqa: F401 - registers the union ops
 from sparsa.kernels import bitmask, grouped_nm as gk, loader, row_group, sliced_ell  # noqa: F401 - register ops
+from sparsa.kernels import row_group_mlp  # noqa: F401 - registers the op
 from sparsa.layouts import Bitmask, GroupedNM, RowGroup, SlicedELL
 
 ALL = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -274,6 +275,23 @@ def _s_row_group(native, grad=True):
     return [((x, lay.columns, v, b, 24, lay.row_perm, "none"), ALL), ((x, lay.columns, v, None, 24, None, "gelu"), ALL)]
 
 
+def _s_row_group_mlp(native):
+    # float32 with permuted groups of 8 (the two products); bf16 in groups of 16 with 32 tokens (AMX: fused)
+    w1, _, b1 = _rg(native)
+    w2 = RowGroup.from_dense(torch.randn(12, 24, generator=_gen(3)), group=8, sparsity=0.5, permute=True)
+    x = torch.randn(5, 20, generator=_gen(1))
+    u1 = RowGroup.from_dense(torch.randn(48, 40, generator=_gen(4)), group=16, sparsity=0.75)
+    u2 = RowGroup.from_dense(torch.randn(16, 48, generator=_gen(5)), group=16, sparsity=0.75)
+    xb = torch.randn(32, 40, generator=_gen(6)).bfloat16()
+    return [
+        ((x, w1.columns, w1.values, b1, 24, w1.row_perm, w2.columns, w2.values, None, 12, w2.row_perm, "gelu"), ALL),
+        (
+            (xb, u1.columns, u1.values.bfloat16(), None, 48, None, u2.columns, u2.values.bfloat16(), None, 16, None),
+            ALL,
+        ),
+    ]
+
+
 def _s_sliced_ell(native, grad=True):
     lay = SlicedELL.from_dense(torch.randn(9, 40, generator=_gen()), sparsity=0.8)
     x, b, v = torch.randn(3, 40, generator=_gen(1)), torch.randn(9, generator=_gen(2)), lay.values.clone()
@@ -376,6 +394,7 @@ SAMPLES = {
     "adaptive_layout16": (_s_layout16, False, False),
     "row_group_linear": (_s_row_group, True, False),
     "row_group_linear_kernel": (_fwd_only(_s_row_group), True, False),
+    "row_group_mlp_kernel": (_s_row_group_mlp, True, False),
     "sliced_ell_linear": (_s_sliced_ell, True, False),
     "sliced_ell_linear_kernel": (_fwd_only(_s_sliced_ell), True, False),
     "bitmask_linear": (_s_bitmask, True, False),

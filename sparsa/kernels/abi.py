@@ -228,6 +228,27 @@ _ROW_GROUP = {
     "sparsa_row_group_amx_pack_size": sig(I64, ng=I64, k=I64, G=I64),
     "sparsa_row_group_amx_pack": sig(INT, vals=PTR, ng=I64, k=I64, G=I64, out=PTR, nthreads=INT),
     "sparsa_row_group_linear_bf16_packed": sig(INT, **_RG_LINEAR, amx_pack=PTR),
+    "sparsa_row_group_mlp_bf16": sig(
+        INT,
+        x=PTR,
+        T=I64,
+        K=I64,
+        cols1=PTR,
+        pack1=PTR,
+        ng1=I64,
+        k1=I64,
+        bias1=PTR,
+        R1=I64,
+        cols2=PTR,
+        pack2=PTR,
+        ng2=I64,
+        k2=I64,
+        bias2=PTR,
+        y=PTR,
+        R2=I64,
+        nthreads=INT,
+        act=INT,
+    ),
 }
 
 _GNM_PLAN = dict(G=I64, n=I64, units=I64, unit_entries=I64, unit_span=I64)

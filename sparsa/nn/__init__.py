@@ -8,6 +8,7 @@ from .linears import default_sparsifier, dense_where_slower  # noqa: F401
 from .one_shot import sparsify_linears  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
 from .fused_projections import fuse_projections  # noqa: F401
+from .fused_mlp import fuse_mlp  # noqa: F401
 from .config import SparsifyConfig  # noqa: F401
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "dense_where_slower",
     "fuse_gelu",
     "fuse_projections",
+    "fuse_mlp",
     "SparsifyConfig",
 ]

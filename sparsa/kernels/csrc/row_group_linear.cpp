@@ -640,6 +640,7 @@ void run_any(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols, const
 }  // namespace dp
 #pragma GCC pop_options
 #include "row_group_amx.h"
+#include "row_group_mlp_amx.h"
 #endif
 
 // Permuted rows. Each slot's output row is somewhere in y, so a weight chunk scatters into whole rows
@@ -996,6 +997,26 @@ int sparsa_row_group_linear_bf16_packed(const uint16_t* x, int64_t T, int64_t K,
                                         uint16_t* y, int64_t R, const int32_t* perm, int nthreads, int act,
                                         const uint16_t* amx_pack) {
     return linear<uint16_t>(x, true, T, K, cols, vals, ng, k, G, bias, y, true, R, perm, nthreads, act == 1, amx_pack);
+}
+
+// y = act(x W1^T + b1) W2^T + b2 (the hidden width R1 is W2's input width) with both weights RowGroup in
+// groups of 16, no row permutation, bf16 operands and their AMX packs (sparsa_row_group_amx_pack), in one
+// pass per 32-token panel. Returns 0, or -1 where this path does not run (no AMX tiles here or SPARSA_ISA below
+// amx, fewer than 16 tokens, or too few panels to keep nthreads busy): then run the two products.
+int sparsa_row_group_mlp_bf16(const uint16_t* x, int64_t T, int64_t K, const int32_t* cols1, const uint16_t* pack1,
+                              int64_t ng1, int64_t k1, const float* bias1, int64_t R1, const int32_t* cols2,
+                              const uint16_t* pack2, int64_t ng2, int64_t k2, const float* bias2, uint16_t* y,
+                              int64_t R2, int nthreads, int act) {
+#ifdef SPARSA_HAVE_AVX512_PATH
+    if (T < kDpMinTokens || !use_amx() || !amx::mlp_balanced(T, nthreads)) return -1;
+    if (ng1 * 16 < R1 || ng2 * 16 < R2 || (reinterpret_cast<uintptr_t>(pack1) & 63) ||
+        (reinterpret_cast<uintptr_t>(pack2) & 63))
+        return -1;
+    amx::mlp16(x, T, K, cols1, pack1, ng1, k1, bias1, R1, cols2, pack2, ng2, k2, bias2, y, R2, nthreads, act == 1);
+    return 0;
+#else
+    return -1;
+#endif
 }
 
 }  // extern "C"
