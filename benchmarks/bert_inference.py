@@ -182,20 +182,21 @@ def dense_baselines(
 
 def _variants(
     model: nn.Module, label: str, dtype: str, compile_sparse: Sequence[str]
-) -> Tuple[Dict[str, nn.Module], bool]:
+) -> Tuple[Dict[str, nn.Module], bool, bool]:
     """The ways one sparse model runs: ``eager``; ``fused`` (``sparsa.fuse_gelu``: GELU in the sparse
-    kernels' epilogue, and ``sparsa.fuse_projections``: query, key and value as one product) when it fuses
-    anything; ``compiled`` (``torch.compile`` of the fused model, so Inductor fuses the attention, LayerNorm
-    and glue around the sparse ops) for the models (float32 and bfloat16) whose label is in
-    ``compile_sparse``. Also whether the fused model's q/k/v run as one product."""
+    kernels' epilogue; ``sparsa.fuse_projections``: query, key and value as one product;
+    ``sparsa.fuse_mlp``: the MLP's two row_group products as one call) when it fuses anything;
+    ``compiled`` (``torch.compile`` of the fused model, so Inductor fuses the attention, LayerNorm and glue
+    around the sparse ops) for the models (float32 and bfloat16) whose label is in ``compile_sparse``. Also
+    whether the fused model's q/k/v run as one product and whether its MLPs run as one call."""
     out: Dict[str, nn.Module] = {"eager": model}
     fused = copy.deepcopy(model)
-    gelu, qkv = sparsa.fuse_gelu(fused), sparsa.fuse_projections(fused)
-    if gelu or qkv:
+    gelu, qkv, mlp = sparsa.fuse_gelu(fused), sparsa.fuse_projections(fused), sparsa.fuse_mlp(fused)
+    if gelu or qkv or mlp:
         out["fused"] = fused
     if label in compile_sparse:
         out["compiled"] = torch.compile(out.get("fused", fused), dynamic=False)
-    return out, qkv > 0
+    return out, qkv > 0, mlp > 0
 
 
 def speed_rows(
@@ -227,7 +228,7 @@ def speed_rows(
             for dt in dtypes:
                 if dt != "float32":
                     model = model.to(DTYPES[dt])  # SparseTensor weights convert their values
-                variants, fused_qkv = _variants(model, label, dt, compile_sparse)
+                variants, fused_qkv, fused_mlp = _variants(model, label, dt, compile_sparse)
                 for batch in batches:
                     ids = _inputs(batch)
                     with torch.no_grad():
@@ -254,6 +255,7 @@ def speed_rows(
                             "compiled": name == "compiled",
                             "fused": name != "eager",
                             "fused_qkv": name != "eager" and fused_qkv,
+                            "fused_mlp": name != "eager" and fused_mlp,
                             "sparsity": sp,
                             "batch": batch,
                             "seq": SEQ,

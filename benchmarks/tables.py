@@ -319,7 +319,8 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
         s += (
             "fused: GELU in the sparse kernels' epilogue (`sparsa.fuse_gelu`), and in rows with fused_qkv "
             "query, key and value as one product (`sparsa.fuse_projections`; runs before it have no fused_qkv "
-            "field); compiled: `torch.compile` of the "
+            "field), in rows with fused_mlp the MLP's two row_group products as one call (`sparsa.fuse_mlp`; runs "
+            "before it have no fused_mlp field); compiled: `torch.compile` of the "
             "fused model (in runs before `fdd728a` its graph ran the GELU as a separate op: the fused module could "
             "not read the weight's layout under compile; in runs before `9ee8505` a full run's models past "
             "Dynamo's eighth compiled entry ran eagerly, so its later compiled rows time eager code); "
@@ -332,6 +333,7 @@ def bert_section(d: Dict[str, Any], batches: Optional[Sequence[int]] = None, qua
             "dtype",
             "fused",
             "fused_qkv",
+            "fused_mlp",
             "compiled",
             "sparsity",
             "batch",
