@@ -32,6 +32,7 @@ BENCHES = (
     ("bitmask_stream", "The bitmask decode kernel alone", "python benchmarks/bitmask_stream.py"),
     ("bitmask_prefill", "The bitmask strategies per layer", "python benchmarks/bitmask_prefill.py"),
     ("bf16_paths", "The bf16 dot-product kernel paths", "python benchmarks/bf16_paths.py"),
+    ("row_group_mlp", "A BERT MLP as one row_group call", "python benchmarks/row_group_mlp.py"),
     ("adaptive_bf16", "bf16 activation-sparse convs per layer", "python benchmarks/adaptive_bf16.py"),
     ("adaptive_bf16_gemms", "bf16 activation-sparse convs GEMM by GEMM", "python benchmarks/adaptive_bf16_gemms.py"),
     ("activation_tiles", "Activation zeros at AMX-tile granularity", "python benchmarks/activation_tiles.py"),
@@ -751,6 +752,20 @@ def bitmask_prefill_section(d: Dict[str, Any]) -> str:
     return head + _md(rows, cols) + _quick_mark(d)
 
 
+def row_group_mlp_section(d: Dict[str, Any]) -> str:
+    """The fused MLP op against its two products and the dense MLP."""
+    head = (
+        "`sparsa::row_group_mlp_kernel` (fused: one call; fused_path `native` where the AMX one-call path ran) "
+        "against the two `row_group_linear` products it replaces and the dense MLP (`F.linear`, `F.gelu`, "
+        f"`F.linear`) in fp32 and bf16 eager and compiled bf16, bf16 weights in groups of 16, {d.get('threads')} "
+        f"threads, {d.get('timing', 'round robin, medians')}.\n\n"
+    )
+    cols = ["model", "shape", "sparsity", "tokens", "fused_ms", "two_products_ms", "dense_bfloat16_ms"]
+    cols += ["dense_compiled_bfloat16_ms", "dense_float32_ms", "best_dense", "fused_vs_two_products"]
+    cols += ["fused_vs_best_dense", "two_products_vs_best_dense", "fused_path", "max_rel_err"]
+    return head + _md(d["rows"], cols) + _quick_mark(d)
+
+
 def bf16_paths_section(d: Dict[str, Any]) -> str:
     """The bf16 dot-product paths against the path below them and against the faster dense dtype."""
     head = (
@@ -952,6 +967,7 @@ SECTIONS = {
     "bitmask_stream": bitmask_stream_section,
     "bitmask_prefill": bitmask_prefill_section,
     "bf16_paths": bf16_paths_section,
+    "row_group_mlp": row_group_mlp_section,
     "adaptive_bf16": adaptive_bf16_section,
     "adaptive_bf16_gemms": adaptive_bf16_gemms_section,
     "activation_tiles": activation_tiles_section,
