@@ -191,8 +191,9 @@ def _variants(
     whether the fused model's q/k/v run as one product and whether its MLPs run as one call."""
     out: Dict[str, nn.Module] = {"eager": model}
     fused = copy.deepcopy(model)
-    gelu, qkv, mlp = sparsa.fuse_gelu(fused), sparsa.fuse_projections(fused), sparsa.fuse_mlp(fused)
-    if gelu or qkv or mlp:
+    counts = sparsa.fuse_for_inference(fused)
+    qkv, mlp = counts["projections"], counts["mlp"]
+    if any(counts.values()):
         out["fused"] = fused
     if label in compile_sparse:
         out["compiled"] = torch.compile(out.get("fused", fused), dynamic=False)

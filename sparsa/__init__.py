@@ -11,8 +11,8 @@ The public API (``__all__``):
 * models: ``sparsify`` (the one way to sparsify: a method config from ``methods`` such as
   ``methods.OneShot`` / ``methods.Wanda``, a ``Rule`` or list of them, or a sparsifier; returns the
   model), ``Rule``, ``densify``, ``sparsity_report`` (the reports), ``format_report``, ``fuse_gelu``,
-  ``fuse_projections``, ``fuse_mlp``, ``recover``, ``sparsify_linears`` (deprecated:
-  ``sparsify(model, methods.OneShot(...))``);
+  ``fuse_projections``, ``fuse_mlp``, ``fuse_for_inference`` (all three), ``recover``, ``sparsify_linears``
+  (deprecated: ``sparsify(model, methods.OneShot(...))``);
   checkpoints: ``save``, ``load``;
 * activation sparsity: ``sparsify(model, ActivationSparsity(...))`` (the one way to turn it on;
   ``adaptive.enable(model)`` is the lower-level call, ``adaptive.runtime_of(model)`` its runtime);
@@ -43,7 +43,7 @@ from .ops import (
 )
 from . import sparsifiers
 from .nn import Rule, sparsify, densify, sparsity_report, format_report, sparsify_linears
-from .nn import fuse_gelu, fuse_projections, fuse_mlp
+from .nn import fuse_gelu, fuse_projections, fuse_mlp, fuse_for_inference
 from .io import save, load
 from . import methods
 from .methods.recover import recover  # noqa: F401
@@ -73,6 +73,7 @@ __all__ = [
     "fuse_gelu",
     "fuse_projections",
     "fuse_mlp",
+    "fuse_for_inference",
     "recover",
     "save",
     "load",

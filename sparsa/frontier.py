@@ -270,16 +270,14 @@ class DenseBaselines:
 
     def best_path(self, model: nn.Module, reps: Optional[int] = None) -> Dict[str, Any]:
         """The fastest way a user can run the sparse ``model``, each way timed by :meth:`speedup`:
-        eager in float32 and in bfloat16; for the faster dtype, ``sparsa.fuse_gelu``,
-        ``sparsa.fuse_projections`` and ``sparsa.fuse_mlp`` (when they fuse anything) and, where the dense
-        baselines were compiled,
+        eager in float32 and in bfloat16; for the faster dtype, ``sparsa.fuse_for_inference`` (GELU
+        epilogues, q/k/v products, MLP calls; when it fuses anything) and, where the dense baselines were
+        compiled,
         ``torch.compile`` of that. Returns the fastest way's :meth:`speedup` plus ``sparse_dtype``,
         ``sparse_path`` (``eager``, ``fused`` or ``compiled``) and ``paths`` (every way's
         ``speedup_vs_best_dense``). Fair against the dense side, which gets its best of fp32, bf16 and
         compiled too. ``model`` itself is not changed."""
-        from .nn.fuse import fuse_gelu
-        from .nn.fused_mlp import fuse_mlp
-        from .nn.fused_projections import fuse_projections
+        from .nn.fuse_for_inference import fuse_for_inference
 
         def timed(m: nn.Module) -> Dict[str, Any]:
             with torch.no_grad():
@@ -291,7 +289,7 @@ class DenseBaselines:
         dtype = max(by_dtype, key=lambda d: results[(d, "eager")]["speedup_vs_best_dense"])
         fastest = by_dtype[dtype]
         fused = copy.deepcopy(fastest)
-        if fuse_gelu(fused) + fuse_projections(fused) + fuse_mlp(fused):
+        if any(fuse_for_inference(fused).values()):
             results[(dtype, "fused")] = timed(fused)
             fastest = fused
         if self.compile_s is not None:

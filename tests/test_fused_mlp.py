@@ -147,3 +147,15 @@ def test_dense_weights_fall_back_inside_the_module():
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.allclose(mlp(x), mlp.down(torch.nn.functional.gelu(mlp.up(x))))
+
+
+def test_fuse_for_inference_runs_all_three():
+    m = _bert(dtype=torch.bfloat16)
+    ids = _ids()
+    before = _out(m, ids).float()
+    assert sparsa.fuse_for_inference(m) == {"gelu": 2, "projections": 2, "mlp": 2}
+    assert sparsa.fuse_for_inference(m) == {"gelu": 0, "projections": 0, "mlp": 0}
+    after = _out(m, ids).float()
+    assert float((after - before).abs().max()) <= 2e-2 * float(before.abs().max())
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        sparsa.fuse_for_inference(None)

@@ -9,6 +9,7 @@ from .one_shot import sparsify_linears  # noqa: F401
 from .fuse import fuse_gelu  # noqa: F401
 from .fused_projections import fuse_projections  # noqa: F401
 from .fused_mlp import fuse_mlp  # noqa: F401
+from .fuse_for_inference import fuse_for_inference  # noqa: F401
 from .config import SparsifyConfig  # noqa: F401
 
 __all__ = [
@@ -26,5 +27,6 @@ __all__ = [
     "fuse_gelu",
     "fuse_projections",
     "fuse_mlp",
+    "fuse_for_inference",
     "SparsifyConfig",
 ]
