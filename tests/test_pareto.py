@@ -171,6 +171,7 @@ def test_best_path_tries_every_way_and_keeps_the_fastest(tiny, monkeypatch):
     from torch._dynamo.eval_frame import OptimizedModule
 
     from sparsa.nn.fuse import LinearGELU
+    from sparsa.nn.fused_mlp import FusedMLP
 
     model, _ = tiny
     base = DenseBaselines(model, torch.randint(0, 1000, (2, 16)), use_compile=False, reps=1, log=lambda s: None)
@@ -180,7 +181,7 @@ def test_best_path_tries_every_way_and_keeps_the_fastest(tiny, monkeypatch):
     def speed(m):
         inner = m._orig_mod if isinstance(m, OptimizedModule) else m
         bf16 = next(inner.parameters()).dtype == torch.bfloat16
-        fused = any(isinstance(x, LinearGELU) for x in inner.modules())
+        fused = any(isinstance(x, (LinearGELU, FusedMLP)) for x in inner.modules())
         v = 1.0 + bf16 + 0.5 * fused + isinstance(m, OptimizedModule)
         return {"speedup_vs_best_dense": v, "speedup_vs_dense": v, "best_dense": "fp32", "sparse_ms": 1.0}
 
@@ -189,7 +190,7 @@ def test_best_path_tries_every_way_and_keeps_the_fastest(tiny, monkeypatch):
     assert (out["sparse_dtype"], out["sparse_path"]) == ("bfloat16", "fused")  # no compiled baseline: no compile
     assert out["paths"] == {"float32/eager": 1.0, "bfloat16/eager": 2.0, "bfloat16/fused": 2.5}
     assert next(pruned.parameters()).dtype == torch.float32  # the model itself is untouched
-    assert not any(isinstance(x, LinearGELU) for x in pruned.modules())
+    assert not any(isinstance(x, (LinearGELU, FusedMLP)) for x in pruned.modules())
     base.compile_s = 0.0  # as if the dense side had been compiled: the sparse side is compiled too
     out = base.best_path(pruned)
     assert (out["sparse_dtype"], out["sparse_path"], out["speedup_vs_best_dense"]) == ("bfloat16", "compiled", 3.5)
