@@ -159,3 +159,27 @@ def test_fuse_for_inference_runs_all_three():
     assert float((after - before).abs().max()) <= 2e-2 * float(before.abs().max())
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         sparsa.fuse_for_inference(None)
+
+
+@pytest.mark.parametrize("gelu_first", [False, True])
+def test_sequential_runs_are_fused(gelu_first):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48), nn.ReLU(), nn.Linear(48, 32))
+    m = sparsa.sparsify(m, OneShot(0.75, pattern="row_group16")).to(torch.bfloat16)
+    x = torch.randn(64, 48).bfloat16()
+    with torch.inference_mode():
+        before = m(x).float()
+        if gelu_first:
+            assert sparsa.fuse_gelu(m) == 1
+        assert fuse_mlp(m) == 1  # Linear, ReLU, Linear is no GELU MLP
+        assert isinstance(m[0], FusedMLP) and isinstance(m[1], nn.Identity) and isinstance(m[2], nn.Identity)
+        assert type(m[4]) is nn.Linear
+        after = m(x).float()
+    assert float((after - before).abs().max()) <= 2e-2 * float(before.abs().max())
+
+
+def test_sequential_with_dense_or_tanh_gelu_is_left_alone():
+    m = nn.Sequential(nn.Linear(48, 96), nn.GELU(approximate="tanh"), nn.Linear(96, 48))
+    m = sparsa.sparsify(m, OneShot(0.75, pattern="row_group16"))
+    assert fuse_mlp(m) == 0
+    assert fuse_mlp(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))) == 0

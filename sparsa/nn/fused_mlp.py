@@ -1,4 +1,4 @@
-"""One native call for a BERT-style MLP: ``output.dense(gelu(intermediate.dense(h)))``.
+"""One native call for a transformer MLP: ``output.dense(gelu(intermediate.dense(h)))``.
 
 A Hugging Face BERT-family layer (BERT, RoBERTa, MiniLM, ELECTRA, ...) runs its MLP as two modules: the
 ``*Intermediate`` (``act(dense(h))``) and the ``*Output`` (``LayerNorm(dropout(dense(.)) + h)``). With both
@@ -7,7 +7,8 @@ that stands where the output's ``dense`` was and makes the intermediate pass its
 module receives ``h`` and its ``dense`` computes the whole MLP: one :func:`sparsa::row_group_mlp_kernel` call,
 whose AMX path keeps the hidden activation in the packed panels the second product reads (see
 :mod:`sparsa.kernels.row_group_mlp`). Where that path does not run the op runs the two products: the results
-are the same.
+are the same. A ``Linear, GELU, Linear`` run of an ``nn.Sequential`` is fused the same way (the FusedMLP
+in the first Linear's place, ``nn.Identity`` in the other two).
 
 ::
 
@@ -117,20 +118,28 @@ def _row_group(m: object) -> bool:
     return isinstance(m, nn.Linear) and isinstance(m.weight, SparseTensor) and m.weight.layout_name == "row_group"
 
 
+def _gelu_linear(dense: object, act: object) -> bool:
+    """Whether ``act(dense(x))`` is ``gelu(linear(x))``: a Linear and the exact GELU, or a LinearGELU (the
+    GELU already in its epilogue) and an ``nn.Identity``."""
+    if type(dense) is LinearGELU:
+        return isinstance(act, nn.Identity)
+    return type(dense) is nn.Linear and is_exact_gelu(act)
+
+
+def _pair(dense: nn.Module, down: object) -> bool:
+    """Whether ``dense`` and ``down`` hold row_group weights of one dtype that chain (down reads dense's rows)."""
+    if type(down) is not nn.Linear or not (_row_group(dense) and _row_group(down)):
+        return False
+    return dense.weight.dtype == down.weight.dtype and down.in_features == dense.out_features
+
+
 def _fuse_layer(layer: nn.Module) -> bool:
     inter, out = getattr(layer, "intermediate", None), getattr(layer, "output", None)
     if inter is None or out is None or not type(inter).__name__.endswith("Intermediate"):
         return False
     dense, act = getattr(inter, "dense", None), getattr(inter, "intermediate_act_fn", None)
     down = getattr(out, "dense", None)
-    if type(dense) is LinearGELU:
-        if not isinstance(act, nn.Identity):
-            return False
-    elif type(dense) is not nn.Linear or not is_exact_gelu(act):
-        return False
-    if type(down) is not nn.Linear or not (_row_group(dense) and _row_group(down)):
-        return False
-    if dense.weight.dtype != down.weight.dtype or down.in_features != dense.out_features:
+    if not (_gelu_linear(dense, act) and _pair(dense, down)):
         return False
     up = _plain_linear(dense)
     # the intermediate must compute exactly gelu(dense(h)): a probe through it before anything is replaced
@@ -145,11 +154,32 @@ def _fuse_layer(layer: nn.Module) -> bool:
     return True
 
 
+def _fuse_sequential(seq: nn.Sequential) -> int:
+    """Fuse each ``Linear, GELU, Linear`` run of consecutive children: the first becomes the FusedMLP, the
+    other two ``nn.Identity``."""
+    items, fused, i = list(seq._modules.items()), 0, 0
+    while i + 2 < len(items):
+        (na, a), (nb, b), (nc, c) = items[i : i + 3]
+        if _gelu_linear(a, b) and _pair(a, c):
+            seq._modules[na] = FusedMLP(_plain_linear(a), c)
+            seq._modules[nb], seq._modules[nc] = nn.Identity(), nn.Identity()
+            fused, i = fused + 1, i + 3
+        else:
+            i += 1
+    return fused
+
+
 def fuse_mlp(model: nn.Module) -> int:
-    """Fuse, in place, the MLP of every BERT-family layer of ``model`` whose intermediate and output Linears
-    both hold row_group weights of one dtype (the intermediate's activation the exact GELU, or already in a
-    :func:`sparsa.fuse_gelu` epilogue); returns how many were fused. Call it after sparsifying and converting
-    (e.g. ``.to(torch.bfloat16)``), for inference (see the module notes on ``state_dict`` and hooks)."""
+    """Fuse, in place, every MLP of ``model`` whose two Linears hold row_group weights of one dtype, with the
+    exact GELU between them (or already in a :func:`sparsa.fuse_gelu` epilogue): the intermediate and output
+    Linears of BERT-family layers, and ``Linear, GELU, Linear`` runs in an ``nn.Sequential``; returns how many
+    were fused. Call it after sparsifying and converting (e.g. ``.to(torch.bfloat16)``), for inference (see
+    the module notes on ``state_dict`` and hooks)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fuse_mlp: model must be an nn.Module, got {type(model).__name__}")
-    return sum(_fuse_layer(mod) for mod in list(model.modules()))
+    fused = 0
+    for mod in list(model.modules()):
+        fused += _fuse_layer(mod)
+        if isinstance(mod, nn.Sequential):
+            fused += _fuse_sequential(mod)
+    return fused
