@@ -272,8 +272,7 @@ class DenseBaselines:
         """The fastest way a user can run the sparse ``model``, each way timed by :meth:`speedup`:
         eager in float32 and in bfloat16; for the faster dtype, ``sparsa.fuse_for_inference`` (GELU
         epilogues, q/k/v products, MLP calls; when it fuses anything) and, where the dense baselines were
-        compiled,
-        ``torch.compile`` of that. Returns the fastest way's :meth:`speedup` plus ``sparse_dtype``,
+        compiled, ``torch.compile`` of that. Returns the fastest way's :meth:`speedup` plus ``sparse_dtype``,
         ``sparse_path`` (``eager``, ``fused`` or ``compiled``) and ``paths`` (every way's
         ``speedup_vs_best_dense``). Fair against the dense side, which gets its best of fp32, bf16 and
         compiled too. ``model`` itself is not changed."""

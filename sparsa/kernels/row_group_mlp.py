@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..layouts.row_group import is_identity_perm
 from . import row_group as rg
 from .epilogue import activation_code
 from .operands import float_bias, native_kind, token_rows, version_key
@@ -66,9 +67,7 @@ def _is_identity(row_perm: Optional[Tensor]) -> bool:
     """Whether a row permutation keeps every row in place (RowGroup stores one even when it does)."""
     if row_perm is None:
         return True
-    return _cached(
-        row_perm, _IDENTITY_ATTR, lambda p: bool(torch.equal(p.long(), torch.arange(p.numel(), dtype=torch.long)))
-    )
+    return _cached(row_perm, _IDENTITY_ATTR, is_identity_perm)
 
 
 def _check(x: Tensor, values1: Tensor, out1: int, columns2: Tensor, values2: Tensor, out2: int) -> None:
@@ -116,11 +115,10 @@ def native_mlp(
         return None
     lib = rg.native_library() if lib is None else lib
     fn = None if lib is None else getattr(lib, "sparsa_row_group_mlp_bf16", None)
-    if fn is None:
+    K = x.shape[-1]
+    if fn is None or K == 0 or x.numel() // K < rg.AMX_MIN_TOKENS:  # decode-sized calls: before any allocation
         return None
     x2, T, y = token_rows(x, out2)
-    if T < rg.AMX_MIN_TOKENS:
-        return None
     pack1, pack2 = rg.amx_pack(lib, values1.contiguous()), rg.amx_pack(lib, values2.contiguous())
     if pack1 is None or pack2 is None:
         return None

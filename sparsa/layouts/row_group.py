@@ -36,10 +36,16 @@ from torch import Tensor
 from ._row_grouping import group_rows
 from .base import Layout, check_float, check_fraction, register_layout
 
-__all__ = ["RowGroup", "row_group_mask", "GROUP_SIZES"]
+__all__ = ["RowGroup", "row_group_mask", "is_identity_perm", "GROUP_SIZES"]
 
 #: group sizes the native kernel supports
 GROUP_SIZES = (4, 8, 16, 32)
+
+
+def is_identity_perm(row_perm: Tensor) -> bool:
+    """Whether a ``row_perm`` keeps every row in place (groups of consecutive rows)."""
+    n = row_perm.numel()
+    return torch.equal(row_perm, torch.arange(n, dtype=row_perm.dtype, device=row_perm.device))
 
 
 def _check_group(group: Any) -> int:
@@ -183,8 +189,7 @@ class RowGroup(Layout):
     @property
     def permuted(self) -> bool:
         """Whether groups hold other than consecutive rows (``row_perm`` is not the identity)."""
-        n = self.row_perm.numel()
-        return not torch.equal(self.row_perm, torch.arange(n, dtype=self.row_perm.dtype, device=self.row_perm.device))
+        return not is_identity_perm(self.row_perm)
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -68,9 +68,10 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         up, down = self.up, self.down
-        layouts = self.layouts if torch.compiler.is_compiling() else self._layouts()
-        if not torch.compiler.is_compiling():
-            self.layouts = layouts
+        if torch.compiler.is_compiling():
+            layouts = self.layouts
+        else:
+            layouts = self.layouts = self._layouts()
         params = (up.weight, up.bias, down.weight, down.bias)
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or any(p.requires_grad for p in params if p is not None)
