@@ -12,7 +12,9 @@ medians):
   ``generate()`` runs it: ``lm_head`` on the last position only).
 
 Engines: dense in the same dtype (``F.linear``, oneDNN/MKL), ``torch.compile`` of the dense model's
-decode step (``--compile``), and bitmask at each sparsity. The dense model in every other dtype of
+decode step (``--compile``; one whole graph on a static KV cache, as ``generate()`` runs it with
+``sparsa.models.compiled_decode.compiled_generate_kwargs()``), and bitmask at each sparsity, eager and
+(``--compile-sparse``) compiled the same way. The dense model in every other dtype of
 :data:`REFERENCE_DTYPES` (eager, and compiled where the same dtype is) runs in the same round robin as a
 reference, whatever ``--dtypes`` asks for. Rows (of the asked dtypes only): ``model, params, dtype, layout,
 sparsity, batch, phase, ms, tokens_per_s, speedup_vs_dense, speedup_vs_best_dense,
@@ -46,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sparsa  # noqa: E402
 from sparsa.models.causal_lm import kv_cache_kwargs  # noqa: E402
+from sparsa.models.compiled_decode import compile_decode_step, static_cache  # noqa: E402
 from sparsa.sparsifiers import NM, Magnitude  # noqa: E402
 from sparsa.timing import round_robin_ms  # noqa: E402
 from _compile import compile_many_models  # noqa: E402
@@ -112,12 +115,14 @@ def prune_copy(dense, spec: str):
 
 
 def decode_fn(model, batch: int, prompt: int, steps: int, forward=None) -> Callable[[], None]:
-    """``steps`` greedy decode steps on a cache holding ``prompt`` tokens, cut back afterwards."""
+    """``steps`` greedy decode steps on a cache holding ``prompt`` tokens, cut back afterwards. With a
+    compiled ``forward`` (:func:`compiled_decode`) the cache is static (``prompt + steps`` positions), as
+    ``generate()`` runs a compiled step; eager steps use the dynamic cache ``generate()`` uses by default."""
     from transformers import DynamicCache
 
     fwd = forward or model
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
-    cache = DynamicCache()
+    cache = DynamicCache() if forward is None else static_cache(model, prompt + steps)
     kv = kv_cache_kwargs(model, cache)
     with torch.no_grad():
         out = model(ids, use_cache=True, **kv)
@@ -178,9 +183,10 @@ def decode_breakdown(model, batch: int, prompt: int, steps: int) -> Dict[str, fl
 
 
 def compiled_decode(model):
-    """``torch.compile`` of the model's forward (decode shapes), or None with the reason."""
+    """The compiled decode step (``torch.compile`` of the model's forward, whole graph, static shapes, for a
+    static KV cache: :mod:`sparsa.models.compiled_decode`), or None with the reason."""
     try:
-        return torch.compile(model.forward, dynamic=True), None
+        return compile_decode_step(model), None
     except Exception as e:  # pragma: no cover - depends on the torch build
         return None, f"{type(e).__name__}: {e}"[:300]
 
@@ -278,7 +284,7 @@ def bench_model(
                     key = f"{name}/{dname}/b{batch}/sparse{s}_compile"
                     _timed(
                         f"bitmask@{s}+compiled",
-                        lambda m=m: make(m, torch.compile(m.forward, dynamic=True)),
+                        lambda m=m: make(m, compile_decode_step(m)),
                         fns,
                         notes,
                         key,
@@ -364,8 +370,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--compile-sparse",
         nargs="*",
-        default=[],
-        help="sparsities (as in --sparsities) whose bitmask model is also timed compiled (decode)",
+        default=None,
+        help="sparsities (as in --sparsities) whose bitmask model is also timed compiled (decode; default: "
+        "all of them where the dense decode step is compiled, none with --no-compile)",
     )
     p.add_argument(
         "--append",
@@ -392,6 +399,8 @@ def main(argv=None) -> int:
             sparsa.layouts.base.check_fraction(float(s), "--sparsities")
     steps, rounds = a.steps or (4 if q else 8), a.rounds or (3 if q else 5)
     use_compile = (not q) if a.compile is None else a.compile
+    if a.compile_sparse is None:  # the sparse models compiled as the dense one is: best path against best path
+        a.compile_sparse = list(specs) if use_compile else []
     prefill_batches = [1] if a.prefill_batches is None else a.prefill_batches
     torch.set_num_threads(a.threads)
     out = a.out or results_dir() / "llm_decode.json"

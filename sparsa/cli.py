@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="compute dtype of the model (default float32)",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode with a static KV cache and a torch.compile'd step (sparsa.models.compiled_decode): "
+        "less time per token outside the linears; the warm-up run compiles it (seconds to a minute)",
+    )
 
     i = sub.add_parser(
         "inspect",
@@ -516,17 +522,26 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         raise UsageError(f"--prompt {a.prompt!r} encodes to no tokens")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     timer = _TokenTimer()
+    kw = dict(do_sample=False, use_cache=True, pad_token_id=pad)
+    if a.compile:
+        from .models.compiled_decode import compiled_generate_kwargs
+
+        kw.update(compiled_generate_kwargs())
     with torch.inference_mode():
-        # warm-up on the prompt's first tokens: lazy initialisation and kernel builds stay out of the timing
-        model.generate(input_ids=ids[:, :8], max_new_tokens=2, do_sample=False, use_cache=True, pad_token_id=pad)
+        # warm-up: lazy initialisation, kernel builds and compiling stay out of the timing. A compiled step
+        # is specialised to the static cache's length (prompt + new tokens), so its warm-up is the same call.
+        if a.compile:
+            model.generate(
+                input_ids=ids, attention_mask=enc.get("attention_mask"), max_new_tokens=a.max_new_tokens, **kw
+            )
+        else:
+            model.generate(input_ids=ids[:, :8], max_new_tokens=2, **kw)
         out = model.generate(
             input_ids=ids,
             attention_mask=enc.get("attention_mask"),
             max_new_tokens=a.max_new_tokens,
-            do_sample=False,
-            use_cache=True,
             streamer=timer,
-            pad_token_id=pad,
+            **kw,
         )
     new = out[0, ids.shape[1] :]
     full = tok.decode(out[0], skip_special_tokens=True)
@@ -540,7 +555,8 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         if n >= 2
         else "decode n/a (one new token)"
     )
-    print(f"prefill {prefill_ms:.1f} ms ({ids.shape[1]} prompt tokens), {decode}; {a.threads} threads, {a.dtype}")
+    how = f"{a.dtype}, compiled" if a.compile else a.dtype
+    print(f"prefill {prefill_ms:.1f} ms ({ids.shape[1]} prompt tokens), {decode}; {a.threads} threads, {how}")
     return 0
 
 

@@ -185,7 +185,9 @@ def test_prune_with_recovery_keeps_the_pattern_and_trains(llama_dir, tmp_path, c
     assert len(moved) == len(_block_linears(m))
 
 
-TIMING = re.compile(r"^prefill [\d.]+ ms \(\d+ prompt tokens\), decode [\d.]+ tokens/s .*threads, (float32|bfloat16)$")
+TIMING = re.compile(
+    r"^prefill [\d.]+ ms \(\d+ prompt tokens\), decode [\d.]+ tokens/s .*threads, (float32|bfloat16)(, compiled)?$"
+)
 
 
 @pytest.mark.parametrize("which, dtype", [("dense", "float32"), ("pruned", "float32"), ("pruned", "bfloat16")])
@@ -200,6 +202,22 @@ def test_generate_prints_text_and_speed(llama_dir, pruned, capsys, which, dtype)
     lines = out.strip().splitlines()
     assert lines[0].startswith(PROMPT) and len(lines[0]) > len(PROMPT)
     assert TIMING.match(lines[-1]), lines[-1]
+
+
+def test_generate_compiled_prints_the_eager_text(llama_dir, pruned, capsys):
+    if pruned[0] != "magnitude":
+        pytest.skip("one pruned model is enough")
+    args = ["generate", str(pruned[1]), "--prompt", PROMPT, "--max-new-tokens", "5", "--threads", "1"]
+    rc, eager, err = _main(args, capsys)
+    assert rc == 0, err
+    try:
+        rc, compiled, err = _main(args + ["--compile"], capsys)
+    finally:
+        torch._dynamo.reset()
+    assert rc == 0, err
+    assert compiled.splitlines()[0] == eager.splitlines()[0]
+    assert compiled.strip().splitlines()[-1].endswith("threads, float32, compiled")
+    assert TIMING.match(compiled.strip().splitlines()[-1])
 
 
 def test_default_layout_is_bitmask_for_causal_lms_when_registered():

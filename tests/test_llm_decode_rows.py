@@ -115,3 +115,28 @@ def test_phases_selects_what_is_timed(monkeypatch, tmp_path):
     assert len(seen) == 1
     assert {r["phase"] for r in rows} == {"prefill"}
     assert all(r["best_dense"] == "float32 eager" for r in rows)
+
+
+def test_compiled_engines_decode_on_a_static_cache(monkeypatch, tmp_path):
+    # --compile times the dense step and (by default) every sparse model compiled the same way, beside eager
+    import torch
+
+    monkeypatch.setitem(llm_decode.CONFIGS, "tiny", TINY)
+    seen, caches = [], []
+    real = llm_decode.static_cache
+    monkeypatch.setattr(llm_decode, "static_cache", lambda m, n: caches.append(n) or real(m, n))
+    times = {"dense": 10.0, "bitmask@0.5": 5.0, "dense@bfloat16": 8.0}
+    times.update({"dense_compiled": 9.0, "bitmask@0.5+compiled": 4.0, "dense@bfloat16+compiled": 7.0})
+    monkeypatch.setattr(llm_decode, "round_robin_ms", _fixed_times(times, seen))
+    args = [a for a in ARGS if a != "--no-compile"] + ["--dtypes", "float32", "--out", str(tmp_path / "c.json")]
+    try:
+        llm_decode.main(args)
+    finally:
+        torch._dynamo.reset()
+    assert seen == [sorted(times)]
+    assert caches == [8 + 2] * 3  # prompt + steps positions, one static cache per compiled engine
+    rows = {r["layout"]: r for r in json.loads((tmp_path / "c.json").read_text())["rows"]}
+    assert rows["bitmask+compiled"]["speedup_vs_best_dense_same_dtype"] == 2.25
+    assert rows["bitmask"]["speedup_vs_best_dense_same_dtype"] == 1.8
+    notes = json.loads((tmp_path / "c.json").read_text())["notes"]
+    assert not [k for k in notes if not k.endswith("_s")], notes  # no compile failed
