@@ -112,3 +112,41 @@ def test_compiled_call_matches_eager():
     fn = torch.compile(lambda x: PROBE(x, 3) + 1, backend="eager", fullgraph=True)
     x = torch.randn(6)
     assert torch.equal(fn(x), x * 3 + 1)
+
+
+_EVENTS = []
+
+
+def _frame_probe_impl(x: torch.Tensor) -> torch.Tensor:
+    _EVENTS.append("impl")
+    return x + 1
+
+
+FRAME_PROBE = kernel_op("test_eval_frame_probe(Tensor x) -> Tensor", _frame_probe_impl, lambda x: torch.empty_like(x))
+
+
+def test_the_dispatcher_runs_the_implementation_with_dynamos_frame_evaluation_reset(monkeypatch):
+    # inside a compiled graph the implementation's Python frames run several times slower until the frame
+    # evaluation is reset (kernels/opdef.py); the op resets it around the implementation and sets it back
+    import sparsa.kernels.opdef as opdef
+
+    real = opdef._set_eval_frame
+
+    def recording(callback):
+        _EVENTS.append(("set", callback))
+        return real(callback)
+
+    monkeypatch.setattr(opdef, "_set_eval_frame", recording)
+    torch._dynamo.reset()
+    try:
+        f = torch.compile(lambda x: FRAME_PROBE(x * 2) - 1, fullgraph=True)
+        x = torch.ones(3)
+        f(x)  # compiles
+        _EVENTS.clear()
+        assert torch.equal(f(x), torch.full((3,), 2.0))
+        assert _EVENTS[0] == ("set", None) and _EVENTS[1] == "impl" and _EVENTS[2][0] == "set" and len(_EVENTS) == 3
+        _EVENTS.clear()
+        assert torch.equal(FRAME_PROBE.op(x), x + 1)  # an eager call of the op takes the same path
+        assert _EVENTS[:2] == [("set", None), "impl"] and len(_EVENTS) == 3
+    finally:
+        torch._dynamo.reset()

@@ -628,8 +628,8 @@ def bitmask_linear_impl(
             x.new_zeros(*x.shape[:-1], out_features) + (0 if bias is None else bias.to(x.dtype)), activation
         )
     T = x.numel() // K
-    if strategy == "auto":
-        strategy = _auto(T, kind, x.dtype, bits, values, out_features, K)
+    if strategy == "auto":  # below every crossover's grid the choice is the stream loop (no table reads)
+        strategy = "stream" if T < _ALWAYS_STREAM_BELOW else _auto(T, kind, x.dtype, bits, values, out_features, K)
     if strategy == "stream":  # takes any rank: no reshape round trip on a decode call
         y = _stream(
             lib, kind, x.contiguous(), bits.contiguous(), row_ptr.contiguous(), values.contiguous(), bias, out_features

@@ -77,6 +77,27 @@ def _direct(args: tuple, kwargs: dict) -> bool:
     return True
 
 
+_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+
+
+def _outside_dynamo(impl: Callable) -> Callable:
+    """``impl`` as the dispatcher runs it: with Dynamo's frame evaluation reset (as ``torch._dynamo.disable``
+    resets it, with less around it). Called from a compiled graph, the implementation's Python frames ran
+    several times slower without it (``docs/benchmarks.md``, design measurements), enough to cost a
+    decode-sized call more than the Python it runs eagerly. Outside compiled code it sets back what it found."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = _set_eval_frame(None)
+        try:
+            return impl(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    run.__name__ = getattr(impl, "__name__", "impl")
+    run.__wrapped__ = impl
+    return run
+
+
 def kernel_op(schema: str, impl: Callable, fake: Callable) -> KernelOp:
     """Define ``sparsa::<schema>`` (e.g. ``"name(Tensor x, int n) -> Tensor"``) with ``impl`` for every
     backend and ``fake`` for tracing; returns the :class:`KernelOp` (its ``op`` is
@@ -86,6 +107,6 @@ def kernel_op(schema: str, impl: Callable, fake: Callable) -> KernelOp:
     if not name.isidentifier():
         raise ValueError(f"kernel_op: schema must start with the op name, got {schema!r}")
     _LIB.define(schema)  # raises if sparsa::<name> exists
-    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    _LIB.impl(name, _outside_dynamo(impl), "CompositeExplicitAutograd")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
     return KernelOp(getattr(getattr(torch.ops, NAMESPACE), name).default, impl)
