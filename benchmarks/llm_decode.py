@@ -61,6 +61,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: (half the bytes of fp32), not the fp32 model a sparse fp32 model was pruned from
 REFERENCE_DTYPES = (torch.float32, torch.bfloat16)
 
+#: how the ``+compiled`` / ``dense_compiled`` engines run (recorded in the JSON)
+COMPILED = "torch.compile of the whole decode step (fullgraph, static shapes) on a StaticCache; prefill eager"
+
 #: (hidden, intermediate, layers, heads, kv heads, vocab): Llama-style shapes
 CONFIGS = {
     "llama-0.5b": (1536, 4096, 16, 12, 4, 32000),
@@ -429,6 +432,7 @@ def main(argv=None) -> int:
         "quick": q,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "seconds": round(time.time() - t_start, 1),
+        "compiled": COMPILED,
         "notes": notes,
         "rows": rows,
         "breakdown": breakdown,

@@ -694,7 +694,9 @@ def llm_decode_section(d: Dict[str, Any]) -> str:
         "speedup_vs_best_dense: the fastest dense path timed beside it, in any dtype, eager or compiled "
         "(best_dense names it) / this engine; same_dtype: the faster of dense eager and compiled in the row's "
         "dtype / this engine. weight_bytes_ratio: bytes of the decoder blocks' linear weights against dense. "
-        f"Peak RSS {d.get('peak_rss_mb')} MB.\n\n"
+        f"Peak RSS {d.get('peak_rss_mb')} MB."
+        + (f" Compiled engines: {d['compiled']}." if d.get("compiled") else "")
+        + "\n\n"
     )
     s += _md(
         rows,
