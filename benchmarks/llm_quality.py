@@ -127,13 +127,41 @@ def _prune(model: nn.Module, method: str, pattern: str, batches: List[torch.Tens
     )
 
 
-def recovery_windows(tok: Any, prose: Sequence[str], seq_len: int) -> torch.Tensor:
-    """Training windows for recovery, alternating calibration prose and calibration-module source (both
-    disjoint from the held-out domains), as many of each as the prose gives."""
+def extra_code_files(held_out: Sequence[Path]) -> List[Path]:
+    """More standard-library ``.py`` files for recovery text, in reverse name order: neither held out
+    (``held_out``, the code domain's files) nor calibration modules (:func:`calibration_code_files`)."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {f.resolve() for f in held_out} | {f.resolve() for f in calibration_code_files()}
+    return [
+        f
+        for f in sorted(lib.glob("*.py"), reverse=True)
+        if not f.stem.startswith("_") and f.stem not in ("this", "antigravity") and f.resolve() not in skip
+    ]
+
+
+def recovery_windows(
+    tok: Any, prose: Sequence[str], seq_len: int, code_ratio: int = 1, held_out: Sequence[Path] = ()
+) -> torch.Tensor:
+    """Training windows for recovery: each calibration-prose window followed by ``code_ratio`` windows of
+    Python source, disjoint from the held-out domains: the calibration modules' source, then (where more
+    is needed) :func:`extra_code_files`; as many groups as the prose (and the code) gives."""
+    if code_ratio < 1:
+        raise ValueError(f"code_ratio must be a positive int, got {code_ratio!r}")
+    p = text_windows(tok, prose, seq_len)
     source = [f.read_text(encoding="utf-8", errors="replace") for f in calibration_code_files()]
-    p, c = text_windows(tok, prose, seq_len), text_windows(tok, source, seq_len)
-    n = min(p.shape[0], c.shape[0])
-    return torch.stack([w for pair in zip(p[:n], c[:n]) for w in pair])
+    c = text_windows(tok, source, seq_len)
+    extra = iter(extra_code_files(held_out)) if code_ratio > 1 else iter(())
+    while c.shape[0] < code_ratio * p.shape[0]:
+        f = next(extra, None)
+        if f is None:
+            break
+        try:
+            more = text_windows(tok, [f.read_text(encoding="utf-8", errors="replace")], seq_len)
+        except ValueError:  # a file shorter than one window
+            continue
+        c = torch.cat([c, more])
+    n = min(p.shape[0], c.shape[0] // code_ratio)
+    return torch.stack([w for i in range(n) for w in (p[i], *c[i * code_ratio : (i + 1) * code_ratio])])
 
 
 def _logits(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -214,11 +242,18 @@ def _merge(out: Path, res: Dict[str, Any]) -> None:
             f"--append: {out} recovered with autocast {old_rec.get('autocast')}, this run with "
             f"{rec.get('autocast')}; rerun with the same --recover-autocast or without --append"
         )
+    if old_rec.get("patterns") and rec["patterns"] and old_rec.get("code_ratio", 1) != rec.get("code_ratio", 1):
+        raise SystemExit(
+            f"--append: {out} recovered on text with {old_rec.get('code_ratio', 1)} code windows per prose "
+            f"window, this run with {rec.get('code_ratio', 1)}; rerun with the same --recover-code-ratio or "
+            "without --append"
+        )
     if old_rec.get("patterns"):  # the recovered rows of both runs are kept
         both = set(old_rec["patterns"]) | set(rec["patterns"])
         rec["patterns"] = sorted(both, key=PATTERNS.index)
         rec["seconds"] = old_rec["seconds"]
         rec["autocast"] = old_rec.get("autocast")
+        rec["code_ratio"] = old_rec.get("code_ratio", 1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -266,6 +301,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "--recover-lr", type=float, default=RECOVER_LR, help=f"AdamW learning rate (default {RECOVER_LR:g})"
     )
     ap.add_argument(
+        "--recover-code-ratio",
+        type=int,
+        default=1,
+        help="recovery text: Python-source windows per calibration-prose window (default 1; above 1 the "
+        "source comes from more standard-library modules, disjoint from the held-out code)",
+    )
+    ap.add_argument(
         "--recover-autocast",
         choices=("auto", "none", "bfloat16"),
         default="auto",
@@ -288,6 +330,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         args.recover = 0.0 if args.quick else RECOVER_SECONDS
     if args.recover < 0:
         raise SystemExit(f"--recover {args.recover}: give a budget in seconds >= 0")
+    if args.recover_code_ratio < 1:
+        raise SystemExit(f"--recover-code-ratio {args.recover_code_ratio}: give a positive int")
     if not args.recover_lr > 0:
         raise SystemExit(f"--recover-lr {args.recover_lr}: give a positive learning rate")
     autocast = recover_autocast(args.recover_autocast)
@@ -342,7 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     runs = [("dense", None), ("magnitude", "unstructured")]
     runs += [(m, p) for p in patterns for m in methods]
-    train = recovery_windows(tok, calib_text, seq_len) if args.recover > 0 else None
+    train = recovery_windows(tok, calib_text, seq_len, args.recover_code_ratio, files) if args.recover > 0 else None
     rows: List[Dict[str, Any]] = []
     dense_ppl: Dict[str, float] = {}
 
@@ -433,8 +477,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "lr": args.recover_lr,
             "autocast": None if autocast is None else str(autocast).replace("torch.", ""),
             "windows_per_step": RECOVER_WINDOWS_PER_STEP,
-            "text": "windows alternating calibration prose and the calibration modules' Python source, "
-            "disjoint from both held-out domains",
+            "text": "each calibration-prose window followed by code_ratio windows of Python source (the "
+            "calibration modules', then other standard-library modules'), disjoint from both held-out domains",
+            "code_ratio": args.recover_code_ratio,
             "train_windows": 0 if train is None else int(train.shape[0]),
         },
         "target": {

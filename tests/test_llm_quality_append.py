@@ -63,7 +63,7 @@ def test_append_refuses_other_settings_and_another_recovery_budget(tmp_path):
         llm_quality._merge(out, bad)
     res = _res([_row("dense", "dense", "prose", 1.0)], [], seconds=0.0)  # no recovery in this run
     llm_quality._merge(out, res)
-    assert res["recovery"] == {"seconds": 1200.0, "patterns": ["unstructured"], "autocast": None}
+    assert res["recovery"] == {"seconds": 1200.0, "patterns": ["unstructured"], "autocast": None, "code_ratio": 1}
 
 
 def test_append_refuses_another_recovery_autocast(tmp_path):
@@ -83,3 +83,42 @@ def test_recovery_autocast_auto_follows_the_bf16_hardware(monkeypatch, flags, wa
     got = llm_quality.recover_autocast("auto")
     assert (None if got is None else str(got).replace("torch.", "")) == want
     assert llm_quality.recover_autocast("none") is None and llm_quality.recover_autocast("bfloat16") is torch.bfloat16
+
+
+def test_append_refuses_another_recovery_code_ratio(tmp_path):
+    out = tmp_path / "q.json"
+    out.write_text(json.dumps(_res([_row("sparsegpt+recover", "unstructured", "code", 1.2)], ["unstructured"])))
+    new = _res([_row("sparsegpt+recover", "unstructured", "prose", 1.1)], ["unstructured"])
+    new["recovery"]["code_ratio"] = 2
+    with pytest.raises(SystemExit, match="code windows per prose window"):
+        llm_quality._merge(out, new)
+    new["recovery"]["code_ratio"] = 1  # a file from before the option recovered with one
+    llm_quality._merge(out, new)
+
+
+class _Chars:
+    """A tokenizer of one token per character (what text_windows calls)."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+        import torch
+
+        class _Out:
+            input_ids = torch.tensor([[ord(c) % 5000 for c in text]])
+
+        return _Out()
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_recovery_windows_follow_each_prose_window_with_ratio_code_windows(ratio):
+    prose = ["P" * 63] * 40  # one window of 64 characters per sentence and its separator
+    held = llm_quality.code_files(max_chars=20000)
+    w = llm_quality.recovery_windows(_Chars(), prose, 64, ratio, held)
+    groups = w.view(-1, ratio + 1, 64)
+    assert groups.shape[0] == 40  # the calibration modules' source alone holds more than 40 windows
+    is_prose = (groups == ord("P")).float().mean(-1) > 0.9
+    assert is_prose[:, 0].all() and not is_prose[:, 1:].any()
+    code = {bytes(r.tolist()) for r in groups[:, 1:].reshape(-1, 64) if r.max() < 256}
+    held_text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in held)
+    assert not any(c.decode("latin-1") in held_text for c in code)  # nothing from the held-out code
+    with pytest.raises(ValueError, match="code_ratio"):
+        llm_quality.recovery_windows(_Chars(), prose, 64, 0, held)
