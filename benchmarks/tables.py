@@ -872,7 +872,15 @@ def llm_quality_section(d: Dict[str, Any]) -> str:
         for c in ("model", "method", "pattern", "sparsity", "domain", "perplexity", "ppl_ratio_vs_dense")
         if any(c in r for r in d.get("rows", []))
     ]
-    return _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + _quick_mark(d)
+    rec = d.get("recovery") or {}
+    head = ""
+    if rec.get("patterns"):
+        head = (
+            f"sparsegpt+recover: {rec.get('seconds')} s of distillation from the dense model, "
+            f"AdamW lr {rec.get('lr')}, autocast {rec.get('autocast')}, {rec.get('code_ratio', 1)} Python-source "
+            "window(s) per prose window in the recovery text.\n\n"
+        )
+    return head + _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + _quick_mark(d)
 
 
 RECOVER_COLS = [
