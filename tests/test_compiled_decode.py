@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparsa
-from sparsa.models.causal_lm import kv_cache_kwargs
+from sparsa.models.causal_lm import kv_cache_kwargs, tiny_llama
 from sparsa.models.compiled_decode import (
     compile_config,
     compile_decode_step,
@@ -18,18 +18,8 @@ from sparsa.sparsifiers import NM, Magnitude
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_llama(seed=0):
-    cfg = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(cfg).eval()
+def _tiny_llama():
+    return tiny_llama(intermediate=176, vocab=320, max_position_embeddings=128, tie_word_embeddings=False)
 
 
 def _bitmask(model, sparsifier):
