@@ -50,6 +50,7 @@ BENCHES = (
     ("quality", "Pruning quality", "python benchmarks/quality.py"),
     ("pareto", "Quality against speed: the MiniLM frontier", "python benchmarks/pareto.py"),
     ("recover", "Recovery to high sparsity on MiniLM", "python benchmarks/recover.py"),
+    ("prune_defaults", "`sparsa prune` defaults against the frontier", "python benchmarks/prune_defaults.py"),
     ("allocation", "Per-layer sparsity allocation on MiniLM", "python benchmarks/allocation.py"),
     ("dispatch_overhead", "Dispatch overhead", "python benchmarks/dispatch_overhead.py"),
     ("relu_compact_ops", "Ops on the relu_compact layout", "python benchmarks/relu_compact_ops.py"),
@@ -855,6 +856,21 @@ def sliced_ell_ab_section(d: Dict[str, Any]) -> str:
     return head + _md(d["rows"], cols) + _quick_mark(d)
 
 
+def prune_defaults_section(d: Dict[str, Any]) -> str:
+    """`sparsa prune` run with nothing but method, pattern and sparsity, against the frontier's figure."""
+    dom = ", ".join(f"{n} {k}" for k, n in (d.get("domains") or {}).items())
+    head = (
+        f"{d.get('model', 'MiniLM')}: `sparsa prune MODEL -o OUT --method M --pattern P --sparsity S` (every other "
+        f"setting its default), then the mean embedding cosine to the dense model on `{d.get('pareto')}`'s held-out "
+        f"text ({dom} sentences). pareto_cosine: the frontier's one-shot figure for the same method, pattern and "
+        f"sparsity; gap: that minus this run's; within_0_02: gap <= {d.get('tolerance')}; "
+        "pareto_recovered_cosine: the frontier's recovered figure (the CLI recovers only with `--recover`).\n\n"
+    )
+    cols = ["method", "pattern", "sparsity", "layout", "quality_cosine", "cosine_docstrings", "cosine_readme"]
+    cols += ["quality_top1", "pareto_cosine", "gap", "within_0_02", "pareto_recovered_cosine", "prune_s"]
+    return head + _md(d["rows"], cols) + _quick_mark(d)
+
+
 def allocation_section(d: Dict[str, Any]) -> str:
     """Uniform against non-uniform (OWL) per-layer sparsity at the same overall target."""
     head = (
@@ -987,6 +1003,7 @@ SECTIONS = {
     "pareto": pareto_section,
     "recover": recover_section,
     "allocation": allocation_section,
+    "prune_defaults": prune_defaults_section,
 }
 
 

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "for a causal LM with an unstructured or N:M pattern, bitmask where available; for an encoder "
         "with an unstructured pattern at --sparsity >= 0.5, sliced_ell)",
     )
-    pr.add_argument("--calib", type=_positive_int, default=64, help="calibration sentences (default 64)")
+    pr.add_argument("--calib", type=_positive_int, default=256, help="calibration sentences (default 256)")
     pr.add_argument(
         "--data",
         metavar="FILE|DIR",
