@@ -162,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
         "candidates tried; exits 1 without writing OUT if none reaches Q",
     )
     pr.add_argument(
+        "--min-speedup",
+        type=float,
+        default=None,
+        metavar="X",
+        help="with --target-quality: the chosen configuration must also run at least X times as fast as "
+        "the best dense path (e.g. 1.0: never slower than dense); if none does, exit 1 without writing OUT",
+    )
+    pr.add_argument(
         "--no-compile",
         action="store_true",
         help="with --target-quality: skip the torch.compile dense baseline (a faster search; speed-ups "
@@ -369,6 +377,8 @@ def _cmd_prune(a: argparse.Namespace) -> int:
         return _cmd_prune_target(a)
     if a.no_compile:
         raise UsageError("--no-compile only applies with --target-quality")
+    if a.min_speedup is not None:
+        raise UsageError("--min-speedup only applies with --target-quality")
     a.sparsity = 0.5 if a.sparsity is None else a.sparsity
     a.pattern = a.pattern or "unstructured"
     if a.layout is not None:
@@ -448,6 +458,10 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
             pattern_config(p, 0.5)
         except ValueError as e:
             raise UsageError(f"--pattern: {e}") from None
+    if a.min_speedup is not None and not 0.0 < a.min_speedup < float("inf"):
+        raise UsageError(
+            f"--min-speedup {a.min_speedup:g}: give a positive speed-up over the best dense path (e.g. 1.0)"
+        )
     if a.data is not None and not Path(a.data).exists():
         raise UsageError(f"--data {a.data!r} does not exist")
     if Path(a.out).exists() and not Path(a.out).is_dir():
@@ -465,6 +479,7 @@ def _cmd_prune_target(a: argparse.Namespace) -> int:
             use_compile=not a.no_compile,
             recover_seconds=a.recover,
             recover_autocast=torch.bfloat16 if a.recover_bf16 else None,
+            min_speedup=a.min_speedup,
         )
     except TargetNotReached as e:
         print(e.result.table())

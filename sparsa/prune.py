@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -519,6 +520,8 @@ class TargetQualityResult:
     n_calibration: int
     n_evaluation: int
     report: List[Dict[str, Any]] = field(default_factory=list)
+    #: the speed-up over the best dense path a winner also needs (None: any)
+    min_speedup: Optional[float] = None
 
     def table(self) -> str:
         """A plain-text table of the candidates (the chosen one marked ``<-``)."""
@@ -548,6 +551,16 @@ class TargetQualityResult:
         """One line: what was chosen and why (or that nothing reached the target)."""
         tried = [c for c in self.candidates if "skipped" not in c]
         ok = [c for c in tried if c["passes"]]
+        if self.chosen is None and ok and self.min_speedup is not None:
+            fastest = max(ok, key=lambda c: c["speedup_vs_best_dense"])
+            return (
+                f"no configuration reached cosine >= {self.target:g} at >= {self.min_speedup:g}x the best dense "
+                f"path ({self.best_dense}) with {self.method} ({len(ok)} of {len(tried)} tried reached the cosine; "
+                f"the fastest: {fastest['label']} at {fastest['sparsity']:.0%}, "
+                f"{fastest['speedup_vs_best_dense']:.2f}x): keep the model dense ({self.best_dense}), lower "
+                "--min-speedup or --target-quality"
+                + ("" if any(c.get("recovered") for c in tried) else ", or add --recover SECONDS")
+            )
         if self.chosen is None:
             best = max(tried, key=lambda c: c["quality_cosine"], default=None)
             return (
@@ -601,6 +614,7 @@ def search_target_quality(
     recover_seconds: float = 0.0,
     recover_candidates: int = 2,
     recover_autocast: Optional[torch.dtype] = None,
+    min_speedup: Optional[float] = None,
     log: Optional[Callable[[str], None]] = print,
 ) -> TargetQualityResult:
     """Prune the encoder in ``src`` into the fastest configuration whose held-out embedding quality
@@ -627,8 +641,12 @@ def search_target_quality(
     and is faster wins. The search then takes up to ``recover_candidates * recover_seconds`` more.
     ``recover_autocast``: as in :func:`prune_model_dir`.
 
+    ``min_speedup``: the winner must also run at least that many times as fast as the best dense path
+    (e.g. 1.0: never slower than dense); recovery then only tries configurations that fast.
+
     Raises :class:`TargetNotReached` (a ``ValueError``, with ``.result``) without writing ``out`` when
-    no candidate passes; ``ValueError`` for a bad argument or a causal LM (not supported yet).
+    no candidate passes (or none passes fast enough); ``ValueError`` for a bad argument or a causal LM
+    (not supported yet).
     """
     from . import sparsity_report
     from .data.text import calibration_and_evaluation, read_user_texts
@@ -647,6 +665,10 @@ def search_target_quality(
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if isinstance(recover_seconds, bool) or not isinstance(recover_seconds, (int, float)) or not recover_seconds >= 0:
         raise ValueError(f"--recover {recover_seconds!r}: give a number of seconds >= 0 (0: no recovery)")
+    if min_speedup is not None and (
+        isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not 0.0 < min_speedup < math.inf
+    ):
+        raise ValueError(f"--min-speedup {min_speedup!r}: give a positive speed-up over the best dense path (e.g. 1.0)")
     if isinstance(recover_candidates, bool) or not isinstance(recover_candidates, int) or recover_candidates < 1:
         raise ValueError(f"recover_candidates must be a positive int, got {recover_candidates!r}")
     srcp, outp = Path(src), Path(out)
@@ -745,8 +767,16 @@ def search_target_quality(
         from .prune_recovery import recover_pruned, recovery_start
 
         floor = best["row"]["speedup_vs_best_dense"] if best["row"] is not None else 0.0
+        fast = min_speedup or 0.0  # a recovered configuration below it could not win
         near_misses = sorted(
-            (c for c in candidates if "skipped" not in c and c["speedup_vs_best_dense"] > floor and not c["passes"]),
+            (
+                c
+                for c in candidates
+                if "skipped" not in c
+                and c["speedup_vs_best_dense"] > floor
+                and c["speedup_vs_best_dense"] >= fast
+                and not c["passes"]
+            ),
             key=lambda c: -c["quality_cosine"],
         )[:recover_candidates]
         for miss in near_misses:
@@ -792,17 +822,21 @@ def search_target_quality(
             candidates.append(row)
             del model
     candidates.sort(key=lambda c: (patterns.index(c["pattern"]), c["sparsity"]))
+    fast_enough = best["row"] is not None and (
+        min_speedup is None or best["row"]["speedup_vs_best_dense"] >= min_speedup
+    )
     result = TargetQualityResult(
         float(target_quality),
         method,
         candidates,
-        best["row"],
+        best["row"] if fast_enough else None,
         {k: round(v, 1) for k, v in baselines.ms.items()},
         baselines.best,
         len(cal_texts),
         len(eval_texts),
+        min_speedup=None if min_speedup is None else float(min_speedup),
     )
-    if best["row"] is None:
+    if not fast_enough:
         raise TargetNotReached(result)
     _write_out(outp, _writer(srcp, best["model"]))
     result.report = sparsity_report(best["model"])

@@ -187,6 +187,54 @@ def test_cli_unreachable_exits_1_without_out(tiny_dir, tmp_path, known, capsys):
     assert "no configuration reached" in err and err.count("\n") == 1 and "row_group4" in stdout
 
 
+def test_min_speedup_keeps_the_model_dense_when_no_passing_configuration_is_that_fast(tiny_dir, tmp_path, known):
+    # unstructured passes up to 0.35 at about 1.7x (made-up speeds): a 2x floor leaves nothing to write
+    out = tmp_path / "never"
+    with pytest.raises(TargetNotReached) as e:
+        _search(tiny_dir, out, 0.62, method="magnitude", patterns=["unstructured"], min_speedup=2.0)
+    res = e.value.result
+    assert not out.exists() and res.chosen is None and res.min_speedup == 2.0
+    assert any(c["passes"] for c in res.candidates)
+    msg = str(e.value)
+    assert "at >= 2x the best dense path" in msg and "keep the model dense" in msg and "sliced_ell at 35%" in msg
+
+
+def test_min_speedup_below_the_winner_changes_nothing(tiny_dir, tmp_path, known):
+    res = _search(tiny_dir, tmp_path / "o", 0.62, method="magnitude", patterns=["unstructured"], min_speedup=1.6)
+    assert (res.chosen["label"], res.chosen["sparsity"]) == ("sliced_ell", 0.35)
+    assert (tmp_path / "o").is_dir()
+
+
+def test_min_speedup_limits_recovery_to_configurations_that_fast(tiny_dir, data_file, tmp_path, recovery_adds):
+    # with a floor above every candidate's speed nothing is worth recovering
+    with pytest.raises(TargetNotReached):
+        _search(
+            tiny_dir,
+            tmp_path / "o",
+            0.62,
+            method="magnitude",
+            patterns=["unstructured"],
+            data=data_file,
+            recover_seconds=1.0,
+            min_speedup=50.0,
+        )
+    assert recovery_adds == []
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_bad_min_speedup(tiny_dir, tmp_path, bad):
+    with pytest.raises(ValueError, match="--min-speedup"):
+        search_target_quality(str(tiny_dir), str(tmp_path / "o"), 0.9, min_speedup=bad, log=None)
+
+
+def test_cli_min_speedup_exits_1_saying_keep_dense(tiny_dir, tmp_path, known, capsys):
+    out = tmp_path / "never"
+    args = ["prune", str(tiny_dir), "-o", str(out), "--target-quality", "0.62", "--pattern", "unstructured"]
+    rc, stdout, err = _main([*args, "--no-compile", "--min-speedup", "2"], capsys)
+    assert rc == 1 and not out.exists()
+    assert "keep the model dense" in err and err.count("\n") == 1 and "sliced_ell" in stdout
+
+
 @pytest.fixture
 def recovery_adds(monkeypatch, known):
     """On top of ``known``: a model that went through recovery scores 0.3 higher. The recovery itself
@@ -324,6 +372,10 @@ def test_search_rejects_causal_lms(tmp_path):
         (["--target-quality", "0.9", "--pattern", "nope"], "--pattern"),
         (["--target-quality", "0.9", "--data", "/no/such/file.txt"], "does not exist"),
         (["--no-compile"], "--no-compile only applies with --target-quality"),
+        (["--min-speedup", "1"], "--min-speedup only applies with --target-quality"),
+        (["--target-quality", "0.9", "--min-speedup", "0"], "--min-speedup 0: give a positive"),
+        (["--target-quality", "0.9", "--min-speedup", "-2"], "--min-speedup -2: give a positive"),
+        (["--target-quality", "0.9", "--min-speedup", "fast"], "--min-speedup"),
     ],
 )
 def test_bad_target_quality_arguments(tiny_dir, tmp_path, capsys, args, needle):
