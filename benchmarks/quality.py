@@ -11,8 +11,8 @@
 * ``digits``: scikit-learn digits, an MLP and a small CNN: dense vs gradual magnitude pruning
   (cubic schedule, from the trained dense model) to 90%, and RigL at 90% from scratch.
 
-Writes benchmarks/results/quality.json, or $SPARSA_RESULTS_DIR/quality.json when that is set
-(``--quick``: fewer sentences/steps/patterns, < 5 minutes).
+Writes ``benchmarks/results/<cpu class>/quality.json`` (``$SPARSA_RESULTS_DIR`` redirects it), with the
+CPU under ``cpu`` (``--quick``: fewer sentences/steps/patterns, < 5 minutes).
 
     flock /tmp/sparsa-bench.lock python benchmarks/quality.py [--quick]
 """
@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -33,12 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import sparsa
-from sparsa.methods import GradualPruning, RigL, SparseGPT, Wanda, distill, erk_sparsities, named_pattern
-from sparsa.sparsifiers import CubicSchedule, KeepAll, Random
-
-# SPARSA_RESULTS_DIR redirects the output (so a timing run or a test keeps the committed results intact)
-OUT = Path(os.environ.get("SPARSA_RESULTS_DIR", Path(__file__).parent / "results")) / "quality.json"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sparsa  # noqa: E402
+import sparsa.cpu  # noqa: E402
+from _results import results_dir  # noqa: E402
+from sparsa.methods import GradualPruning, RigL, SparseGPT, Wanda, distill, erk_sparsities, named_pattern  # noqa: E402
+from sparsa.sparsifiers import CubicSchedule, KeepAll, Random  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- MiniLM
@@ -246,7 +246,8 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    old = json.loads(OUT.read_text()) if OUT.exists() and args.only else {}
+    out = results_dir() / "quality.json"
+    old = json.loads(out.read_text()) if out.exists() and args.only else {}
     t0 = time.perf_counter()
     result = {
         "meta": {
@@ -256,13 +257,14 @@ def main() -> None:
             "machine": platform.machine(),
             "sparsa": sparsa.__version__,
         },
+        "cpu": sparsa.cpu.cpu_info(),
         "minilm": minilm_rows(args.quick) if args.only in (None, "minilm") else old.get("minilm", []),
         "digits": digits_rows(args.quick) if args.only in (None, "digits") else old.get("digits", []),
     }
     result["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {OUT} in {result['meta']['seconds']} s")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out} in {result['meta']['seconds']} s")
 
 
 if __name__ == "__main__":
