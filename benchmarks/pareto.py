@@ -99,6 +99,8 @@ DOMAINS = ("docstrings", "readme")
 #: AdamW learning rate of the recoveries (benchmarks/recover.py: 1e-3 recovered most at 75%)
 RECOVER_LR = 1e-3
 SPARSITIES = (0.5, 0.6, 0.7, 0.8, 0.9)
+#: stdlib-docstring sentences taken for distillation (full run, --quick); the held-out part starts after them
+N_DISTILL = {False: 2048, True: 256}
 QUICK = {
     "patterns": ("unstructured", "2:4", "row_group16"),
     "sparsities": (0.5, 0.7, 0.9),
@@ -459,7 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from sparsa.models.minilm import load_minilm
 
     dense, tok = load_minilm()
-    calib, distill_text, held = texts(n_calib, n_eval, 256 if q else 2048)
+    calib, distill_text, held = texts(n_calib, n_eval, N_DISTILL[q])
     calibration = _batches(tok, calib, 32)
     g = torch.Generator().manual_seed(0)
     distill_batches = _batches(tok, distill_text, 16, max_length=48)

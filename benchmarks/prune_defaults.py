@@ -12,7 +12,7 @@ Each row carries the frontier's one-shot figure for the same method, pattern and
 where the frontier has one (``pareto_recovered_cosine``: `sparsa prune` recovers only when asked,
 ``--recover SECONDS``, so that row is not what its defaults give).
 
-    flock /tmp/sparsa-bench.lock python benchmarks/prune_defaults.py          # ~10 minutes on 2 cores
+    flock /tmp/sparsa-bench.lock python benchmarks/prune_defaults.py          # ~80 s on 2 cores
     python benchmarks/prune_defaults.py --quick                               # sparsegpt, 2 patterns
 
 Writes ``benchmarks/results/<cpu class>/prune_defaults.json`` (``$SPARSA_RESULTS_DIR`` or ``--out``).
@@ -62,11 +62,10 @@ def parse_spec(spec: str) -> Tuple[str, Optional[float]]:
 
 def held_out_texts(pareto: Dict[str, Any]) -> Dict[str, List[str]]:
     """The held-out sentences of each domain that ``pareto`` (a loaded pareto.json) evaluated on."""
-    from pareto import texts
+    from pareto import N_DISTILL, texts
 
     n_eval = pareto["domains"]["docstrings"]
-    n_distill = 256 if pareto.get("quick") else 2048  # pareto.py's split, by which the held-out part starts
-    held = texts(pareto["calibration_sentences"], n_eval, n_distill)[2]
+    held = texts(pareto["calibration_sentences"], n_eval, N_DISTILL[bool(pareto.get("quick"))])[2]
     if {d: len(t) for d, t in held.items()} != pareto["domains"]:
         raise SystemExit(f"held-out text differs from the pareto run's {pareto['domains']}: re-run pareto.py first")
     return held
@@ -142,6 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 secs = prune_with_cli(model_dir(), out, method, pattern, sparsity)
                 q = embedding_quality(load_pruned(str(out)), tok, held, ref)
             front = pareto_figure(pareto["rows"], method, cfg.label, cfg.sparsity, False)
+            gap = None if front is None else front - q["quality_cosine"]
             row = {
                 "method": method,
                 "pattern": pattern,
@@ -150,8 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "prune_s": round(secs, 1),
                 **q,
                 "pareto_cosine": front,
-                "gap": None if front is None else round(front - q["quality_cosine"], 4),
-                "within_0_02": None if front is None else bool(front - q["quality_cosine"] <= TOLERANCE),
+                "gap": None if gap is None else round(gap, 4),
+                "within_0_02": None if gap is None else gap <= TOLERANCE,
                 "pareto_recovered_cosine": pareto_figure(pareto["rows"], method, cfg.label, cfg.sparsity, True),
             }
             rows.append(row)
