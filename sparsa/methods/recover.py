@@ -23,7 +23,9 @@ Patterns (the strings of ``sparsa prune --pattern``): ``"unstructured"`` (per ou
 ``layout="grouped_nm"`` stores it as grouped N:M), ``"grouped_N:M"`` (e.g. ``"grouped_2:4"``) and
 ``"row_group<G>"`` (``"row_group16"``...). While the sparsity grows, a fixed-density pattern (N:M)
 is approached by keeping its survivors plus the largest other weights (so the pattern is met
-exactly at the end); the weights train in the ``"masked"`` layout and move to their layout at the end.
+exactly at the end); the weights train in the ``"masked"`` layout, as plain Parameters on its values
+(:class:`~sparsa.methods.plain_masked.PlainMaskedWeights`: PyTorch's own forward and autocast, a fused
+AdamW), and move to their layout at the end.
 
 >>> import copy, torch, torch.nn as nn
 >>> _ = torch.manual_seed(0)
@@ -57,6 +59,7 @@ from .allocation import check_allocation, owl_sparsities
 from .distill import distillation_loss
 from .gradual import GradualPruning
 from .pattern import set_pattern
+from .plain_masked import PlainMaskedWeights
 
 __all__ = ["recover", "RecoverReport", "pattern_sparsifier", "INITS", "PRUNE_FRACTION"]
 
@@ -326,6 +329,14 @@ def _one_shot(
     )
 
 
+def _adamw(params: List[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW without weight decay, fused (one kernel over all tensors) where PyTorch supports it."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):  # e.g. a device or dtype without the fused kernel
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
 # ----------------------------------------------------------------------------- the pipeline
 def recover(
     model: nn.Module,
@@ -523,8 +534,10 @@ def recover(
         )
         for n in names
     ]
+    # plain Parameters on the masked values: PyTorch's own forward, autocast and fused optimizer paths
+    plain = PlainMaskedWeights(model, names)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params) if optimizer is not None else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    opt = optimizer(params) if optimizer is not None else _adamw(params, lr)
     base_lrs = [g["lr"] for g in opt.param_groups]
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     teacher.eval()
@@ -558,6 +571,8 @@ def recover(
                 sched_step = min(end_step, step)
             t_event = time.perf_counter()
             changed = [p.step(sched_step) for p in pruners]
+            for i in (i for i, c in enumerate(changed) if c):
+                plain.pattern_changed(i, opt)
             if any(changed) or applied < 0:
                 applied = sum(sizes[n] * p.applied for n, p in zip(names, pruners)) / sum(sizes.values())
             if clock and step == 0:
@@ -597,11 +612,15 @@ def recover(
                 value = loss([t.float() for t in outs], target_out)
             opt.zero_grad(set_to_none=True)
             value.backward()
+            plain.mask_grads()
             opt.step()
+            if optimizer is not None:  # a user's optimizer need not keep zeros at zero
+                plain.mask_weights()
             losses.append(value.item())
             step += 1
             bar.update(time.perf_counter() - t_start if clock else step, step, losses[-1], applied)
     finally:
+        plain.restore()
         _remove_hooks(norms)
         bar.close()
         model.train(was_training)
