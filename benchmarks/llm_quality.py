@@ -59,7 +59,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import sparsa  # noqa: E402
 import sparsa.cpu  # noqa: E402
 from _results import results_dir  # noqa: E402
-from sparsa.data.text import MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
+from sparsa.data.text import EXTRA_MODULES, MODULES, calibration_and_evaluation, stdlib_sentences  # noqa: E402
 from sparsa.methods import SparseGPT, Wanda, logit_distillation_loss, named_pattern, recover  # noqa: E402
 from sparsa.methods.perplexity import text_windows, window_perplexity  # noqa: E402
 from sparsa.sparsifiers import Magnitude  # noqa: E402
@@ -75,13 +75,16 @@ HELD_OUT_SENTENCES = 600
 RECOVER_SECONDS, RECOVER_WINDOWS_PER_STEP, RECOVER_LR = 1200.0, 2, 1e-4
 #: recovery text: Python-source windows per prose window (2 beat 1 on both held-out domains on intel-amx)
 RECOVER_CODE_RATIO = 2
+RECOVER_TEXTS = ("calibration", "wide")
+RECOVER_TEXT = "calibration"
 
 
 def code_files(max_chars: int) -> List[Path]:
-    """Standard-library ``.py`` files, in name order, whose modules' docstrings are not in the
-    calibration pool (``sparsa.data.text.MODULES``), until ``max_chars`` characters."""
+    """Standard-library ``.py`` files, in name order, whose modules' docstrings are neither in the
+    calibration pool (``sparsa.data.text.MODULES``) nor in the wide recovery text (``EXTRA_MODULES``),
+    until ``max_chars`` characters."""
     lib = Path(sysconfig.get_paths()["stdlib"])
-    skip = {m.split(".")[0] for m in MODULES} | {"this", "antigravity"}
+    skip = {m.split(".")[0] for m in MODULES + EXTRA_MODULES} | {"this", "antigravity"}
     out, chars = [], 0
     for f in sorted(lib.glob("*.py")):
         if f.stem.startswith("_") or f.stem in skip:
@@ -164,6 +167,21 @@ def recovery_windows(
         c = torch.cat([c, more])
     n = min(p.shape[0], c.shape[0] // code_ratio)
     return torch.stack([w for i in range(n) for w in (p[i], *c[i * code_ratio : (i + 1) * code_ratio])])
+
+
+def recovery_prose(calib_text: Sequence[str], kind: str, held_out: Sequence[Path] = ()) -> List[str]:
+    """The prose of the recovery text: the calibration sentences, and for ``kind="wide"`` also the
+    docstring sentences of other standard-library modules (none in the calibration pool, hence none held
+    out) and the Python language reference / IDLE notes, less any sentence found in the held-out code
+    files ``held_out`` (:func:`code_files` already skips the modules of both docstring sets)."""
+    if kind not in RECOVER_TEXTS:
+        raise ValueError(f"kind must be one of {RECOVER_TEXTS}, got {kind!r}")
+    if kind == "calibration":
+        return list(calib_text)
+    from sparsa.data.text import extra_stdlib_sentences, python_docs_sentences
+
+    code = "".join(f.read_text(encoding="utf-8", errors="replace") for f in held_out)
+    return list(calib_text) + [s for s in extra_stdlib_sentences() + python_docs_sentences() if s not in code]
 
 
 def _logits(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -310,6 +328,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "above 1 the source comes from more standard-library modules too, disjoint from the held-out code)",
     )
     ap.add_argument(
+        "--recover-text",
+        choices=RECOVER_TEXTS,
+        default=RECOVER_TEXT,
+        help="the recovery text's prose: the calibration sentences (calibration), or those plus the docstring "
+        "sentences of other standard-library modules and the Python language reference (wide; neither "
+        f"held-out domain's text); default {RECOVER_TEXT}",
+    )
+    ap.add_argument(
         "--recover-autocast",
         choices=("auto", "none", "bfloat16"),
         default="auto",
@@ -388,7 +414,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     runs = [("dense", None), ("magnitude", "unstructured")]
     runs += [(m, p) for p in patterns for m in methods]
-    train = recovery_windows(tok, calib_text, seq_len, args.recover_code_ratio, files) if args.recover > 0 else None
+    train = (
+        recovery_windows(
+            tok, recovery_prose(calib_text, args.recover_text, files), seq_len, args.recover_code_ratio, files
+        )
+        if args.recover > 0
+        else None
+    )
     rows: List[Dict[str, Any]] = []
     dense_ppl: Dict[str, float] = {}
 
@@ -482,6 +514,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "text": "each calibration-prose window followed by code_ratio windows of Python source (the "
             "calibration modules', then other standard-library modules'), disjoint from both held-out domains",
             "code_ratio": args.recover_code_ratio,
+            "prose": args.recover_text,
             "train_windows": 0 if train is None else int(train.shape[0]),
         },
         "target": {

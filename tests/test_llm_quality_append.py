@@ -122,3 +122,21 @@ def test_recovery_windows_follow_each_prose_window_with_ratio_code_windows(ratio
     assert not any(c.decode("latin-1") in held_text for c in code)  # nothing from the held-out code
     with pytest.raises(ValueError, match="code_ratio"):
         llm_quality.recovery_windows(_Chars(), prose, 64, 0, held)
+
+
+def test_wide_recovery_prose_adds_text_of_neither_held_out_domain():
+    from sparsa.data.text import calibration_and_evaluation, stdlib_sentences
+
+    pool = stdlib_sentences()
+    calib, held_prose = calibration_and_evaluation(len(pool) - llm_quality.HELD_OUT_SENTENCES, 50)
+    assert llm_quality.recovery_prose(calib, "calibration") == list(calib)
+    held = llm_quality.code_files(20000)
+    wide = llm_quality.recovery_prose(calib, "wide", held)
+    assert wide[: len(calib)] == list(calib) and len(wide) > 2 * len(calib)
+    assert not set(wide) & set(held_prose)
+    held_code = "".join(f.read_text(encoding="utf-8", errors="replace") for f in held)
+    assert not any(s in held_code for s in wide[len(calib) :])  # not a sentence of the held-out code
+    # without the held-out files, a sentence that the held-out code also holds comes through
+    assert any(s in held_code for s in llm_quality.recovery_prose(calib, "wide")[len(calib) :])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        llm_quality.recovery_prose(calib, "all")
