@@ -76,7 +76,7 @@ RECOVER_SECONDS, RECOVER_WINDOWS_PER_STEP, RECOVER_LR = 1200.0, 2, 1e-4
 #: recovery text: Python-source windows per prose window (2 beat 1 on both held-out domains on intel-amx)
 RECOVER_CODE_RATIO = 2
 RECOVER_TEXTS = ("calibration", "wide")
-RECOVER_TEXT = "calibration"
+RECOVER_TEXT = "wide"
 
 
 def code_files(max_chars: int) -> List[Path]:
@@ -511,8 +511,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "lr": args.recover_lr,
             "autocast": None if autocast is None else str(autocast).replace("torch.", ""),
             "windows_per_step": RECOVER_WINDOWS_PER_STEP,
-            "text": "each calibration-prose window followed by code_ratio windows of Python source (the "
-            "calibration modules', then other standard-library modules'), disjoint from both held-out domains",
+            "text": "each prose window followed by code_ratio windows of Python source (the calibration "
+            "modules', then other standard-library modules'), disjoint from both held-out domains; prose: the "
+            "calibration sentences (calibration), or those plus other standard-library modules' docstrings and "
+            "the Python language reference (wide)",
             "code_ratio": args.recover_code_ratio,
             "prose": args.recover_text,
             "train_windows": 0 if train is None else int(train.shape[0]),

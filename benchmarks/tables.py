@@ -894,8 +894,17 @@ def llm_quality_section(d: Dict[str, Any]) -> str:
         head = (
             f"sparsegpt+recover: {rec.get('seconds')} s of distillation from the dense model, "
             f"AdamW lr {rec.get('lr')}, autocast {rec.get('autocast')}, {rec.get('code_ratio', 1)} Python-source "
-            "window(s) per prose window in the recovery text.\n\n"
+            "window(s) per prose window in the recovery text"
+            + (
+                ", the prose the calibration sentences plus other standard-library docstrings and the Python docs"
+                if rec.get("prose") == "wide"
+                else ""
+            )
+            + (f", {rec['train_windows']} windows in all" if rec.get("train_windows") else "")
+            + ".\n\n"
         )
+    steps = {r.get("recover_steps") for r in d.get("rows", []) if r.get("recover_steps")}
+    cols += ["recover_steps"] if steps else []
     return head + _md(d.get("rows", []), cols, {"perplexity": ".2f", "ppl_ratio_vs_dense": ".3f"}) + _quick_mark(d)
 
 
