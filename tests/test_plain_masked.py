@@ -84,9 +84,11 @@ def test_pattern_changed_takes_the_new_mask_and_resets_the_optimizer_state():
     old = sparse.sparse_layout.mask().clone()
     new = old & (torch.rand(old.shape) > 0.5)  # a pruner removing about half the survivors
     set_pattern(sparse, new)
-    plain.pattern_changed(0, opt)
+    plain.pattern_changed(sparse, opt)
     w = model.get_submodule("0").weight
     assert bool((w[~new] == 0).all()) and bool((w[new] != 0).all())
+    with pytest.raises(ValueError, match="not one of"):
+        plain.pattern_changed(nn.Parameter(sparsa.to_sparse(torch.ones(2, 2), "masked")), opt)
     for state in ("exp_avg", "exp_avg_sq"):
         assert bool((opt.state[w][state][old & ~new] == 0).all())
     # the layout reads the plain parameter's storage: a later step is what the pruners rank
@@ -111,3 +113,14 @@ def test_rejects_weights_that_are_not_masked(layout):
         model[0].weight = nn.Parameter(sparsa.to_sparse(model[0].weight.detach(), layout))
     with pytest.raises(ValueError, match=r"0\.weight must be a 'masked' SparseTensor"):
         PlainMaskedWeights(model, ["0"])
+
+
+def test_a_tied_weight_stays_tied():
+    model = _masked_mlp()
+    extra = nn.Linear(24, 32)
+    extra.weight = model[0].weight  # the same sparse parameter in two modules
+    holder = nn.ModuleDict({"mlp": model, "extra": extra})
+    plain = PlainMaskedWeights(holder, ["mlp.0", "extra", "mlp.2"])
+    assert len(plain.entries) == 2 and holder["extra"].weight is model[0].weight
+    plain.restore()
+    assert holder["extra"].weight is model[0].weight and model[0].weight is plain.sparse_params[0]

@@ -44,23 +44,29 @@ __all__ = ["PlainMaskedWeights"]
 
 
 class _Entry:
-    __slots__ = ("module", "sparse", "plain", "keep")
+    __slots__ = ("modules", "sparse", "plain", "keep")
 
     def __init__(self, module: nn.Module, sparse: SparseTensor, plain: nn.Parameter, mask: torch.Tensor):
-        self.module, self.sparse, self.plain = module, sparse, plain
+        self.modules, self.sparse, self.plain = [module], sparse, plain
         # the bool mask's bytes as 0/1: a multiply by it is several times faster than masked_fill_
         self.keep = mask.contiguous().view(torch.uint8)
 
 
 class PlainMaskedWeights:
     """The ``weight`` of each module of ``model`` named in ``names`` (a ``masked`` SparseTensor
-    parameter) replaced by a plain Parameter sharing its values; see the module docstring."""
+    parameter) replaced by a plain Parameter sharing its values (one per weight: a tied weight stays
+    tied); see the module docstring. ``entries`` are in the order of ``names``' first occurrences."""
 
     def __init__(self, model: nn.Module, names: Sequence[str]):
         self.entries: List[_Entry] = []
+        seen = {}
         for n in names:
             m = model.get_submodule(n)
             w = m.weight
+            if id(w) in seen:  # a weight tied between modules stays tied
+                seen[id(w)].modules.append(m)
+                m.weight = seen[id(w)].plain
+                continue
             if not isinstance(w, SparseTensor) or not isinstance(w.sparse_layout, Masked):
                 got = w.layout_name if isinstance(w, SparseTensor) else type(w).__name__
                 raise ValueError(f"{n or 'the model'}.weight must be a 'masked' SparseTensor parameter, got {got}")
@@ -68,8 +74,10 @@ class PlainMaskedWeights:
             plain = nn.Parameter(lay.values.detach(), requires_grad=w.requires_grad)
             # the layout reads the trained values without a copy (the pruners rank them)
             w._layout = Masked(plain.data, lay.mask(), validate=False)
-            self.entries.append(_Entry(m, w, plain, lay.mask()))
+            seen[id(w)] = _Entry(m, w, plain, lay.mask())
+            self.entries.append(seen[id(w)])
             m.weight = plain
+        self._by_id = seen
         self._restored = False
 
     @property
@@ -88,9 +96,11 @@ class PlainMaskedWeights:
             e.plain.mul_(e.keep)
 
     @torch.no_grad()
-    def pattern_changed(self, index: int, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """Entry ``index``'s sparse parameter holds a new pattern: take its values and mask."""
-        e = self.entries[index]
+    def pattern_changed(self, sparse: SparseTensor, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """``sparse`` (one of :attr:`sparse_params`) holds a new pattern: take its values and mask."""
+        e = self._by_id.get(id(sparse))
+        if e is None:
+            raise ValueError("sparse is not one of this PlainMaskedWeights' sparse_params")
         lay = e.sparse.sparse_layout
         e.plain.data.copy_(lay.to_dense())
         e.sparse._layout = Masked(e.plain.data, lay.mask(), validate=False)
@@ -102,5 +112,6 @@ class PlainMaskedWeights:
         if self._restored:
             return
         for e in self.entries:
-            e.module.weight = e.sparse
+            for m in e.modules:
+                m.weight = e.sparse
         self._restored = True

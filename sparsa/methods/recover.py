@@ -571,8 +571,9 @@ def recover(
                 sched_step = min(end_step, step)
             t_event = time.perf_counter()
             changed = [p.step(sched_step) for p in pruners]
-            for i in (i for i, c in enumerate(changed) if c):
-                plain.pattern_changed(i, opt)
+            for pruner in (p for p, c in zip(pruners, changed) if c):
+                for w in pruner.params:
+                    plain.pattern_changed(w, opt)
             if any(changed) or applied < 0:
                 applied = sum(sizes[n] * p.applied for n, p in zip(names, pruners)) / sum(sizes.values())
             if clock and step == 0:
