@@ -124,3 +124,24 @@ def test_a_tied_weight_stays_tied():
     assert len(plain.entries) == 2 and holder["extra"].weight is model[0].weight
     plain.restore()
     assert holder["extra"].weight is model[0].weight and model[0].weight is plain.sparse_params[0]
+
+
+def test_recover_puts_the_sparse_weights_back_when_the_optimizer_factory_fails():
+    model = _masked_mlp()
+    teacher = copy.deepcopy(model)
+
+    def broken(params):
+        raise RuntimeError("no optimizer")
+
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        sparsa.recover(
+            model,
+            teacher,
+            [torch.randn(4, 24)],
+            target_sparsity=0.5,
+            steps=1,
+            names=NAMES,
+            optimizer=broken,
+            progress=False,
+        )
+    assert all(model.get_submodule(n).weight.layout_name == "masked" for n in NAMES)

@@ -78,7 +78,6 @@ class PlainMaskedWeights:
             self.entries.append(seen[id(w)])
             m.weight = plain
         self._by_id = seen
-        self._restored = False
 
     @property
     def sparse_params(self) -> List[SparseTensor]:
@@ -109,9 +108,6 @@ class PlainMaskedWeights:
 
     def restore(self) -> None:
         """Put the sparse parameters back in their modules (idempotent)."""
-        if self._restored:
-            return
         for e in self.entries:
             for m in e.modules:
                 m.weight = e.sparse
-        self._restored = True

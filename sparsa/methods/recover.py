@@ -537,7 +537,11 @@ def recover(
     # plain Parameters on the masked values: PyTorch's own forward, autocast and fused optimizer paths
     plain = PlainMaskedWeights(model, names)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = optimizer(params) if optimizer is not None else _adamw(params, lr)
+    try:
+        opt = optimizer(params) if optimizer is not None else _adamw(params, lr)
+    except BaseException:  # a failing optimizer factory must not leave the plain Parameters behind
+        plain.restore()
+        raise
     base_lrs = [g["lr"] for g in opt.param_groups]
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     teacher.eval()
