@@ -9,7 +9,7 @@ stdlib-docstring sentences (``recovered_cosine``) and README prose of the instal
 sentences of the docstring pool (disjoint from its held-out part; the first 64 also calibrate the
 one-shot start) plus ``--n-extra`` docstring sentences of other stdlib modules
 (``sparsa.data.text.extra_stdlib_sentences``) and ``--n-prose`` sentences of a third domain, the
-Python language reference and IDLE's notes (``python_docs_sentences``). Distillation matches the
+Python language reference and IDLE's notes (``python_docs_sentences``, all of them by default). Distillation matches the
 sentence embedding and every layer's hidden states (AdamW, ``--lr`` 1e-3, the student's dropout
 ``--dropout`` 0, batches of 16 sentences of at most 48 tokens, embeddings frozen).
 
@@ -105,9 +105,9 @@ def main() -> None:
     ap.add_argument(
         "--n-prose",
         type=int,
-        default=0,
+        default=-1,
         help="sentences of python_docs_sentences() (the language reference, IDLE's notes) added to the "
-        "distillation text (-1: all)",
+        "distillation text (default -1: all, as sparsa prune --recover; 0: none)",
     )
     ap.add_argument(
         "--n-general",

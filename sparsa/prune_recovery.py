@@ -14,9 +14,11 @@ distils (:func:`recovery_start`): at the same budget that kept more than startin
 ``sparsa prune`` does so for encoders, where it was measured (MiniLM); causal LMs start at the target.
 The gradual phase ranks weights as :data:`GRADUAL_PRUNE_BY` says for the pattern.
 
-The text is the user's ``--data`` (every line) or, by default, the built-in offline docstring
-sentences (:func:`~sparsa.data.text.stdlib_sentences` and
-:func:`~sparsa.data.text.extra_stdlib_sentences`). The input embeddings (and a head tied to them)
+The text is the user's ``--data`` (every line) or, by default, the built-in offline sentences: the
+standard library's docstrings (:func:`~sparsa.data.text.stdlib_sentences` and
+:func:`~sparsa.data.text.extra_stdlib_sentences`) and the prose of the Python language reference and
+IDLE's notes (:func:`~sparsa.data.text.python_docs_sentences`, which lifted MiniLM's cosine on README
+prose, a domain never distilled on; ``benchmarks/recover.py --n-prose``). The input embeddings (and a head tied to them)
 stay frozen. The learning rates are the ones the benchmarks measured (:data:`RECOVER_LR`).
 """
 
@@ -63,11 +65,11 @@ _MAX_TOKENS = 128
 
 def distillation_texts(data: Optional[Union[str, os.PathLike]]) -> List[str]:
     """Every line of ``data`` (a text file or a directory of ``*.txt``), or the built-in sentences."""
-    from .data.text import extra_stdlib_sentences, read_user_texts, stdlib_sentences
+    from .data.text import extra_stdlib_sentences, python_docs_sentences, read_user_texts, stdlib_sentences
 
     if data is not None:
         return read_user_texts(data, sys.maxsize)
-    return stdlib_sentences() + extra_stdlib_sentences()
+    return stdlib_sentences() + extra_stdlib_sentences() + python_docs_sentences()
 
 
 def recovery_start(pattern: str, sparsity: float, seconds: float) -> float:

@@ -48,6 +48,18 @@ def test_python_docs_text_is_a_third_domain():
     assert all(40 <= len(s) <= 200 and s[0].isupper() and "::=" not in s for s in prose)
 
 
+def test_built_in_recovery_text_has_the_prose_and_never_the_readme_domain(tmp_path):
+    """sparsa prune --recover's default text: both docstring sets and the Python docs' prose, none of the
+    README prose that benchmarks/recover.py holds out as the domain never distilled on."""
+    from sparsa.prune_recovery import distillation_texts
+
+    texts = distillation_texts(None)
+    assert set(python_docs_sentences()) <= set(texts) and set(extra_stdlib_sentences()) <= set(texts)
+    assert set(stdlib_sentences()) <= set(texts) and set(texts).isdisjoint(readme_sentences())
+    (tmp_path / "mine.txt").write_text("My own first line of text.\nMy own second line of text.\n")
+    assert distillation_texts(tmp_path / "mine.txt") == ["My own first line of text.", "My own second line of text."]
+
+
 def test_an_extra_install_leaves_the_readme_domain_alone(tmp_path, monkeypatch):
     """A distribution outside README_DISTRIBUTIONS (an optional install, e.g. `make llm-model`) must
     not change the held-out README text; with distributions=None it is read."""
